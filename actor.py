@@ -2840,16 +2840,775 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
-# [sandbox] compile_code / run_code / compile_expression
+# One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2 (expression)
+# built-in table. A restricted __builtins__ dict alone is escapable in many published ways, so four
+# layers hold it, and the first two run once, at load time:
+#   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that leads
+#      to frames, code or tracebacks, no str.format, no imports but json, no class/global/nonlocal/yield/
+#      async/with/decorators, no use of a prohibited facility's name -> ConfigurationError.
+#   2. AST rewrite: + * ** << % and the string methods that pad or repeat go through size guards; a bare
+#      `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass through.
+#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
+#   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
+#      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
+# Limits hold in unsafe mode too: unsafe mode enables inline code, it does not hand the code the host.
+# The hot path (run_code, ExprUnit.__call__) never parses or compiles.
+import ast         # noqa: E402  (TODO foundation: hoist to the stdlib imports at the top)
+import functools   # noqa: E402
+import operator    # noqa: E402
+
+SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
+SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
+SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MEMORY_HEADROOM = 1 << 30  # bytes of address space one run may add (POSIX backstop)
+CODE_FILENAME = "<inline code>"
+EXPRESSION_FILENAME = "<inline expression>"
+SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
+
+
+class SandboxAbort(BaseException):
+    """A limit or a run-time refusal inside the sandbox. BaseException, and bare `except:` is
+    rewritten to `except Exception:`, so sandboxed code can never catch it."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Rejected(Exception):
+    """A construct refused by the AST check: (line inside the code body, what)."""
+
+    def __init__(self, line, what):
+        super().__init__(what)
+        self.line, self.what = line, what
+
+
+def _bound_names(tree):
+    """Every name the code binds itself (assignment, def, parameter, import alias, except, match)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound.add(node.rest)
+    return bound
+
+
+def _is_dunder(name):
+    return name.startswith("__")
+
+
+def _attribute_refusal(attr):
+    """Why an attribute name is refused (None when it is fine). Names arrive NFKC-normalised."""
+    if attr.startswith("_"):
+        return f"access to the private or special attribute '{attr}'"
+    if attr in SANDBOX_FORBIDDEN_ATTRIBUTES or attr.startswith(SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES):
+        return f"access to the attribute '{attr}'"
+    return None
+
+
+def _construct_refusal(node, kind, prohibited):
+    """§13.2.3: why one AST node is refused in a sandbox of `kind` ("code" or "expression")."""
+    match node:
+        case ast.Import(names=names):
+            bad = [a.name for a in names if a.name != "json"]
+            return f"import of '{bad[0]}' (only json may be imported)" if bad else None
+        case ast.ImportFrom(module=module, level=level, names=names):
+            if module != "json" or level:
+                return f"import from '{'.' * level}{module or ''}' (only json may be imported)"
+            bad = [a.name for a in names if a.name not in ("loads", "dumps", "JSONDecodeError")]
+            return f"import of 'json.{bad[0]}'" if bad else None
+        case ast.ClassDef():
+            return "a class definition (class creation hooks lead out of the sandbox)"
+        case ast.Global() | ast.Nonlocal():
+            return "a global or nonlocal statement"
+        case ast.Yield() | ast.YieldFrom():
+            return "a generator function (yield)"
+        case ast.AsyncFunctionDef() | ast.Await() | ast.AsyncFor() | ast.AsyncWith():
+            return "asynchronous code"
+        case ast.With():
+            return "a with statement"
+        case ast.FunctionDef(decorator_list=decorators) if decorators:
+            return "a decorator"
+        case ast.FunctionDef(name=name) if _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.Name(id=name) if _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
+            return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Attribute(attr=attr):
+            return _attribute_refusal(attr)
+        case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
+                | ast.MatchAs(name=name) | ast.MatchStar(name=name) if name and _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.MatchClass(kwd_attrs=attrs):
+            return next(filter(None, map(_attribute_refusal, attrs)), None)
+        case ast.MatchMapping(rest=rest) if rest and _is_dunder(rest):
+            return f"the special name '{rest}'"
+        case ast.keyword(arg=name) if name and _is_dunder(name):
+            return f"the special keyword '{name}'"
+    return None
+
+
+def _check_tree(tree, kind, table):
+    """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
+    prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
+                  for name in names if name not in table}
+    for name in prohibited.keys() & _bound_names(tree):
+        del prohibited[name]   # a variable the code binds itself (`id = 3`) is not the facility
+    for node in ast.walk(tree):
+        reason = _construct_refusal(node, kind, prohibited)
+        if reason:
+            raise _Rejected(getattr(node, "lineno", 1), reason)
+
+
+def _guard_call(name, node, *args):
+    return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
+
+
+def _tick(name, node):
+    return ast.copy_location(ast.Expr(_guard_call(name, node)), node)
+
+
+class _SandboxRewriter(ast.NodeTransformer):
+    """Layer 2: deadline ticks in loops and calls; size-sensitive operations through the guards."""
+
+    def visit_While(self, node):
+        self.generic_visit(node)
+        node.body.insert(0, _tick("__sb_loop__", node))
+        return node
+
+    visit_For = visit_While
+
+    def visit_comprehension(self, node):
+        self.generic_visit(node)
+        node.ifs.insert(0, _guard_call("__sb_loop__", node.iter))
+        return node
+
+    def visit_FunctionDef(self, node):
+        self.generic_visit(node)
+        node.body.insert(0, _tick("__sb_enter__", node))
+        return node
+
+    def visit_Lambda(self, node):
+        self.generic_visit(node)
+        node.body = ast.copy_location(
+            ast.BoolOp(ast.And(), [_guard_call("__sb_enter__", node.body), node.body]), node.body)
+        return node
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        symbol = _GUARDED_OPERATORS.get(type(node.op))
+        if symbol is None:
+            return node
+        return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_AugAssign(self, node):
+        self.generic_visit(node)
+        symbol = _GUARDED_OPERATORS.get(type(node.op))
+        if symbol is None:
+            return node
+        target = node.target
+        if isinstance(target, ast.Name):
+            value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
+                                ast.Name(target.id, ast.Load()), node.value)
+            return ast.copy_location(ast.Assign([target], value), node)
+        if isinstance(target, ast.Subscript):
+            key = target.slice
+            if isinstance(key, ast.Slice):
+                key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
+                                                         (key.lower, key.upper, key.step)))
+            call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
+                               node.value)
+        else:
+            call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
+                               ast.Constant(symbol), node.value)
+        return ast.copy_location(ast.Expr(call), node)
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
+            call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
+            call.keywords = node.keywords
+            return call
+        return node
+
+    def visit_FormattedValue(self, node):
+        self.generic_visit(node)
+        if node.format_spec is None:
+            return node
+        node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
+                                 node.format_spec)
+        node.conversion, node.format_spec = -1, None
+        return node
+
+    def visit_ExceptHandler(self, node):
+        self.generic_visit(node)
+        if node.type is None:
+            node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
+        return node
+
+    def visit_Import(self, node):
+        # `import json [as j]` binds the §4.5.2 facility (Q70 (a)); no import machinery is exposed.
+        return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
+                                             ast.Name("__sb_json__", ast.Load())), node)
+                for a in node.names]
+
+    def visit_ImportFrom(self, node):
+        return [ast.copy_location(ast.Assign(
+            [ast.Name(a.asname or a.name, ast.Store())],
+            ast.Attribute(ast.Name("__sb_json__", ast.Load()), a.name, ast.Load())), node)
+            for a in node.names]
+
+
+def _sandbox_compile(source, mode, kind, table, filename):
+    """Parse, check (layer 1), rewrite (layer 2) and compile; raises SyntaxError or _Rejected."""
+    if not isinstance(source, str):
+        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
+    tree = ast.parse(source, filename=filename, mode=mode)
+    _check_tree(tree, kind, table)
+    tree = ast.fix_missing_locations(_SandboxRewriter().visit(tree))
+    return tree, compile(tree, filename, mode, dont_inherit=True)
+
+
+def _configuration_refusal(exc, rt, path, section, what):
+    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line` is the body line."""
+    if isinstance(exc, SyntaxError):
+        line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
+    else:
+        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
+    message = f"{what}, line {line}: {text}"
+    if rt is not None and path is not None:
+        err = rt.error(ConfigurationError, path, message, section)
+    else:
+        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
+    err.code_line = line
+    return err
+
+
+# Layer 4: the run-time budget ---------------------------------------------------------------
+# INTERPRETATION §13.2 (issue 4): limits are ticks, not a trace function. CPython 3.11 sends no
+# `line` event for `while True: pass`, and an exception raised from a trace function switches
+# tracing off while `finally` blocks still run; so the rewrite (layer 2) puts a deadline check at the
+# top of every loop body, comprehension step and function body, and the function-entry check also
+# caps the depth of nested sandboxed calls.
+class _Budget:
+    """Wall-clock deadline of one sandboxed call."""
+
+    __slots__ = ("timeout", "deadline")
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+
+# Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
+_SANDBOX_LOCAL = threading.local()
+# The address-space cap is process-wide, so sandboxed runs take turns (a process resource).
+_SANDBOX_TURN = threading.RLock()
+
+
+def guard_loop():
+    """Inserted at every loop step: refuse to go on past the deadline. Returns True (comprehension if)."""
+    budget = getattr(_SANDBOX_LOCAL, "budget", None)
+    if budget is None:   # a sandbox-made function called by the host outside any sandboxed run
+        raise ExecutionError("sandboxed code called outside its sandbox", section="13.2")
+    if time.monotonic() > budget.deadline:
+        raise SandboxAbort(f"time limit of {budget.timeout:g} s exceeded")
+    return True
+
+
+def guard_enter():
+    """Inserted at every function and lambda entry: the deadline, then the depth of sandboxed calls."""
+    guard_loop()
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth <= SANDBOX_MAX_DEPTH:
+        if frame.f_code.co_filename in SANDBOX_FILENAMES:
+            depth += 1
+        frame = frame.f_back
+    if depth > SANDBOX_MAX_DEPTH:
+        raise SandboxAbort(f"call depth exceeds {SANDBOX_MAX_DEPTH}")
+    return True
+
+
+def _address_space():
+    """Current virtual size of this process in bytes, or None where /proc is missing."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class _MemoryCap:
+    """POSIX backstop: RLIMIT_AS = current size + headroom while sandboxed code runs."""
+
+    def __enter__(self):
+        self.saved = None
+        try:
+            import resource
+        except ImportError:
+            return self
+        current = _address_space()
+        if current is None:
+            return self
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = current + SANDBOX_MEMORY_HEADROOM
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft != resource.RLIM_INFINITY and soft <= limit:
+            return self   # already capped (nested run, or a stricter host limit)
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        except (ValueError, OSError):
+            return self
+        self.saved = (resource, soft, hard)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved:
+            resource, soft, hard = self.saved
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        return False
+
+
+def _sandbox_line(tb, filename):
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _run_sandboxed(thunk, timeout, label, filename):
+    """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
+    with _SANDBOX_TURN, _MemoryCap():
+        previous = getattr(_SANDBOX_LOCAL, "budget", None)
+        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        try:
+            return thunk()
+        except SandboxAbort as abort:
+            failure, section = abort.reason, "13.2.3"
+        except MemoryError:
+            failure, section = "memory limit exceeded", "13.2.3"
+        except RecursionError:
+            failure, section = "recursion limit exceeded", "13.2.3"
+        except Exception as exc:   # the code's own error: reported, never fatal to the Actor
+            line = _sandbox_line(exc.__traceback__, filename)
+            where = f"line {line}: " if line else ""
+            failure, section = f"{where}{type(exc).__name__}: {str(exc)[:500]}", "13.2"
+        finally:
+            _SANDBOX_LOCAL.budget = previous
+    raise ExecutionError(f"{label}: {failure}", section=section)
+
+
+# §13.2 entry points ------------------------------------------------------------------------
+class CodeUnit:
+    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
+
+    __slots__ = ("source", "code", "label", "builtins")
+
+    def __init__(self, source, code, label):
+        self.source, self.code, self.label = source, code, label
+        self.builtins = {**INLINE_CODE_BUILTINS, **_SANDBOX_GUARDS}
+
+
+class ExprUnit:
+    """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
+
+    __slots__ = ("source", "fn", "label", "nparams")
+
+    def __init__(self, source, fn, label, nparams):
+        self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
+
+    def __call__(self, *args, timeout=1.0):
+        return _run_sandboxed(lambda: self.fn(*args), timeout, self.label, EXPRESSION_FILENAME)
+
+
+def compile_code(source, *, rt=None, path=None):
+    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
+
+    A refused construct or a syntax error is a located ConfigurationError naming the line inside
+    the body (also kept as `err.code_line`).
+    """
+    label = f"inline code {path_str(path)}" if path else "inline code"
+    try:
+        _, code = _sandbox_compile(source, "exec", "code", INLINE_CODE_BUILTINS, CODE_FILENAME)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
+    return CodeUnit(source, code, label)
+
+
+def run_code(unit, variables, *, timeout=1.0):
+    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; returns the final namespace.
+
+    `variables` usually holds input_data, message, context (by reference) and result=None. Any
+    violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
+    """
+    namespace = dict(variables)
+    namespace["__builtins__"] = unit.builtins
+    _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
+    del namespace["__builtins__"]
+    return namespace
+
+
+def _lambda_accepts(node, nparams):
+    args = node.args
+    positional = len(args.posonlyargs) + len(args.args)
+    required = positional - len(args.defaults)
+    return required <= nparams and (nparams <= positional or args.vararg is not None) \
+        and all(default is not None for default in args.kw_defaults)
+
+
+def compile_expression(source, *, nparams=1, rt=None, path=None):
+    """§13.2.2: check and compile `lambda ...: expr` once; returns an ExprUnit, called as unit(*args).
+
+    The lambda must accept `nparams` positional arguments (transform fn: 1, custom_predicate: 2).
+    """
+    label = f"inline expression {path_str(path)}" if path else "inline expression"
+    try:
+        tree, code = _sandbox_compile(source.strip() if isinstance(source, str) else source,
+                                      "eval", "expression", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)
+        if not isinstance(tree.body, ast.Lambda) or not _lambda_accepts(tree.body, nparams):
+            raise _Rejected(1, f"anything but a lambda of {nparams} parameter(s)")
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
+    namespace = {"__builtins__": {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}}
+    fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    return ExprUnit(source, fn, label, nparams)
+
+
+@functools.lru_cache(maxsize=512)   # a pure cache of compiled text; no Actor state lives here
+def _compile_expression_text(source):
+    return _sandbox_compile(source.strip(), "eval", "expression", EXPRESSION_BUILTINS,
+                            EXPRESSION_FILENAME)[1]
+
+
+def eval_expression_text(source, names, timeout=1.0):
+    """§9.2 SIMPLE pre-pass: evaluate a bare expression in the §13.2.2 sandbox with `names` as variables.
+
+    Refused constructs raise ConfigurationError, run-time failures ExecutionError.
+    """
+    try:
+        code = _compile_expression_text(source)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
+    namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
+    namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
+    return _run_sandboxed(lambda: eval(code, namespace), timeout, "inline expression",
+                          EXPRESSION_FILENAME)
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
-# [sandbox]
+class SandboxType:
+    """What the sandbox's type() returns for a class outside SANDBOX_INERT_TYPES: it compares and
+    prints like the class, and works in isinstance(), but cannot be called or walked."""
+
+    __slots__ = ("_cls",)
+
+    def __init__(self, cls):
+        self._cls = cls
+
+    def __eq__(self, other):
+        return isinstance(other, SandboxType) and other._cls is self._cls
+
+    def __hash__(self):
+        return hash(self._cls)
+
+    def __repr__(self):
+        return f"<class '{self._cls.__name__}'>"
+
+
+def _unwrap_classinfo(spec):
+    if isinstance(spec, SandboxType):
+        return spec._cls
+    if isinstance(spec, tuple):
+        return tuple(_unwrap_classinfo(item) for item in spec)
+    return spec
+
+
+def builtin_type(*args):
+    """§13.2.1 type: the one-argument form only; three arguments would create a class."""
+    if len(args) != 1:
+        raise SandboxAbort("type() with three arguments (class creation) is refused")
+    cls = type(args[0])
+    return cls if cls in SANDBOX_INERT_TYPES else SandboxType(cls)
+
+
+def builtin_isinstance(obj, classinfo):
+    """§13.2.1 isinstance, accepting what the sandbox's type() returns."""
+    return isinstance(obj, _unwrap_classinfo(classinfo))
+
+
+def builtin_locals():
+    """§13.2.1 locals: a copy of the caller's variables, without __builtins__ or guard names."""
+    frame = sys._getframe(1)
+    if frame.f_code.co_filename not in SANDBOX_FILENAMES:
+        return {}
+    return {key: value for key, value in frame.f_locals.items() if not _is_dunder(key)}
+
+
+def builtin_print(*values, sep=" ", end="\n", **_ignored):
+    """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
+    sep = sep if isinstance(sep, str) else " "
+    end = end if isinstance(end, str) else "\n"
+    sys.stderr.write(sep.join(str(value) for value in values) + end)
+
+
+def builtin_range(*args):
+    """§13.2.1 range, refusing more than SANDBOX_MAX_ITEMS steps: C-level consumers such as
+    sum(range(10**12)) never reach the line budget."""
+    span = range(*args)
+    try:
+        size = len(span)
+    except OverflowError:
+        size = SANDBOX_MAX_ITEMS + 1
+    if size > SANDBOX_MAX_ITEMS:
+        raise SandboxAbort(f"range of more than {SANDBOX_MAX_ITEMS} items")
+    return span
+
+
+def builtin_sum(iterable, /, start=0):
+    """§13.2.1/§13.2.2 sum; sequence concatenation goes through the size guard."""
+    if isinstance(start, (str, bytes, list, tuple)):
+        total = start
+        for item in iterable:
+            total = guard_binop("+", total, item)
+        return total
+    return sum(iterable, start)
+
+
+class JsonFacility:
+    """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
+
+    Not the json module, whose attributes (decoder, scanner, codecs...) lead elsewhere.
+    """
+
+    __slots__ = ()
+    JSONDecodeError = json.JSONDecodeError
+
+    @staticmethod
+    def loads(text):
+        return json.loads(text)
+
+    @staticmethod
+    def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
+        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
+            raise SandboxAbort("json.dumps indent larger than 64")
+        return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
+                          separators=separators)
+
+    def __repr__(self):
+        return "<json facility: loads, dumps, JSONDecodeError>"
+
+
+SANDBOX_JSON = JsonFacility()
+
+# §13.2.1 table: the built-ins of inline code -- these and no others. Rows in the spec's order.
+INLINE_CODE_BUILTINS = {
+    # Type constructors
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
+    # Iteration / aggregation
+    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
+    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted, "sum": builtin_sum,
+    "zip": zip,
+    # Type inspection
+    "isinstance": builtin_isinstance, "type": builtin_type,
+    # Local-frame access
+    "locals": builtin_locals,
+    # Diagnostic output
+    "print": builtin_print,
+    # Error categories
+    "ValueError": ValueError, "IndexError": IndexError, "KeyError": KeyError, "TypeError": TypeError,
+    # Module access
+    "json": SANDBOX_JSON,
+}
 
 # §13.2.2 Restricted built-ins for expression evaluation ---------------------------------
-# [sandbox]
+# §13.2.2 table: the built-ins of inline expressions -- these and no others. Rows in the spec's order.
+EXPRESSION_BUILTINS = {
+    # Type constructors
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
+    # Numeric / iteration utilities
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
+    "sum": builtin_sum,
+}
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
-# [sandbox]
+# INTERPRETATION §13.2.3 (Q71): refused in both places -- what the AST shows is refused at load
+# (ConfigurationError with the body line); limits and type() with three arguments at invocation
+# (ExecutionError, which reaches __error__).
+# §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused at
+# load unless the sandbox's own table lists it (print, type, locals in inline code) or the code binds
+# that name itself (`id = 3`).
+SANDBOX_PROHIBITED_CAPABILITIES = {
+    "arbitrary I/O": ("open", "input", "print", "breakpoint", "help", "exit", "quit", "memoryview"),
+    "dynamic evaluation or compilation": ("eval", "exec", "compile"),
+    "introspection": ("globals", "locals", "vars", "dir", "type", "getattr", "setattr", "delattr",
+                      "hasattr", "id", "object", "super", "classmethod", "staticmethod", "property"),
+    "dynamic import": ("importlib",),
+    "subprocess spawning or signaling": ("os", "sys", "subprocess", "signal"),
+}
+
+# Attributes that lead to frames, code objects, tracebacks, class hierarchies or format-string
+# attribute walks ("{0.__class__}".format(x)). Any `_x` attribute is refused as well.
+# INTERPRETATION §13.2.3: str.format and format_map are refused outright (f-strings remain, and
+# their fields are checked like any other expression), because a format string is data and can walk
+# attributes the AST never shows.
+SANDBOX_FORBIDDEN_ATTRIBUTES = frozenset({
+    "format", "format_map", "mro", "with_traceback", "gi_frame", "gi_code", "cr_frame", "ag_frame",
+    "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame", "tb_next", "co_code",
+    "func_globals", "func_code",
+})
+SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_", "func_", "im_")
+
+# Classes the sandbox's type() hands out as themselves; any other class comes back as SandboxType,
+# so type(type(0)) cannot create classes and type(range(1)) cannot dodge the range limit.
+SANDBOX_INERT_TYPES = frozenset({
+    bool, int, float, complex, str, list, tuple, dict, set, frozenset, type(None),
+    ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
+})
+
+_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
+_BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
+           "%": operator.mod}
+_INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
+            "%": operator.imod}
+_SIZED = (str, bytes, list, tuple)
+_WIDTH_RE = re.compile(r"\d+")
+
+
+def _refuse_size(what):
+    raise SandboxAbort(f"{what} exceeds the sandbox size limit")
+
+
+def _check_operands(symbol, left, right):
+    """Refuse + * ** << % whose result would pass SANDBOX_MAX_ITEMS / SANDBOX_MAX_INT_BITS."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if symbol == "+":
+        if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
+                and len(left) + len(right) > SANDBOX_MAX_ITEMS:
+            _refuse_size("concatenation")
+    elif symbol == "*":
+        if ints:
+            if left.bit_length() + right.bit_length() > SANDBOX_MAX_INT_BITS:
+                _refuse_size("integer product")
+        else:
+            seq, count = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, _SIZED) and isinstance(count, int) \
+                    and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition")
+    elif symbol == "**":
+        if ints and right > 0 and abs(left) > 1 \
+                and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
+            _refuse_size("power")
+    elif symbol == "<<":
+        if ints and left and right > 0 and left.bit_length() + right > SANDBOX_MAX_INT_BITS:
+            _refuse_size("shift")
+    elif symbol == "%" and isinstance(left, str):
+        _check_printf(left, right)
+
+
+def _check_printf(fmt, args):
+    """'%*d' % (10**10, 1) and '%9999999999d' % 1 pad without bound."""
+    widths = [int(digits) for digits in _WIDTH_RE.findall(fmt)]
+    if "*" in fmt:
+        values = args if isinstance(args, tuple) else (args,)
+        widths += [value for value in values if isinstance(value, int)]
+    if any(width > SANDBOX_MAX_ITEMS for width in widths):
+        _refuse_size("%-format width")
+
+
+def guard_binop(symbol, left, right):
+    _check_operands(symbol, left, right)
+    return _BINARY[symbol](left, right)
+
+
+def guard_inplace(symbol, left, right):
+    _check_operands(symbol, left, right)
+    return _INPLACE[symbol](left, right)
+
+
+def guard_aug_item(container, key, symbol, value):
+    container[key] = guard_inplace(symbol, container[key], value)
+
+
+def guard_aug_attr(obj, name, symbol, value):
+    # `name` passed the layer-1 attribute check at load.
+    setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
+
+
+def guard_format(value, conversion, spec):
+    """f"{x:>{n}}": refuse pad widths past the limit, then format as Python would."""
+    if conversion == ord("r"):
+        value = repr(value)
+    elif conversion == ord("s"):
+        value = str(value)
+    elif conversion == ord("a"):
+        value = ascii(value)
+    if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
+        _refuse_size("format width")
+    return format(value, spec)
+
+
+def _method_growth(obj, name, args, kwargs):
+    """Size estimate of what a padding/repeating method would build, or 0 when not applicable."""
+    if name in ("ljust", "rjust", "center", "zfill"):
+        width = args[0] if args else kwargs.get("width", 0)
+        return width if isinstance(width, int) else 0
+    if name == "expandtabs" and isinstance(obj, (str, bytes)):
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        return len(obj) + obj.count("\t" if isinstance(obj, str) else b"\t") * size \
+            if isinstance(size, int) else 0
+    if name == "replace" and isinstance(obj, (str, bytes)) and len(args) >= 2 \
+            and isinstance(args[0], type(obj)) and isinstance(args[1], type(obj)):
+        hits = obj.count(args[0]) if args[0] else len(obj) + 1
+        return len(obj) + hits * max(len(args[1]) - len(args[0]), 0)
+    if name == "join" and isinstance(obj, (str, bytes)) and args and isinstance(args[0], list):
+        items = args[0]
+        return len(obj) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, _SIZED))
+    if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
+        return len(obj) + len(args[0])
+    if name == "to_bytes" and isinstance(obj, int):
+        length = args[0] if args else kwargs.get("length", 1)
+        return length if isinstance(length, int) else 0
+    if name == "translate" and isinstance(obj, str) and args and isinstance(args[0], dict):
+        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+        return len(obj) * longest
+    return 0
+
+
+def guard_method(obj, name, *args, **kwargs):
+    """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
+    if name == "join" and args and not isinstance(args[0], (list, tuple, str)):
+        args = (list(args[0]),) + args[1:]   # materialise a generator once, under the line budget
+    if _method_growth(obj, name, args, kwargs) > SANDBOX_MAX_ITEMS:
+        _refuse_size(f"{name}() result")
+    return getattr(obj, name)(*args, **kwargs)   # `name` passed the layer-1 attribute check
+
+
+_GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
+                              "extend", "to_bytes", "translate"})
+
+# Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
+_SANDBOX_GUARDS = {
+    "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
+    "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
+    "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
+}
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
 def host_refusal(env, given, op):
