@@ -2361,26 +2361,17 @@ def scan_tags(text, pos=0):
         yield start, pos, kind
 
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
-def check_sentinels(text, file=None):
-    """§15.5: the four sentinels are the loader's own and MUST NOT appear in a source document."""
-    for sentinel in SENTINELS.values():
-        if sentinel in text:
-            line = text.count("\n", 0, text.index(sentinel)) + 1
-            raise ConfigurationError(f"reserved sentinel {sentinel} in the source document",
-                                     section="15.5", file=file, line=line)
-
-
 def render_document(text, render_context=None, engine="JINJA2", *, file=None):
     """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
 
-    Call it on every raw document: it checks the §15.5 sentinels, returns text without template
-    syntax unchanged (step 1), protects runtime fields and template bodies (§8.4), then renders
+    The caller first rejects §15.5 sentinels in the raw text (check_sentinels, §15.5). This
+    returns text without template syntax unchanged (step 1), protects runtime fields and
+    template bodies (§8.4; idempotent, so protected text may be passed in), then renders
     the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
     (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
     failure is a ConfigurationError located at the template line (§8.12). After parsing, call
     restore_sentinels() on the data (§8.2 step 4). `engine` is accepted for symmetry only.
     """
-    check_sentinels(text, file)
     if not has_template_syntax(text):
         return text
     text = protect_runtime_fields(text, render_context, file=file)
@@ -2742,7 +2733,6 @@ def protect_runtime_fields(text, render_context=None, *, file=None):
     INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
     worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
     """
-    check_sentinels(text, file)
     bound = set(BUILTINS) | set(jinja_environment().globals)
     bound |= set(render_context or ()) - RUNTIME_NAMES
     scope = TagScope(bound)
