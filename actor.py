@@ -3171,14 +3171,14 @@ def render_tree(ex, node, variables, path, keys):
             new_key = key
             if has_template_syntax(key):
                 new_key = render_phase_b(ex, key, variables, path, False)
-            if dropped_if_block(value, ex, variables, path):
+            if dropped_if_block(value, ex, variables, path, key in ("system_prompt", "prompt")):
                 continue
             out[new_key] = render_tree(ex, value, variables, path + (key,), keys + (key,))
         return out
     if isinstance(node, list):
         return [render_tree(ex, item, variables, path + (i,), keys)
                 for i, item in enumerate(node)
-                if not dropped_if_block(item, ex, variables, path + (i,))]
+                if not dropped_if_block(item, ex, variables, path + (i,), False)]
     if isinstance(node, str) and has_template_syntax(node):
         runtime = bool(keys) and keys[-1] in ("system_prompt", "prompt")
         rendered = render_phase_b(ex, node, variables, path, runtime)
@@ -3186,12 +3186,12 @@ def render_tree(ex, node, variables, path, keys):
     return node
 
 
-def dropped_if_block(value, ex, variables, path):
+def dropped_if_block(value, ex, variables, path, runtime_field):
     """Step 7. INTERPRETATION §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
     one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
     if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
         return False
-    return render_phase_b(ex, value, variables, path, False).strip() == ""
+    return render_phase_b(ex, value, variables, path, runtime_field).strip() == ""
 
 
 def resolve_references(ex, decls, values, path, scope):
