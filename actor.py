@@ -2366,12 +2366,14 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
 
     The caller first rejects §15.5 sentinels in the raw text (check_sentinels, §15.5). This
     returns text without template syntax unchanged (step 1), protects runtime fields and
-    template bodies (§8.4; idempotent, so protected text may be passed in), then renders
+    template bodies (§8.4; text already protected is first restored, so the render context
+    is taken into account whoever protected it), then renders
     the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
     (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
     failure is a ConfigurationError located at the template line (§8.12). After parsing, call
     restore_sentinels() on the data (§8.2 step 4). `engine` is accepted for symmetry only.
     """
+    text = restore_markers(text)     # text protected by an earlier call: start from the raw form
     if not has_template_syntax(text):
         return text
     text = protect_runtime_fields(text, render_context, file=file)
