@@ -2667,8 +2667,41 @@ def document_regions(text, file=None):
     """Char spans (start, end, kind) of the text Phase A must not render as is:
     'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
 
-    A line scan by indentation (plain, quoted and | > block scalars alike): a value region is
-    the rest of the key's line plus every following blank or more-indented line.
+    When the raw text already composes as YAML (template syntax only inside scalars, or a
+    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
+    indentation finds them (document_regions_by_lines).
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return document_regions_by_lines(text, file)
+    regions = []
+
+    def walk(node, keys):
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                path = keys + [key]
+                if not keys and key in DEFERRED_SECTIONS:
+                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
+                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
+                else:
+                    walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, keys)
+
+    if root is not None:
+        walk(root, [])
+    return sorted(regions)
+
+
+def document_regions_by_lines(text, file=None):
+    """document_regions for text that is not YAML before Phase A (statements between keys).
+
+    A value region is the rest of the key's line plus every following blank or more-indented
+    line (plain, quoted and | > block scalars alike).
     """
     regions, keys, offset = [], [], 0
     region = None            # [start, key_col, kind, block_col]
