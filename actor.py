@@ -2537,6 +2537,18 @@ def protect_markers(text):
     return text
 
 
+def protect_tags(text):
+    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
+    JSON mapping's own closing braces stay braces)."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        out.append(text[start:end] if kind == "{#" else protect_markers(text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def restore_markers(text):
     """§8.4 step 4: the §15.5 sentinels -> {{ }} {% %}."""
     for marker, sentinel in SENTINELS.items():
@@ -2776,7 +2788,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None):
         out.append(walk_tags(text[pos:start], scope, defer=False))
         region = text[start:end]
         if kind == "section":
-            out.append(protect_markers(region))
+            out.append(protect_tags(region))
         else:
             out.append(walk_tags(region, TagScope(scope.names), defer=True))
         pos = end
