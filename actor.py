@@ -2371,12 +2371,13 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
     the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
     (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
     failure is a ConfigurationError located at the template line (§8.12). After parsing, call
-    restore_sentinels() on the data (§8.2 step 4). `engine` is accepted for symmetry only.
+    restore_sentinels() on the data (§8.2 step 4). `engine` (the host's template_engine) only
+    decides how runtime fields are protected.
     """
     text = restore_markers(text)     # text protected by an earlier call: start from the raw form
     if not has_template_syntax(text):
         return text
-    text = protect_runtime_fields(text, render_context, file=file)
+    text = protect_runtime_fields(text, render_context, file=file, engine=engine)
     if not has_template_syntax(text):
         return text
     try:
@@ -2770,7 +2771,7 @@ def templates_line(line, indent, blank, block_col, lineno, file):
     return None
 
 
-def protect_runtime_fields(text, render_context=None, *, file=None):
+def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJA2"):
     """§8.4 step 1: replace {{ }} {% %} by the §15.5 sentinels where Phase A must not render.
 
     Template bodies (templates, template_strings) are protected whole (Q49 (a)). In runtime
@@ -2779,7 +2780,10 @@ def protect_runtime_fields(text, render_context=None, *, file=None):
     `message`):
     INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
     worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
+    Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so it is protected
+    whole.
     """
+    whole = engine_name(engine) != "JINJA2"
     bound = set(BUILTINS) | set(jinja_environment().globals)
     bound |= set(render_context or ()) - RUNTIME_NAMES
     scope = TagScope(bound)
@@ -2787,7 +2791,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None):
     for start, end, kind in document_regions(text, file):
         out.append(walk_tags(text[pos:start], scope, defer=False))
         region = text[start:end]
-        if kind == "section":
+        if kind == "section" or whole:
             out.append(protect_tags(region))
         else:
             out.append(walk_tags(region, TagScope(scope.names), defer=True))
@@ -3413,6 +3417,20 @@ if jinja2 is not None:
             return iter(())
 
 
+if jinja2 is not None:
+    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
+        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
+        attribute, so `context.items` is the configured list, not dict.items.
+
+        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+        """
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, dict) and attribute in obj:
+                return obj[attribute]
+            return super().getattr(obj, attribute)
+
+
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -3420,7 +3438,7 @@ def jinja_environment():
     Templates come from configuration files, hence the sandbox; keep_trailing_newline by Q59 (a).
     """
     _require_jinja2()
-    env = jinja2.sandbox.SandboxedEnvironment(
+    env = ActorSandbox(
         undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
