@@ -2620,12 +2620,13 @@ class TagScope:
         self.stack = []          # (word, protected, names added by the opener)
 
 
-def walk_tags(text, scope, defer):
+def walk_tags(text, scope, defer, need_names=False):
     """Track bound names through `text`; with defer=True also replace by the §15.5 sentinels
     every tag whose free names are not all bound (Q47 (b)), so a later phase renders it.
 
     {% raw %}...{% endraw %} is left for the phase that meets it first, comments likewise.
-    An {% elif %}/{% else %}/{% end... %} follows its opener's fate.
+    An {% elif %}/{% else %}/{% end... %} follows its opener's fate. need_names=True also
+    defers a tag that reads no name at all (under MUSTACHE/SIMPLE such a tag is the engine's).
     """
     out, pos = [], 0
     tags = scan_tags(text)
@@ -2649,7 +2650,8 @@ def walk_tags(text, scope, defer):
             continue
         if kind == "{{":
             free = tag_free_names(kind, inner, "")
-            protected = defer and (free is None or not free <= scope.names)
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
         elif word in ("elif", "else"):
             protected = scope.stack[-1][1] if scope.stack else defer
         elif word.startswith("end"):
@@ -2660,7 +2662,8 @@ def walk_tags(text, scope, defer):
                 protected = defer
         else:
             free = tag_free_names(kind, inner, word)
-            protected = defer and (free is None or not free <= scope.names)
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
             if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
                 if word in ("set", "macro"):      # the name outlives the block
@@ -2780,19 +2783,21 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     `message`):
     INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
     worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
-    Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so it is protected
-    whole.
+    Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so only tags that
+    read Phase A names (not built-ins) and nothing else are rendered at load.
     """
-    whole = engine_name(engine) != "JINJA2"
-    bound = set(BUILTINS) | set(jinja_environment().globals)
-    bound |= set(render_context or ()) - RUNTIME_NAMES
-    scope = TagScope(bound)
+    builtin_names = set(BUILTINS) | set(jinja_environment().globals)
+    other_dialect = engine_name(engine) != "JINJA2"
+    scope = TagScope(builtin_names | (set(render_context or ()) - RUNTIME_NAMES))
     out, pos = [], 0
     for start, end, kind in document_regions(text, file):
         out.append(walk_tags(text[pos:start], scope, defer=False))
         region = text[start:end]
-        if kind == "section" or whole:
+        if kind == "section":
             out.append(protect_tags(region))
+        elif other_dialect:
+            out.append(walk_tags(region, TagScope(scope.names - builtin_names), defer=True,
+                                 need_names=True))
         else:
             out.append(walk_tags(region, TagScope(scope.names), defer=True))
         pos = end
