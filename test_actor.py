@@ -266,7 +266,473 @@ def test_cli_version_and_help():
 # =====================================================================================
 # §8, §9.2 Templating (templating)
 # =====================================================================================
-# [templating]
+import copy  # noqa: E402  (Phase B tests copy fixtures)
+import json  # noqa: E402
+
+
+def _mustache_spec_dir():
+    for base in (HERE, *HERE.parents):
+        folder = base / "shared" / "conformance" / "mustache-spec"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+MUSTACHE_SPEC = _mustache_spec_dir()
+MUSTACHE_REQUIRED = ("comments", "interpolation", "sections", "inverted")
+MUSTACHE_SHOULD = ("delimiters", "partials")
+
+
+def _mustache_cases():
+    import json
+    cases = []
+    if MUSTACHE_SPEC is None:
+        return cases
+    for module in MUSTACHE_REQUIRED + MUSTACHE_SHOULD:
+        path = MUSTACHE_SPEC / f"{module}.json"
+        if path.exists():
+            for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
+                cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    return cases
+
+
+@pytest.mark.conformance
+@pytest.mark.skipif(MUSTACHE_SPEC is None, reason="shared/conformance/mustache-spec not present")
+@pytest.mark.parametrize("case", _mustache_cases())
+def test_mustache_conformance(case):
+    """The official Mustache spec data, read in place. The optional `~` modules (lambdas,
+    dynamic names, inheritance) are not read: §9.2 MUSTACHE promises none of them."""
+    got = actor.render(case["template"], case["data"], "MUSTACHE", case.get("partials"))
+    assert got == case["expected"], case["desc"]
+
+
+def test_mustache_optional_modules_are_skipped_by_name():
+    if MUSTACHE_SPEC is None:
+        pytest.skip("shared/conformance/mustache-spec not present")
+    optional = sorted(p.name for p in MUSTACHE_SPEC.glob("~*.json"))
+    read = {f"{m}.json" for m in MUSTACHE_REQUIRED + MUSTACHE_SHOULD}
+    assert optional and not read & set(optional)
+
+
+# §9.2 JINJA2 ---------------------------------------------------------------------------------
+def test_jinja2_keeps_trailing_newline_q59():
+    assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
+    assert actor.render("plain\n\n", {}) == "plain\n\n"
+
+
+def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing }}", {})
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing.attr }}", {})
+    assert actor.render("{% if missing %}x{% else %}y{% endif %}", {}) == "y"
+    assert actor.render("{% if ctx.n > 5 %}x{% endif %}ok", {"ctx": {}}) == "ok"
+    assert actor.render("{{ missing | default('d') }}", {}) == "d"
+
+
+def test_jinja2_sandbox_blocks_python_internals():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_jinja2_compiles_each_text_once():
+    actor.jinja_template.cache_clear()
+    for _ in range(3):
+        actor.render("{{ a }}-{{ b }}", {"a": 1, "b": 2})
+    info = actor.jinja_template.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_builtins_of_8_3_table():
+    text = ("{{ range(3) | list }} {{ len('abc') }} {{ enumerate('ab') | list }} "
+            "{{ zip([1, 2], 'ab') | list }} {{ min(3, 1) }} {{ max([3, 9]) }} {{ sum([1, 2]) }} "
+            "{{ abs(-2) }} {{ round(2.6) }} {{ int('7') }} {{ float('1.5') }} {{ str(3) }} "
+            "{{ bool(0) }} {{ list('ab') }} {{ dict(a=1) }}")
+    assert actor.render(text, {}) == ("[0, 1, 2] 3 [(0, 'a'), (1, 'b')] [(1, 'a'), (2, 'b')] 1 9 3 "
+                                     "2 3 7 1.5 3 False ['a', 'b'] {'a': 1}")
+
+
+def test_filter_tojson_is_single_line_plain_json_q58():
+    out = actor.render("{{ v | tojson }}", {"v": {"a": "<b> & 'c'", "n": [1, None]}})
+    assert out == '{"a": "<b> & \'c\'", "n": [1, null]}'
+    assert actor.render("{{ v | yaml }}", {"v": "x"}) == '"x"'
+    assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
+
+
+def test_filter_indent_leaves_first_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "a\n  b\n\n  c"
+    assert actor.render("{{ t | indent(2, true) }}", {"t": "a\nb"}) == "  a\n  b"
+
+
+def test_filter_sum_attribute_and_selectattr_operators():
+    items = [{"n": "a", "v": 1}, {"n": "b", "v": 2}, {"n": "c", "v": 3}]
+    assert actor.render("{{ items | sum('v') }}", {"items": items}) == "6"
+    assert actor.render("{{ items | sum(attribute='v') }}", {"items": items}) == "6"
+    expected = {"==": "b", "!=": "ac", ">": "c", "<": "a", ">=": "bc", "<=": "ab"}
+    for op, names in expected.items():
+        text = "{% for i in items | selectattr('v', '" + op + "', 2) %}{{ i.n }}{% endfor %}"
+        assert actor.render(text, {"items": items}) == names, op
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ items | selectattr('v', '~', 2) | list }}", {"items": items})
+
+
+def test_filter_default_treats_none_as_missing_q56():
+    assert actor.render("{{ v | default('x') }}", {"v": None}) == "x"
+    assert actor.render("{{ v | default('x') }}", {"v": ""}) == ""
+    assert actor.render("{{ v | default('x', true) }}", {"v": ""}) == "x"
+
+
+def test_filter_length_split_and_standard_filters():
+    assert actor.render("{{ 'a,b' | split(',') | length }}", {}) == "2"
+    assert actor.render("{{ 'a b' | split }}", {}) == "['a', 'b']"
+    assert actor.render("{{ ' Hi ' | trim | upper }} {{ ['a', 'b'] | join('+') }}", {}) == "HI a+b"
+
+
+def test_render_rejects_unknown_engine_and_non_mapping_variables():
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", {}, engine="ERB")
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", ["a"], engine="JINJA2")
+    assert actor.render("{{ n }}", {"n": 1}, engine="jinja2") == "1"
+
+
+# §9.2 MUSTACHE -------------------------------------------------------------------------------
+def test_mustache_core_forms():
+    data = {"name": "<b>", "a": {"b": {"c": "deep"}}, "items": [1, 2], "no": False,
+            "person": {"first": "Ada"}}
+    text = ("{{name}}|{{{name}}}|{{& name}}|{{a.b.c}}|{{#items}}[{{.}}]{{/items}}|"
+            "{{^no}}none{{/no}}|{{#person}}{{first}}{{/person}}|{{! comment }}end")
+    assert actor.render(text, data, "MUSTACHE") == (
+        "&lt;b&gt;|<b>|<b>|deep|[1][2]|none|Ada|end")
+
+
+def test_mustache_root_may_be_any_value():
+    assert actor.render("{{#.}}<{{.}}>{{/.}}", ["x", "y"], "MUSTACHE") == "<x><y>"
+    assert actor.render("{{.}}!", "hi", "MUSTACHE") == "hi!"
+
+
+def test_mustache_standalone_lines_delimiters_and_partials():
+    text = "begin\n  {{#show}}\n  line\n  {{/show}}\n{{=<% %>=}}\n<% x %>\n  <%> part %>\nend"
+    out = actor.render(text, {"show": True, "x": 1, "y": 2}, "MUSTACHE",
+                       partials={"part": "p{{y}}\nq\n"})
+    assert out == "begin\n  line\n1\n  p2\n  q\nend"
+
+
+def test_mustache_errors_are_template_errors():
+    for text in ("{{#a}}open", "{{/a}}", "{{name", "{{=<% =}}"):
+        with pytest.raises(actor.TemplateError):
+            actor.render(text, {"a": 1}, "MUSTACHE")
+
+
+# §9.2 SIMPLE ---------------------------------------------------------------------------------
+def test_simple_format_pass_and_unknown_names():
+    variables = {"name": "Ada", "team": {"city": "Rome", "zip": [1, 2]}}
+    assert actor.render("Hi {name} of {team[city]}, {team.zip[1]}", variables, "SIMPLE") == \
+        "Hi Ada of Rome, 2"
+    with pytest.raises(actor.TemplateError, match="unknown name"):
+        actor.render("Hi {nobody}", {}, "SIMPLE")
+    with pytest.raises(actor.TemplateError):
+        actor.render("{name.__class__}", {"name": "x"}, "SIMPLE")
+
+
+@pytest.mark.skipif(not hasattr(actor, "eval_expression_text"),
+                    reason="needs the sandbox's eval_expression_text (§13.2.2)")
+def test_simple_expression_pass_uses_the_expression_sandbox():
+    assert actor.render("{{ n * 2 }} and {n}", {"n": 21}, "SIMPLE") == "42 and 21"
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ __import__('os') }}", {}, "SIMPLE")
+
+
+# §8.1-§8.5 Phase A ---------------------------------------------------------------------------
+def test_has_template_syntax():
+    assert actor.has_template_syntax("a {{ b }}") and actor.has_template_syntax("{% if %}")
+    assert actor.has_template_syntax("{# c #}") and not actor.has_template_syntax("{a: {b: 1}}")
+
+
+def test_protection_covers_plain_quoted_and_block_scalars():
+    text = ("agents:\n  a:\n    config:\n      system_prompt: Hi {{ context.x }}\n"
+            "      model: \"{{ m }}\"\n  b:\n    config:\n      system_prompt: \"{{ message }}\"\n"
+            "  c:\n    config:\n      system_prompt: |\n        {% if context.y %}\n"
+            "        y\n        {% endif %}\n      prompt: >\n        {{ message }}\n"
+            "prompts:\n  p:\n    content: '{{ context.z }}'\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out                   # not a runtime field: Phase A renders it
+    assert out.count(actor.TEMPLATE_START) == 4 and out.count(actor.BLOCK_START) == 2
+    assert actor.restore_markers(out) == text
+
+
+def test_protection_leaves_names_bound_at_phase_a_q47():
+    text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
+            "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
+            "{{ ms | length }} for {{ context.user }} and {{ who }}\n{% endfor %}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out and "{{ loop.index }} of" in out and "{{ ms | length }}" in out
+    assert "{{ context.user }}" not in out and "{{ who }}" not in out
+    out = actor.protect_runtime_fields(text, {"who": "W", "context": {}})
+    assert "{{ who }}" in out and "{{ context.user }}" not in out
+
+
+def test_protection_keeps_template_bodies_whole_q49():
+    text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
+            "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
+            "template_strings:\n  agents:\n    s: |\n      {% for i in range(2) %}\n"
+            "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{" not in out and "{%" not in out
+
+
+def test_structural_statement_in_templates_is_rejected_q3():
+    text = ("templates:\n  agents:\n    t:\n      type: llm\n      config:\n"
+            "        {% if x %}\n        model: a\n        {% endif %}\n"
+            "        system_prompt: |\n          {% if y %}ok{% endif %}\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document(text, None, "JINJA2")
+    assert info.value.line == 6
+    actor.render_document(text.replace("        {% if x %}\n", "").replace(
+        "        {% endif %}\n", ""), None, "JINJA2")
+
+
+def test_render_document_strips_comments_honours_raw_and_locates_failures():
+    text = "{# gone #}\na: {{ 1 + 1 }}\nb: '{% raw %}{{ keep }}{% endraw %}'\n"
+    assert actor.render_document(text, None, "JINJA2") == "\na: 2\nb: '{{ keep }}'\n"
+    assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document("a: 1\nb: {{ nope }}\n", None, "JINJA2")
+    assert info.value.line == 2 and info.value.section == "8.12"
+    assert actor.render_document("n: {{ n }}\n", {"n": 3}, "JINJA2") == "n: 3\n"
+
+
+def test_restore_sentinels_in_keys_and_values():
+    s, e = actor.TEMPLATE_START, actor.TEMPLATE_END
+    data = {f"k{s}x{e}": [f"{actor.BLOCK_START} if a {actor.BLOCK_END}", 3]}
+    assert actor.restore_sentinels(data) == {"k{{x}}": ["{% if a %}", 3]}
+
+
+def test_reserved_template_keys_rejected_anywhere():
+    for key in actor.RESERVED_TEMPLATE_KEYS:
+        doc = actor.Doc({"agents": {"a": {"type": "llm", "config": {key: True}}}})
+        with pytest.raises(actor.ConfigurationError) as info:
+            actor.check_reserved_template_keys(doc)
+        assert info.value.path == f"agents.a.config.{key}"
+
+
+# §8.6-§8.10 Phase B --------------------------------------------------------------------------
+def _expand(data, engine="JINJA2"):
+    doc = actor.Doc(data)
+    actor.expand_templates(doc, None, engine=engine)
+    return doc.data
+
+
+def _one_param(ptype, value, **decl):
+    data = {"templates": {"agents": {"t": {
+        "parameters": {"p": {"type": ptype, **decl}}, "type": "llm",
+        "config": {"v": "{{ p | tojson }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"p": value}}}}
+    rendered = _expand(data)["agents"]["a"]["config"]["v"]
+    return json.loads(rendered) if isinstance(rendered, str) else rendered
+
+
+@pytest.mark.parametrize("ptype, value, expected", [
+    ("string", 42, "42"), ("string", True, "true"),
+    ("int", "42", 42), ("int", 7.0, 7), ("float", "3.5", 3.5), ("float", 2, 2.0),
+    ("boolean", "YES", True), ("boolean", "on", True), ("boolean", "1", True),
+    ("boolean", "off", False), ("boolean", "False", False), ("boolean", "0", False),
+    ("boolean", "maybe", True), ("boolean", 0, False), ("boolean", [], False),
+    ("list", "x", ["x"]), ("list", [1, 2], [1, 2]), ("dict", {"a": 1}, {"a": 1}),
+])
+def test_parameter_type_coercions_8_6_2(ptype, value, expected):
+    assert _one_param(ptype, value) == expected
+
+
+def test_parameter_mismatches_are_configuration_errors():
+    for ptype, value, extra in (("int", "x", {}), ("float", "x", {}), ("int", True, {}),
+                                ("int", "2.5", {}),
+                                ("enum", "z", {"values": ["a", "b"]})):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _one_param(ptype, value, **extra)
+        assert info.value.path == "agents.a.params.p"
+    assert _one_param("enum", "b", values=["a", "b"]) == "b"
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("colour", "x")
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("enum", "a")          # enum without values
+
+
+def test_required_missing_default_filled_and_sequence_form_rejected():
+    base = {"templates": {"agents": {"t": {
+        "parameters": {"need": {"type": "string", "required": True},
+                       "opt": {"type": "int", "default": "5"}},
+        "type": "llm", "config": {"a": "{{ need }}", "b": "{{ opt }}"}}}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**base, "agents": {"x": {"template": "t"}}})
+    assert info.value.path == "agents.x.params"
+    out = _expand({**copy.deepcopy(base), "agents": {"x": {"template": "t", "params": {"need": "n"}}}})
+    assert out["agents"]["x"] == {"type": "llm", "config": {"a": "n", "b": 5}}
+    bad = copy.deepcopy(base)
+    bad["templates"]["agents"]["t"]["parameters"] = [{"name": "need"}]
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**bad, "agents": {"x": {"template": "t"}}})
+    assert "16.2" in info.value.section
+
+
+def test_instantiation_does_not_mutate_the_template_and_drops_parameters():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "{{ d }}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "one"}},
+                       "b": {"template": "t", "params": {"d": "two"}}}}
+    out = _expand(data)
+    assert out["agents"]["a"]["config"]["s"] == "one" and out["agents"]["b"]["config"]["s"] == "two"
+    assert "parameters" not in out["agents"]["a"]
+    assert out["templates"]["agents"]["t"]["config"]["s"] == "{{ d }}"
+
+
+def test_rendered_scalars_are_coerced_step_6():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "b": "{{ 'TRUE' }}", "i": "{{ 40 + 2 }}", "f": "{{ 3.25 }}", "l": "{{ [1, 2] | tojson }}",
+        "m": '{{ {"k": 1} | tojson }}', "s": "{{ 'plain' }}", "literal": "42"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
+                   "literal": "42"}
+
+
+def test_empty_if_blocks_are_removed_step_7_q52():
+    data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
+        "type": "llm", "config": {
+            "memory_enabled": "{% if mem %}true{% endif %}",
+            "tools": ["a", "{% if mem %}b{% endif %}"]}}}},
+        "agents": {"on": {"template": "t", "params": {"mem": "yes"}},
+                   "off": {"template": "t", "params": {"mem": "no"}}}}
+    out = _expand(data)["agents"]
+    assert out["on"]["config"] == {"memory_enabled": True, "tools": ["a", "b"]}
+    assert out["off"]["config"] == {"tools": ["a"]}
+
+
+def test_runtime_expressions_survive_phase_b_q49():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+        "type": "llm", "config": {"system_prompt":
+            "{{ d }} {% if context.x %}{{ context.x }}{% endif %} {{ message }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    prompt = _expand(data)["agents"]["a"]["config"]["system_prompt"]
+    assert prompt == "law {% if context.x %}{{ context.x }}{% endif %} {{ message }}"
+
+
+def test_phase_b_render_failure_is_configuration_error():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm",
+                                            "config": {"model": "{{ nope }}"}}}},
+            "agents": {"a": {"template": "t"}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand(data)
+    assert info.value.section == "8.12"
+
+
+def test_forbidden_instance_forms():
+    tpl = {"agents": {"t": {"parameters": {}, "type": "llm", "config": {}}}}
+    for agent, section in (({"agent_template": "t"}, "16.2"),
+                           ({"agent_template": "t", "template": "t"}, "16.3"),
+                           ({"template": "t", "type": "llm"}, "16.3"),
+                           ({"template": "unknown"}, "8.7")):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _expand({"templates": copy.deepcopy(tpl), "agents": {"a": agent}})
+        assert info.value.section == section, agent
+    out = _expand({"templates": copy.deepcopy(tpl),
+                   "agents": {"a": {"template": "t", "type": "template_instance"}}})
+    assert out["agents"]["a"]["type"] == "llm"
+
+
+def test_route_templates_via_template_config_q54():
+    graph = {"parameters": {"who": {"type": "agent_ref", "required": True}},
+             "entry_point": "start", "nodes": {"n": {"type": "agent", "agent": "{{ who }}"}},
+             "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]}
+    base = {"templates": {"graphs": {"g": graph}}, "agents": {"x": {"type": "llm"}}}
+    out = _expand({**copy.deepcopy(base), "routes": {"main": {
+        "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert out["routes"]["main"]["type"] == "graph"
+    assert out["routes"]["main"]["nodes"]["n"]["agent"] == "x"
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "graph", "nodes": {},
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert info.value.section == "16.3"
+    with pytest.raises(actor.ConfigurationError):
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "stream",
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {
+            "template_config": {"template": "g", "params": {"who": "ghost"}}}}})
+    assert info.value.section == "8.7.1"
+
+
+def test_composite_scope_resolves_before_the_actor_8_7_1():
+    data = {"templates": {"agents": {"wrap": {
+        "parameters": {"inner": {"type": "agent_ref", "required": True}},
+        "type": "chain", "config": {"steps": ["{{ inner }}"]}}}},
+        "agents": {"box": {"type": "composite", "config": {
+            "components": {"agents": {"local": {"type": "llm"},
+                                      "w": {"template": "wrap", "params": {"inner": "local"}}}},
+            "routing": {"input": {"type": "agent", "name": "w"},
+                        "output": {"type": "agent", "name": "w"}}}}}}
+    out = _expand(data)
+    assert out["agents"]["box"]["config"]["components"]["agents"]["w"]["config"]["steps"] == ["local"]
+    data["agents"]["top"] = {"template": "wrap", "params": {"inner": "local"}}
+    with pytest.raises(actor.ConfigurationError):
+        _expand(data)      # `local` exists only inside the composite
+
+
+def test_template_strings_single_and_several_definitions_q53():
+    body = ("parameters:\n  n:\n    type: int\n    default: 2\n"
+            "{% for i in range(n) %}\nw{{ i }}:\n  type: llm\n{% endfor %}\n")
+    single = "parameters:\n  m:\n    type: string\ntype: llm\nconfig:\n  model: {{ m }}\n"
+    out = _expand({"template_strings": {"agents": {"team": body, "one": single}},
+                   "agents": {"t": {"template": "team", "params": {"n": "3"}},
+                              "o": {"template": "one", "params": {"m": "gpt"}}}})
+    team = out["agents"]["t"]
+    assert team["type"] == "composite"
+    assert list(team["config"]["components"]["agents"]) == ["w0", "w1", "w2"]
+    assert team["config"]["routing"]["input"]["name"] == "w0"
+    assert out["agents"]["o"] == {"type": "llm", "config": {"model": "gpt"}}
+
+
+def test_deprecated_instances_section_moves_into_agents_q55(caplog):
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm"}}},
+            "instances": {"x": {"template": "t"}}, "agents": {}}
+    assert _expand(data)["agents"]["x"] == {"type": "llm"}
+    assert "deprecated" in caplog.text
+
+
+def test_phase_b_in_mustache():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "In {{d}}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, "MUSTACHE")["agents"]["a"]["config"]["s"] == "In law"
+
+
+# §8.11-§8.12 Phase C -------------------------------------------------------------------------
+def _rt(engine="JINJA2"):
+    rt = actor.Runtime(actor.Doc({}))
+    rt.engine = engine
+    return rt
+
+
+def test_render_runtime_variables_8_11():
+    rt = _rt()
+    text = "{{ context.topic }}={{ topic }} {{ message }} {{ len(message) }}"
+    assert actor.render_runtime(rt, text, {"topic": "T"}, "hey") == "T=T hey 3"
+    assert actor.render_runtime(rt, "{{ message }}", {}, actor.Message("m")) == "m"
+
+
+def test_render_runtime_failure_warns_and_returns_literal_8_12():
+    rt = _rt()
+    text = "Hi {{ context.who.name }}"
+    assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
+    assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_in_mustache_and_simple():
+    assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
+        "Hi Ada Ada"
+    assert actor.render_runtime(_rt("SIMPLE"), "Hi {u}: {message}", {"u": "Ada"}, "m") == "Hi Ada: m"
+    rt = _rt("SIMPLE")
+    assert actor.render_runtime(rt, "Hi {nobody}", {}, "m") == "Hi {nobody}" and rt.warnings
 
 
 # =====================================================================================
