@@ -2047,14 +2047,6 @@ def make_agent(rt, name, cfg, path):
 # =====================================================================================
 
 # §5.1 The routes section ---------------------------------------------------------------
-# Route types (§5.1 table). Graph routes are built by [graphs]; the network below only wires them.
-ROUTE_TYPES = {
-    "stream": "§5.3",
-    "graph": "§6",
-    "bridge": "§5.6",
-}
-
-
 def route_type(cfg):
     """The canonical (lower-case, §11.3(2)) type of a route mapping, or None."""
     kind = cfg.get("type") if isinstance(cfg, dict) else None
@@ -2066,13 +2058,14 @@ def check_streams(doc, agent_names, graph_names, rt=None):
 
     Raises a located StreamRoutingError for operator errors (an unknown operator type, a
     transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
-    every other malformed field. With `rt` (the network re-checks at build time), SHOULD-warnings
-    (unknown keys, §11.5) go to rt.warn; the validator's early call passes no rt.
+    every other malformed field. The structure of routes, merges and splits (§11.3, §11.4) is
+    checked by the validator first. With `rt` (the network re-checks at build time) warnings
+    about unknown operator keys go to rt.warn; the validator's early call passes no rt.
     """
-    data = doc.data if isinstance(doc.data, dict) else {}
-    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    data = doc.data
+    routes = data["routes"]
     pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
-    known = set(BUILTIN_STREAMS) | set(routes) | set(_created_streams(data)) | set(pipelines)
+    known = stream_names(doc) | set(pipelines)
     checker = _Checker(doc, set(agent_names), set(graph_names), known, routes, rt)
     for name, cfg in routes.items():
         path = ("routes", name)
@@ -2081,10 +2074,11 @@ def check_streams(doc, agent_names, graph_names, rt=None):
             checker.stream_route(cfg, path)
         elif kind == "bridge":
             check_bridge(doc, cfg, path, rt)
-    check_merges(doc, data, known)
-    check_splits(doc, data, known)
-    check_pipelines(doc, data, routes, set(graph_names), rt, checker)
-    cycle = find_stream_cycle(stream_edges(data, known))
+    check_pipeline_stages(doc, pipelines, routes, checker)
+    default = getattr(rt, "default_router", None) if rt is not None else None
+    if default is None and isinstance(data.get("cleveragents"), dict):
+        default = data["cleveragents"].get("default_router")
+    cycle = find_stream_cycle(stream_edges(data, known, default))
     if cycle:
         raise doc.error(StreamRoutingError, cycle[1],
                         "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
@@ -2112,17 +2106,6 @@ class _Checker:
         size = cfg.get("buffer_size", 1)
         if not _is_count(size) or size < 1:
             self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
-        for key in ("subscriptions", "publications", "agents"):
-            names = cfg.get(key, [])
-            if names is None:
-                continue
-            if not isinstance(names, list):
-                self.fail(path + (key,), f"{key} must be a sequence of names", "5.3")
-            for i, item in enumerate(names):
-                pool = self.agents if key == "agents" else self.known
-                if item not in pool:
-                    what = "agent" if key == "agents" else "route or built-in stream"
-                    self.fail(path + (key, i), f"unknown {what} {item!r}", "11.3")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -2240,7 +2223,7 @@ def _is_count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def stream_edges(data, known):
+def stream_edges(data, known, default=None):
     """Every static source -> target link of the stream side, with the config path declaring it.
 
     Publications (§5.5), merges (§7.1), splits (§7.2), the default router (§3.4), switch and
@@ -2264,9 +2247,8 @@ def stream_edges(data, known):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             for target in split["targets"]:
                 edges.append((split.get("source"), target, ("splits", i, "targets", target)))
-    default = data.get("default_router")
     if isinstance(default, str):
-        edges.append(("__input__", default, ("default_router",)))
+        edges.append(("__input__", default, ("cleveragents", "default_router")))
     return edges
 
 
@@ -2288,19 +2270,6 @@ def _switch_targets(ops, path):
             yield params["default"], here + ("default",)
         yield from _switch_targets(params.get("default_operators"), here + ("default_operators",))
 
-
-def _created_streams(data):
-    """Merge and split targets: created as cold streams when missing (§5.5, §7.1, §7.2)."""
-    # INTERPRETATION §11.4 vs §7.1 (Q26): every merge/split target in the document counts as a
-    # known stream, so another merge, split or publication may name a stream a merge creates.
-    names = []
-    for merge in data.get("merges") or []:
-        if isinstance(merge, dict) and isinstance(merge.get("target"), str):
-            names.append(merge["target"])
-    for split in data.get("splits") or []:
-        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
-            names.extend(t for t in split["targets"] if isinstance(t, str))
-    return names
 
 # §5.2 Built-in streams --------------------------------------------------------------------
 INPUT, OUTPUT, ERROR = "__input__", "__output__", "__error__"
@@ -3780,32 +3749,6 @@ def check_bridge(doc, cfg, path, rt=None):
 # =====================================================================================
 
 # §7.1 The merges section ---------------------------------------------------------------
-def check_merges(doc, data, known):
-    """§7.1, §11.4: a list of {sources: [...], target: name}; sources must be known names."""
-    merges = data.get("merges")
-    if merges is None:
-        return
-    if not isinstance(merges, list):
-        raise doc.error(ConfigurationError, ("merges",), "merges must be a sequence", "7.1")
-    for i, merge in enumerate(merges):
-        path = ("merges", i)
-        if not isinstance(merge, dict):
-            raise doc.error(ConfigurationError, path, "a merge is a mapping with sources and target",
-                            "7.1")
-        if merge.get("target") is None:
-            raise doc.error(ConfigurationError, path, "merge has no target", "11.4")
-        if not isinstance(merge["target"], str):
-            raise doc.error(ConfigurationError, path + ("target",), "target must be a name", "7.1")
-        sources = merge.get("sources") or []
-        if not isinstance(sources, list):
-            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
-                            "7.1")
-        for j, source in enumerate(sources):
-            if source not in known:
-                raise doc.error(ConfigurationError, path + ("sources", j),
-                                f"unknown route or stream {source!r}", "11.4")
-
-
 def merge_links(net, data):
     """§7.1: each source feeds the target; a missing target is created as a cold stream."""
     links = []
@@ -3824,33 +3767,6 @@ def _ensure_stream(net, name):
         net.nodes[name] = _Node(net, name, Stream(name, "cold"))
 
 # §7.2 The splits section ---------------------------------------------------------------
-def check_splits(doc, data, known):
-    """§7.2, §11.4: a list of {source: name, targets: {name: condition}}; source must be known."""
-    splits = data.get("splits")
-    if splits is None:
-        return
-    if not isinstance(splits, list):
-        raise doc.error(ConfigurationError, ("splits",), "splits must be a sequence", "7.2")
-    for i, split in enumerate(splits):
-        path = ("splits", i)
-        if not isinstance(split, dict):
-            raise doc.error(ConfigurationError, path, "a split is a mapping with source and targets",
-                            "7.2")
-        if split.get("source") is None:
-            raise doc.error(ConfigurationError, path, "split has no source", "11.4")
-        if split["source"] not in known:
-            raise doc.error(ConfigurationError, path + ("source",),
-                            f"unknown route or stream {split['source']!r}", "11.4")
-        targets = split.get("targets") or {}
-        if not isinstance(targets, dict):
-            raise doc.error(ConfigurationError, path + ("targets",),
-                            "targets must map stream names to conditions", "7.2")
-        for name, cond in targets.items():
-            if cond is not None and not isinstance(cond, dict):
-                raise doc.error(ConfigurationError, path + ("targets", name),
-                                "a condition is a mapping with a `type` key", "5.4")
-
-
 def split_links(net, data):
     """§7.2: each target (created if missing) gets the source's messages its condition passes."""
     links = []
@@ -3869,41 +3785,24 @@ def split_links(net, data):
 # enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
 # (publications naming non-routes, input_from, output_to, subscriptions) are advisory;
 # publications naming a route or built-in stream are honoured.
-PIPELINE_STAGE_TYPES = ("stream", "graph")
+def check_pipeline_stages(doc, pipelines, routes, checker):
+    """§7.3: a pipeline's name must not hide a route; stream stages' operators as in §5.3.2.
 
-
-def check_pipelines(doc, data, routes, graph_names, rt=None, checker=None):
-    """§7.3, §11.5: stages are stream or graph configurations; §11.5 cases only warn."""
-    pipelines = data.get("pipelines")
-    if pipelines is None:
-        return
-    if not isinstance(pipelines, dict):
-        raise doc.error(ConfigurationError, ("pipelines",), "pipelines must be a mapping", "7.3")
+    The rest of §7.3/§11.5 (stage shapes, the §11.5 warnings) is the validator's check_pipelines.
+    """
     for name, cfg in pipelines.items():
         path = ("pipelines", name)
         if name in routes or name in BUILTIN_STREAMS:
             raise doc.error(ConfigurationError, path, f"pipeline name {name!r} is already a route "
                             "or built-in stream", "7.3")
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
-        if not isinstance(stages, list):
-            raise doc.error(ConfigurationError, path, "a pipeline needs a `stages` sequence", "7.3")
-        for i, stage in enumerate(stages):
-            here = path + ("stages", i)
-            kind = stage.get("type") if isinstance(stage, dict) else None
-            if kind not in PIPELINE_STAGE_TYPES:
-                raise doc.error(ConfigurationError, here, "a stage is a mapping with type stream "
-                                "or graph", "7.3")
-            if kind == "stream":
-                if checker is not None:
-                    checker.operators(stage.get("operators"), here + ("operators",))
-                if stage.get("name") in routes and rt is not None:
-                    rt.warn(f"pipeline stage name {stage['name']!r} collides with a route",
-                            section="11.5", path=here + ("name",))
-            elif not isinstance(stage.get("config"), dict):
-                graph = stage.get("graph", stage.get("name"))
-                if graph not in graph_names and rt is not None:
-                    rt.warn(f"pipeline graph stage names no graph route ({graph!r}); it passes "
-                            "messages through", section="11.5", path=here)
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+
+
+def _stage_type(stage):
+    return str(stage.get("type", "")).lower()
 
 
 def pipeline_links(net, data):
@@ -3917,8 +3816,8 @@ def pipeline_links(net, data):
             node = _pipeline_stage(net, node_name, stage, here)
             net.nodes[node_name] = node
             stages.append(node_name)
-            for j, target in enumerate(stage.get("publications") or [] if stage.get("type") ==
-                                       "stream" else []):
+            publications = stage.get("publications") if _stage_type(stage) == "stream" else None
+            for j, target in enumerate(publications or []):
                 if target in net.nodes and target not in stages:
                     links.append((node_name, target, None, here + ("publications", j)))
         for a, b in zip(stages, stages[1:]):
@@ -3932,7 +3831,7 @@ def pipeline_links(net, data):
 
 def _pipeline_stage(net, node_name, stage, path):
     rt = net.rt
-    if stage.get("type") == "stream":
+    if _stage_type(stage) == "stream":
         return StreamRoute(net, node_name, stage, path)
     if isinstance(stage.get("config"), dict):
         try:
