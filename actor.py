@@ -3401,9 +3401,9 @@ class StreamNetwork:
                 self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
             # bridge routes carry no messages (§5.6)
         links = publication_links(routes)           # §5.5
+        links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
         links += merge_links(self, data)            # §12.1 step 5: merges and splits
         links += split_links(self, data)
-        links += pipeline_links(self, data)         # §12.1 step 6: pipelines
         default = default_router(rt)
         if default is not None:                     # §3.4, §9.3: the default router
             links.append((INPUT, default, None, ("default_router",)))
@@ -3568,17 +3568,17 @@ class StreamNetwork:
         for name, node in self.nodes.items():
             label = node.describe().replace('"', "'")
             shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
-            lines.append(f"    {ids[name]}{shape}")
+            lines.append(f"{ids[name]}{shape}")
         for (source, target), conds in self.edges.items():
             if any(cond is None for cond, _path in conds):
-                lines.append(f"    {ids[source]} --> {ids[target]}")
+                lines.append(f"{ids[source]} --> {ids[target]}")
             else:
                 label = " or ".join(_describe_condition(c) for c, _p in conds).replace('"', "'")
-                lines.append(f'    {ids[source]} -- "{label}" --> {ids[target]}')
+                lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
         for name, node in self.nodes.items():
             for target, _path in _switch_targets(getattr(node, "ops", None), ()):
                 if target in ids:
-                    lines.append(f"    {ids[name]} -. switch .-> {ids[target]}")
+                    lines.append(f"{ids[name]} -. switch .-> {ids[target]}")
         return lines
 
 
