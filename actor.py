@@ -3520,6 +3520,14 @@ class StreamNetwork:
     def on_error(self, fn):
         self.nodes[ERROR].hooks.append(fn)
 
+    def close(self):
+        """§12.1 step 8: dispose of every subscription and host hook."""
+        for node in self.nodes.values():
+            node.out.observers.clear()
+            node.out.finishers.clear()
+            if isinstance(node, _Sink):
+                node.hooks.clear()
+
     def subscribe(self, name, fn):
         """A late subscriber to a stream: hot and replay streams replay their memory (§5.3.1)."""
         self.nodes[name].out.subscribe(fn)
