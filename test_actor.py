@@ -254,7 +254,403 @@ def test_cli_version_and_help():
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
-# [streams]
+# Unit tests build a Runtime by hand with tiny fake agents and graphs, so they exercise the stream
+# layer alone; the vectors under vectors/05-streams, 07-composition and 18-examples go end to end.
+
+class _FakeAgent:
+    """An agent (§4 interface) whose reply comes from `fn(content, ctx)`."""
+
+    def __init__(self, name, fn=None):
+        self.name, self.type, self.capabilities, self.metadata = name, "fake", [], {}
+        self.fn = fn or (lambda content, ctx: content)
+        self.calls = []
+
+    def invoke(self, content, ctx):
+        self.calls.append(content)
+        return self.fn(content, ctx)
+
+
+class _FakeRun:
+    def __init__(self, output, state, history):
+        self.output, self.state, self.history = output, state, history
+
+
+class _FakeGraph:
+    """The [graphs] GraphRoute interface, recording what the stream layer asks of it."""
+
+    def __init__(self):
+        self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+
+    def run(self, content, ctx, *, pure=False):
+        self.runs.append((content, pure))
+        if content == "explode":
+            raise actor.ExecutionError("graph exploded")
+        state = {"messages": [{"role": "user", "content": content},
+                              {"role": "assistant", "content": f"graph: {content}"}]}
+        return _FakeRun(f"out: {content}", state, ["start", "work", "end"])
+
+    def run_node(self, node, content, ctx):
+        self.nodes_run.append(node)
+        return f"{node}({content})"
+
+    def update_state(self, content):
+        self.updates.append(content)
+
+    def checkpoint(self):
+        self.checkpoints_made += 1
+
+
+def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
+    """A StreamNetwork over `routes` (+ merges/splits/...), with outputs and errors collected."""
+    doc = actor.Doc({"agents": {a.name: {"type": "tool"} for a in agents}, "routes": routes, **data})
+    rt = actor.Runtime(doc, clock=clock)
+    for agent in agents:
+        rt.agents[agent.name] = agent
+    rt.graphs.update(graphs or {})
+    net = actor.StreamNetwork(rt)
+    outputs, errors = [], []
+    net.on_output(outputs.append)
+    net.on_error(errors.append)
+    return net, outputs, errors, rt
+
+
+def _main(ops, **extra):
+    return {"main": {"type": "stream", "operators": ops, "publications": ["__output__"], **extra}}
+
+
+_FROM_INPUT = [{"sources": ["__input__"], "target": "main"}]
+
+
+def test_operators_table_lists_every_spec_operator():
+    """§5.3.2: one OPERATORS row per operator the standard defines, in the spec's order."""
+    assert list(actor.OPERATORS) == [
+        "map", "filter", "transform", "debounce", "throttle", "delay", "buffer", "scan", "reduce",
+        "switch", "conditional_route", "catch", "retry", "distinct", "take", "skip", "sample",
+        "graph_execute", "state_update", "state_checkpoint", "graph_node"]
+    assert list(actor.TRANSFORMS) == ["extract", "wrap", "format", "replace", "identity"]
+    assert list(actor.ACCUMULATORS) == ["collect", "concat", "sum"]
+
+
+def test_agent_mapper_resolves_message_context_first():
+    """§5.3.4(1): metadata.context wins over the global context; the reference is kept."""
+    seen = []
+    agent = _FakeAgent("a", lambda content, ctx: seen.append(ctx) or "ok")
+    net, outputs, _, rt = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                      agents=[agent], merges=_FROM_INPUT)
+    rt.context["k"] = "global"
+    own = {"k": "own"}
+    net.send("x", metadata={"context": own})
+    net.send("y")
+    assert seen[0] is own and seen[1] is rt.context
+    assert outputs[0].metadata["context"] is own and outputs[1].metadata["context"] is rt.context
+    assert outputs[0].metadata["processed_by"] == "a"
+
+
+def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
+    """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
+    import time as _time
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.3) or "late")
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                          agents=[slow], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_agent_mapper_real_clock_success_and_failure():
+    """The worker-thread path returns replies and carries agent errors back as messages."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise ValueError("no good")
+        return content.upper()
+    agent = _FakeAgent("a", fn)
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                          agents=[agent], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("ok")
+    net.send("bad")
+    assert [m.content for m in outputs] == ["OK", "Error: no good"]
+    assert [m.content for m in errors] == ["Error: no good"]
+
+
+def test_error_message_is_one_per_failure_and_stream_continues():
+    """§12.2.3 (Q92, Q93): one __error__ message per failure; the next message still flows."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise actor.ExecutionError("it broke")
+        return content
+    net, outputs, errors, _ = _stream_net(
+        _main([{"type": "map", "params": {"agent": "a"}}, {"type": "catch", "params": {}}]),
+        agents=[_FakeAgent("a", fn)], merges=_FROM_INPUT)
+    net.send("bad")
+    net.send("good")
+    assert [m.content for m in outputs] == ["good"]
+    assert [(m.content, m.metadata["error"], m.metadata["error_type"]) for m in errors] == [
+        ("Error: it broke", True, "ExecutionError")]
+    assert errors[0].source_stream == "main"
+
+
+def test_error_feedback_loop_is_cut():
+    """§12.6: an __error__ handler that fails again reaches the host once, without recursion."""
+    def fail(content, ctx):
+        raise ValueError("again")
+    net, _, errors, rt = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]},
+         "handler": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]}},
+        agents=[_FakeAgent("a", fail)],
+        merges=[{"sources": ["__input__"], "target": "main"},
+                {"sources": ["__error__"], "target": "handler"}])
+    net.send("x")
+    assert [m.content for m in errors] == ["Error: again", "Error: again"]
+    assert any("feedback loop" in w for w in rt.warnings)
+
+
+def test_hot_and_replay_streams_replay_to_late_subscribers():
+    """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
+    net, _, _, _ = _stream_net(
+        {"hot": {"type": "stream", "stream_type": "hot", "initial_value": "seed"},
+         "rep": {"type": "stream", "stream_type": "replay", "buffer_size": 2},
+         "cold": {"type": "stream"}},
+        merges=[{"sources": ["__input__"], "target": t} for t in ("hot", "rep", "cold")])
+    late = {name: [] for name in ("hot", "rep", "cold")}
+    net.subscribe("hot", lambda m: late["hot"].append(m.content))
+    assert late["hot"] == ["seed"]
+    for content in ("a", "b", "c"):
+        net.send(content)
+    for name in late:
+        net.subscribe(name, lambda m, name=name: late[name].append(m.content))
+    assert late == {"hot": ["seed", "a", "b", "c", "c"], "rep": ["b", "c"], "cold": []}
+
+
+def test_debounce_capped_in_single_shot_runs():
+    """§5.3.2 (Q95): single-shot runs cap debounce at 50 ms."""
+    doc = actor.Doc({"agents": {}, "routes": _main(
+        [{"type": "debounce", "params": {"duration": 5.0}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    net = actor.StreamNetwork(rt, single_shot=True)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("x")
+    rt.clock.advance(0.04)
+    assert outputs == []
+    rt.clock.advance(0.01)
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_settle_waits_for_timers_under_real_clock():
+    """settle() lets a short real delay fire before returning."""
+    net, outputs, _, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 0.02}}]),
+                                     merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    assert outputs == []
+    net.settle()
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_settle_reports_soft_timeout():
+    """§12.2.4: waiting beyond the soft bound signals an ExecutionError on __error__."""
+    net, outputs, errors, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 60}}]),
+                                          merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    net.settle(timeout=0.01)
+    assert outputs == [] and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_graph_route_fed_by_merge_emits_run_output():
+    """Q28: a graph route that is a merge target sends GraphRun.output to __output__."""
+    graph = _FakeGraph()
+    net, outputs, errors, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}, "s": {"type": "stream"}},
+        graphs={"g": graph}, merges=[{"sources": ["__input__"], "target": "g"}])
+    net.send("hi")
+    net.send("explode")
+    assert [m.content for m in outputs] == ["out: hi"]
+    assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
+    assert errors[0].metadata["error_type"] == "ExecutionError"
+    assert graph.runs == [("hi", False), ("explode", False)]
+
+
+def test_pure_graph_mode_runs_pure():
+    """§6.9: when every route is a graph, the default router runs it with pure=True."""
+    graph = _FakeGraph()
+    doc = actor.Doc({"agents": {}, "routes": {"g": {"type": "graph", "nodes": {}}}})
+    rt = actor.Runtime(doc)
+    rt.graphs["g"] = graph
+    rt.default_router = "g"
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hi")
+    assert graph.runs == [("hi", True)] and [m.content for m in outputs] == ["out: hi"]
+
+
+def test_graph_bridge_operators():
+    """§5.3.2 graph_execute, state_update, state_checkpoint, graph_node."""
+    graph = _FakeGraph()
+    ops = [{"type": "state_update", "params": {"graph": "g"}},
+           {"type": "state_checkpoint", "params": {"graph": "g"}},
+           {"type": "graph_node", "params": {"graph": "g", "node": "work"}},
+           {"type": "graph_execute", "params": {"graph": "g"}}]
+    net, outputs, _, _ = _stream_net(
+        {**_main(ops), "g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}},
+        graphs={"g": graph}, merges=_FROM_INPUT)
+    net.send("x")
+    assert graph.updates == ["x"] and graph.checkpoints_made == 1 and graph.nodes_run == ["work"]
+    (out,) = outputs
+    assert out.content == "graph: work(x)"
+    meta = out.metadata
+    assert meta["state_updated"] is True and meta["checkpointed"] is True
+    assert meta["node"] == "work" and meta["graph"] == "g"
+    assert meta["execution_history"] == ["start", "work", "end"]
+    assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+
+
+def test_graph_execute_without_messages_forwards_state():
+    """§5.3.2 graph_execute: no assistant message -> the whole final state is the content."""
+    class Stateless(_FakeGraph):
+        def run(self, content, ctx, *, pure=False):
+            return _FakeRun("o", {"messages": [], "metadata": {"k": 1}}, [])
+    net, outputs, _, _ = _stream_net(
+        {**_main([{"type": "graph_execute", "params": {"graph": "g"}}]),
+         "g": {"type": "graph", "nodes": {}}}, graphs={"g": Stateless()}, merges=_FROM_INPUT)
+    net.send("x")
+    assert outputs[0].content == {"messages": [], "metadata": {"k": 1}}
+
+
+def test_check_streams_errors_are_located():
+    """Load-time operator errors carry the config path and the source location."""
+    text = ("agents:\n  a: {type: tool, config: {tools: [echo]}}\nroutes:\n  main:\n"
+            "    type: stream\n    operators:\n      - type: map\n        params: {agent: a}\n"
+            "      - type: mapp\n")
+    data = actor.yaml.safe_load(text)
+    doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
+                    ["team.yaml"])
+    with pytest.raises(actor.StreamRoutingError) as info:
+        actor.check_streams(doc, {"a"}, set())
+    err = info.value
+    assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
+    assert err.section == "5.3.2"
+
+
+def test_send_to_named_route_and_errors():
+    """send(target=route) enters that route directly; unknown targets and a completed input raise."""
+    net, outputs, _, _ = _stream_net(
+        {"a": {"type": "stream", "operators": [{"type": "map", "params": {
+            "transform": {"type": "format", "template": "a:{content}"}}}],
+               "publications": ["__output__"]}})
+    net.send("x", target="a")
+    assert [m.content for m in outputs] == ["a:x"]
+    with pytest.raises(actor.RoutingError):
+        net.send("x", target="nowhere")
+    net.complete()
+    with pytest.raises(actor.StreamRoutingError):
+        net.send("y")
+
+
+def test_pipeline_graph_stage_uses_named_graph():
+    """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
+    graph = _FakeGraph()
+    net, outputs, _, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {}}, "s": {"type": "stream"}}, graphs={"g": graph},
+        merges=[{"sources": ["__input__"], "target": "p"}],
+        pipelines={"p": {"stages": [{"type": "stream", "name": "one"},
+                                    {"type": "graph", "graph": "g"},
+                                    {"type": "stream", "name": "three",
+                                     "publications": ["__output__"]}]}})
+    net.send("x")
+    assert [m.content for m in outputs] == ["out: x"]
+
+
+def test_routing_prefixes_can_be_extended_by_the_host():
+    """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
+    assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
+    assert actor.strip_routing_prefix("SET_topic:AI") == "AI"
+    assert actor.strip_routing_prefix("FINAL: x") == "FINAL: x"
+    assert actor.strip_routing_prefix("FINAL: x", ["FINAL:"]) == "x"
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "transform": {"type": "format", "template": "FINAL: {content}"}}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.routing_prefixes = ["FINAL:"]
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("done")
+    assert [m.content for m in outputs] == ["done"]
+
+
+def test_retry_without_agent_map_warns():
+    net, _, _, rt = _stream_net(_main([{"type": "retry", "params": {"count": 2}}]),
+                                merges=_FROM_INPUT)
+    assert any("retry has no agent map" in w for w in rt.warnings)
+
+
+def test_registered_function_applies():
+    """§5.3.3: a host-registered transformer (rt.functions) maps content."""
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "function": "text.shout"}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.functions = {"text.shout": lambda content: content.upper() + "!"}
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hey")
+    assert [m.content for m in outputs] == ["HEY!"]
+
+
+def test_mermaid_lines_show_routes_links_and_conditions():
+    net, _, _, _ = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}],
+                  "publications": ["__output__"]},
+         "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
+        splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
+    lines = net.mermaid()
+    assert 'main["main: map(a)"]' in lines and "__input__ --> main" in lines
+    assert "main --> __output__" in lines
+    assert "main -- \"content_contains 'x'\" --> lane" in lines
+
+
+def test_close_disposes_subscriptions():
+    """§12.1 step 8: after close() nothing reaches the host hooks."""
+    net, outputs, _, _ = _stream_net(_main([]), merges=_FROM_INPUT)
+    net.close()
+    net.send("x")
+    assert outputs == []
+
+
+def _bench_actor():
+    cfg = ("agents:\n  echo: {type: tool, config: {tools: [echo]}}\n"
+           "routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: echo}}]\n"
+           "    publications: [__output__]\n"
+           "merges: [{sources: [__input__], target: main}]\n")
+    return actor.load(text=cfg)
+
+
+@pytest.mark.bench
+def test_bench_send_against_direct_agent_calls():
+    """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
+    invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
+    import time as _time
+    n = 20000
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    for i in range(200):                  # warm up both paths
+        a.send("warm")
+        agent.invoke("warm", ctx)
+    start = _time.perf_counter()
+    for i in range(n):
+        agent.invoke("hello", ctx)
+    floor = n / (_time.perf_counter() - start)
+    start = _time.perf_counter()
+    for i in range(n):
+        a.send("hello")
+    through = n / (_time.perf_counter() - start)
+    print(f"\nbare agent.invoke loop: {floor:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s")
+    print(f"ratio (floor / send): {floor / through:.2f}x (target <= 3x)")
+    assert a.send("hello").outputs[0].content == "hello"
 
 
 # =====================================================================================
