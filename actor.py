@@ -978,14 +978,15 @@ def normalize_node_name(name):
 
 def build_nodes(graph):
     """Prepared GraphNode objects; start and end added when absent (§6.2.1)."""
-    nodes = {}
+    declared = {}
     for name, node_cfg in graph.cfg["nodes"].items():
-        name = normalize_node_name(name)
-        nodes[name] = GraphNode(name, str(node_cfg["type"]).lower(), node_cfg,
-                                graph.path + ("nodes", name))
-    for name in (START_NODE, END_NODE):
-        if name not in nodes:
-            nodes[name] = GraphNode(name, name, {"type": name}, graph.path + ("nodes", name))
+        declared[normalize_node_name(name)] = GraphNode(
+            normalize_node_name(name), str(node_cfg["type"]).lower(), node_cfg,
+            graph.path + ("nodes", name))
+    nodes = {}
+    for name in (START_NODE, *declared, END_NODE):        # start first, end last
+        nodes[name] = declared.get(name) or GraphNode(name, name, {"type": name},
+                                                      graph.path + ("nodes", name))
     return nodes
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
