@@ -775,7 +775,17 @@ class GraphRoute:
             if stop:
                 break
             admitted.append((node, message))
-        outcomes = run_next_node_set(self, admitted, state)
+        if len(admitted) == 1:                  # the common case: no set to schedule
+            node, message = admitted[0]
+            try:
+                outcomes = [(node.handler(self, node, message, state), None)]
+            except ActorError as exc:
+                outcomes = [(None, exc)]
+            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
+                outcomes = [(None, ExecutionError(
+                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+        else:
+            outcomes = run_next_node_set(self, admitted, state)
         results = []
         for (node, message), (result, error) in zip(admitted, outcomes):
             if error is not None:
@@ -1009,6 +1019,11 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
 def trim_history(messages, max_messages, max_chars):
     """§6.2.2.1: the newest `max_messages` messages whose contents total at most `max_chars`."""
     history = messages[-max_messages:] if max_messages > 0 else []
+    try:                                     # the common case: string contents within budget
+        if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
+            return history
+    except TypeError:
+        pass
     total = 0
     for index in range(len(history) - 1, -1, -1):
         total += len(str(history[index].get("content", "")))
@@ -1040,15 +1055,13 @@ def agent_node_context(node, state):
 
 def context_changes(before, after):
     """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
-    changes = {}
-    for key, value in after.items():
-        if key in AGENT_NODE_RESERVED_KEYS:
-            continue
-        old = before.get(key, _MISSING)
-        if old is not value:
-            changes[key] = value
-    removed = [key for key in before if key not in after and key not in AGENT_NODE_RESERVED_KEYS]
-    return changes, removed
+    get = before.get
+    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
+    if changes:
+        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
+            del changes[key]
+    removed = before.keys() - after.keys()
+    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
