@@ -2625,9 +2625,11 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
     "_history_truncated", "_history_original_length"})
 
 
-def trim_history(messages, max_messages, max_chars):
-    """§6.2.2.1: the newest `max_messages` messages whose contents total at most `max_chars`."""
-    history = messages[-max_messages:] if max_messages > 0 else []
+def trim_history(messages, max_messages, max_chars, end=None):
+    """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
+    `max_chars` characters."""
+    end = len(messages) if end is None else end
+    history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
         if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
             return history
@@ -2642,7 +2644,7 @@ def trim_history(messages, max_messages, max_chars):
     return history
 
 
-def agent_node_context(node, state):
+def agent_node_context(node, state, message):
     """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
     metadata = state["metadata"]
     nested = metadata.get("context")
@@ -2650,15 +2652,20 @@ def agent_node_context(node, state):
     ctx = dict(nested) if isinstance(nested, dict) else {}
     ctx.update(metadata)
     messages = state["messages"]
-    history = trim_history(messages, node.max_history_messages, node.max_history_chars)
+    # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
+    # receives; when the newest state message is that message, it is the input, not history.
+    end = len(messages)
+    if end and messages[-1].get("content") == message:
+        end -= 1
+    history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
     ctx["graph_state"] = {"messages": history, "metadata": metadata,
                           "current_node": state["current_node"],
                           "execution_count": state["execution_count"], "error": state["error"]}
     ctx["conversation_history"] = history
     ctx["full_context"] = True
-    if len(history) < len(messages):
+    if len(history) < end:
         ctx["_history_truncated"] = True
-        ctx["_history_original_length"] = len(messages)
+        ctx["_history_original_length"] = end
     return ctx
 
 
@@ -2706,7 +2713,7 @@ def node_agent(graph, node, message, state):
     # failed attempt's context changes are dropped; after the last one the run fails (state.error).
     attempt = 0
     while True:
-        ctx = agent_node_context(node, state)
+        ctx = agent_node_context(node, state, message)
         before = dict(ctx)
         try:
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)

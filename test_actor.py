@@ -404,9 +404,9 @@ def test_graph_agent_node_context_is_built_per_6_2_2():
     g.run("hello")
     assert seen["full_context"] is True
     assert seen["user"] == "ada" and seen["topic"] == "t"          # nested flattened + top level
-    assert [m["content"] for m in seen["conversation_history"]] == ["2", "hello"]
+    assert [m["content"] for m in seen["conversation_history"]] == ["1", "2"]   # input excluded
     assert seen["graph_state"]["messages"] == seen["conversation_history"]
-    assert seen["_history_truncated"] is True and seen["_history_original_length"] == 4
+    assert seen["_history_truncated"] is True and seen["_history_original_length"] == 3
     meta = g.state["metadata"]
     assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
     assert "full_context" not in meta and "graph_state" not in meta
@@ -417,9 +417,9 @@ def test_graph_history_trimmed_by_chars():
     cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
     seen = {}
     rt, g = make_graph(cfg, {"a": lambda c, ctx: seen.update(ctx) or "ok"})
-    g.state["messages"].append({"role": "user", "content": "abcd"})
+    g.state["messages"].extend([{"role": "user", "content": "abcd"}, {"role": "user", "content": "ef"}])
     g.run("xyz")
-    assert [m["content"] for m in seen["conversation_history"]] == ["xyz"]
+    assert [m["content"] for m in seen["conversation_history"]] == ["ef"]
     assert seen["_history_original_length"] == 2
 
 
