@@ -350,13 +350,231 @@ class Runtime:
 # =====================================================================================
 
 # §3.1 File format -------------------------------------------------------------------------
-# [foundation] YAML 1.2 loader with marks, deep merge.
+# YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
+# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when present;
+# the resolver and the construction below are ours in both cases, so the results are identical.
+
+_YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+
+_CORE_TAGS = {
+    "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
+    "tag:yaml.org,2002:float", "tag:yaml.org,2002:str", "tag:yaml.org,2002:map",
+    "tag:yaml.org,2002:seq",
+}
+_Y12_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_Y12_FLOAT = re.compile(
+    r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
+_Y12_NULL = re.compile(r"~|null|Null|NULL|")
+
+
+class Yaml12Loader(_YamlLoaderBase):
+    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 == 10)."""
+
+    yaml_implicit_resolvers = {}
+
+
+for _tag, _regex, _first in (
+        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
+        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
+        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
+        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
+    Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+
+
+def _scalar_value(node):
+    tag, text = node.tag, node.value
+    if tag == "tag:yaml.org,2002:null":
+        return None
+    if tag == "tag:yaml.org,2002:bool":
+        return text.lower() == "true"
+    if tag == "tag:yaml.org,2002:int":
+        if text.startswith("0o"):
+            return int(text[2:], 8)
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text, 10)
+    if tag == "tag:yaml.org,2002:float":
+        low = text.lower().lstrip("+")
+        if low in (".inf", "-.inf"):
+            return float("-inf") if low.startswith("-") else float("inf")
+        if low == ".nan":
+            return float("nan")
+        return float(text)
+    return text
+
+
+def parse_yaml(text, file=None):
+    """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+    loader = Yaml12Loader(text)
+    try:
+        node = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
+                                 file=file, line=line, col=col) from None
+    finally:
+        loader.dispose()
+    marks = {}
+    budget = [YAML_ALIAS_BUDGET]
+
+    def at(n):
+        return (file, n.start_mark.line + 1, n.start_mark.column + 1)
+
+    def build(n, path):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ConfigurationError(
+                f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
+                section="3.1", file=file, line=at(n)[1], col=at(n)[2])
+        if n.tag not in _CORE_TAGS:
+            raise ConfigurationError(f"tag '{n.tag}' is not part of the YAML 1.2 core schema",
+                                     path=path_str(path), section="3.1", file=file,
+                                     line=at(n)[1], col=at(n)[2])
+        if isinstance(n, yaml.ScalarNode):
+            return _scalar_value(n)
+        if isinstance(n, yaml.SequenceNode):
+            items = []
+            for i, item in enumerate(n.value):
+                marks[path + (i,)] = at(item)
+                items.append(build(item, path + (i,)))
+            return items
+        mapping = {}
+        for key_node, value_node in n.value:
+            key = build(key_node, path)
+            if isinstance(key, (dict, list)):
+                raise ConfigurationError("mapping keys must be scalars", path=path_str(path),
+                                         section="3.1", file=file, line=at(key_node)[1],
+                                         col=at(key_node)[2])
+            if key in mapping:
+                raise ConfigurationError(f"duplicate mapping key '{key}'",
+                                         path=path_str(path + (key,)), section="3.1", file=file,
+                                         line=at(key_node)[1], col=at(key_node)[2])
+            marks[path + (key,)] = at(key_node)
+            mapping[key] = build(value_node, path + (key,))
+        return mapping
+
+    if node is None:
+        return None, marks
+    marks[()] = at(node)
+    return build(node, ()), marks
+
+
+def deep_merge(base, extra):
+    """§3.1 merge of a later file into the result so far (mappings recurse, sequences append)."""
+    for key, value in extra.items():
+        if key not in base:
+            base[key] = value
+        elif isinstance(base[key], dict) and isinstance(value, dict):
+            deep_merge(base[key], value)
+        elif isinstance(base[key], list) and isinstance(value, list):
+            base[key] = base[key] + value
+        else:
+            base[key] = value
+    return base
+
+
+def merge_marks(marks, extra, data_before, extra_data):
+    """Keep marks of the file a value came from: later files win, appended list items shift."""
+    # Sequence appends move the later file's items; re-key those paths by the merged offsets.
+    shifts = {}
+
+    def walk(before, after, path):
+        if isinstance(before, dict) and isinstance(after, dict):
+            for key in after:
+                if key in before:
+                    walk(before[key], after[key], path + (key,))
+        elif isinstance(before, list) and isinstance(after, list):
+            shifts[path] = len(before)
+
+    walk(data_before, extra_data, ())
+    for path, mark in extra.items():
+        new = list(path)
+        for i in range(len(path)):
+            prefix = tuple(path[:i])
+            if prefix in shifts and isinstance(path[i], int):
+                new[i] = path[i] + shifts[prefix]
+        marks[tuple(new)] = mark
 
 # §3.2 Top-level sections ---------------------------------------------------------------
-# [foundation]
+# section -> required? Rows in the spec's order. `cleveragents` and `version` are read too: the
+# former carries the §9 parameters in the spec's own examples (§9.2, §18.9), the latter is §9.6.
+TOP_LEVEL_SECTIONS = {
+    "agents": True, "routes": True, "merges": False, "splits": False, "templates": False,
+    "instances": False, "context": False, "prompts": False, "pipelines": False,
+    "template_strings": False, "name": False,
+}
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (Q88)
+
+
+def check_top_level(doc, rt):
+    """§3.1, §11.1.1, §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    if not isinstance(doc.data, dict):
+        kind = "empty" if doc.data is None else type(doc.data).__name__
+        raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
+                        "3.1, §11.1")
+    for key in doc.data:
+        if key in FORBIDDEN_TOP_LEVEL:
+            raise doc.error(ConfigurationError, (key,), f"top-level '{key}:' is forbidden; "
+                            f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
+        if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
+            rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    if "agents" not in doc.data:
+        raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
+    if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
+        raise doc.error(ConfigurationError, ("agents",),
+                        "agents must be a non-empty mapping of agent definitions", "11.1, §3.3")
+    routes = doc.data.get("routes")
+    if routes is None:
+        raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")
+    if isinstance(routes, list):
+        raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
+                        "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
+    if not isinstance(routes, dict) or not routes:
+        raise doc.error(ConfigurationError, ("routes",), "routes must be a non-empty mapping",
+                        "11.1")
+
 
 # §3.4 The default router requirement ------------------------------------------------
-# [foundation]
+def inputs_feed(data):
+    """Routes that receive __input__ through a merge or a split (the deprecated §3.4 form)."""
+    fed = []
+    for merge in data.get("merges") or []:
+        if isinstance(merge, dict) and "__input__" in (merge.get("sources") or []):
+            fed.append(merge.get("target"))
+    for split in data.get("splits") or []:
+        if isinstance(split, dict) and split.get("source") == "__input__":
+            fed.extend((split.get("targets") or {}).keys())
+    return fed
+
+
+def resolve_default_router(doc, rt, host_value):
+    """§3.4, §9.3, §11.1.6: the designated route, or None when __input__ merges/splits feed routes.
+
+    INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
+    §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
+    that is not a route is an error.
+    """
+    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
+    name = host_value if host_value is not None else params.get("default_router")
+    path = ("cleveragents", "default_router") if host_value is None else ()
+    if name is not None:
+        if name not in doc.data["routes"]:
+            raise doc.error(ConfigurationError, path,
+                            f"default_router '{name}' is not a route in routes", "9.3, §3.4")
+        return name
+    if not inputs_feed(doc.data):
+        rt.warn("no default_router is designated and no merge or split reads __input__; "
+                "messages sent to the Actor reach no route", section="3.4", path=("routes",))
+    return None
 
 
 # =====================================================================================
@@ -364,10 +582,40 @@ class Runtime:
 # =====================================================================================
 
 # §4.1 The agents section ---------------------------------------------------------------
-# [foundation]
+def check_agent(doc, name, cfg, path, agent_types):
+    """§4.1, §4.2, §11.1.3-4, §11.2, §15.4: one agent definition (after Phase B expansion)."""
+    if not isinstance(name, str) or not name:
+        raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
+    if name.startswith("__"):
+        raise doc.error(ConfigurationError, path,
+                        f"agent name '{name}' is reserved (names starting with __)", "4.2, §11.2")
+    if not isinstance(cfg, dict):
+        raise doc.error(ConfigurationError, path, "an agent definition must be a mapping",
+                        "4.1, §11.1")
+    if "type" not in cfg:
+        raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
+    kind = cfg["type"]
+    if kind not in agent_types:
+        known = ", ".join(sorted(agent_types))
+        raise doc.error(ConfigurationError, path + ("type",),
+                        f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
+    if cfg.get("config") is None:
+        cfg["config"] = {}
+    if not isinstance(cfg["config"], dict):
+        raise doc.error(ConfigurationError, path + ("config",), "config must be a mapping",
+                        "11.1")
+    check = AGENT_CHECKS.get(kind)
+    if check is not None:
+        check(doc, name, cfg["config"], path + ("config",), agent_types)
+
 
 # §4.2 Agent names ---------------------------------------------------------------------
-# [foundation]
+AGENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_agent_name_style(rt, name, path):
+    if isinstance(name, str) and not AGENT_NAME.fullmatch(name):
+        rt.warn(f"agent name '{name}' is outside [A-Za-z_][A-Za-z0-9_]*", section="4.2", path=path)
 
 # §4.4 LLM agents ----------------------------------------------------------------------
 # The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
@@ -743,46 +991,1055 @@ def render_system_prompt(agent, view, message):
 
 
 # §4.5 Tool agents -----------------------------------------------------------------------
-# [tools] class ToolAgent; §4.5.1-§4.5.7 below.
+# The tool agent: §4.5 fields and defaults, §4.11 capabilities and metadata for tools. Its parts
+# follow: the built-ins (§4.5.1), inline tools (§4.5.2), the request protocol (§4.5.3), the
+# path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
+# and the shell extension (§13.5).
+# [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
+import ast
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+
+# The §4.5 field table: field -> (accepted Python types, default).
+TOOL_AGENT_FIELDS = {
+    "tools":       ((list,),        []),
+    "safe_mode":   ((bool,),        True),
+    "allow_shell": ((bool,),        False),
+    "timeout":     ((int, float),   1),
+    "context":     ((dict,),        {}),
+}
+
+# The §4.11 capability identifiers a tool agent publishes, by the tool that brings them.
+TOOL_CAPABILITIES = {
+    "math": "math-evaluation",
+    "http_request": "http-requests",
+    "file_read": "file-operations",
+    "file_write": "file-operations",
+    "shell": "command-execution",
+}
+
+
+class ToolEnv:
+    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+
+    __slots__ = ("rt", "ctx", "view", "safe_mode", "allow_shell", "timeout", "who")
+
+    def __init__(self, rt, ctx, *, view=None, safe_mode=True, allow_shell=False, timeout=1,
+                 who="tool"):
+        self.rt = rt
+        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
+        self.view = self.ctx if view is None else view      # agent context + invocation context
+        self.safe_mode = safe_mode
+        self.allow_shell = allow_shell
+        self.timeout = timeout
+        self.who = who
+
+    def fail(self, message, section="4.5"):
+        """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
+        # INTERPRETATION §4.5.1 (Q65): every tool failure, rejection or operational, is an
+        # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
+        return ExecutionError(message, path=self.who, section=section)
+
+    @property
+    def unsafe_invocation(self):
+        """`_unsafe_mode: true` in the invocation context (§4.5.4, §10.3); set by the host."""
+        return self.ctx.get("_unsafe_mode") is True
+
+    @property
+    def unsafe_host(self):
+        """§13.3 unsafe mode: the host is unsafe AND the invocation carries `_unsafe_mode: true`."""
+        return bool(getattr(self.rt, "unsafe", False)) and self.unsafe_invocation
+
+
+class ToolAgent:
+    """§4.5 `type: tool`: deterministic tools (built-in or inline code), no language model.
+
+    {type: tool, config: {tools: [echo, {name: n, code: ...}], safe_mode: true, allow_shell: false,
+    timeout: 1, context: {}}}
+    """
+
+    type = "tool"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name = name
+        self.rt = rt
+        self.path = tuple(path)
+        config_path = self.path + ("config",)
+        config = cfg.get("config") if isinstance(cfg, dict) else None
+        if config is None:
+            config = {}
+        if not isinstance(config, dict):
+            raise rt.error(ConfigurationError, config_path, "tool agent config must be a mapping",
+                           "4.5")
+        # INTERPRETATION §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
+        # load, because the table says "Required: Yes" and such an agent could only ever fail.
+        if "tools" not in config:
+            raise rt.error(ConfigurationError, config_path,
+                           f"tool agent '{name}' needs a `tools` list", "4.5")
+        values = {}
+        for field, (types, default) in TOOL_AGENT_FIELDS.items():
+            value = config.get(field, copy.deepcopy(default))
+            if value is None and field == "context":
+                value = {}
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                kinds = " or ".join(t.__name__ for t in types)
+                raise rt.error(ConfigurationError, config_path + (field,),
+                               f"`{field}` must be a {kinds}", "4.5")
+            values[field] = value
+        if values["timeout"] <= 0:
+            raise rt.error(ConfigurationError, config_path + ("timeout",),
+                           "`timeout` must be a positive number of seconds", "4.5")
+        for key in config:
+            if key not in TOOL_AGENT_FIELDS:
+                rt.warn(f"unknown tool agent field '{key}' is ignored", section="4.5",
+                        path=config_path + (key,))
+        self.safe_mode = values["safe_mode"]
+        self.allow_shell = values["allow_shell"]
+        self.timeout = values["timeout"]
+        self.context = values["context"]          # §4.5 per-agent persistent context
+        if not values["tools"]:
+            rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
+                    section="4.5", path=config_path + ("tools",))
+        self.tools = {}                           # tool name -> InlineTool, or None for a built-in
+        for index, entry in enumerate(values["tools"]):
+            self._add_tool(entry, config_path + ("tools", index))
+        self.capabilities = ["tool-execution"]
+        for tool in self.tools:
+            capability = TOOL_CAPABILITIES.get(tool)
+            if capability and capability not in self.capabilities:
+                self.capabilities.append(capability)
+        if self.allow_shell and "command-execution" not in self.capabilities:
+            self.capabilities.append("command-execution")
+        self.metadata = {
+            "name": name, "type": "tool", "capabilities": list(self.capabilities),
+            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
+            "safe_mode": self.safe_mode, "timeout": self.timeout,
+        }
+
+    def _add_tool(self, entry, path):
+        """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
+        rt = self.rt
+        if isinstance(entry, str):
+            if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
+                raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+            name, tool = entry, None
+        elif isinstance(entry, dict):
+            name = entry.get("name")
+            if not isinstance(name, str) or not name:
+                raise rt.error(ConfigurationError, path + ("name",),
+                               "an inline tool needs a non-empty string `name`", "4.5.2")
+            code = entry.get("code")
+            if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
+                tool = None                       # {name: math} is the mapping form of `math`
+            elif not isinstance(code, str):
+                raise rt.error(ConfigurationError, path + ("code",),
+                               f"inline tool '{name}' needs a string `code` body", "4.5.2")
+            else:
+                for key in entry:
+                    if key not in ("name", "code"):
+                        rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
+                                path=path + (key,))
+                if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
+                    # INTERPRETATION §16.3 (Q5): accepted; the inline tool shadows the built-in,
+                    # with a warning, because the rule's own parenthesis says the inline tool wins.
+                    rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
+                            section="16.3", path=path + ("name",))
+                tool = InlineTool(self, name, code, path)
+        else:
+            raise rt.error(ConfigurationError, path,
+                           "a tool is a built-in name or a mapping {name, code}", "4.5")
+        if name in self.tools:
+            raise rt.error(ConfigurationError, path,
+                           f"tool '{name}' is listed twice; tool names are unique per agent",
+                           "4.5.2")
+        self.tools[name] = tool
+
+    def env(self, ctx):
+        """The ToolEnv of one invocation: the agent's limits plus the merged context view."""
+        ctx = ctx if isinstance(ctx, dict) else {}
+        view = dict(self.context)
+        view.update(ctx)
+        return ToolEnv(self.rt, ctx, view=view, safe_mode=self.safe_mode,
+                       allow_shell=self.allow_shell, timeout=self.timeout,
+                       who=f"agent '{self.name}' (tool)")
+
+    def invoke(self, content, ctx):
+        """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
+        name, args, input_data = tool_request(self, content)
+        return self.run_tool(name, args, ctx, input_data=input_data)
+
+    def run_tool(self, name, args, ctx, *, input_data=None):
+        """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
+        env = self.env(ctx)
+        if name not in self.tools:
+            if name == "shell" and self.allow_shell:
+                pass                              # §13.5: allow_shell makes `shell` available
+            else:
+                raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
+        inline = self.tools.get(name)
+        if inline is not None:
+            if input_data is None:
+                input_data = inline_input(args)
+            return tool_output(inline.run(input_data, env))
+        handler = BUILTIN_TOOLS.get(name) or EXTENSION_TOOLS[name]
+        return tool_output(handler(env, tool_args(args)))
+
+
+def run_builtin_tool(rt, name, args, ctx, agent=None):
+    """§12.4: run one tool for a [TOOL_EXECUTE:name] block; returns the §4.5.7 string.
+
+    A ToolAgent runs it under its own tools list and limits; any other caller gets the
+    built-ins with the default limits (safe_mode true, no shell, timeout 1 s).
+    """
+    if isinstance(agent, ToolAgent):
+        return agent.run_tool(name, args, ctx)
+    who = f"agent '{agent.name}'" if getattr(agent, "name", None) else "tool"
+    env = ToolEnv(rt, ctx, who=who)
+    handler = BUILTIN_TOOLS.get(name)
+    if handler is None:
+        raise env.fail(f"unknown tool '{name}'", "12.4")
+    return tool_output(handler(env, tool_args(args)))
 
 # §4.5.1 Built-in tools ------------------------------------------------------------------
-# [tools]
+# A handler is `tool_<name>(env, args) -> value`; `args` is a mapping of named arguments whose
+# key "args" (when present) holds the positional list (§4.5.3 JSON `args` list, command form).
+
+def tool_args(raw):
+    """Normalise a request's `args`: a mapping stays, a list becomes {"args": list}."""
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        return dict(raw)
+    if isinstance(raw, (list, tuple)):
+        return {"args": list(raw)}
+    return {"args": [raw]}
+
+
+def tool_argument(args, name, index=0):
+    """The named argument, else the positional one at `index`, else None (§4.5.1 `x OR args[i]`)."""
+    if args.get(name) is not None:
+        return args[name]
+    positional = args.get("args")
+    if isinstance(positional, list) and len(positional) > index:
+        return positional[index]
+    return None
+
+
+def tool_rest(args, name):
+    """The named argument, else every positional argument joined by single spaces."""
+    if args.get(name) is not None:
+        return args[name]
+    positional = args.get("args")
+    if isinstance(positional, list) and positional:
+        return " ".join(str(item) for item in positional)
+    return None
+
+
+def tool_echo(env, args):
+    """§4.5.1 echo: the input verbatim.
+
+    {tool: echo, args: {text: <s>}} | {tool: echo, args: [<s>, ...]} | `echo <words>`
+    """
+    # INTERPRETATION §4.5.1 (Q64): several positional arguments are joined with single spaces,
+    # the same for the JSON `args` list and the space-separated command form.
+    text = tool_rest(args, "text")
+    return "" if text is None else text
+
+
+def tool_math(env, args):
+    """§4.5.1 math: evaluate an arithmetic expression; only abs round min max sum pow int float.
+
+    {tool: math, args: {expression: "2 + 2 * 3"}} | `math 2+2*3`   -> "8"
+    """
+    # INTERPRETATION §4.5.1: positional arguments are joined by spaces, so that the command
+    # form `math 2 + 2` (split on spaces by §4.5.3) gives the expression "2 + 2".
+    expression = tool_rest(args, "expression")
+    if not isinstance(expression, str) or not expression.strip():
+        raise env.fail("math needs an `expression` string", "4.5.1")
+    return math_evaluate(expression, env)
+
+
+# The restricted arithmetic environment of §4.5.1 `math`: these names and nothing else.
+MATH_FUNCTIONS = {"abs": abs, "round": round, "min": min, "max": max, "sum": sum, "pow": pow,
+                  "int": int, "float": float}
+MATH_OPERATORS = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    ast.Pow: pow,
+}
+MATH_MAX_BITS = 4096          # guard: no integer beyond 4096 bits (about 1233 digits)
+
+
+def math_evaluate(expression, env):
+    """Walk the AST of `expression`; the raw string is never given to eval()."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise env.fail(f"math: invalid expression ({exc.msg})", "4.5.1") from None
+    except (RecursionError, MemoryError):
+        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+    try:
+        value = _math_node(tree.body, env)
+    except (ArithmeticError, ValueError, TypeError) as exc:
+        raise env.fail(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
+    except RecursionError:
+        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+    return str(value)
+
+
+def _math_guard(value, env):
+    if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
+        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+    return value
+
+
+def _math_power(base, exponent, modulus=None, *, env):
+    """pow and ** with the size guard checked before the work is done."""
+    if modulus is None and isinstance(base, int) and isinstance(exponent, int) \
+            and abs(base) > 1 and exponent > 0 \
+            and exponent * (abs(base).bit_length() - 1) > MATH_MAX_BITS:
+        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+    return pow(base, exponent) if modulus is None else pow(base, exponent, modulus)
+
+
+def _math_node(node, env):
+    match node:
+        case ast.Constant(value=value) if type(value) in (int, float):
+            return value
+        case ast.UnaryOp(op=ast.USub(), operand=operand):
+            return -_math_node(operand, env)
+        case ast.UnaryOp(op=ast.UAdd(), operand=operand):
+            return +_math_node(operand, env)
+        case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
+            a, b = _math_node(left, env), _math_node(right, env)
+            if isinstance(op, ast.Pow):
+                return _math_guard(_math_power(a, b, env=env), env)
+            if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
+                    and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:
+                raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+            return _math_guard(MATH_OPERATORS[type(op)](a, b), env)
+        case ast.List(elts=items) | ast.Tuple(elts=items):
+            return [_math_node(item, env) for item in items]
+        case ast.Call(func=ast.Name(id=name), args=call_args, keywords=[]) \
+                if name in MATH_FUNCTIONS:
+            values = [_math_node(arg, env) for arg in call_args]
+            if name == "pow" and 2 <= len(values) <= 3:
+                return _math_guard(_math_power(*values, env=env), env)
+            return _math_guard(MATH_FUNCTIONS[name](*values), env)
+        case ast.Name(id=name):
+            raise env.fail(f"math: name '{name}' is not available", "4.5.1")
+    raise env.fail(f"math: {type(node).__name__} is not allowed in an arithmetic expression",
+                   "4.5.1")
+
+
+def tool_json_parse(env, args):
+    """§4.5.1 json_parse: parse JSON text and re-serialise it with two-space indentation.
+
+    {tool: json_parse, args: {json: '{"a":1}'}} | `json_parse {"a":1}`
+    """
+    text = tool_rest(args, "json")
+    if text is None:
+        raise env.fail("json_parse needs a `json` string", "4.5.1")
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
+                           f"column {exc.colno})", "4.5.1") from None
+    else:
+        value = text                              # already-decoded JSON given as the argument
+    # INTERPRETATION §4.5.1: non-ASCII characters are written as themselves (ensure_ascii off).
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def tool_http_request(env, args):
+    """§4.5.1 http_request over urllib; returns "Status: <code>\\n\\n<body>".
+
+    {tool: http_request, args: {url: <u>, method: GET, headers: {..}, data: {..}}}
+    """
+    url = tool_argument(args, "url", 0)
+    method = tool_argument(args, "method", 1) or "GET"
+    headers = args.get("headers") or {}
+    if not isinstance(url, str) or not url:
+        raise env.fail("http_request needs a `url` string", "4.5.1")
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        # file:, ftp: and data: URLs would step around the §13.3 file rules
+        raise env.fail("http_request accepts only http and https URLs", "13.4")
+    if not isinstance(headers, dict):
+        raise env.fail("http_request `headers` must be a mapping", "4.5.1")
+    headers = {str(k): str(v) for k, v in headers.items()}
+    body = None
+    if args.get("data") is not None:
+        body = json.dumps(args["data"]).encode("utf-8")
+        if not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=body, headers=headers, method=str(method).upper())
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler(http_proxies(env.rt, url)))
+    try:
+        with opener.open(request, timeout=env.timeout) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:          # 4xx/5xx still answer: report them as such
+        status, payload = exc.code, exc.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise env.fail(f"http_request to {url} failed: {reason}", "4.5.1") from None
+    return f"Status: {status}\n\n{payload.decode('utf-8', errors='replace')}"
+
+
+def http_proxies(rt, url):
+    """Proxies from the Actor's environment (rt.env, never os.environ), honouring no_proxy."""
+    env = getattr(rt, "env", None) or {}
+    proxies = {key[:-6].lower(): value for key, value in env.items()
+               if key.lower().endswith("_proxy") and value}
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if proxies.get("no") and urllib.request.proxy_bypass_environment(host, proxies):
+        return {}
+    proxies.pop("no", None)
+    return proxies
+
+
+FILE_READ_SUCCESS = "[FILE_READ_SUCCESS]"           # §4.5.1 file_read markers
+FILE_CONTENT_START = "[FILE_CONTENT_START]"
+FILE_CONTENT_END = "[FILE_CONTENT_END]"
+
+
+def tool_file_read(env, args):
+    """§4.5.1 file_read: a UTF-8 file under the §4.5.4/§13.3 path rules, with the fixed header.
+
+    {tool: file_read, args: {file: <path>}} | `file_read notes.md`
+    """
+    given = tool_argument(args, "file", 0)
+    target = tool_path(env, given, "file_read")
+    try:
+        content = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise env.fail(f"file_read: no such file: {given}", "4.5.1") from None
+    except UnicodeDecodeError:
+        raise env.fail(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
+    except OSError as exc:
+        raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
+    # INTERPRETATION §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
+    # empty file has 0 lines, a final newline opens no extra line); Size counts characters.
+    return (f"{FILE_READ_SUCCESS}📄 File: {given} | Lines: {len(content.splitlines())} | "
+            f"Size: {len(content)} chars\n{FILE_CONTENT_START}\n{content}\n{FILE_CONTENT_END}")
+
+
+def tool_file_write(env, args):
+    """§4.5.1 file_write: write, append or insert under the §4.5.4/§13.3 rules (modes: §4.5.5).
+
+    {tool: file_write, args: {file: <path>, content: <s>, mode: w|a|insert, position: ...}}
+    | `file_write notes.md some words` (mode w)
+    """
+    given = tool_argument(args, "file", 0)
+    content = args.get("content")
+    if content is None:
+        positional = args.get("args")
+        content = " ".join(str(x) for x in positional[1:]) if isinstance(positional, list) else ""
+    if not isinstance(content, str):
+        content = tool_output(content)
+    mode = args.get("mode") or "w"
+    if mode not in FILE_WRITE_MODES:
+        raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
+    target = tool_path(env, given, "file_write")
+    return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
+
+
+def tool_progress_bar(env, args):
+    """§4.5.1 progress_bar: update the Actor's progress facility (§4.5.6); returns the bar line.
+
+    {tool: progress_bar, args: {stage, current, total, message, ...}} | `progress_bar 3 10`
+    """
+    return progress_facility(env.rt).update(args, env.view, env)
+
+
+# The §4.5.1 table: built-in tool name -> handler. Rows in the spec's order.
+BUILTIN_TOOLS = {
+    "echo":         tool_echo,
+    "math":         tool_math,
+    "json_parse":   tool_json_parse,
+    "http_request": tool_http_request,
+    "file_read":    tool_file_read,
+    "file_write":   tool_file_write,
+    "progress_bar": tool_progress_bar,
+}
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
-# [tools]
+# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where `result` falls
+# back to. INLINE_PROGRESS is this implementation's name for the §4.5.6 item 5 entry point:
+# `progress_bar(current=3, total=10, stage="draft", message="intro")` returns the rendered line.
+INLINE_RESULT_FALLBACKS = ("output", "response", "answer")
+INLINE_PROGRESS = "progress_bar"
+
+
+def inline_input(args):
+    """input_data for an inline tool named in a JSON request: `args` itself, JSON-encoded if not text."""
+    # INTERPRETATION §4.5.3 (Q63): an inline tool called by name gets the request's `args`
+    # (JSON-encoded when not a string; space-joined in the command form), not the whole message.
+    if args is None:
+        return ""
+    return args if isinstance(args, str) else json.dumps(args)
+
+
+class InlineTool:
+    """§4.5.2 an inline-code tool: compiled once at load in the §13.2.1 sandbox, run per call.
+
+    {name: <tool_name>, code: <python body that sets `result`>}
+    """
+
+    def __init__(self, agent, name, code, path):
+        rt = agent.rt
+        # INTERPRETATION §4.5.2 (Q72): an inline tool on a safe host is refused at load with
+        # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
+        # and §20 describes exactly this category.
+        if not rt.unsafe:
+            raise rt.error(UnsafeConfigurationError, path + ("code",),
+                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                           "4.5.2, 13.1")
+        self.name = name
+        self.unit = compile_code(code, rt=rt, path=path + ("code",))
+
+    def run(self, input_data, env):
+        """Run the body with input_data, message, context (by reference) and result=None."""
+        view = env.view
+        before = dict(view)
+        variables = {"input_data": input_data, "message": input_data, "context": view,
+                     "result": None, INLINE_PROGRESS: progress_function(env)}
+        namespace = run_code(self.unit, variables, timeout=env.timeout)
+        returned = namespace.get("context")
+        if isinstance(returned, dict) and returned is not view:   # a sandbox that copies back
+            view.clear()
+            view.update(returned)
+        context_write_back(before, view, env.ctx)
+        result = namespace.get("result")
+        if result is None:
+            result = next((namespace[name] for name in INLINE_RESULT_FALLBACKS
+                           if namespace.get(name) is not None), "")
+        return result
+
+
+def context_write_back(before, view, ctx):
+    """Carry the body's context changes from the merged view into the invocation context."""
+    # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
+    # invocation context (invocation wins); keys it sets or deletes land in the invocation
+    # context (the global one in streams), so later steps see them (§4.5.7).
+    for key, value in view.items():
+        if key not in before or before[key] is not value:
+            ctx[key] = value
+    for key in before:
+        if key not in view:
+            ctx.pop(key, None)
 
 # §4.5.3 Tool invocation protocol -------------------------------------------------------
-# [tools]
+INVALID_JSON_IN_TOOL_REQUEST = "Invalid JSON in tool request"     # §4.5.3 step 3, verbatim
+
+
+def request_text(content):
+    """The message as text: strings as they are, mappings and lists as JSON, the rest via str()."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (dict, list)):
+        return json.dumps(content)
+    return tool_output(content)
+
+
+def tool_request(agent, content):
+    """§4.5.3 steps 1-4: decode a message into (tool name, args, input_data or None).
+
+    Step 5 (the name must be an allowed tool) is checked when the tool is run.
+    """
+    tools = agent.tools
+    text = request_text(content)
+    # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
+    # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
+    # built-ins could never run).
+    if len(tools) == 1 and next(iter(tools.values())) is not None:
+        return next(iter(tools)), None, text
+    parsed = content if isinstance(content, dict) else None
+    if parsed is None:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            stripped = text.strip()
+            if stripped.startswith("{") and stripped.endswith("}"):
+                raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
+                                     path=f"agent '{agent.name}' (tool)", section="4.5.3") from None
+    if isinstance(parsed, dict) and "tool" in parsed:
+        name = parsed["tool"]
+        if not isinstance(name, str):
+            raise ExecutionError("the `tool` key of a tool request must be a tool name",
+                                 path=f"agent '{agent.name}' (tool)", section="4.5.3")
+        return name, parsed.get("args"), None
+    # INTERPRETATION §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
+    # form, as written.
+    words = text.split()
+    name = words[0] if words else ""
+    if name not in tools and name not in BUILTIN_TOOLS and name not in EXTENSION_TOOLS \
+            and len(tools) == 1:
+        # INTERPRETATION §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
+        # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
+        # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
+        return next(iter(tools)), [text], text
+    return name, words[1:], " ".join(words[1:])
 
 # §4.5.4 Safe-mode restrictions ------------------------------------------------------------
-# [tools]
+# The agent layer of the path rules (`safe_mode`); the host layer is §13.3, and tool_path()
+# there applies both (Q69). The shell blocklist is enforced in §13.5 in every mode.
+SHELL_BLOCKLIST = ("rm", "del", "format", "shutdown", "reboot", "kill")   # case-insensitive
+
+
+def path_facts(given):
+    """(absolute?, has a `..` component?, starts with `~`?) for a path string, / or \\ separated."""
+    parts = re.split(r"[\\/]", given)
+    absolute = Path(given).is_absolute() or given.startswith(("/", "\\")) \
+        or bool(re.match(r"^[A-Za-z]:", given))
+    return absolute, ".." in parts, given.startswith("~")
+
+
+def safe_mode_refusal(env, given, op):
+    """§4.5.4: why the agent's `safe_mode` rules refuse `given` for `op`, or None."""
+    absolute, traversal, tilde = path_facts(given)
+    if op == "file_write" and not env.unsafe_invocation:
+        return "file_write requires `_unsafe_mode: true` in the invocation context"
+    if not env.safe_mode:
+        return None
+    # INTERPRETATION §4.5.4: "paths containing .." means a `..` path component (traversal),
+    # not the two characters anywhere (a file may be named `v1..2.txt`).
+    if traversal:
+        return f"{op} rejects `..` in paths"
+    if op == "file_read" and absolute and not env.unsafe_invocation:
+        return "file_read rejects absolute paths unless the invocation context has `_unsafe_mode: true`"
+    if op == "file_write" and tilde:
+        return "file_write rejects paths beginning with ~"
+    return None
 
 # §4.5.5 file_write modes ---------------------------------------------------------------
-# [tools]
+# The §4.5.5 success messages, verbatim apart from the placeholders.
+FILE_WRITE_WROTE = "Successfully wrote {n} characters to {path}"
+FILE_WRITE_APPENDED = "Successfully appended {n} characters to {path}"
+FILE_WRITE_INSERTED = "Successfully inserted {n} characters at line {line} in {path}"
+
+# INTERPRETATION §4.5.5 (Q66): <n> counts the content as given; <path> is the path as given;
+# mode a puts exactly one blank line between existing text and content starting with `#` (none
+# added when the file already ends in one, none for an empty file); insert ends the content with
+# a newline when it lacks one, so it occupies whole lines; a clamped position reports the line
+# actually used; `position: end` is an insert and reports its line.
+
+
+def file_existing(env, target, given):
+    """The current text of the target, or "" when it does not exist yet."""
+    try:
+        return target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise env.fail(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
+
+
+def file_store(env, target, given, text, mode="w"):
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, mode, encoding="utf-8", newline="") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise env.fail(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
+            from None
+
+
+def file_write_w(env, target, given, content, position):
+    """Mode w (default): overwrite the file with the content."""
+    file_store(env, target, given, content)
+    return FILE_WRITE_WROTE.format(n=len(content), path=given)
+
+
+def file_write_a(env, target, given, content, position):
+    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line before it."""
+    existing = file_existing(env, target, given)
+    separator = ""
+    if content.startswith("#") and existing and not existing.endswith("\n\n"):
+        separator = "\n" if existing.endswith("\n") else "\n\n"
+    file_store(env, target, given, separator + content, "a")
+    return FILE_WRITE_APPENDED.format(n=len(content), path=given)
+
+
+def file_write_insert(env, target, given, content, position):
+    """Mode insert: put the content before line N (positions per the second §4.5.5 table)."""
+    existing = file_existing(env, target, given)
+    lines = existing.splitlines(keepends=True)
+    line = insert_line(env, position, len(lines))
+    if lines and not lines[-1].endswith(("\n", "\r")) and line == len(lines) + 1:
+        lines[-1] += "\n"                  # the old last line must end before the new one starts
+    block = content if not content or content.endswith("\n") else content + "\n"
+    lines.insert(line - 1, block)
+    file_store(env, target, given, "".join(lines))
+    return FILE_WRITE_INSERTED.format(n=len(content), line=line, path=given)
+
+
+def insert_line(env, position, count):
+    """§4.5.5 positions: "start" -> 1, "end" or null -> count+1, N -> N clamped to [1, count+1]."""
+    if position is None or position == "end":
+        return count + 1
+    if position == "start":
+        return 1
+    if isinstance(position, float) and position.is_integer():
+        position = int(position)
+    if isinstance(position, str) and re.fullmatch(r"\s*[+-]?\d+\s*", position):
+        position = int(position)
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise env.fail(f"file_write: position must be \"start\", \"end\" or a line number, "
+                       f"not {position!r}", "4.5.5")
+    return min(max(position, 1), count + 1)
+
+
+# The §4.5.5 mode table: mode -> writer. Rows in the spec's order.
+FILE_WRITE_MODES = {
+    "w":      file_write_w,
+    "a":      file_write_a,
+    "insert": file_write_insert,
+}
 
 # §4.5.6 The progress-bar facility -------------------------------------------------------
-# [tools]
+PROGRESS_WIDTH = 24                    # §4.5.6 item 1: fixed width in cells
+PROGRESS_FILLED = "█"
+PROGRESS_EMPTY = "░"
+PROGRESS_LABEL_JOIN = " • "            # item 4: stage and message joined by •
+
+# The §4.5.1 progress_bar arguments, by the snapshot field they set (first present wins).
+# `remaining` sets current to total - remaining; a list given as a count counts its items.
+PROGRESS_ARGUMENTS = {
+    "stage":   ("stage", "phase"),
+    "current": ("current", "done", "count", "sections_completed", "completed_sections"),
+    "total":   ("total", "steps", "sections_total"),
+    "message": ("message", "label"),
+}
+
+
+class ProgressFacility:
+    """§4.5.6: one (stage, current, total, message) snapshot per Actor, safe across threads.
+
+    Each update writes "\\r<line>" to `stream`, plus a newline at 100%, and returns <line>.
+    """
+
+    def __init__(self, stream=None):
+        # INTERPRETATION §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
+        # None means the process's standard error, because a command-line host prints the
+        # Actor's results (and --json) on standard output. The tool returns the rendered line.
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.stage, self.current, self.total, self.message = None, 0, 1, None
+        self.last = None
+
+    def update(self, args, view, env=None):
+        """Merge `args` (§4.5.1 names), the context hooks and the snapshot; emit; return the line."""
+        args = tool_args(args)
+        given = {field: next((args[name] for name in names if args.get(name) is not None), None)
+                 for field, names in PROGRESS_ARGUMENTS.items()}
+        positional = args.get("args") if isinstance(args.get("args"), list) else []
+        for field, value in zip(("current", "total"), positional):
+            if given[field] is None:
+                given[field] = value
+        view = view if isinstance(view, dict) else {}
+        with self.lock:
+            stage = given["stage"] if given["stage"] is not None \
+                else view.get("writing_stage") or self.stage
+            total = progress_number(given["total"], env)
+            if total is None and isinstance(view.get("section_paths"), (list, tuple)) \
+                    and view["section_paths"]:
+                total = len(view["section_paths"])
+            if total is None:
+                total = self.total
+            if total <= 0:
+                total = 1                  # no meaningful upstream total: the item 3 default
+            current = progress_number(given["current"], env)
+            if current is None and args.get("remaining") is not None:
+                current = total - progress_number(args["remaining"], env)
+            for hook in ("current_section_index", "current_latex_index"):
+                if current is None and isinstance(view.get(hook), int) \
+                        and not isinstance(view.get(hook), bool):
+                    current = view[hook]
+            if current is None:
+                current = self.current
+            current = min(max(current, 0), total)              # item 2: clamp to [0, total]
+            message = given["message"] if given["message"] is not None else self.message
+            self.stage, self.current, self.total, self.message = stage, current, total, message
+            line = progress_render(stage, current, total, message)
+            self.last = line
+            stream = self.stream if self.stream is not None else sys.stderr
+            stream.write("\r" + line + ("\n" if current >= total else ""))    # item 4
+            stream.flush()
+        return line
+
+
+def progress_number(value, env=None):
+    """A count from an argument: numbers as they are, numeric strings parsed, lists counted."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and number == number and abs(number) != float("inf"):
+            return int(number) if number.is_integer() else number
+    message = f"progress_bar: {value!r} is not a number"
+    raise env.fail(message, "4.5.6") if env is not None else ExecutionError(message,
+                                                                          section="4.5.6")
+
+
+def progress_render(stage, current, total, message):
+    """`████████░░░░░░░░░░░░░░░░ 33.3% (1/3) drafting • intro` (items 1-4 of §4.5.6)."""
+    filled = int(PROGRESS_WIDTH * current / total)
+    bar = PROGRESS_FILLED * filled + PROGRESS_EMPTY * (PROGRESS_WIDTH - filled)
+
+    def show(number):
+        return int(number) if isinstance(number, float) and number.is_integer() else number
+
+    line = f"{bar} {100.0 * current / total:.1f}% ({show(current)}/{show(total)})"
+    label = PROGRESS_LABEL_JOIN.join(str(part) for part in (stage, message) if part)
+    return f"{line} {label}" if label else line
+
+
+def progress_facility(rt):
+    """The Actor's one facility, created on first use (hosts may set rt.progress beforehand)."""
+    facility = getattr(rt, "progress", None)
+    if facility is None:
+        facility = vars(rt).setdefault("progress", ProgressFacility())
+    return facility
+
+
+def progress_function(env):
+    """§4.5.6 item 5: the entry point inline code calls, bound to this invocation's context."""
+    facility = progress_facility(env.rt)
+
+    def progress_bar(current=None, total=None, stage=None, message=None, **more):
+        named = dict(more, current=current, total=total, stage=stage, message=message)
+        return facility.update({k: v for k, v in named.items() if v is not None}, env.view, env)
+
+    return progress_bar
 
 # §4.5.7 Tool output conventions -------------------------------------------------------
-# [tools]
+def tool_output(value):
+    """§4.5.7: a tool's value as a string: None -> "", strings as they are, the rest via str()."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-# [foundation]
+COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+
+def check_composite(doc, name, config, path, agent_types):
+    """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
+    if "strategy" in config:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
+    components = config.get("components")
+    if not isinstance(components, dict):
+        raise doc.error(ConfigurationError, path + ("components",),
+                        "composite agents need a components mapping (agents, graphs, streams)",
+                        "4.6, §4.6.1")
+    for key, value in components.items():
+        if key not in COMPONENT_KINDS.values():
+            raise doc.error(ConfigurationError, path + ("components", key),
+                            f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
+        if not isinstance(value, dict):
+            raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
+                            "4.6.1")
+    for local, sub in (components.get("agents") or {}).items():
+        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    routing = config.get("routing")
+    if not isinstance(routing, dict):
+        raise doc.error(ConfigurationError, path + ("routing",),
+                        "composite agents need routing with input and output", "4.6.2")
+    for end in ("input", "output"):
+        spec = routing.get(end)
+        if not isinstance(spec, dict) or "type" not in spec or "name" not in spec:
+            raise doc.error(ConfigurationError, path + ("routing", end),
+                            f"routing.{end} must be the explicit form {{type, name}} "
+                            "(the shorthand form is forbidden)", "4.6.2, §16.2")
+        kind = COMPONENT_KINDS.get(spec["type"])
+        if kind is None:
+            raise doc.error(ConfigurationError, path + ("routing", end, "type"),
+                            f"routing type must be agent, graph or stream, not '{spec['type']}'",
+                            "4.6.2")
+        if spec["name"] not in (components.get(kind) or {}):
+            raise doc.error(ConfigurationError, path + ("routing", end, "name"),
+                            f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+
+
+class CompositeAgent:
+    """§4.6: nested agents, graphs and streams behind one agent interface.
+
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
+    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
+    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
+    to the output component.
+    """
+
+    type = "composite"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name, self.rt, self.path = name, rt, path
+        config = cfg["config"]
+        components = config["components"]
+        routes = {}
+        for kind in ("graphs", "streams"):
+            for local, route in (components.get(kind) or {}).items():
+                route = dict(route)
+                route.setdefault("type", kind[:-1])
+                routes[local] = route
+        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                      rt.doc.marks, rt.doc.files)
+        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                             llm_transport=rt.llm_transport)
+        inner = self.inner
+        inner.llm_log, inner.warnings, inner.context, inner.prompts = (
+            rt.llm_log, rt.warnings, rt.context, rt.prompts)
+        inner.agents = dict(rt.agents)
+        for local, sub in (components.get("agents") or {}).items():
+            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
+        agent_names = set(inner.agents)
+        for local, route in routes.items():
+            rpath = path + ("components", route["type"] + "s", local)
+            if route["type"] == "graph":
+                check_graph(sub_doc, local, route, rpath, agent_names)
+                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
+        self.network = None
+        if routes:
+            check_streams(sub_doc, agent_names, set(inner.graphs))
+            self.network = StreamNetwork(inner)
+            self._collected = []
+            self.network.on_output(self._collected.append)
+        self.routing = config["routing"]
+        self.capabilities = ["composite"]
+        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
+            for cap in agent.capabilities:
+                if cap not in self.capabilities:
+                    self.capabilities.append(cap)
+        for local in routes:
+            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
+            if cap not in self.capabilities:
+                self.capabilities.append(cap)
+        self.metadata = agent_metadata(self, components={
+            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+
+    def _dispatch(self, spec, content, ctx):
+        kind, name = spec["type"], spec["name"]
+        if kind == "agent":
+            return self.inner.agents[name].invoke(content, ctx)
+        if kind == "graph":
+            return self.inner.graphs[name].run(content, ctx).output
+        start = len(self._collected)
+        self.network.send(content, target=name)
+        emitted = self._collected[start:]
+        return emitted[-1].content if emitted else content
+
+    def invoke(self, content, ctx):
+        first, last = self.routing["input"], self.routing["output"]
+        result = self._dispatch(first, content, ctx)
+        if (last["type"], last["name"]) != (first["type"], first["name"]):
+            result = self._dispatch(last, result, ctx)
+        return result
+
 
 # §4.7 Chain agents -----------------------------------------------------------------------
-# [foundation]
+CHAIN_PREFIX = "ChainAgent processed: "
+CHAIN_SEPARATOR = "->"   # INTERPRETATION §4.7 (Q74): the bare token, no spaces, also before step 1
+
+
+def check_chain(doc, name, config, path, agent_types):
+    if "prompt" in config and "prompt_reference" in config:
+        raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
+                        "not both", "4.7, §16.3")
+    steps = config.get("steps", [])
+    if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+        raise doc.error(ConfigurationError, path + ("steps",),
+                        "steps must be a sequence of strings", "4.7")
+    ref = config.get("prompt_reference")
+    if ref is not None and ref not in (doc.data.get("prompts") or {}):
+        raise doc.error(ConfigurationError, path + ("prompt_reference",),
+                        f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
+
+
+class ChainAgent:
+    """§4.7: render the prompt (if any) with message=<input>, then append each step label.
+
+    {type: chain, config: {steps: [a, b], prompt: "...", prompt_reference: name}}
+    Makes no external call.
+    """
+
+    type = "chain"
+
+    def __init__(self, name, cfg, rt, path):
+        config = cfg["config"]
+        self.name, self.rt, self.path = name, rt, path
+        self.steps = list(config.get("steps") or [])
+        self.prompt = config.get("prompt")
+        if config.get("prompt_reference") is not None:
+            self.prompt = rt.prompts[config["prompt_reference"]]
+        self.capabilities = ["chain-processing"]
+        self.metadata = agent_metadata(self, steps=list(self.steps))
+
+    def invoke(self, content, ctx):
+        text = content if isinstance(content, str) else str(content)
+        if self.prompt is not None:
+            text = render_runtime(self.rt, self.prompt, ctx, text, self.path + ("config", "prompt"))
+        for step in self.steps:
+            text += CHAIN_SEPARATOR + step
+        return CHAIN_PREFIX + text
+
 
 # §4.8 Template instance agents ---------------------------------------------------------
-# [foundation]
+# Agents declared with `template` / `agent_template` are replaced by their concrete definition in
+# Phase B (expand_templates, §8.7-§8.8) before validation; the type tag `template_instance` is
+# accepted there and never reaches agent creation.
 
 # §4.9 Agent context inheritance ------------------------------------------------------
-# [foundation]
+def inherit_context(rt, config):
+    """§4.9: an agent without a config.context of its own gets the global context (by reference)."""
+    if "context" not in config:
+        config["context"] = rt.context
+    return config
+
 
 # §4.11 Capabilities and metadata -------------------------------------------------------
-# [foundation]
+def agent_metadata(agent, **extra):
+    """§4.11: name, type, capabilities and reactive: true, plus the type's own keys."""
+    meta = {"name": agent.name, "type": agent.type, "capabilities": list(agent.capabilities),
+            "reactive": True}
+    meta.update(extra)
+    return meta
+
 
 # §4.3 Defined agent types (the table, once every class above exists) ----------------------
-# [foundation] AGENT_TYPES
+AGENT_TYPES = {
+    "llm": LLMAgent,
+    "tool": ToolAgent,
+    "composite": CompositeAgent,
+    "chain": ChainAgent,
+}
+AGENT_CHECKS = {"composite": check_composite, "chain": check_chain}
+
+
+def make_agent(rt, name, cfg, path):
+    """§12.1 step 3: create one agent; any failure aborts start-up (AgentCreationError)."""
+    inherit_context(rt, cfg["config"])
+    try:
+        return AGENT_TYPES[cfg["type"]](name, cfg, rt, path)
+    except ActorError:
+        raise
+    except Exception as exc:  # boundary: a broken agent definition must not escape as a traceback
+        raise rt.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
+                       "12.1") from exc
 
 
 # =====================================================================================
@@ -914,7 +2171,7 @@ def cond_custom(cond, subject):
     return bool(function(subject)) if callable(function) else False
 
 
-# §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
+# The §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
 # INTERPRETATION §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
 CONDITIONS = {
     "always":               (cond_always,               {"stream", "bridge", "edge", "node"}),
@@ -1088,10 +2345,27 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # [templating] the JINJA2, MUSTACHE and SIMPLE engines; render(text, variables, engine, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
-# [foundation]
+# See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
+# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words; "false" and "no" do not count.
+TRUTHY_WORDS = {"true", "yes", "on", "1"}
+
+
+def is_declared_true(value):
+    if isinstance(value, str):
+        return value.strip().lower() in TRUTHY_WORDS
+    return bool(value) and isinstance(value, (bool, int, float))
+
+
+def check_unsafe(doc, host_unsafe):
+    """§9.4, §13.1: an Actor that declares unsafe is refused on a safe host."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    if is_declared_true(glob.get("unsafe")) and not host_unsafe:
+        raise doc.error(UnsafeConfigurationError, ("context", "global", "unsafe"),
+                        "this Actor requires unsafe mode and the host is in safe mode "
+                        "(run with --unsafe / load(unsafe=True))", "9.4, §13.1")
 
 
 # =====================================================================================
@@ -1099,13 +2373,72 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §10.1 The context section --------------------------------------------------------------
-# [foundation]
+def check_context(doc):
+    """§10.1, §10.3, §4.4.5: context.global is a mapping of user keys."""
+    section = doc.data.get("context")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
+    glob = section.get("global")
+    if glob is None:
+        return
+    if not isinstance(glob, dict):
+        raise doc.error(ConfigurationError, ("context", "global"), "context.global must be a mapping",
+                        "10.1")
+    for key in glob:
+        path = ("context", "global", key)
+        if str(key).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"context key '{key}' is reserved (keys starting with __)", "10.3")
+        if key in HOST_ONLY_CONTEXT_KEYS:
+            raise doc.error(ConfigurationError, path, f"'{key}' is set by the host, never by the "
+                            "Actor configuration", HOST_ONLY_CONTEXT_KEYS[key])
+
+
+def build_global_context(doc, host_context, host_unsafe):
+    """§10.2 item 1: the live global context, plus the host's invocation-context keys (§10.3)."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    ctx = copy.deepcopy(glob)
+    if host_unsafe:
+        ctx["_unsafe_mode"] = True
+    ctx.update(host_context or {})
+    return ctx
+
 
 # §10.3 Reserved context keys -------------------------------------------------------------
-# [foundation]
+# Keys only the host may set. INTERPRETATION §10.3 (Q84): declaring them in context.global is an error.
+HOST_ONLY_CONTEXT_KEYS = {"_temperature_override": "4.4.5, §10.3", "_unsafe_mode": "10.3, §13.3"}
+RESERVED_CONTEXT_KEYS = (
+    "_temperature_override", "_unsafe_mode", "auto_finish_active", "auto_finish_state",
+    "auto_finish_final_stage", "auto_finish_last_output", "graph_state", "conversation_history",
+    "full_context", "_history_truncated", "_history_original_length", "next_node", "last_output",
+    "last_agent_node", "current_message", "current_node", "current_section_path",
+    "current_section_index", "section_paths", "writing_stage", "current_latex_index",
+)
+
 
 # §10.4 The prompts section ---------------------------------------------------------------
-# [foundation]
+def collect_prompts(doc):
+    """§10.4: name -> template text, long form only.
+
+    INTERPRETATION §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
+    without a `content` key is skipped silently.
+    """
+    prompts = {}
+    section = doc.data.get("prompts")
+    if section is None:
+        return prompts
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("prompts",), "prompts must be a mapping", "10.4")
+    for name, value in section.items():
+        if isinstance(value, str):
+            raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
+                            "forbidden; write {content: ...}", "16.2, §10.4")
+        if isinstance(value, dict) and "content" in value:
+            prompts[name] = value["content"] if isinstance(value["content"], str) else str(
+                value["content"])
+    return prompts
 
 
 # =====================================================================================
@@ -1113,22 +2446,162 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §11.1 Structural validation -------------------------------------------------------------
-# [foundation]
+# Items 1-5 and 7 are checked by check_top_level (§3.2), item 6 by resolve_default_router (§3.4),
+# items 3-4 per agent by check_agent (§4.1).
+
+def validate_document(doc, rt, host_default_router=None):
+    """§11 (with §9.4, §10, §15, §16): every rule, before any agent is created. Returns the default
+    router (or None)."""
+    agent_names = set(doc.data["agents"])
+    for name, cfg in doc.data["agents"].items():
+        check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
+        check_agent_name_style(rt, name, ("agents", name))
+    check_context(doc)
+    collect_prompts(doc)
+    check_reserved_template_keys(doc)
+    known = check_routes(doc, agent_names)
+    check_merges_and_splits(doc, known)
+    check_pipelines(doc, rt)
+    graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
+    check_streams(doc, agent_names, graph_names)
+    check_unsafe(doc, rt.unsafe)
+    return resolve_default_router(doc, rt, host_default_router)
+
 
 # §11.2 Agent validation -----------------------------------------------------------------
-# [foundation]
+# check_agent (§4.1) rejects unregistered types and reserved names; the AGENT_TYPES table (§4.3)
+# is the registry. Phase B has already replaced template/agent_template instances.
 
 # §11.3 Route validation -----------------------------------------------------------------
-# [foundation]
+ROUTE_TYPES = ("stream", "graph", "bridge")
+
+
+def stream_names(doc):
+    """Names a subscription, publication, merge or split may use.
+
+    INTERPRETATION §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
+    splits create their missing targets.
+    """
+    names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
+    for merge in doc.data.get("merges") or []:
+        if isinstance(merge, dict) and isinstance(merge.get("target"), str):
+            names.add(merge["target"])
+    for split in doc.data.get("splits") or []:
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            names.update(split["targets"])
+    return names
+
+
+def check_routes(doc, agent_names):
+    """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower case."""
+    routes = doc.data["routes"]
+    known = stream_names(doc)
+    for name, route in routes.items():
+        path = ("routes", name)
+        if str(name).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"route name '{name}' is reserved (names starting with __)", "15.4, §5.1")
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path, "a route must be a mapping", "5.1")
+        if "type" not in route:
+            raise doc.error(ConfigurationError, path, "route has no type", "11.3, §5.1")
+        kind = str(route["type"]).lower()
+        if kind not in ROUTE_TYPES:
+            raise doc.error(ConfigurationError, path + ("type",), f"route type '{route['type']}' "
+                            "is not one of stream, graph, bridge", "11.3")
+        route["type"] = kind
+        if kind == "stream":
+            for field in ("subscriptions", "publications", "agents"):
+                value = route.get(field)
+                if value is not None and not isinstance(value, list):
+                    raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
+                                    "5.3")
+            for field in ("subscriptions", "publications"):
+                for i, target in enumerate(route.get(field) or []):
+                    if target not in known:
+                        raise doc.error(ConfigurationError, path + (field, i),
+                                        f"'{target}' is not a known route or built-in stream",
+                                        "11.3, §5.5")
+            for i, agent in enumerate(route.get("agents") or []):
+                if agent not in agent_names:
+                    raise doc.error(ConfigurationError, path + ("agents", i),
+                                    f"agent '{agent}' is not defined in agents", "11.3")
+        elif kind == "graph":
+            check_graph(doc, name, route, path, agent_names)
+    return known
+
 
 # §11.4 Merge/split validation -----------------------------------------------------------
-# [foundation]
+def check_merges_and_splits(doc, known):
+    """§11.4, §7.1, §7.2."""
+    for section in ("merges", "splits"):
+        value = doc.data.get(section)
+        if value is not None and not isinstance(value, list):
+            raise doc.error(ConfigurationError, (section,), f"{section} must be a sequence",
+                            "7.1" if section == "merges" else "7.2")
+    for i, merge in enumerate(doc.data.get("merges") or []):
+        path = ("merges", i)
+        if not isinstance(merge, dict):
+            raise doc.error(ConfigurationError, path, "a merge must be a mapping", "7.1")
+        if merge.get("target") is None:
+            raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
+        sources = merge.get("sources") or []
+        if not isinstance(sources, list):
+            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
+                            "7.1")
+        for j, source in enumerate(sources):
+            if source not in known:
+                raise doc.error(ConfigurationError, path + ("sources", j),
+                                f"merge source '{source}' is not a known route or stream", "11.4")
+    for i, split in enumerate(doc.data.get("splits") or []):
+        path = ("splits", i)
+        if not isinstance(split, dict):
+            raise doc.error(ConfigurationError, path, "a split must be a mapping", "7.2")
+        if split.get("source") is None:
+            raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
+        if split["source"] not in known:
+            raise doc.error(ConfigurationError, path + ("source",),
+                            f"split source '{split['source']}' is not a known route or stream",
+                            "11.4")
+        targets = split.get("targets")
+        if targets is not None and not isinstance(targets, dict):
+            raise doc.error(ConfigurationError, path + ("targets",),
+                            "targets must be a mapping of target name to condition", "7.2")
+
 
 # §11.5 Pipeline validation --------------------------------------------------------------
-# [foundation]
+def check_pipelines(doc, rt):
+    """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
+    pipelines = doc.data.get("pipelines")
+    if pipelines is None:
+        return
+    if not isinstance(pipelines, dict):
+        raise doc.error(ConfigurationError, ("pipelines",), "pipelines must be a mapping", "7.3")
+    routes = doc.data["routes"]
+    for pname, pipeline in pipelines.items():
+        stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+        if not isinstance(stages, list):
+            raise doc.error(ConfigurationError, ("pipelines", pname),
+                            "a pipeline needs a stages sequence", "7.3")
+        for i, stage in enumerate(stages):
+            path = ("pipelines", pname, "stages", i)
+            if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
+                    "stream", "graph"):
+                raise doc.error(ConfigurationError, path,
+                                "a stage is a mapping with type stream or graph", "7.3")
+            kind, name = str(stage["type"]).lower(), stage.get("name")
+            if kind == "graph" and "config" not in stage:
+                ref = stage.get("graph", name)
+                if (routes.get(ref) or {}).get("type") != "graph":
+                    rt.warn(f"graph stage refers to '{ref}', which is not a graph route",
+                            section="11.5", path=path)
+            if kind == "stream" and name in routes:
+                rt.warn(f"stream stage '{name}' has the name of an existing route",
+                        section="11.5", path=path)
+
 
 # §11.6 Environment variable validation ------------------------------------------------
-# [foundation]
+# A required ${VAR} that is unset fails in interpolate_env (§14.2) with a ConfigurationError.
 
 
 # =====================================================================================
@@ -1136,7 +2609,101 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §12.1 Lifecycle --------------------------------------------------------------------------
-# [foundation]
+def read_sources(paths, text):
+    """The raw documents, in order: files first, then `text` (as '<text>')."""
+    sources = []
+    for p in paths:
+        try:
+            sources.append((str(p), Path(p).read_bytes()))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
+                                     section="3.1", file=str(p)) from None
+    if text is not None:
+        sources.append(("<text>", text))
+    if not sources:
+        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+    return sources
+
+
+def parse_source(raw, file, render_context, engine):
+    """§3.1 and §8.2: one document's text -> (data, marks), through Phase A when it is templated."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
+                                     file=file) from None
+    check_sentinels(raw, file)
+    if not has_template_syntax(raw):
+        return parse_yaml(raw, file)
+    try:
+        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
+    except ActorError as exc:
+        exc.file = exc.file or file
+        raise
+    data, marks = parse_yaml(rendered, file)
+    return restore_sentinels(data), marks
+
+
+def load_document(sources, render_context, engine, env, rt):
+    """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
+    data, marks, files = None, {}, []
+    for file, raw in sources:
+        part, part_marks = parse_source(raw, file, render_context, engine)
+        files.append(file)
+        if not isinstance(part, dict):
+            kind = "empty" if part is None else type(part).__name__
+            raise ConfigurationError(f"top-level value must be a mapping, not {kind}",
+                                     section="3.1, §11.1", file=file,
+                                     line=part_marks.get((), (None, None, None))[1])
+        if data is None:
+            data, marks = part, dict(part_marks)
+        else:
+            before = copy.deepcopy(data)
+            deep_merge(data, part)
+            merge_marks(marks, part_marks, before, part)
+    doc = Doc(data, marks, files)
+    rt.doc = doc
+    doc.data = interpolate_env(doc.data, env, doc)
+    return doc
+
+
+def resolve_engine(doc, host_engine):
+    """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
+    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
+    value = host_engine if host_engine is not None else params.get("template_engine", "JINJA2")
+    engine = str(value).upper()
+    if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
+        path = () if host_engine is not None else ("cleveragents", "template_engine")
+        raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
+                        f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
+    return engine
+
+
+def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
+                default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
+                context=None):
+    """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
+    rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
+                 provider=provider, llm_transport=llm_transport)
+    phase_a_engine = str(template_engine or "JINJA2").upper()
+    doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
+    check_top_level(doc, rt)
+    rt.engine = resolve_engine(doc, template_engine)
+    # Step 2: register templates (Phase B instantiates every template instance, §8.6-§8.10).
+    expand_templates(doc, rt)
+    router = validate_document(doc, rt, default_router)
+    # Steps 3-6: agents, routes, merges/splits, pipelines.
+    rt.context = build_global_context(doc, context, rt.unsafe)
+    rt.prompts = collect_prompts(doc)
+    rt.default_router = router
+    for name, cfg in doc.data["agents"].items():
+        rt.agents[name] = make_agent(rt, name, cfg, ("agents", name))
+    for name, route in doc.data["routes"].items():
+        if route["type"] == "graph":
+            rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
+    network = StreamNetwork(rt)
+    return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
 # [streams] §12.2.2 ordering, §12.2.3 error handling, §12.2.4 timeouts
@@ -1243,7 +2810,9 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # =====================================================================================
 
 # §13.1 Safe and unsafe modes -----------------------------------------------------------
-# [foundation]
+# The host sets the mode (Runtime.unsafe, from load(unsafe=...) or --unsafe); an Actor may only
+# declare that it needs unsafe mode (check_unsafe, §9.4). In unsafe mode the invocation context also
+# carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
 # [sandbox] compile_code / run_code / compile_expression
@@ -1258,10 +2827,88 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # [sandbox]
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
-# [tools]
+def host_refusal(env, given, op):
+    """§13.3: why the host's mode refuses `given` for `op`, or None (the agent layer is §4.5.4)."""
+    absolute, traversal, tilde = path_facts(given)
+    # INTERPRETATION §13.3: `~` is refused by both file tools in every mode; home expansion would
+    # read the process environment, which the Actor never sees (rt.env is its only environment).
+    if tilde:
+        return f"{op} rejects paths beginning with ~ (no home-directory expansion)"
+    if env.unsafe_host:
+        if op == "file_write" and traversal:
+            return "file_write rejects `..` traversal even in unsafe mode"
+        return None
+    if op == "file_write":
+        return "file_write is disabled unless the host is in unsafe mode"
+    if traversal:
+        return "file_read rejects `..` in safe mode"
+    if absolute:
+        return "file_read rejects absolute paths in safe mode"
+    return None
+
+
+def tool_path(env, given, op):
+    """Check `given` against both layers and resolve it against rt.workdir (never the process cwd).
+
+    INTERPRETATION §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the agent's
+    `safe_mode` rules and the host's mode both allow it.
+    """
+    if not isinstance(given, str) or not given.strip():
+        raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+    reason = safe_mode_refusal(env, given, op)
+    section = "4.5.4"
+    if reason is None:
+        reason, section = host_refusal(env, given, op), "13.3"
+    if reason is not None:
+        raise env.fail(f"{reason}: {given}", section)
+    base = Path(env.rt.workdir).resolve()
+    target = Path(given) if path_facts(given)[0] else base / given
+    resolved = target.resolve()
+    # INTERPRETATION §4.5.4, §13.3: in safe mode file_read must also stay inside the working
+    # directory once symlinks are followed (else a link would undo the `..`/absolute rules).
+    # file_write's own outside-the-directory rule is waived by `_unsafe_mode: true`, which
+    # file_write always requires, so it never refuses there.
+    if op == "file_read" and not env.unsafe_host and not resolved.is_relative_to(base):
+        raise env.fail(f"file_read rejects paths resolving outside the working directory: "
+                       f"{given}", "13.3")
+    return resolved
 
 # §13.5 Shell execution --------------------------------------------------------------------
-# [tools]
+def tool_shell(env, args):
+    """§13.5 extension tool `shell`: run a command line in rt.workdir; returns its standard output.
+
+    {tool: shell, args: {command: "ls -1"}} | `shell ls -1`   (needs allow_shell and an unsafe host)
+    """
+    # INTERPRETATION §4.5.1, §13.5 (Q68): a `shell` tool exists as an extension (§1.3 MAY),
+    # available when `allow_shell: true` and refused unless the host is unsafe; the blocklist
+    # is enforced in every mode and for every `safe_mode`, because §13.5 says "always".
+    command = tool_rest(args, "command")
+    if not isinstance(command, str) or not command.strip():
+        raise env.fail("shell needs a `command` string", "13.5")
+    blocked = [word for word in SHELL_BLOCKLIST if word in command.lower()]
+    if blocked:
+        raise env.fail(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
+    if not env.allow_shell:
+        raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
+    if not env.rt.unsafe:
+        raise env.fail("shell execution needs the host in unsafe mode", "13.5")
+    try:
+        done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
+                              capture_output=True, text=True, timeout=env.timeout)
+    except subprocess.TimeoutExpired:
+        raise env.fail(f"shell command timed out after {env.timeout} s", "4.5") from None
+    except OSError as exc:
+        raise env.fail(f"shell could not start: {exc}", "13.5") from None
+    if done.returncode != 0:
+        raise env.fail(f"shell command exited with status {done.returncode}: "
+                       f"{done.stderr.strip()}", "13.5")
+    return done.stdout
+
+
+# Tools beyond the §4.5.1 table (§1.3 MAY): name -> handler.
+EXTENSION_TOOLS = {
+    "shell": tool_shell,
+}
 
 
 # =====================================================================================
@@ -1269,15 +2916,69 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.1 (Q89): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as literal text;
+# mapping keys are not interpolated; `${X:-3}` defaults to "-3"; `$${` writes a literal `${`.
+_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
+
+
+def interpolate_env(data, env, doc, path=()):
+    """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
+    if isinstance(data, dict):
+        return {k: interpolate_env(v, env, doc, path + (k,)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [interpolate_env(v, env, doc, path + (i,)) for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+    refs = []
+
+    def substitute(match):
+        if match.group(0) == "$${":
+            return "${"
+        name, default = match.group(1), match.group(2)
+        refs.append(name)
+        if name in env:
+            return str(env[name])
+        if default is not None:
+            return default
+        raise doc.error(ConfigurationError, path,
+                        f"required environment variable '{name}' is not set", "14.2, §11.6")
+
+    result = _ENV_REF.sub(substitute, data)
+    whole = _ENV_REF.fullmatch(data)
+    if whole and whole.group(0) != "$${":
+        return coerce_env_value(result)
+    return result
+
 
 # §14.3 Type coercion ----------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.3 (Q90): only a string that was one single reference is coerced.
+_ENV_INT = re.compile(r"-?\d+")
+_ENV_FLOAT = re.compile(r"-?\d+\.\d+")
+
+
+def coerce_env_value(text):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _ENV_INT.fullmatch(text):
+        return int(text)
+    if _ENV_FLOAT.fullmatch(text):
+        return float(text)
+    return text
 
 
 # =====================================================================================
 # §15 RESERVED NAMES
 # =====================================================================================
+
+# §15.1 Stream names ---------------------------------------------------------------------
+RESERVED_STREAM_NAMES = ("__input__", "__output__", "__error__")
+
+# §15.2 Node names -------------------------------------------------------------------------
+# start/START and end/END are normalised and checked by the graph layer (§6.4).
+
+# §15.4 Agent and route names ------------------------------------------------------------
+# `__` prefixes are rejected by check_context (§10.1), check_agent (§4.1) and check_routes (§11.3).
+# INTERPRETATION §15 (Q83): every "MUST NOT be used" of §15 is a ConfigurationError at load.
 
 # §15.5 Sentinel strings -------------------------------------------------------------------
 TEMPLATE_START = "<<<TEMPLATE_START>>>"
@@ -1286,13 +2987,51 @@ BLOCK_START = "<<<BLOCK_START>>>"
 BLOCK_END = "<<<BLOCK_END>>>"
 SENTINELS = {"{{": TEMPLATE_START, "}}": TEMPLATE_END, "{%": BLOCK_START, "%}": BLOCK_END}
 
-# [foundation] the rest of §15
+
+def check_sentinels(text, file):
+    """§15.5: the sentinels must not appear in a source document (restoring would rewrite them)."""
+    for sentinel in SENTINELS.values():
+        index = text.find(sentinel)
+        if index >= 0:
+            line = text.count("\n", 0, index) + 1
+            col = index - (text.rfind("\n", 0, index) + 1) + 1
+            raise ConfigurationError(f"the reserved sentinel {sentinel} appears in the document",
+                                     section="15.5", file=file, line=line, col=col)
+
+# §15.6 Internal stream name patterns -----------------------------------------------------
+# Names starting with __ are never known streams (§11.3), so references to them fail at load.
 
 
 # =====================================================================================
 # §16 FORBIDDEN PATTERNS
 # =====================================================================================
-# [foundation]
+# Where each §16 rule is enforced (one row per rule, in the spec's order).
+FORBIDDEN_TOP_LEVEL = {
+    "streams": "use routes with type: stream",
+    "graphs": "use routes with type: graph",
+}
+FORBIDDEN_FORMS = {
+    # §16.1
+    "top-level streams:": "check_top_level (§3.2)",
+    "top-level graphs:": "check_top_level (§3.2)",
+    "composite with strategy:": "check_composite (§4.6)",
+    # §16.2
+    "dynamic_router node": "check_graph (§6)",
+    "list-form routes": "check_top_level (§3.2)",
+    "top-level pipelines:": "accepted: see README Interpretations (Q1)",
+    "inline expression in map function": "check_streams (§5.3.3)",
+    "agent_template instances": "expand_templates (§8.7)",
+    "sequence-form template parameters": "expand_templates (§8.6.1)",
+    "short-form prompts": "collect_prompts (§10.4)",
+    "composite routing shorthand": "check_composite (§4.6)",
+    "templates with structural expressions": "expand_templates (§8.9)",
+    # §16.3
+    "prompt and prompt_reference": "check_chain (§4.7)",
+    "template and type": "expand_templates (§8.7)",
+    "agent_template and template": "expand_templates (§8.7)",
+    "inline tool named like a built-in": "ToolAgent (§4.5.2)",
+    "template_config with route fields": "expand_templates (§8.7)",
+}
 
 
 # =====================================================================================
@@ -1666,16 +3405,575 @@ PROVIDERS = {
 # =====================================================================================
 # HOST -- load / Actor / render
 # =====================================================================================
-# [foundation]
+
+class Result:
+    """What one call observed: the messages emitted on __output__ and on __error__, in order."""
+
+    def __init__(self):
+        self.outputs = []
+        self.errors = []
+
+    def __repr__(self):
+        return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
+               f"errors={[m.content for m in self.errors]!r})"
+
+
+class Actor:
+    """A running Actor (§12.1 step 7): send messages, move the clock, inspect context and graphs."""
+
+    def __init__(self, rt, network, default_router):
+        self.rt = rt
+        self.network = network
+        self.default_router = default_router
+        self._result = None
+        self._lock = threading.Lock()
+        network.on_output(self._collect_output)
+        network.on_error(self._collect_error)
+
+    # -- collecting what a call emits (graph branches may emit from worker threads)
+    def _collect_output(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.outputs.append(msg)
+
+    def _collect_error(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.errors.append(msg)
+
+    def _call(self, action):
+        with self._lock:
+            self._result = result = Result()
+        try:
+            action()
+            if self.rt.clock.real:
+                self.network.settle()
+        finally:
+            with self._lock:
+                self._result = None
+        return result
+
+    # -- the public API
+    @property
+    def context(self):
+        """The live global context dict (§10)."""
+        return self.rt.context
+
+    def send(self, content, *, at=None, target=None):
+        """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
+        to quiescence."""
+        def action():
+            if at is not None:
+                self.rt.clock.set_time(at)
+            self.network.send(content, target=target)
+        return self._call(action)
+
+    def advance(self, seconds):
+        """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
+        return self._call(lambda: self.rt.clock.advance(seconds))
+
+    def complete(self):
+        """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
+        return self._call(self.network.complete)
+
+    def close(self):
+        """§12.1 step 8: dispose of subscriptions, agents and streams."""
+        close = getattr(self.network, "close", None)
+        if close is not None:
+            close()
+        self.rt.agents.clear()
+        self.rt.graphs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- graphs (§6.6)
+    def _graph(self, route):
+        if route not in self.rt.graphs:
+            raise RoutingError(f"'{route}' is not a graph route", section="6.6")
+        return self.rt.graphs[route]
+
+    def checkpoints(self, route):
+        return self._graph(route).checkpoints()
+
+    def restore(self, route, path=None):
+        return self._graph(route).restore(path)
+
+    def rewind(self, route, steps):
+        return self._graph(route).rewind(steps)
+
+    # -- inspection (§4.11)
+    def describe(self):
+        """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
+        agents = {name: {"type": a.type, "capabilities": list(a.capabilities),
+                         "metadata": jsonable(a.metadata)} for name, a in self.rt.agents.items()}
+        routes = {name: route["type"] for name, route in self.rt.doc.data["routes"].items()}
+        return {"name": self.rt.doc.data.get("name"), "agents": agents, "routes": routes,
+                "default_router": self.default_router, "template_engine": self.rt.engine}
+
+    def diagram(self):
+        """A Mermaid flowchart of the whole Actor: stream side, then each graph."""
+        lines = ["flowchart LR"]
+        lines += ["  " + line for line in self.network.mermaid()]
+        for graph in self.rt.graphs.values():
+            lines += ["  " + line for line in graph.mermaid()]
+        return "\n".join(lines) + "\n"
+
+
+def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+    """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
+
+    env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
+    the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    """
+    return start_actor(
+        read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
+        template_engine=template_engine, default_router=default_router, provider=provider,
+        workdir=workdir, clock=clock or VirtualClock(),
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+
+
+def jsonable(value):
+    """A JSON-safe copy of `value` (tuples -> lists, other objects -> str), cycles cut."""
+    seen = set()
+
+    def conv(v):
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+        if isinstance(v, (dict, list, tuple, set)):
+            if id(v) in seen:
+                return "<cycle>"
+            seen.add(id(v))
+            try:
+                if isinstance(v, dict):
+                    return {str(k): conv(x) for k, x in v.items()}
+                items = sorted(v, key=repr) if isinstance(v, set) else v
+                return [conv(x) for x in items]
+            finally:
+                seen.discard(id(v))
+        return str(v)
+
+    return conv(value)
 
 
 # =====================================================================================
 # HOST -- the vector harness
 # =====================================================================================
-# [foundation]
+# The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
+# actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
+
+VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
+               "load_error", "steps")
+HOST_KEYS = ("unsafe", "env", "render_context", "template_engine", "default_router", "context",
+             "files", "llm", "provider")
+STEP_ACTIONS = ("send", "advance", "complete")
+STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
+               "files")
+STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at",)
+VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
+
+
+def vector_sources(vector):
+    """The vector's document(s) as (name, text) sources; JSON is valid YAML 1.2."""
+    if "config_text" in vector:
+        return [("config.yaml", vector["config_text"])]
+    if "configs" in vector:
+        return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
+    return [("config.yaml", json.dumps(vector.get("config")))]
+
+
+def read_tree(root):
+    """{relative posix path: text} for every file below root (what a vector's `files` checks)."""
+    files = {}
+    for path in sorted(Path(root).rglob("*")):
+        if path.is_file() and path.stat().st_size <= 1_000_000:
+            try:
+                files[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                files[path.relative_to(root).as_posix()] = None
+    return files
+
+
+def observe_vector(vector):
+    """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
+    context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
+    import tempfile
+    host = vector.get("host") or {}
+    with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
+        for rel, content in (host.get("files") or {}).items():
+            target = Path(tmp, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content, encoding="utf-8")
+        llm = (host.get("llm") or {}).get("responses") or {}
+        try:
+            actor = start_actor(
+                vector_sources(vector), render_context=host.get("render_context"),
+                unsafe=bool(host.get("unsafe", False)), env=host.get("env") or {},
+                template_engine=host.get("template_engine"),
+                default_router=host.get("default_router"), provider=host.get("provider"),
+                workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
+                context=host.get("context"))
+        except ActorError as exc:
+            return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+        observed = []
+        try:
+            for step in vector.get("steps") or []:
+                logged = len(actor.rt.llm_log)
+                if "send" in step:
+                    result = actor.send(step["send"], at=step.get("at"))
+                elif "advance" in step:
+                    if step.get("at") is not None:
+                        actor.rt.clock.set_time(step["at"])
+                    result = actor.advance(step["advance"])
+                else:
+                    result = actor.complete()
+                observed.append({
+                    "outputs": [jsonable(m.content) for m in result.outputs],
+                    "metadata": [jsonable(m.metadata) for m in result.outputs],
+                    "errors": [{"content": jsonable(m.content),
+                                "error_type": m.metadata.get("error_type"),
+                                "metadata": jsonable(m.metadata)} for m in result.errors],
+                    "context": jsonable(actor.context),
+                    "llm_requests": jsonable(actor.rt.llm_log[logged:]),
+                    "files": read_tree(tmp),
+                })
+        finally:
+            actor.close()
+        return {"load_error": None, "steps": observed, "warnings": list(actor.rt.warnings)}
+
+
+def same(expect, got):
+    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an int."""
+    if isinstance(expect, bool) or isinstance(got, bool):
+        return type(expect) is type(got) and expect == got
+    if isinstance(expect, (int, float)) and isinstance(got, (int, float)):
+        return expect == got
+    if isinstance(expect, dict) and isinstance(got, dict):
+        return expect.keys() == got.keys() and all(same(expect[k], got[k]) for k in expect)
+    if isinstance(expect, list) and isinstance(got, list):
+        return len(expect) == len(got) and all(same(e, g) for e, g in zip(expect, got))
+    return type(expect) is type(got) and expect == got
+
+
+def subset(expect, got):
+    """Deep subset: mappings may carry extra keys; lists match element by element, same length."""
+    if isinstance(expect, dict):
+        return isinstance(got, dict) and all(k in got and subset(v, got[k])
+                                              for k, v in expect.items())
+    if isinstance(expect, list):
+        return isinstance(got, list) and len(expect) == len(got) and all(
+            subset(e, g) for e, g in zip(expect, got))
+    return same(expect, got)
+
+
+def _error_matches(expect, got):
+    if not isinstance(expect, dict):
+        return same(expect, got.get("content"))
+    content = got.get("content")
+    if "contains" in expect and (not isinstance(content, str) or expect["contains"] not in content):
+        return False
+    if "content" in expect and not same(expect["content"], content):
+        return False
+    if "error_type" in expect and not same(expect["error_type"], got.get("error_type")):
+        return False
+    return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
+
+
+def judge_step(step, seen):
+    """[(field, expect, got)] for every check of `step` that `seen` fails."""
+    failures = []
+    if "outputs" in step and not same(step["outputs"], seen["outputs"]):
+        failures.append(("outputs", step["outputs"], seen["outputs"]))
+    if "outputs_unordered" in step:
+        rest, ok = list(seen["outputs"]), True
+        for item in step["outputs_unordered"]:
+            match = next((i for i, g in enumerate(rest) if same(item, g)), None)
+            if match is None:
+                ok = False
+                break
+            rest.pop(match)
+        if not ok or rest:
+            failures.append(("outputs_unordered", step["outputs_unordered"], seen["outputs"]))
+    if "errors" in step:
+        errs = step["errors"]
+        if len(errs) != len(seen["errors"]) or not all(
+                _error_matches(e, g) for e, g in zip(errs, seen["errors"])):
+            failures.append(("errors", errs, [{"content": g["content"], "error_type":
+                                               g["error_type"]} for g in seen["errors"]]))
+    for field in ("context", "metadata", "llm_requests"):
+        if field in step and not subset(step[field], seen[field]):
+            failures.append((field, step[field], seen[field]))
+    if "files" in step:
+        for rel, content in step["files"].items():
+            got = seen["files"].get(rel)
+            if not same(content, got):
+                failures.append((f"files[{rel}]", content, got))
+    return failures
+
+
+def judge_vector(vector, observed):
+    """A list of failure records (step index or None, action, field, expect, got); empty = pass."""
+    failures = []
+    load_error = observed.get("load_error")
+    if "load_error" in vector:
+        got = load_error["category"] if load_error else None
+        if got != vector["load_error"]:
+            failures.append((None, "load", "load_error", vector["load_error"],
+                             load_error["message"] if load_error else "loaded without error"))
+        return failures
+    if load_error:
+        return [(None, "load", "load_error", None, load_error["message"])]
+    steps, seen = vector.get("steps") or [], observed.get("steps") or []
+    if len(seen) != len(steps):
+        return [(None, "steps", "steps", f"{len(steps)} steps", f"{len(seen)} observed")]
+    for i, (step, got) in enumerate(zip(steps, seen)):
+        action = next((a for a in STEP_ACTIONS if a in step), "?")
+        for field, expect, value in judge_step(step, got):
+            failures.append((i + 1, action, field, expect, value))
+    return failures
+
+
+def lint_vector(vector, stem=None):
+    """Problems that make a vector unusable (errors) or suspicious (unknown keys: warnings)."""
+    errors, warnings_ = [], []
+    if not isinstance(vector, dict):
+        return ["vector is not a mapping"], []
+    for key in ("name", "spec", "description"):
+        if key not in vector:
+            errors.append(f"missing '{key}'")
+    if sum(k in vector for k in ("config", "config_text", "configs")) != 1:
+        errors.append("needs exactly one of config, config_text, configs")
+    if "load_error" in vector:
+        if vector["load_error"] not in ERROR_CATEGORIES:
+            errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
+        if vector.get("steps"):
+            errors.append("a load_error vector has no steps")
+    elif not vector.get("steps"):
+        errors.append("no steps and no load_error")
+    for key in vector:
+        if key not in VECTOR_KEYS:
+            warnings_.append(f"unknown key '{key}'")
+    for key in vector.get("host") or {}:
+        if key not in HOST_KEYS:
+            warnings_.append(f"unknown host key '{key}'")
+    for i, step in enumerate(vector.get("steps") or []):
+        if not isinstance(step, dict):
+            errors.append(f"steps[{i}] is not a mapping")
+            continue
+        if sum(a in step for a in STEP_ACTIONS) != 1:
+            errors.append(f"steps[{i}] has not exactly one of send/advance/complete")
+        for key in step:
+            if key not in STEP_KEYS:
+                warnings_.append(f"steps[{i}]: unknown key '{key}'")
+    if stem is not None and vector.get("name") != stem:
+        warnings_.append(f"name '{vector.get('name')}' differs from the file name '{stem}'")
+    return errors, warnings_
+
+
+def collect_vector_files(paths):
+    files = []
+    for p in paths:
+        p = Path(p)
+        files.extend(sorted(p.rglob("*.yaml")) if p.is_dir() else [p])
+    return [f for f in files if f.name != "README.md"]
+
+
+def read_vector(path):
+    data, _ = parse_yaml(Path(path).read_bytes(), str(path))
+    return data
+
+
+def observe_with(impl, vector, timeout):
+    """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
+    import subprocess
+    proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0 and not proc.stdout.strip():
+        raise RuntimeError(f"implementation exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def _show(value):
+    text = repr(value)
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None):
+    """Run vector files/folders; print PASS/FAIL/ERROR lines and `N passed, N failed`."""
+    out = out or sys.stdout
+    passed = failed = 0
+    for path in collect_vector_files(paths):
+        try:
+            vector = read_vector(path)
+            errors, warnings_ = lint_vector(vector, path.stem)
+            for w in warnings_:
+                print(f"warning: {path}: {w}", file=sys.stderr)
+            if errors:
+                raise ValueError("; ".join(errors))
+            observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
+            failures = judge_vector(vector, observed)
+        except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
+            failed += 1
+            kind = "timeout" if type(exc).__name__ == "TimeoutExpired" else "vector"
+            hint = f" (raise the limit with --timeout, now {timeout} s)" if kind == "timeout" else ""
+            print(f"ERROR {path}  {kind}: {type(exc).__name__}: {exc}{hint}", file=out)
+            continue
+        if not failures:
+            passed += 1
+            print(f"PASS  {path}", file=out)
+            continue
+        failed += 1
+        sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+        first = failures[0]
+        where = "load" if first[0] is None else f"step {first[0]} ({first[1]})"
+        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        for step, action, field, expect, got in failures:
+            label = f"{field}" if step is None or step == first[0] else f"step {step} {field}"
+            print(f"      {label}  expect: {_show(expect)}", file=out)
+            print(f"      {' ' * len(label)}  got:    {_show(got)}", file=out)
+    print(f"{passed} passed, {failed} failed", file=out)
+    return passed, failed
 
 
 # =====================================================================================
 # HOST -- command line
 # =====================================================================================
-# [foundation]
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+
+
+def _parse_set(items, option):
+    """--set a.b=3 -> {'a': {'b': 3}} (values read as YAML 1.2 scalars)."""
+    result = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigurationError(f"{option} expects KEY=VALUE, got '{item}'")
+        key, _, raw = item.partition("=")
+        value, _ = parse_yaml(raw) if raw.strip() else ("", None)
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return result
+
+
+def _arg_parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="actor", description="Run, check or inspect Actor configurations (Actor Configuration "
+        "Standard 1.0.0).")
+    p.add_argument("configs", nargs="*", metavar="CONFIG", help="configuration files, merged in order")
+    p.add_argument("-m", "--message", action="append", metavar="TEXT",
+                   help="a message to send (repeatable); default: one message per stdin line")
+    p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
+    p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
+                   "(e.g. fake: offline, no key)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
+    p.add_argument("--context", action="append", metavar="KEY=VALUE",
+                   help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
+    p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
+    p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
+    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
+    p.add_argument("--check", action="store_true", help="load and validate only")
+    p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
+    p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
+    p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
+    p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
+    p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
+                   help="with --impl: seconds per vector")
+    p.add_argument("--run-vector", action="store_true",
+                   help="read one vector as JSON on stdin, print observations as JSON")
+    p.add_argument("--version", action="version",
+                   version=f"actor.py {__version__} (Actor Configuration Standard {SPEC_VERSION})")
+    return p
+
+
+def _print_message(msg, as_json, stream):
+    if as_json:
+        meta = {k: v for k, v in msg.metadata.items() if k != "context"}
+        print(json.dumps({"content": jsonable(msg.content), "metadata": jsonable(meta),
+                          "source_stream": msg.source_stream}), file=stream, flush=True)
+    else:
+        content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
+        print(content, file=stream, flush=True)
+
+
+def _print_result(result, as_json):
+    for msg in result.outputs:
+        _print_message(msg, as_json, sys.stdout)
+    for msg in result.errors:
+        _print_message(msg, as_json, sys.stderr)
+    return bool(result.errors)
+
+
+def main(argv=None):
+    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
+    args = _arg_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    if args.run_vector:
+        print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
+        return EXIT_OK
+    if args.vectors:
+        _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout)
+        return EXIT_RUNTIME if failed else EXIT_OK
+    if not args.configs:
+        _arg_parser().print_usage(sys.stderr)
+        print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
+                     unsafe=args.unsafe, template_engine=args.engine,
+                     default_router=args.default_router, provider=args.provider,
+                     clock=RealClock(), context=_parse_set(args.context, "--context") or None)
+    except ActorError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG
+    with actor:
+        if args.check:
+            print("ok")
+            return EXIT_OK
+        if args.describe:
+            info = actor.describe()
+            if args.json:
+                print(json.dumps(info, indent=2))
+            else:
+                for name, agent in info["agents"].items():
+                    print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                for name, kind in info["routes"].items():
+                    mark = "  [default router]" if name == info["default_router"] else ""
+                    print(f"route {name} ({kind}){mark}")
+            return EXIT_OK
+        if args.diagram:
+            sys.stdout.write(actor.diagram())
+            return EXIT_OK
+        failed = False
+        try:
+            if args.message:
+                for text in args.message:
+                    failed |= _print_result(actor.send(text), args.json)
+            else:
+                interactive = sys.stdin.isatty()
+                while True:
+                    if interactive:
+                        print("> ", end="", file=sys.stderr, flush=True)
+                    line = sys.stdin.readline()
+                    if not line:
+                        break
+                    failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+            failed |= _print_result(actor.complete(), args.json)
+        except KeyboardInterrupt:
+            return EXIT_RUNTIME
+        except ActorError as exc:
+            print(str(exc), file=sys.stderr)
+            return EXIT_RUNTIME
+        return EXIT_RUNTIME if failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
