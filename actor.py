@@ -709,12 +709,10 @@ class LLMAgent:
             self.capabilities.append("structured-output")
         if self.tool_execute:
             self.capabilities.append("tool-execution")
-        self.metadata = {
-            "name": name, "type": self.type, "capabilities": self.capabilities, "reactive": True,
-            "provider": self.provider, "model": self.model, "temperature": self.temperature,
-            "max_tokens": self.max_tokens, "memory_enabled": self.memory_enabled,
-            "supports_structured_output": bool(adapter.structured),
-        }
+        self.metadata = agent_metadata(
+            self, provider=self.provider, model=self.model, temperature=self.temperature,
+            max_tokens=self.max_tokens, memory_enabled=self.memory_enabled,
+            supports_structured_output=bool(adapter.structured))
 
     def __repr__(self):  # never the key
         return f"LLMAgent({self.name!r}, provider={self.provider!r}, model={self.model!r})"
