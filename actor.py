@@ -2454,11 +2454,12 @@ def validate_document(doc, rt, host_default_router=None):
     for name, cfg in doc.data["agents"].items():
         check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
         check_agent_name_style(rt, name, ("agents", name))
+        warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
     check_context(doc)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
-    known = check_routes(doc, agent_names)
-    check_merges_and_splits(doc, known)
+    known = check_routes(doc, rt, agent_names)
+    check_merges_and_splits(doc, rt, known)
     check_pipelines(doc, rt)
     graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
     check_streams(doc, agent_names, graph_names)
@@ -2472,6 +2473,26 @@ def validate_document(doc, rt, host_default_router=None):
 
 # §11.3 Route validation -----------------------------------------------------------------
 ROUTE_TYPES = ("stream", "graph", "bridge")
+# Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
+# silently.
+ROUTE_FIELDS = {
+    "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
+               "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
+    "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
+              "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
+              "template_config"),
+    "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
+               "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
+}
+AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
+MERGE_FIELDS = ("sources", "target")                                        # §7.1
+SPLIT_FIELDS = ("source", "targets")                                        # §7.2
+
+
+def warn_unknown_fields(rt, mapping, known, path, section):
+    for key in mapping:
+        if key not in known:
+            rt.warn(f"unknown field '{key}' is ignored", section=section, path=path + (key,))
 
 
 def stream_names(doc):
@@ -2490,7 +2511,7 @@ def stream_names(doc):
     return names
 
 
-def check_routes(doc, agent_names):
+def check_routes(doc, rt, agent_names):
     """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower case."""
     routes = doc.data["routes"]
     known = stream_names(doc)
@@ -2508,6 +2529,8 @@ def check_routes(doc, agent_names):
             raise doc.error(ConfigurationError, path + ("type",), f"route type '{route['type']}' "
                             "is not one of stream, graph, bridge", "11.3")
         route["type"] = kind
+        warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
+                                                                   "bridge": "5.6"}[kind])
         if kind == "stream":
             for field in ("subscriptions", "publications", "agents"):
                 value = route.get(field)
@@ -2530,7 +2553,7 @@ def check_routes(doc, agent_names):
 
 
 # §11.4 Merge/split validation -----------------------------------------------------------
-def check_merges_and_splits(doc, known):
+def check_merges_and_splits(doc, rt, known):
     """§11.4, §7.1, §7.2."""
     for section in ("merges", "splits"):
         value = doc.data.get(section)
@@ -2541,6 +2564,7 @@ def check_merges_and_splits(doc, known):
         path = ("merges", i)
         if not isinstance(merge, dict):
             raise doc.error(ConfigurationError, path, "a merge must be a mapping", "7.1")
+        warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
         sources = merge.get("sources") or []
@@ -2555,6 +2579,7 @@ def check_merges_and_splits(doc, known):
         path = ("splits", i)
         if not isinstance(split, dict):
             raise doc.error(ConfigurationError, path, "a split must be a mapping", "7.2")
+        warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
         if split["source"] not in known:
