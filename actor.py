@@ -701,6 +701,9 @@ class LLMAgent:
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
         self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
         self.base_url = values["base_url"]
+        if self.base_url is not None and not re.match(r"https?://", self.base_url):
+            raise rt.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
@@ -3147,6 +3150,9 @@ class ProviderAdapter:
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
+        if not re.match(r"https?://", base_url or ""):
+            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                                 section="4.4")
         url = self.endpoint(base_url.rstrip("/"), request["model"])
         body = self.body(request)
         headers = self.headers(key)
@@ -3155,8 +3161,8 @@ class ProviderAdapter:
         while True:
             retry, data, resp_headers = True, None, {}
             try:
-                status, resp_headers, raw = _http_post(url, headers,
-                                                       json.dumps(body).encode("utf-8"), timeout)
+                status, resp_headers, raw = _http_post(
+                    url, headers, json.dumps(body, default=str).encode("utf-8"), timeout)
             except (TimeoutError, urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):

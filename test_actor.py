@@ -541,6 +541,20 @@ def test_openai_base_url_from_env_alone(llm_server, llm_render):
     assert llm_server.requests[0]["path"] == "/v1/chat/completions"
 
 
+def test_base_url_precedence_and_scheme(llm_render):
+    env = {"GOOGLE_API_KEY": "k", "GOOGLE_BASE_URL": "http://b", "GOOGLE_GEMINI_BASE_URL": "http://g"}
+    assert _llm_agent({"provider": "google"}, _llm_rt(env))._base_url() == "http://g"
+    assert _llm_agent({"provider": "google", "base_url": "https://f"}, _llm_rt(env))._base_url() \
+        == "https://f"
+    assert _llm_agent({"provider": "anthropic"}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))._base_url() \
+        == "https://api.anthropic.com"
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"base_url": "localhost:11434/v1"})
+    agent = _llm_agent({}, _llm_rt({"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "localhost:1"}))
+    with pytest.raises(actor.ExecutionError, match="not an http"):
+        agent.invoke("x", {})
+
+
 def test_openai_reasoning_models_use_max_completion_tokens(llm_server, llm_render):
     llm_server.replies.append(_openai_ok("ok"))
     _llm_agent({"base_url": llm_server.url, "model": "o3-mini"}).invoke("x", {})
