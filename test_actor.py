@@ -555,6 +555,26 @@ def test_base_url_precedence_and_scheme(llm_render):
         agent.invoke("x", {})
 
 
+def test_llm_actor_reaches_openai_compatible_server_by_base_url(llm_server):
+    """An Actor loaded through the public API talks to a local server named only by env."""
+    llm_server.replies += [_openai_ok("from local 1"), _openai_ok("from local 2")]
+    text = ("agents:\n  bot: {type: llm, config: {model: llama3, memory_enabled: true}}\n"
+            "routes:\n  main:\n    type: stream\n"
+            "    operators: [{type: map, params: {agent: bot}}]\n"
+            "    publications: [__output__]\n")
+    env = {"OPENAI_API_KEY": "ollama", "OPENAI_BASE_URL": llm_server.url + "/v1"}
+    team = actor.load(text=text, env=env, default_router="main")
+    try:
+        assert [m.content for m in team.send("hi").outputs] == ["from local 1"]
+        assert [m.content for m in team.send("again").outputs] == ["from local 2"]
+    finally:
+        team.close()
+    assert [r["path"] for r in llm_server.requests] == ["/v1/chat/completions"] * 2
+    assert llm_server.requests[1]["body"]["messages"][1:] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "from local 1"},
+        {"role": "user", "content": "again"}]
+
+
 def test_openai_reasoning_models_use_max_completion_tokens(llm_server, llm_render):
     llm_server.replies.append(_openai_ok("ok"))
     _llm_agent({"base_url": llm_server.url, "model": "o3-mini"}).invoke("x", {})
