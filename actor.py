@@ -730,7 +730,8 @@ class LLMAgent:
         rt = self.rt
         ctx = ctx if ctx is not None else {}
         message = _llm_text(content)
-        view = {**self.context, **ctx}      # agent context (§4.9) under the invocation context
+        # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
+        view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
@@ -761,11 +762,14 @@ class LLMAgent:
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
         if self.memory_enabled:
+            # INTERPRETATION §4.4.4 (Q78): the formatted message as sent, and the response with its
+            # §12.4 blocks already replaced.
             self.memory.record(user, output)
         return output
 
     def _base_url(self):
         """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
+        # INTERPRETATION §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
         if self.base_url:
             return self.base_url
         adapter = PROVIDERS[self.provider]
@@ -842,6 +846,7 @@ def resolve_provider(rt, configured, path):
     An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
     from `--provider fake`) replaces the provider every llm agent uses.
     """
+    # INTERPRETATION §4.4.1 (Q76): availability is checked before the key.
     configured = configured.strip().lower()
     if configured not in PROVIDERS:
         raise rt.error(AgentCreationError, path,
@@ -912,6 +917,7 @@ def check_response_format(rt, rf, path):
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
+    # INTERPRETATION §4.4.3: "does not support" is judged per provider and response_format type.
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
@@ -975,6 +981,7 @@ def effective_temperature(agent, ctx):
     override = ctx.get("_temperature_override")
     if override is None:
         return agent.temperature
+    # INTERPRETATION §4.4.5: an override that is no number in [0, 2] fails this call only.
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
@@ -2741,6 +2748,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
 TOOL_EXECUTE_PATTERN = re.compile(
     r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+# INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
 TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
 TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
 
