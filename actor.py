@@ -3281,6 +3281,7 @@ class AnthropicAdapter(ProviderAdapter):
     default_base = "https://api.anthropic.com"
     base_envs = ("ANTHROPIC_BASE_URL",)
     structured = frozenset({"json_schema"})
+    STRUCTURED_TOOL = "structured_output"
 
     def endpoint(self, base, model):
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
@@ -3310,11 +3311,14 @@ class AnthropicAdapter(ProviderAdapter):
     def reply(self, data):
         if data.get("stop_reason") == "refusal":
             raise ValueError("the model refused (stop_reason: refusal)")
-        parts = [block["text"] for block in data["content"]
-                 if isinstance(block, dict) and block.get("type") == "text"]
-        if not parts:
-            raise ValueError("the reply has no text content")
-        return "".join(parts)
+        blocks = [block for block in data["content"] if isinstance(block, dict)]
+        parts = [block["text"] for block in blocks if block.get("type") == "text"]
+        if parts:
+            return "".join(parts)
+        for block in blocks:        # the forced-tool form of structured output (see fallback)
+            if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
+                return json.dumps(block.get("input"), ensure_ascii=False)
+        raise ValueError("the reply has no text content")
 
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
@@ -3331,6 +3335,15 @@ class AnthropicAdapter(ProviderAdapter):
         if "temperature" in body and "temperature" in message and "temperature" not in used:
             used.add("temperature")     # "`temperature` is deprecated for this model"
             return {k: v for k, v in body.items() if k != "temperature"}
+        if "output_config" in body and "output_config" in message and "structured" not in used:
+            # Models or servers without output_config: force a tool whose input is the schema.
+            used.add("structured")
+            fixed = {k: v for k, v in body.items() if k != "output_config"}
+            fixed["tools"] = [{"name": self.STRUCTURED_TOOL,
+                               "description": "Give the answer as this tool's input.",
+                               "input_schema": body["output_config"]["format"]["schema"]}]
+            fixed["tool_choice"] = {"type": "tool", "name": self.STRUCTURED_TOOL}
+            return fixed
         return None
 
 

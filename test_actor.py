@@ -634,6 +634,22 @@ def test_anthropic_deprecated_temperature_dropped_once(llm_server, llm_render):
     assert "temperature" not in llm_server.requests[1]["body"]
 
 
+def test_anthropic_structured_output_falls_back_to_forced_tool(llm_server, llm_render):
+    llm_server.replies += [
+        (400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                              "message": "output_config: Extra inputs are not "
+                                                         "permitted"}}),
+        (200, {}, {"content": [{"type": "tool_use", "id": "t1", "name": "structured_output",
+                                "input": {"x": "y"}}], "stop_reason": "tool_use"})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url,
+                        "response_format": SCHEMA_RF}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    assert json.loads(agent.invoke("x", {})) == {"x": "y"}
+    second = llm_server.requests[1]["body"]
+    assert "output_config" not in second
+    assert second["tools"][0]["input_schema"] == SCHEMA_RF["json_schema"]["schema"]
+    assert second["tool_choice"] == {"type": "tool", "name": "structured_output"}
+
+
 def test_anthropic_529_overloaded_is_retried(llm_server, llm_render):
     overloaded = (529, {}, {"type": "error", "error": {"type": "overloaded_error",
                                                         "message": "Overloaded"}})
