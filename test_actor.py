@@ -433,8 +433,8 @@ def test_llm_memory_order_and_truncation_in_entries(llm_render):
     assert rt.llm_log[2]["messages"] == [
         {"role": "assistant", "content": "r1"}, {"role": "user", "content": "m2"},
         {"role": "assistant", "content": "r2"}, {"role": "user", "content": "m3"}]
-    assert agent.history == [{"role": "user", "content": "m2"}, {"role": "assistant", "content": "r2"},
-                             {"role": "user", "content": "m3"}, {"role": "assistant", "content": "r3"}][1:]
+    assert agent.history == [{"role": "assistant", "content": "r2"},
+                             {"role": "user", "content": "m3"}, {"role": "assistant", "content": "r3"}]
 
 
 def test_llm_memory_not_appended_after_failure(llm_render):
