@@ -741,7 +741,14 @@ class LLMAgent:
         temperature = effective_temperature(self, ctx)
         if self.response_format is not None:
             check_structured_support(self, self.response_format)
-        history = self.memory.snapshot() if self.memory_enabled else history_from_context(ctx)
+        if self.memory_enabled:
+            history = self.memory.snapshot()
+        else:
+            history = history_from_context(ctx)
+            # INTERPRETATION §4.4.4: a graph's history already ends with the message in hand
+            # (§6.2.2); it is sent once, not twice.
+            if history and history[-1] == {"role": "user", "content": message}:
+                history.pop()
         request = {
             "agent": self.name, "provider": self.provider, "model": self.model,
             "temperature": temperature, "max_tokens": self.max_tokens, "system": system,

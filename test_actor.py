@@ -463,6 +463,13 @@ def test_llm_memory_off_uses_context_history_without_keeping_it(llm_render):
     assert len(ctx["conversation_history"]) == 3 and agent.history == []
 
 
+def test_llm_context_history_ending_with_the_message_sends_it_once(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    ctx = {"conversation_history": [{"role": "user", "content": "hi"}]}
+    _llm_agent({}, rt).invoke("hi", ctx)
+    assert rt.llm_log[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
 def test_llm_memory_is_thread_safe(llm_render):
     rt = _llm_rt(llm_transport=actor.FakeTransport({}))
     agent = _llm_agent({"memory_enabled": True, "max_history": 1000}, rt)
