@@ -701,6 +701,9 @@ class LLMAgent:
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
         self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
         self.base_url = values["base_url"]
+        if self.base_url is not None and not re.match(r"https?://", self.base_url):
+            raise rt.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
@@ -709,12 +712,10 @@ class LLMAgent:
             self.capabilities.append("structured-output")
         if self.tool_execute:
             self.capabilities.append("tool-execution")
-        self.metadata = {
-            "name": name, "type": self.type, "capabilities": self.capabilities, "reactive": True,
-            "provider": self.provider, "model": self.model, "temperature": self.temperature,
-            "max_tokens": self.max_tokens, "memory_enabled": self.memory_enabled,
-            "supports_structured_output": bool(adapter.structured),
-        }
+        self.metadata = agent_metadata(
+            self, provider=self.provider, model=self.model, temperature=self.temperature,
+            max_tokens=self.max_tokens, memory_enabled=self.memory_enabled,
+            supports_structured_output=bool(adapter.structured))
 
     def __repr__(self):  # never the key
         return f"LLMAgent({self.name!r}, provider={self.provider!r}, model={self.model!r})"
@@ -729,7 +730,8 @@ class LLMAgent:
         rt = self.rt
         ctx = ctx if ctx is not None else {}
         message = _llm_text(content)
-        view = {**self.context, **ctx}      # agent context (§4.9) under the invocation context
+        # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
+        view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
@@ -739,7 +741,14 @@ class LLMAgent:
         temperature = effective_temperature(self, ctx)
         if self.response_format is not None:
             check_structured_support(self, self.response_format)
-        history = self.memory.snapshot() if self.memory_enabled else history_from_context(ctx)
+        if self.memory_enabled:
+            history = self.memory.snapshot()
+        else:
+            history = history_from_context(ctx)
+            # INTERPRETATION §4.4.4: a graph's history already ends with the message in hand
+            # (§6.2.2); it is sent once, not twice.
+            if history and history[-1] == {"role": "user", "content": message}:
+                history.pop()
         request = {
             "agent": self.name, "provider": self.provider, "model": self.model,
             "temperature": temperature, "max_tokens": self.max_tokens, "system": system,
@@ -760,11 +769,14 @@ class LLMAgent:
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
         if self.memory_enabled:
+            # INTERPRETATION §4.4.4 (Q78): the formatted message as sent, and the response with its
+            # §12.4 blocks already replaced.
             self.memory.record(user, output)
         return output
 
     def _base_url(self):
         """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
+        # INTERPRETATION §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
         if self.base_url:
             return self.base_url
         adapter = PROVIDERS[self.provider]
@@ -841,6 +853,7 @@ def resolve_provider(rt, configured, path):
     An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
     from `--provider fake`) replaces the provider every llm agent uses.
     """
+    # INTERPRETATION §4.4.1 (Q76): availability is checked before the key.
     configured = configured.strip().lower()
     if configured not in PROVIDERS:
         raise rt.error(AgentCreationError, path,
@@ -911,6 +924,7 @@ def check_response_format(rt, rf, path):
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
+    # INTERPRETATION §4.4.3: "does not support" is judged per provider and response_format type.
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
@@ -974,6 +988,7 @@ def effective_temperature(agent, ctx):
     override = ctx.get("_temperature_override")
     if override is None:
         return agent.temperature
+    # INTERPRETATION §4.4.5: an override that is no number in [0, 2] fails this call only.
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
@@ -7085,6 +7100,7 @@ def error_category(exc):
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
 TOOL_EXECUTE_PATTERN = re.compile(
     r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+# INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
 TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
 TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
 
@@ -8314,6 +8330,9 @@ class ProviderAdapter:
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
+        if not re.match(r"https?://", base_url or ""):
+            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                                 section="4.4")
         url = self.endpoint(base_url.rstrip("/"), request["model"])
         body = self.body(request)
         headers = self.headers(key)
@@ -8322,8 +8341,8 @@ class ProviderAdapter:
         while True:
             retry, data, resp_headers = True, None, {}
             try:
-                status, resp_headers, raw = _http_post(url, headers,
-                                                       json.dumps(body).encode("utf-8"), timeout)
+                status, resp_headers, raw = _http_post(
+                    url, headers, json.dumps(body, default=str).encode("utf-8"), timeout)
             except (TimeoutError, urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
@@ -8434,6 +8453,7 @@ class AnthropicAdapter(ProviderAdapter):
     default_base = "https://api.anthropic.com"
     base_envs = ("ANTHROPIC_BASE_URL",)
     structured = frozenset({"json_schema"})
+    STRUCTURED_TOOL = "structured_output"
 
     def endpoint(self, base, model):
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
@@ -8463,11 +8483,14 @@ class AnthropicAdapter(ProviderAdapter):
     def reply(self, data):
         if data.get("stop_reason") == "refusal":
             raise ValueError("the model refused (stop_reason: refusal)")
-        parts = [block["text"] for block in data["content"]
-                 if isinstance(block, dict) and block.get("type") == "text"]
-        if not parts:
-            raise ValueError("the reply has no text content")
-        return "".join(parts)
+        blocks = [block for block in data["content"] if isinstance(block, dict)]
+        parts = [block["text"] for block in blocks if block.get("type") == "text"]
+        if parts:
+            return "".join(parts)
+        for block in blocks:        # the forced-tool form of structured output (see fallback)
+            if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
+                return json.dumps(block.get("input"), ensure_ascii=False)
+        raise ValueError("the reply has no text content")
 
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
@@ -8484,6 +8507,15 @@ class AnthropicAdapter(ProviderAdapter):
         if "temperature" in body and "temperature" in message and "temperature" not in used:
             used.add("temperature")     # "`temperature` is deprecated for this model"
             return {k: v for k, v in body.items() if k != "temperature"}
+        if "output_config" in body and "output_config" in message and "structured" not in used:
+            # Models or servers without output_config: force a tool whose input is the schema.
+            used.add("structured")
+            fixed = {k: v for k, v in body.items() if k != "output_config"}
+            fixed["tools"] = [{"name": self.STRUCTURED_TOOL,
+                               "description": "Give the answer as this tool's input.",
+                               "input_schema": body["output_config"]["format"]["schema"]}]
+            fixed["tool_choice"] = {"type": "tool", "name": self.STRUCTURED_TOOL}
+            return fixed
         return None
 
 
