@@ -729,7 +729,7 @@ def _math_node(node, env):
             if name == "pow" and 2 <= len(values) <= 3:
                 return _math_guard(_math_power(*values, env=env), env)
             return _math_guard(MATH_FUNCTIONS[name](*values), env)
-        case ast.Name(id=name):
+        case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
             raise env.fail(f"math: name '{name}' is not available", "4.5.1")
     raise env.fail(f"math: {type(node).__name__} is not allowed in an arithmetic expression",
                    "4.5.1")
