@@ -350,13 +350,231 @@ class Runtime:
 # =====================================================================================
 
 # §3.1 File format -------------------------------------------------------------------------
-# [foundation] YAML 1.2 loader with marks, deep merge.
+# YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
+# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when present;
+# the resolver and the construction below are ours in both cases, so the results are identical.
+
+_YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+
+_CORE_TAGS = {
+    "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
+    "tag:yaml.org,2002:float", "tag:yaml.org,2002:str", "tag:yaml.org,2002:map",
+    "tag:yaml.org,2002:seq",
+}
+_Y12_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_Y12_FLOAT = re.compile(
+    r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
+_Y12_NULL = re.compile(r"~|null|Null|NULL|")
+
+
+class Yaml12Loader(_YamlLoaderBase):
+    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 == 10)."""
+
+    yaml_implicit_resolvers = {}
+
+
+for _tag, _regex, _first in (
+        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
+        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
+        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
+        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
+    Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+
+
+def _scalar_value(node):
+    tag, text = node.tag, node.value
+    if tag == "tag:yaml.org,2002:null":
+        return None
+    if tag == "tag:yaml.org,2002:bool":
+        return text.lower() == "true"
+    if tag == "tag:yaml.org,2002:int":
+        if text.startswith("0o"):
+            return int(text[2:], 8)
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text, 10)
+    if tag == "tag:yaml.org,2002:float":
+        low = text.lower().lstrip("+")
+        if low in (".inf", "-.inf"):
+            return float("-inf") if low.startswith("-") else float("inf")
+        if low == ".nan":
+            return float("nan")
+        return float(text)
+    return text
+
+
+def parse_yaml(text, file=None):
+    """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+    loader = Yaml12Loader(text)
+    try:
+        node = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
+                                 file=file, line=line, col=col) from None
+    finally:
+        loader.dispose()
+    marks = {}
+    budget = [YAML_ALIAS_BUDGET]
+
+    def at(n):
+        return (file, n.start_mark.line + 1, n.start_mark.column + 1)
+
+    def build(n, path):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ConfigurationError(
+                f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
+                section="3.1", file=file, line=at(n)[1], col=at(n)[2])
+        if n.tag not in _CORE_TAGS:
+            raise ConfigurationError(f"tag '{n.tag}' is not part of the YAML 1.2 core schema",
+                                     path=path_str(path), section="3.1", file=file,
+                                     line=at(n)[1], col=at(n)[2])
+        if isinstance(n, yaml.ScalarNode):
+            return _scalar_value(n)
+        if isinstance(n, yaml.SequenceNode):
+            items = []
+            for i, item in enumerate(n.value):
+                marks[path + (i,)] = at(item)
+                items.append(build(item, path + (i,)))
+            return items
+        mapping = {}
+        for key_node, value_node in n.value:
+            key = build(key_node, path)
+            if isinstance(key, (dict, list)):
+                raise ConfigurationError("mapping keys must be scalars", path=path_str(path),
+                                         section="3.1", file=file, line=at(key_node)[1],
+                                         col=at(key_node)[2])
+            if key in mapping:
+                raise ConfigurationError(f"duplicate mapping key '{key}'",
+                                         path=path_str(path + (key,)), section="3.1", file=file,
+                                         line=at(key_node)[1], col=at(key_node)[2])
+            marks[path + (key,)] = at(key_node)
+            mapping[key] = build(value_node, path + (key,))
+        return mapping
+
+    if node is None:
+        return None, marks
+    marks[()] = at(node)
+    return build(node, ()), marks
+
+
+def deep_merge(base, extra):
+    """§3.1 merge of a later file into the result so far (mappings recurse, sequences append)."""
+    for key, value in extra.items():
+        if key not in base:
+            base[key] = value
+        elif isinstance(base[key], dict) and isinstance(value, dict):
+            deep_merge(base[key], value)
+        elif isinstance(base[key], list) and isinstance(value, list):
+            base[key] = base[key] + value
+        else:
+            base[key] = value
+    return base
+
+
+def merge_marks(marks, extra, data_before, extra_data):
+    """Keep marks of the file a value came from: later files win, appended list items shift."""
+    # Sequence appends move the later file's items; re-key those paths by the merged offsets.
+    shifts = {}
+
+    def walk(before, after, path):
+        if isinstance(before, dict) and isinstance(after, dict):
+            for key in after:
+                if key in before:
+                    walk(before[key], after[key], path + (key,))
+        elif isinstance(before, list) and isinstance(after, list):
+            shifts[path] = len(before)
+
+    walk(data_before, extra_data, ())
+    for path, mark in extra.items():
+        new = list(path)
+        for i in range(len(path)):
+            prefix = tuple(path[:i])
+            if prefix in shifts and isinstance(path[i], int):
+                new[i] = path[i] + shifts[prefix]
+        marks[tuple(new)] = mark
 
 # §3.2 Top-level sections ---------------------------------------------------------------
-# [foundation]
+# section -> required? Rows in the spec's order. `cleveragents` and `version` are read too: the
+# former carries the §9 parameters in the spec's own examples (§9.2, §18.9), the latter is §9.6.
+TOP_LEVEL_SECTIONS = {
+    "agents": True, "routes": True, "merges": False, "splits": False, "templates": False,
+    "instances": False, "context": False, "prompts": False, "pipelines": False,
+    "template_strings": False, "name": False,
+}
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (Q88)
+
+
+def check_top_level(doc, rt):
+    """§3.1, §11.1.1, §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    if not isinstance(doc.data, dict):
+        kind = "empty" if doc.data is None else type(doc.data).__name__
+        raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
+                        "3.1, §11.1")
+    for key in doc.data:
+        if key in FORBIDDEN_TOP_LEVEL:
+            raise doc.error(ConfigurationError, (key,), f"top-level '{key}:' is forbidden; "
+                            f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
+        if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
+            rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    if "agents" not in doc.data:
+        raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
+    if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
+        raise doc.error(ConfigurationError, ("agents",),
+                        "agents must be a non-empty mapping of agent definitions", "11.1, §3.3")
+    routes = doc.data.get("routes")
+    if routes is None:
+        raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")
+    if isinstance(routes, list):
+        raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
+                        "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
+    if not isinstance(routes, dict) or not routes:
+        raise doc.error(ConfigurationError, ("routes",), "routes must be a non-empty mapping",
+                        "11.1")
+
 
 # §3.4 The default router requirement ------------------------------------------------
-# [foundation]
+def inputs_feed(data):
+    """Routes that receive __input__ through a merge or a split (the deprecated §3.4 form)."""
+    fed = []
+    for merge in data.get("merges") or []:
+        if isinstance(merge, dict) and "__input__" in (merge.get("sources") or []):
+            fed.append(merge.get("target"))
+    for split in data.get("splits") or []:
+        if isinstance(split, dict) and split.get("source") == "__input__":
+            fed.extend((split.get("targets") or {}).keys())
+    return fed
+
+
+def resolve_default_router(doc, rt, host_value):
+    """§3.4, §9.3, §11.1.6: the designated route, or None when __input__ merges/splits feed routes.
+
+    INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
+    §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
+    that is not a route is an error.
+    """
+    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
+    name = host_value if host_value is not None else params.get("default_router")
+    path = ("cleveragents", "default_router") if host_value is None else ()
+    if name is not None:
+        if name not in doc.data["routes"]:
+            raise doc.error(ConfigurationError, path,
+                            f"default_router '{name}' is not a route in routes", "9.3, §3.4")
+        return name
+    if not inputs_feed(doc.data):
+        rt.warn("no default_router is designated and no merge or split reads __input__; "
+                "messages sent to the Actor reach no route", section="3.4", path=("routes",))
+    return None
 
 
 # =====================================================================================
@@ -364,31 +582,413 @@ class Runtime:
 # =====================================================================================
 
 # §4.1 The agents section ---------------------------------------------------------------
-# [foundation]
+def check_agent(doc, name, cfg, path, agent_types):
+    """§4.1, §4.2, §11.1.3-4, §11.2, §15.4: one agent definition (after Phase B expansion)."""
+    if not isinstance(name, str) or not name:
+        raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
+    if name.startswith("__"):
+        raise doc.error(ConfigurationError, path,
+                        f"agent name '{name}' is reserved (names starting with __)", "4.2, §11.2")
+    if not isinstance(cfg, dict):
+        raise doc.error(ConfigurationError, path, "an agent definition must be a mapping",
+                        "4.1, §11.1")
+    if "type" not in cfg:
+        raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
+    kind = cfg["type"]
+    if kind not in agent_types:
+        known = ", ".join(sorted(agent_types))
+        raise doc.error(ConfigurationError, path + ("type",),
+                        f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
+    if cfg.get("config") is None:
+        cfg["config"] = {}
+    if not isinstance(cfg["config"], dict):
+        raise doc.error(ConfigurationError, path + ("config",), "config must be a mapping",
+                        "11.1")
+    check = AGENT_CHECKS.get(kind)
+    if check is not None:
+        check(doc, name, cfg["config"], path + ("config",), agent_types)
+
 
 # §4.2 Agent names ---------------------------------------------------------------------
-# [foundation]
+AGENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_agent_name_style(rt, name, path):
+    if isinstance(name, str) and not AGENT_NAME.fullmatch(name):
+        rt.warn(f"agent name '{name}' is outside [A-Za-z_][A-Za-z0-9_]*", section="4.2", path=path)
 
 # §4.4 LLM agents ----------------------------------------------------------------------
-# [llm] class LLMAgent; §4.4.1-§4.4.6 below.
+# The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
+# (§4.4.2), `api_key` from the environment (§4.4.1).
+LLM_FIELDS = {
+    "provider":        ((str,),              "openai"),
+    "model":           ((str,),              None),
+    "temperature":     ((int, float),        0.7),
+    "max_tokens":      ((int,),              1000),
+    "system_prompt":   ((str,),              "You are a helpful assistant."),
+    "memory_enabled":  ((bool,),             False),
+    "max_history":     ((int,),              10),
+    "api_key":         ((str,),              None),
+    "template":        ((str,),              None),
+    "template_vars":   ((dict,),             {}),
+    "response_format": ((dict,),             None),
+}
+
+# Fields outside the §4.4 table that an llm agent also accepts: §4.9's per-agent context, and this
+# implementation's extensions (§1.3 MAY): `base_url` (OpenAI-compatible servers) and the
+# opt-in §12.4 tool-block processing (`tool_execute` + `tools`).
+LLM_EXTRA_FIELDS = {
+    "context":      ((dict,),  None),
+    "base_url":     ((str,),   None),
+    "tool_execute": ((bool,),  False),
+    "tools":        ((list,),  None),
+}
+
+LLM_TEMPERATURE_RANGE = (0.0, 2.0)
+
+# Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
+# added when the provider / configuration offers them.
+LLM_CAPABILITIES = ["text-generation", "conversation", "reasoning", "analysis", "creative-writing"]
+
+
+def _llm_text(content):
+    """A message content as the text sent to a model: strings as they are, mappings/lists as JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (dict, list)):
+        return json.dumps(content, ensure_ascii=False)
+    return "" if content is None else str(content)
+
+
+class LLMAgent:
+    """§4.4: an agent that answers each message by calling a language model.
+
+    `{type: llm, config: {provider, model, temperature, max_tokens, system_prompt, memory_enabled,
+    max_history, api_key, template, template_vars, response_format}}`; every field is optional.
+    """
+
+    type = "llm"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name = name
+        self.rt = rt
+        self.path = tuple(path)
+        config = cfg.get("config", {}) if isinstance(cfg, dict) else None
+        config = {} if config is None else config
+        cpath = self.path + ("config",)
+        if not isinstance(config, dict):
+            raise rt.error(ConfigurationError, cpath, "an llm agent's config must be a mapping", "4.4")
+        values = _llm_check_fields(rt, config, cpath)
+        self.temperature = float(values["temperature"])
+        self.max_tokens = values["max_tokens"]
+        self.system_prompt = values["system_prompt"]
+        self.memory_enabled = values["memory_enabled"]
+        self.max_history = values["max_history"]
+        self.template = values["template"]
+        self.template_vars = dict(values["template_vars"])
+        self.response_format = values["response_format"]
+        self.context = values["context"] if values["context"] is not None else {}
+        if self.template is not None:
+            _llm_check_template(rt, self.template, cpath + ("template",))
+        if self.response_format is not None:
+            check_response_format(rt, self.response_format, cpath + ("response_format",))
+        # §12.4 (Q81): opt-in, limited to the declared built-in tools.
+        self.tool_execute = values["tool_execute"]
+        self.tools = check_tool_execute(rt, values["tools"], self.tool_execute, cpath)
+        # §4.4.1: availability first, then the key (Q76).
+        self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
+                                                                   cpath + ("provider",))
+        self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
+        self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
+        self.base_url = values["base_url"]
+        self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.memory = ConversationMemory(self.max_history)
+        adapter = PROVIDERS[self.provider]
+        self.capabilities = list(LLM_CAPABILITIES)
+        if adapter.structured:
+            self.capabilities.append("structured-output")
+        if self.tool_execute:
+            self.capabilities.append("tool-execution")
+        self.metadata = {
+            "name": name, "type": self.type, "capabilities": self.capabilities, "reactive": True,
+            "provider": self.provider, "model": self.model, "temperature": self.temperature,
+            "max_tokens": self.max_tokens, "memory_enabled": self.memory_enabled,
+            "supports_structured_output": bool(adapter.structured),
+        }
+
+    def __repr__(self):  # never the key
+        return f"LLMAgent({self.name!r}, provider={self.provider!r}, model={self.model!r})"
+
+    @property
+    def history(self):
+        """A copy of the remembered conversation entries (§4.4.4)."""
+        return self.memory.snapshot()
+
+    def invoke(self, content, ctx):
+        """§4.4: render the prompts, call the provider, remember the exchange, run §12.4 blocks."""
+        rt = self.rt
+        ctx = ctx if ctx is not None else {}
+        message = _llm_text(content)
+        view = {**self.context, **ctx}      # agent context (§4.9) under the invocation context
+        system = render_system_prompt(self, view, message)
+        user = message
+        if self.template is not None:
+            user = _llm_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
+                                            {**view, **self.template_vars}, message,
+                                            self.path + ("config", "template")))
+        temperature = effective_temperature(self, ctx)
+        if self.response_format is not None:
+            check_structured_support(self, self.response_format)
+        history = self.memory.snapshot() if self.memory_enabled else history_from_context(ctx)
+        request = {
+            "agent": self.name, "provider": self.provider, "model": self.model,
+            "temperature": temperature, "max_tokens": self.max_tokens, "system": system,
+            "messages": history + [{"role": "user", "content": user}],
+            "response_format": self.response_format,
+        }
+        rt.llm_log.append(copy.deepcopy(request))
+        try:
+            if rt.llm_transport is not None:
+                reply = rt.llm_transport.complete(request)
+            else:
+                reply = PROVIDERS[self.provider].complete(
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+        except ExecutionError as exc:
+            raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
+                                 section=exc.section or "4.4") from None
+        output = reply
+        if self.tool_execute:
+            output = process_tool_blocks(rt, reply, self.tools, ctx)
+        if self.memory_enabled:
+            self.memory.record(user, output)
+        return output
+
+    def _base_url(self):
+        """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
+        if self.base_url:
+            return self.base_url
+        adapter = PROVIDERS[self.provider]
+        for var in adapter.base_envs:
+            if self.rt.env.get(var):
+                return self.rt.env[var]
+        return adapter.default_base
+
+
+def _llm_check_fields(rt, config, cpath):
+    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
+    known = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
+    values = {}
+    for field, (types, default) in known.items():
+        if field not in config or config[field] is None:
+            values[field] = copy.deepcopy(default)
+            continue
+        value = config[field]
+        bad_bool = isinstance(value, bool) and bool not in types
+        if bad_bool or not isinstance(value, types):
+            kind = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
+            raise rt.error(ConfigurationError, cpath + (field,),
+                           f"'{field}' must be a {kind}, not {type(value).__name__}", "4.4")
+        values[field] = value
+    low, high = LLM_TEMPERATURE_RANGE
+    # INTERPRETATION §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
+    if not low <= values["temperature"] <= high:
+        raise rt.error(ConfigurationError, cpath + ("temperature",),
+                       f"temperature {values['temperature']} is outside [{low}, {high}]", "4.4")
+    if values["max_tokens"] < 1:
+        raise rt.error(ConfigurationError, cpath + ("max_tokens",), "max_tokens must be at least 1",
+                       "4.4")
+    if values["max_history"] < 0:
+        raise rt.error(ConfigurationError, cpath + ("max_history",),
+                       "max_history must not be negative", "4.4.4")
+    if values["model"] is not None and not values["model"].strip():
+        raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
+    for field in config:
+        if field not in known:
+            rt.warn(f"unknown llm agent field '{field}' is ignored", section="4.4",
+                    path=cpath + (field,))
+    return values
+
+
+def _llm_prompt_text(rt, name):
+    """§10.4: the content of prompt `name` (rt.prompts, else the document's long-form entry)."""
+    if name in rt.prompts:
+        return rt.prompts[name]
+    entry = (rt.doc.data.get("prompts") or {}).get(name) if isinstance(rt.doc.data, dict) else None
+    if isinstance(entry, dict) and "content" in entry:
+        return str(entry["content"])
+    return None
+
+
+def _llm_check_template(rt, name, path):
+    # INTERPRETATION §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
+    if _llm_prompt_text(rt, name) is None:
+        raise rt.error(ConfigurationError, path,
+                       f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
 
 # §4.4.1 Providers -----------------------------------------------------------------------
-# [llm]
+# The §4.4.1 table: provider -> environment variables consulted in order (first non-empty wins).
+# The adapters that speak to each vendor are in HOST -- providers (PROVIDERS).
+PROVIDER_KEY_VARS = {
+    "openai":    ("OPENAI_API_KEY",),
+    "anthropic": ("ANTHROPIC_API_KEY",),
+    "google":    ("GOOGLE_API_KEY", "GOOGLEAI_API_KEY"),
+}
+
+
+def resolve_provider(rt, configured, path):
+    """§4.4.1: (configured provider, provider used). Names compare case-insensitively.
+
+    An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
+    from `--provider fake`) replaces the provider every llm agent uses.
+    """
+    configured = configured.strip().lower()
+    if configured not in PROVIDERS:
+        raise rt.error(AgentCreationError, path,
+                       f"provider '{configured}' is not available in this host "
+                       f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
+    used = configured
+    if rt.provider:
+        used = str(rt.provider).strip().lower()
+        if used not in PROVIDERS:
+            raise AgentCreationError(f"host provider override '{used}' is not available "
+                                     f"(available: {', '.join(sorted(PROVIDERS))})",
+                                     section="4.4.1")
+    return configured, used
+
+
+def resolve_api_key(rt, provider, explicit, cpath):
+    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order.
+
+    A missing key is a ConfigurationError naming the variables; `fake` needs none.
+    """
+    if explicit:
+        return explicit
+    variables = PROVIDER_KEY_VARS.get(provider, ())
+    if not variables:
+        return None
+    for var in variables:
+        if rt.env.get(var):
+            return rt.env[var]
+    # INTERPRETATION §4.4.1 (Q75): reported when the agent is created at load, before any message.
+    raise rt.error(ConfigurationError, cpath,
+                   f"no API key for provider '{provider}': set the api_key field or the "
+                   f"environment variable {' or '.join(variables)}", "4.4.1")
+
 
 # §4.4.2 Default models ----------------------------------------------------------------
-# [llm]
+DEFAULT_MODELS = {
+    "openai":    "gpt-3.5-turbo",
+    "anthropic": "claude-3-5-sonnet-20241022",
+    "google":    "gemini-1.5-flash",
+}
+
 
 # §4.4.3 Structured output ---------------------------------------------------------------
-# [llm]
+def check_response_format(rt, rf, path):
+    """Load-time shape of `response_format` (a mapping with a string `type`; for `json_schema`,
+    `json_schema: {name?, strict?, schema}` as §4.4.3 shows)."""
+    kind = rf.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise rt.error(ConfigurationError, path + ("type",),
+                       "response_format needs a string 'type'", "4.4.3")
+    if kind != "json_schema":
+        return
+    block = rf.get("json_schema")
+    if not isinstance(block, dict):
+        raise rt.error(ConfigurationError, path + ("json_schema",),
+                       "response_format of type json_schema needs a 'json_schema' mapping", "4.4.3")
+    if not isinstance(block.get("schema"), dict):
+        raise rt.error(ConfigurationError, path + ("json_schema", "schema"),
+                       "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
+    if "name" in block and not isinstance(block["name"], str):
+        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
+                       "json_schema.name must be a string", "4.4.3")
+    if "strict" in block and not isinstance(block["strict"], bool):
+        raise rt.error(ConfigurationError, path + ("json_schema", "strict"),
+                       "json_schema.strict must be a boolean", "4.4.3")
+
+
+def check_structured_support(agent, rf):
+    """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
+    error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
+    adapter = PROVIDERS[agent.provider]
+    if rf.get("type") not in adapter.structured:
+        can = ", ".join(sorted(adapter.structured)) or "none"
+        raise ExecutionError(f"agent '{agent.name}' (llm): provider '{agent.provider}' has no "
+                             f"structured output of type '{rf.get('type')}' (supported: {can})",
+                             section="4.4.3")
+
 
 # §4.4.4 Memory and history -------------------------------------------------------------
-# [llm]
+class ConversationMemory:
+    """§4.4.4: the remembered {role, content} entries, at most `max_history` of them.
+
+    Thread-safe: graph nodes may invoke one agent concurrently.
+    """
+
+    # INTERPRETATION §4.4.4 (Q6): max_history counts entries (a user/assistant pair is two).
+
+    def __init__(self, max_history):
+        self.max_history = max_history
+        self.entries = []
+        self._lock = threading.Lock()
+
+    def snapshot(self):
+        with self._lock:
+            return [dict(entry) for entry in self.entries]
+
+    def record(self, user, assistant):
+        """Append one exchange (only after a successful call), then keep the newest entries."""
+        with self._lock:
+            self.entries.append({"role": "user", "content": user})
+            self.entries.append({"role": "assistant", "content": assistant})
+            if len(self.entries) > self.max_history:
+                del self.entries[:len(self.entries) - self.max_history]
+
+
+def history_from_context(ctx):
+    """§4.4.4: with memory off, `conversation_history` from the invoking context, for this call only.
+
+    Entries are mappings with `role` and `content`.
+    """
+    # INTERPRETATION §4.4.4: role `assistant` stays, `system` entries are left out (the agent's own
+    # system prompt fills that slot), any other role (graph node names, `human`) is sent as `user`.
+    history = ctx.get("conversation_history")
+    if not isinstance(history, list):
+        return []
+    entries = []
+    for item in history:
+        if not isinstance(item, dict) or "content" not in item:
+            continue
+        role = item.get("role")
+        if role == "system":
+            continue
+        entries.append({"role": "assistant" if role == "assistant" else "user",
+                        "content": _llm_text(item["content"])})
+    return entries
+
 
 # §4.4.5 Temperature override -----------------------------------------------------------
-# [llm]
+def effective_temperature(agent, ctx):
+    """§4.4.5: `_temperature_override` in the invocation context replaces the configured value."""
+    override = ctx.get("_temperature_override")
+    if override is None:
+        return agent.temperature
+    low, high = LLM_TEMPERATURE_RANGE
+    if isinstance(override, bool) or not isinstance(override, (int, float)) \
+            or not low <= override <= high:
+        raise ExecutionError(f"agent '{agent.name}' (llm): _temperature_override {override!r} is "
+                             f"not a number in [{low}, {high}]", section="4.4.5")
+    return float(override)
+
 
 # §4.4.6 System prompt rendering -------------------------------------------------------
-# [llm]
+def render_system_prompt(agent, view, message):
+    """§4.4.6: the system prompt rendered with `context` and `message` (Phase C, §8.11); on a
+    render failure render_runtime warns and hands back the literal prompt."""
+    return _llm_text(render_runtime(agent.rt, agent.system_prompt, view, message,
+                                    agent.path + ("config", "system_prompt")))
+
 
 # §4.5 Tool agents -----------------------------------------------------------------------
 # The tool agent: §4.5 fields and defaults, §4.11 capabilities and metadata for tools. Its parts
@@ -1231,22 +1831,215 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-# [foundation]
+COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+
+def check_composite(doc, name, config, path, agent_types):
+    """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
+    if "strategy" in config:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
+    components = config.get("components")
+    if not isinstance(components, dict):
+        raise doc.error(ConfigurationError, path + ("components",),
+                        "composite agents need a components mapping (agents, graphs, streams)",
+                        "4.6, §4.6.1")
+    for key, value in components.items():
+        if key not in COMPONENT_KINDS.values():
+            raise doc.error(ConfigurationError, path + ("components", key),
+                            f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
+        if not isinstance(value, dict):
+            raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
+                            "4.6.1")
+    for local, sub in (components.get("agents") or {}).items():
+        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    routing = config.get("routing")
+    if not isinstance(routing, dict):
+        raise doc.error(ConfigurationError, path + ("routing",),
+                        "composite agents need routing with input and output", "4.6.2")
+    for end in ("input", "output"):
+        spec = routing.get(end)
+        if not isinstance(spec, dict) or "type" not in spec or "name" not in spec:
+            raise doc.error(ConfigurationError, path + ("routing", end),
+                            f"routing.{end} must be the explicit form {{type, name}} "
+                            "(the shorthand form is forbidden)", "4.6.2, §16.2")
+        kind = COMPONENT_KINDS.get(spec["type"])
+        if kind is None:
+            raise doc.error(ConfigurationError, path + ("routing", end, "type"),
+                            f"routing type must be agent, graph or stream, not '{spec['type']}'",
+                            "4.6.2")
+        if spec["name"] not in (components.get(kind) or {}):
+            raise doc.error(ConfigurationError, path + ("routing", end, "name"),
+                            f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+
+
+class CompositeAgent:
+    """§4.6: nested agents, graphs and streams behind one agent interface.
+
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
+    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
+    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
+    to the output component.
+    """
+
+    type = "composite"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name, self.rt, self.path = name, rt, path
+        config = cfg["config"]
+        components = config["components"]
+        routes = {}
+        for kind in ("graphs", "streams"):
+            for local, route in (components.get(kind) or {}).items():
+                route = dict(route)
+                route.setdefault("type", kind[:-1])
+                routes[local] = route
+        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                      rt.doc.marks, rt.doc.files)
+        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                             llm_transport=rt.llm_transport)
+        inner = self.inner
+        inner.llm_log, inner.warnings, inner.context, inner.prompts = (
+            rt.llm_log, rt.warnings, rt.context, rt.prompts)
+        inner.agents = dict(rt.agents)
+        for local, sub in (components.get("agents") or {}).items():
+            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
+        agent_names = set(inner.agents)
+        for local, route in routes.items():
+            rpath = path + ("components", route["type"] + "s", local)
+            if route["type"] == "graph":
+                check_graph(sub_doc, local, route, rpath, agent_names)
+                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
+        self.network = None
+        if routes:
+            check_streams(sub_doc, agent_names, set(inner.graphs))
+            self.network = StreamNetwork(inner)
+            self._collected = []
+            self.network.on_output(self._collected.append)
+        self.routing = config["routing"]
+        self.capabilities = ["composite"]
+        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
+            for cap in agent.capabilities:
+                if cap not in self.capabilities:
+                    self.capabilities.append(cap)
+        for local in routes:
+            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
+            if cap not in self.capabilities:
+                self.capabilities.append(cap)
+        self.metadata = agent_metadata(self, components={
+            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+
+    def _dispatch(self, spec, content, ctx):
+        kind, name = spec["type"], spec["name"]
+        if kind == "agent":
+            return self.inner.agents[name].invoke(content, ctx)
+        if kind == "graph":
+            return self.inner.graphs[name].run(content, ctx).output
+        start = len(self._collected)
+        self.network.send(content, target=name)
+        emitted = self._collected[start:]
+        return emitted[-1].content if emitted else content
+
+    def invoke(self, content, ctx):
+        first, last = self.routing["input"], self.routing["output"]
+        result = self._dispatch(first, content, ctx)
+        if (last["type"], last["name"]) != (first["type"], first["name"]):
+            result = self._dispatch(last, result, ctx)
+        return result
+
 
 # §4.7 Chain agents -----------------------------------------------------------------------
-# [foundation]
+CHAIN_PREFIX = "ChainAgent processed: "
+CHAIN_SEPARATOR = "->"   # INTERPRETATION §4.7 (Q74): the bare token, no spaces, also before step 1
+
+
+def check_chain(doc, name, config, path, agent_types):
+    if "prompt" in config and "prompt_reference" in config:
+        raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
+                        "not both", "4.7, §16.3")
+    steps = config.get("steps", [])
+    if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+        raise doc.error(ConfigurationError, path + ("steps",),
+                        "steps must be a sequence of strings", "4.7")
+    ref = config.get("prompt_reference")
+    if ref is not None and ref not in (doc.data.get("prompts") or {}):
+        raise doc.error(ConfigurationError, path + ("prompt_reference",),
+                        f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
+
+
+class ChainAgent:
+    """§4.7: render the prompt (if any) with message=<input>, then append each step label.
+
+    {type: chain, config: {steps: [a, b], prompt: "...", prompt_reference: name}}
+    Makes no external call.
+    """
+
+    type = "chain"
+
+    def __init__(self, name, cfg, rt, path):
+        config = cfg["config"]
+        self.name, self.rt, self.path = name, rt, path
+        self.steps = list(config.get("steps") or [])
+        self.prompt = config.get("prompt")
+        if config.get("prompt_reference") is not None:
+            self.prompt = rt.prompts[config["prompt_reference"]]
+        self.capabilities = ["chain-processing"]
+        self.metadata = agent_metadata(self, steps=list(self.steps))
+
+    def invoke(self, content, ctx):
+        text = content if isinstance(content, str) else str(content)
+        if self.prompt is not None:
+            text = render_runtime(self.rt, self.prompt, ctx, text, self.path + ("config", "prompt"))
+        for step in self.steps:
+            text += CHAIN_SEPARATOR + step
+        return CHAIN_PREFIX + text
+
 
 # §4.8 Template instance agents ---------------------------------------------------------
-# [foundation]
+# Agents declared with `template` / `agent_template` are replaced by their concrete definition in
+# Phase B (expand_templates, §8.7-§8.8) before validation; the type tag `template_instance` is
+# accepted there and never reaches agent creation.
 
 # §4.9 Agent context inheritance ------------------------------------------------------
-# [foundation]
+def inherit_context(rt, config):
+    """§4.9: an agent without a config.context of its own gets the global context (by reference)."""
+    if "context" not in config:
+        config["context"] = rt.context
+    return config
+
 
 # §4.11 Capabilities and metadata -------------------------------------------------------
-# [foundation]
+def agent_metadata(agent, **extra):
+    """§4.11: name, type, capabilities and reactive: true, plus the type's own keys."""
+    meta = {"name": agent.name, "type": agent.type, "capabilities": list(agent.capabilities),
+            "reactive": True}
+    meta.update(extra)
+    return meta
+
 
 # §4.3 Defined agent types (the table, once every class above exists) ----------------------
-# [foundation] AGENT_TYPES
+AGENT_TYPES = {
+    "llm": LLMAgent,
+    "tool": ToolAgent,
+    "composite": CompositeAgent,
+    "chain": ChainAgent,
+}
+AGENT_CHECKS = {"composite": check_composite, "chain": check_chain}
+
+
+def make_agent(rt, name, cfg, path):
+    """§12.1 step 3: create one agent; any failure aborts start-up (AgentCreationError)."""
+    inherit_context(rt, cfg["config"])
+    try:
+        return AGENT_TYPES[cfg["type"]](name, cfg, rt, path)
+    except ActorError:
+        raise
+    except Exception as exc:  # boundary: a broken agent definition must not escape as a traceback
+        raise rt.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
+                       "12.1") from exc
 
 
 # =====================================================================================
@@ -1378,7 +2171,7 @@ def cond_custom(cond, subject):
     return bool(function(subject)) if callable(function) else False
 
 
-# §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
+# The §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
 # INTERPRETATION §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
 CONDITIONS = {
     "always":               (cond_always,               {"stream", "bridge", "edge", "node"}),
@@ -1552,10 +2345,27 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # [templating] the JINJA2, MUSTACHE and SIMPLE engines; render(text, variables, engine, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
-# [foundation]
+# See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
+# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words; "false" and "no" do not count.
+TRUTHY_WORDS = {"true", "yes", "on", "1"}
+
+
+def is_declared_true(value):
+    if isinstance(value, str):
+        return value.strip().lower() in TRUTHY_WORDS
+    return bool(value) and isinstance(value, (bool, int, float))
+
+
+def check_unsafe(doc, host_unsafe):
+    """§9.4, §13.1: an Actor that declares unsafe is refused on a safe host."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    if is_declared_true(glob.get("unsafe")) and not host_unsafe:
+        raise doc.error(UnsafeConfigurationError, ("context", "global", "unsafe"),
+                        "this Actor requires unsafe mode and the host is in safe mode "
+                        "(run with --unsafe / load(unsafe=True))", "9.4, §13.1")
 
 
 # =====================================================================================
@@ -1563,13 +2373,72 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §10.1 The context section --------------------------------------------------------------
-# [foundation]
+def check_context(doc):
+    """§10.1, §10.3, §4.4.5: context.global is a mapping of user keys."""
+    section = doc.data.get("context")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
+    glob = section.get("global")
+    if glob is None:
+        return
+    if not isinstance(glob, dict):
+        raise doc.error(ConfigurationError, ("context", "global"), "context.global must be a mapping",
+                        "10.1")
+    for key in glob:
+        path = ("context", "global", key)
+        if str(key).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"context key '{key}' is reserved (keys starting with __)", "10.3")
+        if key in HOST_ONLY_CONTEXT_KEYS:
+            raise doc.error(ConfigurationError, path, f"'{key}' is set by the host, never by the "
+                            "Actor configuration", HOST_ONLY_CONTEXT_KEYS[key])
+
+
+def build_global_context(doc, host_context, host_unsafe):
+    """§10.2 item 1: the live global context, plus the host's invocation-context keys (§10.3)."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    ctx = copy.deepcopy(glob)
+    if host_unsafe:
+        ctx["_unsafe_mode"] = True
+    ctx.update(host_context or {})
+    return ctx
+
 
 # §10.3 Reserved context keys -------------------------------------------------------------
-# [foundation]
+# Keys only the host may set. INTERPRETATION §10.3 (Q84): declaring them in context.global is an error.
+HOST_ONLY_CONTEXT_KEYS = {"_temperature_override": "4.4.5, §10.3", "_unsafe_mode": "10.3, §13.3"}
+RESERVED_CONTEXT_KEYS = (
+    "_temperature_override", "_unsafe_mode", "auto_finish_active", "auto_finish_state",
+    "auto_finish_final_stage", "auto_finish_last_output", "graph_state", "conversation_history",
+    "full_context", "_history_truncated", "_history_original_length", "next_node", "last_output",
+    "last_agent_node", "current_message", "current_node", "current_section_path",
+    "current_section_index", "section_paths", "writing_stage", "current_latex_index",
+)
+
 
 # §10.4 The prompts section ---------------------------------------------------------------
-# [foundation]
+def collect_prompts(doc):
+    """§10.4: name -> template text, long form only.
+
+    INTERPRETATION §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
+    without a `content` key is skipped silently.
+    """
+    prompts = {}
+    section = doc.data.get("prompts")
+    if section is None:
+        return prompts
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("prompts",), "prompts must be a mapping", "10.4")
+    for name, value in section.items():
+        if isinstance(value, str):
+            raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
+                            "forbidden; write {content: ...}", "16.2, §10.4")
+        if isinstance(value, dict) and "content" in value:
+            prompts[name] = value["content"] if isinstance(value["content"], str) else str(
+                value["content"])
+    return prompts
 
 
 # =====================================================================================
@@ -1577,22 +2446,187 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §11.1 Structural validation -------------------------------------------------------------
-# [foundation]
+# Items 1-5 and 7 are checked by check_top_level (§3.2), item 6 by resolve_default_router (§3.4),
+# items 3-4 per agent by check_agent (§4.1).
+
+def validate_document(doc, rt, host_default_router=None):
+    """§11 (with §9.4, §10, §15, §16): every rule, before any agent is created. Returns the default
+    router (or None)."""
+    agent_names = set(doc.data["agents"])
+    for name, cfg in doc.data["agents"].items():
+        check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
+        check_agent_name_style(rt, name, ("agents", name))
+        warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
+    check_context(doc)
+    collect_prompts(doc)
+    check_reserved_template_keys(doc)
+    known = check_routes(doc, rt, agent_names)
+    check_merges_and_splits(doc, rt, known)
+    check_pipelines(doc, rt)
+    graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
+    check_streams(doc, agent_names, graph_names)
+    check_unsafe(doc, rt.unsafe)
+    return resolve_default_router(doc, rt, host_default_router)
+
 
 # §11.2 Agent validation -----------------------------------------------------------------
-# [foundation]
+# check_agent (§4.1) rejects unregistered types and reserved names; the AGENT_TYPES table (§4.3)
+# is the registry. Phase B has already replaced template/agent_template instances.
 
 # §11.3 Route validation -----------------------------------------------------------------
-# [foundation]
+ROUTE_TYPES = ("stream", "graph", "bridge")
+# Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
+# silently.
+ROUTE_FIELDS = {
+    "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
+               "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
+    "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
+              "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
+              "template_config"),
+    "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
+               "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
+}
+AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
+MERGE_FIELDS = ("sources", "target")                                        # §7.1
+SPLIT_FIELDS = ("source", "targets")                                        # §7.2
+
+
+def warn_unknown_fields(rt, mapping, known, path, section):
+    for key in mapping:
+        if key not in known:
+            rt.warn(f"unknown field '{key}' is ignored", section=section, path=path + (key,))
+
+
+def stream_names(doc):
+    """Names a subscription, publication, merge or split may use.
+
+    INTERPRETATION §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
+    splits create their missing targets.
+    """
+    names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
+    for merge in doc.data.get("merges") or []:
+        if isinstance(merge, dict) and isinstance(merge.get("target"), str):
+            names.add(merge["target"])
+    for split in doc.data.get("splits") or []:
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            names.update(split["targets"])
+    return names
+
+
+def check_routes(doc, rt, agent_names):
+    """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower case."""
+    routes = doc.data["routes"]
+    known = stream_names(doc)
+    for name, route in routes.items():
+        path = ("routes", name)
+        if str(name).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"route name '{name}' is reserved (names starting with __)", "15.4, §5.1")
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path, "a route must be a mapping", "5.1")
+        if "type" not in route:
+            raise doc.error(ConfigurationError, path, "route has no type", "11.3, §5.1")
+        kind = str(route["type"]).lower()
+        if kind not in ROUTE_TYPES:
+            raise doc.error(ConfigurationError, path + ("type",), f"route type '{route['type']}' "
+                            "is not one of stream, graph, bridge", "11.3")
+        route["type"] = kind
+        warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
+                                                                   "bridge": "5.6"}[kind])
+        if kind == "stream":
+            for field in ("subscriptions", "publications", "agents"):
+                value = route.get(field)
+                if value is not None and not isinstance(value, list):
+                    raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
+                                    "5.3")
+            for field in ("subscriptions", "publications"):
+                for i, target in enumerate(route.get(field) or []):
+                    if target not in known:
+                        raise doc.error(ConfigurationError, path + (field, i),
+                                        f"'{target}' is not a known route or built-in stream",
+                                        "11.3, §5.5")
+            for i, agent in enumerate(route.get("agents") or []):
+                if agent not in agent_names:
+                    raise doc.error(ConfigurationError, path + ("agents", i),
+                                    f"agent '{agent}' is not defined in agents", "11.3")
+        elif kind == "graph":
+            check_graph(doc, name, route, path, agent_names)
+    return known
+
 
 # §11.4 Merge/split validation -----------------------------------------------------------
-# [foundation]
+def check_merges_and_splits(doc, rt, known):
+    """§11.4, §7.1, §7.2."""
+    for section in ("merges", "splits"):
+        value = doc.data.get(section)
+        if value is not None and not isinstance(value, list):
+            raise doc.error(ConfigurationError, (section,), f"{section} must be a sequence",
+                            "7.1" if section == "merges" else "7.2")
+    for i, merge in enumerate(doc.data.get("merges") or []):
+        path = ("merges", i)
+        if not isinstance(merge, dict):
+            raise doc.error(ConfigurationError, path, "a merge must be a mapping", "7.1")
+        warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
+        if merge.get("target") is None:
+            raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
+        sources = merge.get("sources") or []
+        if not isinstance(sources, list):
+            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
+                            "7.1")
+        for j, source in enumerate(sources):
+            if source not in known:
+                raise doc.error(ConfigurationError, path + ("sources", j),
+                                f"merge source '{source}' is not a known route or stream", "11.4")
+    for i, split in enumerate(doc.data.get("splits") or []):
+        path = ("splits", i)
+        if not isinstance(split, dict):
+            raise doc.error(ConfigurationError, path, "a split must be a mapping", "7.2")
+        warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
+        if split.get("source") is None:
+            raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
+        if split["source"] not in known:
+            raise doc.error(ConfigurationError, path + ("source",),
+                            f"split source '{split['source']}' is not a known route or stream",
+                            "11.4")
+        targets = split.get("targets")
+        if targets is not None and not isinstance(targets, dict):
+            raise doc.error(ConfigurationError, path + ("targets",),
+                            "targets must be a mapping of target name to condition", "7.2")
+
 
 # §11.5 Pipeline validation --------------------------------------------------------------
-# [foundation]
+def check_pipelines(doc, rt):
+    """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
+    pipelines = doc.data.get("pipelines")
+    if pipelines is None:
+        return
+    if not isinstance(pipelines, dict):
+        raise doc.error(ConfigurationError, ("pipelines",), "pipelines must be a mapping", "7.3")
+    routes = doc.data["routes"]
+    for pname, pipeline in pipelines.items():
+        stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+        if not isinstance(stages, list):
+            raise doc.error(ConfigurationError, ("pipelines", pname),
+                            "a pipeline needs a stages sequence", "7.3")
+        for i, stage in enumerate(stages):
+            path = ("pipelines", pname, "stages", i)
+            if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
+                    "stream", "graph"):
+                raise doc.error(ConfigurationError, path,
+                                "a stage is a mapping with type stream or graph", "7.3")
+            kind, name = str(stage["type"]).lower(), stage.get("name")
+            if kind == "graph" and "config" not in stage:
+                ref = stage.get("graph", name)
+                if (routes.get(ref) or {}).get("type") != "graph":
+                    rt.warn(f"graph stage refers to '{ref}', which is not a graph route",
+                            section="11.5", path=path)
+            if kind == "stream" and name in routes:
+                rt.warn(f"stream stage '{name}' has the name of an existing route",
+                        section="11.5", path=path)
+
 
 # §11.6 Environment variable validation ------------------------------------------------
-# [foundation]
+# A required ${VAR} that is unset fails in interpolate_env (§14.2) with a ConfigurationError.
 
 
 # =====================================================================================
@@ -1600,13 +2634,194 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §12.1 Lifecycle --------------------------------------------------------------------------
-# [foundation]
+def read_sources(paths, text):
+    """The raw documents, in order: files first, then `text` (as '<text>')."""
+    sources = []
+    for p in paths:
+        try:
+            sources.append((str(p), Path(p).read_bytes()))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
+                                     section="3.1", file=str(p)) from None
+    if text is not None:
+        sources.append(("<text>", text))
+    if not sources:
+        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+    return sources
+
+
+def parse_source(raw, file, render_context, engine):
+    """§3.1 and §8.2: one document's text -> (data, marks), through Phase A when it is templated."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
+                                     file=file) from None
+    check_sentinels(raw, file)
+    if not has_template_syntax(raw):
+        return parse_yaml(raw, file)
+    try:
+        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
+    except ActorError as exc:
+        exc.file = exc.file or file
+        raise
+    data, marks = parse_yaml(rendered, file)
+    return restore_sentinels(data), marks
+
+
+def load_document(sources, render_context, engine, env, rt):
+    """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
+    data, marks, files = None, {}, []
+    for file, raw in sources:
+        part, part_marks = parse_source(raw, file, render_context, engine)
+        files.append(file)
+        if not isinstance(part, dict):
+            kind = "empty" if part is None else type(part).__name__
+            raise ConfigurationError(f"top-level value must be a mapping, not {kind}",
+                                     section="3.1, §11.1", file=file,
+                                     line=part_marks.get((), (None, None, None))[1])
+        if data is None:
+            data, marks = part, dict(part_marks)
+        else:
+            before = copy.deepcopy(data)
+            deep_merge(data, part)
+            merge_marks(marks, part_marks, before, part)
+    doc = Doc(data, marks, files)
+    rt.doc = doc
+    doc.data = interpolate_env(doc.data, env, doc)
+    return doc
+
+
+def resolve_engine(doc, host_engine):
+    """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
+    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
+    value = host_engine if host_engine is not None else params.get("template_engine", "JINJA2")
+    engine = str(value).upper()
+    if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
+        path = () if host_engine is not None else ("cleveragents", "template_engine")
+        raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
+                        f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
+    return engine
+
+
+def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
+                default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
+                context=None):
+    """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
+    rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
+                 provider=provider, llm_transport=llm_transport)
+    phase_a_engine = str(template_engine or "JINJA2").upper()
+    doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
+    check_top_level(doc, rt)
+    rt.engine = resolve_engine(doc, template_engine)
+    # Step 2: register templates (Phase B instantiates every template instance, §8.6-§8.10).
+    expand_templates(doc, rt)
+    router = validate_document(doc, rt, default_router)
+    # Steps 3-6: agents, routes, merges/splits, pipelines.
+    rt.context = build_global_context(doc, context, rt.unsafe)
+    rt.prompts = collect_prompts(doc)
+    rt.default_router = router
+    for name, cfg in doc.data["agents"].items():
+        rt.agents[name] = make_agent(rt, name, cfg, ("agents", name))
+    for name, route in doc.data["routes"].items():
+        if route["type"] == "graph":
+            rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
+    network = StreamNetwork(rt)
+    return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
 # [streams] §12.2.2 ordering, §12.2.3 error handling, §12.2.4 timeouts
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
-# [llm]
+# INTERPRETATION §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
+# and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of the
+# invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
+# here, since §13.5 ties it to a tool agent's `allow_shell`.
+TOOL_EXECUTE_PATTERN = re.compile(
+    r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
+TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
+
+# Characters escaped inside JSON string values by the §12.4 item 2 sanitiser.
+_TOOL_PAYLOAD_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b",
+                         "\f": "\\f"}
+
+
+def check_tool_execute(rt, tools, enabled, cpath):
+    """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
+    if tools is None:
+        if enabled:
+            raise rt.error(ConfigurationError, cpath + ("tool_execute",),
+                           "tool_execute needs a 'tools' list of built-in tool names", "12.4")
+        return []
+    if not enabled:
+        rt.warn("'tools' has no effect without tool_execute: true", section="12.4",
+                path=cpath + ("tools",))
+    for i, name in enumerate(tools):
+        if not isinstance(name, str) or name not in BUILTIN_TOOLS or name in TOOL_EXECUTE_EXCLUDED:
+            raise rt.error(ConfigurationError, cpath + ("tools", i),
+                           f"{name!r} is not a built-in tool that tool_execute may call", "12.4")
+    return list(tools)
+
+
+def sanitize_tool_payload(text):
+    """§12.4 item 2: inside JSON string values, double every backslash and escape raw control
+    characters and inner double quotes, so that model-written payloads parse.
+
+    A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
+    """
+    # INTERPRETATION §12.4 item 2: "literal backslashes" are all backslashes inside string values,
+    # so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
+    out = []
+    in_string = False
+    for i, ch in enumerate(text):
+        if not in_string:
+            out.append(ch)
+            in_string = ch == '"'
+        elif ch == '"':
+            rest = text[i + 1:].lstrip()
+            if not rest or rest[0] in ",}]:":
+                out.append(ch)
+                in_string = False
+            else:
+                out.append('\\"')
+        elif ch in _TOOL_PAYLOAD_ESCAPES:
+            out.append(_TOOL_PAYLOAD_ESCAPES[ch])
+        elif ch < " ":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def process_tool_blocks(rt, text, allowed, ctx):
+    """§12.4: run each `[TOOL_EXECUTE:name] {json} [/TOOL_EXECUTE]` block of an llm output and put
+    its result (or a readable error) in its place, last block first."""
+    if not isinstance(text, str):
+        return text
+    for match in reversed(list(TOOL_EXECUTE_PATTERN.finditer(text))):
+        name, payload = match.group(1), match.group(2)
+        result = _tool_block_result(rt, name, payload, allowed, ctx)
+        text = text[:match.start()] + result + text[match.end():]
+    return text
+
+
+def _tool_block_result(rt, name, payload, allowed, ctx):
+    if name not in allowed:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
+    try:
+        args = json.loads(sanitize_tool_payload(payload))
+    except json.JSONDecodeError as exc:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason=f"invalid JSON payload ({exc.msg})")
+    if not isinstance(args, dict):
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
+    try:
+        result = run_builtin_tool(rt, name, args, ctx)
+    except ActorError as exc:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
+    return result if isinstance(result, str) else _llm_text(result)
+
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
 # [streams]
@@ -1620,7 +2835,9 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §13.1 Safe and unsafe modes -----------------------------------------------------------
-# [foundation]
+# The host sets the mode (Runtime.unsafe, from load(unsafe=...) or --unsafe); an Actor may only
+# declare that it needs unsafe mode (check_unsafe, §9.4). In unsafe mode the invocation context also
+# carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
 # [sandbox] compile_code / run_code / compile_expression
@@ -1724,15 +2941,69 @@ EXTENSION_TOOLS = {
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.1 (Q89): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as literal text;
+# mapping keys are not interpolated; `${X:-3}` defaults to "-3"; `$${` writes a literal `${`.
+_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
+
+
+def interpolate_env(data, env, doc, path=()):
+    """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
+    if isinstance(data, dict):
+        return {k: interpolate_env(v, env, doc, path + (k,)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [interpolate_env(v, env, doc, path + (i,)) for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+    refs = []
+
+    def substitute(match):
+        if match.group(0) == "$${":
+            return "${"
+        name, default = match.group(1), match.group(2)
+        refs.append(name)
+        if name in env:
+            return str(env[name])
+        if default is not None:
+            return default
+        raise doc.error(ConfigurationError, path,
+                        f"required environment variable '{name}' is not set", "14.2, §11.6")
+
+    result = _ENV_REF.sub(substitute, data)
+    whole = _ENV_REF.fullmatch(data)
+    if whole and whole.group(0) != "$${":
+        return coerce_env_value(result)
+    return result
+
 
 # §14.3 Type coercion ----------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.3 (Q90): only a string that was one single reference is coerced.
+_ENV_INT = re.compile(r"-?\d+")
+_ENV_FLOAT = re.compile(r"-?\d+\.\d+")
+
+
+def coerce_env_value(text):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _ENV_INT.fullmatch(text):
+        return int(text)
+    if _ENV_FLOAT.fullmatch(text):
+        return float(text)
+    return text
 
 
 # =====================================================================================
 # §15 RESERVED NAMES
 # =====================================================================================
+
+# §15.1 Stream names ---------------------------------------------------------------------
+RESERVED_STREAM_NAMES = ("__input__", "__output__", "__error__")
+
+# §15.2 Node names -------------------------------------------------------------------------
+# start/START and end/END are normalised and checked by the graph layer (§6.4).
+
+# §15.4 Agent and route names ------------------------------------------------------------
+# `__` prefixes are rejected by check_context (§10.1), check_agent (§4.1) and check_routes (§11.3).
+# INTERPRETATION §15 (Q83): every "MUST NOT be used" of §15 is a ConfigurationError at load.
 
 # §15.5 Sentinel strings -------------------------------------------------------------------
 TEMPLATE_START = "<<<TEMPLATE_START>>>"
@@ -1741,34 +3012,993 @@ BLOCK_START = "<<<BLOCK_START>>>"
 BLOCK_END = "<<<BLOCK_END>>>"
 SENTINELS = {"{{": TEMPLATE_START, "}}": TEMPLATE_END, "{%": BLOCK_START, "%}": BLOCK_END}
 
-# [foundation] the rest of §15
+
+def check_sentinels(text, file):
+    """§15.5: the sentinels must not appear in a source document (restoring would rewrite them)."""
+    for sentinel in SENTINELS.values():
+        index = text.find(sentinel)
+        if index >= 0:
+            line = text.count("\n", 0, index) + 1
+            col = index - (text.rfind("\n", 0, index) + 1) + 1
+            raise ConfigurationError(f"the reserved sentinel {sentinel} appears in the document",
+                                     section="15.5", file=file, line=line, col=col)
+
+# §15.6 Internal stream name patterns -----------------------------------------------------
+# Names starting with __ are never known streams (§11.3), so references to them fail at load.
 
 
 # =====================================================================================
 # §16 FORBIDDEN PATTERNS
 # =====================================================================================
-# [foundation]
+# Where each §16 rule is enforced (one row per rule, in the spec's order).
+FORBIDDEN_TOP_LEVEL = {
+    "streams": "use routes with type: stream",
+    "graphs": "use routes with type: graph",
+}
+FORBIDDEN_FORMS = {
+    # §16.1
+    "top-level streams:": "check_top_level (§3.2)",
+    "top-level graphs:": "check_top_level (§3.2)",
+    "composite with strategy:": "check_composite (§4.6)",
+    # §16.2
+    "dynamic_router node": "check_graph (§6)",
+    "list-form routes": "check_top_level (§3.2)",
+    "top-level pipelines:": "accepted: see README Interpretations (Q1)",
+    "inline expression in map function": "check_streams (§5.3.3)",
+    "agent_template instances": "expand_templates (§8.7)",
+    "sequence-form template parameters": "expand_templates (§8.6.1)",
+    "short-form prompts": "collect_prompts (§10.4)",
+    "composite routing shorthand": "check_composite (§4.6)",
+    "templates with structural expressions": "expand_templates (§8.9)",
+    # §16.3
+    "prompt and prompt_reference": "check_chain (§4.7)",
+    "template and type": "expand_templates (§8.7)",
+    "agent_template and template": "expand_templates (§8.7)",
+    "inline tool named like a built-in": "ToolAgent (§4.5.2)",
+    "template_config with route fields": "expand_templates (§8.7)",
+}
 
 
 # =====================================================================================
 # HOST -- providers
 # =====================================================================================
 # [llm] PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
+# Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
+# {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
+import email.utils  # noqa: E402  (host-only imports, kept beside their one user)
+import urllib.error  # noqa: E402
+import urllib.parse  # noqa: E402
+import urllib.request  # noqa: E402
+
+LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
+LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
+LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
+LLM_RETRY_AFTER_CAP = 60.0      # a longer Retry-After falls back to exponential back-off
+LLM_NO_RETRY_CODES = frozenset({"insufficient_quota", "enforced_spend_limit_reached"})
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+def scrub_key(text, key):
+    """Replace every occurrence of the API key in `text` with ***."""
+    return text.replace(key, "***") if key and isinstance(text, str) else text
+
+
+def _retry_delay(headers, data, attempt):
+    """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    wait = None
+    if headers.get("retry-after-ms"):
+        try:
+            wait = float(headers["retry-after-ms"]) / 1000.0
+        except ValueError:
+            wait = None
+    if wait is None and headers.get("retry-after"):
+        value = headers["retry-after"].strip()
+        try:
+            wait = float(value)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+                wait = when.timestamp() - time.time()
+            except (TypeError, ValueError):
+                wait = None
+    if wait is None and isinstance(data, dict):     # Gemini: google.rpc.RetryInfo in details
+        for detail in (data.get("error") or {}).get("details") or []:
+            delay = detail.get("retryDelay") if isinstance(detail, dict) else None
+            if isinstance(delay, str) and delay.endswith("s"):
+                try:
+                    wait = float(delay[:-1])
+                except ValueError:
+                    pass
+    if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
+        return wait
+    return min(0.5 * 2 ** attempt, 8.0)
+
+
+def _http_post(url, headers, body, timeout):
+    """One POST; returns (status, lower-cased headers, raw body). Network failures raise OSError."""
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, \
+                response.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read() if exc.fp is not None else b""
+        exc.close()
+        return exc.code, {k.lower(): v for k, v in (exc.headers or {}).items()}, raw
+
+
+class ProviderAdapter:
+    """The HTTP exchange shared by the vendors; each subclass gives the wire shapes:
+
+    endpoint(base, model) -> url; headers(key) -> dict; body(request) -> dict; reply(data) -> text
+    (ValueError when the body has none); vendor_error(data or None) -> (code, message, may_retry).
+    """
+
+    name = ""
+    default_base = ""
+    base_envs = ()
+    structured = frozenset()        # response_format types this vendor can honour (§4.4.3)
+
+    def fallback(self, body, code, message, used):
+        """A fixed-up body to send once after a 400 the vendor explains, or None."""
+        return None
+
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+        """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
+        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
+        timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
+        url = self.endpoint(base_url.rstrip("/"), request["model"])
+        body = self.body(request)
+        headers = self.headers(key)
+        used_fallbacks = set()
+        attempt = 0
+        while True:
+            retry, data, resp_headers = True, None, {}
+            try:
+                status, resp_headers, raw = _http_post(url, headers,
+                                                       json.dumps(body).encode("utf-8"), timeout)
+            except (TimeoutError, urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+                    failure = f"request timed out after {timeout:g} s"
+                else:
+                    failure = f"connection error: {reason}"
+            else:
+                if 200 <= status < 300:
+                    return self._parse_reply(raw, key)
+                try:
+                    data = json.loads(raw.decode("utf-8", "replace"))
+                except ValueError:
+                    data = None
+                code, message, retry_allowed = self.vendor_error(data)
+                if data is None:
+                    message = raw.decode("utf-8", "replace").strip()[:300] or "(empty body)"
+                failure = f"HTTP {status}" + (f" {code}" if code else "") + f": {message}"
+                if status == 400:
+                    fixed = self.fallback(body, code or "", message or "", used_fallbacks)
+                    if fixed is not None:
+                        body = fixed
+                        continue
+                should = resp_headers.get("x-should-retry", "").lower()
+                retry = retry_allowed and (should == "true" or
+                                           (should != "false" and status in LLM_RETRY_STATUSES))
+            if not retry or attempt >= LLM_MAX_RETRIES:
+                raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
+            sleep(_retry_delay(resp_headers, data, attempt))
+            attempt += 1
+
+    def _parse_reply(self, raw, key):
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ExecutionError(scrub_key(f"{self.name}: malformed JSON in the reply: "
+                                           f"{raw[:200].decode('utf-8', 'replace')!r}", key),
+                                 section="4.4") from None
+        try:
+            text = self.reply(data)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
+                                 section="4.4") from None
+        return text
+
+
+class OpenAIAdapter(ProviderAdapter):
+    """OpenAI Chat Completions, also spoken by Ollama, vLLM, llama.cpp and gateways."""
+
+    name = "openai"
+    default_base = "https://api.openai.com/v1"
+    base_envs = ("OPENAI_BASE_URL",)
+    structured = frozenset({"json_schema", "json_object", "text"})
+    # o-series and GPT-5-and-later: max_completion_tokens, and no non-default temperature.
+    REASONING_MODEL = re.compile(r"(o\d|gpt-(?:[5-9]|\d{2,}))")
+
+    def endpoint(self, base, model):
+        return base + "/chat/completions"
+
+    def headers(self, key):
+        return {"Authorization": f"Bearer {key}"}
+
+    def body(self, request):
+        messages = [{"role": "system", "content": request["system"]}] if request["system"] else []
+        body = {"model": request["model"], "messages": messages + request["messages"]}
+        if self.REASONING_MODEL.match(request["model"]):
+            body["max_completion_tokens"] = request["max_tokens"]
+        else:
+            body["max_tokens"] = request["max_tokens"]
+            body["temperature"] = request["temperature"]
+        if request.get("response_format") is not None:
+            body["response_format"] = request["response_format"]   # §4.4.3's block, verbatim
+        return body
+
+    def reply(self, data):
+        message = data["choices"][0]["message"]
+        content = message.get("content")
+        if content is None and message.get("refusal"):
+            raise ValueError(f"the model refused: {message['refusal']}")
+        if not isinstance(content, str):
+            raise ValueError("choices[0].message.content is not text")
+        return content
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        code = err.get("code") or err.get("type") or ""
+        return str(code), str(err.get("message", "")), code not in LLM_NO_RETRY_CODES
+
+    def fallback(self, body, code, message, used):
+        swap = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
+        for old, new in swap.items():
+            if old in body and f"'{old}'" in message and "tokens" not in used:
+                used.add("tokens")
+                fixed = {k: v for k, v in body.items() if k != old}
+                fixed[new] = body[old]
+                return fixed
+        if "temperature" in body and "temperature" in message and "temperature" not in used:
+            used.add("temperature")
+            return {k: v for k, v in body.items() if k != "temperature"}
+        return None
+
+
+class AnthropicAdapter(ProviderAdapter):
+    """Anthropic Messages, version pinned in ANTHROPIC_VERSION."""
+
+    name = "anthropic"
+    default_base = "https://api.anthropic.com"
+    base_envs = ("ANTHROPIC_BASE_URL",)
+    structured = frozenset({"json_schema"})
+
+    def endpoint(self, base, model):
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def headers(self, key):
+        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
+
+    def body(self, request):
+        messages = []
+        for entry in request["messages"]:       # consecutive same-role turns become one
+            if messages and messages[-1]["role"] == entry["role"]:
+                messages[-1] = {"role": entry["role"],
+                                "content": messages[-1]["content"] + "\n\n" + entry["content"]}
+            else:
+                messages.append(dict(entry))
+        # INTERPRETATION §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent as 1.
+        body = {"model": request["model"], "max_tokens": request["max_tokens"],
+                "messages": messages, "temperature": min(max(request["temperature"], 0.0), 1.0)}
+        if request["system"]:
+            body["system"] = request["system"]
+        rf = request.get("response_format")
+        if rf is not None:          # name / strict have no slot here
+            body["output_config"] = {"format": {"type": "json_schema",
+                                                "schema": rf["json_schema"]["schema"]}}
+        return body
+
+    def reply(self, data):
+        if data.get("stop_reason") == "refusal":
+            raise ValueError("the model refused (stop_reason: refusal)")
+        parts = [block["text"] for block in data["content"]
+                 if isinstance(block, dict) and block.get("type") == "text"]
+        if not parts:
+            raise ValueError("the reply has no text content")
+        return "".join(parts)
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        detail = (err.get("details") or {}).get("error_code") if isinstance(
+            err.get("details"), dict) else None
+        code = str(err.get("type") or "")
+        if detail:
+            code = f"{code}/{detail}" if code else str(detail)
+        return code, str(err.get("message", "")), detail not in LLM_NO_RETRY_CODES
+
+    def fallback(self, body, code, message, used):
+        if "temperature" in body and "temperature" in message and "temperature" not in used:
+            used.add("temperature")     # "`temperature` is deprecated for this model"
+            return {k: v for k, v in body.items() if k != "temperature"}
+        return None
+
+
+class GoogleAdapter(ProviderAdapter):
+    """Google Gemini generateContent (v1beta)."""
+
+    name = "google"
+    default_base = "https://generativelanguage.googleapis.com"
+    base_envs = ("GOOGLE_GEMINI_BASE_URL", "GOOGLE_BASE_URL")
+    structured = frozenset({"json_schema", "json_object"})
+    BLOCKED = frozenset({"SAFETY", "RECITATION", "PROHIBITED_CONTENT", "BLOCKLIST", "SPII"})
+
+    def endpoint(self, base, model):
+        if base.endswith("/v1beta"):
+            base = base[:-len("/v1beta")]
+        model = model[len("models/"):] if model.startswith("models/") else model
+        return f"{base}/v1beta/models/{urllib.parse.quote(model, safe='-._')}:generateContent"
+
+    def headers(self, key):
+        return {"x-goog-api-key": key}
+
+    def body(self, request):
+        contents = [{"role": "model" if entry["role"] == "assistant" else "user",
+                     "parts": [{"text": entry["content"]}]} for entry in request["messages"]]
+        config = {"temperature": request["temperature"], "maxOutputTokens": request["max_tokens"]}
+        rf = request.get("response_format")
+        if rf is not None:
+            config["responseMimeType"] = "application/json"
+            if rf.get("type") == "json_schema":
+                config["responseJsonSchema"] = rf["json_schema"]["schema"]
+        body = {"contents": contents, "generationConfig": config}
+        if request["system"]:
+            body["systemInstruction"] = {"parts": [{"text": request["system"]}]}
+        return body
+
+    def reply(self, data):
+        candidates = data.get("candidates") or []
+        if not candidates:
+            reason = (data.get("promptFeedback") or {}).get("blockReason", "no candidates")
+            raise ValueError(f"the prompt was blocked ({reason})")
+        first = candidates[0]
+        if first.get("finishReason") in self.BLOCKED:
+            raise ValueError(f"the answer was blocked (finishReason: {first['finishReason']})")
+        parts = [part["text"] for part in (first.get("content") or {}).get("parts") or []
+                 if isinstance(part, dict) and "text" in part and not part.get("thought")]
+        if not parts:
+            raise ValueError("the reply has no text parts")
+        return "".join(parts)
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        code = str(err.get("status") or err.get("code") or "")
+        retry = True
+        for detail in err.get("details") or []:
+            if not isinstance(detail, dict):
+                continue
+            if detail.get("reason"):
+                code += "/" + str(detail["reason"])
+            for violation in detail.get("violations") or []:     # google.rpc.QuotaFailure
+                if "PerDay" in str(violation.get("quotaId", "")):
+                    retry = False                                  # the daily quota is spent
+        return code, str(err.get("message", "")), retry
+
+
+class FakeAdapter(ProviderAdapter):
+    """The offline `fake` provider: no key, no network; echoes the user message."""
+
+    name = "fake"
+    structured = frozenset({"json_schema", "json_object", "text"})
+
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+        return request["messages"][-1]["content"]
+
+
+class FakeTransport:
+    """Scripted replies that replace every provider's HTTP call (vectors, tests, `llm=` in load).
+
+    `responses` maps agent name -> replies, consumed in order; then the user message is echoed.
+    A reply given as `{error: text}` makes that call fail with an ExecutionError.
+    """
+
+    def __init__(self, responses=None):
+        self.responses = {name: list(replies if isinstance(replies, list) else [replies])
+                          for name, replies in (responses or {}).items()}
+        self._lock = threading.Lock()
+
+    def complete(self, request):
+        with self._lock:
+            queue = self.responses.get(request["agent"])
+            reply = queue.pop(0) if queue else None
+        if reply is None:
+            return request["messages"][-1]["content"]
+        if isinstance(reply, dict) and "error" in reply:
+            raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
+        return _llm_text(reply)
+
+
+# name -> adapter. Rows: the §4.4.1 providers, then this host's extra `fake`.
+PROVIDERS = {
+    "openai":    OpenAIAdapter(),
+    "anthropic": AnthropicAdapter(),
+    "google":    GoogleAdapter(),
+    "fake":      FakeAdapter(),
+}
 
 
 # =====================================================================================
 # HOST -- load / Actor / render
 # =====================================================================================
-# [foundation]
+
+class Result:
+    """What one call observed: the messages emitted on __output__ and on __error__, in order."""
+
+    def __init__(self):
+        self.outputs = []
+        self.errors = []
+
+    def __repr__(self):
+        return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
+               f"errors={[m.content for m in self.errors]!r})"
+
+
+class Actor:
+    """A running Actor (§12.1 step 7): send messages, move the clock, inspect context and graphs."""
+
+    def __init__(self, rt, network, default_router):
+        self.rt = rt
+        self.network = network
+        self.default_router = default_router
+        self._result = None
+        self._lock = threading.Lock()
+        network.on_output(self._collect_output)
+        network.on_error(self._collect_error)
+
+    # -- collecting what a call emits (graph branches may emit from worker threads)
+    def _collect_output(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.outputs.append(msg)
+
+    def _collect_error(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.errors.append(msg)
+
+    def _call(self, action):
+        with self._lock:
+            self._result = result = Result()
+        try:
+            action()
+            if self.rt.clock.real:
+                self.network.settle()
+        finally:
+            with self._lock:
+                self._result = None
+        return result
+
+    # -- the public API
+    @property
+    def context(self):
+        """The live global context dict (§10)."""
+        return self.rt.context
+
+    def send(self, content, *, at=None, target=None):
+        """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
+        to quiescence."""
+        def action():
+            if at is not None:
+                self.rt.clock.set_time(at)
+            self.network.send(content, target=target)
+        return self._call(action)
+
+    def advance(self, seconds):
+        """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
+        return self._call(lambda: self.rt.clock.advance(seconds))
+
+    def complete(self):
+        """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
+        return self._call(self.network.complete)
+
+    def close(self):
+        """§12.1 step 8: dispose of subscriptions, agents and streams."""
+        close = getattr(self.network, "close", None)
+        if close is not None:
+            close()
+        self.rt.agents.clear()
+        self.rt.graphs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- graphs (§6.6)
+    def _graph(self, route):
+        if route not in self.rt.graphs:
+            raise RoutingError(f"'{route}' is not a graph route", section="6.6")
+        return self.rt.graphs[route]
+
+    def checkpoints(self, route):
+        return self._graph(route).checkpoints()
+
+    def restore(self, route, path=None):
+        return self._graph(route).restore(path)
+
+    def rewind(self, route, steps):
+        return self._graph(route).rewind(steps)
+
+    # -- inspection (§4.11)
+    def describe(self):
+        """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
+        agents = {name: {"type": a.type, "capabilities": list(a.capabilities),
+                         "metadata": jsonable(a.metadata)} for name, a in self.rt.agents.items()}
+        routes = {name: route["type"] for name, route in self.rt.doc.data["routes"].items()}
+        return {"name": self.rt.doc.data.get("name"), "agents": agents, "routes": routes,
+                "default_router": self.default_router, "template_engine": self.rt.engine}
+
+    def diagram(self):
+        """A Mermaid flowchart of the whole Actor: stream side, then each graph."""
+        lines = ["flowchart LR"]
+        lines += ["  " + line for line in self.network.mermaid()]
+        for graph in self.rt.graphs.values():
+            lines += ["  " + line for line in graph.mermaid()]
+        return "\n".join(lines) + "\n"
+
+
+def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+    """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
+
+    env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
+    the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    """
+    return start_actor(
+        read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
+        template_engine=template_engine, default_router=default_router, provider=provider,
+        workdir=workdir, clock=clock or VirtualClock(),
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+
+
+def jsonable(value):
+    """A JSON-safe copy of `value` (tuples -> lists, other objects -> str), cycles cut."""
+    seen = set()
+
+    def conv(v):
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+        if isinstance(v, (dict, list, tuple, set)):
+            if id(v) in seen:
+                return "<cycle>"
+            seen.add(id(v))
+            try:
+                if isinstance(v, dict):
+                    return {str(k): conv(x) for k, x in v.items()}
+                items = sorted(v, key=repr) if isinstance(v, set) else v
+                return [conv(x) for x in items]
+            finally:
+                seen.discard(id(v))
+        return str(v)
+
+    return conv(value)
 
 
 # =====================================================================================
 # HOST -- the vector harness
 # =====================================================================================
-# [foundation]
+# The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
+# actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
+
+VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
+               "load_error", "steps")
+HOST_KEYS = ("unsafe", "env", "render_context", "template_engine", "default_router", "context",
+             "files", "llm", "provider")
+STEP_ACTIONS = ("send", "advance", "complete")
+STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
+               "files")
+STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at",)
+VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
+
+
+def vector_sources(vector):
+    """The vector's document(s) as (name, text) sources; JSON is valid YAML 1.2."""
+    if "config_text" in vector:
+        return [("config.yaml", vector["config_text"])]
+    if "configs" in vector:
+        return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
+    return [("config.yaml", json.dumps(vector.get("config")))]
+
+
+def read_tree(root):
+    """{relative posix path: text} for every file below root (what a vector's `files` checks)."""
+    files = {}
+    for path in sorted(Path(root).rglob("*")):
+        if path.is_file() and path.stat().st_size <= 1_000_000:
+            try:
+                files[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                files[path.relative_to(root).as_posix()] = None
+    return files
+
+
+def observe_vector(vector):
+    """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
+    context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
+    import tempfile
+    host = vector.get("host") or {}
+    with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
+        for rel, content in (host.get("files") or {}).items():
+            target = Path(tmp, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content, encoding="utf-8")
+        llm = (host.get("llm") or {}).get("responses") or {}
+        try:
+            actor = start_actor(
+                vector_sources(vector), render_context=host.get("render_context"),
+                unsafe=bool(host.get("unsafe", False)), env=host.get("env") or {},
+                template_engine=host.get("template_engine"),
+                default_router=host.get("default_router"), provider=host.get("provider"),
+                workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
+                context=host.get("context"))
+        except ActorError as exc:
+            return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+        observed = []
+        try:
+            for step in vector.get("steps") or []:
+                logged = len(actor.rt.llm_log)
+                if "send" in step:
+                    result = actor.send(step["send"], at=step.get("at"))
+                elif "advance" in step:
+                    if step.get("at") is not None:
+                        actor.rt.clock.set_time(step["at"])
+                    result = actor.advance(step["advance"])
+                else:
+                    result = actor.complete()
+                observed.append({
+                    "outputs": [jsonable(m.content) for m in result.outputs],
+                    "metadata": [jsonable(m.metadata) for m in result.outputs],
+                    "errors": [{"content": jsonable(m.content),
+                                "error_type": m.metadata.get("error_type"),
+                                "metadata": jsonable(m.metadata)} for m in result.errors],
+                    "context": jsonable(actor.context),
+                    "llm_requests": jsonable(actor.rt.llm_log[logged:]),
+                    "files": read_tree(tmp),
+                })
+        finally:
+            actor.close()
+        return {"load_error": None, "steps": observed, "warnings": list(actor.rt.warnings)}
+
+
+def same(expect, got):
+    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an int."""
+    if isinstance(expect, bool) or isinstance(got, bool):
+        return type(expect) is type(got) and expect == got
+    if isinstance(expect, (int, float)) and isinstance(got, (int, float)):
+        return expect == got
+    if isinstance(expect, dict) and isinstance(got, dict):
+        return expect.keys() == got.keys() and all(same(expect[k], got[k]) for k in expect)
+    if isinstance(expect, list) and isinstance(got, list):
+        return len(expect) == len(got) and all(same(e, g) for e, g in zip(expect, got))
+    return type(expect) is type(got) and expect == got
+
+
+def subset(expect, got):
+    """Deep subset: mappings may carry extra keys; lists match element by element, same length."""
+    if isinstance(expect, dict):
+        return isinstance(got, dict) and all(k in got and subset(v, got[k])
+                                              for k, v in expect.items())
+    if isinstance(expect, list):
+        return isinstance(got, list) and len(expect) == len(got) and all(
+            subset(e, g) for e, g in zip(expect, got))
+    return same(expect, got)
+
+
+def _error_matches(expect, got):
+    if not isinstance(expect, dict):
+        return same(expect, got.get("content"))
+    content = got.get("content")
+    if "contains" in expect and (not isinstance(content, str) or expect["contains"] not in content):
+        return False
+    if "content" in expect and not same(expect["content"], content):
+        return False
+    if "error_type" in expect and not same(expect["error_type"], got.get("error_type")):
+        return False
+    return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
+
+
+def judge_step(step, seen):
+    """[(field, expect, got)] for every check of `step` that `seen` fails."""
+    failures = []
+    if "outputs" in step and not same(step["outputs"], seen["outputs"]):
+        failures.append(("outputs", step["outputs"], seen["outputs"]))
+    if "outputs_unordered" in step:
+        rest, ok = list(seen["outputs"]), True
+        for item in step["outputs_unordered"]:
+            match = next((i for i, g in enumerate(rest) if same(item, g)), None)
+            if match is None:
+                ok = False
+                break
+            rest.pop(match)
+        if not ok or rest:
+            failures.append(("outputs_unordered", step["outputs_unordered"], seen["outputs"]))
+    if "errors" in step:
+        errs = step["errors"]
+        if len(errs) != len(seen["errors"]) or not all(
+                _error_matches(e, g) for e, g in zip(errs, seen["errors"])):
+            failures.append(("errors", errs, [{"content": g["content"], "error_type":
+                                               g["error_type"]} for g in seen["errors"]]))
+    for field in ("context", "metadata", "llm_requests"):
+        if field in step and not subset(step[field], seen[field]):
+            failures.append((field, step[field], seen[field]))
+    if "files" in step:
+        for rel, content in step["files"].items():
+            got = seen["files"].get(rel)
+            if not same(content, got):
+                failures.append((f"files[{rel}]", content, got))
+    return failures
+
+
+def judge_vector(vector, observed):
+    """A list of failure records (step index or None, action, field, expect, got); empty = pass."""
+    failures = []
+    load_error = observed.get("load_error")
+    if "load_error" in vector:
+        got = load_error["category"] if load_error else None
+        if got != vector["load_error"]:
+            failures.append((None, "load", "load_error", vector["load_error"],
+                             load_error["message"] if load_error else "loaded without error"))
+        return failures
+    if load_error:
+        return [(None, "load", "load_error", None, load_error["message"])]
+    steps, seen = vector.get("steps") or [], observed.get("steps") or []
+    if len(seen) != len(steps):
+        return [(None, "steps", "steps", f"{len(steps)} steps", f"{len(seen)} observed")]
+    for i, (step, got) in enumerate(zip(steps, seen)):
+        action = next((a for a in STEP_ACTIONS if a in step), "?")
+        for field, expect, value in judge_step(step, got):
+            failures.append((i + 1, action, field, expect, value))
+    return failures
+
+
+def lint_vector(vector, stem=None):
+    """Problems that make a vector unusable (errors) or suspicious (unknown keys: warnings)."""
+    errors, warnings_ = [], []
+    if not isinstance(vector, dict):
+        return ["vector is not a mapping"], []
+    for key in ("name", "spec", "description"):
+        if key not in vector:
+            errors.append(f"missing '{key}'")
+    if sum(k in vector for k in ("config", "config_text", "configs")) != 1:
+        errors.append("needs exactly one of config, config_text, configs")
+    if "load_error" in vector:
+        if vector["load_error"] not in ERROR_CATEGORIES:
+            errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
+        if vector.get("steps"):
+            errors.append("a load_error vector has no steps")
+    elif not vector.get("steps"):
+        errors.append("no steps and no load_error")
+    for key in vector:
+        if key not in VECTOR_KEYS:
+            warnings_.append(f"unknown key '{key}'")
+    for key in vector.get("host") or {}:
+        if key not in HOST_KEYS:
+            warnings_.append(f"unknown host key '{key}'")
+    for i, step in enumerate(vector.get("steps") or []):
+        if not isinstance(step, dict):
+            errors.append(f"steps[{i}] is not a mapping")
+            continue
+        if sum(a in step for a in STEP_ACTIONS) != 1:
+            errors.append(f"steps[{i}] has not exactly one of send/advance/complete")
+        for key in step:
+            if key not in STEP_KEYS:
+                warnings_.append(f"steps[{i}]: unknown key '{key}'")
+    if stem is not None and vector.get("name") != stem:
+        warnings_.append(f"name '{vector.get('name')}' differs from the file name '{stem}'")
+    return errors, warnings_
+
+
+def collect_vector_files(paths):
+    files = []
+    for p in paths:
+        p = Path(p)
+        files.extend(sorted(p.rglob("*.yaml")) if p.is_dir() else [p])
+    return [f for f in files if f.name != "README.md"]
+
+
+def read_vector(path):
+    data, _ = parse_yaml(Path(path).read_bytes(), str(path))
+    return data
+
+
+def observe_with(impl, vector, timeout):
+    """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
+    import subprocess
+    proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0 and not proc.stdout.strip():
+        raise RuntimeError(f"implementation exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def _show(value):
+    text = repr(value)
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None):
+    """Run vector files/folders; print PASS/FAIL/ERROR lines and `N passed, N failed`."""
+    out = out or sys.stdout
+    passed = failed = 0
+    for path in collect_vector_files(paths):
+        try:
+            vector = read_vector(path)
+            errors, warnings_ = lint_vector(vector, path.stem)
+            for w in warnings_:
+                print(f"warning: {path}: {w}", file=sys.stderr)
+            if errors:
+                raise ValueError("; ".join(errors))
+            observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
+            failures = judge_vector(vector, observed)
+        except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
+            failed += 1
+            kind = "timeout" if type(exc).__name__ == "TimeoutExpired" else "vector"
+            hint = f" (raise the limit with --timeout, now {timeout} s)" if kind == "timeout" else ""
+            print(f"ERROR {path}  {kind}: {type(exc).__name__}: {exc}{hint}", file=out)
+            continue
+        if not failures:
+            passed += 1
+            print(f"PASS  {path}", file=out)
+            continue
+        failed += 1
+        sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+        first = failures[0]
+        where = "load" if first[0] is None else f"step {first[0]} ({first[1]})"
+        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        for step, action, field, expect, got in failures:
+            label = f"{field}" if step is None or step == first[0] else f"step {step} {field}"
+            print(f"      {label}  expect: {_show(expect)}", file=out)
+            print(f"      {' ' * len(label)}  got:    {_show(got)}", file=out)
+    print(f"{passed} passed, {failed} failed", file=out)
+    return passed, failed
 
 
 # =====================================================================================
 # HOST -- command line
 # =====================================================================================
-# [foundation]
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+
+
+def _parse_set(items, option):
+    """--set a.b=3 -> {'a': {'b': 3}} (values read as YAML 1.2 scalars)."""
+    result = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigurationError(f"{option} expects KEY=VALUE, got '{item}'")
+        key, _, raw = item.partition("=")
+        value, _ = parse_yaml(raw) if raw.strip() else ("", None)
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return result
+
+
+def _arg_parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="actor", description="Run, check or inspect Actor configurations (Actor Configuration "
+        "Standard 1.0.0).")
+    p.add_argument("configs", nargs="*", metavar="CONFIG", help="configuration files, merged in order")
+    p.add_argument("-m", "--message", action="append", metavar="TEXT",
+                   help="a message to send (repeatable); default: one message per stdin line")
+    p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
+    p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
+                   "(e.g. fake: offline, no key)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
+    p.add_argument("--context", action="append", metavar="KEY=VALUE",
+                   help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
+    p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
+    p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
+    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
+    p.add_argument("--check", action="store_true", help="load and validate only")
+    p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
+    p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
+    p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
+    p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
+    p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
+                   help="with --impl: seconds per vector")
+    p.add_argument("--run-vector", action="store_true",
+                   help="read one vector as JSON on stdin, print observations as JSON")
+    p.add_argument("--version", action="version",
+                   version=f"actor.py {__version__} (Actor Configuration Standard {SPEC_VERSION})")
+    return p
+
+
+def _print_message(msg, as_json, stream):
+    if as_json:
+        meta = {k: v for k, v in msg.metadata.items() if k != "context"}
+        print(json.dumps({"content": jsonable(msg.content), "metadata": jsonable(meta),
+                          "source_stream": msg.source_stream}), file=stream, flush=True)
+    else:
+        content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
+        print(content, file=stream, flush=True)
+
+
+def _print_result(result, as_json):
+    for msg in result.outputs:
+        _print_message(msg, as_json, sys.stdout)
+    for msg in result.errors:
+        _print_message(msg, as_json, sys.stderr)
+    return bool(result.errors)
+
+
+def main(argv=None):
+    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
+    args = _arg_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    if args.run_vector:
+        print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
+        return EXIT_OK
+    if args.vectors:
+        _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout)
+        return EXIT_RUNTIME if failed else EXIT_OK
+    if not args.configs:
+        _arg_parser().print_usage(sys.stderr)
+        print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
+                     unsafe=args.unsafe, template_engine=args.engine,
+                     default_router=args.default_router, provider=args.provider,
+                     clock=RealClock(), context=_parse_set(args.context, "--context") or None)
+    except ActorError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG
+    with actor:
+        if args.check:
+            print("ok")
+            return EXIT_OK
+        if args.describe:
+            info = actor.describe()
+            if args.json:
+                print(json.dumps(info, indent=2))
+            else:
+                for name, agent in info["agents"].items():
+                    print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                for name, kind in info["routes"].items():
+                    mark = "  [default router]" if name == info["default_router"] else ""
+                    print(f"route {name} ({kind}){mark}")
+            return EXIT_OK
+        if args.diagram:
+            sys.stdout.write(actor.diagram())
+            return EXIT_OK
+        failed = False
+        try:
+            if args.message:
+                for text in args.message:
+                    failed |= _print_result(actor.send(text), args.json)
+            else:
+                interactive = sys.stdin.isatty()
+                while True:
+                    if interactive:
+                        print("> ", end="", file=sys.stderr, flush=True)
+                    line = sys.stdin.readline()
+                    if not line:
+                        break
+                    failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+            failed |= _print_result(actor.complete(), args.json)
+        except KeyboardInterrupt:
+            return EXIT_RUNTIME
+        except ActorError as exc:
+            print(str(exc), file=sys.stderr)
+            return EXIT_RUNTIME
+        return EXIT_RUNTIME if failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
