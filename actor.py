@@ -1309,12 +1309,16 @@ def _math_node(node, env):
     match node:
         case ast.Constant(value=value) if type(value) in (int, float):
             return value
-        case ast.UnaryOp(op=ast.USub(), operand=operand):
-            return -_math_node(operand, env)
-        case ast.UnaryOp(op=ast.UAdd(), operand=operand):
-            return +_math_node(operand, env)
+        case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
+            value = _math_node(operand, env)
+            if type(value) not in (int, float):
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
+            return -value if isinstance(op, ast.USub) else value
         case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
             a, b = _math_node(left, env), _math_node(right, env)
+            if not all(type(x) in (int, float) for x in (a, b)):
+                # lists exist only as function arguments: `[1] * 10**9` must never allocate
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
             if isinstance(op, ast.Pow):
                 return _math_guard(_math_power(a, b, env=env), env)
             if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
