@@ -853,6 +853,46 @@ def test_inline_errors_propagate_as_execution_errors(tmp_path, monkeypatch):
     _fails(agent, "anything")
 
 
+needs_sandbox = pytest.mark.skipif(not hasattr(actor, "run_code"),
+                                   reason="the [sandbox] area (compile_code/run_code) is not merged")
+
+
+@needs_sandbox
+def test_inline_spec_examples_run_in_the_real_sandbox(tmp_path):
+    route = ('text = (input_data or "").strip()\nif text.startswith("!"):\n'
+             '    result = f"GOTO_COMMAND_HANDLER:{text}"\nelse:\n'
+             '    stage = context.get("current_stage") or "default"\n'
+             '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    agent = _inline(tmp_path, {"name": "route_by_prefix", "code": route})
+    assert _call(agent, "!help") == "GOTO_COMMAND_HANDLER:!help"
+    assert _call(agent, "hi", {"current_stage": "intro"}) == "GOTO_INTRO:hi"
+    save = ("import json\ntry:\n    payload = json.loads(input_data)\n"
+            "    topic = payload.get('topic', '')\nexcept json.JSONDecodeError:\n"
+            "    topic = input_data\ncontext['current_topic'] = topic\n"
+            "result = f'Topic set to: {topic}'\n")
+    agent = _inline(tmp_path, {"name": "save_topic", "code": save})
+    ctx = {}
+    assert _call(agent, '{"topic": "ai"}', ctx) == "Topic set to: ai"
+    assert ctx == {"current_topic": "ai"}
+
+
+@needs_sandbox
+def test_inline_runaway_code_times_out_and_the_agent_keeps_serving(tmp_path):
+    import time as _time
+    agent = _inline(tmp_path, "echo", {"name": "spin", "code": "while True:\n    pass\n"},
+                    timeout=0.2)
+    started = _time.monotonic()
+    _fails(agent, "spin")
+    assert _time.monotonic() - started < 2
+    assert _call(agent, "echo next") == "next"
+
+
+@needs_sandbox
+def test_inline_forbidden_construct_is_refused_at_load(tmp_path):
+    with pytest.raises(actor.ConfigurationError):
+        _inline(tmp_path, {"name": "t", "code": "import os\nresult = os.getcwd()\n"})
+
+
 # §13.5 Shell execution --------------------------------------------------------------------
 @pytest.mark.parametrize("unsafe, allow_shell, safe_mode, command, ok", [
     (True, True, True, "echo hi", True),
