@@ -1058,6 +1058,9 @@ class ToolAgent:
 
     {type: tool, config: {tools: [echo, {name: n, code: ...}], safe_mode: true, allow_shell: false,
     timeout: 1, context: {}}}
+
+    `timeout` bounds inline code (the sandbox's budget), http_request and shell; the other
+    built-ins do work bounded by their input (math refuses results beyond MATH_MAX_BITS).
     """
 
     type = "tool"
