@@ -996,11 +996,11 @@ def render_system_prompt(agent, view, message):
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
 # [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
-import ast
-import subprocess
-import urllib.error
-import urllib.parse
-import urllib.request
+import ast  # noqa: E402
+import subprocess  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.parse  # noqa: E402
+import urllib.request  # noqa: E402
 
 # The §4.5 field table: field -> (accepted Python types, default).
 TOOL_AGENT_FIELDS = {
