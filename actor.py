@@ -1049,7 +1049,7 @@ class ToolEnv:
 
     @property
     def unsafe_host(self):
-        """§13.3 unsafe mode: the host is unsafe AND the invocation carries `_unsafe_mode: true`."""
+        """§13.3 unsafe mode: an unsafe host AND `_unsafe_mode: true` in the invocation."""
         return bool(getattr(self.rt, "unsafe", False)) and self.unsafe_invocation
 
 
@@ -1222,7 +1222,7 @@ def tool_args(raw):
 
 
 def tool_argument(args, name, index=0):
-    """The named argument, else the positional one at `index`, else None (§4.5.1 `x OR args[i]`)."""
+    """The named argument, else the positional one at `index`, else None (`x OR args[i]`)."""
     if args.get(name) is not None:
         return args[name]
     positional = args.get("args")
@@ -1474,15 +1474,15 @@ BUILTIN_TOOLS = {
 }
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
-# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where `result` falls
-# back to. INLINE_PROGRESS is this implementation's name for the §4.5.6 item 5 entry point:
+# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where
+# `result` falls back to. INLINE_PROGRESS names the §4.5.6 item 5 entry point:
 # `progress_bar(current=3, total=10, stage="draft", message="intro")` returns the rendered line.
 INLINE_RESULT_FALLBACKS = ("output", "response", "answer")
 INLINE_PROGRESS = "progress_bar"
 
 
 def inline_input(args):
-    """input_data for an inline tool named in a JSON request: `args` itself, JSON-encoded if not text."""
+    """input_data for an inline tool named in a JSON request: `args`, JSON-encoded if not text."""
     # INTERPRETATION §4.5.3 (Q63): an inline tool called by name gets the request's `args`
     # (JSON-encoded when not a string; space-joined in the command form), not the whole message.
     if args is None:
@@ -1617,7 +1617,8 @@ def safe_mode_refusal(env, given, op):
     if traversal:
         return f"{op} rejects `..` in paths"
     if op == "file_read" and absolute and not env.unsafe_invocation:
-        return "file_read rejects absolute paths unless the invocation context has `_unsafe_mode: true`"
+        return ("file_read rejects absolute paths unless the invocation context has "
+                "`_unsafe_mode: true`")
     if op == "file_write" and tilde:
         return "file_write rejects paths beginning with ~"
     return None
@@ -1662,7 +1663,7 @@ def file_write_w(env, target, given, content, position):
 
 
 def file_write_a(env, target, given, content, position):
-    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line before it."""
+    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line first."""
     existing = file_existing(env, target, given)
     separator = ""
     if content.startswith("#") and existing and not existing.endswith("\n\n"):
@@ -1739,7 +1740,7 @@ class ProgressFacility:
         self.last = None
 
     def update(self, args, view, env=None):
-        """Merge `args` (§4.5.1 names), the context hooks and the snapshot; emit; return the line."""
+        """Merge `args` (§4.5.1 names), context hooks and snapshot; emit; return the line."""
         args = tool_args(args)
         given = {field: next((args[name] for name in names if args.get(name) is not None), None)
                  for field, names in PROGRESS_ARGUMENTS.items()}
