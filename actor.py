@@ -1011,11 +1011,11 @@ def render_system_prompt(agent, view, message):
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
 # [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
-import ast
-import subprocess
-import urllib.error
-import urllib.parse
-import urllib.request
+import ast  # noqa: E402
+import subprocess  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.parse  # noqa: E402
+import urllib.request  # noqa: E402
 
 # The §4.5 field table: field -> (accepted Python types, default).
 TOOL_AGENT_FIELDS = {
@@ -1064,7 +1064,7 @@ class ToolEnv:
 
     @property
     def unsafe_host(self):
-        """§13.3 unsafe mode: the host is unsafe AND the invocation carries `_unsafe_mode: true`."""
+        """§13.3 unsafe mode: an unsafe host AND `_unsafe_mode: true` in the invocation."""
         return bool(getattr(self.rt, "unsafe", False)) and self.unsafe_invocation
 
 
@@ -1073,6 +1073,9 @@ class ToolAgent:
 
     {type: tool, config: {tools: [echo, {name: n, code: ...}], safe_mode: true, allow_shell: false,
     timeout: 1, context: {}}}
+
+    `timeout` bounds inline code (the sandbox's budget), http_request and shell; the other
+    built-ins do work bounded by their input (math refuses results beyond MATH_MAX_BITS).
     """
 
     type = "tool"
@@ -1234,7 +1237,7 @@ def tool_args(raw):
 
 
 def tool_argument(args, name, index=0):
-    """The named argument, else the positional one at `index`, else None (§4.5.1 `x OR args[i]`)."""
+    """The named argument, else the positional one at `index`, else None (`x OR args[i]`)."""
     if args.get(name) is not None:
         return args[name]
     positional = args.get("args")
@@ -1324,12 +1327,16 @@ def _math_node(node, env):
     match node:
         case ast.Constant(value=value) if type(value) in (int, float):
             return value
-        case ast.UnaryOp(op=ast.USub(), operand=operand):
-            return -_math_node(operand, env)
-        case ast.UnaryOp(op=ast.UAdd(), operand=operand):
-            return +_math_node(operand, env)
+        case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
+            value = _math_node(operand, env)
+            if type(value) not in (int, float):
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
+            return -value if isinstance(op, ast.USub) else value
         case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
             a, b = _math_node(left, env), _math_node(right, env)
+            if not all(type(x) in (int, float) for x in (a, b)):
+                # lists exist only as function arguments: `[1] * 10**9` must never allocate
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
             if isinstance(op, ast.Pow):
                 return _math_guard(_math_power(a, b, env=env), env)
             if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
@@ -1344,7 +1351,7 @@ def _math_node(node, env):
             if name == "pow" and 2 <= len(values) <= 3:
                 return _math_guard(_math_power(*values, env=env), env)
             return _math_guard(MATH_FUNCTIONS[name](*values), env)
-        case ast.Name(id=name):
+        case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
             raise env.fail(f"math: name '{name}' is not available", "4.5.1")
     raise env.fail(f"math: {type(node).__name__} is not allowed in an arithmetic expression",
                    "4.5.1")
@@ -1482,15 +1489,15 @@ BUILTIN_TOOLS = {
 }
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
-# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where `result` falls
-# back to. INLINE_PROGRESS is this implementation's name for the §4.5.6 item 5 entry point:
+# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where
+# `result` falls back to. INLINE_PROGRESS names the §4.5.6 item 5 entry point:
 # `progress_bar(current=3, total=10, stage="draft", message="intro")` returns the rendered line.
 INLINE_RESULT_FALLBACKS = ("output", "response", "answer")
 INLINE_PROGRESS = "progress_bar"
 
 
 def inline_input(args):
-    """input_data for an inline tool named in a JSON request: `args` itself, JSON-encoded if not text."""
+    """input_data for an inline tool named in a JSON request: `args`, JSON-encoded if not text."""
     # INTERPRETATION §4.5.3 (Q63): an inline tool called by name gets the request's `args`
     # (JSON-encoded when not a string; space-joined in the command form), not the whole message.
     if args is None:
@@ -1625,7 +1632,8 @@ def safe_mode_refusal(env, given, op):
     if traversal:
         return f"{op} rejects `..` in paths"
     if op == "file_read" and absolute and not env.unsafe_invocation:
-        return "file_read rejects absolute paths unless the invocation context has `_unsafe_mode: true`"
+        return ("file_read rejects absolute paths unless the invocation context has "
+                "`_unsafe_mode: true`")
     if op == "file_write" and tilde:
         return "file_write rejects paths beginning with ~"
     return None
@@ -1670,7 +1678,7 @@ def file_write_w(env, target, given, content, position):
 
 
 def file_write_a(env, target, given, content, position):
-    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line before it."""
+    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line first."""
     existing = file_existing(env, target, given)
     separator = ""
     if content.startswith("#") and existing and not existing.endswith("\n\n"):
@@ -1747,7 +1755,7 @@ class ProgressFacility:
         self.last = None
 
     def update(self, args, view, env=None):
-        """Merge `args` (§4.5.1 names), the context hooks and the snapshot; emit; return the line."""
+        """Merge `args` (§4.5.1 names), context hooks and snapshot; emit; return the line."""
         args = tool_args(args)
         given = {field: next((args[name] for name in names if args.get(name) is not None), None)
                  for field, names in PROGRESS_ARGUMENTS.items()}
