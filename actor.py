@@ -516,7 +516,7 @@ HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (
 
 
 def check_top_level(doc, rt):
-    """§3.1, §11.1.1, §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    """§3.1, §11.1 (item 1), §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
     if not isinstance(doc.data, dict):
         kind = "empty" if doc.data is None else type(doc.data).__name__
         raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
@@ -557,7 +557,7 @@ def inputs_feed(data):
 
 
 def resolve_default_router(doc, rt, host_value):
-    """§3.4, §9.3, §11.1.6: the designated route, or None when __input__ merges/splits feed routes.
+    """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed routes.
 
     INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
     §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
@@ -583,7 +583,7 @@ def resolve_default_router(doc, rt, host_value):
 
 # §4.1 The agents section ---------------------------------------------------------------
 def check_agent(doc, name, cfg, path, agent_types):
-    """§4.1, §4.2, §11.1.3-4, §11.2, §15.4: one agent definition (after Phase B expansion)."""
+    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion)."""
     if not isinstance(name, str) or not name:
         raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
     if name.startswith("__"):
