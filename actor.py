@@ -512,7 +512,24 @@ TOP_LEVEL_SECTIONS = {
     "instances": False, "context": False, "prompts": False, "pipelines": False,
     "template_strings": False, "name": False,
 }
-HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (Q88)
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+
+
+def host_parameter(doc, key, host_value):
+    """A §9 parameter: the host's value, else a top-level key, else the cleveragents block.
+
+    INTERPRETATION §9.1 (Q88): the host (API, command line) wins; a document may also carry
+    `default_router` / `template_engine` at the top level or under `cleveragents:` (§9.2, §18.9).
+    Returns (value, path of the value in the document).
+    """
+    if host_value is not None:
+        return host_value, ()
+    if key in doc.data:
+        return doc.data[key], (key,)
+    block = doc.data.get("cleveragents")
+    if isinstance(block, dict) and key in block:
+        return block[key], ("cleveragents", key)
+    return None, ()
 
 
 def check_top_level(doc, rt):
@@ -563,9 +580,7 @@ def resolve_default_router(doc, rt, host_value):
     §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
     that is not a route is an error.
     """
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    name = host_value if host_value is not None else params.get("default_router")
-    path = ("cleveragents", "default_router") if host_value is None else ()
+    name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
         if name not in doc.data["routes"]:
             raise doc.error(ConfigurationError, path,
@@ -7040,11 +7055,10 @@ def load_document(sources, render_context, engine, env, rt):
 
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    value = host_engine if host_engine is not None else params.get("template_engine", "JINJA2")
+    value, path = host_parameter(doc, "template_engine", host_engine)
+    value = "JINJA2" if value is None else value
     engine = str(value).upper()
     if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
-        path = () if host_engine is not None else ("cleveragents", "template_engine")
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine

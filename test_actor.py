@@ -233,6 +233,27 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
 
 
+def test_cli_runs_the_18_4_example_end_to_end():
+    """§18.4 from the command line: refused on a safe host, answered on an unsafe one."""
+    example = HERE / "examples" / "inline-tool.yaml"
+    r = run_cli(str(example), "--unsafe", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "PREFIX: hello\n")
+    r = run_cli(str(example), "-m", "hello")
+    assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
+
+
+def test_readme_first_command_runs_offline():
+    """The README's first command: the chat example through the fake provider, no key needed."""
+    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "hello\n")
+
+
+def test_cli_check_accepts_the_examples():
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        r = run_cli("--check", "--unsafe", str(example))
+        assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
