@@ -350,13 +350,246 @@ class Runtime:
 # =====================================================================================
 
 # §3.1 File format -------------------------------------------------------------------------
-# [foundation] YAML 1.2 loader with marks, deep merge.
+# YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
+# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when present;
+# the resolver and the construction below are ours in both cases, so the results are identical.
+
+_YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+
+_CORE_TAGS = {
+    "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
+    "tag:yaml.org,2002:float", "tag:yaml.org,2002:str", "tag:yaml.org,2002:map",
+    "tag:yaml.org,2002:seq",
+}
+_Y12_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_Y12_FLOAT = re.compile(
+    r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
+_Y12_NULL = re.compile(r"~|null|Null|NULL|")
+
+
+class Yaml12Loader(_YamlLoaderBase):
+    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 == 10)."""
+
+    yaml_implicit_resolvers = {}
+
+
+for _tag, _regex, _first in (
+        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
+        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
+        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
+        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
+    Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+
+
+def _scalar_value(node):
+    tag, text = node.tag, node.value
+    if tag == "tag:yaml.org,2002:null":
+        return None
+    if tag == "tag:yaml.org,2002:bool":
+        return text.lower() == "true"
+    if tag == "tag:yaml.org,2002:int":
+        if text.startswith("0o"):
+            return int(text[2:], 8)
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text, 10)
+    if tag == "tag:yaml.org,2002:float":
+        low = text.lower().lstrip("+")
+        if low in (".inf", "-.inf"):
+            return float("-inf") if low.startswith("-") else float("inf")
+        if low == ".nan":
+            return float("nan")
+        return float(text)
+    return text
+
+
+def parse_yaml(text, file=None):
+    """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+    loader = Yaml12Loader(text)
+    try:
+        node = loader.get_single_node()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
+                                 file=file, line=line, col=col) from None
+    finally:
+        loader.dispose()
+    marks = {}
+    budget = [YAML_ALIAS_BUDGET]
+
+    def at(n):
+        return (file, n.start_mark.line + 1, n.start_mark.column + 1)
+
+    def build(n, path):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ConfigurationError(
+                f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
+                section="3.1", file=file, line=at(n)[1], col=at(n)[2])
+        if n.tag not in _CORE_TAGS:
+            raise ConfigurationError(f"tag '{n.tag}' is not part of the YAML 1.2 core schema",
+                                     path=path_str(path), section="3.1", file=file,
+                                     line=at(n)[1], col=at(n)[2])
+        if isinstance(n, yaml.ScalarNode):
+            return _scalar_value(n)
+        if isinstance(n, yaml.SequenceNode):
+            items = []
+            for i, item in enumerate(n.value):
+                marks[path + (i,)] = at(item)
+                items.append(build(item, path + (i,)))
+            return items
+        mapping = {}
+        for key_node, value_node in n.value:
+            key = build(key_node, path)
+            if isinstance(key, (dict, list)):
+                raise ConfigurationError("mapping keys must be scalars", path=path_str(path),
+                                         section="3.1", file=file, line=at(key_node)[1],
+                                         col=at(key_node)[2])
+            if key in mapping:
+                raise ConfigurationError(f"duplicate mapping key '{key}'",
+                                         path=path_str(path + (key,)), section="3.1", file=file,
+                                         line=at(key_node)[1], col=at(key_node)[2])
+            marks[path + (key,)] = at(key_node)
+            mapping[key] = build(value_node, path + (key,))
+        return mapping
+
+    if node is None:
+        return None, marks
+    marks[()] = at(node)
+    return build(node, ()), marks
+
+
+def deep_merge(base, extra):
+    """§3.1 merge of a later file into the result so far (mappings recurse, sequences append)."""
+    for key, value in extra.items():
+        if key not in base:
+            base[key] = value
+        elif isinstance(base[key], dict) and isinstance(value, dict):
+            deep_merge(base[key], value)
+        elif isinstance(base[key], list) and isinstance(value, list):
+            base[key] = base[key] + value
+        else:
+            base[key] = value
+    return base
+
+
+def merge_marks(marks, extra, data_before, extra_data):
+    """Keep marks of the file a value came from: later files win, appended list items shift."""
+    # Sequence appends move the later file's items; re-key those paths by the merged offsets.
+    shifts = {}
+
+    def walk(before, after, path):
+        if isinstance(before, dict) and isinstance(after, dict):
+            for key in after:
+                if key in before:
+                    walk(before[key], after[key], path + (key,))
+        elif isinstance(before, list) and isinstance(after, list):
+            shifts[path] = len(before)
+
+    walk(data_before, extra_data, ())
+    for path, mark in extra.items():
+        new = list(path)
+        for i in range(len(path)):
+            prefix = tuple(path[:i])
+            if prefix in shifts and isinstance(path[i], int):
+                new[i] = path[i] + shifts[prefix]
+        marks[tuple(new)] = mark
 
 # §3.2 Top-level sections ---------------------------------------------------------------
-# [foundation]
+# section -> required? Rows in the spec's order. `cleveragents` and `version` are read too: the
+# former carries the §9 parameters in the spec's own examples (§9.2, §18.9), the latter is §9.6.
+TOP_LEVEL_SECTIONS = {
+    "agents": True, "routes": True, "merges": False, "splits": False, "templates": False,
+    "instances": False, "context": False, "prompts": False, "pipelines": False,
+    "template_strings": False, "name": False,
+}
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+
+
+def host_parameter(doc, key, host_value):
+    """A §9 parameter: the host's value, else a top-level key, else the cleveragents block.
+
+    INTERPRETATION §9.1 (Q88): the host (API, command line) wins; a document may also carry
+    `default_router` / `template_engine` at the top level or under `cleveragents:` (§9.2, §18.9).
+    Returns (value, path of the value in the document).
+    """
+    if host_value is not None:
+        return host_value, ()
+    if key in doc.data:
+        return doc.data[key], (key,)
+    block = doc.data.get("cleveragents")
+    if isinstance(block, dict) and key in block:
+        return block[key], ("cleveragents", key)
+    return None, ()
+
+
+def check_top_level(doc, rt):
+    """§3.1, §11.1 (item 1), §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    if not isinstance(doc.data, dict):
+        kind = "empty" if doc.data is None else type(doc.data).__name__
+        raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
+                        "3.1, §11.1")
+    for key in doc.data:
+        if key in FORBIDDEN_TOP_LEVEL:
+            raise doc.error(ConfigurationError, (key,), f"top-level '{key}:' is forbidden; "
+                            f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
+        if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
+            rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    if "agents" not in doc.data:
+        raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
+    if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
+        raise doc.error(ConfigurationError, ("agents",),
+                        "agents must be a non-empty mapping of agent definitions", "11.1, §3.3")
+    routes = doc.data.get("routes")
+    if routes is None:
+        raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")
+    if isinstance(routes, list):
+        raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
+                        "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
+    if not isinstance(routes, dict) or not routes:
+        raise doc.error(ConfigurationError, ("routes",), "routes must be a non-empty mapping",
+                        "11.1")
+
 
 # §3.4 The default router requirement ------------------------------------------------
-# [foundation]
+def inputs_feed(data):
+    """Routes that receive __input__ through a merge or a split (the deprecated §3.4 form)."""
+    fed = []
+    for merge in data.get("merges") or []:
+        if isinstance(merge, dict) and "__input__" in (merge.get("sources") or []):
+            fed.append(merge.get("target"))
+    for split in data.get("splits") or []:
+        if isinstance(split, dict) and split.get("source") == "__input__":
+            fed.extend((split.get("targets") or {}).keys())
+    return fed
+
+
+def resolve_default_router(doc, rt, host_value):
+    """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed routes.
+
+    INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
+    §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
+    that is not a route is an error.
+    """
+    name, path = host_parameter(doc, "default_router", host_value)
+    if name is not None:
+        if name not in doc.data["routes"]:
+            raise doc.error(ConfigurationError, path,
+                            f"default_router '{name}' is not a route in routes", "9.3, §3.4")
+        return name
+    if not inputs_feed(doc.data):
+        rt.warn("no default_router is designated and no merge or split reads __input__; "
+                "messages sent to the Actor reach no route", section="3.4", path=("routes",))
+    return None
 
 
 # =====================================================================================
@@ -364,73 +597,1487 @@ class Runtime:
 # =====================================================================================
 
 # §4.1 The agents section ---------------------------------------------------------------
-# [foundation]
+def check_agent(doc, name, cfg, path, agent_types):
+    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion)."""
+    if not isinstance(name, str) or not name:
+        raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
+    if name.startswith("__"):
+        raise doc.error(ConfigurationError, path,
+                        f"agent name '{name}' is reserved (names starting with __)", "4.2, §11.2")
+    if not isinstance(cfg, dict):
+        raise doc.error(ConfigurationError, path, "an agent definition must be a mapping",
+                        "4.1, §11.1")
+    if "type" not in cfg:
+        raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
+    kind = cfg["type"]
+    if kind not in agent_types:
+        known = ", ".join(sorted(agent_types))
+        raise doc.error(ConfigurationError, path + ("type",),
+                        f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
+    if cfg.get("config") is None:
+        cfg["config"] = {}
+    if not isinstance(cfg["config"], dict):
+        raise doc.error(ConfigurationError, path + ("config",), "config must be a mapping",
+                        "11.1")
+    check = AGENT_CHECKS.get(kind)
+    if check is not None:
+        check(doc, name, cfg["config"], path + ("config",), agent_types)
+
 
 # §4.2 Agent names ---------------------------------------------------------------------
-# [foundation]
+AGENT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_agent_name_style(rt, name, path):
+    if isinstance(name, str) and not AGENT_NAME.fullmatch(name):
+        rt.warn(f"agent name '{name}' is outside [A-Za-z_][A-Za-z0-9_]*", section="4.2", path=path)
 
 # §4.4 LLM agents ----------------------------------------------------------------------
-# [llm] class LLMAgent; §4.4.1-§4.4.6 below.
+# The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
+# (§4.4.2), `api_key` from the environment (§4.4.1).
+LLM_FIELDS = {
+    "provider":        ((str,),              "openai"),
+    "model":           ((str,),              None),
+    "temperature":     ((int, float),        0.7),
+    "max_tokens":      ((int,),              1000),
+    "system_prompt":   ((str,),              "You are a helpful assistant."),
+    "memory_enabled":  ((bool,),             False),
+    "max_history":     ((int,),              10),
+    "api_key":         ((str,),              None),
+    "template":        ((str,),              None),
+    "template_vars":   ((dict,),             {}),
+    "response_format": ((dict,),             None),
+}
+
+# Fields outside the §4.4 table that an llm agent also accepts: §4.9's per-agent context, and this
+# implementation's extensions (§1.3 MAY): `base_url` (OpenAI-compatible servers) and the
+# opt-in §12.4 tool-block processing (`tool_execute` + `tools`).
+LLM_EXTRA_FIELDS = {
+    "context":      ((dict,),  None),
+    "base_url":     ((str,),   None),
+    "tool_execute": ((bool,),  False),
+    "tools":        ((list,),  None),
+}
+
+LLM_TEMPERATURE_RANGE = (0.0, 2.0)
+
+# Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
+# added when the provider / configuration offers them.
+LLM_CAPABILITIES = ["text-generation", "conversation", "reasoning", "analysis", "creative-writing"]
+
+
+def _llm_text(content):
+    """A message content as the text sent to a model: strings as they are, mappings/lists as JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (dict, list)):
+        return json.dumps(content, ensure_ascii=False)
+    return "" if content is None else str(content)
+
+
+class LLMAgent:
+    """§4.4: an agent that answers each message by calling a language model.
+
+    `{type: llm, config: {provider, model, temperature, max_tokens, system_prompt, memory_enabled,
+    max_history, api_key, template, template_vars, response_format}}`; every field is optional.
+    """
+
+    type = "llm"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name = name
+        self.rt = rt
+        self.path = tuple(path)
+        config = cfg.get("config", {}) if isinstance(cfg, dict) else None
+        config = {} if config is None else config
+        cpath = self.path + ("config",)
+        if not isinstance(config, dict):
+            raise rt.error(ConfigurationError, cpath, "an llm agent's config must be a mapping", "4.4")
+        values = _llm_check_fields(rt, config, cpath)
+        self.temperature = float(values["temperature"])
+        self.max_tokens = values["max_tokens"]
+        self.system_prompt = values["system_prompt"]
+        self.memory_enabled = values["memory_enabled"]
+        self.max_history = values["max_history"]
+        self.template = values["template"]
+        self.template_vars = dict(values["template_vars"])
+        self.response_format = values["response_format"]
+        self.context = values["context"] if values["context"] is not None else {}
+        if self.template is not None:
+            _llm_check_template(rt, self.template, cpath + ("template",))
+        if self.response_format is not None:
+            check_response_format(rt, self.response_format, cpath + ("response_format",))
+        # §12.4 (Q81): opt-in, limited to the declared built-in tools.
+        self.tool_execute = values["tool_execute"]
+        self.tools = check_tool_execute(rt, values["tools"], self.tool_execute, cpath)
+        # §4.4.1: availability first, then the key (Q76).
+        self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
+                                                                   cpath + ("provider",))
+        self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
+        self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
+        self.base_url = values["base_url"]
+        if self.base_url is not None and not re.match(r"https?://", self.base_url):
+            raise rt.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
+        self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.memory = ConversationMemory(self.max_history)
+        adapter = PROVIDERS[self.provider]
+        self.capabilities = list(LLM_CAPABILITIES)
+        if adapter.structured:
+            self.capabilities.append("structured-output")
+        if self.tool_execute:
+            self.capabilities.append("tool-execution")
+        self.metadata = agent_metadata(
+            self, provider=self.provider, model=self.model, temperature=self.temperature,
+            max_tokens=self.max_tokens, memory_enabled=self.memory_enabled,
+            supports_structured_output=bool(adapter.structured))
+
+    def __repr__(self):  # never the key
+        return f"LLMAgent({self.name!r}, provider={self.provider!r}, model={self.model!r})"
+
+    @property
+    def history(self):
+        """A copy of the remembered conversation entries (§4.4.4)."""
+        return self.memory.snapshot()
+
+    def invoke(self, content, ctx):
+        """§4.4: render the prompts, call the provider, remember the exchange, run §12.4 blocks."""
+        rt = self.rt
+        ctx = ctx if ctx is not None else {}
+        message = _llm_text(content)
+        # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
+        view = {**self.context, **ctx}
+        system = render_system_prompt(self, view, message)
+        user = message
+        if self.template is not None:
+            user = _llm_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
+                                            {**view, **self.template_vars}, message,
+                                            self.path + ("config", "template")))
+        temperature = effective_temperature(self, ctx)
+        if self.response_format is not None:
+            check_structured_support(self, self.response_format)
+        if self.memory_enabled:
+            history = self.memory.snapshot()
+        else:
+            history = history_from_context(ctx)
+            # INTERPRETATION §4.4.4: a graph's history already ends with the message in hand
+            # (§6.2.2); it is sent once, not twice.
+            if history and history[-1] == {"role": "user", "content": message}:
+                history.pop()
+        request = {
+            "agent": self.name, "provider": self.provider, "model": self.model,
+            "temperature": temperature, "max_tokens": self.max_tokens, "system": system,
+            "messages": history + [{"role": "user", "content": user}],
+            "response_format": self.response_format,
+        }
+        rt.llm_log.append(copy.deepcopy(request))
+        try:
+            if rt.llm_transport is not None:
+                reply = rt.llm_transport.complete(request)
+            else:
+                reply = PROVIDERS[self.provider].complete(
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+        except ExecutionError as exc:
+            raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
+                                 section=exc.section or "4.4") from None
+        output = reply
+        if self.tool_execute:
+            output = process_tool_blocks(rt, reply, self.tools, ctx)
+        if self.memory_enabled:
+            # INTERPRETATION §4.4.4 (Q78): the formatted message as sent, and the response with its
+            # §12.4 blocks already replaced.
+            self.memory.record(user, output)
+        return output
+
+    def _base_url(self):
+        """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
+        # INTERPRETATION §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
+        if self.base_url:
+            return self.base_url
+        adapter = PROVIDERS[self.provider]
+        for var in adapter.base_envs:
+            if self.rt.env.get(var):
+                return self.rt.env[var]
+        return adapter.default_base
+
+
+def _llm_check_fields(rt, config, cpath):
+    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
+    known = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
+    values = {}
+    for field, (types, default) in known.items():
+        if field not in config or config[field] is None:
+            values[field] = copy.deepcopy(default)
+            continue
+        value = config[field]
+        bad_bool = isinstance(value, bool) and bool not in types
+        if bad_bool or not isinstance(value, types):
+            kind = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
+            raise rt.error(ConfigurationError, cpath + (field,),
+                           f"'{field}' must be a {kind}, not {type(value).__name__}", "4.4")
+        values[field] = value
+    low, high = LLM_TEMPERATURE_RANGE
+    # INTERPRETATION §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
+    if not low <= values["temperature"] <= high:
+        raise rt.error(ConfigurationError, cpath + ("temperature",),
+                       f"temperature {values['temperature']} is outside [{low}, {high}]", "4.4")
+    if values["max_tokens"] < 1:
+        raise rt.error(ConfigurationError, cpath + ("max_tokens",), "max_tokens must be at least 1",
+                       "4.4")
+    if values["max_history"] < 0:
+        raise rt.error(ConfigurationError, cpath + ("max_history",),
+                       "max_history must not be negative", "4.4.4")
+    if values["model"] is not None and not values["model"].strip():
+        raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
+    for field in config:
+        if field not in known:
+            rt.warn(f"unknown llm agent field '{field}' is ignored", section="4.4",
+                    path=cpath + (field,))
+    return values
+
+
+def _llm_prompt_text(rt, name):
+    """§10.4: the content of prompt `name` (rt.prompts, else the document's long-form entry)."""
+    if name in rt.prompts:
+        return rt.prompts[name]
+    entry = (rt.doc.data.get("prompts") or {}).get(name) if isinstance(rt.doc.data, dict) else None
+    if isinstance(entry, dict) and "content" in entry:
+        return str(entry["content"])
+    return None
+
+
+def _llm_check_template(rt, name, path):
+    # INTERPRETATION §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
+    if _llm_prompt_text(rt, name) is None:
+        raise rt.error(ConfigurationError, path,
+                       f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
 
 # §4.4.1 Providers -----------------------------------------------------------------------
-# [llm]
+# The §4.4.1 table: provider -> environment variables consulted in order (first non-empty wins).
+# The adapters that speak to each vendor are in HOST -- providers (PROVIDERS).
+PROVIDER_KEY_VARS = {
+    "openai":    ("OPENAI_API_KEY",),
+    "anthropic": ("ANTHROPIC_API_KEY",),
+    "google":    ("GOOGLE_API_KEY", "GOOGLEAI_API_KEY"),
+}
+
+
+def resolve_provider(rt, configured, path):
+    """§4.4.1: (configured provider, provider used). Names compare case-insensitively.
+
+    An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
+    from `--provider fake`) replaces the provider every llm agent uses.
+    """
+    # INTERPRETATION §4.4.1 (Q76): availability is checked before the key.
+    configured = configured.strip().lower()
+    if configured not in PROVIDERS:
+        raise rt.error(AgentCreationError, path,
+                       f"provider '{configured}' is not available in this host "
+                       f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
+    used = configured
+    if rt.provider:
+        used = str(rt.provider).strip().lower()
+        if used not in PROVIDERS:
+            raise AgentCreationError(f"host provider override '{used}' is not available "
+                                     f"(available: {', '.join(sorted(PROVIDERS))})",
+                                     section="4.4.1")
+    return configured, used
+
+
+def resolve_api_key(rt, provider, explicit, cpath):
+    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order.
+
+    A missing key is a ConfigurationError naming the variables; `fake` needs none.
+    """
+    if explicit:
+        return explicit
+    variables = PROVIDER_KEY_VARS.get(provider, ())
+    if not variables:
+        return None
+    for var in variables:
+        if rt.env.get(var):
+            return rt.env[var]
+    # INTERPRETATION §4.4.1 (Q75): reported when the agent is created at load, before any message.
+    raise rt.error(ConfigurationError, cpath,
+                   f"no API key for provider '{provider}': set the api_key field or the "
+                   f"environment variable {' or '.join(variables)}", "4.4.1")
+
 
 # §4.4.2 Default models ----------------------------------------------------------------
-# [llm]
+DEFAULT_MODELS = {
+    "openai":    "gpt-3.5-turbo",
+    "anthropic": "claude-3-5-sonnet-20241022",
+    "google":    "gemini-1.5-flash",
+}
+
 
 # §4.4.3 Structured output ---------------------------------------------------------------
-# [llm]
+def check_response_format(rt, rf, path):
+    """Load-time shape of `response_format` (a mapping with a string `type`; for `json_schema`,
+    `json_schema: {name?, strict?, schema}` as §4.4.3 shows)."""
+    kind = rf.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise rt.error(ConfigurationError, path + ("type",),
+                       "response_format needs a string 'type'", "4.4.3")
+    if kind != "json_schema":
+        return
+    block = rf.get("json_schema")
+    if not isinstance(block, dict):
+        raise rt.error(ConfigurationError, path + ("json_schema",),
+                       "response_format of type json_schema needs a 'json_schema' mapping", "4.4.3")
+    if not isinstance(block.get("schema"), dict):
+        raise rt.error(ConfigurationError, path + ("json_schema", "schema"),
+                       "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
+    if "name" in block and not isinstance(block["name"], str):
+        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
+                       "json_schema.name must be a string", "4.4.3")
+    if "strict" in block and not isinstance(block["strict"], bool):
+        raise rt.error(ConfigurationError, path + ("json_schema", "strict"),
+                       "json_schema.strict must be a boolean", "4.4.3")
+
+
+def check_structured_support(agent, rf):
+    """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
+    error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
+    # INTERPRETATION §4.4.3: "does not support" is judged per provider and response_format type.
+    adapter = PROVIDERS[agent.provider]
+    if rf.get("type") not in adapter.structured:
+        can = ", ".join(sorted(adapter.structured)) or "none"
+        raise ExecutionError(f"agent '{agent.name}' (llm): provider '{agent.provider}' has no "
+                             f"structured output of type '{rf.get('type')}' (supported: {can})",
+                             section="4.4.3")
+
 
 # §4.4.4 Memory and history -------------------------------------------------------------
-# [llm]
+class ConversationMemory:
+    """§4.4.4: the remembered {role, content} entries, at most `max_history` of them.
+
+    Thread-safe: graph nodes may invoke one agent concurrently.
+    """
+
+    # INTERPRETATION §4.4.4 (Q6): max_history counts entries (a user/assistant pair is two).
+
+    def __init__(self, max_history):
+        self.max_history = max_history
+        self.entries = []
+        self._lock = threading.Lock()
+
+    def snapshot(self):
+        with self._lock:
+            return [dict(entry) for entry in self.entries]
+
+    def record(self, user, assistant):
+        """Append one exchange (only after a successful call), then keep the newest entries."""
+        with self._lock:
+            self.entries.append({"role": "user", "content": user})
+            self.entries.append({"role": "assistant", "content": assistant})
+            if len(self.entries) > self.max_history:
+                del self.entries[:len(self.entries) - self.max_history]
+
+
+def history_from_context(ctx):
+    """§4.4.4: with memory off, `conversation_history` from the invoking context, for this call only.
+
+    Entries are mappings with `role` and `content`.
+    """
+    # INTERPRETATION §4.4.4: role `assistant` stays, `system` entries are left out (the agent's own
+    # system prompt fills that slot), any other role (graph node names, `human`) is sent as `user`.
+    history = ctx.get("conversation_history")
+    if not isinstance(history, list):
+        return []
+    entries = []
+    for item in history:
+        if not isinstance(item, dict) or "content" not in item:
+            continue
+        role = item.get("role")
+        if role == "system":
+            continue
+        entries.append({"role": "assistant" if role == "assistant" else "user",
+                        "content": _llm_text(item["content"])})
+    return entries
+
 
 # §4.4.5 Temperature override -----------------------------------------------------------
-# [llm]
+def effective_temperature(agent, ctx):
+    """§4.4.5: `_temperature_override` in the invocation context replaces the configured value."""
+    override = ctx.get("_temperature_override")
+    if override is None:
+        return agent.temperature
+    # INTERPRETATION §4.4.5: an override that is no number in [0, 2] fails this call only.
+    low, high = LLM_TEMPERATURE_RANGE
+    if isinstance(override, bool) or not isinstance(override, (int, float)) \
+            or not low <= override <= high:
+        raise ExecutionError(f"agent '{agent.name}' (llm): _temperature_override {override!r} is "
+                             f"not a number in [{low}, {high}]", section="4.4.5")
+    return float(override)
+
 
 # §4.4.6 System prompt rendering -------------------------------------------------------
-# [llm]
+def render_system_prompt(agent, view, message):
+    """§4.4.6: the system prompt rendered with `context` and `message` (Phase C, §8.11); on a
+    render failure render_runtime warns and hands back the literal prompt."""
+    return _llm_text(render_runtime(agent.rt, agent.system_prompt, view, message,
+                                    agent.path + ("config", "system_prompt")))
+
 
 # §4.5 Tool agents -----------------------------------------------------------------------
-# [tools] class ToolAgent; §4.5.1-§4.5.7 below.
+# The tool agent: §4.5 fields and defaults, §4.11 capabilities and metadata for tools. Its parts
+# follow: the built-ins (§4.5.1), inline tools (§4.5.2), the request protocol (§4.5.3), the
+# path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
+# and the shell extension (§13.5).
+# [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
+import ast  # noqa: E402
+import subprocess  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.parse  # noqa: E402
+import urllib.request  # noqa: E402
+
+# The §4.5 field table: field -> (accepted Python types, default).
+TOOL_AGENT_FIELDS = {
+    "tools":       ((list,),        []),
+    "safe_mode":   ((bool,),        True),
+    "allow_shell": ((bool,),        False),
+    "timeout":     ((int, float),   1),
+    "context":     ((dict,),        {}),
+}
+
+# The §4.11 capability identifiers a tool agent publishes, by the tool that brings them.
+TOOL_CAPABILITIES = {
+    "math": "math-evaluation",
+    "http_request": "http-requests",
+    "file_read": "file-operations",
+    "file_write": "file-operations",
+    "shell": "command-execution",
+}
+
+
+class ToolEnv:
+    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+
+    __slots__ = ("rt", "ctx", "view", "safe_mode", "allow_shell", "timeout", "who")
+
+    def __init__(self, rt, ctx, *, view=None, safe_mode=True, allow_shell=False, timeout=1,
+                 who="tool"):
+        self.rt = rt
+        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
+        self.view = self.ctx if view is None else view      # agent context + invocation context
+        self.safe_mode = safe_mode
+        self.allow_shell = allow_shell
+        self.timeout = timeout
+        self.who = who
+
+    def fail(self, message, section="4.5"):
+        """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
+        # INTERPRETATION §4.5.1 (Q65): every tool failure, rejection or operational, is an
+        # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
+        return ExecutionError(message, path=self.who, section=section)
+
+    @property
+    def unsafe_invocation(self):
+        """`_unsafe_mode: true` in the invocation context (§4.5.4, §10.3); set by the host."""
+        return self.ctx.get("_unsafe_mode") is True
+
+    @property
+    def unsafe_host(self):
+        """§13.3 unsafe mode: an unsafe host AND `_unsafe_mode: true` in the invocation."""
+        return bool(getattr(self.rt, "unsafe", False)) and self.unsafe_invocation
+
+
+class ToolAgent:
+    """§4.5 `type: tool`: deterministic tools (built-in or inline code), no language model.
+
+    {type: tool, config: {tools: [echo, {name: n, code: ...}], safe_mode: true, allow_shell: false,
+    timeout: 1, context: {}}}
+
+    `timeout` bounds inline code (the sandbox's budget), http_request and shell; the other
+    built-ins do work bounded by their input (math refuses results beyond MATH_MAX_BITS).
+    """
+
+    type = "tool"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name = name
+        self.rt = rt
+        self.path = tuple(path)
+        config_path = self.path + ("config",)
+        config = cfg.get("config") if isinstance(cfg, dict) else None
+        if config is None:
+            config = {}
+        if not isinstance(config, dict):
+            raise rt.error(ConfigurationError, config_path, "tool agent config must be a mapping",
+                           "4.5")
+        # INTERPRETATION §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
+        # load, because the table says "Required: Yes" and such an agent could only ever fail.
+        if "tools" not in config:
+            raise rt.error(ConfigurationError, config_path,
+                           f"tool agent '{name}' needs a `tools` list", "4.5")
+        values = {}
+        for field, (types, default) in TOOL_AGENT_FIELDS.items():
+            value = config.get(field, copy.deepcopy(default))
+            if value is None and field == "context":
+                value = {}
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                kinds = " or ".join(t.__name__ for t in types)
+                raise rt.error(ConfigurationError, config_path + (field,),
+                               f"`{field}` must be a {kinds}", "4.5")
+            values[field] = value
+        if values["timeout"] <= 0:
+            raise rt.error(ConfigurationError, config_path + ("timeout",),
+                           "`timeout` must be a positive number of seconds", "4.5")
+        for key in config:
+            if key not in TOOL_AGENT_FIELDS:
+                rt.warn(f"unknown tool agent field '{key}' is ignored", section="4.5",
+                        path=config_path + (key,))
+        self.safe_mode = values["safe_mode"]
+        self.allow_shell = values["allow_shell"]
+        self.timeout = values["timeout"]
+        self.context = values["context"]          # §4.5 per-agent persistent context
+        if not values["tools"]:
+            rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
+                    section="4.5", path=config_path + ("tools",))
+        self.tools = {}                           # tool name -> InlineTool, or None for a built-in
+        for index, entry in enumerate(values["tools"]):
+            self._add_tool(entry, config_path + ("tools", index))
+        self.capabilities = ["tool-execution"]
+        for tool in self.tools:
+            capability = TOOL_CAPABILITIES.get(tool)
+            if capability and capability not in self.capabilities:
+                self.capabilities.append(capability)
+        if self.allow_shell and "command-execution" not in self.capabilities:
+            self.capabilities.append("command-execution")
+        self.metadata = {
+            "name": name, "type": "tool", "capabilities": list(self.capabilities),
+            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
+            "safe_mode": self.safe_mode, "timeout": self.timeout,
+        }
+
+    def _add_tool(self, entry, path):
+        """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
+        rt = self.rt
+        if isinstance(entry, str):
+            if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
+                raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+            name, tool = entry, None
+        elif isinstance(entry, dict):
+            name = entry.get("name")
+            if not isinstance(name, str) or not name:
+                raise rt.error(ConfigurationError, path + ("name",),
+                               "an inline tool needs a non-empty string `name`", "4.5.2")
+            code = entry.get("code")
+            if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
+                tool = None                       # {name: math} is the mapping form of `math`
+            elif not isinstance(code, str):
+                raise rt.error(ConfigurationError, path + ("code",),
+                               f"inline tool '{name}' needs a string `code` body", "4.5.2")
+            else:
+                for key in entry:
+                    if key not in ("name", "code"):
+                        rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
+                                path=path + (key,))
+                if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
+                    # INTERPRETATION §16.3 (Q5): accepted; the inline tool shadows the built-in,
+                    # with a warning, because the rule's own parenthesis says the inline tool wins.
+                    rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
+                            section="16.3", path=path + ("name",))
+                tool = InlineTool(self, name, code, path)
+        else:
+            raise rt.error(ConfigurationError, path,
+                           "a tool is a built-in name or a mapping {name, code}", "4.5")
+        if name in self.tools:
+            raise rt.error(ConfigurationError, path,
+                           f"tool '{name}' is listed twice; tool names are unique per agent",
+                           "4.5.2")
+        self.tools[name] = tool
+
+    def env(self, ctx):
+        """The ToolEnv of one invocation: the agent's limits plus the merged context view."""
+        ctx = ctx if isinstance(ctx, dict) else {}
+        view = dict(self.context)
+        view.update(ctx)
+        return ToolEnv(self.rt, ctx, view=view, safe_mode=self.safe_mode,
+                       allow_shell=self.allow_shell, timeout=self.timeout,
+                       who=f"agent '{self.name}' (tool)")
+
+    def invoke(self, content, ctx):
+        """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
+        name, args, input_data = tool_request(self, content)
+        return self.run_tool(name, args, ctx, input_data=input_data)
+
+    def run_tool(self, name, args, ctx, *, input_data=None):
+        """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
+        env = self.env(ctx)
+        if name not in self.tools:
+            if name == "shell" and self.allow_shell:
+                pass                              # §13.5: allow_shell makes `shell` available
+            else:
+                raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
+        inline = self.tools.get(name)
+        if inline is not None:
+            if input_data is None:
+                input_data = inline_input(args)
+            return tool_output(inline.run(input_data, env))
+        handler = BUILTIN_TOOLS.get(name) or EXTENSION_TOOLS[name]
+        return tool_output(handler(env, tool_args(args)))
+
+
+def run_builtin_tool(rt, name, args, ctx, agent=None):
+    """§12.4: run one tool for a [TOOL_EXECUTE:name] block; returns the §4.5.7 string.
+
+    A ToolAgent runs it under its own tools list and limits; any other caller gets the
+    built-ins with the default limits (safe_mode true, no shell, timeout 1 s).
+    """
+    if isinstance(agent, ToolAgent):
+        return agent.run_tool(name, args, ctx)
+    who = f"agent '{agent.name}'" if getattr(agent, "name", None) else "tool"
+    env = ToolEnv(rt, ctx, who=who)
+    handler = BUILTIN_TOOLS.get(name)
+    if handler is None:
+        raise env.fail(f"unknown tool '{name}'", "12.4")
+    return tool_output(handler(env, tool_args(args)))
 
 # §4.5.1 Built-in tools ------------------------------------------------------------------
-# [tools]
+# A handler is `tool_<name>(env, args) -> value`; `args` is a mapping of named arguments whose
+# key "args" (when present) holds the positional list (§4.5.3 JSON `args` list, command form).
+
+def tool_args(raw):
+    """Normalise a request's `args`: a mapping stays, a list becomes {"args": list}."""
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        return dict(raw)
+    if isinstance(raw, (list, tuple)):
+        return {"args": list(raw)}
+    return {"args": [raw]}
+
+
+def tool_argument(args, name, index=0):
+    """The named argument, else the positional one at `index`, else None (`x OR args[i]`)."""
+    if args.get(name) is not None:
+        return args[name]
+    positional = args.get("args")
+    if isinstance(positional, list) and len(positional) > index:
+        return positional[index]
+    return None
+
+
+def tool_rest(args, name):
+    """The named argument, else every positional argument joined by single spaces."""
+    if args.get(name) is not None:
+        return args[name]
+    positional = args.get("args")
+    if isinstance(positional, list) and positional:
+        return " ".join(str(item) for item in positional)
+    return None
+
+
+def tool_echo(env, args):
+    """§4.5.1 echo: the input verbatim.
+
+    {tool: echo, args: {text: <s>}} | {tool: echo, args: [<s>, ...]} | `echo <words>`
+    """
+    # INTERPRETATION §4.5.1 (Q64): several positional arguments are joined with single spaces,
+    # the same for the JSON `args` list and the space-separated command form.
+    text = tool_rest(args, "text")
+    return "" if text is None else text
+
+
+def tool_math(env, args):
+    """§4.5.1 math: evaluate an arithmetic expression; only abs round min max sum pow int float.
+
+    {tool: math, args: {expression: "2 + 2 * 3"}} | `math 2+2*3`   -> "8"
+    """
+    # INTERPRETATION §4.5.1: positional arguments are joined by spaces, so that the command
+    # form `math 2 + 2` (split on spaces by §4.5.3) gives the expression "2 + 2".
+    expression = tool_rest(args, "expression")
+    if not isinstance(expression, str) or not expression.strip():
+        raise env.fail("math needs an `expression` string", "4.5.1")
+    return math_evaluate(expression, env)
+
+
+# The restricted arithmetic environment of §4.5.1 `math`: these names and nothing else.
+MATH_FUNCTIONS = {"abs": abs, "round": round, "min": min, "max": max, "sum": sum, "pow": pow,
+                  "int": int, "float": float}
+MATH_OPERATORS = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+    ast.Pow: pow,
+}
+MATH_MAX_BITS = 4096          # guard: no integer beyond 4096 bits (about 1233 digits)
+
+
+def math_evaluate(expression, env):
+    """Walk the AST of `expression`; the raw string is never given to eval()."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise env.fail(f"math: invalid expression ({exc.msg})", "4.5.1") from None
+    except (RecursionError, MemoryError):
+        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+    try:
+        value = _math_node(tree.body, env)
+    except (ArithmeticError, ValueError, TypeError) as exc:
+        raise env.fail(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
+    except RecursionError:
+        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+    return str(value)
+
+
+def _math_guard(value, env):
+    if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
+        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+    return value
+
+
+def _math_power(base, exponent, modulus=None, *, env):
+    """pow and ** with the size guard checked before the work is done."""
+    if modulus is None and isinstance(base, int) and isinstance(exponent, int) \
+            and abs(base) > 1 and exponent > 0 \
+            and exponent * (abs(base).bit_length() - 1) > MATH_MAX_BITS:
+        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+    return pow(base, exponent) if modulus is None else pow(base, exponent, modulus)
+
+
+def _math_node(node, env):
+    match node:
+        case ast.Constant(value=value) if type(value) in (int, float):
+            return value
+        case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
+            value = _math_node(operand, env)
+            if type(value) not in (int, float):
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
+            return -value if isinstance(op, ast.USub) else value
+        case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
+            a, b = _math_node(left, env), _math_node(right, env)
+            if not all(type(x) in (int, float) for x in (a, b)):
+                # lists exist only as function arguments: `[1] * 10**9` must never allocate
+                raise env.fail("math: operators apply to numbers only", "4.5.1")
+            if isinstance(op, ast.Pow):
+                return _math_guard(_math_power(a, b, env=env), env)
+            if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
+                    and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:
+                raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
+            return _math_guard(MATH_OPERATORS[type(op)](a, b), env)
+        case ast.List(elts=items) | ast.Tuple(elts=items):
+            return [_math_node(item, env) for item in items]
+        case ast.Call(func=ast.Name(id=name), args=call_args, keywords=[]) \
+                if name in MATH_FUNCTIONS:
+            values = [_math_node(arg, env) for arg in call_args]
+            if name == "pow" and 2 <= len(values) <= 3:
+                return _math_guard(_math_power(*values, env=env), env)
+            return _math_guard(MATH_FUNCTIONS[name](*values), env)
+        case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
+            raise env.fail(f"math: name '{name}' is not available", "4.5.1")
+    raise env.fail(f"math: {type(node).__name__} is not allowed in an arithmetic expression",
+                   "4.5.1")
+
+
+def tool_json_parse(env, args):
+    """§4.5.1 json_parse: parse JSON text and re-serialise it with two-space indentation.
+
+    {tool: json_parse, args: {json: '{"a":1}'}} | `json_parse {"a":1}`
+    """
+    text = tool_rest(args, "json")
+    if text is None:
+        raise env.fail("json_parse needs a `json` string", "4.5.1")
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
+                           f"column {exc.colno})", "4.5.1") from None
+    else:
+        value = text                              # already-decoded JSON given as the argument
+    # INTERPRETATION §4.5.1: non-ASCII characters are written as themselves (ensure_ascii off).
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def tool_http_request(env, args):
+    """§4.5.1 http_request over urllib; returns "Status: <code>\\n\\n<body>".
+
+    {tool: http_request, args: {url: <u>, method: GET, headers: {..}, data: {..}}}
+    """
+    url = tool_argument(args, "url", 0)
+    method = tool_argument(args, "method", 1) or "GET"
+    headers = args.get("headers") or {}
+    if not isinstance(url, str) or not url:
+        raise env.fail("http_request needs a `url` string", "4.5.1")
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        # file:, ftp: and data: URLs would step around the §13.3 file rules
+        raise env.fail("http_request accepts only http and https URLs", "13.4")
+    if not isinstance(headers, dict):
+        raise env.fail("http_request `headers` must be a mapping", "4.5.1")
+    headers = {str(k): str(v) for k, v in headers.items()}
+    body = None
+    if args.get("data") is not None:
+        body = json.dumps(args["data"]).encode("utf-8")
+        if not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=body, headers=headers, method=str(method).upper())
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler(http_proxies(env.rt, url)))
+    try:
+        with opener.open(request, timeout=env.timeout) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:          # 4xx/5xx still answer: report them as such
+        status, payload = exc.code, exc.read()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise env.fail(f"http_request to {url} failed: {reason}", "4.5.1") from None
+    return f"Status: {status}\n\n{payload.decode('utf-8', errors='replace')}"
+
+
+def http_proxies(rt, url):
+    """Proxies from the Actor's environment (rt.env, never os.environ), honouring no_proxy."""
+    env = getattr(rt, "env", None) or {}
+    proxies = {key[:-6].lower(): value for key, value in env.items()
+               if key.lower().endswith("_proxy") and value}
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if proxies.get("no") and urllib.request.proxy_bypass_environment(host, proxies):
+        return {}
+    proxies.pop("no", None)
+    return proxies
+
+
+FILE_READ_SUCCESS = "[FILE_READ_SUCCESS]"           # §4.5.1 file_read markers
+FILE_CONTENT_START = "[FILE_CONTENT_START]"
+FILE_CONTENT_END = "[FILE_CONTENT_END]"
+
+
+def tool_file_read(env, args):
+    """§4.5.1 file_read: a UTF-8 file under the §4.5.4/§13.3 path rules, with the fixed header.
+
+    {tool: file_read, args: {file: <path>}} | `file_read notes.md`
+    """
+    given = tool_argument(args, "file", 0)
+    target = tool_path(env, given, "file_read")
+    try:
+        content = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise env.fail(f"file_read: no such file: {given}", "4.5.1") from None
+    except UnicodeDecodeError:
+        raise env.fail(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
+    except OSError as exc:
+        raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
+    # INTERPRETATION §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
+    # empty file has 0 lines, a final newline opens no extra line); Size counts characters.
+    return (f"{FILE_READ_SUCCESS}📄 File: {given} | Lines: {len(content.splitlines())} | "
+            f"Size: {len(content)} chars\n{FILE_CONTENT_START}\n{content}\n{FILE_CONTENT_END}")
+
+
+def tool_file_write(env, args):
+    """§4.5.1 file_write: write, append or insert under the §4.5.4/§13.3 rules (modes: §4.5.5).
+
+    {tool: file_write, args: {file: <path>, content: <s>, mode: w|a|insert, position: ...}}
+    | `file_write notes.md some words` (mode w)
+    """
+    given = tool_argument(args, "file", 0)
+    content = args.get("content")
+    if content is None:
+        positional = args.get("args")
+        content = " ".join(str(x) for x in positional[1:]) if isinstance(positional, list) else ""
+    if not isinstance(content, str):
+        content = tool_output(content)
+    mode = args.get("mode") or "w"
+    if mode not in FILE_WRITE_MODES:
+        raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
+    target = tool_path(env, given, "file_write")
+    return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
+
+
+def tool_progress_bar(env, args):
+    """§4.5.1 progress_bar: update the Actor's progress facility (§4.5.6); returns the bar line.
+
+    {tool: progress_bar, args: {stage, current, total, message, ...}} | `progress_bar 3 10`
+    """
+    return progress_facility(env.rt).update(args, env.view, env)
+
+
+# The §4.5.1 table: built-in tool name -> handler. Rows in the spec's order.
+BUILTIN_TOOLS = {
+    "echo":         tool_echo,
+    "math":         tool_math,
+    "json_parse":   tool_json_parse,
+    "http_request": tool_http_request,
+    "file_read":    tool_file_read,
+    "file_write":   tool_file_write,
+    "progress_bar": tool_progress_bar,
+}
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
-# [tools]
+# The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where
+# `result` falls back to. INLINE_PROGRESS names the §4.5.6 item 5 entry point:
+# `progress_bar(current=3, total=10, stage="draft", message="intro")` returns the rendered line.
+INLINE_RESULT_FALLBACKS = ("output", "response", "answer")
+INLINE_PROGRESS = "progress_bar"
+
+
+def inline_input(args):
+    """input_data for an inline tool named in a JSON request: `args`, JSON-encoded if not text."""
+    # INTERPRETATION §4.5.3 (Q63): an inline tool called by name gets the request's `args`
+    # (JSON-encoded when not a string; space-joined in the command form), not the whole message.
+    if args is None:
+        return ""
+    return args if isinstance(args, str) else json.dumps(args)
+
+
+class InlineTool:
+    """§4.5.2 an inline-code tool: compiled once at load in the §13.2.1 sandbox, run per call.
+
+    {name: <tool_name>, code: <python body that sets `result`>}
+    """
+
+    def __init__(self, agent, name, code, path):
+        rt = agent.rt
+        # INTERPRETATION §4.5.2 (Q72): an inline tool on a safe host is refused at load with
+        # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
+        # and §20 describes exactly this category.
+        if not rt.unsafe:
+            raise rt.error(UnsafeConfigurationError, path + ("code",),
+                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                           "4.5.2, 13.1")
+        self.name = name
+        self.unit = compile_code(code, rt=rt, path=path + ("code",))
+
+    def run(self, input_data, env):
+        """Run the body with input_data, message, context (by reference) and result=None."""
+        view = env.view
+        before = dict(view)
+        variables = {"input_data": input_data, "message": input_data, "context": view,
+                     "result": None, INLINE_PROGRESS: progress_function(env)}
+        namespace = run_code(self.unit, variables, timeout=env.timeout)
+        returned = namespace.get("context")
+        if isinstance(returned, dict) and returned is not view:   # a sandbox that copies back
+            view.clear()
+            view.update(returned)
+        context_write_back(before, view, env.ctx)
+        result = namespace.get("result")
+        if result is None:
+            result = next((namespace[name] for name in INLINE_RESULT_FALLBACKS
+                           if namespace.get(name) is not None), "")
+        return result
+
+
+def context_write_back(before, view, ctx):
+    """Carry the body's context changes from the merged view into the invocation context."""
+    # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
+    # invocation context (invocation wins); keys it sets or deletes land in the invocation
+    # context (the global one in streams), so later steps see them (§4.5.7).
+    for key, value in view.items():
+        if key not in before or before[key] is not value:
+            ctx[key] = value
+    for key in before:
+        if key not in view:
+            ctx.pop(key, None)
 
 # §4.5.3 Tool invocation protocol -------------------------------------------------------
-# [tools]
+INVALID_JSON_IN_TOOL_REQUEST = "Invalid JSON in tool request"     # §4.5.3 step 3, verbatim
+
+
+def request_text(content):
+    """The message as text: strings as they are, mappings and lists as JSON, the rest via str()."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (dict, list)):
+        return json.dumps(content)
+    return tool_output(content)
+
+
+def tool_request(agent, content):
+    """§4.5.3 steps 1-4: decode a message into (tool name, args, input_data or None).
+
+    Step 5 (the name must be an allowed tool) is checked when the tool is run.
+    """
+    tools = agent.tools
+    text = request_text(content)
+    # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
+    # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
+    # built-ins could never run).
+    if len(tools) == 1 and next(iter(tools.values())) is not None:
+        return next(iter(tools)), None, text
+    parsed = content if isinstance(content, dict) else None
+    if parsed is None:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            stripped = text.strip()
+            if stripped.startswith("{") and stripped.endswith("}"):
+                raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
+                                     path=f"agent '{agent.name}' (tool)", section="4.5.3") from None
+    if isinstance(parsed, dict) and "tool" in parsed:
+        name = parsed["tool"]
+        if not isinstance(name, str):
+            raise ExecutionError("the `tool` key of a tool request must be a tool name",
+                                 path=f"agent '{agent.name}' (tool)", section="4.5.3")
+        return name, parsed.get("args"), None
+    # INTERPRETATION §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
+    # form, as written.
+    words = text.split()
+    name = words[0] if words else ""
+    if name not in tools and name not in BUILTIN_TOOLS and name not in EXTENSION_TOOLS \
+            and len(tools) == 1:
+        # INTERPRETATION §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
+        # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
+        # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
+        return next(iter(tools)), [text], text
+    return name, words[1:], " ".join(words[1:])
 
 # §4.5.4 Safe-mode restrictions ------------------------------------------------------------
-# [tools]
+# The agent layer of the path rules (`safe_mode`); the host layer is §13.3, and tool_path()
+# there applies both (Q69). The shell blocklist is enforced in §13.5 in every mode.
+SHELL_BLOCKLIST = ("rm", "del", "format", "shutdown", "reboot", "kill")   # case-insensitive
+
+
+def path_facts(given):
+    """(absolute?, has a `..` component?, starts with `~`?) for a path string, / or \\ separated."""
+    parts = re.split(r"[\\/]", given)
+    absolute = Path(given).is_absolute() or given.startswith(("/", "\\")) \
+        or bool(re.match(r"^[A-Za-z]:", given))
+    return absolute, ".." in parts, given.startswith("~")
+
+
+def safe_mode_refusal(env, given, op):
+    """§4.5.4: why the agent's `safe_mode` rules refuse `given` for `op`, or None."""
+    absolute, traversal, tilde = path_facts(given)
+    if op == "file_write" and not env.unsafe_invocation:
+        return "file_write requires `_unsafe_mode: true` in the invocation context"
+    if not env.safe_mode:
+        return None
+    # INTERPRETATION §4.5.4: "paths containing .." means a `..` path component (traversal),
+    # not the two characters anywhere (a file may be named `v1..2.txt`).
+    if traversal:
+        return f"{op} rejects `..` in paths"
+    if op == "file_read" and absolute and not env.unsafe_invocation:
+        return ("file_read rejects absolute paths unless the invocation context has "
+                "`_unsafe_mode: true`")
+    if op == "file_write" and tilde:
+        return "file_write rejects paths beginning with ~"
+    return None
 
 # §4.5.5 file_write modes ---------------------------------------------------------------
-# [tools]
+# The §4.5.5 success messages, verbatim apart from the placeholders.
+FILE_WRITE_WROTE = "Successfully wrote {n} characters to {path}"
+FILE_WRITE_APPENDED = "Successfully appended {n} characters to {path}"
+FILE_WRITE_INSERTED = "Successfully inserted {n} characters at line {line} in {path}"
+
+# INTERPRETATION §4.5.5 (Q66): <n> counts the content as given; <path> is the path as given;
+# mode a puts exactly one blank line between existing text and content starting with `#` (none
+# added when the file already ends in one, none for an empty file); insert ends the content with
+# a newline when it lacks one, so it occupies whole lines; a clamped position reports the line
+# actually used; `position: end` is an insert and reports its line.
+
+
+def file_existing(env, target, given):
+    """The current text of the target, or "" when it does not exist yet."""
+    try:
+        return target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise env.fail(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
+
+
+def file_store(env, target, given, text, mode="w"):
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, mode, encoding="utf-8", newline="") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise env.fail(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
+            from None
+
+
+def file_write_w(env, target, given, content, position):
+    """Mode w (default): overwrite the file with the content."""
+    file_store(env, target, given, content)
+    return FILE_WRITE_WROTE.format(n=len(content), path=given)
+
+
+def file_write_a(env, target, given, content, position):
+    """Mode a: append; content starting with `#` (a Markdown section) gets a blank line first."""
+    existing = file_existing(env, target, given)
+    separator = ""
+    if content.startswith("#") and existing and not existing.endswith("\n\n"):
+        separator = "\n" if existing.endswith("\n") else "\n\n"
+    file_store(env, target, given, separator + content, "a")
+    return FILE_WRITE_APPENDED.format(n=len(content), path=given)
+
+
+def file_write_insert(env, target, given, content, position):
+    """Mode insert: put the content before line N (positions per the second §4.5.5 table)."""
+    existing = file_existing(env, target, given)
+    lines = existing.splitlines(keepends=True)
+    line = insert_line(env, position, len(lines))
+    if lines and not lines[-1].endswith(("\n", "\r")) and line == len(lines) + 1:
+        lines[-1] += "\n"                  # the old last line must end before the new one starts
+    block = content if not content or content.endswith("\n") else content + "\n"
+    lines.insert(line - 1, block)
+    file_store(env, target, given, "".join(lines))
+    return FILE_WRITE_INSERTED.format(n=len(content), line=line, path=given)
+
+
+def insert_line(env, position, count):
+    """§4.5.5 positions: "start" -> 1, "end" or null -> count+1, N -> N clamped to [1, count+1]."""
+    if position is None or position == "end":
+        return count + 1
+    if position == "start":
+        return 1
+    if isinstance(position, float) and position.is_integer():
+        position = int(position)
+    if isinstance(position, str) and re.fullmatch(r"\s*[+-]?\d+\s*", position):
+        position = int(position)
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise env.fail(f"file_write: position must be \"start\", \"end\" or a line number, "
+                       f"not {position!r}", "4.5.5")
+    return min(max(position, 1), count + 1)
+
+
+# The §4.5.5 mode table: mode -> writer. Rows in the spec's order.
+FILE_WRITE_MODES = {
+    "w":      file_write_w,
+    "a":      file_write_a,
+    "insert": file_write_insert,
+}
 
 # §4.5.6 The progress-bar facility -------------------------------------------------------
-# [tools]
+PROGRESS_WIDTH = 24                    # §4.5.6 item 1: fixed width in cells
+PROGRESS_FILLED = "█"
+PROGRESS_EMPTY = "░"
+PROGRESS_LABEL_JOIN = " • "            # item 4: stage and message joined by •
+
+# The §4.5.1 progress_bar arguments, by the snapshot field they set (first present wins).
+# `remaining` sets current to total - remaining; a list given as a count counts its items.
+PROGRESS_ARGUMENTS = {
+    "stage":   ("stage", "phase"),
+    "current": ("current", "done", "count", "sections_completed", "completed_sections"),
+    "total":   ("total", "steps", "sections_total"),
+    "message": ("message", "label"),
+}
+
+
+class ProgressFacility:
+    """§4.5.6: one (stage, current, total, message) snapshot per Actor, safe across threads.
+
+    Each update writes "\\r<line>" to `stream`, plus a newline at 100%, and returns <line>.
+    """
+
+    def __init__(self, stream=None):
+        # INTERPRETATION §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
+        # None means the process's standard error, because a command-line host prints the
+        # Actor's results (and --json) on standard output. The tool returns the rendered line.
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.stage, self.current, self.total, self.message = None, 0, 1, None
+        self.last = None
+
+    def update(self, args, view, env=None):
+        """Merge `args` (§4.5.1 names), context hooks and snapshot; emit; return the line."""
+        args = tool_args(args)
+        given = {field: next((args[name] for name in names if args.get(name) is not None), None)
+                 for field, names in PROGRESS_ARGUMENTS.items()}
+        positional = args.get("args") if isinstance(args.get("args"), list) else []
+        for field, value in zip(("current", "total"), positional):
+            if given[field] is None:
+                given[field] = value
+        view = view if isinstance(view, dict) else {}
+        with self.lock:
+            stage = given["stage"] if given["stage"] is not None \
+                else view.get("writing_stage") or self.stage
+            total = progress_number(given["total"], env)
+            if total is None and isinstance(view.get("section_paths"), (list, tuple)) \
+                    and view["section_paths"]:
+                total = len(view["section_paths"])
+            if total is None:
+                total = self.total
+            if total <= 0:
+                total = 1                  # no meaningful upstream total: the item 3 default
+            current = progress_number(given["current"], env)
+            if current is None and args.get("remaining") is not None:
+                current = total - progress_number(args["remaining"], env)
+            for hook in ("current_section_index", "current_latex_index"):
+                if current is None and isinstance(view.get(hook), int) \
+                        and not isinstance(view.get(hook), bool):
+                    current = view[hook]
+            if current is None:
+                current = self.current
+            current = min(max(current, 0), total)              # item 2: clamp to [0, total]
+            message = given["message"] if given["message"] is not None else self.message
+            self.stage, self.current, self.total, self.message = stage, current, total, message
+            line = progress_render(stage, current, total, message)
+            self.last = line
+            stream = self.stream if self.stream is not None else sys.stderr
+            stream.write("\r" + line + ("\n" if current >= total else ""))    # item 4
+            stream.flush()
+        return line
+
+
+def progress_number(value, env=None):
+    """A count from an argument: numbers as they are, numeric strings parsed, lists counted."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and number == number and abs(number) != float("inf"):
+            return int(number) if number.is_integer() else number
+    message = f"progress_bar: {value!r} is not a number"
+    raise env.fail(message, "4.5.6") if env is not None else ExecutionError(message,
+                                                                          section="4.5.6")
+
+
+def progress_render(stage, current, total, message):
+    """`████████░░░░░░░░░░░░░░░░ 33.3% (1/3) drafting • intro` (items 1-4 of §4.5.6)."""
+    filled = int(PROGRESS_WIDTH * current / total)
+    bar = PROGRESS_FILLED * filled + PROGRESS_EMPTY * (PROGRESS_WIDTH - filled)
+
+    def show(number):
+        return int(number) if isinstance(number, float) and number.is_integer() else number
+
+    line = f"{bar} {100.0 * current / total:.1f}% ({show(current)}/{show(total)})"
+    label = PROGRESS_LABEL_JOIN.join(str(part) for part in (stage, message) if part)
+    return f"{line} {label}" if label else line
+
+
+def progress_facility(rt):
+    """The Actor's one facility, created on first use (hosts may set rt.progress beforehand)."""
+    facility = getattr(rt, "progress", None)
+    if facility is None:
+        facility = vars(rt).setdefault("progress", ProgressFacility())
+    return facility
+
+
+def progress_function(env):
+    """§4.5.6 item 5: the entry point inline code calls, bound to this invocation's context."""
+    facility = progress_facility(env.rt)
+
+    def progress_bar(current=None, total=None, stage=None, message=None, **more):
+        named = dict(more, current=current, total=total, stage=stage, message=message)
+        return facility.update({k: v for k, v in named.items() if v is not None}, env.view, env)
+
+    return progress_bar
 
 # §4.5.7 Tool output conventions -------------------------------------------------------
-# [tools]
+def tool_output(value):
+    """§4.5.7: a tool's value as a string: None -> "", strings as they are, the rest via str()."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-# [foundation]
+COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+
+def check_composite(doc, name, config, path, agent_types):
+    """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
+    if "strategy" in config:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
+    components = config.get("components")
+    if not isinstance(components, dict):
+        raise doc.error(ConfigurationError, path + ("components",),
+                        "composite agents need a components mapping (agents, graphs, streams)",
+                        "4.6, §4.6.1")
+    for key, value in components.items():
+        if key not in COMPONENT_KINDS.values():
+            raise doc.error(ConfigurationError, path + ("components", key),
+                            f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
+        if not isinstance(value, dict):
+            raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
+                            "4.6.1")
+    for local, sub in (components.get("agents") or {}).items():
+        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    routing = config.get("routing")
+    if not isinstance(routing, dict):
+        raise doc.error(ConfigurationError, path + ("routing",),
+                        "composite agents need routing with input and output", "4.6.2")
+    for end in ("input", "output"):
+        spec = routing.get(end)
+        if not isinstance(spec, dict) or "type" not in spec or "name" not in spec:
+            raise doc.error(ConfigurationError, path + ("routing", end),
+                            f"routing.{end} must be the explicit form {{type, name}} "
+                            "(the shorthand form is forbidden)", "4.6.2, §16.2")
+        kind = COMPONENT_KINDS.get(spec["type"])
+        if kind is None:
+            raise doc.error(ConfigurationError, path + ("routing", end, "type"),
+                            f"routing type must be agent, graph or stream, not '{spec['type']}'",
+                            "4.6.2")
+        if spec["name"] not in (components.get(kind) or {}):
+            raise doc.error(ConfigurationError, path + ("routing", end, "name"),
+                            f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+
+
+class CompositeAgent:
+    """§4.6: nested agents, graphs and streams behind one agent interface.
+
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
+    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
+    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
+    to the output component.
+    """
+
+    type = "composite"
+
+    def __init__(self, name, cfg, rt, path):
+        self.name, self.rt, self.path = name, rt, path
+        config = cfg["config"]
+        components = config["components"]
+        routes = {}
+        for kind in ("graphs", "streams"):
+            for local, route in (components.get(kind) or {}).items():
+                route = dict(route)
+                route.setdefault("type", kind[:-1])
+                routes[local] = route
+        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                      rt.doc.marks, rt.doc.files)
+        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                             llm_transport=rt.llm_transport)
+        inner = self.inner
+        inner.llm_log, inner.warnings, inner.context, inner.prompts = (
+            rt.llm_log, rt.warnings, rt.context, rt.prompts)
+        inner.agents = dict(rt.agents)
+        for local, sub in (components.get("agents") or {}).items():
+            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
+        agent_names = set(inner.agents)
+        for local, route in routes.items():
+            rpath = path + ("components", route["type"] + "s", local)
+            if route["type"] == "graph":
+                check_graph(sub_doc, local, route, rpath, agent_names)
+                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
+        self.network = None
+        if routes:
+            check_streams(sub_doc, agent_names, set(inner.graphs))
+            self.network = StreamNetwork(inner)
+            self._collected = []
+            self.network.on_output(self._collected.append)
+        self.routing = config["routing"]
+        self.capabilities = ["composite"]
+        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
+            for cap in agent.capabilities:
+                if cap not in self.capabilities:
+                    self.capabilities.append(cap)
+        for local in routes:
+            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
+            if cap not in self.capabilities:
+                self.capabilities.append(cap)
+        self.metadata = agent_metadata(self, components={
+            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+
+    def _dispatch(self, spec, content, ctx):
+        kind, name = spec["type"], spec["name"]
+        if kind == "agent":
+            return self.inner.agents[name].invoke(content, ctx)
+        if kind == "graph":
+            return self.inner.graphs[name].run(content, ctx).output
+        start = len(self._collected)
+        self.network.send(content, target=name)
+        emitted = self._collected[start:]
+        return emitted[-1].content if emitted else content
+
+    def invoke(self, content, ctx):
+        first, last = self.routing["input"], self.routing["output"]
+        result = self._dispatch(first, content, ctx)
+        if (last["type"], last["name"]) != (first["type"], first["name"]):
+            result = self._dispatch(last, result, ctx)
+        return result
+
 
 # §4.7 Chain agents -----------------------------------------------------------------------
-# [foundation]
+CHAIN_PREFIX = "ChainAgent processed: "
+CHAIN_SEPARATOR = "->"   # INTERPRETATION §4.7 (Q74): the bare token, no spaces, also before step 1
+
+
+def check_chain(doc, name, config, path, agent_types):
+    if "prompt" in config and "prompt_reference" in config:
+        raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
+                        "not both", "4.7, §16.3")
+    steps = config.get("steps", [])
+    if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+        raise doc.error(ConfigurationError, path + ("steps",),
+                        "steps must be a sequence of strings", "4.7")
+    ref = config.get("prompt_reference")
+    if ref is not None and ref not in (doc.data.get("prompts") or {}):
+        raise doc.error(ConfigurationError, path + ("prompt_reference",),
+                        f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
+
+
+class ChainAgent:
+    """§4.7: render the prompt (if any) with message=<input>, then append each step label.
+
+    {type: chain, config: {steps: [a, b], prompt: "...", prompt_reference: name}}
+    Makes no external call.
+    """
+
+    type = "chain"
+
+    def __init__(self, name, cfg, rt, path):
+        config = cfg["config"]
+        self.name, self.rt, self.path = name, rt, path
+        self.steps = list(config.get("steps") or [])
+        self.prompt = config.get("prompt")
+        if config.get("prompt_reference") is not None:
+            self.prompt = rt.prompts[config["prompt_reference"]]
+        self.capabilities = ["chain-processing"]
+        self.metadata = agent_metadata(self, steps=list(self.steps))
+
+    def invoke(self, content, ctx):
+        text = content if isinstance(content, str) else str(content)
+        if self.prompt is not None:
+            text = render_runtime(self.rt, self.prompt, ctx, text, self.path + ("config", "prompt"))
+        for step in self.steps:
+            text += CHAIN_SEPARATOR + step
+        return CHAIN_PREFIX + text
+
 
 # §4.8 Template instance agents ---------------------------------------------------------
-# [foundation]
+# Agents declared with `template` / `agent_template` are replaced by their concrete definition in
+# Phase B (expand_templates, §8.7-§8.8) before validation; the type tag `template_instance` is
+# accepted there and never reaches agent creation.
 
 # §4.9 Agent context inheritance ------------------------------------------------------
-# [foundation]
+def inherit_context(rt, config):
+    """§4.9: an agent without a config.context of its own gets the global context (by reference)."""
+    if "context" not in config:
+        config["context"] = rt.context
+    return config
+
 
 # §4.11 Capabilities and metadata -------------------------------------------------------
-# [foundation]
+def agent_metadata(agent, **extra):
+    """§4.11: name, type, capabilities and reactive: true, plus the type's own keys."""
+    meta = {"name": agent.name, "type": agent.type, "capabilities": list(agent.capabilities),
+            "reactive": True}
+    meta.update(extra)
+    return meta
+
 
 # §4.3 Defined agent types (the table, once every class above exists) ----------------------
-# [foundation] AGENT_TYPES
+AGENT_TYPES = {
+    "llm": LLMAgent,
+    "tool": ToolAgent,
+    "composite": CompositeAgent,
+    "chain": ChainAgent,
+}
+AGENT_CHECKS = {"composite": check_composite, "chain": check_chain}
+
+
+def make_agent(rt, name, cfg, path):
+    """§12.1 step 3: create one agent; any failure aborts start-up (AgentCreationError)."""
+    inherit_context(rt, cfg["config"])
+    try:
+        return AGENT_TYPES[cfg["type"]](name, cfg, rt, path)
+    except ActorError:
+        raise
+    except Exception as exc:  # boundary: a broken agent definition must not escape as a traceback
+        raise rt.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
+                       "12.1") from exc
 
 
 # =====================================================================================
@@ -438,31 +2085,1180 @@ class Runtime:
 # =====================================================================================
 
 # §5.1 The routes section ---------------------------------------------------------------
-# [streams]
+def route_type(cfg):
+    """The canonical (lower-case, §11.3(2)) type of a route mapping, or None."""
+    kind = cfg.get("type") if isinstance(cfg, dict) else None
+    return kind.lower() if isinstance(kind, str) else None
+
+
+def check_streams(doc, agent_names, graph_names, rt=None):
+    """§5, §7, §12.6 static checks of the stream side, before any agent exists (§1.3(2)).
+
+    Raises a located StreamRoutingError for operator errors (an unknown operator type, a
+    transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
+    every other malformed field. The structure of routes, merges and splits (§11.3, §11.4) is
+    checked by the validator first. With `rt` (the network re-checks at build time) warnings
+    about unknown operator keys go to rt.warn; the validator's early call passes no rt.
+    """
+    data = doc.data
+    routes = data["routes"]
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    known = stream_names(doc) | set(pipelines)
+    checker = _Checker(doc, set(agent_names), set(graph_names), known, routes, rt)
+    for name, cfg in routes.items():
+        path = ("routes", name)
+        kind = route_type(cfg)
+        if kind == "stream":
+            checker.stream_route(cfg, path)
+        elif kind == "bridge":
+            check_bridge(doc, cfg, path, rt)
+    check_pipeline_stages(doc, pipelines, routes, checker)
+    default = getattr(rt, "default_router", None) if rt is not None else None
+    if default is None and isinstance(data.get("cleveragents"), dict):
+        default = data["cleveragents"].get("default_router")
+    cycle = find_stream_cycle(stream_edges(data, known, default))
+    if cycle:
+        raise doc.error(StreamRoutingError, cycle[1],
+                        "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
+
+
+class _Checker:
+    """Walks stream routes and operators; one method per config shape, errors located."""
+
+    def __init__(self, doc, agents, graphs, known, routes, rt=None):
+        self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
+        self.rt = rt
+
+    def note(self, path, message, section="5.3.2"):
+        if self.rt is not None:
+            self.rt.warn(message, section=section, path=path)
+
+    def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
+        raise self.doc.error(cls, path, message, section)
+
+    def stream_route(self, cfg, path):
+        kind = cfg.get("stream_type", "cold")
+        if kind not in STREAM_TYPES:
+            self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
+                      f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
+        size = cfg.get("buffer_size", 1)
+        if not _is_count(size) or size < 1:
+            self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        if isinstance(cfg.get("bridge"), dict):
+            check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
+        self.operators(cfg.get("operators", []), path + ("operators",))
+
+    def operators(self, ops, path):
+        if ops is None:
+            return
+        if not isinstance(ops, list):
+            self.fail(path, "operators must be a sequence of operator mappings")
+        for i, op in enumerate(ops):
+            self.operator(op, path + (i,))
+
+    def operator(self, op, path):
+        if not isinstance(op, dict) or not isinstance(op.get("type"), str):
+            self.fail(path, "an operator is a mapping with a string `type`")
+        kind = op["type"]
+        if kind not in OPERATORS:
+            self.fail(path + ("type",), f"unknown operator {kind!r}", cls=StreamRoutingError)
+        for key in op:
+            if key not in ("type", "params"):
+                self.note(path + (key,), f"unknown operator key {key!r} ignored")
+        params = op.get("params") or {}
+        if not isinstance(params, dict):
+            self.fail(path + ("params",), "params must be a mapping")
+        path = path + ("params",)
+        _handler, spec = OPERATORS[kind]
+        for key, (check, default) in spec.items():
+            value = params.get(key, default)
+            if value is REQUIRED:
+                self.fail(path, f"operator {kind!r} needs params.{key}")
+            if value is not None and value is not default:
+                check(self, value, path + (key,))
+        if kind not in OPEN_PARAMS:
+            for key in params:
+                if key not in spec:
+                    self.note(path + (key,), f"unknown param {key!r} of operator {kind!r} ignored")
+        extra = OPERATOR_CHECKS.get(kind)
+        if extra:
+            extra(self, params, path)
+
+    # One check per parameter kind (the second element of each OPERATORS spec row) -----
+    def seconds(self, value, path):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            self.fail(path, "must be a non-negative number of seconds")
+
+    def count(self, value, path):
+        if not _is_count(value):
+            self.fail(path, "must be a non-negative integer")
+
+    def text(self, value, path):
+        if not isinstance(value, str):
+            self.fail(path, "must be a string")
+
+    def condition(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+
+    def mapping(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "must be a mapping")
+
+    def agent(self, value, path):
+        if value not in self.agents:
+            self.fail(path, f"unknown agent {value!r}", "5.3.4")
+
+    def graph(self, value, path):
+        if value not in self.graphs:
+            self.fail(path, f"unknown graph route {value!r}")
+
+    def function(self, value, path):
+        # INTERPRETATION §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
+        # anything else is an inline expression, which §16.2 forbids.
+        if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
+            self.fail(path, "function must name a transformer; inline expressions are forbidden "
+                      "here (use the transform operator with fn)", "16.2")
+
+    def transform(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
+        check_transform_type(self, value.get("type", "identity"), path + ("type",))
+
+    def accumulator(self, value, path):
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in ACCUMULATORS:
+            self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
+
+    def target(self, value, path):
+        if not isinstance(value, str):
+            self.fail(path, "a switch target names a stream")
+        # §5.3.2: an unknown target is no-match at run time, not a load error.
+
+    def cases(self, value, path):
+        if not isinstance(value, list):
+            self.fail(path, "cases must be a sequence")
+        for i, case in enumerate(value):
+            if not isinstance(case, dict):
+                self.fail(path + (i,), "a case is a mapping with `condition`")
+            if "condition" in case:
+                self.condition(case["condition"], path + (i, "condition"))
+            if case.get("target") is not None:
+                self.target(case["target"], path + (i, "target"))
+            self.operators(case.get("operators"), path + (i, "operators"))
+
+    def operator_list(self, value, path):
+        self.operators(value, path)
+
+    def route_conditions(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "routes must map route names to conditions", "5.3.2")
+        for name, cond in value.items():
+            self.condition(cond, path + (name,))
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def stream_edges(data, known, default=None):
+    """Every static source -> target link of the stream side, with the config path declaring it.
+
+    Publications (§5.5), merges (§7.1), splits (§7.2), the default router (§3.4), switch and
+    bridge-router targets (§5.3.2) and pipelines (§7.3). Used for §12.6 and for diagrams.
+    """
+    edges = []
+    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    for name, cfg in routes.items():
+        if route_type(cfg) != "stream":
+            continue
+        for i, target in enumerate(cfg.get("publications") or []):
+            edges.append((name, target, ("routes", name, "publications", i)))
+        for target, path in _switch_targets(cfg.get("operators"), ("routes", name, "operators")):
+            if target in known:
+                edges.append((name, target, path))
+    for i, merge in enumerate(data.get("merges") or []):
+        if isinstance(merge, dict) and merge.get("target") is not None:
+            for j, source in enumerate(merge.get("sources") or []):
+                edges.append((source, merge["target"], ("merges", i, "sources", j)))
+    for i, split in enumerate(data.get("splits") or []):
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            for target in split["targets"]:
+                edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    if isinstance(default, str):
+        edges.append(("__input__", default, ("cleveragents", "default_router")))
+    return edges
+
+
+def _switch_targets(ops, path):
+    """(target, path) of every switch/conditional_route target and default, nested cases too."""
+    for i, op in enumerate(ops if isinstance(ops, list) else []):
+        params = op.get("params") if isinstance(op, dict) else None
+        if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
+            continue
+        here = path + (i, "params")
+        for j, case in enumerate(params.get("cases") or []):
+            if isinstance(case, dict):
+                if isinstance(case.get("target"), str):
+                    yield case["target"], here + ("cases", j, "target")
+                yield from _switch_targets(case.get("operators"), here + ("cases", j, "operators"))
+        for name in (params.get("routes") or {}) if isinstance(params.get("routes"), dict) else ():
+            yield name, here + ("routes", name)
+        if isinstance(params.get("default"), str):
+            yield params["default"], here + ("default",)
+        yield from _switch_targets(params.get("default_operators"), here + ("default_operators",))
+
 
 # §5.2 Built-in streams --------------------------------------------------------------------
-# [streams]
+INPUT, OUTPUT, ERROR = "__input__", "__output__", "__error__"
+
+# §5.2 table: name -> direction. All three are cold streams that exist implicitly.
+BUILTIN_STREAMS = {
+    INPUT: "producer",
+    OUTPUT: "consumer",
+    ERROR: "consumer",
+}
 
 # §5.3 Stream routes ---------------------------------------------------------------------
-# [streams]
+class _Node:
+    """A participant of the stream network: push() takes a message in, `out` carries results.
+
+    A node completes when every wired source has completed (§5.5: completion flows through
+    publications, merges and splits); the network's complete() sweeps the rest in order.
+    """
+
+    def __init__(self, net, name, out):
+        self.net, self.name, self.out = net, name, out
+        self.sources = 0            # wired upstream streams that have not completed yet
+
+    def push(self, msg):
+        self.out.next(msg)
+
+    def source_done(self):
+        self.sources -= 1
+        if self.sources <= 0:
+            self.finish()
+
+    def finish(self):
+        self.out.complete()
+
+    def describe(self):
+        return self.name
+
+
+class StreamRoute(_Node):
+    """§5.3 A stream route: its operators in order, then its stream (§5.3.1) that publications read.
+
+    {type: stream, stream_type: cold, operators: [...], publications: [...], initial_value: x,
+     buffer_size: n}. Operators run once per message whatever the number of targets (Q22).
+    """
+
+    def __init__(self, net, name, cfg, path):
+        kind = cfg.get("stream_type") or "cold"
+        seed = cfg["initial_value"] if cfg.get("initial_value") is not None else _NO_VALUE
+        super().__init__(net, name, Stream(name, kind, seed, cfg.get("buffer_size") or 1))
+        self.ops = cfg.get("operators") or []
+        self.head = build_chain(net, name, self.ops, path + ("operators",),
+                                Stage(self.emit, self.out.complete))
+        self.ended = False
+
+    def push(self, msg):
+        self.head.next(msg)
+
+    def emit(self, msg):
+        # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
+        # every hop, so `source_is` can name any route.
+        if msg.source_stream != self.name:
+            msg = msg.copy(source_stream=self.name)
+        self.out.next(msg)
+
+    def finish(self):
+        if not self.ended:
+            self.ended = True
+            self.head.complete()     # operators flush (buffer, reduce, debounce) then complete
+
+    def describe(self):
+        ops = [_describe_op(op) for op in self.ops]
+        return self.name + (": " + " → ".join(ops) if ops else "")
+
+
+def _describe_op(op):
+    params = op.get("params") or {} if isinstance(op, dict) else {}
+    kind = op.get("type", "?") if isinstance(op, dict) else "?"
+    detail = params.get("agent") or params.get("graph") or params.get("function") or ""
+    if not detail and isinstance(params.get("condition"), dict):
+        detail = params["condition"].get("type", "")
+    return f"{kind}({detail})" if detail else kind
+
+
+class Stage:
+    """One operator instance: next(msg) takes a message, complete() ends the flow.
+
+    Handlers build a Stage around the downstream Stage `down`, so a route is a chain of plain
+    calls: no scheduler, no queue, one Python call per operator per message.
+    """
+
+    __slots__ = ("next", "complete")
+
+    def __init__(self, next, complete):
+        self.next = next
+        self.complete = complete
+
+
+class _OpSite:
+    """Where an operator lives: the network, its route, its config path, and its neighbours."""
+
+    __slots__ = ("net", "rt", "route", "path", "ops", "index")
+
+    def __init__(self, net, route, path, ops, index):
+        self.net, self.rt, self.route = net, net.rt, route
+        self.path, self.ops, self.index = path, ops, index
+
+
+def build_chain(net, route, ops, path, down):
+    """Build the operators `ops` (§5.3.2) in front of `down`; return the first Stage."""
+    stage = down
+    for index in range(len(ops) - 1, -1, -1):
+        op = ops[index]
+        handler, spec = OPERATORS[op["type"]]
+        params = dict(op.get("params") or {})
+        for key, (_check, default) in spec.items():
+            if params.get(key) is None and default is not REQUIRED:
+                params[key] = default
+        stage = handler(_OpSite(net, route, path + (index, "params"), ops, index), params, stage)
+    return stage
 
 # §5.3.1 Stream types ------------------------------------------------------------------
-# [streams]
+# §5.3.1 table: stream type -> how many past messages a late subscriber receives
+# (None: the route's buffer_size). Every subscriber wired at setup sees every message.
+# INTERPRETATION §5.3.1 (Q22): operators run once per message and every target shares the
+# result; hot/replay memory (and a hot stream's initial_value) reaches late subscribers only,
+# i.e. hooks added with StreamNetwork.subscribe() after creation.
+STREAM_TYPES = {
+    "cold": 0,
+    "hot": 1,
+    "replay": None,
+}
+
+_NO_VALUE = object()
+
+
+class Stream:
+    """The reactive core: a named subject with next/complete and ordered subscribers.
+
+    next() hands a message to every observer in subscription order (§12.2.2, Q97); complete()
+    ends the stream once. Per-message failures never become stream errors: they are messages on
+    __error__ (§12.2.3), so the stream keeps flowing.
+    """
+
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+
+    def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
+        self.name, self.stream_type = name, stream_type
+        self.observers, self.finishers = [], []
+        keep = STREAM_TYPES[stream_type]
+        keep = buffer_size if keep is None else keep
+        self.keep = keep
+        self.memory = [] if keep else None
+        if initial_value is not _NO_VALUE and stream_type == "hot":
+            self.memory.append(Message(initial_value, source_stream=name))
+        self.done = False
+
+    def subscribe(self, on_next, on_complete=None):
+        """Add an observer; hot and replay streams first replay their memory to it."""
+        for msg in list(self.memory or ()):
+            on_next(msg)
+        self.observers.append(on_next)
+        if on_complete is not None:
+            if self.done:
+                on_complete()
+            else:
+                self.finishers.append(on_complete)
+
+    def next(self, msg):
+        if self.memory is not None:
+            self.memory.append(msg)
+            if len(self.memory) > self.keep:
+                del self.memory[0]
+        for on_next in self.observers:
+            on_next(msg)
+
+    def complete(self):
+        if not self.done:
+            self.done = True
+            for on_complete in self.finishers:
+                on_complete()
 
 # §5.3.2 Operators -------------------------------------------------------------------------
-# [streams]
+REQUIRED = object()     # an OPERATORS spec default: the parameter must be given
+
+
+def op_map(site, params, down):
+    """§5.3.2 map: replace each message's content through an agent, a function or a transform.
+
+    {type: map, params: {agent: <name>} | {function: <name>} | {transform: {type: <t>, ...}}}
+    """
+    if params.get("agent") is not None:
+        return agent_mapper(site, params["agent"], down)
+    if params.get("function") is not None:
+        return function_mapper(site, params["function"], down)
+    return transform_stage(site, params.get("transform") or {}, down)
+
+
+def op_filter(site, params, down):
+    """§5.3.2 filter: pass the messages whose condition holds (stream-router rules, §5.4.1).
+
+    {type: filter, params: {condition: {type: content_contains, text: x}}}
+    """
+    cond, rt, path = params.get("condition"), site.rt, site.path + ("condition",)
+
+    def on_next(msg):
+        if evaluate_condition(cond, "stream", msg, rt, path):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_transform(site, params, down):
+    """§5.3.2 transform: `fn` (a one-parameter expression on the content, §13.2.2) or `type`.
+
+    {type: transform, params: {fn: "lambda x: x.upper()"}} | {type: transform, params: {type:
+    format, template: "[{content}]"}} -- the second behaves as map with that transform.
+    """
+    if params.get("fn") is None:
+        return transform_stage(site, params, down)
+    unit = compile_expression(params["fn"], nparams=1, rt=site.rt, path=site.path + ("fn",))
+    net, route = site.net, site.route
+
+    def on_next(msg):
+        try:
+            content = unit(msg.content)
+        except Exception as exc:     # §12.2.3 boundary: the failure becomes an __error__ message
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
+    return Stage(on_next, down.complete)
+
+
+def op_debounce(site, params, down):
+    """§5.3.2 debounce: emit a message only after `duration` seconds without a newer one.
+
+    {type: debounce, params: {duration: <s>}}   (capped at 50 ms in single-shot runs)
+        input:    a-b-----c----|
+        debounce(2 ticks)
+        output:   ----b-----c--|     (completion emits a still-pending message at once)
+    """
+    duration = params["duration"]
+    if site.net.single_shot:
+        duration = min(duration, DEBOUNCE_SINGLE_SHOT_CAP)
+    clock = site.rt.clock
+    pending = [None, None]      # message, timer
+
+    def fire():
+        msg, pending[0], pending[1] = pending[0], None, None
+        down.next(msg)
+
+    def on_next(msg):
+        if pending[1] is not None:
+            pending[1].cancel()
+        pending[0] = msg
+        pending[1] = clock.call_later(duration, fire)
+
+    def on_complete():
+        if pending[1] is not None:
+            pending[1].cancel()
+            fire()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_throttle(site, params, down):
+    """§5.3.2 throttle: emit a message, then drop every message for `duration` seconds.
+
+    {type: throttle, params: {duration: <s>}}
+        input:    a-b-c---d-e--
+        throttle(3 ticks)
+        output:   a-------d----
+    """
+    # INTERPRETATION §5.3.2 throttle (Q16): leading-edge throttle; dropped messages are gone.
+    duration, clock = params["duration"], site.rt.clock
+    last = [None]
+
+    def on_next(msg):
+        now = clock.now()
+        if last[0] is None or now - last[0] >= duration:
+            last[0] = now
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_delay(site, params, down):
+    """§5.3.2 delay: emit each message `duration` seconds after it arrived, in order.
+
+    {type: delay, params: {duration: <s>}}
+        input:    a-b------|
+        delay(2 ticks)
+        output:   --a-b----|   (completion emits messages still waiting, in order)
+    """
+    duration, clock = params["duration"], site.rt.clock
+    waiting = []                # [timer, message] in arrival order
+
+    def fire():
+        _timer, msg = waiting.pop(0)
+        down.next(msg)
+
+    def on_next(msg):
+        waiting.append([clock.call_later(duration, fire), msg])
+
+    def on_complete():
+        while waiting:
+            waiting[0][0].cancel()
+            fire()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_buffer(site, params, down):
+    """§5.3.2 buffer: hold messages, then release the batch as individual messages again.
+
+    {type: buffer, params: {count: <n>, timeout: <s, default 0.1>}} | {params: {time: <s>}}
+        input:    a-b-c-d-e---|
+        buffer(count 2)
+        output:   --(ab)-(cd)-(e)|   (each batch flattened; completion flushes)
+    """
+    # INTERPRETATION §5.3.2 buffer (Q17): a window (time, else timeout) starts at the first
+    # buffered message; a batch leaves when count is reached or its window ends, whichever is
+    # first; completion flushes a partial batch.
+    count, clock = params.get("count"), site.rt.clock
+    window = params["time"] if params.get("time") is not None else params["timeout"]
+    batch, timer = [], [None]
+
+    def flush():
+        if timer[0] is not None:
+            timer[0].cancel()
+            timer[0] = None
+        items = batch[:]
+        batch.clear()
+        for msg in items:       # §5.3.2: flattened back into individual emissions
+            down.next(msg)
+
+    def on_next(msg):
+        batch.append(msg)
+        if count and len(batch) >= count:
+            flush()
+        elif timer[0] is None:
+            timer[0] = clock.call_later(window, flush)
+
+    def on_complete():
+        flush()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_scan(site, params, down):
+    """§5.3.2 scan: fold each message into a running total and emit the total every time.
+
+    {type: scan, params: {accumulator: {type: collect|concat|sum}}}
+    """
+    seed, step = ACCUMULATORS[params["accumulator"]["type"]]
+    total = [seed()]
+    route = site.route
+
+    def on_next(msg):
+        total[0] = step(total[0], msg.content)
+        down.next(msg.copy(content=total[0], source_stream=route))
+    return Stage(on_next, down.complete)
+
+
+def op_reduce(site, params, down):
+    """§5.3.2 reduce: fold every message, emit the total once when the route completes.
+
+    {type: reduce, params: {accumulator: {type: collect|concat|sum}}}
+        input:    1-2-3-|
+        reduce(sum)
+        output:   ------6|   (nothing arrived: nothing emitted)
+    """
+    seed, step = ACCUMULATORS[params["accumulator"]["type"]]
+    total, last = [seed()], [None]
+    route = site.route
+
+    def on_next(msg):
+        total[0] = step(total[0], msg.content)
+        last[0] = msg
+
+    def on_complete():
+        if last[0] is not None:
+            down.next(last[0].copy(content=total[0], source_stream=route))
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_switch(site, params, down):
+    """§5.3.2 switch: the first case whose condition holds decides where a message goes.
+
+    {type: switch, params: {cases: [{condition: c, target: <stream>, operators: [...]}],
+     default: <stream>, default_operators: [...]}}
+    """
+    # INTERPRETATION §5.3.2 switch (Q12): a case whose target is unknown counts as no-match and
+    # evaluation goes on with the next case; a forwarded message leaves this route; a matching
+    # case with neither operators nor target passes the message on unchanged.
+    net, rt, path, route = site.net, site.rt, site.path, site.route
+    inline = Stage(down.next, _no_completion)
+    cases = []
+    for i, case in enumerate(params.get("cases") or []):
+        ops = case.get("operators") or []
+        chain = build_chain(net, route, ops, path + ("cases", i, "operators"), inline) if ops else None
+        cases.append((case.get("condition"), case.get("target"), chain, path + ("cases", i, "condition")))
+    default_ops = params.get("default_operators") or []
+    default_chain = (build_chain(net, route, default_ops, path + ("default_operators",), inline)
+                     if default_ops else None)
+    default = params.get("default")
+
+    def on_next(msg):
+        for cond, target, chain, cond_path in cases:
+            if not evaluate_condition(cond, "stream", msg, rt, cond_path):
+                continue
+            if chain is not None:
+                chain.next(msg)
+                return
+            if target is None:
+                down.next(msg)
+                return
+            if net.forward(route, target, msg):
+                return
+        if default_chain is not None:
+            default_chain.next(msg)
+        elif default is None or not net.forward(route, default, msg):
+            down.next(msg)
+
+    def on_complete():
+        for chain in [c[2] for c in cases] + [default_chain]:
+            if chain is not None:
+                chain.complete()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def _no_completion():
+    """Inline switch chains share the route's downstream, which completes once, on its own."""
+
+
+def op_conditional_route(site, params, down):
+    """§5.3.2 conditional_route: the bridge router when params has `routes`, else switch.
+
+    {type: conditional_route, params: {routes: {<route>: <condition>, ...}, default: <route>}}
+    """
+    # INTERPRETATION §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when the
+    # operator's params carry a `routes` mapping; each message goes to the first route (in
+    # declaration order) whose condition holds under the bridge rules of §5.4.1 (unknown type:
+    # no-match), else to `default`, else on down this route.
+    if not isinstance(params.get("routes"), dict):
+        return op_switch(site, params, down)
+    net, rt, route = site.net, site.rt, site.route
+    routes = [(name, cond, site.path + ("routes", name)) for name, cond in params["routes"].items()]
+    default = params.get("default")
+
+    def on_next(msg):
+        for name, cond, path in routes:
+            if evaluate_condition(cond, "bridge", msg, rt, path) and net.forward(route, name, msg):
+                return
+        if default is None or not net.forward(route, default, msg):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_catch(site, params, down):
+    """§5.3.2 catch: keep error messages out of the rest of the route (they are on __error__).
+
+    {type: catch, params: {}}
+    """
+    # INTERPRETATION §5.3.2 catch vs §12.2.3 (Q21, Q93): every failure already put exactly one
+    # message on __error__ where it happened; catch removes messages flagged error: true from
+    # the downstream flow, so they do not reach this route's publications a second time.
+    def on_next(msg):
+        if not msg.metadata.get("error"):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_retry(site, params, down):
+    """§5.3.2 retry: re-invoke the nearest agent map before it up to `count` more times.
+
+    {type: retry, params: {count: 3}} -- the map reads the count at build time (retry_count),
+    so this stage itself passes messages through.
+    """
+    # INTERPRETATION §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
+    # means: the closest preceding agent map in the same route re-invokes its agent up to
+    # `count` extra times before it reports the failure.
+    if _retried_map(site.ops, site.index) is None:
+        site.rt.warn("retry has no agent map before it in this route; it does nothing",
+                     section="5.3.2", path=site.path)
+    return Stage(down.next, down.complete)
+
+
+def _retried_map(ops, index):
+    """Index of the agent map a retry at `index` applies to, or None."""
+    for i in range(index - 1, -1, -1):
+        op = ops[i]
+        if op.get("type") == "map" and (op.get("params") or {}).get("agent") is not None:
+            return i
+    return None
+
+
+def retry_count(site):
+    """Extra attempts an agent map at site.index gets from the first retry after it."""
+    for i in range(site.index + 1, len(site.ops)):
+        op = site.ops[i]
+        if op.get("type") == "retry" and _retried_map(site.ops, i) == site.index:
+            count = (op.get("params") or {}).get("count")
+            return 3 if count is None else count
+    return 0
+
+
+def op_distinct(site, params, down):
+    """§5.3.2 distinct: drop a message whose content equals the previous message's content.
+
+    {type: distinct, params: {}}
+        input:    a-a-b-a-a-|
+        output:   a---b-a---|
+    """
+    last = [_NO_VALUE]
+
+    def on_next(msg):
+        if last[0] is _NO_VALUE or msg.content != last[0]:
+            last[0] = msg.content
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_take(site, params, down):
+    """§5.3.2 take: pass the first `count` messages (default 1), drop the rest.
+
+    {type: take, params: {count: 1}}
+    """
+    left = [params["count"]]
+
+    def on_next(msg):
+        if left[0] > 0:
+            left[0] -= 1
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_skip(site, params, down):
+    """§5.3.2 skip: drop the first `count` messages (default 1), pass the rest.
+
+    {type: skip, params: {count: 1}}
+    """
+    left = [params["count"]]
+
+    def on_next(msg):
+        if left[0] > 0:
+            left[0] -= 1
+        else:
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_sample(site, params, down):
+    """§5.3.2 sample: every `interval` seconds, emit the latest message if a new one arrived.
+
+    {type: sample, params: {interval: 1.0}}
+        input:    a-b---------c---|
+        sample(4 ticks, ticks counted from the first message)
+        output:   ----b-------c---|
+    """
+    # INTERPRETATION §5.3.2 sample (Q18): a tick emits only a message that arrived since the
+    # previous tick; ticks fall on a grid that starts at the first message, and are scheduled
+    # only while a message waits (no endless timer); completion emits a waiting message.
+    interval, clock = params["interval"], site.rt.clock
+    state = {"latest": None, "t0": None, "timer": None}
+
+    def tick():
+        state["timer"] = None
+        msg, state["latest"] = state["latest"], None
+        if msg is not None:
+            down.next(msg)
+
+    def on_next(msg):
+        state["latest"] = msg
+        if state["timer"] is None:
+            now = clock.now()
+            if state["t0"] is None:
+                state["t0"] = now
+            ticks = int((now - state["t0"]) / interval) + 1
+            state["timer"] = clock.call_at(state["t0"] + ticks * interval, tick)
+
+    def on_complete():
+        if state["timer"] is not None:
+            state["timer"].cancel()
+            tick()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_graph_execute(site, params, down):
+    """§5.3.2 graph_execute: run a graph route per message and forward its result.
+
+    {type: graph_execute, params: {graph: <graph route>}} -- content: the final state's last
+    assistant message, else the whole state; metadata: graph, execution_history, final_state.
+    """
+    net, rt, route, name = site.net, site.rt, site.route, params["graph"]
+
+    def on_next(msg):
+        try:
+            run = rt.graphs[name].run(msg.content, resolve_context(msg, rt))
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        state = run.state if isinstance(run.state, dict) else {}
+        replies = [m for m in state.get("messages") or []
+                   if isinstance(m, dict) and m.get("role") == "assistant"]
+        out = msg.copy(content=replies[-1].get("content") if replies else state,
+                       source_stream=route)
+        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state)
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def op_state_update(site, params, down):
+    """§5.3.2 state_update: apply the content as an update to a graph's state; mark the message.
+
+    {type: state_update, params: {graph: <graph route>}}
+    """
+    return _graph_side_effect(site, params, down, "state_updated",
+                              lambda graph, msg: graph.update_state(msg.content))
+
+
+def op_state_checkpoint(site, params, down):
+    """§5.3.2 state_checkpoint: save a checkpoint of a graph's state (§6.6); mark the message.
+
+    {type: state_checkpoint, params: {graph: <graph route>}}
+    """
+    return _graph_side_effect(site, params, down, "checkpointed",
+                              lambda graph, msg: graph.checkpoint())
+
+
+def _graph_side_effect(site, params, down, flag, action):
+    net, rt, route, name = site.net, site.rt, site.route, params["graph"]
+
+    def on_next(msg):
+        try:
+            action(rt.graphs[name], msg)
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        out = msg.copy(source_stream=route)
+        out.metadata[flag] = True
+        out.metadata["graph"] = name
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def op_graph_node(site, params, down):
+    """§5.3.2 graph_node: run one node of a graph route on the content; forward its output.
+
+    {type: graph_node, params: {graph: <graph route>, node: <node name>}}
+    """
+    net, rt, route = site.net, site.rt, site.route
+    name, node = params["graph"], params["node"]
+
+    def on_next(msg):
+        try:
+            content = rt.graphs[name].run_node(node, msg.content, resolve_context(msg, rt))
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        out = msg.copy(content=content, source_stream=route)
+        out.metadata.update(graph=name, node=node)
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def _check_map(checker, params, path):
+    # INTERPRETATION §5.3.2 map (Q13): none or several of agent/function/transform is a
+    # ConfigurationError at load time.
+    given = [k for k in ("agent", "function", "transform") if params.get(k) is not None]
+    if len(given) != 1:
+        checker.fail(path, "map needs exactly one of agent, function, transform"
+                     + (f" (got {', '.join(given)})" if given else ""))
+
+
+def _check_transform(checker, params, path):
+    if params.get("fn") is None and params.get("type") is None:
+        checker.fail(path, "transform needs `fn` or `type`", cls=StreamRoutingError)
+    if params.get("fn") is not None and params.get("type") is not None:
+        checker.fail(path, "transform takes `fn` or `type`, not both")
+    if params.get("fn") is not None:
+        _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
+    else:
+        check_transform_type(checker, params["type"], path + ("type",))
+
+
+def _check_sample(checker, params, path):
+    if params.get("interval") is not None and params["interval"] <= 0:
+        checker.fail(path + ("interval",), "interval must be positive")
+
+
+def _check_graph_node(checker, params, path):
+    graph = checker.routes.get(params.get("graph"))
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    if isinstance(nodes, dict) and params.get("node") not in nodes:
+        checker.fail(path + ("node",), f"graph {params.get('graph')!r} has no node "
+                     f"{params.get('node')!r}")
+
+
+def _compile_located(doc, source, nparams, rt, path):
+    """compile_expression with the error located in the document even before a Runtime exists."""
+    if not isinstance(source, str):
+        raise doc.error(ConfigurationError, path, "an expression must be a string", "13.2.2")
+    try:
+        return compile_expression(source, nparams=nparams, rt=rt, path=path)
+    except ActorError as exc:
+        if exc.file is None and exc.line is None:
+            raise doc.error(type(exc), path, exc.message, exc.section or "13.2.2") from exc
+        raise
+
+
+# §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
+OPERATORS = {
+    "map":               (op_map,               {"agent": (_Checker.agent, None),
+                                                 "function": (_Checker.function, None),
+                                                 "transform": (_Checker.transform, None)}),
+    "filter":            (op_filter,            {"condition": (_Checker.condition, None)}),
+    "transform":         (op_transform,         {"fn": (_Checker.text, None),
+                                                 "type": (_Checker.text, None)}),
+    "debounce":          (op_debounce,          {"duration": (_Checker.seconds, REQUIRED)}),
+    "throttle":          (op_throttle,          {"duration": (_Checker.seconds, REQUIRED)}),
+    "delay":             (op_delay,             {"duration": (_Checker.seconds, REQUIRED)}),
+    "buffer":            (op_buffer,            {"count": (_Checker.count, None),
+                                                 "timeout": (_Checker.seconds, 0.1),
+                                                 "time": (_Checker.seconds, None)}),
+    "scan":              (op_scan,              {"accumulator": (_Checker.accumulator, REQUIRED)}),
+    "reduce":            (op_reduce,            {"accumulator": (_Checker.accumulator, REQUIRED)}),
+    "switch":            (op_switch,            {"cases": (_Checker.cases, None),
+                                                 "default": (_Checker.target, None),
+                                                 "default_operators": (_Checker.operator_list, None)}),
+    "conditional_route": (op_conditional_route, {"cases": (_Checker.cases, None),
+                                                 "default": (_Checker.target, None),
+                                                 "default_operators": (_Checker.operator_list, None),
+                                                 "routes": (_Checker.route_conditions, None)}),
+    "catch":             (op_catch,             {}),
+    "retry":             (op_retry,             {"count": (_Checker.count, 3)}),
+    "distinct":          (op_distinct,          {}),
+    "take":              (op_take,              {"count": (_Checker.count, 1)}),
+    "skip":              (op_skip,              {"count": (_Checker.count, 1)}),
+    "sample":            (op_sample,            {"interval": (_Checker.seconds, 1.0)}),
+    "graph_execute":     (op_graph_execute,     {"graph": (_Checker.graph, REQUIRED)}),
+    "state_update":      (op_state_update,      {"graph": (_Checker.graph, REQUIRED)}),
+    "state_checkpoint":  (op_state_checkpoint,  {"graph": (_Checker.graph, REQUIRED)}),
+    "graph_node":        (op_graph_node,        {"graph": (_Checker.graph, REQUIRED),
+                                                 "node": (_Checker.text, REQUIRED)}),
+}
+
+# Operators whose params also carry keys of their own (transform-specific keys, §5.3.5).
+OPEN_PARAMS = {"transform"}
+
+# Checks that span several params of one operator.
+OPERATOR_CHECKS = {
+    "map": _check_map,
+    "transform": _check_transform,
+    "sample": _check_sample,
+    "graph_node": _check_graph_node,
+}
 
 # §5.3.3 Function references ---------------------------------------------------------
-# [streams]
+# INTERPRETATION §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
+# empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
+# found in neither is the identity transformation (with a warning at build time).
+STANDARD_FUNCTIONS = {}
+
+FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def function_mapper(site, name, down):
+    """§5.3.3 map with `function`: a registered transformer, else the identity."""
+    registry = {**STANDARD_FUNCTIONS, **(getattr(site.rt, "functions", None) or {})}
+    fn = registry.get(name)
+    if fn is None:
+        site.rt.warn(f"no transformer named {name!r} is registered; map acts as identity",
+                     section="5.3.3", path=site.path + ("function",))
+        return Stage(down.next, down.complete)
+    net, route = site.net, site.route
+
+    def on_next(msg):
+        try:
+            content = fn(msg.content)
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
+    return Stage(on_next, down.complete)
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
-# [streams]
+PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
+
+
+class _AgentTimedOut(Exception):
+    """Internal: an agent call outlived AGENT_HARD_TIMEOUT (never escapes the map stage)."""
+
+
+def resolve_context(msg, rt):
+    """§5.3.4(1): the message's metadata.context, else the global context, else {}.
+
+    Returns the dict itself (a reference, §10.2), never a copy.
+    """
+    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    if isinstance(ctx, dict):
+        return ctx
+    ctx = getattr(rt, "context", None)
+    return ctx if isinstance(ctx, dict) else {}
+
+
+def invoke_agent(rt, agent, content, ctx):
+    """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
+
+    Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
+    the real clock the call runs on a daemon worker thread that we stop waiting for after
+    AGENT_HARD_TIMEOUT seconds.
+    """
+    if not rt.clock.real:
+        return agent.invoke(content, ctx)
+    box = {}
+
+    def work():
+        try:
+            box["reply"] = agent.invoke(content, ctx)
+        except BaseException as exc:    # carried back to the stream thread and handled there
+            box["error"] = exc
+    worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
+    worker.start()
+    worker.join(AGENT_HARD_TIMEOUT)
+    if worker.is_alive():
+        raise _AgentTimedOut()
+    if "error" in box:
+        raise box["error"]
+    return box["reply"]
+
+
+def agent_mapper(site, name, down):
+    """§5.3.4 map with `agent`: invoke the agent once per message; errors become messages.
+
+    Success: content = reply, metadata.processed_by = agent, metadata.context = the context
+    reference. Timeout: "Processing timed out" with timeout/error metadata. Failure:
+    "Error: <reason>" with error/processed_by metadata. Both failures also put one message on
+    __error__ (§12.2.3), and the route keeps processing other messages.
+    """
+    net, rt, route = site.net, site.rt, site.route
+    agent = rt.agents[name]
+    attempts = 1 + retry_count(site)
+
+    def on_next(msg):
+        ctx = resolve_context(msg, rt)
+        failure = None
+        for _ in range(attempts):
+            try:
+                reply = invoke_agent(rt, agent, msg.content, ctx)
+            except _AgentTimedOut:
+                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                    processed_by=name)
+                break
+            except Exception as exc:    # §12.2.3 boundary: agent invocation
+                failure = exc
+                continue
+            out = msg.copy(content=reply, source_stream=route)
+            out.metadata["processed_by"] = name
+            out.metadata["context"] = ctx
+            down.next(out)
+            return
+        else:
+            out = msg.copy(content="Error: " + error_reason(failure), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
+        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
+        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
+        net.report(out)
+        down.next(out)
+    return Stage(on_next, down.complete)
 
 # §5.3.5 Transform types ---------------------------------------------------------------
-# [streams]
+def tf_extract(content, params):
+    """content[field] when content is a mapping holding field; otherwise unchanged (Q15)."""
+    field = params.get("field")
+    return content[field] if isinstance(content, dict) and field in content else content
+
+
+def tf_wrap(content, params):
+    return {**(params.get("wrapper") or {}), "data": content}
+
+
+def tf_format(content, params):
+    """Only {content} is a placeholder, filled with str(content); other braces stay (Q15)."""
+    return str(params.get("template", "{content}")).replace("{content}", str(content))
+
+
+def tf_replace(content, params):
+    """Every occurrence, on string content only; an empty `old` changes nothing (Q15)."""
+    old, new = str(params.get("old", "")), str(params.get("new", ""))
+    return content.replace(old, new) if isinstance(content, str) and old else content
+
+
+def tf_identity(content, params):
+    return content
+
+
+# §5.3.5 table: transform type -> handler(content, params) -> new content.
+# INTERPRETATION §5.3.5 (Q15): extract of a missing field or non-mapping leaves content
+# unchanged; format uses str(); replace replaces all occurrences; an absent type is identity
+# and an unknown type is a ConfigurationError at load.
+TRANSFORMS = {
+    "extract": tf_extract,
+    "wrap": tf_wrap,
+    "format": tf_format,
+    "replace": tf_replace,
+    "identity": tf_identity,
+}
+
+
+def check_transform_type(checker, kind, path):
+    if kind not in TRANSFORMS:
+        checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
+                     "5.3.5")
+
+
+def transform_stage(site, params, down):
+    """§5.3.5 a built-in transform applied to every message's content."""
+    handler = TRANSFORMS[params.get("type") or "identity"]
+    route = site.route
+
+    def on_next(msg):
+        down.next(msg.copy(content=handler(msg.content, params), source_stream=route))
+    return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
-# [streams]
+def acc_collect(total, content):
+    return total + [content]        # a new list each time: emitted totals never change later
+
+
+def acc_concat(total, content):
+    return total + (content if isinstance(content, str) else str(content))
+
+
+def acc_sum(total, content):
+    if isinstance(content, (int, float)) and not isinstance(content, bool):
+        return total + content
+    return total
+
+
+# §5.3.6 table: accumulator -> (seed, step(total, content) -> total).
+# INTERPRETATION §5.3.6 (Q19): sum counts int/float content only (not numeric strings, not
+# bools), an ignored item still makes scan emit the unchanged total, the total stays an int
+# while every input is one; concat joins with no separator.
+ACCUMULATORS = {
+    "collect": (list, acc_collect),
+    "concat": (str, acc_concat),
+    "sum": (int, acc_sum),
+}
 
 # §5.4 Conditions --------------------------------------------------------------------------
 # One evaluator per condition type; the subsystem differences come from the two tables below.
@@ -562,7 +3358,7 @@ def cond_custom(cond, subject):
     return bool(function(subject)) if callable(function) else False
 
 
-# §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
+# The §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
 # INTERPRETATION §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
 CONDITIONS = {
     "always":               (cond_always,               {"stream", "bridge", "edge", "node"}),
@@ -611,10 +3407,331 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 
 
 # §5.5 Subscriptions and publications -----------------------------------------------------
-# [streams]
+class StreamNetwork:
+    """Every stream participant of one Actor, wired once at creation (§5.5, §7, §12.1 steps 4-6).
+
+    Built from rt.doc.data after rt.agents and rt.graphs exist. send() feeds __input__ (or a
+    named route), complete() ends the input and lets completion flow, settle() waits for pending
+    timers under the real clock; on_output/on_error register host hooks; mermaid() draws it.
+    """
+
+    def __init__(self, rt, *, single_shot=None):
+        self.rt = rt
+        data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
+        check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so (rt.single_shot, e.g. the CLI with -m messages); vectors and the API are not.
+        self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
+                                else single_shot)
+        self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
+        self.error_depth = 0
+        routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+        # §6.9: a document whose every route is a graph runs in pure graph mode.
+        self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
+        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+                      OUTPUT: _Sink(self, OUTPUT, self._to_output),
+                      ERROR: _Sink(self, ERROR, self._to_error)}
+        for name, cfg in routes.items():            # §12.1 step 4: routes
+            path = ("routes", name)
+            if route_type(cfg) == "stream":
+                self.nodes[name] = StreamRoute(self, name, cfg, path)
+            elif route_type(cfg) == "graph" and name in rt.graphs:
+                self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
+            # bridge routes carry no messages (§5.6)
+        links = publication_links(routes)           # §5.5
+        links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
+        links += merge_links(self, data)            # §12.1 step 5: merges and splits
+        links += split_links(self, data)
+        default = default_router(rt)
+        if default is not None:                     # §3.4, §9.3: the default router
+            links.append((INPUT, default, None, ("default_router",)))
+        self.edges = self._wire(links)
+        self._implicit_graph_output()
+        self.order = self._completion_order()
+
+    # Wiring ------------------------------------------------------------------------------
+    def _wire(self, links):
+        """Subscribe every target to its sources; one edge per (source, target) pair."""
+        # INTERPRETATION §5.5 (Q24, Q7 f): a source -> target pair declared more than once
+        # (publication + merge, split, default router) is one edge: a message crosses it at most
+        # once, when any of the declarations lets it through. A diamond A->B->C, A->C still
+        # delivers twice at C: those are different pairs.
+        edges = {}
+        for source, target, cond, path in links:
+            if source not in self.nodes or target not in self.nodes:
+                missing = source if source not in self.nodes else target
+                self.rt.warn(f"{missing!r} carries no messages here (a bridge, or a graph "
+                             "route without a runtime graph); link ignored", section="5.5",
+                             path=path)
+                continue
+            conds = edges.setdefault((source, target), [])
+            conds.append((cond, path))
+        for (source, target), conds in edges.items():
+            node = self.nodes[target]
+            node.sources += 1
+            self.nodes[source].out.subscribe(self._edge(node, conds), node.source_done)
+        return edges
+
+    def _edge(self, node, conds):
+        if any(cond is None for cond, _path in conds):
+            return node.push
+        rt = self.rt
+
+        def push_if(msg):
+            if any(evaluate_condition(cond, "stream", msg, rt, path) for cond, path in conds):
+                node.push(msg)
+        return push_if
+
+    def _implicit_graph_output(self):
+        # INTERPRETATION §6.1, §3.3 (Q28): a graph route that receives messages and that no merge
+        # or split reads from sends each run's output (GraphRun.output) to __output__.
+        fed = {t for (_s, t) in self.edges}
+        read = {s for (s, _t) in self.edges}
+        for name, node in list(self.nodes.items()):
+            if isinstance(node, GraphParticipant) and name in fed and name not in read:
+                self.edges[(name, OUTPUT)] = [(None, ("routes", name))]
+                self.nodes[OUTPUT].sources += 1
+                node.out.subscribe(self.nodes[OUTPUT].push, self.nodes[OUTPUT].source_done)
+
+    def _completion_order(self):
+        """Nodes in topological order of every link (switch targets too), __input__ first."""
+        after = {name: [] for name in self.nodes}
+        for source, target in self.edges:
+            after[source].append(target)
+        for name, node in self.nodes.items():
+            for target, _path in _switch_targets(getattr(node, "ops", None), ()):
+                if target in self.nodes:
+                    after[name].append(target)
+            after[name].extend(getattr(node, "feeds", ()))
+        order, seen = [], set()
+
+        def visit(name):
+            if name not in seen:
+                seen.add(name)
+                for target in after[name]:
+                    visit(target)
+                order.append(name)
+        for name in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
+            visit(name)
+        order.reverse()
+        return [n for n in order if n not in (OUTPUT, ERROR)] + [OUTPUT, ERROR]
+
+    # The host side ------------------------------------------------------------------------
+    def send(self, content, *, target=None, metadata=None):
+        """Submit a message to __input__, or straight to the route named `target`."""
+        name = INPUT if target is None else target
+        node = self.nodes.get(name)
+        if node is None or name in (OUTPUT, ERROR):
+            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
+        if self.nodes[INPUT].out.done:
+            raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+        meta = dict(metadata or {})
+        meta.setdefault("context", self.rt.context)     # §10.2(2): a reference, not a copy
+        meta.setdefault("_unsafe_mode", self.rt.unsafe)
+        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+
+    def complete(self):
+        """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
+        # INTERPRETATION §5.5 (Q27): __input__ completes when the host ends input; each node then
+        # completes once all its sources have, and nodes only reachable by send(target=...) or
+        # a switch complete in topological order after their upstream.
+        for name in self.order:
+            self.nodes[name].finish()
+
+    def settle(self, timeout=None):
+        """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
+        clock = self.rt.clock
+        if not clock.real:
+            return
+        deadline = clock.now() + (SOFT_TIMEOUT if timeout is None else timeout)
+        while (due := clock.next_due()) is not None:
+            if due > deadline:
+                self.report(Message(SOFT_TIMEOUT_TEXT, {"error": True, "timeout": True,
+                                                        "error_type": "ExecutionError"}, INPUT,
+                                    clock.now()))
+                return
+            clock.advance(max(0.0, due - clock.now()))
+
+    def on_output(self, fn):
+        self.nodes[OUTPUT].hooks.append(fn)
+
+    def on_error(self, fn):
+        self.nodes[ERROR].hooks.append(fn)
+
+    def close(self):
+        """§12.1 step 8: dispose of every subscription and host hook."""
+        for node in self.nodes.values():
+            node.out.observers.clear()
+            node.out.finishers.clear()
+            if isinstance(node, _Sink):
+                node.hooks.clear()
+
+    def subscribe(self, name, fn):
+        """A late subscriber to a stream: hot and replay streams replay their memory (§5.3.1)."""
+        self.nodes[name].out.subscribe(fn)
+
+    # Forwarding and errors (used by operators) ---------------------------------------------
+    def forward(self, source, target, msg):
+        """switch/bridge forwarding; False when `target` names no stream (= no-match, §5.3.2)."""
+        node = self.nodes.get(target)
+        if node is None or target == INPUT:
+            return False
+        if msg.source_stream != source:
+            msg = msg.copy(source_stream=source)
+        node.push(msg)
+        return True
+
+    def fail(self, origin, msg, exc):
+        """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
+        out = Message("Error: " + error_reason(exc), dict(msg.metadata), origin,
+                      self.rt.clock.now())
+        out.metadata.update(error=True, error_type=error_category(exc))
+        self.report(out)
+
+    def report(self, msg):
+        """Put a copy of `msg` on __error__ (the original may also travel downstream)."""
+        self.nodes[ERROR].push(msg.copy())
+
+    def _to_output(self, msg):
+        if isinstance(msg.content, str):
+            match = self.strip.match(msg.content)
+            if match:
+                msg = msg.copy(content=msg.content[match.end():])
+        return msg
+
+    def _to_error(self, msg):
+        msg.metadata.setdefault("error", True)
+        msg.metadata.setdefault("error_type", "ExecutionError")
+        if not isinstance(msg.content, str):
+            msg = msg.copy(content=str(msg.content))
+        return msg
+
+    # §18 --diagram ------------------------------------------------------------------------
+    def mermaid(self):
+        """Mermaid flowchart lines (no header) for routes with operators, links and conditions."""
+        ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
+        lines = []
+        for name, node in self.nodes.items():
+            label = node.describe().replace('"', "'")
+            shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
+            lines.append(f"{ids[name]}{shape}")
+        for (source, target), conds in self.edges.items():
+            if any(cond is None for cond, _path in conds):
+                lines.append(f"{ids[source]} --> {ids[target]}")
+            else:
+                label = " or ".join(_describe_condition(c) for c, _p in conds).replace('"', "'")
+                lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
+        for name, node in self.nodes.items():
+            for target, _path in _switch_targets(getattr(node, "ops", None), ()):
+                if target in ids:
+                    lines.append(f"{ids[name]} -. switch .-> {ids[target]}")
+        return lines
+
+
+def _describe_condition(cond):
+    if not isinstance(cond, dict):
+        return "always"
+    detail = cond.get("text", cond.get("key", cond.get("source", "")))
+    return f"{cond.get('type', 'always')} {detail!r}" if detail != "" else str(cond.get("type"))
+
+
+class _Sink(_Node):
+    """__output__ / __error__: a cold stream plus host hooks, after a per-message adjustment."""
+
+    def __init__(self, net, name, adjust):
+        super().__init__(net, name, Stream(name))
+        self.adjust, self.hooks, self.depth = adjust, [], 0
+
+    def push(self, msg):
+        msg = self.adjust(msg)
+        self.depth += 1
+        try:
+            if self.depth == 1:
+                self.out.next(msg)
+            else:
+                # §12.6: a message emitted here while this stream is still delivering another
+                # (e.g. an error handler fed from __error__ that fails) goes to the host only.
+                self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
+            for hook in self.hooks:
+                hook(msg)
+        finally:
+            self.depth -= 1
+
+
+class GraphParticipant(_Node):
+    """A graph route fed by a merge, split, pipeline or the default router (§6, §7).
+
+    Each message runs the graph once (pure=True in pure graph mode, §6.9); the run's output
+    (GraphRun.output, chosen by [graphs]) continues as this stream's message.
+    """
+
+    def __init__(self, net, name, graph):
+        super().__init__(net, name, Stream(name))
+        self.graph = graph
+
+    def push(self, msg):
+        rt = self.net.rt
+        try:
+            run = self.graph.run(msg.content, resolve_context(msg, rt), pure=self.net.pure)
+        except Exception as exc:        # §12.2.3 boundary
+            self.net.fail(self.name, msg, exc)
+            return
+        out = msg.copy(content=run.output, source_stream=self.name)
+        out.metadata["graph"] = self.name
+        self.out.next(out)
+
+    def describe(self):
+        return f"{self.name}: graph"
+
+
+def default_router(rt):
+    """The §9.3 default_router: a host/Runtime setting first, else the document's key."""
+    name = getattr(rt, "default_router", None)
+    if name is None and isinstance(rt.doc.data, dict):
+        name = rt.doc.data.get("default_router")
+    return name if isinstance(name, str) else None
+
+
+def publication_links(routes):
+    """§5.5: each publication target receives every emission of its route."""
+    links = []
+    for name, cfg in routes.items():
+        if route_type(cfg) == "stream":
+            for i, target in enumerate(cfg.get("publications") or []):
+                links.append((name, target, None, ("routes", name, "publications", i)))
+    # Subscriptions are validated by check_streams and never wired (§5.5).
+    return links
 
 # §5.6 Bridge routes -----------------------------------------------------------------------
-# [streams]
+# §5.6 tables: expression fields -> parameters the expression takes (§13.2.2).
+BRIDGE_EXPRESSIONS = {
+    "state_extractor": 1,
+    "state_flattener": 1,
+}
+BRIDGE_CONDITION_EXPRESSIONS = {
+    "custom_predicate": 2,      # (message, route configuration)
+}
+
+
+def check_bridge(doc, cfg, path, rt=None):
+    """§5.6: bridges are advisory (never acted on here), but their expressions must compile.
+
+    {type: bridge, upgrade_conditions: {custom_predicate: "lambda m, cfg: ..."},
+     state_extractor: "lambda s: ...", state_flattener: "lambda s: ..."}
+    """
+    for key, nparams in BRIDGE_EXPRESSIONS.items():
+        if cfg.get(key) is not None:
+            _compile_located(doc, cfg[key], nparams, rt, path + (key,))
+    for group in ("upgrade_conditions", "downgrade_conditions"):
+        conds = cfg.get(group)
+        if conds is None:
+            continue
+        if not isinstance(conds, dict):
+            raise doc.error(ConfigurationError, path + (group,), f"{group} must be a mapping",
+                            "5.6")
+        for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
+            if conds.get(key) is not None:
+                _compile_located(doc, conds[key], nparams, rt, path + (group, key))
 
 
 # =====================================================================================
@@ -622,55 +3739,1393 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §6.1 Graph route structure -------------------------------------------------------------
-# [graphs] class GraphRoute; §6.2-§6.11 below.
+# A graph route is run by one small executor (GraphRoute.run): it walks the graph step by step,
+# one "next-node set" at a time (§6.7), applies each node's result to the one state of the route
+# (§6.3), then follows every edge whose condition holds (§6.5). The handlers, the state rules,
+# the checkpoint files, the guards and the setup analysis live under their own banners below.
+
+# The §6.1 table: field -> default ("required" marks the two fields without one).
+GRAPH_FIELDS = {
+    "type": "required",
+    "nodes": "required",
+    "edges": "required",
+    "entry_point": "start",
+    "checkpointing": False,
+    "checkpoint_dir": None,
+    "enable_time_travel": False,
+    "parallel_execution": True,
+    "state_class": None,
+    "bridge": None,
+    "metadata": {},
+    "template_config": None,
+}
+
+
+class GraphRun:
+    """What one execution of a graph route gives back.
+
+    `output` is the consumer-facing result (the run's latest output, §6.8/Q28), `state` a snapshot
+    of the graph state at the end (messages list and metadata copied one level deep), `history`
+    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None).
+    """
+
+    __slots__ = ("output", "state", "history", "stopped")
+
+    def __init__(self, output, state, history, stopped=None):
+        self.output, self.state, self.history, self.stopped = output, state, history, stopped
+
+    def __repr__(self):
+        return f"GraphRun(output={self.output!r}, history={self.history!r}, stopped={self.stopped!r})"
+
+
+class _RunTrace:
+    """Per-run bookkeeping for the §6.8 guards: path, revisit fingerprints, depth, latest output."""
+
+    __slots__ = ("history", "seen", "depth", "output", "stopped")
+
+    def __init__(self, output):
+        self.history = []
+        self.seen = set()
+        self.depth = 0
+        self.output = output
+        self.stopped = None
+
+
+class GraphRoute:
+    """§6: one graph route -- its analysed structure, its one persistent state, and its executor.
+
+    `{type: graph, nodes: {...}, edges: [...], entry_point: start, checkpointing: false, ...}`
+    """
+
+    def __init__(self, name, cfg, rt, path=None):
+        self.name = name
+        self.cfg = cfg
+        self.rt = rt
+        self.path = tuple(path or ("routes", name))
+        check_graph(rt.doc, name, cfg, self.path, set(rt.agents))
+        self._warn_unknown_keys()
+        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+        self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
+        self.edges = build_edges(self)                      # [GraphEdge] in declaration order
+        self.analysis = analyse_graph(self)                 # §6.11
+        self.forward = self.analysis.forward
+        self.parallel_execution = bool(cfg.get("parallel_execution", True))
+        self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
+        self.state = new_graph_state(resolve_state_class(self))
+        self.time_travel = bool(cfg.get("enable_time_travel", False))
+        self.snapshots = []                                  # §6.6 time travel, oldest first
+        self.checkpoint_dir = None
+        if cfg.get("checkpointing"):
+            self.checkpoint_dir = Path(rt.workdir) / str(cfg["checkpoint_dir"])
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+        self._checkpoint_seq = 0
+        self.observers = []                                  # §6.10 node-event listeners
+        self._pool = None                                    # §6.7 worker threads, made on demand
+        self._lock = threading.RLock()                       # one run or update at a time
+
+    # -- executing -------------------------------------------------------------------------
+    def run(self, content, ctx=None, *, pure=False):
+        """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
+
+        `ctx` is the invocation context (the message's metadata.context, §10.2); it becomes
+        state.metadata.context by reference and, after the run, is replaced in place by the final
+        metadata (§6.9 item 3). pure=True: the active context rt.context is the one replaced.
+        """
+        target_ctx = self.rt.context if (pure or ctx is None) else ctx
+        with self._lock:
+            state = self.state
+            begin_run(state, content, target_ctx)
+            trace = _RunTrace(content)
+            if self.entry == END_NODE:
+                results = []
+            else:
+                results = self._step([(self.entry, content)], trace)
+            while results and trace.stopped is None:
+                frontier = self._next_nodes(results, trace)
+                if not frontier:
+                    break
+                results = self._step(frontier, trace)
+            replace_active_context(state, target_ctx)
+            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+
+    def resume(self, ctx=None, *, pure=False):
+        """Continue an interrupted run from a restored state: follow the edges out of
+        state.current_node with metadata.last_output as the message (§6.6 recovery)."""
+        target_ctx = self.rt.context if (pure or ctx is None) else ctx
+        with self._lock:
+            state = self.state
+            state["metadata"]["context"] = target_ctx
+            node = state.get("current_node")
+            output = state["metadata"].get("last_output", "")
+            trace = _RunTrace(output)
+            results = [] if node in (None, END_NODE) or node not in self.nodes else [(node, output)]
+            while results and trace.stopped is None:
+                frontier = self._next_nodes(results, trace)
+                if not frontier:
+                    break
+                results = self._step(frontier, trace)
+            replace_active_context(state, target_ctx)
+            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+
+    def run_node(self, node_name, content, ctx=None):
+        """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
+        name = normalize_node_name(node_name)
+        node = self.nodes.get(name)
+        if node is None:
+            raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
+                                 path=path_str(self.path), section="5.3.2")
+        with self._lock:
+            self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
+            result = node.handler(self, node, content, self.state)
+            if result is not None:
+                self._apply(node, content, result)
+            return content if result is None else result.output
+
+    def _step(self, frontier, trace):
+        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        state = self.state
+        relaxed = guards_relaxed(state)
+        admitted = []
+        for name, message in frontier:
+            node = self.nodes[name]
+            stop = guard_before_node(self, node, message, trace, relaxed)
+            if stop:
+                break
+            admitted.append((node, message))
+        if len(admitted) == 1:                  # the common case: no set to schedule
+            node, message = admitted[0]
+            try:
+                outcomes = [(node.handler(self, node, message, state), None)]
+            except ActorError as exc:
+                outcomes = [(None, exc)]
+            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
+                outcomes = [(None, ExecutionError(
+                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+        else:
+            outcomes = run_next_node_set(self, admitted, state)
+        results = []
+        for (node, message), (result, error) in zip(admitted, outcomes):
+            if error is not None:
+                state["error"] = str(error)
+                raise error
+            if node.type != "start":
+                trace.history.append(node.name)
+            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
+                results.append((node.name, message))
+                continue
+            if node.type != "start":
+                self._apply(node, message, result)
+            trace.output = result.output
+            results.append((node.name, result.output))
+            if guard_after_node(self, node, result.output, trace, relaxed):
+                break
+        return results
+
+    def _next_nodes(self, results, trace):
+        """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        frontier, taken = [], set()
+        state = self.state
+        for name, output in results:
+            view = None
+            for edge in self.forward[name]:
+                if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
+                    continue
+                if edge.condition is not None:
+                    if view is None:
+                        view = {"messages": state["messages"], "metadata": state["metadata"],
+                                "_condition_content": output}
+                    if not evaluate_condition(edge.condition, "edge", view, self.rt, edge.path):
+                        continue
+                taken.add(edge.target)
+                if edge.target != END_NODE:
+                    frontier.append((edge.target, output))
+        return frontier
+
+    def _apply(self, node, message, result):
+        """Apply one node result to the state: one state update (§6.3, Q42/Q43)."""
+        state = self.state
+        metadata = state["metadata"]
+        if result.metadata:
+            metadata.update(result.metadata)
+        if result.removed:
+            for key in result.removed:
+                metadata.pop(key, None)
+        if result.set_state:
+            merge_values(metadata, result.set_state)
+        metadata["current_node"] = node.name
+        metadata["current_message"] = message
+        metadata["last_output"] = result.output
+        messages = state["messages"]
+        if result.last_content is not None and messages:
+            messages[-1] = {**messages[-1], "content": result.last_content}
+        if result.messages:
+            messages.extend(result.messages)
+            if len(messages) > MAX_STATE_MESSAGES:
+                del messages[:len(messages) - MAX_STATE_MESSAGES]
+        state["current_node"] = node.name
+        self._updated()
+        if self.observers:
+            notify_node_event(self, node, result.output)
+
+    def _updated(self):
+        """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
+        state = self.state
+        state["execution_count"] += 1
+        if self.time_travel:
+            self.snapshots.append(copy_state_for_history(state))
+            if len(self.snapshots) > MAX_SNAPSHOTS:
+                del self.snapshots[0]                 # §6.6: first in, first out
+        if self.checkpoint_dir is not None and state["execution_count"] % CHECKPOINT_EVERY == 0:
+            self.checkpoint()
+
+    # -- state, checkpoints, time travel (§6.3, §6.6) ------------------------------------
+    def update_state(self, content, mode="merge"):
+        """Apply `content` as one state update (the state_update operator, §5.3.2, §6.3.2)."""
+        with self._lock:
+            apply_state_update(self.state, state_update_from_content(content), mode)
+            self._updated()
+
+    def checkpoint(self):
+        """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
+        if self.checkpoint_dir is None:
+            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is off)",
+                                 path=path_str(self.path), section="6.6")
+        with self._lock:
+            return write_checkpoint(self, self.state)
+
+    def checkpoints(self):
+        """Checkpoint files of this graph, oldest first; the last one is the latest (§6.6 item 3)."""
+        if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
+            return []
+        return sorted(self.checkpoint_dir.glob(CHECKPOINT_GLOB))
+
+    def restore(self, path=None):
+        """Replace the state by a checkpoint file's (default: the latest); return the path used."""
+        with self._lock:
+            return restore_checkpoint(self, path)
+
+    def rewind(self, steps=1):
+        """§6.6 time travel: go back `steps` state updates; later snapshots are dropped."""
+        with self._lock:
+            rewind_state(self, steps)
+
+    # -- seeing it ---------------------------------------------------------------------------
+    def mermaid(self):
+        """Lines of a Mermaid flowchart `subgraph` for this graph (nodes, edges, entry, end)."""
+        return mermaid_graph(self)
+
+    def internal_stream_names(self):
+        """§6.10 reserved names of this graph's internal streams."""
+        return internal_stream_names(self.name, self.nodes)
+
+    def _warn_unknown_keys(self):
+        for key in self.cfg:
+            if key not in GRAPH_FIELDS:
+                self.rt.warn(f"unknown graph route key '{key}' ignored", section="6.1",
+                             path=self.path + (key,))
+        for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
+            known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
+            for key in node_cfg:
+                if key not in known and key not in NODE_COMMON_FIELDS:
+                    self.rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
+                                 section="6.2", path=self.path + ("nodes", node_name, key))
+        for index, edge_cfg in enumerate(self.cfg.get("edges") or []):
+            for key in edge_cfg:
+                if key not in EDGE_FIELDS:
+                    self.rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
+                                 path=self.path + ("edges", index, key))
+
+    def close(self):
+        """Stop the worker threads (§12.1 cleanup)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 # §6.2 Nodes -------------------------------------------------------------------------------
-# [graphs]
+class GraphNode:
+    """One node, prepared at setup: type, handler, and the fields its handler reads."""
+
+    __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
+                 "retry_delay", "timeout", "max_history_messages", "max_history_chars",
+                 "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
+                 "path")
+
+    def __init__(self, name, node_type, cfg, path):
+        self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
+        self.handler = NODE_TYPES[node_type]
+        self.parallel = bool(cfg.get("parallel", False))
+        self.is_router = node_type == "message_router"
+        self.agent = cfg.get("agent")
+        policy = cfg.get("retry_policy")
+        self.retries = int(policy.get("max_retries", 3)) if isinstance(policy, dict) else 0
+        self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0
+        self.timeout = cfg.get("timeout")
+        meta = cfg.get("metadata") or {}
+        self.max_history_messages = int(meta.get("max_history_messages", 20))   # §6.2.2.1
+        self.max_history_chars = int(meta.get("max_history_chars", 12000))
+        self.rules = compile_router_rules(cfg, path) if self.is_router else ()
+        self.function = cfg.get("function")
+        tools = cfg.get("tools", [])
+        self.tools = [tools] if isinstance(tools, str) else list(tools or [])
+        self.condition = cfg.get("condition")
+        self.graph = cfg.get("graph")
+        self.routes_only_to_router = False          # set by the §6.11 analysis
+
+
+class NodeResult:
+    """What a node handler returns; GraphRoute._apply turns it into one state update.
+
+    output: the text passed on along the edges; metadata: keys written to state.metadata (the
+    node's value wins); set_state: merged into state.metadata (§6.2.6.3); messages: appended to
+    state.messages; last_content: new content for the last state message (§6.2.6.4).
+    """
+
+    __slots__ = ("output", "metadata", "set_state", "messages", "last_content", "removed")
+
+    def __init__(self, output, metadata=None, set_state=None, messages=None, last_content=None,
+                 removed=None):
+        self.output = output
+        self.removed = removed
+        self.metadata = metadata
+        self.set_state = set_state
+        self.messages = messages
+        self.last_content = last_content
+
+
+START_NODE = "start"
+END_NODE = "end"
+# START/start and END/end name the same two nodes (§6.4).
+NODE_NAME_ALIASES = {"START": START_NODE, "start": START_NODE, "END": END_NODE, "end": END_NODE}
+
+
+def normalize_node_name(name):
+    """§6.4 START/END normalisation; every other name is kept as written."""
+    return NODE_NAME_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def build_nodes(graph):
+    """Prepared GraphNode objects; start and end added when absent (§6.2.1)."""
+    declared = {}
+    for name, node_cfg in graph.cfg["nodes"].items():
+        declared[normalize_node_name(name)] = GraphNode(
+            normalize_node_name(name), str(node_cfg["type"]).lower(), node_cfg,
+            graph.path + ("nodes", name))
+    nodes = {}
+    for name in (START_NODE, *declared, END_NODE):        # start first, end last
+        nodes[name] = declared.get(name) or GraphNode(name, name, {"type": name},
+                                                      graph.path + ("nodes", name))
+    return nodes
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
-# [graphs]
+def node_start(graph, node, message, state):
+    """§6.2.1 start: receives the initial message and hands it on. `{type: start}`"""
+    return NodeResult(message)
+
+
+def node_end(graph, node, message, state):
+    """§6.2.1 end: reached through an edge it closes its branch (the executor never runs it)."""
+    return NodeResult(message)
 
 # §6.2.2 Agent nodes -------------------------------------------------------------------
-# [graphs]
+# The keys the agent node adds to the agent's context and never copies back (§6.2.2 item 3).
+AGENT_NODE_RESERVED_KEYS = frozenset({
+    "graph_state", "conversation_history", "full_context",
+    "_history_truncated", "_history_original_length"})
+
+
+def trim_history(messages, max_messages, max_chars, end=None):
+    """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
+    `max_chars` characters."""
+    end = len(messages) if end is None else end
+    history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
+    try:                                     # the common case: string contents within budget
+        if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
+            return history
+    except TypeError:
+        pass
+    total = 0
+    for index in range(len(history) - 1, -1, -1):
+        total += len(str(history[index].get("content", "")))
+        if total > max_chars:
+            history = history[index + 1:]
+            break
+    return history
+
+
+def agent_node_context(node, state, message):
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
+    ctx = dict(nested) if isinstance(nested, dict) else {}
+    ctx.update(metadata)
+    messages = state["messages"]
+    # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
+    # receives; when the newest state message is that message, it is the input, not history.
+    end = len(messages)
+    if end and messages[-1].get("content") == message:
+        end -= 1
+    history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
+    ctx["graph_state"] = {"messages": history, "metadata": metadata,
+                          "current_node": state["current_node"],
+                          "execution_count": state["execution_count"], "error": state["error"]}
+    ctx["conversation_history"] = history
+    ctx["full_context"] = True
+    if len(history) < end:
+        ctx["_history_truncated"] = True
+        ctx["_history_original_length"] = end
+    return ctx
+
+
+def context_changes(before, after):
+    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
+    get = before.get
+    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
+    if changes:
+        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
+            del changes[key]
+    removed = before.keys() - after.keys()
+    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+
+
+def invoke_with_timeout(agent, content, ctx, timeout):
+    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread)."""
+    if timeout is None:
+        return agent.invoke(content, ctx)
+    box = {}
+
+    def call():
+        try:
+            box["value"] = agent.invoke(content, ctx)
+        except BaseException as exc:  # handed back to the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(float(timeout))
+    if worker.is_alive():
+        raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def node_agent(graph, node, message, state):
+    """§6.2.2 run the named agent on the current message with the graph-built context.
+
+    `{type: agent, agent: <name>, retry_policy: {max_retries: 3, delay: 1.0}, timeout: <s>,
+    parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
+    """
+    agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
+    # failed attempt's context changes are dropped; after the last one the run fails (state.error).
+    attempt = 0
+    while True:
+        ctx = agent_node_context(node, state, message)
+        before = dict(ctx)
+        try:
+            reply = invoke_with_timeout(agent, message, ctx, node.timeout)
+            break
+        except Exception as exc:
+            if attempt >= node.retries:
+                if isinstance(exc, ActorError):
+                    raise
+                raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
+                                     f"'{node.agent}' failed: {exc}", section="6.2.2") from exc
+            attempt += 1
+            if graph.rt.clock.real and node.retry_delay > 0:
+                time.sleep(node.retry_delay)        # a real wait between attempts
+    reply = reply if isinstance(reply, str) else str(reply)
+    changes, removed = context_changes(before, ctx)
+    changes["last_agent_node"] = node.name                     # §6.2.2 item 4
+    # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
+    return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
+                      removed=removed or None)
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
-# [graphs]
+def function_summarize(state):
+    """summarize: metadata.summary = "Summary of N messages"."""
+    return {"summary": f"Summary of {len(state['messages'])} messages"}
+
+
+def function_route(state):
+    """route: metadata.route = "question" when the last message holds '?', else "statement"."""
+    messages = state["messages"]
+    last = str(messages[-1].get("content", "")) if messages else ""
+    return {"route": "question" if "?" in last else "statement"}
+
+
+def function_validate(state):
+    """validate: metadata.valid = whether the last message has non-blank content."""
+    # INTERPRETATION §6.2.3 (Q38): valid iff the latest state message has non-blank content.
+    messages = state["messages"]
+    return {"valid": bool(messages) and bool(str(messages[-1].get("content", "")).strip())}
+
+
+# The §6.2.3 table: the built-in functions every implementation supports.
+FUNCTIONS = {
+    "summarize": function_summarize,
+    "route": function_route,
+    "validate": function_validate,
+}
+
+
+def node_function(graph, node, message, state):
+    """§6.2.3 run a built-in function over the state; unknown names add nothing.
+
+    `{type: function, function: summarize|route|validate}`
+    """
+    function = FUNCTIONS.get(node.function)
+    return NodeResult(message, metadata=function(state) if function else {})
+
+
+def node_tool(graph, node, message, state):
+    """§6.2.3 record one `Executed <name>` entry per named tool in metadata.tool_results.
+
+    `{type: tool, tools: [<name>, ...]}`
+    """
+    # INTERPRETATION §6.2.3 (Q37): the names come from `tools`; nothing runs, the entries are
+    # the fixed records the section prescribes.
+    results = [{"tool": name, "result": f"Executed {name}"} for name in node.tools]
+    return NodeResult(message, metadata={"tool_results": results})
 
 # §6.2.4 Conditional nodes -------------------------------------------------------------
-# [graphs]
+def node_conditional(graph, node, message, state):
+    """§6.2.4 evaluate the condition on the state into metadata.condition_result.
+
+    `{type: conditional, condition: {type: has_messages}}`
+    """
+    view = {"messages": state["messages"], "metadata": state["metadata"],
+            "_condition_content": message}
+    result = evaluate_condition(node.condition, "node", view, graph.rt, node.path + ("condition",))
+    return NodeResult(message, metadata={"condition_result": bool(result)})
 
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
-# [graphs]
+def node_subgraph(graph, node, message, state):
+    """§6.2.5 mark a nested graph: metadata.subgraph = <graph>, subgraph_pending = true.
+
+    `{type: subgraph, graph: <graph_route_name>}`
+    """
+    # INTERPRETATION §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
+    return NodeResult(message, metadata={"subgraph": node.graph, "subgraph_pending": True})
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
-# [graphs]
+def match_prefix(text, pattern, regex):
+    return text.startswith(pattern)
+
+
+def match_suffix(text, pattern, regex):
+    return text.endswith(pattern)
+
+
+def match_contains(text, pattern, regex):
+    return pattern in text
+
+
+def match_regex(text, pattern, regex):
+    return regex.search(text)
+
+
+def match_exact(text, pattern, regex):
+    return text == pattern
+
+
+def extract_prefix(text, pattern, separator, found):
+    """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    if separator and text.startswith(pattern + separator):
+        return text[len(pattern) + len(separator):]
+    return text[len(pattern):]
+
+
+def extract_suffix(text, pattern, separator, found):
+    return text[:len(text) - len(pattern)]
+
+
+def extract_contains(text, pattern, separator, found):
+    """The text after the first `pattern + separator`; the whole text when that is absent."""
+    marker = pattern + separator
+    at = text.find(marker)
+    return text[at + len(marker):] if at >= 0 else text
+
+
+def extract_regex(text, pattern, separator, found):
+    """The first capture group when the pattern has one, else the whole message."""
+    if found.re.groups:
+        return found.group(1) or ""
+    return text
+
+
+def extract_exact(text, pattern, separator, found):
+    return ""
+
+
+# The §6.2.6.2 table: match_type -> (matcher, default extraction). Rows in the spec's order.
+MATCH_TYPES = {
+    "prefix":   (match_prefix,   extract_prefix),
+    "suffix":   (match_suffix,   extract_suffix),
+    "contains": (match_contains, extract_contains),
+    "regex":    (match_regex,    extract_regex),
+    "exact":    (match_exact,    extract_exact),
+}
+
+
+class RouterRule:
+    """A message_router rule with its regex compiled at setup."""
+
+    __slots__ = ("match", "extract", "pattern", "regex", "target", "extract_message",
+                 "separator", "set_state")
+
+    def __init__(self, rule):
+        self.match, self.extract = MATCH_TYPES[str(rule["match_type"]).lower()]
+        self.pattern = str(rule["pattern"])
+        self.regex = re.compile(self.pattern) if self.match is match_regex else None
+        self.target = normalize_node_name(rule["target"])
+        self.extract_message = bool(rule.get("extract_message", True))
+        self.separator = str(rule.get("separator", ":"))
+        self.set_state = rule.get("set_state")
+
+
+def compile_router_rules(cfg, path):
+    return tuple(RouterRule(rule) for rule in cfg.get("rules") or ())
+
+
+def node_message_router(graph, node, message, state):
+    """§6.2.6 first matching rule sets next_node, rewrites the message, applies set_state.
+
+    `{type: message_router, rules: [{match_type: prefix, pattern: CODE, target: code,
+    extract_message: true, separator: ":", set_state: {...}}]}`
+    """
+    text = message if isinstance(message, str) else str(message)
+    for rule in node.rules:                                     # §6.2.6.1 declaration order
+        found = rule.match(text, rule.pattern, rule.regex)
+        if not found:
+            continue
+        extracted = rule.extract(text, rule.pattern, rule.separator, found) \
+            if rule.extract_message else text
+        # INTERPRETATION §6.2.6.3 (Q35): set_state is written into state.metadata.
+        return NodeResult(extracted, metadata={"next_node": rule.target},
+                          set_state=rule.set_state, last_content=extracted)
+    return None                                                  # §6.2.6.4: state unchanged
+
+
+# The §6.2 table: node type (matched case-insensitively) -> handler. Rows in the spec's order.
+NODE_TYPES = {
+    "start":          node_start,
+    "end":            node_end,
+    "agent":          node_agent,
+    "function":       node_function,
+    "tool":           node_tool,
+    "conditional":    node_conditional,
+    "subgraph":       node_subgraph,
+    "message_router": node_message_router,
+}
+
+# Keys each node type reads (anything else on a node draws a warning).
+NODE_COMMON_FIELDS = ("type", "metadata", "parallel", "description")
+NODE_FIELDS = {
+    "start": (),
+    "end": (),
+    "agent": ("agent", "retry_policy", "timeout"),
+    "function": ("function",),
+    "tool": ("tools",),
+    "conditional": ("condition",),
+    "subgraph": ("graph", "params"),
+    "message_router": ("rules",),
+}
 
 # §6.3 Graph state -------------------------------------------------------------------------
-# [graphs]
+# The §6.3.1 table: field -> default (a fresh copy per state).
+GRAPH_STATE_FIELDS = {
+    "messages": list,
+    "metadata": dict,
+    "current_node": lambda: None,
+    "execution_count": lambda: 0,
+    "error": lambda: None,
+}
+MAX_STATE_MESSAGES = 50
+
+# Schemas "known to the host" (§6.3.3): this host knows only its own default state.
+STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
+
+
+def new_graph_state(fields=GRAPH_STATE_FIELDS):
+    return {name: make() for name, make in fields.items()}
+
+
+def resolve_state_class(graph):
+    """§6.3.3 the state_class schema, or the default one with a warning when unknown."""
+    name = graph.cfg.get("state_class")
+    if name is None:
+        return GRAPH_STATE_FIELDS
+    if name in STATE_SCHEMAS:
+        return STATE_SCHEMAS[name]
+    graph.rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
+                  f"state", section="6.3.3", path=graph.path + ("state_class",))
+    return GRAPH_STATE_FIELDS
+
+
+def begin_run(state, content, ctx):
+    """A run starts: the global context joins the state, the input joins the messages."""
+    metadata = state["metadata"]
+    # INTERPRETATION §6.3.1 (Q32): state.metadata.context is the invocation context, by reference.
+    metadata["context"] = ctx
+    # INTERPRETATION §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the start.
+    metadata.pop("next_node", None)
+    if isinstance(ctx, dict):
+        ctx.pop("next_node", None)
+    metadata["current_message"] = content
+    # INTERPRETATION §6.2.1 (Q30): the start node's message joins state.messages as a user entry.
+    messages = state["messages"]
+    messages.append({"role": "user", "content": content})
+    if len(messages) > MAX_STATE_MESSAGES:
+        del messages[:len(messages) - MAX_STATE_MESSAGES]
+
+
+def merge_values(target, update):
+    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced."""
+    for key, value in update.items():
+        old = target.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            merge_values(old, value)
+        elif isinstance(value, list) and isinstance(old, list):
+            target[key] = old + value
+        else:
+            target[key] = value
+
+
+def update_replace(state, field, value):
+    state[field] = value
+
+
+def update_merge(state, field, value):
+    merge_values(state, {field: value})
+
+
+def update_append(state, field, value):
+    old = state.get(field)
+    if isinstance(old, list):
+        state[field] = old + (value if isinstance(value, list) else [value])
+    else:
+        update_merge(state, field, value)
+
+
+# The §6.3.2 table: mode -> how one field of an update is applied.
+UPDATE_MODES = {
+    "replace": update_replace,
+    "merge":   update_merge,
+    "append":  update_append,
+}
+
+
+def apply_state_update(state, update, mode="merge"):
+    """Apply a mapping to the state in one of the §6.3.2 modes; cap messages at 50 (§6.3.1)."""
+    # INTERPRETATION §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
+    # the 50-message cap holds after every mode, replace included.
+    if mode not in UPDATE_MODES:
+        raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+    apply = UPDATE_MODES[mode]
+    extra = {key: value for key, value in update.items() if key not in state}
+    for key, value in update.items():
+        if key in state:
+            apply(state, key, value)
+    if extra:
+        apply(state, "metadata", extra)
+    if not isinstance(state.get("messages"), list):
+        state["messages"] = []
+    if len(state["messages"]) > MAX_STATE_MESSAGES:
+        state["messages"] = state["messages"][-MAX_STATE_MESSAGES:]
+
+
+def state_update_from_content(content):
+    """What a state_update message means: a mapping (or JSON object text) is the update itself;
+    any other content is appended to messages as a user message (Q34)."""
+    if isinstance(content, str):
+        try:
+            parsed = json.loads(content)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            content = parsed
+    if isinstance(content, dict):
+        return content
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def snapshot_state(state):
+    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
+    return {"messages": list(state["messages"]), "metadata": dict(state["metadata"]),
+            "current_node": state["current_node"], "execution_count": state["execution_count"],
+            "error": state["error"]}
 
 # §6.4 Edges -------------------------------------------------------------------------------
-# [graphs]
+EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
+
+
+class GraphEdge:
+    __slots__ = ("source", "target", "condition", "path", "cfg")
+
+    def __init__(self, source, target, condition, path, cfg):
+        self.source, self.target, self.condition, self.path, self.cfg = \
+            source, target, condition, path, cfg
+
+
+def build_edges(graph):
+    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
+                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
+            for i, e in enumerate(graph.cfg.get("edges") or [])]
 
 # §6.5 Edge conditions -------------------------------------------------------------------
-# [graphs]
+# Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
+# it sees is {messages, metadata, _condition_content: the source node's output} (GraphRoute.
+# _next_nodes), so content_* conditions read the latest output and context_value reads
+# state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
+# INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+
+
+def describe_condition(cond):
+    """A short label for a condition, used on diagram edges."""
+    if not isinstance(cond, dict):
+        return ""
+    kind = str(cond.get("type", "always"))
+    if kind == "context_value":
+        return f"{cond.get('key')} = {cond.get('value')}"
+    for field in ("text", "pattern", "value", "key", "source"):
+        if field in cond:
+            return f"{kind} {cond[field]!r}" if isinstance(cond[field], str) \
+                else f"{kind} {cond[field]}"
+    return kind
 
 # §6.6 Checkpointing and time travel -----------------------------------------------------
-# [graphs]
+CHECKPOINT_EVERY = 10
+MAX_SNAPSHOTS = 100
+CHECKPOINT_GLOB = "checkpoint_*.json"
+
+
+def checkpoint_timestamp(rt):
+    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
+    import datetime
+    if rt.clock.real:
+        moment = datetime.datetime.now(datetime.timezone.utc)
+    else:
+        moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
+            datetime.timedelta(seconds=rt.clock.now())
+    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def checkpoint_sequence(path):
+    match = re.search(r"-(\d+)\.json$", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def write_checkpoint(graph, state):
+    """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json."""
+    # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
+    # sequence continues past the newest file already there, so names stay unique and sortable.
+    directory = graph.checkpoint_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = graph.checkpoints()
+    if existing:
+        graph._checkpoint_seq = max(graph._checkpoint_seq, checkpoint_sequence(existing[-1]))
+    graph._checkpoint_seq += 1
+    stamp = checkpoint_timestamp(graph.rt)
+    name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    if existing and name <= existing[-1].name:         # the clock went back: keep the order
+        stamp = existing[-1].name[len("checkpoint_"):-len("-000000.json")]
+        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    final = directory / name
+    text = json.dumps(state, default=str, ensure_ascii=False, indent=1)
+    temp = directory / f".{final.name}.tmp"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, final)
+    return final
+
+
+def restore_checkpoint(graph, path=None):
+    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state."""
+    if path is None:
+        found = graph.checkpoints()
+        if not found:
+            raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
+                                   path=path_str(graph.path), section="6.6")
+        path = found[-1]
+    path = Path(path)
+    if not path.is_absolute():
+        path = Path(graph.rt.workdir) / path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                               path=path_str(graph.path), section="6.6") from exc
+    if not isinstance(data, dict):
+        raise ApplicationError(f"{path} does not hold a graph state", section="6.6")
+    state = new_graph_state()
+    for key in state:
+        if key in data:
+            state[key] = data[key]
+    # INTERPRETATION §6.6 (Q42): the stored context copy is kept until the next run re-attaches
+    # the live context (Q32).
+    graph.state = state
+    return path
+
+
+def copy_state_for_history(state):
+    """A time-travel snapshot: messages and metadata copied, the live context left out."""
+    metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
+    return {"messages": list(state["messages"]), "metadata": metadata,
+            "current_node": state["current_node"], "execution_count": state["execution_count"],
+            "error": state["error"]}
+
+
+def rewind_state(graph, steps):
+    """§6.6 time travel: restore the state as it was `steps` updates ago."""
+    if not graph.time_travel:
+        raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
+                               path=path_str(graph.path), section="6.6")
+    steps = int(steps)
+    if steps < 1 or steps >= len(graph.snapshots):
+        raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
+                               f"steps, not {steps}", path=path_str(graph.path), section="6.6")
+    del graph.snapshots[len(graph.snapshots) - steps:]
+    chosen = graph.snapshots[-1]
+    context = graph.state["metadata"].get("context")
+    state = {"messages": list(chosen["messages"]), "metadata": copy.deepcopy(chosen["metadata"]),
+             "current_node": chosen["current_node"], "execution_count": chosen["execution_count"],
+             "error": chosen["error"]}
+    if context is not None:
+        state["metadata"]["context"] = context
+    graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
-# [graphs]
+def run_next_node_set(graph, admitted, state):
+    """§6.7: the parallel:true nodes of the set run together on threads, the others one after
+    another; every node reads the state as it was before the set, and the outcomes come back in
+    the set's order as (NodeResult|None, error|None)."""
+    # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
+    # declaration (edge) order after all of them finished, and a node reached by several
+    # edges of the same step runs once.
+    parallel = []
+    if graph.parallel_execution and len(admitted) > 1:
+        parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
+    if len(parallel) < 2:
+        parallel = []
+    outcomes = [None] * len(admitted)
+    futures = {}
+    if parallel:
+        if graph._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
+        for i in parallel:
+            node, message = admitted[i]
+            futures[i] = graph._pool.submit(node.handler, graph, node, message, state)
+    for i, (node, message) in enumerate(admitted):
+        if i in futures:
+            continue
+        try:
+            outcomes[i] = (node.handler(graph, node, message, state), None)
+        except Exception as exc:  # agent boundary: reported after the set is joined
+            outcomes[i] = (None, exc)
+    for i, future in futures.items():
+        try:
+            outcomes[i] = (future.result(), None)
+        except Exception as exc:
+            outcomes[i] = (None, exc)
+    for i, (result, error) in enumerate(outcomes):
+        if error is not None and not isinstance(error, ActorError):
+            node = admitted[i][0]
+            outcomes[i] = (None, ExecutionError(
+                f"graph '{graph.name}' node '{node.name}': {error}", section="6.2"))
+    return outcomes
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
-# [graphs]
+# Output fragments that show an agent asked for more routing (§6.8 item 4).
+ROUTING_TOKENS = ("GOTO_", "ROUTE_", "SET_", "CMD_", "DISCOVERY_RESPONSE",
+                  "AUTO_SECTIONS_COMPLETE", "COMMAND_OUTPUT")
+FINGERPRINT_CHARS = 200
+
+
+def guards_relaxed(state):
+    """auto_finish_active, read from state.metadata, then its nested context (Q39)."""
+    metadata = state["metadata"]
+    if "auto_finish_active" in metadata:
+        return bool(metadata["auto_finish_active"])
+    nested = metadata.get("context")
+    return bool(nested.get("auto_finish_active")) if isinstance(nested, dict) else False
+
+
+def guard_before_node(graph, node, message, trace, relaxed):
+    """Items 1 and 2, checked before a node runs; True (and trace.stopped set) stops the run."""
+    # INTERPRETATION §6.8 (Q39): the guards count per run; depth is the number of node
+    # executions; a revisit is caught before the repeated node runs and fingerprints the
+    # message the node is about to receive; "router" means a message_router node.
+    if node.type == "start":
+        return False
+    trace.depth += 1
+    if trace.depth > graph.max_depth:
+        graph.rt.warn(f"graph '{graph.name}' exceeded its recursion bound of {graph.max_depth} "
+                      f"node executions; returning the latest output", section="6.8",
+                      path=graph.path)
+        trace.stopped = "recursion"
+        return True
+    if not node.is_router and not relaxed:
+        text = message if isinstance(message, str) else str(message)
+        key = (node.name, text[:FINGERPRINT_CHARS])
+        if key in trace.seen:
+            trace.stopped = "revisit"
+            return True
+        trace.seen.add(key)
+    return False
+
+
+def guard_after_node(graph, node, output, trace, relaxed):
+    """Items 3 and 4, checked after a node ran; True (and trace.stopped set) stops the run."""
+    if node.type != "agent":
+        return False
+    history = trace.history
+    if not relaxed and len(history) >= 4 and history[-1] == history[-3] == node.name:
+        if graph.nodes[history[-2]].is_router and graph.nodes[history[-4]].is_router:
+            trace.stopped = "ping-pong"
+            return True
+    if node.routes_only_to_router:
+        text = output if isinstance(output, str) else str(output)
+        if not any(token in text for token in ROUTING_TOKENS):
+            trace.output = output
+            trace.stopped = "return-without-routing"
+            return True
+    return False
 
 # §6.9 Pure graph mode -------------------------------------------------------------------
-# [graphs]
+def replace_active_context(state, ctx):
+    """§6.9 item 3: the final metadata replaces the context in place, nested keys merged up."""
+    # INTERPRETATION §6.9 (Q33): top-level metadata keys win over nested context keys; graph
+    # keys (last_output, last_agent_node, ...) are kept for inspection; this happens after
+    # every run, pure or mixed, so both modes look the same.
+    if not isinstance(ctx, dict):
+        return
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    merged = dict(nested) if isinstance(nested, dict) else {}
+    for key, value in metadata.items():
+        if key != "context":
+            merged[key] = value
+    ctx.clear()
+    ctx.update(merged)
+    metadata["context"] = ctx
 
 # §6.10 Graph-internal streams ---------------------------------------------------------
-# [graphs]
+def internal_stream_names(graph_name, node_names):
+    """The reserved per-node, control and state stream names of one graph (§6.10, §15.6)."""
+    names = [f"__{graph_name}_node_{node}__" for node in node_names]
+    return names + [f"__{graph_name}_control__", f"__{graph_name}_state__"]
+
+
+def notify_node_event(graph, node, output):
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    stream = f"__{graph.name}_node_{node.name}__"
+    msg = Message(output, {"graph": graph.name, "node": node.name,
+                           "execution_count": graph.state["execution_count"]},
+                  source_stream=stream, timestamp=graph.rt.clock.now())
+    for listener in list(graph.observers):
+        listener(stream, msg)
 
 # §6.11 Graph analysis -------------------------------------------------------------------
-# [graphs]
+class GraphAnalysis:
+    """§6.11 results: adjacency both ways, cycles, topological levels, unreachable nodes."""
+
+    __slots__ = ("forward", "reverse", "has_cycles", "back_edges", "levels", "unreachable")
+
+
+def analyse_graph(graph):
+    nodes, edges = graph.nodes, graph.edges
+    result = GraphAnalysis()
+    result.forward = {name: [] for name in nodes}                     # item 1
+    result.reverse = {name: [] for name in nodes}
+    for edge in edges:
+        result.forward[edge.source].append(edge)
+        result.reverse[edge.target].append(edge)
+    result.back_edges = find_back_edges(graph.entry, nodes, result.forward)   # item 2
+    result.has_cycles = bool(result.back_edges)
+    result.levels = topological_levels(nodes, edges, result.back_edges)       # item 3
+    reached = reachable_from(graph.entry, result.forward)                     # item 4
+    result.unreachable = [name for name in nodes
+                          if name not in reached and name not in implicit_names(graph)]
+    if result.unreachable:
+        graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
+                      + ", ".join(result.unreachable), section="6.11", path=graph.path)
+    for name, node in nodes.items():                                         # for §6.8 item 4
+        out = result.forward[name]
+        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    return result
+
+
+def implicit_names(graph):
+    declared = {normalize_node_name(name) for name in graph.cfg["nodes"]}
+    return {START_NODE, END_NODE} - declared
+
+
+def reachable_from(entry, forward):
+    seen, todo = {entry}, [entry]
+    while todo:
+        for edge in forward.get(todo.pop(), ()):
+            if edge.target not in seen:
+                seen.add(edge.target)
+                todo.append(edge.target)
+    return seen
+
+
+def find_back_edges(entry, nodes, forward):
+    """Edges that close a cycle, by depth-first search from the entry, then from the rest."""
+    colour = {name: 0 for name in nodes}         # 0 new, 1 on the current path, 2 done
+    back = []
+    for root in [entry] + list(nodes):
+        if colour.get(root) != 0:
+            continue
+        colour[root] = 1
+        stack = [(root, iter(forward[root]))]
+        while stack:
+            name, edges = stack[-1]
+            edge = next(edges, None)
+            if edge is None:
+                colour[name] = 2
+                stack.pop()
+            elif colour[edge.target] == 1:
+                back.append(edge)
+            elif colour[edge.target] == 0:
+                colour[edge.target] = 1
+                stack.append((edge.target, iter(forward[edge.target])))
+    return back
+
+
+def topological_levels(nodes, edges, back_edges):
+    """Nodes grouped by longest distance from a source once cycle-closing edges are set aside."""
+    skip = set(map(id, back_edges))
+    indegree = {name: 0 for name in nodes}
+    succ = {name: [] for name in nodes}
+    for edge in edges:
+        if id(edge) not in skip:
+            indegree[edge.target] += 1
+            succ[edge.source].append(edge.target)
+    level = {name: 0 for name in nodes if indegree[name] == 0}
+    ready = [name for name in nodes if indegree[name] == 0]
+    while ready:
+        name = ready.pop(0)
+        for target in succ[name]:
+            level[target] = max(level.get(target, 0), level[name] + 1)
+            indegree[target] -= 1
+            if indegree[target] == 0:
+                ready.append(target)
+    levels = []
+    for name in nodes:
+        depth = level.get(name, 0)
+        while len(levels) <= depth:
+            levels.append([])
+        levels[depth].append(name)
+    return levels
+
+
+def check_graph(doc, name, cfg, path, agent_names):
+    """§11.3, §6.4, §6.11 items 5-6, §16.2: static checks of one graph route before any agent
+    exists; raises a located ConfigurationError."""
+    path = tuple(path)
+
+    def fail(where, message, section):
+        raise doc.error(ConfigurationError, path + tuple(where), message, section)
+
+    if not isinstance(cfg, dict):
+        fail((), f"graph route '{name}' must be a mapping", "6.1")
+    nodes = cfg.get("nodes")
+    if nodes is None and cfg.get("template_config") is not None:
+        return                                              # §11.3: instantiated from a template
+    if not isinstance(nodes, dict) or not nodes:
+        fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
+    edges = cfg.get("edges", [])
+    if edges is None:
+        edges = []
+    if not isinstance(edges, list):
+        fail(("edges",), "edges must be a sequence", "6.4")
+    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
+        if flag in cfg and not isinstance(cfg[flag], bool):
+            fail((flag,), f"{flag} must be a boolean", "6.1")
+    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
+        # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
+        fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    if "state_class" in cfg and not isinstance(cfg["state_class"], str):
+        fail(("state_class",), "state_class must be a string", "6.3.3")
+    declared = set()
+    for node_name, node_cfg in nodes.items():
+        where = ("nodes", node_name)
+        if not isinstance(node_name, str) or not node_name:
+            fail(where, "node names must be non-empty strings", "6.2")
+        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
+            fail(where, f"node '{node_name}' must be a mapping with a type", "6.2")
+        node_type = str(node_cfg["type"]).lower()
+        if node_type == "dynamic_router":
+            fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
+                 "16.2")
+        if node_type not in NODE_TYPES:
+            fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
+        canonical = normalize_node_name(node_name)
+        # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
+        # their own type; any other node under these names is rejected.
+        if canonical in (START_NODE, END_NODE) and node_type != canonical:
+            fail(where, f"node name '{node_name}' is reserved for the {canonical} node", "6.2, 15.2")
+        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
+            fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
+                 "6.2.1")
+        if canonical in declared:
+            fail(where, f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+        declared.add(canonical)
+        check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc)
+    known = declared | {START_NODE, END_NODE}
+    for index, edge in enumerate(edges):
+        where = ("edges", index)
+        if not isinstance(edge, dict):
+            fail(where, "an edge must be a mapping with source and target", "6.4")
+        for end in ("source", "target"):
+            value = edge.get(end)
+            if not isinstance(value, str):
+                fail(where + (end,), f"edge {end} is required", "6.4")
+            if normalize_node_name(value) not in known:
+                fail(where + (end,), f"{end} '{value}' is not a node of graph '{name}'",
+                     "6.4, 11.3")
+        if "condition" in edge and not isinstance(edge["condition"], dict):
+            fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
+    entry = normalize_node_name(cfg.get("entry_point", "start"))
+    if entry not in known:
+        fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
+             f"'{name}'", "6.11, 11.3")
+    for node_name, node_cfg in nodes.items():
+        if str(node_cfg["type"]).lower() == "message_router":
+            for index, rule in enumerate(node_cfg["rules"]):
+                if normalize_node_name(rule["target"]) not in known:
+                    fail(("nodes", node_name, "rules", index, "target"),
+                         f"target '{rule['target']}' is not a node of graph '{name}'", "6.2.6")
+
+
+def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
+    """The per-type field checks of one node (§6.2.2-§6.2.6)."""
+    if "parallel" in node_cfg and not isinstance(node_cfg["parallel"], bool):
+        fail(where + ("parallel",), "parallel must be a boolean", "6.7")
+    meta = node_cfg.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        fail(where + ("metadata",), "node metadata must be a mapping", "6.2")
+    for key in ("max_history_messages", "max_history_chars"):
+        if isinstance(meta, dict) and key in meta and (
+                isinstance(meta[key], bool) or not isinstance(meta[key], int) or meta[key] < 0):
+            fail(where + ("metadata", key), f"{key} must be a non-negative integer", "6.2.2.1")
+    if node_type == "agent":
+        agent = node_cfg.get("agent")
+        if not isinstance(agent, str):
+            fail(where + ("agent",), f"agent node '{node_name}' needs an agent", "6.2.2")
+        if agent not in agent_names:
+            fail(where + ("agent",), f"agent '{agent}' is not defined in agents", "6.2.2, 11.3")
+        policy = node_cfg.get("retry_policy")
+        if policy is not None:
+            if not isinstance(policy, dict):
+                fail(where + ("retry_policy",), "retry_policy must be a mapping", "6.2.2")
+            retries, delay = policy.get("max_retries", 3), policy.get("delay", 1.0)
+            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+                fail(where + ("retry_policy", "max_retries"),
+                     "max_retries must be a non-negative integer", "6.2.2")
+            if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+                fail(where + ("retry_policy", "delay"), "delay must be a non-negative number",
+                     "6.2.2")
+        timeout = node_cfg.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float)) or timeout <= 0):
+            fail(where + ("timeout",), "timeout must be a positive number of seconds", "6.2.2")
+    elif node_type == "function":
+        if not isinstance(node_cfg.get("function"), str):
+            fail(where + ("function",), f"function node '{node_name}' needs a function name",
+                 "6.2.3")
+    elif node_type == "tool":
+        tools = node_cfg.get("tools", [])
+        if isinstance(tools, str):
+            tools = [tools]
+        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+            fail(where + ("tools",), "tools must be a list of tool names", "6.2.3")
+    elif node_type == "conditional":
+        if not isinstance(node_cfg.get("condition"), dict):
+            fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
+                 "mapping", "6.2.4")
+    elif node_type == "subgraph":
+        graph = node_cfg.get("graph")
+        routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
+        target = routes.get(graph) if isinstance(routes, dict) and isinstance(graph, str) else None
+        if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
+            fail(where + ("graph",), f"subgraph node '{node_name}' must name a graph route in "
+                 "`graph`", "6.2.5")
+    elif node_type == "message_router":
+        rules = node_cfg.get("rules")
+        if not isinstance(rules, list) or not rules:
+            fail(where + ("rules",), f"message_router '{node_name}' needs a list of rules",
+                 "6.2.6")
+        for index, rule in enumerate(rules):
+            at = where + ("rules", index)
+            if not isinstance(rule, dict):
+                fail(at, "a rule must be a mapping", "6.2.6")
+            kind = rule.get("match_type")
+            if not isinstance(kind, str) or kind.lower() not in MATCH_TYPES:
+                fail(at + ("match_type",), f"unknown match_type {kind!r}", "6.2.6.2")
+            if not isinstance(rule.get("pattern"), str):
+                fail(at + ("pattern",), "pattern is required (a string)", "6.2.6")
+            if not isinstance(rule.get("target"), str):
+                fail(at + ("target",), "target is required (a node name)", "6.2.6")
+            if kind.lower() == "regex":
+                try:
+                    re.compile(rule["pattern"])
+                except re.error as exc:
+                    fail(at + ("pattern",), f"invalid regular expression: {exc}", "6.2.6.2")
+            if "extract_message" in rule and not isinstance(rule["extract_message"], bool):
+                fail(at + ("extract_message",), "extract_message must be a boolean", "6.2.6")
+            if "separator" in rule and not isinstance(rule["separator"], str):
+                fail(at + ("separator",), "separator must be a string", "6.2.6")
+            if "set_state" in rule and not isinstance(rule["set_state"], dict):
+                fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
+
+
+def mermaid_id(graph_name, node_name):
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"{graph_name}__{node_name}")
+
+
+def mermaid_text(text):
+    return str(text).replace('"', "#quot;")
+
+
+# Node shapes in the diagram, by node type.
+MERMAID_SHAPES = {
+    "start": '(["{}"])', "end": '(["{}"])', "agent": '["{}"]', "function": '[["{}"]]',
+    "tool": '[["{}"]]', "conditional": '{{"{}"}}', "subgraph": '[["{}"]]',
+    "message_router": '{{"{}"}}',
+}
+
+
+def mermaid_graph(graph):
+    """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
+    gid = mermaid_id("graph", graph.name)
+    lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
+    for name, node in graph.nodes.items():
+        label = name
+        if node.type == "agent":
+            label = f"{name}: agent {node.agent}"
+        elif node.type == "function":
+            label = f"{name}: function {node.function}"
+        elif node.type in ("tool", "subgraph", "conditional", "message_router"):
+            label = f"{name}: {node.type}"
+        shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
+        lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
+    entry = mermaid_id(graph.name, "__entry")
+    lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
+    for edge in graph.edges:
+        arrow = "-->"
+        if edge.condition is not None:
+            arrow = f'-->|"{mermaid_text(describe_condition(edge.condition))}"|'
+        lines.append(f"  {mermaid_id(graph.name, edge.source)} {arrow} "
+                     f"{mermaid_id(graph.name, edge.target)}")
+    lines.append("end")
+    return lines
 
 
 # =====================================================================================
@@ -678,13 +5133,130 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §7.1 The merges section ---------------------------------------------------------------
-# [streams]
+def merge_links(net, data):
+    """§7.1: each source feeds the target; a missing target is created as a cold stream."""
+    links = []
+    for i, merge in enumerate(data.get("merges") or []):
+        sources = merge.get("sources") or []
+        if not sources:
+            continue        # §7.1: an empty merge is silently ignored
+        _ensure_stream(net, merge["target"])
+        for j, source in enumerate(sources):
+            links.append((source, merge["target"], None, ("merges", i, "sources", j)))
+    return links
+
+
+def _ensure_stream(net, name):
+    if name not in net.nodes:
+        net.nodes[name] = _Node(net, name, Stream(name, "cold"))
 
 # §7.2 The splits section ---------------------------------------------------------------
-# [streams]
+def split_links(net, data):
+    """§7.2: each target (created if missing) gets the source's messages its condition passes."""
+    links = []
+    for i, split in enumerate(data.get("splits") or []):
+        for name, cond in (split.get("targets") or {}).items():
+            _ensure_stream(net, name)
+            # A target's condition is never None-as-unconditional: an absent condition is
+            # evaluated (stream default: true, §5.4.1) like any other.
+            links.append((split["source"], name, cond if cond is not None else {},
+                          ("splits", i, "targets", name)))
+    return links
 
 # §7.3 The pipelines section -------------------------------------------------------------
-# [streams]
+# INTERPRETATION §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a message
+# sent to the pipeline's name (send(target=...), a merge or split target, the default router)
+# enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
+# (publications naming non-routes, input_from, output_to, subscriptions) are advisory;
+# publications naming a route or built-in stream are honoured.
+def check_pipeline_stages(doc, pipelines, routes, checker):
+    """§7.3: a pipeline's name must not hide a route; stream stages' operators as in §5.3.2.
+
+    The rest of §7.3/§11.5 (stage shapes, the §11.5 warnings) is the validator's check_pipelines.
+    """
+    for name, cfg in pipelines.items():
+        path = ("pipelines", name)
+        if name in routes or name in BUILTIN_STREAMS:
+            raise doc.error(ConfigurationError, path, f"pipeline name {name!r} is already a route "
+                            "or built-in stream", "7.3")
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+
+
+def _stage_type(stage):
+    return str(stage.get("type", "")).lower()
+
+
+def pipeline_links(net, data):
+    """§7.3: build each pipeline's stages as nodes named <pipeline>.<stage> and chain them."""
+    links = []
+    for name, cfg in (data.get("pipelines") or {}).items():
+        stages = []
+        for i, stage in enumerate(cfg.get("stages") or []):
+            here = ("pipelines", name, "stages", i)
+            node_name = f"{name}.{stage.get('name', i)}"
+            node = _pipeline_stage(net, node_name, stage, here)
+            net.nodes[node_name] = node
+            stages.append(node_name)
+            publications = stage.get("publications") if _stage_type(stage) == "stream" else None
+            for j, target in enumerate(publications or []):
+                if target in net.nodes and target not in stages:
+                    links.append((node_name, target, None, here + ("publications", j)))
+        for a, b in zip(stages, stages[1:]):
+            links.append((a, b, None, ("pipelines", name, "stages")))
+        entry = _PipelineEntry(net, name, net.nodes[stages[0]] if stages else None)
+        net.nodes[name] = entry
+        if stages:
+            entry.out = net.nodes[stages[-1]].out
+    return links
+
+
+def _pipeline_stage(net, node_name, stage, path):
+    rt = net.rt
+    if _stage_type(stage) == "stream":
+        return StreamRoute(net, node_name, stage, path)
+    if isinstance(stage.get("config"), dict):
+        try:
+            graph = GraphRoute(node_name, {"type": "graph", **stage["config"]}, rt, path + ("config",))
+        except ActorError:
+            raise
+        except Exception as exc:
+            raise rt.error(ConfigurationError, path + ("config",),
+                           f"pipeline graph stage could not be built: {exc}", "7.3") from exc
+        return GraphParticipant(net, node_name, graph)
+    graph = rt.graphs.get(stage.get("graph", stage.get("name")))
+    if graph is None:
+        return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
+    return GraphParticipant(net, node_name, graph)
+
+
+class _PipelineEntry(_Node):
+    """A pipeline's name as a stream: pushing enters stage 1; `out` is the last stage's stream."""
+
+    def __init__(self, net, name, first):
+        super().__init__(net, name, Stream(name))
+        self.first = first
+        self.feeds = [first.name] if first is not None else []
+
+    def push(self, msg):
+        if self.first is not None:
+            self.first.push(msg)
+
+    def source_done(self):
+        self.sources -= 1
+        if self.sources <= 0:
+            self.finish()
+
+    def finish(self):
+        if self.first is not None:
+            self.first.finish()
+        else:
+            self.out.complete()
+
+    def describe(self):
+        return f"{self.name}: pipeline"
 
 
 # =====================================================================================
@@ -692,40 +5264,1086 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §8.1 Document-level templating (Phase A) ------------------------------------------------
-# [templating]
+# Phase A is always the Jinja2 dialect, whatever template_engine says:
+# INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
+# governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
+# filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
+import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
+
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
+
+
+def has_template_syntax(text):
+    """§8.2 step 1: does the raw text contain {{, {% or {# at all?"""
+    return isinstance(text, str) and any(mark in text for mark in TEMPLATE_MARKERS)
+
+
+def scan_tags(text, pos=0):
+    """Yield (start, end, kind) for every {{ }}, {% %} and {# #} tag from `pos`, in order.
+
+    Quoted strings and bracket nesting inside a tag are skipped, so `{{ {'a': {'b': 1}} }}` is
+    one tag. An unclosed tag ends the scan (the renderer reports it).
+    """
+    n = len(text)
+    while True:
+        start = text.find("{", pos)
+        while start >= 0 and text[start + 1:start + 2] not in ("{", "%", "#"):
+            start = text.find("{", start + 1)
+        if start < 0 or start + 1 >= n:
+            return
+        kind = text[start:start + 2]
+        if kind == "{#":
+            end = text.find("#}", start + 2)
+            if end < 0:
+                return
+            pos = end + 2
+            yield start, pos, kind
+            continue
+        close = "}}" if kind == "{{" else "%}"
+        i, depth, quote = start + 2, 0, None
+        while i < n:
+            ch = text[i]
+            if quote:
+                if ch == "\\":
+                    i += 1
+                elif ch == quote:
+                    quote = None
+            elif ch in "'\"":
+                quote = ch
+            elif depth == 0 and text.startswith(close, i):
+                break
+            elif ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+            i += 1
+        if i >= n:
+            return
+        pos = i + 2
+        yield start, pos, kind
 
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
-# [templating]
+def render_document(text, render_context=None, engine="JINJA2", *, file=None):
+    """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
+
+    The caller first rejects §15.5 sentinels in the raw text (check_sentinels, §15.5). This
+    returns text without template syntax unchanged (step 1), protects runtime fields and
+    template bodies (§8.4; text already protected is first restored, so the render context
+    is taken into account whoever protected it), then renders
+    the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
+    (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
+    failure is a ConfigurationError located at the template line (§8.12). After parsing, call
+    restore_sentinels() on the data (§8.2 step 4). `engine` (the host's template_engine) only
+    decides how runtime fields are protected.
+    """
+    text = restore_markers(text)     # text protected by an earlier call: start from the raw form
+    if not has_template_syntax(text):
+        return text
+    text = protect_runtime_fields(text, render_context, file=file, engine=engine)
+    if not has_template_syntax(text):
+        return text
+    try:
+        return render_jinja2(text, dict(render_context or {}))
+    except TemplateError as exc:
+        raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
+                                 file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# [templating]
+# §8.3 table 1: built-in callables in every rendering namespace (Phases A, B and C).
+BUILTINS = {
+    "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "sum": sum, "abs": abs, "round": round,
+    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
+}
+
+
+def _undefined(value):
+    return jinja2 is not None and isinstance(value, jinja2.Undefined)
+
+
+def filter_tojson(value, indent=None):
+    """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
+    if _undefined(value):
+        str(value)  # raises the undefined-name error
+    try:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+    except (TypeError, ValueError) as exc:
+        raise TemplateError(f"tojson: {exc}", section="8.3") from exc
+
+
+def filter_indent(value, width=4, first=False, blank=False):
+    """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
+    blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
+    pad = " " * width if isinstance(width, int) else str(width)
+    lines = str(value).split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if (i > 0 or first) and (line or blank):
+            line = pad + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def _item_attr(item, attr):
+    """Jinja-style attribute lookup on a list item: mapping key, then a dotted path."""
+    for part in str(attr).split("."):
+        if isinstance(item, dict):
+            item = item.get(part)
+        elif isinstance(item, (list, tuple)) and part.isdigit():
+            item = item[int(part)] if int(part) < len(item) else None
+        else:
+            item = None
+    return item
+
+
+def filter_sum(items, attribute=None, start=0):
+    """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
+    values = items if attribute is None else (_item_attr(it, attribute) for it in items)
+    return sum(values, start)
+
+
+SELECT_OPERATORS = {
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    ">": lambda a, b: a > b, "<": lambda a, b: a < b,
+    ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b,
+}
+
+
+def filter_selectattr(items, attr, op=None, value=None):
+    """§8.3 selectattr(attr, op, value): keep items whose attribute satisfies op (==, !=, >, <,
+    >=, <=; Jinja's names eq, ne, gt, lt, ge, le too); with no op, a truthy attribute."""
+    op = {"eq": "==", "equalto": "==", "ne": "!=", "gt": ">", "greaterthan": ">", "lt": "<",
+          "lessthan": "<", "ge": ">=", "le": "<="}.get(op, op)
+    if op is not None and op not in SELECT_OPERATORS:
+        raise TemplateError(f"selectattr: unknown operator {op!r}", section="8.3")
+    out = []
+    for item in items:
+        got = _item_attr(item, attr)
+        if op is None:
+            keep = bool(got)
+        else:
+            try:
+                keep = SELECT_OPERATORS[op](got, value)
+            except TypeError:
+                keep = False   # None > 3 and the like: no match rather than a crash
+        if keep:
+            out.append(item)
+    return out
+
+
+def filter_default(value, default_value="", boolean=False):
+    """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
+    if _undefined(value) or value is None or (boolean and not value):
+        return default_value
+    return value
+
+
+def filter_length(value):
+    """§8.3 length: len(x); an undefined value fails like any other read of it (Q50)."""
+    if _undefined(value):
+        str(value)
+    return len(value)
+
+
+def filter_split(value, sep=None, maxsplit=-1):
+    """§8.3 split (Q58 (a)): Python's str.split."""
+    return str(value).split(sep, maxsplit)
+
+
+# §8.3 table 2: the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+FILTERS = {
+    "tojson": filter_tojson,
+    "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
+    "indent": filter_indent,
+    "sum": filter_sum,
+    "selectattr": filter_selectattr,
+    "default": filter_default,
+    "d": filter_default,
+    "length": filter_length,
+    "count": filter_length,
+    "split": filter_split,
+}
 
 # §8.4 Deferred rendering and field protection -------------------------------------------
-# [templating]
+# Which fields are runtime-bearing: rendered per invocation (Phase C), so protected at Phase A.
+# INTERPRETATION §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
+# (§4.7 renders it with the per-message `message`, which cannot exist at load).
+RUNTIME_FIELDS = {
+    "system_prompt": "4.4.6",     # any mapping key of that name
+    "prompt": "4.7",              # chain agents
+    "content": "10.4",            # only directly under prompts.<name>
+}
+# INTERPRETATION §8.4 vs §8.9 (Q49): Phase A leaves whole template bodies untouched; they are
+# rendered at instantiation (Phase B) with their parameters.
+DEFERRED_SECTIONS = ("templates", "template_strings")
+# Names that only exist at Phase C: never treated as bound at Phase A or B (Q46, Q47).
+RUNTIME_NAMES = frozenset({"context", "message"})
+# Block statements that take an {% end... %} partner.
+BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
+
+KEY_LINE = re.compile(r"( *)(?:- +)*(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?) *:(?= |\n|$)")
+BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
+
+
+def is_runtime_field(keys):
+    """keys: the mapping keys from the document root down to a scalar."""
+    last = keys[-1] if keys else None
+    if last == "content":
+        return len(keys) == 3 and keys[0] == "prompts"
+    return last in ("system_prompt", "prompt")
+
+
+def protect_markers(text):
+    """§8.4 step 1: {{ }} {% %} -> the §15.5 sentinels."""
+    for marker, sentinel in SENTINELS.items():
+        text = text.replace(marker, sentinel)
+    return text
+
+
+def protect_tags(text):
+    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
+    JSON mapping's own closing braces stay braces)."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        out.append(text[start:end] if kind == "{#" else protect_markers(text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def restore_markers(text):
+    """§8.4 step 4: the §15.5 sentinels -> {{ }} {% %}."""
+    for marker, sentinel in SENTINELS.items():
+        text = text.replace(sentinel, marker)
+    return text
+
+
+def restore_sentinels(data):
+    """§8.2 step 4 / §8.4 step 4: put the protected template syntax back, keys and values alike."""
+    if isinstance(data, str):
+        return restore_markers(data) if "<<<" in data else data
+    if isinstance(data, list):
+        data[:] = [restore_sentinels(item) for item in data]
+        return data
+    if isinstance(data, dict):
+        items = [(restore_sentinels(k), restore_sentinels(v)) for k, v in data.items()]
+        data.clear()
+        data.update(items)
+        return data
+    return data
+
+
+@functools.lru_cache(maxsize=4096)
+def tag_free_names(kind, inner, word):
+    """Names a tag reads that it does not bind itself (None when it does not parse)."""
+    if kind == "{{":
+        source = "{{ " + inner + " }}"
+    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+        source = "{% " + inner + " %}{% end" + word + " %}"
+    else:
+        source = "{% " + inner + " %}"
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja_environment().parse(source)))
+    except Exception:  # a syntax error: leave the tag to the phase that renders it
+        return None
+
+
+def tag_binds(word, inner):
+    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
+    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
+    if word == "for":
+        targets = rest.split(" in ", 1)[0]
+        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
+    if word in ("set", "with"):
+        names = set()
+        targets = rest.split("=", 1)[0] if word == "set" else rest
+        for part in targets.split(","):
+            name = part.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names
+    if word == "macro":
+        head, _, args = rest.partition("(")
+        names = {head.strip()}
+        for arg in args.rstrip(") ").split(","):
+            name = arg.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names | {"varargs", "kwargs", "caller"}
+    return set()
+
+
+class TagScope:
+    """The names bound at some point of a template: base names plus open for/with/macro blocks."""
+
+    def __init__(self, names=()):
+        self.names = set(names)
+        self.stack = []          # (word, protected, names added by the opener)
+
+
+def walk_tags(text, scope, defer, need_names=False):
+    """Track bound names through `text`; with defer=True also replace by the §15.5 sentinels
+    every tag whose free names are not all bound (Q47 (b)), so a later phase renders it.
+
+    {% raw %}...{% endraw %} is left for the phase that meets it first, comments likewise.
+    An {% elif %}/{% else %}/{% end... %} follows its opener's fate. need_names=True also
+    defers a tag that reads no name at all (under MUSTACHE/SIMPLE such a tag is the engine's).
+    """
+    out, pos = [], 0
+    tags = scan_tags(text)
+    for start, end, kind in tags:
+        if start < pos:          # inside a raw block already copied
+            continue
+        out.append(text[pos:start])
+        tag = text[start:end]
+        pos = end
+        if kind == "{#":
+            out.append(tag)
+            continue
+        inner = tag[2:-2].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        protected = False
+        if kind == "{%" and word == "raw":
+            close = text.find("endraw", end)
+            close = text.find("%}", close) + 2 if close >= 0 else len(text)
+            out.append(text[start:close])
+            pos = close
+            continue
+        if kind == "{{":
+            free = tag_free_names(kind, inner, "")
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
+        elif word in ("elif", "else"):
+            protected = scope.stack[-1][1] if scope.stack else defer
+        elif word.startswith("end"):
+            if scope.stack:
+                _, protected, added = scope.stack.pop()
+                scope.names -= added
+            else:
+                protected = defer
+        else:
+            free = tag_free_names(kind, inner, word)
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
+            binds = set() if protected else tag_binds(word, inner)
+            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+                if word in ("set", "macro"):      # the name outlives the block
+                    scope.names |= binds
+                    binds = set()
+                added = binds - scope.names
+                scope.stack.append((word, protected, added))
+                scope.names |= added
+            else:
+                scope.names |= binds
+        out.append(protect_markers(tag) if protected else tag)
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def document_regions(text, file=None):
+    """Char spans (start, end, kind) of the text Phase A must not render as is:
+    'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
+
+    When the raw text already composes as YAML (template syntax only inside scalars, or a
+    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
+    indentation finds them (document_regions_by_lines).
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return document_regions_by_lines(text, file)
+    regions = []
+
+    def walk(node, keys):
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                path = keys + [key]
+                if not keys and key in DEFERRED_SECTIONS:
+                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
+                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
+                else:
+                    walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, keys)
+
+    if root is not None:
+        walk(root, [])
+    return sorted(regions)
+
+
+def document_regions_by_lines(text, file=None):
+    """document_regions for text that is not YAML before Phase A (statements between keys).
+
+    A value region is the rest of the key's line plus every following blank or more-indented
+    line (plain, quoted and | > block scalars alike).
+    """
+    regions, keys, offset = [], [], 0
+    region = None            # [start, key_col, kind, block_col]
+    lines = text.splitlines(keepends=True)
+    for lineno, line in enumerate(lines, 1):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if region is not None:
+            if blank or indent > region[1]:
+                if region[2] == "templates":
+                    region[3] = templates_line(line, indent, blank, region[3], lineno, file)
+                offset += len(line)
+                continue
+            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            region = None
+        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        if match:
+            key_col = match.start(2)
+            key = match.group(2).strip("\"'")
+            while keys and keys[-1][0] >= key_col:
+                keys.pop()
+            keys.append((key_col, key))
+            path = [k for _, k in keys]
+            if key_col == 0 and key in DEFERRED_SECTIONS:
+                region = [offset + len(line), 0, key, None]
+            elif is_runtime_field(path):
+                region = [offset + match.end(), key_col, "field", None]
+        offset += len(line)
+    if region is not None:
+        regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+    return regions
+
+
+def templates_line(line, indent, blank, block_col, lineno, file):
+    """One line inside `templates:`; returns the open block scalar's key column (or None).
+
+    INTERPRETATION §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
+    {% if %} inside string values, but a statement line that would emit YAML structure (a
+    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
+    """
+    if blank:
+        return block_col
+    if block_col is not None and indent > block_col:
+        return block_col
+    stripped = line.strip()
+    if stripped.startswith("{%"):
+        raise ConfigurationError(
+            "a statement that generates YAML structure inside `templates`; declare this "
+            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+    match = KEY_LINE.match(line.rstrip("\r\n"))
+    if match and BLOCK_SCALAR.match(line[match.end():]):
+        return match.start(2)
+    return None
+
+
+def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJA2"):
+    """§8.4 step 1: replace {{ }} {% %} by the §15.5 sentinels where Phase A must not render.
+
+    Template bodies (templates, template_strings) are protected whole (Q49 (a)). In runtime
+    fields an expression is protected unless every name it reads is bound at Phase A -- by an
+    enclosing {% for %}, a {% set %}, or the supplied render context (never `context` or
+    `message`):
+    INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
+    worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
+    Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so only tags that
+    read Phase A names (not built-ins) and nothing else are rendered at load.
+    """
+    builtin_names = set(BUILTINS) | set(jinja_environment().globals)
+    other_dialect = engine_name(engine) != "JINJA2"
+    scope = TagScope(builtin_names | (set(render_context or ()) - RUNTIME_NAMES))
+    out, pos = [], 0
+    for start, end, kind in document_regions(text, file):
+        out.append(walk_tags(text[pos:start], scope, defer=False))
+        region = text[start:end]
+        if kind == "section":
+            out.append(protect_tags(region))
+        elif other_dialect:
+            out.append(walk_tags(region, TagScope(scope.names - builtin_names), defer=True,
+                                 need_names=True))
+        else:
+            out.append(walk_tags(region, TagScope(scope.names), defer=True))
+        pos = end
+    out.append(walk_tags(text[pos:], scope, defer=False))
+    return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# [templating]
+# §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
+                          "__jinja_template__", "__is_template__")
+
+
+def check_reserved_template_keys(doc):
+    """§8.5: reject a mapping key anywhere in the document that is one of the reserved tags."""
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in RESERVED_TEMPLATE_KEYS:
+                    raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
+                                    "the template-loading host and must not be used", "8.5")
+                walk(value, path + (key,))
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, path + (i,))
+    walk(doc.data, ())
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
-# [templating]
+def param_string(value):
+    """string: the canonical text of the value (YAML spelling for booleans, null and collections)."""
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bool, list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def param_int(value):
+    """int: the integer the value represents ("42", 42, 42.0); anything else is an error."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            number = float(text)
+            if number.is_integer():
+                return int(number)
+    raise ValueError(f"{value!r} is not an integer")
+
+
+def param_float(value):
+    """float: the floating-point number the value represents."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return float(value.strip())
+    raise ValueError(f"{value!r} is not a number")
+
+
+# INTERPRETATION §8.6.2 vs §8.8 (Q51 (b)): "false", "no", "0", "off" (any case) are false as
+# well, matching step 6's coercion of a rendered "false"; other values go by truthiness.
+BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "on": True,
+                 "false": False, "no": False, "0": False, "off": False}
+
+
+def param_boolean(value):
+    """boolean: the listed words by name (any case), anything else by its truthiness."""
+    if isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
+    return bool(value)
+
+
+def param_enum(value, decl):
+    """enum: MUST be one of `values`."""
+    if value not in decl.get("values", ()):
+        raise ValueError(f"{value!r} is not one of {decl.get('values')}")
+    return value
+
+
+def param_list(value):
+    """list: a single value is wrapped into a one-element list."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    return [] if value is None else [value]
+
+
+def param_pass(value):
+    """dict, agent_ref, component_ref: passed through (references are resolved in §8.8 step 8)."""
+    return value
+
+
+# §8.6.2 table: parameter type -> coercion. Rows in the spec's order.
+PARAMETER_TYPES = {
+    "string": param_string,
+    "int": param_int,
+    "float": param_float,
+    "boolean": param_boolean,
+    "enum": param_enum,
+    "list": param_list,
+    "dict": param_pass,
+    "agent_ref": param_pass,
+    "component_ref": param_pass,
+}
+PARAMETER_KEYS = ("type", "default", "required", "values", "description")
+
+
+def parameter_declarations(doc, decls, path, rt=None):
+    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
+
+    A missing block means no parameters; the sequence form is forbidden (§16.2).
+    """
+    if decls is None:
+        return {}
+    if isinstance(decls, list):
+        raise doc.error(ConfigurationError, path, "template parameters declared as a sequence; "
+                        "use the mapping form (name: {type: ...})", "8.6.1, 16.2")
+    if not isinstance(decls, dict):
+        raise doc.error(ConfigurationError, path, "template parameters must be a mapping", "8.6.1")
+    for name, decl in decls.items():
+        at = path + (name,)
+        if not isinstance(decl, dict):
+            raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
+                            "8.6.1")
+        ptype = decl.get("type", "string")
+        if ptype not in PARAMETER_TYPES:
+            raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
+                            f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
+        if ptype == "enum" and not isinstance(decl.get("values"), list):
+            raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
+                            "8.6.1")
+        for key in decl:
+            if key not in PARAMETER_KEYS:
+                warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
+                     path=at + (key,))
+    return decls
+
+
+def coerce_parameter(doc, name, decl, value, at):
+    """One value through its §8.6.2 type; a mismatch is a ConfigurationError at the instance."""
+    ptype = decl.get("type", "string")
+    try:
+        if ptype == "enum":
+            return param_enum(value, decl)
+        return PARAMETER_TYPES[ptype](value)
+    except (ValueError, TypeError) as exc:
+        raise doc.error(ConfigurationError, at, f"parameter {name!r} ({ptype}): {exc}",
+                        "8.6.2") from exc
+
+
+def bind_parameters(doc, decls, params, inst_path, rt=None):
+    """§8.8 steps 1-2: required present, types coerced (§8.6.2), then defaults filled."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise doc.error(ConfigurationError, inst_path + ("params",), "params must be a mapping",
+                        "8.7")
+    values = {}
+    for name, decl in decls.items():
+        ptype = decl.get("type", "string")
+        if name in params:
+            given, at = params[name], inst_path + ("params", name)
+        elif "default" in decl:
+            continue
+        elif decl.get("required"):
+            raise doc.error(ConfigurationError, inst_path + ("params",),
+                            f"required parameter {name!r} is missing", "8.6.2")
+        else:
+            continue
+        values[name] = coerce_parameter(doc, name, decl, given, at)
+    for name, decl in decls.items():        # step 2, after validation
+        if name not in values and "default" in decl:
+            values[name] = coerce_parameter(doc, name, decl, copy.deepcopy(decl["default"]),
+                                            inst_path + ("params",))
+    for name in params:
+        if name not in decls:
+            warn(rt, f"parameter {name!r} is not declared by the template; passed through",
+                 section="8.6.1", path=inst_path + ("params", name))
+            values[name] = params[name]
+    return values
 
 # §8.7 Template instances ------------------------------------------------------------------
-# [templating]
+TEMPLATE_KINDS = ("agents", "graphs", "streams")
+ROUTE_KIND = {"graph": "graphs", "stream": "streams"}
+TEMPLATE_ROUTE_KEYS = ("template_config", "type", "description")
+
+
+def data_engine(data):
+    """The template_engine a document names for itself (§9.2 example: cleveragents.template_engine)."""
+    block = data.get("cleveragents")
+    if isinstance(block, dict) and block.get("template_engine"):
+        return block["template_engine"]
+    return data.get("template_engine")
+
+
+def expand_templates(doc, rt=None, *, engine=None):
+    """Phase B (§8.2 step 5, §8.6-§8.10): rewrite doc.data in place, every template instance
+    replaced by its concrete definition, before validation.
+
+    Agents with `template:` (also inside composite components, §8.10), routes with
+    `template_config:` (§8.7), and the deprecated `instances:` section (Q55).
+    """
+    data = doc.data
+    if not isinstance(data, dict):
+        return
+    ex = Expansion(doc, rt, data, engine)
+    instances = data.get("instances")
+    if instances is not None:
+        ex.move_instances(instances)
+    agents = data.get("agents")
+    if isinstance(agents, dict):
+        for name in list(agents):
+            agents[name] = ex.agent(agents[name], ("agents", name), ())
+    routes = data.get("routes")
+    if isinstance(routes, dict):
+        for name in list(routes):
+            routes[name] = ex.route(routes[name], ("routes", name))
+
+
+class Expansion:
+    """One Phase B pass over a document: the template registries and the instantiation steps."""
+
+    def __init__(self, doc, rt, data, engine=None):
+        self.doc, self.rt, self.data = doc, rt, data
+        self.engine = engine_name(engine or getattr(rt, "engine", None) or data_engine(data))
+        self.templates = self.registry("templates", dict)
+        self.strings = self.registry("template_strings", str)
+
+    def registry(self, section, body_type):
+        """templates / template_strings: {agents|graphs|streams: {name: body}}."""
+        table = self.data.get(section) or {}
+        if not isinstance(table, dict):
+            raise self.doc.error(ConfigurationError, (section,), f"{section} must be a mapping",
+                                 "8.6")
+        for kind, entries in table.items():
+            if kind not in TEMPLATE_KINDS:
+                raise self.doc.error(ConfigurationError, (section, kind), f"unknown template "
+                                     f"kind {kind!r}; use agents, graphs or streams", "8.6")
+            if not isinstance(entries, dict):
+                raise self.doc.error(ConfigurationError, (section, kind), "must be a mapping of "
+                                     "template name to definition", "8.6")
+            for name, body in entries.items():
+                if not isinstance(body, body_type):
+                    what = "a mapping" if body_type is dict else "a string (the raw body)"
+                    raise self.doc.error(ConfigurationError, (section, kind, name),
+                                         f"a {section} entry must be {what}", "8.6, 8.9")
+        return table
+
+    def move_instances(self, instances):
+        """INTERPRETATION §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read as
+        {name: {template, params}} and moved into `agents`, with a deprecation warning."""
+        warn(self.rt, "the `instances` section is deprecated; declare instances inline under "
+             "agents (template: ..., params: ...)", section="8.7", path=("instances",))
+        if not isinstance(instances, dict):
+            raise self.doc.error(ConfigurationError, ("instances",), "instances must be a mapping",
+                                 "8.7")
+        agents = self.data.setdefault("agents", {})
+        for name, inst in instances.items():
+            if not isinstance(inst, dict) or "template" not in inst:
+                raise self.doc.error(ConfigurationError, ("instances", name),
+                                     "an instance needs `template` (and `params`)", "8.7")
+            if isinstance(agents, dict) and name in agents:
+                raise self.doc.error(ConfigurationError, ("instances", name),
+                                     f"instance {name!r} clashes with agent {name!r}", "8.7")
+            agents[name] = inst
+
+    def agent(self, cfg, path, scope):
+        """An agent definition after Phase B; `scope` = names of the enclosing composite's
+        components (§8.7.1 scope 1), empty at the top level."""
+        for _ in range(32):                       # a template may yield another instance
+            if not isinstance(cfg, dict):
+                return cfg
+            if "agent_template" in cfg:
+                if "template" in cfg:
+                    raise self.doc.error(ConfigurationError, path, "`agent_template` and "
+                                         "`template` on the same agent", "16.3")
+                # INTERPRETATION §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says MUST.
+                raise self.doc.error(ConfigurationError, path + ("agent_template",),
+                                     "`agent_template` is a forbidden form; use `template`",
+                                     "16.2")
+            if "template" not in cfg:
+                break
+            if "type" in cfg and cfg["type"] != "template_instance":
+                raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
+                                     "same agent (one form excludes the other)", "16.3")
+            for key in cfg:
+                if key not in ("template", "params", "type"):
+                    warn(self.rt, f"key {key!r} beside `template` is ignored", section="8.7",
+                         path=path + (key,))
+            cfg = self.instantiate("agents", cfg["template"], cfg.get("params"), path, scope)
+        else:
+            raise self.doc.error(ConfigurationError, path, "templates instantiate each other "
+                                 "more than 32 levels deep", "8.7")
+        return self.composite(cfg, path)
+
+    def route(self, cfg, path):
+        """§8.7 routes via template_config: {template, params}."""
+        if not isinstance(cfg, dict) or "template_config" not in cfg:
+            return cfg
+        extra = [key for key in cfg if key not in TEMPLATE_ROUTE_KEYS]
+        if extra:
+            raise self.doc.error(ConfigurationError, path + (extra[0],), "a route with "
+                                 "template_config takes its structure from the template; "
+                                 f"remove {', '.join(extra)}", "16.3")
+        tc = cfg["template_config"]
+        if not isinstance(tc, dict) or not isinstance(tc.get("template"), str):
+            raise self.doc.error(ConfigurationError, path + ("template_config",),
+                                 "template_config needs `template` (and `params`)", "8.7")
+        name = tc["template"]
+        # INTERPRETATION §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then comes
+        # from the template's kind; when given it picks the kind and must match.
+        declared = str(cfg["type"]).lower() if "type" in cfg else None
+        if declared is not None and declared not in ROUTE_KIND:
+            raise self.doc.error(ConfigurationError, path + ("type",), "only graph and stream "
+                                 "routes can come from a template", "8.7")
+        kinds = [ROUTE_KIND[declared]] if declared else [
+            k for k in ("graphs", "streams") if self.find(k, name) is not None]
+        if len(kinds) > 1:
+            raise self.doc.error(ConfigurationError, path + ("template_config", "template"),
+                                 f"template {name!r} exists as a graph and as a stream "
+                                 "template; add `type` to the route", "8.7")
+        kind = kinds[0] if kinds else "graphs"
+        body = self.instantiate(kind, name, tc.get("params"), path + ("template_config",), ())
+        rtype = "graph" if kind == "graphs" else "stream"
+        if str(body.get("type", rtype)).lower() != rtype:
+            raise self.doc.error(ConfigurationError, path, f"template {name!r} yields a "
+                                 f"{body.get('type')} route, not a {rtype} route", "8.7")
+        body.setdefault("type", rtype)
+        return body
+
+    def instantiate(self, kind, name, params, path, scope):
+        return instantiate(self, kind, name, params, path, scope)
+
+    def composite(self, cfg, path):
+        return expand_composite(self, cfg, path)
+
+    def find(self, kind, name):
+        """(body, is_raw_string) of a registered template, or None."""
+        if name in (self.templates.get(kind) or {}):
+            return self.templates[kind][name], False
+        if name in (self.strings.get(kind) or {}):
+            return self.strings[kind][name], True
+        return None
 
 # §8.8 Template rendering semantics (Phase B) ---------------------------------------------
-# [templating]
+WHOLE_IF_BLOCK = re.compile(r"\s*\{%-?\s*if\b.*\{%-?\s*endif\s*-?%\}\s*", re.DOTALL)
+INT_FORM = re.compile(r"[-+]?\d+")
+FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
+
+
+def coerce_rendered(text):
+    """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
+    mapping becomes that value; anything else stays a string."""
+    s = text.strip()
+    if s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    if INT_FORM.fullmatch(s):
+        return int(s)
+    if FLOAT_FORM.fullmatch(s):
+        return float(s)
+    if (s.startswith("[") and s.endswith("]")) or (s.startswith("{") and s.endswith("}")):
+        try:
+            return json.loads(s)
+        except ValueError:
+            return text
+    return text
+
+
+def instantiate(ex, kind, name, params, path, scope):
+    """§8.8: the nine steps, in order, for one instance of template `name` of `kind`."""
+    found = ex.find(kind, name) if isinstance(name, str) else None
+    if found is None:
+        raise ex.doc.error(ConfigurationError, path + ("template",),
+                           f"unknown {kind[:-1]} template {name!r}", "8.7")
+    body, raw = found
+    section = "template_strings" if raw else "templates"
+    tpath = (section, kind, name)
+    decls = (template_string_parameters(ex.doc, body, tpath) if raw
+             else body.get("parameters"))
+    decls = parameter_declarations(ex.doc, decls, tpath + ("parameters",), ex.rt)
+    values = bind_parameters(ex.doc, decls, params, path, ex.rt)          # steps 1-2
+    variables = dict(BUILTINS)
+    variables.update(values)
+    if raw:                                                                 # §8.9
+        result = instantiate_string(ex, body, variables, path, tpath)
+    else:
+        result = copy.deepcopy(body)                                       # step 3
+        result.pop("parameters", None)                                     # step 4
+        result = render_tree(ex, result, variables, path, ())              # steps 5-7
+    resolve_references(ex, decls, values, path, scope)                     # step 8
+    return result                                                          # step 9
+
+
+def render_phase_b(ex, text, variables, path, runtime_field):
+    """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
+
+    INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
+    expression whose names are not all parameters or built-ins survives to Phase C (JINJA2).
+    """
+    if runtime_field and ex.engine == "JINJA2":
+        text = walk_tags(text, TagScope(set(variables) - RUNTIME_NAMES), defer=True)
+    try:
+        if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
+            rendered = render_simple(text, variables, format_pass=False)
+        else:
+            rendered = render(text, variables, ex.engine)
+    except TemplateError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
+                           "8.12") from exc
+    return restore_markers(rendered) if runtime_field else rendered
+
+
+def render_tree(ex, node, variables, path, keys):
+    """Steps 5-7 over a definition: render every string (keys too), coerce rendered scalars,
+    and drop the entries whose whole value was an {% if %} block that rendered empty."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            new_key = key
+            if has_template_syntax(key):
+                new_key = render_phase_b(ex, key, variables, path, False)
+            if dropped_if_block(value, ex, variables, path, key in ("system_prompt", "prompt")):
+                continue
+            out[new_key] = render_tree(ex, value, variables, path + (key,), keys + (key,))
+        return out
+    if isinstance(node, list):
+        return [render_tree(ex, item, variables, path + (i,), keys)
+                for i, item in enumerate(node)
+                if not dropped_if_block(item, ex, variables, path + (i,), False)]
+    if isinstance(node, str) and has_template_syntax(node):
+        runtime = bool(keys) and keys[-1] in ("system_prompt", "prompt")
+        rendered = render_phase_b(ex, node, variables, path, runtime)
+        return rendered if runtime else coerce_rendered(rendered)              # step 6
+    return node
+
+
+def dropped_if_block(value, ex, variables, path, runtime_field):
+    """Step 7. INTERPRETATION §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
+    one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
+    if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
+        return False
+    return render_phase_b(ex, value, variables, path, runtime_field).strip() == ""
+
+
+def resolve_references(ex, decls, values, path, scope):
+    """Step 8, §8.7.1: agent_ref / component_ref name a component of the enclosing composite
+    (scope 1) or a top-level agent -- or, for component_ref, a route (scope 2)."""
+    agents = ex.data.get("agents") if isinstance(ex.data.get("agents"), dict) else {}
+    routes = ex.data.get("routes") if isinstance(ex.data.get("routes"), dict) else {}
+    for name, decl in decls.items():
+        ptype = decl.get("type")
+        if ptype not in ("agent_ref", "component_ref") or name not in values:
+            continue
+        ref = values[name]
+        known = ref in scope or ref in agents or (ptype == "component_ref" and ref in routes)
+        if not isinstance(ref, str) or not known:
+            raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
+                               f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
+                               " in the composite or the actor", "8.7.1")
 
 # §8.9 The template_strings section -------------------------------------------------------
-# [templating]
+def template_string_parameters(doc, body, tpath):
+    """INTERPRETATION §8.9 (Q53 (a)): a template_strings body declares its parameters in a
+    leading top-level `parameters:` block, read as YAML before the first template tag."""
+    lines = body.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == "parameters:"), None)
+    if start is None:
+        return None
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        stripped = line.strip()
+        if stripped and not line.startswith((" ", "\t")):
+            break
+        block.append(line)
+    text = "".join(block)
+    if has_template_syntax(text):
+        raise doc.error(ConfigurationError, tpath, "the parameters block of a template_strings "
+                        "body must not contain template syntax", "8.9")
+    try:
+        return (yaml.safe_load(text) or {}).get("parameters")
+    except yaml.YAMLError as exc:
+        raise doc.error(ConfigurationError, tpath, f"parameters block: {exc}", "8.9") from exc
+
+
+def instantiate_string(ex, body, variables, path, tpath):
+    """§8.9: render the raw body with the parameters, then parse it as YAML.
+
+    INTERPRETATION §8.9/§18.11 (Q53 (e)): a body that yields one definition (it has `type` or
+    `template`) is the instance; a body that yields several definitions becomes a composite
+    named after the instance, those definitions its components (input: the first, output:
+    the last), so §18.11's `agent: legal_team` names something real.
+    """
+    try:
+        text = render_simple(body, variables, format_pass=False) if ex.engine == "SIMPLE" else \
+            render(body, variables, ex.engine)
+    except TemplateError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
+                           f"failed: {exc.message}", "8.12") from exc
+    try:
+        result = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} does not render to "
+                           f"YAML: {exc}", "8.9") from exc
+    if not isinstance(result, dict):
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} must render to a "
+                           "mapping", "8.9")
+    result.pop("parameters", None)
+    if "type" in result or "template" in result or tpath[1] != "agents":
+        return result
+    if not result:
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} rendered no "
+                           "definitions", "8.9")
+    names = list(result)
+    return {"type": "composite", "config": {
+        "components": {"agents": result},
+        "routing": {"input": {"type": "agent", "name": names[0]},
+                    "output": {"type": "agent", "name": names[-1]}}}}
 
 # §8.10 Composite templates ----------------------------------------------------------------
-# [templating]
+def expand_composite(ex, cfg, path):
+    """§8.10 / §8.7.1: template instances among a composite's components resolve references
+    in the composite's own scope first, then the actor's."""
+    if not (isinstance(cfg, dict) and cfg.get("type") == "composite"):
+        return cfg
+    config = cfg.get("config")
+    comps = config.get("components") if isinstance(config, dict) else None
+    agents = comps.get("agents") if isinstance(comps, dict) else None
+    if not isinstance(agents, dict):
+        return cfg
+    scope = tuple(agents)
+    at = path + ("config", "components", "agents")
+    for name in list(agents):
+        agents[name] = ex.agent(agents[name], at + (name,), scope)
+    return cfg
 
 # §8.11 Runtime template rendering (Phase C) ----------------------------------------------
-# [templating]
+def runtime_variables(ctx, message):
+    """§8.11 table: the §8.3 built-ins, the context's top-level keys flattened, `context` and
+    `message` (the text of the message being processed)."""
+    if isinstance(message, Message):
+        message = message.content
+    variables = dict(BUILTINS)
+    if isinstance(ctx, dict):
+        variables.update(ctx)
+    variables["context"] = ctx if ctx is not None else {}
+    variables["message"] = message
+    return variables
+
+
+def render_runtime(rt, text, ctx, message, path=None):
+    """§8.11 Phase C: render a system prompt or prompt template for one invocation, in
+    rt.engine; on failure warn and use the literal text (§8.12, §4.4.6).
+
+    Registered prompts (§10.4, rt.prompts) serve as MUSTACHE partials.
+    """
+    if not isinstance(text, str):
+        return text
+    engine = engine_name(getattr(rt, "engine", None))
+    if engine != "SIMPLE" and not has_template_syntax(text):
+        return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
+    try:
+        return render(text, runtime_variables(ctx, message), engine,
+                      partials=getattr(rt, "prompts", None))
+    except TemplateError as exc:
+        warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
+             section="8.12", path=path)
+        return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# [templating]
+# §8.12 table: what a render failure does at each phase.
+RENDER_FAILURE = {
+    "A": "ConfigurationError: the configuration fails to load (render_document)",
+    "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
+    "C": "warning, then the literal unrendered text (render_runtime)",
+}
 
 
 # =====================================================================================
@@ -733,13 +6351,381 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §9.2 template_engine ---------------------------------------------------------------------
-# [templating] the JINJA2, MUSTACHE and SIMPLE engines; render(text, variables, engine, partials)
+# The three dialects share one entry point, render(); Phases A, B and C all go through it.
+try:  # the one place jinja2 is imported; without it only configs that need JINJA2 fail
+    import jinja2
+    import jinja2.meta
+    import jinja2.sandbox
+except ImportError:  # pragma: no cover - exercised only on hosts without jinja2
+    jinja2 = None
+
+JINJA2_MISSING = "the JINJA2 template engine needs the jinja2 package: python3 -m pip install jinja2"
+
+
+def _require_jinja2():
+    if jinja2 is None:
+        raise TemplateError(JINJA2_MISSING, section="9.2")
+
+
+if jinja2 is not None:
+    class RuntimeUndefined(jinja2.Undefined):
+        """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
+        but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x %}`)."""
+
+        __slots__ = ()
+        __str__ = jinja2.Undefined._fail_with_undefined_error
+        __len__ = jinja2.Undefined._fail_with_undefined_error
+
+        def __lt__(self, other):
+            return False
+
+        __le__ = __gt__ = __ge__ = __lt__
+
+        def __iter__(self):
+            return iter(())
+
+
+if jinja2 is not None:
+    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
+        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
+        attribute, so `context.items` is the configured list, not dict.items.
+
+        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+        """
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, dict) and attribute in obj:
+                return obj[attribute]
+            return super().getattr(obj, attribute)
+
+
+@functools.lru_cache(maxsize=None)
+def jinja_environment():
+    """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
+
+    Templates come from configuration files, hence the sandbox; keep_trailing_newline by Q59 (a).
+    """
+    _require_jinja2()
+    env = ActorSandbox(
+        undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
+    env.globals.update(BUILTINS)
+    env.filters.update(FILTERS)
+    return env
+
+
+@functools.lru_cache(maxsize=4096)
+def jinja_template(text):
+    """Compiled template by source text: the hot path (Phase C, once per message) never re-parses."""
+    return jinja_environment().from_string(text)
+
+
+def jinja_error_line(exc):
+    """The template line an error happened on (syntax errors carry it; runtime errors are
+    located through the traceback frame jinja2 rewrites to `<template>`)."""
+    if getattr(exc, "lineno", None):
+        return exc.lineno
+    tb, line = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def render_jinja2(text, variables, partials=None):
+    """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
+    try:
+        return jinja_template(text).render(variables)
+    except TemplateError:
+        raise
+    except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
+        err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
+        err.line = jinja_error_line(exc)
+        raise err from exc
+
+
+# MUSTACHE: a hand-written tokenizer + tree renderer -----------------------------------------
+MUSTACHE_STANDALONE = "#^/!>="        # tag sigils that may stand alone on a line
+MUSTACHE_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}
+
+
+def mustache_parse(text, open_delim="{{", close_delim="}}"):
+    """Tokenize and nest a Mustache template into a node list.
+
+    Nodes: ('text', s) ('var', name, escaped) ('section', name, inverted, nodes) ('partial', name,
+    indent). Standalone tags (alone on their line apart from whitespace) take the whole line away.
+    """
+    root, stack, pos = [], [], 0
+    nodes = root
+    n = len(text)
+    while pos < n:
+        start = text.find(open_delim, pos)
+        if start < 0:
+            nodes.append(("text", text[pos:]))
+            break
+        inner = start + len(open_delim)
+        if text.startswith("{", inner):          # triple mustache {{{name}}}
+            close = "}" + close_delim
+            inner += 1
+            sigil = "{"
+        else:
+            close = close_delim
+            sigil = text[inner] if inner < n else ""
+        end = text.find(close, inner)
+        if end < 0:
+            raise TemplateError(f"MUSTACHE: unclosed tag at offset {start}", section="9.2")
+        body = text[inner:end]
+        after = end + len(close)
+        if sigil in "#^/!>=&":
+            body = body[1:]
+        if sigil == "=":
+            body = body.rstrip()
+            if not body.endswith("="):
+                raise TemplateError("MUSTACHE: malformed set-delimiter tag", section="9.2")
+            parts = body[:-1].split()
+            if len(parts) != 2:
+                raise TemplateError("MUSTACHE: set-delimiter needs two delimiters", section="9.2")
+        name = body.strip()
+        before = text[pos:start]
+        indent = ""
+        if sigil and sigil in MUSTACHE_STANDALONE:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", after)
+            line_end = n if line_end < 0 else line_end
+            lead, trail = text[line_start:start], text[after:line_end]
+            if line_start >= pos and lead.strip(" \t") == "" and trail.strip(" \t\r") == "":
+                before = before[:len(before) - len(lead)]
+                indent = lead
+                after = min(n, line_end + 1)
+        if before:
+            nodes.append(("text", before))
+        pos = after
+        if sigil == "!":
+            continue
+        if sigil == "=":
+            open_delim, close_delim = parts
+            continue
+        if sigil in "#^":
+            section = ("section", name, sigil == "^", [])
+            nodes.append(section)
+            stack.append((name, nodes))
+            nodes = section[3]
+        elif sigil == "/":
+            if not stack or stack[-1][0] != name:
+                raise TemplateError(f"MUSTACHE: unexpected closing tag {name!r}", section="9.2")
+            nodes = stack.pop()[1]
+        elif sigil == ">":
+            nodes.append(("partial", name, indent))
+        else:
+            nodes.append(("var", name, sigil not in "&{"))
+    if stack:
+        raise TemplateError(f"MUSTACHE: unclosed section {stack[-1][0]!r}", section="9.2")
+    return root
+
+
+def mustache_lookup(stack, name):
+    """Mustache name resolution: '.' is the top; 'a.b.c' finds 'a' up the stack, then digs."""
+    if name == ".":
+        return stack[-1]
+    first, *rest = name.split(".")
+    for frame in reversed(stack):
+        if isinstance(frame, dict) and first in frame:
+            value = frame[first]
+            break
+    else:
+        return None
+    for part in rest:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return None
+    return value
+
+
+def mustache_text(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def mustache_render_nodes(nodes, stack, partials, out, depth=0):
+    for node in nodes:
+        kind = node[0]
+        if kind == "text":
+            out.append(node[1])
+        elif kind == "var":
+            text = mustache_text(mustache_lookup(stack, node[1]))
+            if node[2]:
+                text = "".join(MUSTACHE_ESCAPES.get(ch, ch) for ch in text)
+            out.append(text)
+        elif kind == "section":
+            value = mustache_lookup(stack, node[1])
+            falsy = value is None or value is False or value == "" or (
+                isinstance(value, (list, tuple)) and not value)
+            if node[2]:
+                if falsy:
+                    mustache_render_nodes(node[3], stack, partials, out, depth)
+            elif falsy:
+                continue
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    mustache_render_nodes(node[3], stack + [item], partials, out, depth)
+            else:
+                mustache_render_nodes(node[3], stack + [value], partials, out, depth)
+        else:  # partial
+            if depth > 100:
+                raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
+            source = (partials or {}).get(node[1])
+            if source is None:
+                continue
+            if node[2]:  # a standalone partial indents every line it produces
+                source = node[2] + re.sub(r"\n(?!$)", "\n" + node[2], source)
+            mustache_render_nodes(mustache_parse(source), stack, partials, out, depth + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def mustache_compiled(text):
+    return mustache_parse(text)
+
+
+def render_mustache(text, variables, partials=None):
+    """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
+    out = []
+    mustache_render_nodes(mustache_compiled(text), [variables], partials, out)
+    return "".join(out)
+
+
+# SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
+def simple_expressions(text, variables):
+    """Pass 1: each {{ expr }} is evaluated in the expression sandbox and replaced by str(value)."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        if start < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        end = text.find("}}", start + 2)
+        if end < 0:
+            raise TemplateError("SIMPLE: '{{' without a closing '}}'", section="9.2")
+        out.append(text[pos:start])
+        source = text[start + 2:end].strip()
+        try:
+            value = eval_expression_text(source, dict(variables))
+        except ActorError as exc:
+            raise TemplateError(f"SIMPLE: {{{{ {source} }}}}: {exc.message}", section="9.2") from exc
+        out.append("" if value is None else str(value))
+        pos = end + 2
+
+
+def simple_field(variables, field):
+    """Resolve a format field `name`, `name.key` or `name[key]` through mappings and lists only:
+    attribute access would reach Python internals, so it is not offered."""
+    parts, token, i = [], "", 0
+    while i < len(field):
+        ch = field[i]
+        if ch == ".":
+            parts.append(token)
+            token = ""
+        elif ch == "[":
+            close = field.find("]", i)
+            if close < 0:
+                raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+            parts.append(token)
+            token = field[i + 1:close]
+            i = close
+        else:
+            token += ch
+        i += 1
+    parts.append(token)
+    parts = [p for p in parts if p != ""] or [""]
+    value = variables
+    for part in parts:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise TemplateError(f"SIMPLE: unknown name {{{field}}} in format substitution",
+                                section="9.2")
+    return value
+
+
+def simple_format(text, variables):
+    """Pass 2: `{name}` fields replaced from the variables; `{{`/`}}` stand for literal braces."""
+    out = []
+    try:
+        pieces = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise TemplateError(f"SIMPLE: format substitution: {exc}", section="9.2") from exc
+    for literal, field, spec, conversion in pieces:
+        out.append(literal)
+        if field is None:
+            continue
+        value = simple_field(variables, field)
+        if conversion == "r":
+            value = repr(value)
+        elif conversion in ("s", "a"):
+            value = str(value) if conversion == "s" else ascii(value)
+        try:
+            out.append(format(value, simple_format(spec, variables) if spec else ""))
+        except (ValueError, TypeError) as exc:
+            raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
+    return "".join(out)
+
+
+def render_simple(text, variables, partials=None, *, format_pass=True):
+    """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    text = simple_expressions(text, variables)
+    return simple_format(text, variables) if format_pass else text
+
+
+ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
+
+
+def engine_name(engine):
+    """§9.2: case-insensitive; canonical upper case; unknown -> TemplateError."""
+    name = str(engine or "JINJA2").upper()
+    if name not in ENGINES:
+        raise TemplateError(f"unknown template_engine {engine!r}: use one of {', '.join(ENGINES)}",
+                            section="9.2")
+    return name
+
+
+def render(text, variables, engine="JINJA2", partials=None):
+    """Render `text` with `variables` in one of the §9.2 dialects (public API).
+
+    MUSTACHE accepts any value as the root context and `partials` ({name: source}); JINJA2 and
+    SIMPLE take a mapping. Every failure is a TemplateError.
+    """
+    handler = ENGINES[engine_name(engine)]
+    if handler is not render_mustache and not isinstance(variables, dict):
+        raise TemplateError("variables must be a mapping for JINJA2 and SIMPLE", section="9.2")
+    return handler(text, variables, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
-# [foundation]
+# See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
+# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words; "false" and "no" do not count.
+TRUTHY_WORDS = {"true", "yes", "on", "1"}
+
+
+def is_declared_true(value):
+    if isinstance(value, str):
+        return value.strip().lower() in TRUTHY_WORDS
+    return bool(value) and isinstance(value, (bool, int, float))
+
+
+def check_unsafe(doc, host_unsafe):
+    """§9.4, §13.1: an Actor that declares unsafe is refused on a safe host."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    if is_declared_true(glob.get("unsafe")) and not host_unsafe:
+        raise doc.error(UnsafeConfigurationError, ("context", "global", "unsafe"),
+                        "this Actor requires unsafe mode and the host is in safe mode "
+                        "(run with --unsafe / load(unsafe=True))", "9.4, §13.1")
 
 
 # =====================================================================================
@@ -747,13 +6733,72 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §10.1 The context section --------------------------------------------------------------
-# [foundation]
+def check_context(doc):
+    """§10.1, §10.3, §4.4.5: context.global is a mapping of user keys."""
+    section = doc.data.get("context")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
+    glob = section.get("global")
+    if glob is None:
+        return
+    if not isinstance(glob, dict):
+        raise doc.error(ConfigurationError, ("context", "global"), "context.global must be a mapping",
+                        "10.1")
+    for key in glob:
+        path = ("context", "global", key)
+        if str(key).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"context key '{key}' is reserved (keys starting with __)", "10.3")
+        if key in HOST_ONLY_CONTEXT_KEYS:
+            raise doc.error(ConfigurationError, path, f"'{key}' is set by the host, never by the "
+                            "Actor configuration", HOST_ONLY_CONTEXT_KEYS[key])
+
+
+def build_global_context(doc, host_context, host_unsafe):
+    """§10.2 item 1: the live global context, plus the host's invocation-context keys (§10.3)."""
+    glob = (doc.data.get("context") or {}).get("global") or {}
+    ctx = copy.deepcopy(glob)
+    if host_unsafe:
+        ctx["_unsafe_mode"] = True
+    ctx.update(host_context or {})
+    return ctx
+
 
 # §10.3 Reserved context keys -------------------------------------------------------------
-# [foundation]
+# Keys only the host may set. INTERPRETATION §10.3 (Q84): declaring them in context.global is an error.
+HOST_ONLY_CONTEXT_KEYS = {"_temperature_override": "4.4.5, §10.3", "_unsafe_mode": "10.3, §13.3"}
+RESERVED_CONTEXT_KEYS = (
+    "_temperature_override", "_unsafe_mode", "auto_finish_active", "auto_finish_state",
+    "auto_finish_final_stage", "auto_finish_last_output", "graph_state", "conversation_history",
+    "full_context", "_history_truncated", "_history_original_length", "next_node", "last_output",
+    "last_agent_node", "current_message", "current_node", "current_section_path",
+    "current_section_index", "section_paths", "writing_stage", "current_latex_index",
+)
+
 
 # §10.4 The prompts section ---------------------------------------------------------------
-# [foundation]
+def collect_prompts(doc):
+    """§10.4: name -> template text, long form only.
+
+    INTERPRETATION §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
+    without a `content` key is skipped silently.
+    """
+    prompts = {}
+    section = doc.data.get("prompts")
+    if section is None:
+        return prompts
+    if not isinstance(section, dict):
+        raise doc.error(ConfigurationError, ("prompts",), "prompts must be a mapping", "10.4")
+    for name, value in section.items():
+        if isinstance(value, str):
+            raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
+                            "forbidden; write {content: ...}", "16.2, §10.4")
+        if isinstance(value, dict) and "content" in value:
+            prompts[name] = value["content"] if isinstance(value["content"], str) else str(
+                value["content"])
+    return prompts
 
 
 # =====================================================================================
@@ -761,22 +6806,187 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §11.1 Structural validation -------------------------------------------------------------
-# [foundation]
+# Items 1-5 and 7 are checked by check_top_level (§3.2), item 6 by resolve_default_router (§3.4),
+# items 3-4 per agent by check_agent (§4.1).
+
+def validate_document(doc, rt, host_default_router=None):
+    """§11 (with §9.4, §10, §15, §16): every rule, before any agent is created. Returns the default
+    router (or None)."""
+    agent_names = set(doc.data["agents"])
+    for name, cfg in doc.data["agents"].items():
+        check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
+        check_agent_name_style(rt, name, ("agents", name))
+        warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
+    check_context(doc)
+    collect_prompts(doc)
+    check_reserved_template_keys(doc)
+    known = check_routes(doc, rt, agent_names)
+    check_merges_and_splits(doc, rt, known)
+    check_pipelines(doc, rt)
+    graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
+    check_streams(doc, agent_names, graph_names)
+    check_unsafe(doc, rt.unsafe)
+    return resolve_default_router(doc, rt, host_default_router)
+
 
 # §11.2 Agent validation -----------------------------------------------------------------
-# [foundation]
+# check_agent (§4.1) rejects unregistered types and reserved names; the AGENT_TYPES table (§4.3)
+# is the registry. Phase B has already replaced template/agent_template instances.
 
 # §11.3 Route validation -----------------------------------------------------------------
-# [foundation]
+ROUTE_TYPES = ("stream", "graph", "bridge")
+# Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
+# silently.
+ROUTE_FIELDS = {
+    "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
+               "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
+    "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
+              "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
+              "template_config"),
+    "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
+               "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
+}
+AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
+MERGE_FIELDS = ("sources", "target")                                        # §7.1
+SPLIT_FIELDS = ("source", "targets")                                        # §7.2
+
+
+def warn_unknown_fields(rt, mapping, known, path, section):
+    for key in mapping:
+        if key not in known:
+            rt.warn(f"unknown field '{key}' is ignored", section=section, path=path + (key,))
+
+
+def stream_names(doc):
+    """Names a subscription, publication, merge or split may use.
+
+    INTERPRETATION §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
+    splits create their missing targets.
+    """
+    names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
+    for merge in doc.data.get("merges") or []:
+        if isinstance(merge, dict) and isinstance(merge.get("target"), str):
+            names.add(merge["target"])
+    for split in doc.data.get("splits") or []:
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            names.update(split["targets"])
+    return names
+
+
+def check_routes(doc, rt, agent_names):
+    """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower case."""
+    routes = doc.data["routes"]
+    known = stream_names(doc)
+    for name, route in routes.items():
+        path = ("routes", name)
+        if str(name).startswith("__"):
+            raise doc.error(ConfigurationError, path,
+                            f"route name '{name}' is reserved (names starting with __)", "15.4, §5.1")
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path, "a route must be a mapping", "5.1")
+        if "type" not in route:
+            raise doc.error(ConfigurationError, path, "route has no type", "11.3, §5.1")
+        kind = str(route["type"]).lower()
+        if kind not in ROUTE_TYPES:
+            raise doc.error(ConfigurationError, path + ("type",), f"route type '{route['type']}' "
+                            "is not one of stream, graph, bridge", "11.3")
+        route["type"] = kind
+        warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
+                                                                   "bridge": "5.6"}[kind])
+        if kind == "stream":
+            for field in ("subscriptions", "publications", "agents"):
+                value = route.get(field)
+                if value is not None and not isinstance(value, list):
+                    raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
+                                    "5.3")
+            for field in ("subscriptions", "publications"):
+                for i, target in enumerate(route.get(field) or []):
+                    if target not in known:
+                        raise doc.error(ConfigurationError, path + (field, i),
+                                        f"'{target}' is not a known route or built-in stream",
+                                        "11.3, §5.5")
+            for i, agent in enumerate(route.get("agents") or []):
+                if agent not in agent_names:
+                    raise doc.error(ConfigurationError, path + ("agents", i),
+                                    f"agent '{agent}' is not defined in agents", "11.3")
+        elif kind == "graph":
+            check_graph(doc, name, route, path, agent_names)
+    return known
+
 
 # §11.4 Merge/split validation -----------------------------------------------------------
-# [foundation]
+def check_merges_and_splits(doc, rt, known):
+    """§11.4, §7.1, §7.2."""
+    for section in ("merges", "splits"):
+        value = doc.data.get(section)
+        if value is not None and not isinstance(value, list):
+            raise doc.error(ConfigurationError, (section,), f"{section} must be a sequence",
+                            "7.1" if section == "merges" else "7.2")
+    for i, merge in enumerate(doc.data.get("merges") or []):
+        path = ("merges", i)
+        if not isinstance(merge, dict):
+            raise doc.error(ConfigurationError, path, "a merge must be a mapping", "7.1")
+        warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
+        if merge.get("target") is None:
+            raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
+        sources = merge.get("sources") or []
+        if not isinstance(sources, list):
+            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
+                            "7.1")
+        for j, source in enumerate(sources):
+            if source not in known:
+                raise doc.error(ConfigurationError, path + ("sources", j),
+                                f"merge source '{source}' is not a known route or stream", "11.4")
+    for i, split in enumerate(doc.data.get("splits") or []):
+        path = ("splits", i)
+        if not isinstance(split, dict):
+            raise doc.error(ConfigurationError, path, "a split must be a mapping", "7.2")
+        warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
+        if split.get("source") is None:
+            raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
+        if split["source"] not in known:
+            raise doc.error(ConfigurationError, path + ("source",),
+                            f"split source '{split['source']}' is not a known route or stream",
+                            "11.4")
+        targets = split.get("targets")
+        if targets is not None and not isinstance(targets, dict):
+            raise doc.error(ConfigurationError, path + ("targets",),
+                            "targets must be a mapping of target name to condition", "7.2")
+
 
 # §11.5 Pipeline validation --------------------------------------------------------------
-# [foundation]
+def check_pipelines(doc, rt):
+    """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
+    pipelines = doc.data.get("pipelines")
+    if pipelines is None:
+        return
+    if not isinstance(pipelines, dict):
+        raise doc.error(ConfigurationError, ("pipelines",), "pipelines must be a mapping", "7.3")
+    routes = doc.data["routes"]
+    for pname, pipeline in pipelines.items():
+        stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+        if not isinstance(stages, list):
+            raise doc.error(ConfigurationError, ("pipelines", pname),
+                            "a pipeline needs a stages sequence", "7.3")
+        for i, stage in enumerate(stages):
+            path = ("pipelines", pname, "stages", i)
+            if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
+                    "stream", "graph"):
+                raise doc.error(ConfigurationError, path,
+                                "a stage is a mapping with type stream or graph", "7.3")
+            kind, name = str(stage["type"]).lower(), stage.get("name")
+            if kind == "graph" and "config" not in stage:
+                ref = stage.get("graph", name)
+                if (routes.get(ref) or {}).get("type") != "graph":
+                    rt.warn(f"graph stage refers to '{ref}', which is not a graph route",
+                            section="11.5", path=path)
+            if kind == "stream" and name in routes:
+                rt.warn(f"stream stage '{name}' has the name of an existing route",
+                        section="11.5", path=path)
+
 
 # §11.6 Environment variable validation ------------------------------------------------
-# [foundation]
+# A required ${VAR} that is unset fails in interpolate_env (§14.2) with a ConfigurationError.
 
 
 # =====================================================================================
@@ -784,19 +6994,284 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §12.1 Lifecycle --------------------------------------------------------------------------
-# [foundation]
+def read_sources(paths, text):
+    """The raw documents, in order: files first, then `text` (as '<text>')."""
+    sources = []
+    for p in paths:
+        try:
+            sources.append((str(p), Path(p).read_bytes()))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
+                                     section="3.1", file=str(p)) from None
+    if text is not None:
+        sources.append(("<text>", text))
+    if not sources:
+        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+    return sources
+
+
+def parse_source(raw, file, render_context, engine):
+    """§3.1 and §8.2: one document's text -> (data, marks), through Phase A when it is templated."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
+                                     file=file) from None
+    check_sentinels(raw, file)
+    if not has_template_syntax(raw):
+        return parse_yaml(raw, file)
+    try:
+        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
+    except ActorError as exc:
+        exc.file = exc.file or file
+        raise
+    data, marks = parse_yaml(rendered, file)
+    return restore_sentinels(data), marks
+
+
+def load_document(sources, render_context, engine, env, rt):
+    """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
+    data, marks, files = None, {}, []
+    for file, raw in sources:
+        part, part_marks = parse_source(raw, file, render_context, engine)
+        files.append(file)
+        if not isinstance(part, dict):
+            kind = "empty" if part is None else type(part).__name__
+            raise ConfigurationError(f"top-level value must be a mapping, not {kind}",
+                                     section="3.1, §11.1", file=file,
+                                     line=part_marks.get((), (None, None, None))[1])
+        if data is None:
+            data, marks = part, dict(part_marks)
+        else:
+            before = copy.deepcopy(data)
+            deep_merge(data, part)
+            merge_marks(marks, part_marks, before, part)
+    doc = Doc(data, marks, files)
+    rt.doc = doc
+    doc.data = interpolate_env(doc.data, env, doc)
+    return doc
+
+
+def resolve_engine(doc, host_engine):
+    """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
+    value, path = host_parameter(doc, "template_engine", host_engine)
+    value = "JINJA2" if value is None else value
+    engine = str(value).upper()
+    if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
+        raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
+                        f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
+    return engine
+
+
+def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
+                default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
+                context=None):
+    """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
+    rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
+                 provider=provider, llm_transport=llm_transport)
+    phase_a_engine = str(template_engine or "JINJA2").upper()
+    doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
+    check_top_level(doc, rt)
+    rt.engine = resolve_engine(doc, template_engine)
+    # Step 2: register templates (Phase B instantiates every template instance, §8.6-§8.10).
+    expand_templates(doc, rt)
+    router = validate_document(doc, rt, default_router)
+    # Steps 3-6: agents, routes, merges/splits, pipelines.
+    rt.context = build_global_context(doc, context, rt.unsafe)
+    rt.prompts = collect_prompts(doc)
+    rt.default_router = router
+    for name, cfg in doc.data["agents"].items():
+        rt.agents[name] = make_agent(rt, name, cfg, ("agents", name))
+    for name, route in doc.data["routes"].items():
+        if route["type"] == "graph":
+            rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
+    network = StreamNetwork(rt)
+    return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
-# [streams] §12.2.2 ordering, §12.2.3 error handling, §12.2.4 timeouts
+# §12.2.2: order within a stream holds because every stage is a synchronous call made in
+# arrival order, and timers fire in (time, sequence) order. Across fan-out each message reaches
+# its targets one at a time, in declaration order of the links.
+# INTERPRETATION §12.2.2 (Q97): fan-out delivers each message to every target, in link
+# declaration order, before the next message.
+
+SOFT_TIMEOUT = 30.0         # §12.2.4: per-message completion bound in single-shot runs, seconds
+SOFT_TIMEOUT_TEXT = "Per-message completion exceeded the soft timeout"
+DEBOUNCE_SINGLE_SHOT_CAP = 0.05     # §5.3.2 debounce: seconds
+
+
+def error_reason(exc):
+    """The <reason> of "Error: <reason>": the error's own message, never a traceback."""
+    if isinstance(exc, ActorError):
+        return exc.message
+    return str(exc) or type(exc).__name__
+
+
+def error_category(exc):
+    """§12.2.3 metadata.error_type: the §20 category an error carries, else ExecutionError."""
+    # INTERPRETATION §12.2.3, §20 (Q94): agent, tool and expression failures are
+    # ExecutionErrors (an §20 error raised by the agent keeps its own category); routing
+    # failures are StreamRoutingErrors.
+    return exc.category if isinstance(exc, ActorError) else "ExecutionError"
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
-# [llm]
+# INTERPRETATION §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
+# and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of the
+# invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
+# here, since §13.5 ties it to a tool agent's `allow_shell`.
+TOOL_EXECUTE_PATTERN = re.compile(
+    r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+# INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
+TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
+TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
+
+# Characters escaped inside JSON string values by the §12.4 item 2 sanitiser.
+_TOOL_PAYLOAD_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b",
+                         "\f": "\\f"}
+
+
+def check_tool_execute(rt, tools, enabled, cpath):
+    """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
+    if tools is None:
+        if enabled:
+            raise rt.error(ConfigurationError, cpath + ("tool_execute",),
+                           "tool_execute needs a 'tools' list of built-in tool names", "12.4")
+        return []
+    if not enabled:
+        rt.warn("'tools' has no effect without tool_execute: true", section="12.4",
+                path=cpath + ("tools",))
+    for i, name in enumerate(tools):
+        if not isinstance(name, str) or name not in BUILTIN_TOOLS or name in TOOL_EXECUTE_EXCLUDED:
+            raise rt.error(ConfigurationError, cpath + ("tools", i),
+                           f"{name!r} is not a built-in tool that tool_execute may call", "12.4")
+    return list(tools)
+
+
+def sanitize_tool_payload(text):
+    """§12.4 item 2: inside JSON string values, double every backslash and escape raw control
+    characters and inner double quotes, so that model-written payloads parse.
+
+    A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
+    """
+    # INTERPRETATION §12.4 item 2: "literal backslashes" are all backslashes inside string values,
+    # so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
+    out = []
+    in_string = False
+    for i, ch in enumerate(text):
+        if not in_string:
+            out.append(ch)
+            in_string = ch == '"'
+        elif ch == '"':
+            rest = text[i + 1:].lstrip()
+            if not rest or rest[0] in ",}]:":
+                out.append(ch)
+                in_string = False
+            else:
+                out.append('\\"')
+        elif ch in _TOOL_PAYLOAD_ESCAPES:
+            out.append(_TOOL_PAYLOAD_ESCAPES[ch])
+        elif ch < " ":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def process_tool_blocks(rt, text, allowed, ctx):
+    """§12.4: run each `[TOOL_EXECUTE:name] {json} [/TOOL_EXECUTE]` block of an llm output and put
+    its result (or a readable error) in its place, last block first."""
+    if not isinstance(text, str):
+        return text
+    for match in reversed(list(TOOL_EXECUTE_PATTERN.finditer(text))):
+        name, payload = match.group(1), match.group(2)
+        result = _tool_block_result(rt, name, payload, allowed, ctx)
+        text = text[:match.start()] + result + text[match.end():]
+    return text
+
+
+def _tool_block_result(rt, name, payload, allowed, ctx):
+    if name not in allowed:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
+    try:
+        args = json.loads(sanitize_tool_payload(payload))
+    except json.JSONDecodeError as exc:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason=f"invalid JSON payload ({exc.msg})")
+    if not isinstance(args, dict):
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
+    try:
+        result = run_builtin_tool(rt, name, args, ctx)
+    except ActorError as exc:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
+    return result if isinstance(result, str) else _llm_text(result)
+
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
-# [streams]
+# §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
+# ending in "_" is a family (GOTO_<TARGET>:); the others are fixed tokens.
+# INTERPRETATION §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
+# including its first colon, with the blanks after it. A host extends the list by setting
+# rt.routing_prefixes (same syntax) before the network is built.
+ROUTING_PREFIXES = (
+    "GOTO_",
+    "ROUTE_",
+    "SET_",
+    "CMD_",
+    "COMMAND_OUTPUT:",
+    "DISCOVERY_RESPONSE:",
+    "AUTO_SECTIONS_COMPLETE:",
+)
+
+
+def routing_prefix_pattern(extra=None):
+    """One compiled regex matching a leading routing token (and the blanks after it)."""
+    parts = []
+    for prefix in tuple(ROUTING_PREFIXES) + tuple(extra or ()):
+        if prefix.endswith("_"):
+            parts.append(re.escape(prefix) + r"[^\s:]+:")
+        else:
+            parts.append(re.escape(prefix))
+    return re.compile(r"(?:" + "|".join(parts) + r")[ \t]*")
+
+
+def strip_routing_prefix(text, extra=None):
+    """`text` without one leading §12.5 routing token (a convenience for hosts and tests)."""
+    match = routing_prefix_pattern(extra).match(text)
+    return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# [streams]
+# INTERPRETATION §12.6 (Q25): every cycle of static links (publications, merges, splits, the
+# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError,
+# limiting operators or not: each message is pushed synchronously, so a cycle is unbounded
+# recursion unless an operator happens to stop it. Feedback through __error__ (an error handler
+# that fails) is cut at run time by the __error__ sink (see _Sink.push).
+
+def find_stream_cycle(edges):
+    """First cycle among (source, target, path) links: ([names...], path of the closing link)."""
+    after = {}
+    for source, target, path in edges:
+        after.setdefault(source, []).append((target, path))
+    state = {}      # name -> 1 while on the DFS stack, 2 when done
+
+    def visit(name, trail):
+        state[name] = 1
+        for target, path in after.get(name, ()):
+            if state.get(target) == 1:
+                names = [n for n, _p in trail] + [name]
+                return names[names.index(target):] + [target], path
+            if target not in state:
+                found = visit(target, trail + [(name, path)])
+                if found:
+                    return found
+        state[name] = 2
+        return None
+
+    for name in list(after):
+        if name not in state:
+            found = visit(name, [])
+            if found:
+                return found
+    return None
 
 
 # =====================================================================================
@@ -804,7 +7279,9 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §13.1 Safe and unsafe modes -----------------------------------------------------------
-# [foundation]
+# The host sets the mode (Runtime.unsafe, from load(unsafe=...) or --unsafe); an Actor may only
+# declare that it needs unsafe mode (check_unsafe, §9.4). In unsafe mode the invocation context also
+# carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
 # One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2 (expression)
@@ -1624,10 +8101,88 @@ _SANDBOX_GUARDS = {
 }
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
-# [tools]
+def host_refusal(env, given, op):
+    """§13.3: why the host's mode refuses `given` for `op`, or None (the agent layer is §4.5.4)."""
+    absolute, traversal, tilde = path_facts(given)
+    # INTERPRETATION §13.3: `~` is refused by both file tools in every mode; home expansion would
+    # read the process environment, which the Actor never sees (rt.env is its only environment).
+    if tilde:
+        return f"{op} rejects paths beginning with ~ (no home-directory expansion)"
+    if env.unsafe_host:
+        if op == "file_write" and traversal:
+            return "file_write rejects `..` traversal even in unsafe mode"
+        return None
+    if op == "file_write":
+        return "file_write is disabled unless the host is in unsafe mode"
+    if traversal:
+        return "file_read rejects `..` in safe mode"
+    if absolute:
+        return "file_read rejects absolute paths in safe mode"
+    return None
+
+
+def tool_path(env, given, op):
+    """Check `given` against both layers and resolve it against rt.workdir (never the process cwd).
+
+    INTERPRETATION §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the agent's
+    `safe_mode` rules and the host's mode both allow it.
+    """
+    if not isinstance(given, str) or not given.strip():
+        raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+    reason = safe_mode_refusal(env, given, op)
+    section = "4.5.4"
+    if reason is None:
+        reason, section = host_refusal(env, given, op), "13.3"
+    if reason is not None:
+        raise env.fail(f"{reason}: {given}", section)
+    base = Path(env.rt.workdir).resolve()
+    target = Path(given) if path_facts(given)[0] else base / given
+    resolved = target.resolve()
+    # INTERPRETATION §4.5.4, §13.3: in safe mode file_read must also stay inside the working
+    # directory once symlinks are followed (else a link would undo the `..`/absolute rules).
+    # file_write's own outside-the-directory rule is waived by `_unsafe_mode: true`, which
+    # file_write always requires, so it never refuses there.
+    if op == "file_read" and not env.unsafe_host and not resolved.is_relative_to(base):
+        raise env.fail(f"file_read rejects paths resolving outside the working directory: "
+                       f"{given}", "13.3")
+    return resolved
 
 # §13.5 Shell execution --------------------------------------------------------------------
-# [tools]
+def tool_shell(env, args):
+    """§13.5 extension tool `shell`: run a command line in rt.workdir; returns its standard output.
+
+    {tool: shell, args: {command: "ls -1"}} | `shell ls -1`   (needs allow_shell and an unsafe host)
+    """
+    # INTERPRETATION §4.5.1, §13.5 (Q68): a `shell` tool exists as an extension (§1.3 MAY),
+    # available when `allow_shell: true` and refused unless the host is unsafe; the blocklist
+    # is enforced in every mode and for every `safe_mode`, because §13.5 says "always".
+    command = tool_rest(args, "command")
+    if not isinstance(command, str) or not command.strip():
+        raise env.fail("shell needs a `command` string", "13.5")
+    blocked = [word for word in SHELL_BLOCKLIST if word in command.lower()]
+    if blocked:
+        raise env.fail(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
+    if not env.allow_shell:
+        raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
+    if not env.rt.unsafe:
+        raise env.fail("shell execution needs the host in unsafe mode", "13.5")
+    try:
+        done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
+                              capture_output=True, text=True, timeout=env.timeout)
+    except subprocess.TimeoutExpired:
+        raise env.fail(f"shell command timed out after {env.timeout} s", "4.5") from None
+    except OSError as exc:
+        raise env.fail(f"shell could not start: {exc}", "13.5") from None
+    if done.returncode != 0:
+        raise env.fail(f"shell command exited with status {done.returncode}: "
+                       f"{done.stderr.strip()}", "13.5")
+    return done.stdout
+
+
+# Tools beyond the §4.5.1 table (§1.3 MAY): name -> handler.
+EXTENSION_TOOLS = {
+    "shell": tool_shell,
+}
 
 
 # =====================================================================================
@@ -1635,15 +8190,69 @@ _SANDBOX_GUARDS = {
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.1 (Q89): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as literal text;
+# mapping keys are not interpolated; `${X:-3}` defaults to "-3"; `$${` writes a literal `${`.
+_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
+
+
+def interpolate_env(data, env, doc, path=()):
+    """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
+    if isinstance(data, dict):
+        return {k: interpolate_env(v, env, doc, path + (k,)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [interpolate_env(v, env, doc, path + (i,)) for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+    refs = []
+
+    def substitute(match):
+        if match.group(0) == "$${":
+            return "${"
+        name, default = match.group(1), match.group(2)
+        refs.append(name)
+        if name in env:
+            return str(env[name])
+        if default is not None:
+            return default
+        raise doc.error(ConfigurationError, path,
+                        f"required environment variable '{name}' is not set", "14.2, §11.6")
+
+    result = _ENV_REF.sub(substitute, data)
+    whole = _ENV_REF.fullmatch(data)
+    if whole and whole.group(0) != "$${":
+        return coerce_env_value(result)
+    return result
+
 
 # §14.3 Type coercion ----------------------------------------------------------------------
-# [foundation]
+# INTERPRETATION §14.3 (Q90): only a string that was one single reference is coerced.
+_ENV_INT = re.compile(r"-?\d+")
+_ENV_FLOAT = re.compile(r"-?\d+\.\d+")
+
+
+def coerce_env_value(text):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if _ENV_INT.fullmatch(text):
+        return int(text)
+    if _ENV_FLOAT.fullmatch(text):
+        return float(text)
+    return text
 
 
 # =====================================================================================
 # §15 RESERVED NAMES
 # =====================================================================================
+
+# §15.1 Stream names ---------------------------------------------------------------------
+RESERVED_STREAM_NAMES = ("__input__", "__output__", "__error__")
+
+# §15.2 Node names -------------------------------------------------------------------------
+# start/START and end/END are normalised and checked by the graph layer (§6.4).
+
+# §15.4 Agent and route names ------------------------------------------------------------
+# `__` prefixes are rejected by check_context (§10.1), check_agent (§4.1) and check_routes (§11.3).
+# INTERPRETATION §15 (Q83): every "MUST NOT be used" of §15 is a ConfigurationError at load.
 
 # §15.5 Sentinel strings -------------------------------------------------------------------
 TEMPLATE_START = "<<<TEMPLATE_START>>>"
@@ -1652,34 +8261,1009 @@ BLOCK_START = "<<<BLOCK_START>>>"
 BLOCK_END = "<<<BLOCK_END>>>"
 SENTINELS = {"{{": TEMPLATE_START, "}}": TEMPLATE_END, "{%": BLOCK_START, "%}": BLOCK_END}
 
-# [foundation] the rest of §15
+
+def check_sentinels(text, file):
+    """§15.5: the sentinels must not appear in a source document (restoring would rewrite them)."""
+    for sentinel in SENTINELS.values():
+        index = text.find(sentinel)
+        if index >= 0:
+            line = text.count("\n", 0, index) + 1
+            col = index - (text.rfind("\n", 0, index) + 1) + 1
+            raise ConfigurationError(f"the reserved sentinel {sentinel} appears in the document",
+                                     section="15.5", file=file, line=line, col=col)
+
+# §15.6 Internal stream name patterns -----------------------------------------------------
+# Names starting with __ are never known streams (§11.3), so references to them fail at load.
 
 
 # =====================================================================================
 # §16 FORBIDDEN PATTERNS
 # =====================================================================================
-# [foundation]
+# Where each §16 rule is enforced (one row per rule, in the spec's order).
+FORBIDDEN_TOP_LEVEL = {
+    "streams": "use routes with type: stream",
+    "graphs": "use routes with type: graph",
+}
+FORBIDDEN_FORMS = {
+    # §16.1
+    "top-level streams:": "check_top_level (§3.2)",
+    "top-level graphs:": "check_top_level (§3.2)",
+    "composite with strategy:": "check_composite (§4.6)",
+    # §16.2
+    "dynamic_router node": "check_graph (§6)",
+    "list-form routes": "check_top_level (§3.2)",
+    "top-level pipelines:": "accepted: see README Interpretations (Q1)",
+    "inline expression in map function": "check_streams (§5.3.3)",
+    "agent_template instances": "expand_templates (§8.7)",
+    "sequence-form template parameters": "expand_templates (§8.6.1)",
+    "short-form prompts": "collect_prompts (§10.4)",
+    "composite routing shorthand": "check_composite (§4.6)",
+    "templates with structural expressions": "expand_templates (§8.9)",
+    # §16.3
+    "prompt and prompt_reference": "check_chain (§4.7)",
+    "template and type": "expand_templates (§8.7)",
+    "agent_template and template": "expand_templates (§8.7)",
+    "inline tool named like a built-in": "ToolAgent (§4.5.2)",
+    "template_config with route fields": "expand_templates (§8.7)",
+}
 
 
 # =====================================================================================
 # HOST -- providers
 # =====================================================================================
 # [llm] PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
+# Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
+# {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
+import email.utils  # noqa: E402  (host-only imports, kept beside their one user)
+import urllib.error  # noqa: E402
+import urllib.parse  # noqa: E402
+import urllib.request  # noqa: E402
+
+LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
+LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
+LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
+LLM_RETRY_AFTER_CAP = 60.0      # a longer Retry-After falls back to exponential back-off
+LLM_NO_RETRY_CODES = frozenset({"insufficient_quota", "enforced_spend_limit_reached"})
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+def scrub_key(text, key):
+    """Replace every occurrence of the API key in `text` with ***."""
+    return text.replace(key, "***") if key and isinstance(text, str) else text
+
+
+def _retry_delay(headers, data, attempt):
+    """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    wait = None
+    if headers.get("retry-after-ms"):
+        try:
+            wait = float(headers["retry-after-ms"]) / 1000.0
+        except ValueError:
+            wait = None
+    if wait is None and headers.get("retry-after"):
+        value = headers["retry-after"].strip()
+        try:
+            wait = float(value)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+                wait = when.timestamp() - time.time()
+            except (TypeError, ValueError):
+                wait = None
+    if wait is None and isinstance(data, dict):     # Gemini: google.rpc.RetryInfo in details
+        for detail in (data.get("error") or {}).get("details") or []:
+            delay = detail.get("retryDelay") if isinstance(detail, dict) else None
+            if isinstance(delay, str) and delay.endswith("s"):
+                try:
+                    wait = float(delay[:-1])
+                except ValueError:
+                    pass
+    if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
+        return wait
+    return min(0.5 * 2 ** attempt, 8.0)
+
+
+def _http_post(url, headers, body, timeout):
+    """One POST; returns (status, lower-cased headers, raw body). Network failures raise OSError."""
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, \
+                response.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read() if exc.fp is not None else b""
+        exc.close()
+        return exc.code, {k.lower(): v for k, v in (exc.headers or {}).items()}, raw
+
+
+class ProviderAdapter:
+    """The HTTP exchange shared by the vendors; each subclass gives the wire shapes:
+
+    endpoint(base, model) -> url; headers(key) -> dict; body(request) -> dict; reply(data) -> text
+    (ValueError when the body has none); vendor_error(data or None) -> (code, message, may_retry).
+    """
+
+    name = ""
+    default_base = ""
+    base_envs = ()
+    structured = frozenset()        # response_format types this vendor can honour (§4.4.3)
+
+    def fallback(self, body, code, message, used):
+        """A fixed-up body to send once after a 400 the vendor explains, or None."""
+        return None
+
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+        """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
+        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
+        timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
+        if not re.match(r"https?://", base_url or ""):
+            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                                 section="4.4")
+        url = self.endpoint(base_url.rstrip("/"), request["model"])
+        body = self.body(request)
+        headers = self.headers(key)
+        used_fallbacks = set()
+        attempt = 0
+        while True:
+            retry, data, resp_headers = True, None, {}
+            try:
+                status, resp_headers, raw = _http_post(
+                    url, headers, json.dumps(body, default=str).encode("utf-8"), timeout)
+            except (TimeoutError, urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
+                    failure = f"request timed out after {timeout:g} s"
+                else:
+                    failure = f"connection error: {reason}"
+            else:
+                if 200 <= status < 300:
+                    return self._parse_reply(raw, key)
+                try:
+                    data = json.loads(raw.decode("utf-8", "replace"))
+                except ValueError:
+                    data = None
+                code, message, retry_allowed = self.vendor_error(data)
+                if data is None:
+                    message = raw.decode("utf-8", "replace").strip()[:300] or "(empty body)"
+                failure = f"HTTP {status}" + (f" {code}" if code else "") + f": {message}"
+                if status == 400:
+                    fixed = self.fallback(body, code or "", message or "", used_fallbacks)
+                    if fixed is not None:
+                        body = fixed
+                        continue
+                should = resp_headers.get("x-should-retry", "").lower()
+                retry = retry_allowed and (should == "true" or
+                                           (should != "false" and status in LLM_RETRY_STATUSES))
+            if not retry or attempt >= LLM_MAX_RETRIES:
+                raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
+            sleep(_retry_delay(resp_headers, data, attempt))
+            attempt += 1
+
+    def _parse_reply(self, raw, key):
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ExecutionError(scrub_key(f"{self.name}: malformed JSON in the reply: "
+                                           f"{raw[:200].decode('utf-8', 'replace')!r}", key),
+                                 section="4.4") from None
+        try:
+            text = self.reply(data)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
+                                 section="4.4") from None
+        return text
+
+
+class OpenAIAdapter(ProviderAdapter):
+    """OpenAI Chat Completions, also spoken by Ollama, vLLM, llama.cpp and gateways."""
+
+    name = "openai"
+    default_base = "https://api.openai.com/v1"
+    base_envs = ("OPENAI_BASE_URL",)
+    structured = frozenset({"json_schema", "json_object", "text"})
+    # o-series and GPT-5-and-later: max_completion_tokens, and no non-default temperature.
+    REASONING_MODEL = re.compile(r"(o\d|gpt-(?:[5-9]|\d{2,}))")
+
+    def endpoint(self, base, model):
+        return base + "/chat/completions"
+
+    def headers(self, key):
+        return {"Authorization": f"Bearer {key}"}
+
+    def body(self, request):
+        messages = [{"role": "system", "content": request["system"]}] if request["system"] else []
+        body = {"model": request["model"], "messages": messages + request["messages"]}
+        if self.REASONING_MODEL.match(request["model"]):
+            body["max_completion_tokens"] = request["max_tokens"]
+        else:
+            body["max_tokens"] = request["max_tokens"]
+            body["temperature"] = request["temperature"]
+        if request.get("response_format") is not None:
+            body["response_format"] = request["response_format"]   # §4.4.3's block, verbatim
+        return body
+
+    def reply(self, data):
+        message = data["choices"][0]["message"]
+        content = message.get("content")
+        if content is None and message.get("refusal"):
+            raise ValueError(f"the model refused: {message['refusal']}")
+        if not isinstance(content, str):
+            raise ValueError("choices[0].message.content is not text")
+        return content
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        code = err.get("code") or err.get("type") or ""
+        return str(code), str(err.get("message", "")), code not in LLM_NO_RETRY_CODES
+
+    def fallback(self, body, code, message, used):
+        swap = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
+        for old, new in swap.items():
+            if old in body and f"'{old}'" in message and "tokens" not in used:
+                used.add("tokens")
+                fixed = {k: v for k, v in body.items() if k != old}
+                fixed[new] = body[old]
+                return fixed
+        if "temperature" in body and "temperature" in message and "temperature" not in used:
+            used.add("temperature")
+            return {k: v for k, v in body.items() if k != "temperature"}
+        return None
+
+
+class AnthropicAdapter(ProviderAdapter):
+    """Anthropic Messages, version pinned in ANTHROPIC_VERSION."""
+
+    name = "anthropic"
+    default_base = "https://api.anthropic.com"
+    base_envs = ("ANTHROPIC_BASE_URL",)
+    structured = frozenset({"json_schema"})
+    STRUCTURED_TOOL = "structured_output"
+
+    def endpoint(self, base, model):
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def headers(self, key):
+        return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
+
+    def body(self, request):
+        messages = []
+        for entry in request["messages"]:       # consecutive same-role turns become one
+            if messages and messages[-1]["role"] == entry["role"]:
+                messages[-1] = {"role": entry["role"],
+                                "content": messages[-1]["content"] + "\n\n" + entry["content"]}
+            else:
+                messages.append(dict(entry))
+        # INTERPRETATION §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent as 1.
+        body = {"model": request["model"], "max_tokens": request["max_tokens"],
+                "messages": messages, "temperature": min(max(request["temperature"], 0.0), 1.0)}
+        if request["system"]:
+            body["system"] = request["system"]
+        rf = request.get("response_format")
+        if rf is not None:          # name / strict have no slot here
+            body["output_config"] = {"format": {"type": "json_schema",
+                                                "schema": rf["json_schema"]["schema"]}}
+        return body
+
+    def reply(self, data):
+        if data.get("stop_reason") == "refusal":
+            raise ValueError("the model refused (stop_reason: refusal)")
+        blocks = [block for block in data["content"] if isinstance(block, dict)]
+        parts = [block["text"] for block in blocks if block.get("type") == "text"]
+        if parts:
+            return "".join(parts)
+        for block in blocks:        # the forced-tool form of structured output (see fallback)
+            if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
+                return json.dumps(block.get("input"), ensure_ascii=False)
+        raise ValueError("the reply has no text content")
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        detail = (err.get("details") or {}).get("error_code") if isinstance(
+            err.get("details"), dict) else None
+        code = str(err.get("type") or "")
+        if detail:
+            code = f"{code}/{detail}" if code else str(detail)
+        return code, str(err.get("message", "")), detail not in LLM_NO_RETRY_CODES
+
+    def fallback(self, body, code, message, used):
+        if "temperature" in body and "temperature" in message and "temperature" not in used:
+            used.add("temperature")     # "`temperature` is deprecated for this model"
+            return {k: v for k, v in body.items() if k != "temperature"}
+        if "output_config" in body and "output_config" in message and "structured" not in used:
+            # Models or servers without output_config: force a tool whose input is the schema.
+            used.add("structured")
+            fixed = {k: v for k, v in body.items() if k != "output_config"}
+            fixed["tools"] = [{"name": self.STRUCTURED_TOOL,
+                               "description": "Give the answer as this tool's input.",
+                               "input_schema": body["output_config"]["format"]["schema"]}]
+            fixed["tool_choice"] = {"type": "tool", "name": self.STRUCTURED_TOOL}
+            return fixed
+        return None
+
+
+class GoogleAdapter(ProviderAdapter):
+    """Google Gemini generateContent (v1beta)."""
+
+    name = "google"
+    default_base = "https://generativelanguage.googleapis.com"
+    base_envs = ("GOOGLE_GEMINI_BASE_URL", "GOOGLE_BASE_URL")
+    structured = frozenset({"json_schema", "json_object"})
+    BLOCKED = frozenset({"SAFETY", "RECITATION", "PROHIBITED_CONTENT", "BLOCKLIST", "SPII"})
+
+    def endpoint(self, base, model):
+        if base.endswith("/v1beta"):
+            base = base[:-len("/v1beta")]
+        model = model[len("models/"):] if model.startswith("models/") else model
+        return f"{base}/v1beta/models/{urllib.parse.quote(model, safe='-._')}:generateContent"
+
+    def headers(self, key):
+        return {"x-goog-api-key": key}
+
+    def body(self, request):
+        contents = [{"role": "model" if entry["role"] == "assistant" else "user",
+                     "parts": [{"text": entry["content"]}]} for entry in request["messages"]]
+        config = {"temperature": request["temperature"], "maxOutputTokens": request["max_tokens"]}
+        rf = request.get("response_format")
+        if rf is not None:
+            config["responseMimeType"] = "application/json"
+            if rf.get("type") == "json_schema":
+                config["responseJsonSchema"] = rf["json_schema"]["schema"]
+        body = {"contents": contents, "generationConfig": config}
+        if request["system"]:
+            body["systemInstruction"] = {"parts": [{"text": request["system"]}]}
+        return body
+
+    def reply(self, data):
+        candidates = data.get("candidates") or []
+        if not candidates:
+            reason = (data.get("promptFeedback") or {}).get("blockReason", "no candidates")
+            raise ValueError(f"the prompt was blocked ({reason})")
+        first = candidates[0]
+        if first.get("finishReason") in self.BLOCKED:
+            raise ValueError(f"the answer was blocked (finishReason: {first['finishReason']})")
+        parts = [part["text"] for part in (first.get("content") or {}).get("parts") or []
+                 if isinstance(part, dict) and "text" in part and not part.get("thought")]
+        if not parts:
+            raise ValueError("the reply has no text parts")
+        return "".join(parts)
+
+    def vendor_error(self, data):
+        err = data.get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return "", "", True
+        code = str(err.get("status") or err.get("code") or "")
+        retry = True
+        for detail in err.get("details") or []:
+            if not isinstance(detail, dict):
+                continue
+            if detail.get("reason"):
+                code += "/" + str(detail["reason"])
+            for violation in detail.get("violations") or []:     # google.rpc.QuotaFailure
+                if "PerDay" in str(violation.get("quotaId", "")):
+                    retry = False                                  # the daily quota is spent
+        return code, str(err.get("message", "")), retry
+
+
+class FakeAdapter(ProviderAdapter):
+    """The offline `fake` provider: no key, no network; echoes the user message."""
+
+    name = "fake"
+    structured = frozenset({"json_schema", "json_object", "text"})
+
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+        return request["messages"][-1]["content"]
+
+
+class FakeTransport:
+    """Scripted replies that replace every provider's HTTP call (vectors, tests, `llm=` in load).
+
+    `responses` maps agent name -> replies, consumed in order; then the user message is echoed.
+    A reply given as `{error: text}` makes that call fail with an ExecutionError.
+    """
+
+    def __init__(self, responses=None):
+        self.responses = {name: list(replies if isinstance(replies, list) else [replies])
+                          for name, replies in (responses or {}).items()}
+        self._lock = threading.Lock()
+
+    def complete(self, request):
+        with self._lock:
+            queue = self.responses.get(request["agent"])
+            reply = queue.pop(0) if queue else None
+        if reply is None:
+            return request["messages"][-1]["content"]
+        if isinstance(reply, dict) and "error" in reply:
+            raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
+        return _llm_text(reply)
+
+
+# name -> adapter. Rows: the §4.4.1 providers, then this host's extra `fake`.
+PROVIDERS = {
+    "openai":    OpenAIAdapter(),
+    "anthropic": AnthropicAdapter(),
+    "google":    GoogleAdapter(),
+    "fake":      FakeAdapter(),
+}
 
 
 # =====================================================================================
 # HOST -- load / Actor / render
 # =====================================================================================
-# [foundation]
+
+class Result:
+    """What one call observed: the messages emitted on __output__ and on __error__, in order."""
+
+    def __init__(self):
+        self.outputs = []
+        self.errors = []
+
+    def __repr__(self):
+        return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
+               f"errors={[m.content for m in self.errors]!r})"
+
+
+class Actor:
+    """A running Actor (§12.1 step 7): send messages, move the clock, inspect context and graphs."""
+
+    def __init__(self, rt, network, default_router):
+        self.rt = rt
+        self.network = network
+        self.default_router = default_router
+        self._result = None
+        self._lock = threading.Lock()
+        network.on_output(self._collect_output)
+        network.on_error(self._collect_error)
+
+    # -- collecting what a call emits (graph branches may emit from worker threads)
+    def _collect_output(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.outputs.append(msg)
+
+    def _collect_error(self, msg):
+        with self._lock:
+            if self._result is not None:
+                self._result.errors.append(msg)
+
+    def _call(self, action):
+        with self._lock:
+            self._result = result = Result()
+        try:
+            action()
+            if self.rt.clock.real:
+                self.network.settle()
+        finally:
+            with self._lock:
+                self._result = None
+        return result
+
+    # -- the public API
+    @property
+    def context(self):
+        """The live global context dict (§10)."""
+        return self.rt.context
+
+    def send(self, content, *, at=None, target=None):
+        """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
+        to quiescence."""
+        def action():
+            if at is not None:
+                self.rt.clock.set_time(at)
+            self.network.send(content, target=target)
+        return self._call(action)
+
+    def advance(self, seconds):
+        """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
+        return self._call(lambda: self.rt.clock.advance(seconds))
+
+    def complete(self):
+        """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
+        return self._call(self.network.complete)
+
+    def close(self):
+        """§12.1 step 8: dispose of subscriptions, agents and streams."""
+        close = getattr(self.network, "close", None)
+        if close is not None:
+            close()
+        self.rt.agents.clear()
+        self.rt.graphs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- graphs (§6.6)
+    def _graph(self, route):
+        if route not in self.rt.graphs:
+            raise RoutingError(f"'{route}' is not a graph route", section="6.6")
+        return self.rt.graphs[route]
+
+    def checkpoints(self, route):
+        return self._graph(route).checkpoints()
+
+    def restore(self, route, path=None):
+        return self._graph(route).restore(path)
+
+    def rewind(self, route, steps):
+        return self._graph(route).rewind(steps)
+
+    # -- inspection (§4.11)
+    def describe(self):
+        """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
+        agents = {name: {"type": a.type, "capabilities": list(a.capabilities),
+                         "metadata": jsonable(a.metadata)} for name, a in self.rt.agents.items()}
+        routes = {name: route["type"] for name, route in self.rt.doc.data["routes"].items()}
+        return {"name": self.rt.doc.data.get("name"), "agents": agents, "routes": routes,
+                "default_router": self.default_router, "template_engine": self.rt.engine}
+
+    def diagram(self):
+        """A Mermaid flowchart of the whole Actor: stream side, then each graph."""
+        lines = ["flowchart LR"]
+        lines += ["  " + line for line in self.network.mermaid()]
+        for graph in self.rt.graphs.values():
+            lines += ["  " + line for line in graph.mermaid()]
+        return "\n".join(lines) + "\n"
+
+
+def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+    """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
+
+    env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
+    the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    """
+    return start_actor(
+        read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
+        template_engine=template_engine, default_router=default_router, provider=provider,
+        workdir=workdir, clock=clock or VirtualClock(),
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+
+
+def jsonable(value):
+    """A JSON-safe copy of `value` (tuples -> lists, other objects -> str), cycles cut."""
+    seen = set()
+
+    def conv(v):
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+        if isinstance(v, (dict, list, tuple, set)):
+            if id(v) in seen:
+                return "<cycle>"
+            seen.add(id(v))
+            try:
+                if isinstance(v, dict):
+                    return {str(k): conv(x) for k, x in v.items()}
+                items = sorted(v, key=repr) if isinstance(v, set) else v
+                return [conv(x) for x in items]
+            finally:
+                seen.discard(id(v))
+        return str(v)
+
+    return conv(value)
 
 
 # =====================================================================================
 # HOST -- the vector harness
 # =====================================================================================
-# [foundation]
+# The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
+# actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
+
+VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
+               "load_error", "steps")
+HOST_KEYS = ("unsafe", "env", "render_context", "template_engine", "default_router", "context",
+             "files", "llm", "provider")
+STEP_ACTIONS = ("send", "advance", "complete")
+STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
+               "files")
+STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at",)
+VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
+
+
+def vector_sources(vector):
+    """The vector's document(s) as (name, text) sources; JSON is valid YAML 1.2."""
+    if "config_text" in vector:
+        return [("config.yaml", vector["config_text"])]
+    if "configs" in vector:
+        return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
+    return [("config.yaml", json.dumps(vector.get("config")))]
+
+
+def read_tree(root):
+    """{relative posix path: text} for every file below root (what a vector's `files` checks)."""
+    files = {}
+    for path in sorted(Path(root).rglob("*")):
+        if path.is_file() and path.stat().st_size <= 1_000_000:
+            try:
+                files[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                files[path.relative_to(root).as_posix()] = None
+    return files
+
+
+def observe_vector(vector):
+    """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
+    context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
+    import tempfile
+    host = vector.get("host") or {}
+    with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
+        for rel, content in (host.get("files") or {}).items():
+            target = Path(tmp, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content, encoding="utf-8")
+        llm = (host.get("llm") or {}).get("responses") or {}
+        try:
+            actor = start_actor(
+                vector_sources(vector), render_context=host.get("render_context"),
+                unsafe=bool(host.get("unsafe", False)), env=host.get("env") or {},
+                template_engine=host.get("template_engine"),
+                default_router=host.get("default_router"), provider=host.get("provider"),
+                workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
+                context=host.get("context"))
+        except ActorError as exc:
+            return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+        observed = []
+        try:
+            for step in vector.get("steps") or []:
+                logged = len(actor.rt.llm_log)
+                if "send" in step:
+                    result = actor.send(step["send"], at=step.get("at"))
+                elif "advance" in step:
+                    if step.get("at") is not None:
+                        actor.rt.clock.set_time(step["at"])
+                    result = actor.advance(step["advance"])
+                else:
+                    result = actor.complete()
+                observed.append({
+                    "outputs": [jsonable(m.content) for m in result.outputs],
+                    "metadata": [jsonable(m.metadata) for m in result.outputs],
+                    "errors": [{"content": jsonable(m.content),
+                                "error_type": m.metadata.get("error_type"),
+                                "metadata": jsonable(m.metadata)} for m in result.errors],
+                    "context": jsonable(actor.context),
+                    "llm_requests": jsonable(actor.rt.llm_log[logged:]),
+                    "files": read_tree(tmp),
+                })
+        finally:
+            actor.close()
+        return {"load_error": None, "steps": observed, "warnings": list(actor.rt.warnings)}
+
+
+def same(expect, got):
+    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an int."""
+    if isinstance(expect, bool) or isinstance(got, bool):
+        return type(expect) is type(got) and expect == got
+    if isinstance(expect, (int, float)) and isinstance(got, (int, float)):
+        return expect == got
+    if isinstance(expect, dict) and isinstance(got, dict):
+        return expect.keys() == got.keys() and all(same(expect[k], got[k]) for k in expect)
+    if isinstance(expect, list) and isinstance(got, list):
+        return len(expect) == len(got) and all(same(e, g) for e, g in zip(expect, got))
+    return type(expect) is type(got) and expect == got
+
+
+def subset(expect, got):
+    """Deep subset: mappings may carry extra keys; lists match element by element, same length."""
+    if isinstance(expect, dict):
+        return isinstance(got, dict) and all(k in got and subset(v, got[k])
+                                              for k, v in expect.items())
+    if isinstance(expect, list):
+        return isinstance(got, list) and len(expect) == len(got) and all(
+            subset(e, g) for e, g in zip(expect, got))
+    return same(expect, got)
+
+
+def _error_matches(expect, got):
+    if not isinstance(expect, dict):
+        return same(expect, got.get("content"))
+    content = got.get("content")
+    if "contains" in expect and (not isinstance(content, str) or expect["contains"] not in content):
+        return False
+    if "content" in expect and not same(expect["content"], content):
+        return False
+    if "error_type" in expect and not same(expect["error_type"], got.get("error_type")):
+        return False
+    return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
+
+
+def judge_step(step, seen):
+    """[(field, expect, got)] for every check of `step` that `seen` fails."""
+    failures = []
+    if "outputs" in step and not same(step["outputs"], seen["outputs"]):
+        failures.append(("outputs", step["outputs"], seen["outputs"]))
+    if "outputs_unordered" in step:
+        rest, ok = list(seen["outputs"]), True
+        for item in step["outputs_unordered"]:
+            match = next((i for i, g in enumerate(rest) if same(item, g)), None)
+            if match is None:
+                ok = False
+                break
+            rest.pop(match)
+        if not ok or rest:
+            failures.append(("outputs_unordered", step["outputs_unordered"], seen["outputs"]))
+    if "errors" in step:
+        errs = step["errors"]
+        if len(errs) != len(seen["errors"]) or not all(
+                _error_matches(e, g) for e, g in zip(errs, seen["errors"])):
+            failures.append(("errors", errs, [{"content": g["content"], "error_type":
+                                               g["error_type"]} for g in seen["errors"]]))
+    for field in ("context", "metadata", "llm_requests"):
+        if field in step and not subset(step[field], seen[field]):
+            failures.append((field, step[field], seen[field]))
+    if "files" in step:
+        for rel, content in step["files"].items():
+            got = seen["files"].get(rel)
+            if not same(content, got):
+                failures.append((f"files[{rel}]", content, got))
+    return failures
+
+
+def judge_vector(vector, observed):
+    """A list of failure records (step index or None, action, field, expect, got); empty = pass."""
+    failures = []
+    load_error = observed.get("load_error")
+    if "load_error" in vector:
+        got = load_error["category"] if load_error else None
+        if got != vector["load_error"]:
+            failures.append((None, "load", "load_error", vector["load_error"],
+                             load_error["message"] if load_error else "loaded without error"))
+        return failures
+    if load_error:
+        return [(None, "load", "load_error", None, load_error["message"])]
+    steps, seen = vector.get("steps") or [], observed.get("steps") or []
+    if len(seen) != len(steps):
+        return [(None, "steps", "steps", f"{len(steps)} steps", f"{len(seen)} observed")]
+    for i, (step, got) in enumerate(zip(steps, seen)):
+        action = next((a for a in STEP_ACTIONS if a in step), "?")
+        for field, expect, value in judge_step(step, got):
+            failures.append((i + 1, action, field, expect, value))
+    return failures
+
+
+def lint_vector(vector, stem=None):
+    """Problems that make a vector unusable (errors) or suspicious (unknown keys: warnings)."""
+    errors, warnings_ = [], []
+    if not isinstance(vector, dict):
+        return ["vector is not a mapping"], []
+    for key in ("name", "spec", "description"):
+        if key not in vector:
+            errors.append(f"missing '{key}'")
+    if sum(k in vector for k in ("config", "config_text", "configs")) != 1:
+        errors.append("needs exactly one of config, config_text, configs")
+    if "load_error" in vector:
+        if vector["load_error"] not in ERROR_CATEGORIES:
+            errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
+        if vector.get("steps"):
+            errors.append("a load_error vector has no steps")
+    elif not vector.get("steps"):
+        errors.append("no steps and no load_error")
+    for key in vector:
+        if key not in VECTOR_KEYS:
+            warnings_.append(f"unknown key '{key}'")
+    for key in vector.get("host") or {}:
+        if key not in HOST_KEYS:
+            warnings_.append(f"unknown host key '{key}'")
+    for i, step in enumerate(vector.get("steps") or []):
+        if not isinstance(step, dict):
+            errors.append(f"steps[{i}] is not a mapping")
+            continue
+        if sum(a in step for a in STEP_ACTIONS) != 1:
+            errors.append(f"steps[{i}] has not exactly one of send/advance/complete")
+        for key in step:
+            if key not in STEP_KEYS:
+                warnings_.append(f"steps[{i}]: unknown key '{key}'")
+    if stem is not None and vector.get("name") != stem:
+        warnings_.append(f"name '{vector.get('name')}' differs from the file name '{stem}'")
+    return errors, warnings_
+
+
+def collect_vector_files(paths):
+    files = []
+    for p in paths:
+        p = Path(p)
+        files.extend(sorted(p.rglob("*.yaml")) if p.is_dir() else [p])
+    return [f for f in files if f.name != "README.md"]
+
+
+def read_vector(path):
+    data, _ = parse_yaml(Path(path).read_bytes(), str(path))
+    return data
+
+
+def observe_with(impl, vector, timeout):
+    """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
+    import subprocess
+    proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0 and not proc.stdout.strip():
+        raise RuntimeError(f"implementation exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def _show(value):
+    text = repr(value)
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None):
+    """Run vector files/folders; print PASS/FAIL/ERROR lines and `N passed, N failed`."""
+    out = out or sys.stdout
+    passed = failed = 0
+    for path in collect_vector_files(paths):
+        try:
+            vector = read_vector(path)
+            errors, warnings_ = lint_vector(vector, path.stem)
+            for w in warnings_:
+                print(f"warning: {path}: {w}", file=sys.stderr)
+            if errors:
+                raise ValueError("; ".join(errors))
+            observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
+            failures = judge_vector(vector, observed)
+        except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
+            failed += 1
+            kind = "timeout" if type(exc).__name__ == "TimeoutExpired" else "vector"
+            hint = f" (raise the limit with --timeout, now {timeout} s)" if kind == "timeout" else ""
+            print(f"ERROR {path}  {kind}: {type(exc).__name__}: {exc}{hint}", file=out)
+            continue
+        if not failures:
+            passed += 1
+            print(f"PASS  {path}", file=out)
+            continue
+        failed += 1
+        sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+        first = failures[0]
+        where = "load" if first[0] is None else f"step {first[0]} ({first[1]})"
+        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        for step, action, field, expect, got in failures:
+            label = f"{field}" if step is None or step == first[0] else f"step {step} {field}"
+            print(f"      {label}  expect: {_show(expect)}", file=out)
+            print(f"      {' ' * len(label)}  got:    {_show(got)}", file=out)
+    print(f"{passed} passed, {failed} failed", file=out)
+    return passed, failed
 
 
 # =====================================================================================
 # HOST -- command line
 # =====================================================================================
-# [foundation]
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+
+
+def _parse_set(items, option):
+    """--set a.b=3 -> {'a': {'b': 3}} (values read as YAML 1.2 scalars)."""
+    result = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigurationError(f"{option} expects KEY=VALUE, got '{item}'")
+        key, _, raw = item.partition("=")
+        value, _ = parse_yaml(raw) if raw.strip() else ("", None)
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return result
+
+
+def _arg_parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="actor", description="Run, check or inspect Actor configurations (Actor Configuration "
+        "Standard 1.0.0).")
+    p.add_argument("configs", nargs="*", metavar="CONFIG", help="configuration files, merged in order")
+    p.add_argument("-m", "--message", action="append", metavar="TEXT",
+                   help="a message to send (repeatable); default: one message per stdin line")
+    p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
+    p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
+                   "(e.g. fake: offline, no key)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
+    p.add_argument("--context", action="append", metavar="KEY=VALUE",
+                   help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
+    p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
+    p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
+    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
+    p.add_argument("--check", action="store_true", help="load and validate only")
+    p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
+    p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
+    p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
+    p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
+    p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
+                   help="with --impl: seconds per vector")
+    p.add_argument("--run-vector", action="store_true",
+                   help="read one vector as JSON on stdin, print observations as JSON")
+    p.add_argument("--version", action="version",
+                   version=f"actor.py {__version__} (Actor Configuration Standard {SPEC_VERSION})")
+    return p
+
+
+def _print_message(msg, as_json, stream):
+    if as_json:
+        meta = {k: v for k, v in msg.metadata.items() if k != "context"}
+        print(json.dumps({"content": jsonable(msg.content), "metadata": jsonable(meta),
+                          "source_stream": msg.source_stream}), file=stream, flush=True)
+    else:
+        content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
+        print(content, file=stream, flush=True)
+
+
+def _print_result(result, as_json):
+    for msg in result.outputs:
+        _print_message(msg, as_json, sys.stdout)
+    for msg in result.errors:
+        _print_message(msg, as_json, sys.stderr)
+    return bool(result.errors)
+
+
+def main(argv=None):
+    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
+    args = _arg_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    if args.run_vector:
+        print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
+        return EXIT_OK
+    if args.vectors:
+        _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout)
+        return EXIT_RUNTIME if failed else EXIT_OK
+    if not args.configs:
+        _arg_parser().print_usage(sys.stderr)
+        print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
+                     unsafe=args.unsafe, template_engine=args.engine,
+                     default_router=args.default_router, provider=args.provider,
+                     clock=RealClock(), context=_parse_set(args.context, "--context") or None)
+    except ActorError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG
+    with actor:
+        if args.check:
+            print("ok")
+            return EXIT_OK
+        if args.describe:
+            info = actor.describe()
+            if args.json:
+                print(json.dumps(info, indent=2))
+            else:
+                for name, agent in info["agents"].items():
+                    print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                for name, kind in info["routes"].items():
+                    mark = "  [default router]" if name == info["default_router"] else ""
+                    print(f"route {name} ({kind}){mark}")
+            return EXIT_OK
+        if args.diagram:
+            sys.stdout.write(actor.diagram())
+            return EXIT_OK
+        failed = False
+        try:
+            if args.message:
+                for text in args.message:
+                    failed |= _print_result(actor.send(text), args.json)
+            else:
+                interactive = sys.stdin.isatty()
+                while True:
+                    if interactive:
+                        print("> ", end="", file=sys.stderr, flush=True)
+                    line = sys.stdin.readline()
+                    if not line:
+                        break
+                    failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+            failed |= _print_result(actor.complete(), args.json)
+        except KeyboardInterrupt:
+            return EXIT_RUNTIME
+        except ActorError as exc:
+            print(str(exc), file=sys.stderr)
+            return EXIT_RUNTIME
+        return EXIT_RUNTIME if failed else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
