@@ -7707,8 +7707,7 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
     _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
-    del namespace["__builtins__"]
-    return namespace
+    return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
 def _lambda_accepts(node, nparams):
