@@ -9194,6 +9194,9 @@ def main(argv=None):
             else:
                 for name, agent in info["agents"].items():
                     print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                    for key, value in agent["metadata"].items():
+                        if key not in ("name", "type", "capabilities"):
+                            print(f"    {key}: {json.dumps(value)}")
                 for name, kind in info["routes"].items():
                     mark = "  [default router]" if name == info["default_router"] else ""
                     print(f"route {name} ({kind}){mark}")
