@@ -7368,6 +7368,8 @@ def _attribute_refusal(attr):
 
 def _construct_refusal(node, kind, prohibited):
     """§13.2.3: why one AST node is refused in a sandbox of `kind` ("code" or "expression")."""
+    # INTERPRETATION §13.2.3: class (metaclass hooks), global/nonlocal, yield (generator frames),
+    # async, with and decorators are refused at load: each has a published escape or no use here.
     match node:
         case ast.Import(names=names):
             bad = [a.name for a in names if a.name != "json"]
@@ -7413,8 +7415,10 @@ def _check_tree(tree, kind, table):
     """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
     prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
                   for name in names if name not in table}
+    # INTERPRETATION §13.2.3: a name the code binds itself (`id = payload["id"]`) is a variable,
+    # not the prohibited facility, so only unbound uses are refused.
     for name in prohibited.keys() & _bound_names(tree):
-        del prohibited[name]   # a variable the code binds itself (`id = 3`) is not the facility
+        del prohibited[name]
     for node in ast.walk(tree):
         reason = _construct_refusal(node, kind, prohibited)
         if reason:
@@ -7506,13 +7510,15 @@ class _SandboxRewriter(ast.NodeTransformer):
         return node
 
     def visit_ExceptHandler(self, node):
+        # INTERPRETATION §13.2: a bare `except:` catches Exception only, so no limit can be swallowed.
         self.generic_visit(node)
         if node.type is None:
             node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
         return node
 
     def visit_Import(self, node):
-        # `import json [as j]` binds the §4.5.2 facility (Q70 (a)); no import machinery is exposed.
+        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import ...` bind
+        # the §4.5.2 facility, because the spec's example needs it; no import machinery is exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
                 for a in node.names]
@@ -7550,7 +7556,8 @@ def _configuration_refusal(exc, rt, path, section, what):
 
 
 # Layer 4: the run-time budget ---------------------------------------------------------------
-# INTERPRETATION §13.2 (issue 4): limits are ticks, not a trace function. CPython 3.11 sends no
+# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well (unsafe mode enables inline
+# code, it does not hand the code the host). They are ticks, not a trace function. CPython 3.11 sends no
 # `line` event for `while True: pass`, and an exception raised from a trace function switches
 # tracing off while `finally` blocks still run; so the rewrite (layer 2) puts a deadline check at the
 # top of every loop body, comprehension step and function body, and the function-entry check also
@@ -7666,7 +7673,7 @@ def _run_sandboxed(thunk, timeout, label, filename):
     raise ExecutionError(f"{label}: {failure}", section=section)
 
 
-# §13.2 entry points ------------------------------------------------------------------------
+# Entry points (§13.2) ------------------------------------------------------------------------
 class CodeUnit:
     """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
 
@@ -7715,6 +7722,9 @@ def run_code(unit, variables, *, timeout=1.0):
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
+# INTERPRETATION §13.2.2: an inline expression is a lambda taking the caller's number of positional
+# arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
+# function"; anything else fails the load.
 def _lambda_accepts(node, nparams):
     args = node.args
     positional = len(args.posonlyargs) + len(args.args)
@@ -7791,6 +7801,7 @@ def _unwrap_classinfo(spec):
 
 def builtin_type(*args):
     """§13.2.1 type: the one-argument form only; three arguments would create a class."""
+    # INTERPRETATION §13.2.1: type() inspects; classes outside SANDBOX_INERT_TYPES come back opaque.
     if len(args) != 1:
         raise SandboxAbort("type() with three arguments (class creation) is refused")
     cls = type(args[0])
@@ -7804,6 +7815,7 @@ def builtin_isinstance(obj, classinfo):
 
 def builtin_locals():
     """§13.2.1 locals: a copy of the caller's variables, without __builtins__ or guard names."""
+    # INTERPRETATION §13.2.1: a copy, so the built-in table and the guards stay out of reach.
     frame = sys._getframe(1)
     if frame.f_code.co_filename not in SANDBOX_FILENAMES:
         return {}
@@ -7812,6 +7824,7 @@ def builtin_locals():
 
 def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
+    # INTERPRETATION §13.2.1: "diagnostic output" is the host's stderr (file= is ignored).
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
     for value in values:
