@@ -7568,8 +7568,8 @@ class _Budget:
     __slots__ = ("timeout", "deadline")
 
     def __init__(self, timeout):
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.timeout = 1.0 if timeout is None else float(timeout)
+        self.deadline = time.monotonic() + self.timeout
 
 
 # Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
@@ -7651,6 +7651,16 @@ def _sandbox_line(tb, filename):
     return line
 
 
+def _error_text(exc):
+    """The code's own exception as text, at most 500 characters, never a rendering bomb."""
+    try:
+        for arg in exc.args:
+            check_rendering(arg)
+        return str(exc)[:500]
+    except (SandboxAbort, RecursionError, MemoryError):
+        return "(message too large to show)"
+
+
 def _run_sandboxed(thunk, timeout, label, filename):
     """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
     with _SANDBOX_TURN, _MemoryCap():
@@ -7667,7 +7677,7 @@ def _run_sandboxed(thunk, timeout, label, filename):
         except Exception as exc:   # the code's own error: reported, never fatal to the Actor
             line = _sandbox_line(exc.__traceback__, filename)
             where = f"line {line}: " if line else ""
-            failure, section = f"{where}{type(exc).__name__}: {str(exc)[:500]}", "13.2"
+            failure, section = f"{where}{type(exc).__name__}: {_error_text(exc)}", "13.2"
         finally:
             _SANDBOX_LOCAL.budget = previous
     raise ExecutionError(f"{label}: {failure}", section=section)
@@ -7747,7 +7757,13 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
     namespace = {"__builtins__": {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}}
-    fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    try:   # evaluates the lambda's defaults, if any, under the budget
+        fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    except ExecutionError as exc:
+        if rt is not None and path is not None:
+            raise rt.error(ConfigurationError, path, exc.message, "13.2.2") from None
+        raise ConfigurationError(exc.message, path=path_str(path) if path else None,
+                                 section="13.2.2") from None
     return ExprUnit(source, fn, label, nparams)
 
 
@@ -7870,8 +7886,9 @@ class JsonFacility:
 
     @staticmethod
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
-        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
-            raise SandboxAbort("json.dumps indent larger than 64")
+        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64 \
+                or separators is not None and sum(len(str(part)) for part in separators) > 64:
+            raise SandboxAbort("json.dumps indent or separators longer than 64")
         check_rendering(value)
         return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                           separators=separators)
@@ -8083,7 +8100,8 @@ def _method_growth(obj, name, args, kwargs):
             and isinstance(args[0], type(obj)) and isinstance(args[1], type(obj)):
         hits = obj.count(args[0]) if args[0] else len(obj) + 1
         return len(obj) + hits * max(len(args[1]) - len(args[0]), 0)
-    if name == "join" and isinstance(obj, (str, bytes)) and args and isinstance(args[0], list):
+    if name == "join" and isinstance(obj, (str, bytes)) and args \
+            and isinstance(args[0], (list, tuple)):
         items = args[0]
         return len(obj) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, _SIZED))
     if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
@@ -8099,9 +8117,11 @@ def _method_growth(obj, name, args, kwargs):
 
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
-    if name == "join" and args and not isinstance(args[0], (list, tuple, str)):
-        args = (list(args[0]),) + args[1:]   # materialise a generator once, under the line budget
-    if _method_growth(obj, name, args, kwargs) > SANDBOX_MAX_ITEMS:
+    receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
+    if name == "join" and rest and not isinstance(rest[0], (list, tuple, str)):
+        rest = (list(rest[0]),) + rest[1:]   # materialise a generator once, under the budget
+        args = (receiver,) + rest if receiver is not obj else rest
+    if _method_growth(receiver, name, rest, kwargs) > SANDBOX_MAX_ITEMS:
         _refuse_size(f"{name}() result")
     return getattr(obj, name)(*args, **kwargs)   # `name` passed the layer-1 attribute check
 
