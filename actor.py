@@ -2399,6 +2399,7 @@ def _undefined(value):
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
+# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
 def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
@@ -2409,6 +2410,7 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
+# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
 def filter_indent(value, width=4, first=False, blank=False):
     """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
     blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
@@ -2469,6 +2471,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     return out
 
 
+# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
     """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
     if _undefined(value) or value is None or (boolean and not value):
@@ -2916,7 +2919,9 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    A missing block means no parameters; the sequence form is forbidden (§16.2).
+    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form
+    is forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -3088,6 +3093,8 @@ class Expansion:
                                      "16.2")
             if "template" not in cfg:
                 break
+            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
@@ -3156,6 +3163,8 @@ INT_FORM = re.compile(r"[-+]?\d+")
 FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
+# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# never a runtime field (render_tree), so quoted literals and prompts stay strings.
 def coerce_rendered(text):
     """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
     mapping becomes that value; anything else stays a string."""
@@ -3404,6 +3413,8 @@ def _require_jinja2():
         raise TemplateError(JINJA2_MISSING, section="9.2")
 
 
+# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
+# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
 if jinja2 is not None:
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
@@ -3436,6 +3447,7 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
 
+# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -3712,6 +3724,8 @@ def simple_format(text, variables):
     return "".join(out)
 
 
+# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     text = simple_expressions(text, variables)
