@@ -516,6 +516,41 @@ def test_reserved_template_keys_rejected_anywhere():
         assert info.value.path == f"agents.a.config.{key}"
 
 
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    monkeypatch.setattr(actor, "jinja2", None)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    import json as _json
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(_json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.render_document(text, None, "MUSTACHE")
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
+    out = actor.render_document(text, None, "JINJA2")
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
+
+
 # §8.6-§8.10 Phase B --------------------------------------------------------------------------
 def _expand(data, engine="JINJA2"):
     doc = actor.Doc(data)
