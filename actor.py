@@ -5610,7 +5610,8 @@ def walk_tags(text, scope, defer, need_names=False):
         protected = False
         if kind == "{%" and word == "raw":
             close = text.find("endraw", end)
-            close = text.find("%}", close) + 2 if close >= 0 else len(text)
+            close = text.find("%}", close) if close >= 0 else -1
+            close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
@@ -6232,8 +6233,9 @@ def resolve_references(ex, decls, values, path, scope):
         if ptype not in ("agent_ref", "component_ref") or name not in values:
             continue
         ref = values[name]
-        known = ref in scope or ref in agents or (ptype == "component_ref" and ref in routes)
-        if not isinstance(ref, str) or not known:
+        known = isinstance(ref, str) and (
+            ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
+        if not known:
             raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
                                f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
                                " in the composite or the actor", "8.7.1")
