@@ -5350,7 +5350,7 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
                                  file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# §8.3 table 1: built-in callables in every rendering namespace (Phases A, B and C).
+# Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
     "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
@@ -5454,7 +5454,7 @@ def filter_split(value, sep=None, maxsplit=-1):
     return str(value).split(sep, maxsplit)
 
 
-# §8.3 table 2: the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
 FILTERS = {
     "tojson": filter_tojson,
     "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
@@ -5772,7 +5772,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
 RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
                           "__jinja_template__", "__is_template__")
 
@@ -5865,7 +5865,7 @@ def param_pass(value):
     return value
 
 
-# §8.6.2 table: parameter type -> coercion. Rows in the spec's order.
+# Table of §8.6.2: parameter type -> coercion. Rows in the spec's order.
 PARAMETER_TYPES = {
     "string": param_string,
     "int": param_int,
@@ -6349,7 +6349,7 @@ def render_runtime(rt, text, ctx, message, path=None):
         return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# §8.12 table: what a render failure does at each phase.
+# Table of §8.12: what a render failure does at each phase.
 RENDER_FAILURE = {
     "A": "ConfigurationError: the configuration fails to load (render_document)",
     "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
