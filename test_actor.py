@@ -3137,6 +3137,12 @@ def test_render_runtime_failure_warns_and_returns_literal_8_12():
     assert rt.warnings and "8.12" in rt.warnings[0]
 
 
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
+
+
 def test_render_runtime_in_mustache_and_simple():
     assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
         "Hi Ada Ada"
