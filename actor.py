@@ -415,6 +415,8 @@ def parse_yaml(text, file=None):
     loader = Yaml12Loader(text)
     try:
         node = loader.get_single_node()
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
@@ -465,7 +467,10 @@ def parse_yaml(text, file=None):
     if node is None:
         return None, marks
     marks[()] = at(node)
-    return build(node, ()), marks
+    try:
+        return build(node, ()), marks
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
 
 
 def deep_merge(base, extra):
@@ -9205,6 +9210,9 @@ def main(argv=None):
             else:
                 for name, agent in info["agents"].items():
                     print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                    for key, value in agent["metadata"].items():
+                        if key not in ("name", "type", "capabilities"):
+                            print(f"    {key}: {json.dumps(value)}")
                 for name, kind in info["routes"].items():
                     mark = "  [default router]" if name == info["default_router"] else ""
                     print(f"route {name} ({kind}){mark}")

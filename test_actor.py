@@ -254,6 +254,20 @@ def test_cli_check_accepts_the_examples():
         assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
 
 
+def test_cli_describe_text_and_json():
+    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
+    import json
+    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    assert r.returncode == 0
+    assert "agent echo_tool (tool): tool-execution" in r.stdout
+    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
+    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    info = json.loads(r.stdout)
+    meta = info["agents"]["echo_tool"]["metadata"]
+    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
+    assert info["routes"] == {"main": "stream"}
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
