@@ -5273,6 +5273,7 @@ class _PipelineEntry(_Node):
 # INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
 # governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
 # filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
 import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
 import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
 
@@ -6181,10 +6182,13 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C (JINJA2).
+    expression whose names are not all parameters or built-ins survives to Phase C.
     """
+    names = set(variables) - RUNTIME_NAMES
     if runtime_field and ex.engine == "JINJA2":
-        text = walk_tags(text, TagScope(set(variables) - RUNTIME_NAMES), defer=True)
+        text = walk_tags(text, TagScope(names), defer=True)
+    elif runtime_field:
+        text = defer_foreign_tags(text, names, ex.engine)
     try:
         if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
             rendered = render_simple(text, variables, format_pass=False)
@@ -6194,6 +6198,40 @@ def render_phase_b(ex, text, variables, path, runtime_field):
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
+
+
+def foreign_tag_reads(inner, engine):
+    """The names a MUSTACHE or SIMPLE tag reads (None: leave the tag to Phase C)."""
+    if engine == "MUSTACHE":
+        body = inner.strip().strip("{}").strip()
+        if not body or body[0] in "!>=":
+            return None                      # comments, partials, delimiters: Phase C's
+        name = body.lstrip("#^/&").strip()
+        return {name.split(".")[0]} if name != "." else set()
+    try:
+        tree = ast.parse(inner.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def defer_foreign_tags(text, names, engine):
+    """walk_tags for the MUSTACHE and SIMPLE dialects: a {{ }} tag reading a name that is not a
+    parameter or built-in is protected (§15.5 sentinels) so that Phase C renders it."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        end = text.find("}}", start + 2) if start >= 0 else -1
+        if end < 0:
+            break
+        end += 3 if engine == "MUSTACHE" and text.startswith("}", end + 2) else 2
+        tag = text[start:end]
+        reads = foreign_tag_reads(tag[2:-2], engine)
+        out.append(text[pos:start])
+        out.append(tag if reads is not None and reads <= names else protect_markers(tag))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def render_tree(ex, node, variables, path, keys):

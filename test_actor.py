@@ -3123,6 +3123,20 @@ def test_deprecated_instances_section_moves_into_agents_q55(caplog):
     assert "deprecated" in caplog.text
 
 
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
 def test_phase_b_in_mustache():
     data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
                                             "type": "llm", "config": {"s": "In {{d}}"}}}},
