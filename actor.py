@@ -5356,9 +5356,20 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
                                  file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
+MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
+
+
+def builtin_range(*args):
+    """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
+    seq = range(*args)
+    if len(seq) > MAX_RANGE:
+        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+    return seq
+
+
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }

@@ -2724,6 +2724,14 @@ def test_jinja2_sandbox_blocks_python_internals():
         actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
 
 
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.TemplateError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
+
+
 def test_jinja2_compiles_each_text_once():
     actor.jinja_template.cache_clear()
     for _ in range(3):
