@@ -7091,11 +7091,7 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    try:
-        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
-    except ActorError as exc:
-        exc.file = exc.file or file
-        raise
+    rendered = render_document(raw, render_context, engine, file=file)
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 
