@@ -2133,10 +2133,10 @@ class _Checker:
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
         for key, (check, default) in spec.items():
-            value = params.get(key, default)
-            if value is REQUIRED:
+            value = params.get(key)
+            if value is None and default is REQUIRED:
                 self.fail(path, f"operator {kind!r} needs params.{key}")
-            if value is not None and value is not default:
+            if value is not None:
                 check(self, value, path + (key,))
         if kind not in OPEN_PARAMS:
             for key in params:
@@ -2185,7 +2185,7 @@ class _Checker:
     def transform(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_type(self, value.get("type", "identity"), path + ("type",))
+        check_transform_params(self, value, path)
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
@@ -2953,7 +2953,7 @@ def _check_transform(checker, params, path):
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
-        check_transform_type(checker, params["type"], path + ("type",))
+        check_transform_params(checker, params, path)
 
 
 def _check_sample(checker, params, path):
@@ -3058,6 +3058,7 @@ def function_mapper(site, name, down):
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
 PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
@@ -3135,7 +3136,7 @@ def agent_mapper(site, name, down):
             down.next(out)
             return
         else:
-            out = msg.copy(content="Error: " + error_reason(failure), source_stream=route)
+            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
@@ -3188,13 +3189,28 @@ def check_transform_type(checker, kind, path):
                      "5.3.5")
 
 
+def check_transform_params(checker, params, path):
+    """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
+    check_transform_type(checker, params.get("type") or "identity", path + ("type",))
+    if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
+        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+    for key in ("field", "template", "old", "new"):
+        if isinstance(params.get(key), (dict, list)):
+            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+
+
 def transform_stage(site, params, down):
     """§5.3.5 a built-in transform applied to every message's content."""
     handler = TRANSFORMS[params.get("type") or "identity"]
-    route = site.route
+    net, route = site.net, site.route
 
     def on_next(msg):
-        down.next(msg.copy(content=handler(msg.content, params), source_stream=route))
+        try:
+            content = handler(msg.content, params)
+        except Exception as exc:    # §12.2.3 boundary (e.g. a content that cannot be str()'d)
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
     return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
@@ -3545,7 +3561,7 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message("Error: " + error_reason(exc), dict(msg.metadata), origin,
+        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
                       self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
         self.report(out)
