@@ -2247,6 +2247,15 @@ def stream_edges(data, known, default=None):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             for target in split["targets"]:
                 edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(stage.get("publications") or []):
+                    if target in known:
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
     if isinstance(default, str):
         edges.append(("__input__", default, ("cleveragents", "default_router")))
     return edges
