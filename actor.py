@@ -3411,7 +3411,6 @@ class StreamNetwork:
         self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
                                 else single_shot)
         self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
-        self.error_depth = 0
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
