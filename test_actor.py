@@ -1661,7 +1661,7 @@ def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
     import time as _time
     monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.3) or "late")
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
     net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
                                           agents=[slow], merges=_FROM_INPUT,
                                           clock=actor.RealClock())
@@ -2155,7 +2155,7 @@ def test_graph_agent_failure_after_retries_sets_state_error():
 def test_graph_agent_timeout_is_per_attempt():
     import time as _time
     rt, g = make_graph(linear("a", a={"timeout": 0.05}),
-                       {"a": lambda c, ctx: _time.sleep(0.3) or "late"})
+                       {"a": lambda c, ctx: _time.sleep(0.2) or "late"})
     started = _time.monotonic()
     with pytest.raises(actor.ExecutionError, match="timed out"):
         g.run("x")
