@@ -3147,13 +3147,15 @@ def agent_mapper(site, name, down):
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
     attempts = 1 + retry_count(site)
+    call = agent.invoke if not rt.clock.real else (
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
         failure = None
         for _ in range(attempts):
             try:
-                reply = invoke_agent(rt, agent, msg.content, ctx)
+                reply = call(msg.content, ctx)
             except _AgentTimedOut:
                 out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
                 out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
@@ -3534,9 +3536,9 @@ class StreamNetwork:
             raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
         if self.nodes[INPUT].out.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = dict(metadata or {})
-        meta.setdefault("context", self.rt.context)     # §10.2(2): a reference, not a copy
-        meta.setdefault("_unsafe_mode", self.rt.unsafe)
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        if metadata:
+            meta.update(metadata)
         node.push(Message(content, meta, INPUT, self.rt.clock.now()))
 
     def complete(self):
