@@ -5192,12 +5192,23 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
                             "or built-in stream", "7.3")
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            here = path + ("stages", i)
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+                checker.operators(stage.get("operators"), here + ("operators",))
+            elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
+                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                            checker.agents)
 
 
 def _stage_type(stage):
     return str(stage.get("type", "")).lower()
+
+
+def _stage_graph(stage):
+    """An inline graph stage's config as a graph route (its `name` key is only a label)."""
+    cfg = {"type": "graph", **stage["config"]}
+    cfg.pop("name", None)
+    return cfg
 
 
 def pipeline_links(net, data):
@@ -5229,14 +5240,8 @@ def _pipeline_stage(net, node_name, stage, path):
     if _stage_type(stage) == "stream":
         return StreamRoute(net, node_name, stage, path)
     if isinstance(stage.get("config"), dict):
-        try:
-            graph = GraphRoute(node_name, {"type": "graph", **stage["config"]}, rt, path + ("config",))
-        except ActorError:
-            raise
-        except Exception as exc:
-            raise rt.error(ConfigurationError, path + ("config",),
-                           f"pipeline graph stage could not be built: {exc}", "7.3") from exc
-        return GraphParticipant(net, node_name, graph)
+        cfg = _stage_graph(stage)
+        return GraphParticipant(net, node_name, GraphRoute(node_name, cfg, rt, path + ("config",)))
     graph = rt.graphs.get(stage.get("graph", stage.get("name")))
     if graph is None:
         return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
@@ -5254,11 +5259,6 @@ class _PipelineEntry(_Node):
     def push(self, msg):
         if self.first is not None:
             self.first.push(msg)
-
-    def source_done(self):
-        self.sources -= 1
-        if self.sources <= 0:
-            self.finish()
 
     def finish(self):
         if self.first is not None:
