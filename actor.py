@@ -2541,10 +2541,7 @@ def op_debounce(site, params, down):
         debounce(2 ticks)
         output:   ----b-----c--|     (completion emits a still-pending message at once)
     """
-    duration = params["duration"]
-    if site.net.single_shot:
-        duration = min(duration, DEBOUNCE_SINGLE_SHOT_CAP)
-    clock = site.rt.clock
+    duration, net, clock = params["duration"], site.net, site.rt.clock
     pending = [None, None]      # message, timer
 
     def fire():
@@ -2555,7 +2552,8 @@ def op_debounce(site, params, down):
         if pending[1] is not None:
             pending[1].cancel()
         pending[0] = msg
-        pending[1] = clock.call_later(duration, fire)
+        wait = min(duration, DEBOUNCE_SINGLE_SHOT_CAP) if net.single_shot else duration
+        pending[1] = clock.call_later(wait, fire)
 
     def on_complete():
         if pending[1] is not None:
@@ -3431,10 +3429,7 @@ class StreamNetwork:
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
-        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
-        # so (rt.single_shot, e.g. the CLI with -m messages); vectors and the API are not.
-        self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
-                                else single_shot)
+        self._single_shot = single_shot
         self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
@@ -3459,6 +3454,16 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    @property
+    def single_shot(self):
+        """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
+        # with -m messages); vectors and the API are not single-shot.
+        if self._single_shot is not None:
+            return bool(self._single_shot)
+        return bool(getattr(self.rt, "single_shot", False))
 
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):

@@ -1749,6 +1749,12 @@ def test_debounce_capped_in_single_shot_runs():
     assert outputs == []
     rt.clock.advance(0.01)
     assert [m.content for m in outputs] == ["x"]
+    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
+                                         merges=_FROM_INPUT)
+    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
+    net2.send("y")
+    rt2.clock.advance(0.05)
+    assert [m.content for m in outputs2] == ["y"]
 
 
 def test_settle_waits_for_timers_under_real_clock():
