@@ -415,6 +415,8 @@ def parse_yaml(text, file=None):
     loader = Yaml12Loader(text)
     try:
         node = loader.get_single_node()
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
@@ -465,7 +467,10 @@ def parse_yaml(text, file=None):
     if node is None:
         return None, marks
     marks[()] = at(node)
-    return build(node, ()), marks
+    try:
+        return build(node, ()), marks
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
 
 
 def deep_merge(base, extra):
@@ -512,7 +517,24 @@ TOP_LEVEL_SECTIONS = {
     "instances": False, "context": False, "prompts": False, "pipelines": False,
     "template_strings": False, "name": False,
 }
-HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (Q88)
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+
+
+def host_parameter(doc, key, host_value):
+    """A §9 parameter: the host's value, else a top-level key, else the cleveragents block.
+
+    INTERPRETATION §9.1 (Q88): the host (API, command line) wins; a document may also carry
+    `default_router` / `template_engine` at the top level or under `cleveragents:` (§9.2, §18.9).
+    Returns (value, path of the value in the document).
+    """
+    if host_value is not None:
+        return host_value, ()
+    if key in doc.data:
+        return doc.data[key], (key,)
+    block = doc.data.get("cleveragents")
+    if isinstance(block, dict) and key in block:
+        return block[key], ("cleveragents", key)
+    return None, ()
 
 
 def check_top_level(doc, rt):
@@ -563,9 +585,7 @@ def resolve_default_router(doc, rt, host_value):
     §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
     that is not a route is an error.
     """
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    name = host_value if host_value is not None else params.get("default_router")
-    path = ("cleveragents", "default_router") if host_value is None else ()
+    name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
         if name not in doc.data["routes"]:
             raise doc.error(ConfigurationError, path,
@@ -5284,6 +5304,7 @@ class _PipelineEntry(_Node):
 # INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
 # governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
 # filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
 import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
 import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
 
@@ -5366,9 +5387,20 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
                                  file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# §8.3 table 1: built-in callables in every rendering namespace (Phases A, B and C).
+MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
+
+
+def builtin_range(*args):
+    """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
+    seq = range(*args)
+    if len(seq) > MAX_RANGE:
+        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+    return seq
+
+
+# Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
@@ -5378,6 +5410,7 @@ def _undefined(value):
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
+# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
 def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
@@ -5388,6 +5421,7 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
+# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
 def filter_indent(value, width=4, first=False, blank=False):
     """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
     blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
@@ -5448,6 +5482,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     return out
 
 
+# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
     """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
     if _undefined(value) or value is None or (boolean and not value):
@@ -5467,7 +5502,7 @@ def filter_split(value, sep=None, maxsplit=-1):
     return str(value).split(sep, maxsplit)
 
 
-# §8.3 table 2: the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
 FILTERS = {
     "tojson": filter_tojson,
     "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
@@ -5623,7 +5658,8 @@ def walk_tags(text, scope, defer, need_names=False):
         protected = False
         if kind == "{%" and word == "raw":
             close = text.find("endraw", end)
-            close = text.find("%}", close) + 2 if close >= 0 else len(text)
+            close = text.find("%}", close) if close >= 0 else -1
+            close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
@@ -5784,7 +5820,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
 RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
                           "__jinja_template__", "__is_template__")
 
@@ -5877,7 +5913,7 @@ def param_pass(value):
     return value
 
 
-# §8.6.2 table: parameter type -> coercion. Rows in the spec's order.
+# Table of §8.6.2: parameter type -> coercion. Rows in the spec's order.
 PARAMETER_TYPES = {
     "string": param_string,
     "int": param_int,
@@ -5895,7 +5931,9 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    A missing block means no parameters; the sequence form is forbidden (§16.2).
+    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form
+    is forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -6067,6 +6105,8 @@ class Expansion:
                                      "16.2")
             if "template" not in cfg:
                 break
+            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
@@ -6135,6 +6175,8 @@ INT_FORM = re.compile(r"[-+]?\d+")
 FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
+# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# never a runtime field (render_tree), so quoted literals and prompts stay strings.
 def coerce_rendered(text):
     """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
     mapping becomes that value; anything else stays a string."""
@@ -6182,10 +6224,13 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C (JINJA2).
+    expression whose names are not all parameters or built-ins survives to Phase C.
     """
+    names = set(variables) - RUNTIME_NAMES
     if runtime_field and ex.engine == "JINJA2":
-        text = walk_tags(text, TagScope(set(variables) - RUNTIME_NAMES), defer=True)
+        text = walk_tags(text, TagScope(names), defer=True)
+    elif runtime_field:
+        text = defer_foreign_tags(text, names, ex.engine)
     try:
         if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
             rendered = render_simple(text, variables, format_pass=False)
@@ -6195,6 +6240,40 @@ def render_phase_b(ex, text, variables, path, runtime_field):
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
+
+
+def foreign_tag_reads(inner, engine):
+    """The names a MUSTACHE or SIMPLE tag reads (None: leave the tag to Phase C)."""
+    if engine == "MUSTACHE":
+        body = inner.strip().strip("{}").strip()
+        if not body or body[0] in "!>=":
+            return None                      # comments, partials, delimiters: Phase C's
+        name = body.lstrip("#^/&").strip()
+        return {name.split(".")[0]} if name != "." else set()
+    try:
+        tree = ast.parse(inner.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def defer_foreign_tags(text, names, engine):
+    """walk_tags for the MUSTACHE and SIMPLE dialects: a {{ }} tag reading a name that is not a
+    parameter or built-in is protected (§15.5 sentinels) so that Phase C renders it."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        end = text.find("}}", start + 2) if start >= 0 else -1
+        if end < 0:
+            break
+        end += 3 if engine == "MUSTACHE" and text.startswith("}", end + 2) else 2
+        tag = text[start:end]
+        reads = foreign_tag_reads(tag[2:-2], engine)
+        out.append(text[pos:start])
+        out.append(tag if reads is not None and reads <= names else protect_markers(tag))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def render_tree(ex, node, variables, path, keys):
@@ -6239,8 +6318,9 @@ def resolve_references(ex, decls, values, path, scope):
         if ptype not in ("agent_ref", "component_ref") or name not in values:
             continue
         ref = values[name]
-        known = ref in scope or ref in agents or (ptype == "component_ref" and ref in routes)
-        if not isinstance(ref, str) or not known:
+        known = isinstance(ref, str) and (
+            ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
+        if not known:
             raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
                                f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
                                " in the composite or the actor", "8.7.1")
@@ -6354,7 +6434,7 @@ def render_runtime(rt, text, ctx, message, path=None):
         return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# §8.12 table: what a render failure does at each phase.
+# Table of §8.12: what a render failure does at each phase.
 RENDER_FAILURE = {
     "A": "ConfigurationError: the configuration fails to load (render_document)",
     "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
@@ -6383,6 +6463,8 @@ def _require_jinja2():
         raise TemplateError(JINJA2_MISSING, section="9.2")
 
 
+# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
+# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
 if jinja2 is not None:
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
@@ -6415,6 +6497,7 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
 
+# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -6691,6 +6774,8 @@ def simple_format(text, variables):
     return "".join(out)
 
 
+# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     text = simple_expressions(text, variables)
@@ -7071,11 +7156,10 @@ def load_document(sources, render_context, engine, env, rt):
 
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    value = host_engine if host_engine is not None else params.get("template_engine", "JINJA2")
+    value, path = host_parameter(doc, "template_engine", host_engine)
+    value = "JINJA2" if value is None else value
     engine = str(value).upper()
     if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
-        path = () if host_engine is not None else ("cleveragents", "template_engine")
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
@@ -9206,6 +9290,9 @@ def main(argv=None):
             else:
                 for name, agent in info["agents"].items():
                     print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                    for key, value in agent["metadata"].items():
+                        if key not in ("name", "type", "capabilities"):
+                            print(f"    {key}: {json.dumps(value)}")
                 for name, kind in info["routes"].items():
                     mark = "  [default router]" if name == info["default_router"] else ""
                     print(f"route {name} ({kind}){mark}")

@@ -233,6 +233,41 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
 
 
+def test_cli_runs_the_18_4_example_end_to_end():
+    """§18.4 from the command line: refused on a safe host, answered on an unsafe one."""
+    example = HERE / "examples" / "inline-tool.yaml"
+    r = run_cli(str(example), "--unsafe", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "PREFIX: hello\n")
+    r = run_cli(str(example), "-m", "hello")
+    assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
+
+
+def test_readme_first_command_runs_offline():
+    """The README's first command: the chat example through the fake provider, no key needed."""
+    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "hello\n")
+
+
+def test_cli_check_accepts_the_examples():
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        r = run_cli("--check", "--unsafe", "--provider", "fake", str(example))
+        assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
+
+
+def test_cli_describe_text_and_json():
+    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
+    import json
+    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    assert r.returncode == 0
+    assert "agent echo_tool (tool): tool-execution" in r.stdout
+    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
+    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    info = json.loads(r.stdout)
+    meta = info["agents"]["echo_tool"]["metadata"]
+    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
+    assert info["routes"] == {"main": "stream"}
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
@@ -2670,6 +2705,9 @@ def _mustache_cases():
         if path.exists():
             for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
                 cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
+        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
+            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
     return cases
 
 
@@ -2710,6 +2748,14 @@ def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
 def test_jinja2_sandbox_blocks_python_internals():
     with pytest.raises(actor.TemplateError):
         actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.ConfigurationError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
 
 
 def test_jinja2_compiles_each_text_once():
@@ -2891,6 +2937,41 @@ def test_reserved_template_keys_rejected_anywhere():
         with pytest.raises(actor.ConfigurationError) as info:
             actor.check_reserved_template_keys(doc)
         assert info.value.path == f"agents.a.config.{key}"
+
+
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    monkeypatch.setattr(actor, "jinja2", None)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    import json as _json
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(_json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.render_document(text, None, "MUSTACHE")
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
+    out = actor.render_document(text, None, "JINJA2")
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
 
 
 # §8.6-§8.10 Phase B --------------------------------------------------------------------------
@@ -3076,6 +3157,20 @@ def test_deprecated_instances_section_moves_into_agents_q55(caplog):
     assert "deprecated" in caplog.text
 
 
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
 def test_phase_b_in_mustache():
     data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
                                             "type": "llm", "config": {"s": "In {{d}}"}}}},
@@ -3102,6 +3197,12 @@ def test_render_runtime_failure_warns_and_returns_literal_8_12():
     text = "Hi {{ context.who.name }}"
     assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
     assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
 
 
 def test_render_runtime_in_mustache_and_simple():
