@@ -2176,10 +2176,10 @@ class _Checker:
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
         for key, (check, default) in spec.items():
-            value = params.get(key, default)
-            if value is REQUIRED:
+            value = params.get(key)
+            if value is None and default is REQUIRED:
                 self.fail(path, f"operator {kind!r} needs params.{key}")
-            if value is not None and value is not default:
+            if value is not None:
                 check(self, value, path + (key,))
         if kind not in OPEN_PARAMS:
             for key in params:
@@ -2228,7 +2228,7 @@ class _Checker:
     def transform(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_type(self, value.get("type", "identity"), path + ("type",))
+        check_transform_params(self, value, path)
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
@@ -2290,6 +2290,15 @@ def stream_edges(data, known, default=None):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             for target in split["targets"]:
                 edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(stage.get("publications") or []):
+                    if target in known:
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
     if isinstance(default, str):
         edges.append(("__input__", default, ("cleveragents", "default_router")))
     return edges
@@ -2552,10 +2561,7 @@ def op_debounce(site, params, down):
         debounce(2 ticks)
         output:   ----b-----c--|     (completion emits a still-pending message at once)
     """
-    duration = params["duration"]
-    if site.net.single_shot:
-        duration = min(duration, DEBOUNCE_SINGLE_SHOT_CAP)
-    clock = site.rt.clock
+    duration, net, clock = params["duration"], site.net, site.rt.clock
     pending = [None, None]      # message, timer
 
     def fire():
@@ -2566,7 +2572,8 @@ def op_debounce(site, params, down):
         if pending[1] is not None:
             pending[1].cancel()
         pending[0] = msg
-        pending[1] = clock.call_later(duration, fire)
+        wait = min(duration, DEBOUNCE_SINGLE_SHOT_CAP) if net.single_shot else duration
+        pending[1] = clock.call_later(wait, fire)
 
     def on_complete():
         if pending[1] is not None:
@@ -2996,7 +3003,7 @@ def _check_transform(checker, params, path):
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
-        check_transform_type(checker, params["type"], path + ("type",))
+        check_transform_params(checker, params, path)
 
 
 def _check_sample(checker, params, path):
@@ -3101,6 +3108,7 @@ def function_mapper(site, name, down):
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
 PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
@@ -3157,13 +3165,15 @@ def agent_mapper(site, name, down):
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
     attempts = 1 + retry_count(site)
+    call = agent.invoke if not rt.clock.real else (
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
         failure = None
         for _ in range(attempts):
             try:
-                reply = invoke_agent(rt, agent, msg.content, ctx)
+                reply = call(msg.content, ctx)
             except _AgentTimedOut:
                 out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
                 out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
@@ -3178,7 +3188,7 @@ def agent_mapper(site, name, down):
             down.next(out)
             return
         else:
-            out = msg.copy(content="Error: " + error_reason(failure), source_stream=route)
+            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
@@ -3231,13 +3241,28 @@ def check_transform_type(checker, kind, path):
                      "5.3.5")
 
 
+def check_transform_params(checker, params, path):
+    """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
+    check_transform_type(checker, params.get("type") or "identity", path + ("type",))
+    if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
+        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+    for key in ("field", "template", "old", "new"):
+        if isinstance(params.get(key), (dict, list)):
+            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+
+
 def transform_stage(site, params, down):
     """§5.3.5 a built-in transform applied to every message's content."""
     handler = TRANSFORMS[params.get("type") or "identity"]
-    route = site.route
+    net, route = site.net, site.route
 
     def on_next(msg):
-        down.next(msg.copy(content=handler(msg.content, params), source_stream=route))
+        try:
+            content = handler(msg.content, params)
+        except Exception as exc:    # §12.2.3 boundary (e.g. a content that cannot be str()'d)
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
     return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
@@ -3424,12 +3449,8 @@ class StreamNetwork:
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
-        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
-        # so (rt.single_shot, e.g. the CLI with -m messages); vectors and the API are not.
-        self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
-                                else single_shot)
+        self._single_shot = single_shot
         self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
-        self.error_depth = 0
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
@@ -3453,6 +3474,16 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    @property
+    def single_shot(self):
+        """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
+        # with -m messages); vectors and the API are not single-shot.
+        if self._single_shot is not None:
+            return bool(self._single_shot)
+        return bool(getattr(self.rt, "single_shot", False))
 
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):
@@ -3530,9 +3561,9 @@ class StreamNetwork:
             raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
         if self.nodes[INPUT].out.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = dict(metadata or {})
-        meta.setdefault("context", self.rt.context)     # §10.2(2): a reference, not a copy
-        meta.setdefault("_unsafe_mode", self.rt.unsafe)
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        if metadata:
+            meta.update(metadata)
         node.push(Message(content, meta, INPUT, self.rt.clock.now()))
 
     def complete(self):
@@ -3588,7 +3619,7 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message("Error: " + error_reason(exc), dict(msg.metadata), origin,
+        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
                       self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
         self.report(out)
@@ -5186,12 +5217,23 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
                             "or built-in stream", "7.3")
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            here = path + ("stages", i)
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+                checker.operators(stage.get("operators"), here + ("operators",))
+            elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
+                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                            checker.agents)
 
 
 def _stage_type(stage):
     return str(stage.get("type", "")).lower()
+
+
+def _stage_graph(stage):
+    """An inline graph stage's config as a graph route (its `name` key is only a label)."""
+    cfg = {"type": "graph", **stage["config"]}
+    cfg.pop("name", None)
+    return cfg
 
 
 def pipeline_links(net, data):
@@ -5223,14 +5265,8 @@ def _pipeline_stage(net, node_name, stage, path):
     if _stage_type(stage) == "stream":
         return StreamRoute(net, node_name, stage, path)
     if isinstance(stage.get("config"), dict):
-        try:
-            graph = GraphRoute(node_name, {"type": "graph", **stage["config"]}, rt, path + ("config",))
-        except ActorError:
-            raise
-        except Exception as exc:
-            raise rt.error(ConfigurationError, path + ("config",),
-                           f"pipeline graph stage could not be built: {exc}", "7.3") from exc
-        return GraphParticipant(net, node_name, graph)
+        cfg = _stage_graph(stage)
+        return GraphParticipant(net, node_name, GraphRoute(node_name, cfg, rt, path + ("config",)))
     graph = rt.graphs.get(stage.get("graph", stage.get("name")))
     if graph is None:
         return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
@@ -5248,11 +5284,6 @@ class _PipelineEntry(_Node):
     def push(self, msg):
         if self.first is not None:
             self.first.push(msg)
-
-    def source_done(self):
-        self.sources -= 1
-        if self.sources <= 0:
-            self.finish()
 
     def finish(self):
         if self.first is not None:
