@@ -2253,6 +2253,7 @@ GRAPH_FIELDS = {
 }
 
 
+# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -2415,6 +2416,8 @@ class GraphRoute:
 
     def _next_nodes(self, results, trace):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
         for name, output in results:
@@ -2709,6 +2712,7 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's context changes are dropped; after the last one the run fails (state.error).
     attempt = 0
@@ -2824,6 +2828,7 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -2936,7 +2941,8 @@ GRAPH_STATE_FIELDS = {
 }
 MAX_STATE_MESSAGES = 50
 
-# Schemas "known to the host" (§6.3.3): this host knows only its own default state.
+# Schemas "known to the host" (§6.3.3).
+# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
 STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
 
 
@@ -3030,7 +3036,9 @@ def apply_state_update(state, update, mode="merge"):
 
 def state_update_from_content(content):
     """What a state_update message means: a mapping (or JSON object text) is the update itself;
-    any other content is appended to messages as a user message (Q34)."""
+    any other content is appended to messages as a user message."""
+    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # update changes the state the next run starts from.
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
@@ -3456,7 +3464,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if node_type == "dynamic_router":
             fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
                  "16.2")
-        if node_type not in NODE_TYPES:
+        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
