@@ -233,6 +233,41 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
 
 
+def test_cli_runs_the_18_4_example_end_to_end():
+    """§18.4 from the command line: refused on a safe host, answered on an unsafe one."""
+    example = HERE / "examples" / "inline-tool.yaml"
+    r = run_cli(str(example), "--unsafe", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "PREFIX: hello\n")
+    r = run_cli(str(example), "-m", "hello")
+    assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
+
+
+def test_readme_first_command_runs_offline():
+    """The README's first command: the chat example through the fake provider, no key needed."""
+    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "hello\n")
+
+
+def test_cli_check_accepts_the_examples():
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        r = run_cli("--check", "--unsafe", "--provider", "fake", str(example))
+        assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
+
+
+def test_cli_describe_text_and_json():
+    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
+    import json
+    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    assert r.returncode == 0
+    assert "agent echo_tool (tool): tool-execution" in r.stdout
+    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
+    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    info = json.loads(r.stdout)
+    meta = info["agents"]["echo_tool"]["metadata"]
+    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
+    assert info["routes"] == {"main": "stream"}
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
@@ -243,18 +278,1725 @@ def test_cli_version_and_help():
 # §4.4 LLM agents and HOST providers (llm)
 # =====================================================================================
 # [llm]
+import http.server  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+
+LLM_KEY = "sk-test-SECRET-4242"
+
+
+@pytest.fixture
+def llm_render(monkeypatch):
+    """Until [templating] lands on this branch, prompts without template syntax pass through."""
+    if not hasattr(actor, "render_runtime"):
+        monkeypatch.setattr(actor, "render_runtime",
+                            lambda rt, text, ctx, message, path=None: text, raising=False)
+
+
+def _llm_rt(env=None, doc=None, **kwargs):
+    env = {"OPENAI_API_KEY": LLM_KEY} if env is None else env
+    return actor.Runtime(actor.Doc(doc or {}), env=env, **kwargs)
+
+
+def _llm_agent(config, rt=None, name="a"):
+    rt = rt or _llm_rt()
+    return actor.LLMAgent(name, {"type": "llm", "config": config}, rt, ("agents", name))
+
+
+class _LLMServer:
+    """A scripted HTTP server on 127.0.0.1: records each request, answers from `replies`."""
+
+    def __init__(self):
+        self.requests = []
+        self.replies = []           # (status, headers, body: dict | bytes | str)
+        self.delay = 0.0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
+                                        "body": json.loads(raw)})
+                if server.delay:
+                    threading.Event().wait(server.delay)
+                status, headers, body = server.replies.pop(0) if server.replies else (
+                    500, {}, {"error": {"message": "no scripted reply"}})
+                if isinstance(body, (dict, list)):
+                    body = json.dumps(body)
+                if isinstance(body, str):
+                    body = body.encode("utf-8")
+                try:
+                    self.send_response(status)
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def llm_server():
+    server = _LLMServer()
+    yield server
+    server.close()
+
+
+def _openai_ok(text):
+    return (200, {}, {"id": "c1", "object": "chat.completion", "model": "m",
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": text}}]})
+
+
+def _sleeps(agent):
+    waits = []
+    agent.sleep = waits.append
+    return waits
+
+
+# §4.4 LLM agents: fields, defaults, metadata ------------------------------------------------
+def test_llm_defaults_and_metadata(llm_render):
+    agent = _llm_agent({})
+    assert (agent.provider, agent.model) == ("openai", "gpt-3.5-turbo")
+    assert (agent.temperature, agent.max_tokens) == (0.7, 1000)
+    assert agent.system_prompt == "You are a helpful assistant."
+    assert (agent.memory_enabled, agent.max_history) == (False, 10)
+    meta = agent.metadata
+    assert meta["name"] == "a" and meta["type"] == "llm" and meta["reactive"] is True
+    for key in ("provider", "model", "temperature", "max_tokens", "memory_enabled",
+                "supports_structured_output", "capabilities"):
+        assert key in meta
+    assert "text-generation" in agent.capabilities and "structured-output" in agent.capabilities
+    assert LLM_KEY not in repr(agent) and LLM_KEY not in json.dumps(meta)
+
+
+@pytest.mark.parametrize("provider, env, model", [
+    ("OpenAI", {"OPENAI_API_KEY": "k"}, "gpt-3.5-turbo"),
+    ("ANTHROPIC", {"ANTHROPIC_API_KEY": "k"}, "claude-3-5-sonnet-20241022"),
+    ("google", {"GOOGLEAI_API_KEY": "k"}, "gemini-1.5-flash"),
+])
+def test_llm_provider_case_insensitive_default_models(provider, env, model):
+    agent = _llm_agent({"provider": provider}, _llm_rt(env))
+    assert agent.provider == provider.lower() and agent.model == model
+
+
+def test_llm_missing_key_names_variables():
+    with pytest.raises(actor.ConfigurationError) as info:
+        _llm_agent({"provider": "google"}, _llm_rt({"OPENAI_API_KEY": "k", "GOOGLE_API_KEY": ""}))
+    assert "GOOGLE_API_KEY" in info.value.message and "GOOGLEAI_API_KEY" in info.value.message
+    assert info.value.path == "agents.a.config"
+
+
+def test_llm_key_order_and_explicit_key(llm_render):
+    rt = _llm_rt({"GOOGLE_API_KEY": "first", "GOOGLEAI_API_KEY": "second"})
+    assert _llm_agent({"provider": "google"}, rt)._api_key == "first"
+    assert _llm_agent({"provider": "google", "api_key": "mine"}, rt)._api_key == "mine"
+
+
+def test_llm_unknown_provider_before_missing_key():
+    with pytest.raises(actor.AgentCreationError) as info:
+        _llm_agent({"provider": "mistral"}, _llm_rt({}))
+    assert "mistral" in info.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 2.5), ("temperature", -0.1), ("temperature", True), ("temperature", "hot"),
+    ("max_tokens", "many"), ("max_tokens", 0), ("memory_enabled", "yes"), ("max_history", -1),
+    ("response_format", "json"), ("template_vars", [1]), ("system_prompt", 3),
+])
+def test_llm_rejects_bad_field_values(field, value):
+    with pytest.raises(actor.ConfigurationError) as info:
+        _llm_agent({field: value})
+    assert info.value.path.startswith(f"agents.a.config.{field}")
+
+
+def test_llm_unknown_field_warns():
+    rt = _llm_rt()
+    _llm_agent({"temprature": 0.1}, rt)
+    assert any("temprature" in text for text in rt.warnings)
+
+
+def test_llm_host_fake_provider_needs_no_key(llm_render):
+    agent = _llm_agent({"provider": "anthropic"}, _llm_rt({}, provider="fake"))
+    assert agent.provider == "fake" and agent.model == "claude-3-5-sonnet-20241022"
+    assert agent.invoke("hello", {}) == "hello"
+
+
+# §4.4.3 Structured output --------------------------------------------------------------------
+SCHEMA_RF = {"type": "json_schema",
+             "json_schema": {"name": "t", "strict": True,
+                             "schema": {"type": "object", "properties": {"x": {"type": "string"}},
+                                        "required": ["x"], "additionalProperties": False}}}
+
+
+def test_llm_response_format_shape_checked_at_load():
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"response_format": {"type": "json_schema"}})
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"response_format": {"json_schema": {}}})
+
+
+def test_llm_structured_output_unsupported_type_is_execution_error(llm_render):
+    rt = _llm_rt({"ANTHROPIC_API_KEY": "k"}, llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"provider": "anthropic", "response_format": {"type": "json_object"}}, rt)
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("x", {})
+    assert rt.llm_log == []
+
+
+# §4.4.4 Memory and history -------------------------------------------------------------------
+def test_llm_memory_order_and_truncation_in_entries(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": ["r1", "r2", "r3"]}))
+    agent = _llm_agent({"memory_enabled": True, "max_history": 3}, rt)
+    assert [agent.invoke(m, {}) for m in ("m1", "m2", "m3")] == ["r1", "r2", "r3"]
+    assert rt.llm_log[1]["messages"] == [
+        {"role": "user", "content": "m1"}, {"role": "assistant", "content": "r1"},
+        {"role": "user", "content": "m2"}]
+    assert rt.llm_log[2]["messages"] == [
+        {"role": "assistant", "content": "r1"}, {"role": "user", "content": "m2"},
+        {"role": "assistant", "content": "r2"}, {"role": "user", "content": "m3"}]
+    assert agent.history == [{"role": "assistant", "content": "r2"},
+                             {"role": "user", "content": "m3"}, {"role": "assistant", "content": "r3"}]
+
+
+def test_llm_memory_not_appended_after_failure(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [{"error": "boom"}, "ok"]}))
+    agent = _llm_agent({"memory_enabled": True}, rt)
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("first", {})
+    assert agent.history == []
+    assert agent.invoke("second", {}) == "ok"
+    assert agent.history == [{"role": "user", "content": "second"},
+                             {"role": "assistant", "content": "ok"}]
+
+
+def test_llm_memory_off_uses_context_history_without_keeping_it(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({}, rt)
+    ctx = {"conversation_history": [{"role": "user", "content": "u0"},
+                                    {"role": "assistant", "content": "a0"},
+                                    {"role": "system", "content": "s"}]}
+    agent.invoke("q1", ctx)
+    agent.invoke("q2", {})
+    assert rt.llm_log[0]["messages"] == [{"role": "user", "content": "u0"},
+                                         {"role": "assistant", "content": "a0"},
+                                         {"role": "user", "content": "q1"}]
+    assert rt.llm_log[1]["messages"] == [{"role": "user", "content": "q2"}]
+    assert len(ctx["conversation_history"]) == 3 and agent.history == []
+
+
+def test_llm_context_history_ending_with_the_message_sends_it_once(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    ctx = {"conversation_history": [{"role": "user", "content": "hi"}]}
+    _llm_agent({}, rt).invoke("hi", ctx)
+    assert rt.llm_log[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_llm_memory_is_thread_safe(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"memory_enabled": True, "max_history": 1000}, rt)
+    threads = [threading.Thread(target=agent.invoke, args=(f"m{i}", {})) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    history = agent.history
+    assert len(history) == 80
+    for user, assistant in zip(history[::2], history[1::2]):   # pairs stay together
+        assert user["role"] == "user" and assistant == {"role": "assistant",
+                                                        "content": user["content"]}
+
+
+# §4.4.5 Temperature override -----------------------------------------------------------------
+def test_llm_temperature_override(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"temperature": 0.3}, rt)
+    agent.invoke("x", {"_temperature_override": 1.5})
+    agent.invoke("y", {})
+    assert [r["temperature"] for r in rt.llm_log] == [1.5, 0.3]
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("z", {"_temperature_override": "hot"})
+
+
+# §4.4.6 System prompt rendering (needs [templating]'s render_runtime) --------------------------
+def test_llm_system_prompt_rendered_and_fallback():
+    if not hasattr(actor, "render_runtime"):
+        pytest.skip("render_runtime arrives with [templating]")
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    _llm_agent({"system_prompt": "Topic {{ context.topic }}; msg {{ message }}"}, rt).invoke(
+        "hi", {"topic": "owls"})
+    assert rt.llm_log[-1]["system"] == "Topic owls; msg hi"
+    broken = "Bad {{ 1 | no_such_filter_x }}"
+    _llm_agent({"system_prompt": broken}, rt, name="b").invoke("hi", {})
+    assert rt.llm_log[-1]["system"] == broken and rt.warnings
+
+
+def test_llm_template_formats_user_message(llm_render):
+    doc = {"prompts": {"greet": {"content": "Say hello"}}}
+    rt = _llm_rt(doc=doc, llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"template": "greet", "template_vars": {"who": "Bob"}}, rt)
+    assert agent.invoke("ignored", {}) == "Say hello"
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"template": "nope"}, rt, name="b")
+
+
+# HOST -- providers: OpenAI Chat Completions over a local server -------------------------------
+def test_openai_wire_format(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("pong"))
+    rt = _llm_rt()
+    agent = _llm_agent({"base_url": llm_server.url + "/v1/", "model": "gpt-4o",
+                        "system_prompt": "Be brief.", "memory_enabled": True,
+                        "response_format": SCHEMA_RF, "max_tokens": 50, "temperature": 0.2}, rt)
+    agent.memory.record("u0", "a0")
+    assert agent.invoke("ping", {}) == "pong"
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1/chat/completions"
+    assert req["headers"]["authorization"] == f"Bearer {LLM_KEY}"
+    assert req["headers"]["content-type"] == "application/json"
+    assert req["body"] == {"model": "gpt-4o", "max_tokens": 50, "temperature": 0.2,
+                           "response_format": SCHEMA_RF,
+                           "messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "u0"},
+                                        {"role": "assistant", "content": "a0"},
+                                        {"role": "user", "content": "ping"}]}
+    assert LLM_KEY not in json.dumps(rt.llm_log)
+
+
+def test_openai_base_url_from_env_alone(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("local"))
+    agent = _llm_agent({"model": "llama3"}, _llm_rt({"OPENAI_API_KEY": "ollama",
+                                                     "OPENAI_BASE_URL": llm_server.url + "/v1"}))
+    assert agent.invoke("hi", {}) == "local"
+    assert llm_server.requests[0]["path"] == "/v1/chat/completions"
+
+
+def test_base_url_precedence_and_scheme(llm_render):
+    env = {"GOOGLE_API_KEY": "k", "GOOGLE_BASE_URL": "http://b", "GOOGLE_GEMINI_BASE_URL": "http://g"}
+    assert _llm_agent({"provider": "google"}, _llm_rt(env))._base_url() == "http://g"
+    assert _llm_agent({"provider": "google", "base_url": "https://f"}, _llm_rt(env))._base_url() \
+        == "https://f"
+    assert _llm_agent({"provider": "anthropic"}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))._base_url() \
+        == "https://api.anthropic.com"
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"base_url": "localhost:11434/v1"})
+    agent = _llm_agent({}, _llm_rt({"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "localhost:1"}))
+    with pytest.raises(actor.ExecutionError, match="not an http"):
+        agent.invoke("x", {})
+
+
+def test_llm_actor_reaches_openai_compatible_server_by_base_url(llm_server):
+    """An Actor loaded through the public API talks to a local server named only by env."""
+    llm_server.replies += [_openai_ok("from local 1"), _openai_ok("from local 2")]
+    text = ("agents:\n  bot: {type: llm, config: {model: llama3, memory_enabled: true}}\n"
+            "routes:\n  main:\n    type: stream\n"
+            "    operators: [{type: map, params: {agent: bot}}]\n"
+            "    publications: [__output__]\n")
+    env = {"OPENAI_API_KEY": "ollama", "OPENAI_BASE_URL": llm_server.url + "/v1"}
+    team = actor.load(text=text, env=env, default_router="main")
+    try:
+        assert [m.content for m in team.send("hi").outputs] == ["from local 1"]
+        assert [m.content for m in team.send("again").outputs] == ["from local 2"]
+    finally:
+        team.close()
+    assert [r["path"] for r in llm_server.requests] == ["/v1/chat/completions"] * 2
+    assert llm_server.requests[1]["body"]["messages"][1:] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "from local 1"},
+        {"role": "user", "content": "again"}]
+
+
+def test_openai_reasoning_models_use_max_completion_tokens(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("ok"))
+    _llm_agent({"base_url": llm_server.url, "model": "o3-mini"}).invoke("x", {})
+    body = llm_server.requests[0]["body"]
+    assert body["max_completion_tokens"] == 1000
+    assert "max_tokens" not in body and "temperature" not in body
+
+
+def test_openai_unsupported_parameter_retried_once_with_other(llm_server, llm_render):
+    llm_server.replies += [(400, {}, {"error": {
+        "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+                   "Use 'max_completion_tokens' instead.", "type": "invalid_request_error",
+        "param": "max_tokens", "code": "unsupported_parameter"}}), _openai_ok("ok")]
+    assert _llm_agent({"base_url": llm_server.url, "model": "new-model"}).invoke("x", {}) == "ok"
+    bodies = [r["body"] for r in llm_server.requests]
+    assert "max_tokens" in bodies[0] and bodies[1]["max_completion_tokens"] == 1000
+    assert "max_tokens" not in bodies[1]
+
+
+def test_openai_refusal_is_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"choices": [{"message": {
+        "role": "assistant", "content": None, "refusal": "I can't help with that."}}]}))
+    with pytest.raises(actor.ExecutionError, match="refused"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+# HOST -- providers: Anthropic Messages -------------------------------------------------------
+def test_anthropic_wire_format(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {
+        "id": "m1", "type": "message", "role": "assistant", "model": "claude-x",
+        "stop_reason": "end_turn", "content": [{"type": "thinking", "thinking": "hm"},
+                                               {"type": "text", "text": "Hel"},
+                                               {"type": "text", "text": "lo"}]}))
+    rt = _llm_rt({"ANTHROPIC_API_KEY": LLM_KEY, "ANTHROPIC_BASE_URL": llm_server.url + "/v1"})
+    agent = _llm_agent({"provider": "anthropic", "model": "claude-x", "temperature": 1.5,
+                        "system_prompt": "Sys", "response_format": SCHEMA_RF}, rt)
+    assert agent.invoke("hi", {}) == "Hello"
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1/messages"
+    assert req["headers"]["x-api-key"] == LLM_KEY
+    assert req["headers"]["anthropic-version"] == actor.ANTHROPIC_VERSION
+    assert req["body"] == {"model": "claude-x", "max_tokens": 1000, "temperature": 1.0,
+                           "system": "Sys", "messages": [{"role": "user", "content": "hi"}],
+                           "output_config": {"format": {
+                               "type": "json_schema",
+                               "schema": SCHEMA_RF["json_schema"]["schema"]}}}
+
+
+def test_anthropic_deprecated_temperature_dropped_once(llm_server, llm_render):
+    llm_server.replies += [
+        (400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                              "message": "`temperature` is deprecated for this model."}}),
+        (200, {}, {"content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn"})]
+    rt = _llm_rt({"ANTHROPIC_API_KEY": "k"})
+    assert _llm_agent({"provider": "anthropic", "base_url": llm_server.url}, rt).invoke("x", {}) == "ok"
+    assert "temperature" in llm_server.requests[0]["body"]
+    assert "temperature" not in llm_server.requests[1]["body"]
+
+
+def test_anthropic_structured_output_falls_back_to_forced_tool(llm_server, llm_render):
+    llm_server.replies += [
+        (400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                              "message": "output_config: Extra inputs are not "
+                                                         "permitted"}}),
+        (200, {}, {"content": [{"type": "tool_use", "id": "t1", "name": "structured_output",
+                                "input": {"x": "y"}}], "stop_reason": "tool_use"})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url,
+                        "response_format": SCHEMA_RF}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    assert json.loads(agent.invoke("x", {})) == {"x": "y"}
+    second = llm_server.requests[1]["body"]
+    assert "output_config" not in second
+    assert second["tools"][0]["input_schema"] == SCHEMA_RF["json_schema"]["schema"]
+    assert second["tool_choice"] == {"type": "tool", "name": "structured_output"}
+
+
+def test_anthropic_529_overloaded_is_retried(llm_server, llm_render):
+    overloaded = (529, {}, {"type": "error", "error": {"type": "overloaded_error",
+                                                        "message": "Overloaded"}})
+    llm_server.replies += [overloaded, overloaded,
+                           (200, {}, {"content": [{"type": "text", "text": "ok"}]})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok"
+    assert waits == [0.5, 1.0] and len(llm_server.requests) == 3
+
+
+def test_anthropic_spend_limit_not_retried(llm_server, llm_render):
+    llm_server.replies.append((429, {"retry-after": "1"}, {"type": "error", "error": {
+        "type": "rate_limit_error", "message": "spend limit",
+        "details": {"error_code": "enforced_spend_limit_reached"}}}))
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="enforced_spend_limit_reached"):
+        agent.invoke("x", {})
+    assert waits == [] and len(llm_server.requests) == 1
+
+
+# HOST -- providers: Gemini generateContent ---------------------------------------------------
+def test_google_wire_format(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"candidates": [{"index": 0, "finishReason": "STOP",
+                                                         "content": {"role": "model", "parts": [
+                                                             {"text": "thinking", "thought": True},
+                                                             {"text": "{\"x\": \"y\"}"}]}}]}))
+    rt = _llm_rt({"GOOGLE_API_KEY": LLM_KEY, "GOOGLE_BASE_URL": llm_server.url})
+    agent = _llm_agent({"provider": "google", "model": "gemini-2.0-flash", "system_prompt": "S",
+                        "memory_enabled": True, "response_format": SCHEMA_RF}, rt)
+    agent.memory.record("u0", "a0")
+    assert agent.invoke("hi", {}) == '{"x": "y"}'
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1beta/models/gemini-2.0-flash:generateContent"
+    assert req["headers"]["x-goog-api-key"] == LLM_KEY and LLM_KEY not in req["path"]
+    assert req["body"] == {
+        "contents": [{"role": "user", "parts": [{"text": "u0"}]},
+                     {"role": "model", "parts": [{"text": "a0"}]},
+                     {"role": "user", "parts": [{"text": "hi"}]}],
+        "systemInstruction": {"parts": [{"text": "S"}]},
+        "generationConfig": {"temperature": 0.7, "maxOutputTokens": 1000,
+                             "responseMimeType": "application/json",
+                             "responseJsonSchema": SCHEMA_RF["json_schema"]["schema"]}}
+
+
+def test_google_bad_key_error_not_retried_and_scrubbed(llm_server, llm_render):
+    llm_server.replies.append((400, {}, {"error": {
+        "code": 400, "message": f"API key not valid: {LLM_KEY}", "status": "INVALID_ARGUMENT",
+        "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                     "reason": "API_KEY_INVALID"}]}}))
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": LLM_KEY}))
+    with pytest.raises(actor.ExecutionError) as info:
+        agent.invoke("x", {})
+    text = str(info.value)
+    assert "google: HTTP 400 INVALID_ARGUMENT/API_KEY_INVALID" in text
+    assert LLM_KEY not in text and "***" in text and len(llm_server.requests) == 1
+
+
+def test_google_retry_info_delay(llm_server, llm_render):
+    llm_server.replies += [(429, {}, {"error": {
+        "code": 429, "message": "slow down", "status": "RESOURCE_EXHAUSTED",
+        "details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "7s"}]}}),
+        (200, {}, {"candidates": [{"content": {"parts": [{"text": "ok"}]}}]})]
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok" and waits == [7.0]
+
+
+def test_google_blocked_prompt_is_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"promptFeedback": {"blockReason": "SAFETY"}}))
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": "k"}))
+    with pytest.raises(actor.ExecutionError, match="SAFETY"):
+        agent.invoke("x", {})
+
+
+# HOST -- providers: retries, errors, key hygiene ---------------------------------------------
+def test_retry_after_headers_honoured(llm_server, llm_render):
+    llm_server.replies += [(429, {"retry-after": "3"}, {"error": {"code": "rate_limit_exceeded",
+                                                                   "message": "slow"}}),
+                           (503, {"retry-after-ms": "250"}, {"error": {"message": "busy"}}),
+                           _openai_ok("ok")]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok"
+    assert waits == [3.0, 0.25]
+
+
+def test_retries_are_bounded_and_report_last_error(llm_server, llm_render):
+    llm_server.replies += [(500, {}, {"error": {"message": f"fail {i}"}}) for i in range(5)]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="openai: HTTP 500: fail 2"):
+        agent.invoke("x", {})
+    assert len(llm_server.requests) == 3 and waits == [0.5, 1.0]
+
+
+def test_x_should_retry_false_and_insufficient_quota_not_retried(llm_server, llm_render):
+    llm_server.replies += [(503, {"x-should-retry": "false"}, {"error": {"message": "no"}}),
+                           (429, {}, {"error": {"code": "insufficient_quota", "message": "pay"}})]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    for _ in range(2):
+        with pytest.raises(actor.ExecutionError):
+            agent.invoke("x", {})
+    assert waits == [] and len(llm_server.requests) == 2
+
+
+def test_vendor_error_text_and_key_scrubbed(llm_server, llm_render, caplog):
+    llm_server.replies.append((401, {}, {"error": {
+        "message": f"Incorrect API key provided: {LLM_KEY}.", "type": "invalid_request_error",
+        "code": "invalid_api_key"}}))
+    agent = _llm_agent({"base_url": llm_server.url})
+    with caplog.at_level("DEBUG"):
+        with pytest.raises(actor.ExecutionError) as info:
+            agent.invoke("x", {})
+    text = str(info.value)
+    assert "agent 'a' (llm): openai: HTTP 401 invalid_api_key: Incorrect API key provided" in text
+    assert LLM_KEY not in text and LLM_KEY not in caplog.text and LLM_KEY not in repr(info.value)
+
+
+def test_malformed_json_reply_is_execution_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, b"{not json"))
+    with pytest.raises(actor.ExecutionError, match="malformed JSON"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+    llm_server.replies.append((200, {}, {"unexpected": True}))
+    with pytest.raises(actor.ExecutionError, match="unexpected reply"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+def test_connection_error_retried_then_reported(llm_render):
+    server = _LLMServer()
+    url = server.url
+    server.close()                      # nothing listens there now
+    agent = _llm_agent({"base_url": url})
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="connection error"):
+        agent.invoke("x", {})
+    assert waits == [0.5, 1.0]
+
+
+def test_request_timeout(llm_server, llm_render, monkeypatch):
+    monkeypatch.setattr(actor, "LLM_REQUEST_TIMEOUT", 0.05)
+    monkeypatch.setattr(actor, "LLM_MAX_RETRIES", 0)
+    llm_server.delay = 0.25
+    llm_server.replies.append(_openai_ok("late"))
+    with pytest.raises(actor.ExecutionError, match="timed out"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+def test_fake_transport_scripted_then_echo():
+    transport = actor.FakeTransport({"a": ["one", 2]})
+    request = {"agent": "a", "provider": "openai", "messages": [{"role": "user", "content": "hi"}]}
+    assert [transport.complete(request) for _ in range(3)] == ["one", "2", "hi"]
+    assert transport.complete(dict(request, agent="other")) == "hi"
+
+
+# §12.4 Tool command processing in outputs ----------------------------------------------------
+@pytest.fixture
+def fake_tools(monkeypatch):
+    calls = []
+
+    def run(rt, name, args, ctx, agent=None):
+        calls.append((name, args))
+        if name == "json_parse":
+            raise actor.ExecutionError("tool failed")
+        return f"<{name}:{args.get('text', '')}>"
+
+    monkeypatch.setattr(actor, "run_builtin_tool", run, raising=False)
+    monkeypatch.setattr(actor, "BUILTIN_TOOLS", {"echo": run, "math": run, "json_parse": run,
+                                                 "shell": run}, raising=False)
+    return calls
+
+
+def test_tool_blocks_reverse_order_and_multiline(fake_tools):
+    text = ('A [TOOL_EXECUTE:echo] {"text": "one"} [/TOOL_EXECUTE] B '
+            '[TOOL_EXECUTE:math]\n{\n  "text": "two"\n}\n[/TOOL_EXECUTE] C')
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo", "math"], {})
+    assert out == "A <echo:one> B <math:two> C"
+    assert [name for name, _ in fake_tools] == ["math", "echo"]
+
+
+def test_tool_block_sanitising(fake_tools):
+    text = '[TOOL_EXECUTE:echo] {"text": "line1\nline2\t\\section "quoted" end"} [/TOOL_EXECUTE]'
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo"], {})
+    assert out == '<echo:line1\nline2\t\\section "quoted" end>'
+    assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
+
+
+def test_tool_block_errors_substituted(fake_tools):
+    rt = _llm_rt()
+    out = actor.process_tool_blocks(rt, "[TOOL_EXECUTE:echo] {broken [/TOOL_EXECUTE]", ["echo"], {})
+    assert out.startswith("Error executing tool 'echo': invalid JSON")
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:math] {"text": "1"} [/TOOL_EXECUTE]',
+                                    ["echo"], {})
+    assert out == "Error executing tool 'math': the tool is not allowed for this agent"
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:json_parse] {} [/TOOL_EXECUTE]!',
+                                    ["json_parse"], {})
+    assert out == "Error executing tool 'json_parse': tool failed!"
+    assert actor.process_tool_blocks(rt, '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]', ["echo"], {}) \
+        == '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]'
+
+
+def test_tool_execute_is_opt_in_and_checked(fake_tools, llm_render):
+    reply = '[TOOL_EXECUTE:echo] {"text": "x"} [/TOOL_EXECUTE]'
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [reply], "b": [reply]}))
+    assert _llm_agent({}, rt).invoke("q", {}) == reply
+    agent = _llm_agent({"tool_execute": True, "tools": ["echo"]}, rt, name="b")
+    assert agent.invoke("q", {}) == "<echo:x>" and "tool-execution" in agent.capabilities
+    for config in ({"tool_execute": True}, {"tool_execute": True, "tools": ["nope"]},
+                   {"tool_execute": True, "tools": ["shell"]}):
+        with pytest.raises(actor.ConfigurationError):
+            _llm_agent(config, rt, name="c")
 
 
 # =====================================================================================
 # §4.5 Tool agents, §13.3, §13.5 (tools)
 # =====================================================================================
-# [tools]
+# §4.5 Tool agents ----------------------------------------------------------------------
+import io as _io
+import json
+import threading as _threading
+
+
+def _tool_rt(tmp_path, unsafe=False):
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=unsafe)
+    rt.progress = actor.ProgressFacility(stream=_io.StringIO())
+    return rt
+
+
+def _tool_agent(rt, config, name="t"):
+    return actor.ToolAgent(name, {"type": "tool", "config": config}, rt, ("agents", name))
+
+
+ALL_BUILTINS = ["echo", "math", "json_parse", "http_request", "file_read", "file_write",
+                "progress_bar"]
+
+
+def test_builtin_tools_table_follows_spec_order():
+    assert list(actor.BUILTIN_TOOLS) == ALL_BUILTINS
+    assert all(fn.__name__ == "tool_" + name for name, fn in actor.BUILTIN_TOOLS.items())
+
+
+def test_tool_agent_defaults_capabilities_and_metadata(tmp_path):
+    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["math", "file_read", "http_request"]})
+    assert (agent.safe_mode, agent.allow_shell, agent.timeout, agent.context) == (True, False, 1, {})
+    assert agent.capabilities == ["tool-execution", "math-evaluation", "file-operations",
+                                  "http-requests"]
+    assert agent.metadata == {
+        "name": "t", "type": "tool", "capabilities": agent.capabilities, "reactive": True,
+        "tools": ["math", "file_read", "http_request"], "allow_shell": False,
+        "safe_mode": True, "timeout": 1}
+    shell = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"], "allow_shell": True})
+    assert "command-execution" in shell.capabilities
+
+
+@pytest.mark.parametrize("config, where", [
+    ({}, "agents.t.config"),
+    ({"tools": "echo"}, "agents.t.config.tools"),
+    ({"tools": ["ecko"]}, "agents.t.config.tools[0]"),
+    ({"tools": ["echo", "echo"]}, "agents.t.config.tools[1]"),
+    ({"tools": [{"code": "result = 1"}]}, "agents.t.config.tools[0].name"),
+    ({"tools": [{"name": "x"}]}, "agents.t.config.tools[0].code"),
+    ({"tools": [3]}, "agents.t.config.tools[0]"),
+    ({"tools": ["echo"], "timeout": 0}, "agents.t.config.timeout"),
+    ({"tools": ["echo"], "timeout": "5"}, "agents.t.config.timeout"),
+    ({"tools": ["echo"], "safe_mode": "no"}, "agents.t.config.safe_mode"),
+    ({"tools": ["echo"], "allow_shell": 1}, "agents.t.config.allow_shell"),
+    ({"tools": ["echo"], "context": []}, "agents.t.config.context"),
+])
+def test_tool_agent_rejects_bad_config_with_location(tmp_path, config, where):
+    with pytest.raises(actor.ConfigurationError) as info:
+        _tool_agent(_tool_rt(tmp_path), config)
+    assert info.value.path == where
+
+
+def test_tool_agent_warns_on_unknown_field_and_empty_tools(tmp_path):
+    rt = _tool_rt(tmp_path)
+    _tool_agent(rt, {"tools": [], "retries": 3})
+    assert any("retries" in w for w in rt.warnings)
+    assert any("no tools" in w for w in rt.warnings)
+
+
+def test_inline_tool_on_safe_host_is_refused_at_load(tmp_path):
+    with pytest.raises(actor.UnsafeConfigurationError) as info:
+        _tool_agent(_tool_rt(tmp_path), {"tools": [{"name": "x", "code": "result = 1"}]})
+    assert info.value.path == "agents.t.config.tools[0].code"
+
+
+# §4.5.1 Built-in tools ------------------------------------------------------------------
+def _call(agent, message, ctx=None):
+    return agent.invoke(message, {} if ctx is None else ctx)
+
+
+def _fails(agent, message, ctx=None):
+    with pytest.raises(actor.ExecutionError) as info:
+        agent.invoke(message, {} if ctx is None else ctx)
+    return info.value
+
+
+@pytest.fixture
+def utilities(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path), {"tools": list(ALL_BUILTINS)})
+
+
+@pytest.mark.parametrize("message, expected", [
+    ('{"tool": "echo", "args": {"text": "a  b"}}', "a  b"),
+    ('{"tool": "echo", "args": ["a", "b"]}', "a b"),
+    ('{"tool": "echo", "args": "solo"}', "solo"),
+    ('{"tool": "echo"}', ""),
+    ("echo   hello    world", "hello world"),
+])
+def test_echo(utilities, message, expected):
+    assert _call(utilities, message) == expected
+
+
+@pytest.mark.parametrize("expression, expected", [
+    ("2 + 2 * 3", "8"), ("(2 + 2) * 3", "12"), ("10 / 4", "2.5"), ("7 // 2", "3"), ("7 % 4", "3"),
+    ("2 ** 10", "1024"), ("-3 + +1", "-2"), ("abs(-2.5)", "2.5"), ("round(2.567, 2)", "2.57"),
+    ("min(3, 1, 2)", "1"), ("max([1, 5, 3])", "5"), ("sum([1, 2, 3])", "6"), ("pow(2, 8)", "256"),
+    ("pow(3, 200, 7)", "2"), ("int(7.9)", "7"), ("float(2)", "2.0"), ("1.5e3", "1500.0"),
+])
+def test_math_evaluates_restricted_arithmetic(utilities, expression, expected):
+    request = json.dumps({"tool": "math", "args": {"expression": expression}})
+    assert _call(utilities, request) == expected
+    assert _call(utilities, json.dumps({"tool": "math", "args": [expression]})) == expected
+
+
+@pytest.mark.parametrize("expression", [
+    "__import__('os').system('true')", "open('x')", "x + 1", "(1).__class__", "'a' * 3",
+    "True + 1", "[x for x in range(3)]", "lambda: 1", "eval('1')", "2 ** 100000", "9 ** 9 ** 9",
+    "pow(10, 5000)", "(2 ** 4000) * (2 ** 4000)", "1 / 0", "10.0 ** 400", "1 if 1 else 2",
+    "abs(x=1)", "round()", "(" * 300 + "1" + ")" * 300, "1 +", "", "a.b", "{1: 2}", "1 < 2",
+    "[1] * 10 ** 9", "sum([[1]] * 10 ** 9, [])", "-[1]", "[1, 2] + [3]", "max([])",
+])
+def test_math_refuses_everything_else(utilities, expression):
+    _fails(utilities, json.dumps({"tool": "math", "args": {"expression": expression}}))
+
+
+def test_math_never_evaluates_side_effects(utilities, tmp_path):
+    _fails(utilities, json.dumps({"tool": "math", "args": {
+        "expression": "__import__('pathlib').Path('pwned').touch()"}}))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_json_parse_reindents_with_two_spaces(utilities):
+    out = _call(utilities, json.dumps({"tool": "json_parse", "args": {"json": '{"a":[1,{"b":"é"}]}'}}))
+    assert out == '{\n  "a": [\n    1,\n    {\n      "b": "é"\n    }\n  ]\n}'
+    assert _call(utilities, 'json_parse [1,2]') == "[\n  1,\n  2\n]"
+    _fails(utilities, json.dumps({"tool": "json_parse", "args": ["{oops"]}))
+    _fails(utilities, '{"tool": "json_parse"}')
+
+
+# §4.5.1 http_request against a local server ----------------------------------------------
+@pytest.fixture
+def http_server():
+    import http.server
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length).decode() if length else ""
+            seen.append({"method": self.command, "path": self.path, "body": body,
+                         "content_type": self.headers.get("Content-Type"),
+                         "x_token": self.headers.get("X-Token")})
+            status = 404 if self.path == "/missing" else 200
+            payload = ("not here" if status == 404 else f"{self.command} {self.path}").encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        do_GET = do_POST = do_PUT = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = _threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_request_get_post_and_error_status(utilities, http_server):
+    base, seen = http_server
+    assert _call(utilities, json.dumps({"tool": "http_request", "args": {"url": base + "/a"}})) \
+        == "Status: 200\n\nGET /a"
+    out = _call(utilities, json.dumps({"tool": "http_request", "args": {
+        "url": base + "/p", "method": "post", "headers": {"X-Token": "k"}, "data": {"n": 1}}}))
+    assert out == "Status: 200\n\nPOST /p"
+    assert seen[-1] == {"method": "POST", "path": "/p", "body": '{"n": 1}',
+                        "content_type": "application/json", "x_token": "k"}
+    assert _call(utilities, f"http_request {base}/missing") == "Status: 404\n\nnot here"
+
+
+def test_http_request_failures_are_execution_errors(utilities, tmp_path):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _fails(utilities, f"http_request http://127.0.0.1:{port}/")
+    (tmp_path / "secret.txt").write_text("s")
+    _fails(utilities, f"http_request file://{tmp_path}/secret.txt")
+    _fails(utilities, '{"tool": "http_request", "args": {}}')
+
+
+# §4.5.1 file_read -----------------------------------------------------------------------
+def test_file_read_header_format(tmp_path, utilities):
+    (tmp_path / "notes.md").write_text("# Title\nbody\n", encoding="utf-8")
+    assert _call(utilities, "file_read notes.md") == (
+        "[FILE_READ_SUCCESS]📄 File: notes.md | Lines: 2 | Size: 13 chars\n"
+        "[FILE_CONTENT_START]\n# Title\nbody\n\n[FILE_CONTENT_END]")
+    (tmp_path / "empty.txt").write_text("")
+    assert _call(utilities, '{"tool": "file_read", "args": {"file": "empty.txt"}}') == (
+        "[FILE_READ_SUCCESS]📄 File: empty.txt | Lines: 0 | Size: 0 chars\n"
+        "[FILE_CONTENT_START]\n\n[FILE_CONTENT_END]")
+
+
+def test_file_read_is_relative_to_the_actor_workdir_not_the_process_cwd(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a.txt").write_text("inside")
+    (tmp_path / "a.txt").write_text("cwd")
+    monkeypatch.chdir(tmp_path)
+    agent = _tool_agent(_tool_rt(work), {"tools": ["file_read", "echo"]})
+    assert "inside" in _call(agent, "file_read a.txt")
+
+
+def test_file_read_failures(tmp_path, utilities):
+    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "dir").mkdir()
+    for message in ("file_read nope.txt", "file_read bin.dat", "file_read dir", "file_read"):
+        _fails(utilities, message)
+
+
+def _safety_agent(tmp_path, unsafe, safe_mode=True, allow_shell=False):
+    return _tool_agent(_tool_rt(tmp_path, unsafe=unsafe),
+                       {"tools": ["file_read", "file_write", "echo"], "safe_mode": safe_mode,
+                        "allow_shell": allow_shell})
+
+
+# §4.5.4 Safe-mode restrictions and §13.3 Filesystem boundaries ---------------------------
+@pytest.fixture
+def tree(tmp_path):
+    """tmp/work (the actor's directory) with sub/a.txt, and tmp/outside.txt beside it."""
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "a.txt").write_text("A")
+    (work / "top.txt").write_text("T")
+    (tmp_path / "outside.txt").write_text("O")
+    return work
+
+
+# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
+FILE_READ_CASES = [
+    (False, False, True, "sub/a.txt", True),
+    (False, False, True, "sub/../top.txt", False),
+    (False, False, True, "../outside.txt", False),
+    (False, False, True, "ABS", False),
+    (False, True, True, "ABS", False),          # Q69: the host layer still refuses
+    (True, False, True, "ABS", False),
+    (True, True, True, "ABS", True),            # §13.3 unsafe mode permits absolute paths
+    (True, True, True, "../outside.txt", False),  # safe_mode still refuses traversal
+    (True, True, False, "../outside.txt", True),  # both layers relaxed
+    (False, False, False, "../outside.txt", False),  # safe_mode false cannot relax the host
+    (False, False, False, "ABS", False),
+    (False, False, True, "~/x.txt", False),
+    (True, True, False, "~/x.txt", False),
+    (False, False, True, "a..b.txt", True),     # `..` inside a name is not traversal
+]
+
+
+@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_READ_CASES)
+def test_file_read_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
+    (tree / "a..b.txt").write_text("dots")
+    if given == "ABS":
+        given = str(tree.parent / "outside.txt")
+    agent = _safety_agent(tree, unsafe, safe_mode)
+    ctx = {"_unsafe_mode": True} if flag else {}
+    message = json.dumps({"tool": "file_read", "args": {"file": given}})
+    if allowed:
+        assert _call(agent, message, ctx).startswith("[FILE_READ_SUCCESS]")
+    else:
+        _fails(agent, message, ctx)
+
+
+def test_file_read_refuses_symlinks_leaving_the_workdir_in_safe_mode(tree):
+    (tree / "link.txt").symlink_to(tree.parent / "outside.txt")
+    (tree / "inner").symlink_to(tree / "sub")
+    agent = _safety_agent(tree, unsafe=False)
+    error = _fails(agent, "file_read link.txt")
+    assert error.section == "13.3"
+    assert "A" in _call(agent, "file_read inner/a.txt")
+    unsafe = _safety_agent(tree, unsafe=True)
+    assert "O" in _call(unsafe, "file_read link.txt", {"_unsafe_mode": True})
+
+
+# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
+FILE_WRITE_CASES = [
+    (True, True, True, "new.txt", True),
+    (True, True, True, "sub/deeper/new.txt", True),
+    (True, False, True, "new.txt", False),      # §4.5.4: needs _unsafe_mode in the context
+    (True, False, False, "new.txt", False),     # ... whatever safe_mode says
+    (False, True, True, "new.txt", False),      # Q69: and the host in unsafe mode (§13.3)
+    (False, True, False, "new.txt", False),
+    (True, True, True, "../escape.txt", False),
+    (True, True, False, "../escape.txt", False),  # §13.3: `..` refused even in unsafe mode
+    (True, True, True, "sub/../new.txt", False),
+    (True, True, True, "~/new.txt", False),
+    (True, True, False, "~/new.txt", False),
+    (True, True, True, "ABS", True),            # outside the directory: waived by _unsafe_mode
+]
+
+
+@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_WRITE_CASES)
+def test_file_write_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
+    if given == "ABS":
+        given = str(tree.parent / "abs.txt")
+    agent = _safety_agent(tree, unsafe, safe_mode)
+    ctx = {"_unsafe_mode": True} if flag else {}
+    message = json.dumps({"tool": "file_write", "args": {"file": given, "content": "x"}})
+    before = sorted(p for p in tree.parent.rglob("*"))
+    if allowed:
+        assert _call(agent, message, ctx) == f"Successfully wrote 1 characters to {given}"
+        target = Path(given) if Path(given).is_absolute() else tree / given
+        assert target.read_text() == "x"
+    else:
+        _fails(agent, message, ctx)
+        assert sorted(p for p in tree.parent.rglob("*")) == before
+
+
+# §4.5.5 file_write modes ---------------------------------------------------------------
+UNSAFE_CTX = {"_unsafe_mode": True}
+
+
+def _write(agent, **args):
+    return _call(agent, json.dumps({"tool": "file_write", "args": args}), dict(UNSAFE_CTX))
+
+
+@pytest.fixture
+def writer(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path, unsafe=True), {"tools": ["file_write", "echo"]})
+
+
+def test_file_write_mode_w_overwrites(writer, tmp_path):
+    (tmp_path / "f.txt").write_text("old\n")
+    assert _write(writer, file="f.txt", content="new") == "Successfully wrote 3 characters to f.txt"
+    assert (tmp_path / "f.txt").read_text() == "new"
+    assert _call(writer, "file_write g.txt two words", dict(UNSAFE_CTX)) == \
+        "Successfully wrote 9 characters to g.txt"
+    assert (tmp_path / "g.txt").read_text() == "two words"
+
+
+@pytest.mark.parametrize("existing, content, expected", [
+    ("abc", "def", "abcdef"),
+    ("intro\n", "# Two\n", "intro\n\n# Two\n"),
+    ("intro", "# Two\n", "intro\n\n# Two\n"),
+    ("intro\n\n", "# Two\n", "intro\n\n# Two\n"),
+    (None, "# One\n", "# One\n"),
+    ("", "# One\n", "# One\n"),
+])
+def test_file_write_mode_a_appends_with_markdown_separator(writer, tmp_path, existing, content,
+                                                            expected):
+    if existing is not None:
+        (tmp_path / "f.md").write_text(existing)
+    assert _write(writer, file="f.md", content=content, mode="a") == \
+        f"Successfully appended {len(content)} characters to f.md"
+    assert (tmp_path / "f.md").read_text() == expected
+
+
+@pytest.mark.parametrize("position, line, expected", [
+    ("start", 1, "X\n1\n2\n3\n"),
+    ("end", 4, "1\n2\n3\nX\n"),
+    (None, 4, "1\n2\n3\nX\n"),
+    (2, 2, "1\nX\n2\n3\n"),
+    ("3", 3, "1\n2\nX\n3\n"),
+    (0, 1, "X\n1\n2\n3\n"),
+    (-5, 1, "X\n1\n2\n3\n"),
+    (99, 4, "1\n2\n3\nX\n"),
+])
+def test_file_write_insert_positions(writer, tmp_path, position, line, expected):
+    (tmp_path / "f.txt").write_text("1\n2\n3\n")
+    args = {"file": "f.txt", "content": "X", "mode": "insert"}
+    if position is not None:
+        args["position"] = position
+    assert _write(writer, **args) == f"Successfully inserted 1 characters at line {line} in f.txt"
+    assert (tmp_path / "f.txt").read_text() == expected
+
+
+def test_file_write_insert_edges(writer, tmp_path):
+    (tmp_path / "f.txt").write_text("1\n2")
+    _write(writer, file="f.txt", content="X\n", mode="insert")
+    assert (tmp_path / "f.txt").read_text() == "1\n2\nX\n"
+    assert _write(writer, file="n.txt", content="a", mode="insert", position=7) == \
+        "Successfully inserted 1 characters at line 1 in n.txt"
+    assert (tmp_path / "n.txt").read_text() == "a\n"
+    _fails(writer, json.dumps({"tool": "file_write", "args": {
+        "file": "f.txt", "content": "x", "mode": "insert", "position": "middle"}}), UNSAFE_CTX)
+    _fails(writer, json.dumps({"tool": "file_write", "args": {
+        "file": "f.txt", "content": "x", "mode": "x"}}), UNSAFE_CTX)
+
+
+# §4.5.6 The progress-bar facility -------------------------------------------------------
+def _bar(agent, ctx=None, **args):
+    return _call(agent, json.dumps({"tool": "progress_bar", "args": args}), ctx)
+
+
+@pytest.fixture
+def progress(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
+
+
+def test_progress_bar_rendering(progress):
+    line = _bar(progress, current=1, total=3, stage="drafting", message="intro")
+    assert line == "█" * 8 + "░" * 16 + " 33.3% (1/3) drafting • intro"
+    assert progress.rt.progress.stream.getvalue() == "\r" + line
+    assert _bar(progress, current=3, total=3, stage="", message="") == "█" * 24 + " 100.0% (3/3)"
+    assert progress.rt.progress.stream.getvalue().endswith("(3/3)\n")
+    assert _bar(progress, current=2, total=7, stage="s", message="") == \
+        "██████" + "░" * 18 + " 28.6% (2/7) s"
+
+
+def test_progress_bar_defaults_and_clamping(progress):
+    assert _bar(progress) == "░" * 24 + " 0.0% (0/1)"
+    assert _bar(progress, current=5) == "█" * 24 + " 100.0% (1/1)"
+    assert _bar(progress, current=-2, total=4) == "░" * 24 + " 0.0% (0/4)"
+    assert _bar(progress, current=9) == "█" * 24 + " 100.0% (4/4)"
+    assert _bar(progress, total=8, remaining=2) == "█" * 18 + "░" * 6 + " 75.0% (6/8)"
+
+
+def test_progress_bar_argument_synonyms(progress):
+    assert _bar(progress, phase="p", done=1, steps=2, label="l").endswith(" 50.0% (1/2) p • l")
+    # the snapshot keeps the message "l" until a call gives another one
+    assert _bar(progress, sections_completed=1, sections_total=4, stage="s").endswith("(1/4) s • l")
+    assert _bar(progress, completed_sections=["a", "b"], message="m").endswith("(2/4) s • m")
+    assert _call(progress, "progress_bar 3 6").startswith("█" * 12 + "░" * 12 + " 50.0% (3/6)")
+    _fails(progress, "progress_bar lots")
+
+
+def test_progress_bar_infers_from_context_hooks(progress):
+    ctx = {"writing_stage": "writing", "section_paths": ["a", "b", "c", "d"],
+           "current_section_index": 1}
+    assert _bar(progress, ctx) == "██████" + "░" * 18 + " 25.0% (1/4) writing"
+    ctx = {"section_paths": ["a", "b"], "current_latex_index": 2}
+    assert _bar(progress, ctx).startswith("█" * 24 + " 100.0% (2/2)")
+    assert _bar(progress, ctx, stage="explicit", current=1).endswith("(1/2) explicit")
+
+
+def test_progress_bar_is_one_thread_safe_facility_per_runtime(tmp_path):
+    rt = _tool_rt(tmp_path)
+    agents = [_tool_agent(rt, {"tools": ["progress_bar", "echo"]}, name=f"p{i}") for i in range(2)]
+    other = _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
+    _bar(agents[0], current=1, total=10)
+    assert _bar(agents[1], stage="x").endswith("(1/10) x")      # same snapshot
+    assert _bar(other).endswith("(0/1)")                       # another Actor's own snapshot
+    errors = []
+
+    def worker(n):
+        try:
+            for i in range(50):
+                _bar(agents[n % 2], current=i % 11, total=10, message=f"w{n}")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [_threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    written = rt.progress.stream.getvalue()
+    renders = [chunk.rstrip("\n") for chunk in written.split("\r") if chunk]
+    assert len(renders) == 2 + 8 * 50
+    assert all(len(r.split(" ")[0]) == 24 for r in renders)   # no interleaved writes
+
+
+def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path)
+    agent = _tool_agent(rt, {"tools": ["progress_bar", "echo"]})
+    line = _bar(agent, current=1, total=1)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "\r" + line + "\n"
+
+
+# §4.5.3 Tool invocation protocol -------------------------------------------------------
+def test_protocol_invalid_json_is_the_spec_error(utilities):
+    error = _fails(utilities, '  {"tool": "echo", }  ')
+    assert error.message == "Invalid JSON in tool request"
+    assert actor.INVALID_JSON_IN_TOOL_REQUEST == "Invalid JSON in tool request"
+
+
+def test_protocol_unknown_or_unlisted_tool_fails(tmp_path):
+    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo", "math"]})
+    for message in ("json_parse {}", '{"tool": "file_read", "args": ["x"]}', "hello there", "",
+                    '{"tool": 3}', '{"no_tool": 1}', "[1, 2]"):
+        _fails(agent, message)
+
+
+def test_protocol_single_builtin_takes_any_message(tmp_path):
+    echo = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"]})
+    assert _call(echo, "hello   world") == "hello   world"
+    assert _call(echo, '{"a": 1}') == '{"a": 1}'
+    assert _call(echo, "echo  hi") == "hi"
+    _fails(echo, "math 1 + 1")              # names another tool: step 5 still applies
+    calc = _tool_agent(_tool_rt(tmp_path), {"tools": ["math"]})
+    assert _call(calc, "2 + 3") == "5"
+
+
+def test_protocol_accepts_structured_content_and_coerces_output(utilities):
+    assert _call(utilities, {"tool": "math", "args": {"expression": "6*7"}}) == "42"
+    assert actor.tool_output(None) == ""
+    assert actor.tool_output(3) == "3"
+    assert actor.tool_output({"a": 1}) == "{'a': 1}"
+    assert actor.tool_output("s") == "s"
+
+
+def test_run_builtin_tool_for_tool_execute_blocks(tmp_path):
+    rt = _tool_rt(tmp_path)
+    assert actor.run_builtin_tool(rt, "math", {"expression": "1+1"}, {}) == "2"
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "shell", {"command": "true"}, {})
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "file_write", {"file": "x", "content": "y"}, {})
+    agent = _tool_agent(rt, {"tools": ["echo"]})
+    assert actor.run_builtin_tool(rt, "echo", {"text": "hi"}, {}, agent=agent) == "hi"
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "math", {"expression": "1"}, {}, agent=agent)
+
+
+# §4.5.2 Inline tools (the tool side, with a stand-in for the §13.2 sandbox) ----------------
+@pytest.fixture
+def plain_exec(monkeypatch):
+    """Replace the sandbox by plain exec so this region tests only the tool agent's part."""
+    calls = []
+
+    def compile_code(source, *, rt=None, path=None):
+        return compile(source, "<inline>", "exec")
+
+    def run_code(unit, variables, *, timeout=1.0):
+        calls.append(timeout)
+        namespace = dict(variables)
+        exec(unit, {"json": json}, namespace)
+        return namespace
+
+    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
+    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
+    return calls
+
+
+def _inline(tmp_path, *tools, **config):
+    rt = _tool_rt(tmp_path, unsafe=True)
+    return _tool_agent(rt, dict(config, tools=list(tools)))
+
+
+def test_inline_single_tool_gets_whole_message(tmp_path, plain_exec):
+    agent = _inline(tmp_path, {"name": "shout", "code": 'result = str(input_data).upper() + "!"'},
+                    timeout=5)
+    assert _call(agent, "hello world") == "HELLO WORLD!"
+    assert _call(agent, '{"tool": "other"}') == '{"TOOL": "OTHER"}!'
+    assert plain_exec == [5, 5]
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("result = 42", "42"), ("output = 'o'", "o"), ("response = 'r'", "r"), ("answer = 'a'", "a"),
+    ("output = 'o'\nanswer = 'a'", "o"), ("response = None\nanswer = 'a'", "a"), ("x = 1", ""),
+    ("result = message == input_data", "True"), ("result = {'k': [1]}", "{'k': [1]}"),
+    ("result = ''\noutput = 'o'", ""),
+])
+def test_inline_result_fallbacks_and_coercion(tmp_path, plain_exec, code, expected):
+    agent = _inline(tmp_path, {"name": "t", "code": code})
+    assert _call(agent, "m") == expected
+
+
+def test_inline_context_is_by_reference_and_invocation_wins(tmp_path, plain_exec):
+    code = ("result = f\"{context['who']}/{context['own']}\"\n"
+            "context['topic'] = input_data\ncontext['log'].append(1)\ndel context['gone']")
+    agent = _inline(tmp_path, {"name": "t", "code": code},
+                    context={"who": "agent", "own": "mine", "log": []})
+    ctx = {"who": "invocation", "gone": 1, "log": []}
+    assert _call(agent, "ai", ctx) == "invocation/mine"
+    assert ctx == {"who": "invocation", "topic": "ai", "log": [1]}
+    assert agent.context == {"who": "agent", "own": "mine", "log": []}
+
+
+def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
+    agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
+    assert _call(agent, "rev abc  def") == "fed cba"
+    assert _call(agent, '{"tool": "rev", "args": "xyz"}') == "zyx"
+    assert _call(agent, '{"tool": "rev", "args": {"a": 1}}') == '}1 :"a"{'
+    assert _call(agent, "echo hi") == "hi"
+
+
+def test_inline_tool_shadowing_a_builtin_wins_with_a_warning(tmp_path, plain_exec):
+    agent = _inline(tmp_path, "echo", {"name": "math", "code": "result = 'inline'"})
+    assert _call(agent, "math 1 + 1") == "inline"
+    assert any("§16.3" in w and "math" in w for w in agent.rt.warnings)
+
+
+def test_inline_code_drives_the_progress_facility(tmp_path, plain_exec):
+    code = ("progress_bar(current=1, total=2, stage='s')\n"
+            "result = progress_bar(current=2)")
+    agent = _inline(tmp_path, {"name": "t", "code": code})
+    assert _call(agent, "x") == "█" * 24 + " 100.0% (2/2) s"
+    assert agent.rt.progress.stream.getvalue().count("\r") == 2
+
+
+def test_inline_errors_propagate_as_execution_errors(tmp_path, monkeypatch):
+    def compile_code(source, *, rt=None, path=None):
+        return source
+
+    def run_code(unit, variables, *, timeout=1.0):
+        raise actor.ExecutionError("boom")
+
+    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
+    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
+    agent = _inline(tmp_path, {"name": "t", "code": "x"})
+    _fails(agent, "anything")
+
+
+needs_sandbox = pytest.mark.skipif(not hasattr(actor, "run_code"),
+                                   reason="the [sandbox] area (compile_code/run_code) is not merged")
+
+
+@needs_sandbox
+def test_inline_spec_examples_run_in_the_real_sandbox(tmp_path):
+    route = ('text = (input_data or "").strip()\nif text.startswith("!"):\n'
+             '    result = f"GOTO_COMMAND_HANDLER:{text}"\nelse:\n'
+             '    stage = context.get("current_stage") or "default"\n'
+             '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    agent = _inline(tmp_path, {"name": "route_by_prefix", "code": route})
+    assert _call(agent, "!help") == "GOTO_COMMAND_HANDLER:!help"
+    assert _call(agent, "hi", {"current_stage": "intro"}) == "GOTO_INTRO:hi"
+    save = ("import json\ntry:\n    payload = json.loads(input_data)\n"
+            "    topic = payload.get('topic', '')\nexcept json.JSONDecodeError:\n"
+            "    topic = input_data\ncontext['current_topic'] = topic\n"
+            "result = f'Topic set to: {topic}'\n")
+    agent = _inline(tmp_path, {"name": "save_topic", "code": save})
+    ctx = {}
+    assert _call(agent, '{"topic": "ai"}', ctx) == "Topic set to: ai"
+    assert ctx == {"current_topic": "ai"}
+
+
+@needs_sandbox
+def test_inline_runaway_code_times_out_and_the_agent_keeps_serving(tmp_path):
+    import time as _time
+    agent = _inline(tmp_path, "echo", {"name": "spin", "code": "while True:\n    pass\n"},
+                    timeout=0.2)
+    started = _time.monotonic()
+    _fails(agent, "spin")
+    assert _time.monotonic() - started < 2
+    assert _call(agent, "echo next") == "next"
+
+
+@needs_sandbox
+def test_inline_forbidden_construct_is_refused_at_load(tmp_path):
+    with pytest.raises(actor.ConfigurationError):
+        _inline(tmp_path, {"name": "t", "code": "import os\nresult = os.getcwd()\n"})
+
+
+# §13.5 Shell execution --------------------------------------------------------------------
+@pytest.mark.parametrize("unsafe, allow_shell, safe_mode, command, ok", [
+    (True, True, True, "echo hi", True),
+    (True, True, False, "echo hi", True),
+    (False, True, True, "echo hi", False),       # host safe
+    (True, False, True, "echo hi", False),       # allow_shell false
+    (True, True, False, "rm -f x", False),       # blocklist in every mode
+    (True, True, False, "echo RM", False),
+    (True, True, False, "echo formatted", False),
+    (True, True, False, "kill -0 1", False),
+    (True, True, False, "exit 3", False),        # a failing command is an error
+])
+def test_shell_gates_and_blocklist(tmp_path, unsafe, allow_shell, safe_mode, command, ok):
+    (tmp_path / "x").write_text("keep")
+    rt = _tool_rt(tmp_path, unsafe=unsafe)
+    agent = _tool_agent(rt, {"tools": ["echo", "shell"], "allow_shell": allow_shell,
+                             "safe_mode": safe_mode})
+    message = json.dumps({"tool": "shell", "args": {"command": command}})
+    if ok:
+        assert _call(agent, message) == "hi\n"
+    else:
+        _fails(agent, message)
+    assert (tmp_path / "x").read_text() == "keep"
+
+
+def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch):
+    monkeypatch.chdir("/")
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=True, env={"GREETING": "hey"})
+    agent = _tool_agent(rt, {"tools": ["echo"], "allow_shell": True, "timeout": 0.2})
+    assert _call(agent, "shell pwd").strip() == str(tmp_path.resolve())
+    assert _call(agent, 'shell echo "$GREETING"') == "hey\n"
+    import time as _time
+    started = _time.monotonic()
+    _fails(agent, "shell sleep 3")
+    assert _time.monotonic() - started < 2
 
 
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
-# [streams]
+# Unit tests build a Runtime by hand with tiny fake agents and graphs, so they exercise the stream
+# layer alone; the vectors under vectors/05-streams, 07-composition and 18-examples go end to end.
+
+class _FakeAgent:
+    """An agent (§4 interface) whose reply comes from `fn(content, ctx)`."""
+
+    def __init__(self, name, fn=None):
+        self.name, self.type, self.capabilities, self.metadata = name, "fake", [], {}
+        self.fn = fn or (lambda content, ctx: content)
+        self.calls = []
+
+    def invoke(self, content, ctx):
+        self.calls.append(content)
+        return self.fn(content, ctx)
+
+
+class _FakeRun:
+    def __init__(self, output, state, history):
+        self.output, self.state, self.history = output, state, history
+
+
+class _FakeGraph:
+    """The [graphs] GraphRoute interface, recording what the stream layer asks of it."""
+
+    def __init__(self):
+        self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+
+    def run(self, content, ctx, *, pure=False):
+        self.runs.append((content, pure))
+        if content == "explode":
+            raise actor.ExecutionError("graph exploded")
+        state = {"messages": [{"role": "user", "content": content},
+                              {"role": "assistant", "content": f"graph: {content}"}]}
+        return _FakeRun(f"out: {content}", state, ["start", "work", "end"])
+
+    def run_node(self, node, content, ctx):
+        self.nodes_run.append(node)
+        return f"{node}({content})"
+
+    def update_state(self, content):
+        self.updates.append(content)
+
+    def checkpoint(self):
+        self.checkpoints_made += 1
+
+
+def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
+    """A StreamNetwork over `routes` (+ merges/splits/...), with outputs and errors collected."""
+    doc = actor.Doc({"agents": {a.name: {"type": "tool"} for a in agents}, "routes": routes, **data})
+    rt = actor.Runtime(doc, clock=clock)
+    for agent in agents:
+        rt.agents[agent.name] = agent
+    rt.graphs.update(graphs or {})
+    net = actor.StreamNetwork(rt)
+    outputs, errors = [], []
+    net.on_output(outputs.append)
+    net.on_error(errors.append)
+    return net, outputs, errors, rt
+
+
+def _main(ops, **extra):
+    return {"main": {"type": "stream", "operators": ops, "publications": ["__output__"], **extra}}
+
+
+_FROM_INPUT = [{"sources": ["__input__"], "target": "main"}]
+
+
+def test_operators_table_lists_every_spec_operator():
+    """§5.3.2: one OPERATORS row per operator the standard defines, in the spec's order."""
+    assert list(actor.OPERATORS) == [
+        "map", "filter", "transform", "debounce", "throttle", "delay", "buffer", "scan", "reduce",
+        "switch", "conditional_route", "catch", "retry", "distinct", "take", "skip", "sample",
+        "graph_execute", "state_update", "state_checkpoint", "graph_node"]
+    assert list(actor.TRANSFORMS) == ["extract", "wrap", "format", "replace", "identity"]
+    assert list(actor.ACCUMULATORS) == ["collect", "concat", "sum"]
+
+
+def test_agent_mapper_resolves_message_context_first():
+    """§5.3.4(1): metadata.context wins over the global context; the reference is kept."""
+    seen = []
+    agent = _FakeAgent("a", lambda content, ctx: seen.append(ctx) or "ok")
+    net, outputs, _, rt = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                      agents=[agent], merges=_FROM_INPUT)
+    rt.context["k"] = "global"
+    own = {"k": "own"}
+    net.send("x", metadata={"context": own})
+    net.send("y")
+    assert seen[0] is own and seen[1] is rt.context
+    assert outputs[0].metadata["context"] is own and outputs[1].metadata["context"] is rt.context
+    assert outputs[0].metadata["processed_by"] == "a"
+
+
+def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
+    """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
+    import time as _time
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.3) or "late")
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                          agents=[slow], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_agent_mapper_real_clock_success_and_failure():
+    """The worker-thread path returns replies and carries agent errors back as messages."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise ValueError("no good")
+        return content.upper()
+    agent = _FakeAgent("a", fn)
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                          agents=[agent], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("ok")
+    net.send("bad")
+    assert [m.content for m in outputs] == ["OK", "Error: no good"]
+    assert [m.content for m in errors] == ["Error: no good"]
+
+
+def test_error_message_is_one_per_failure_and_stream_continues():
+    """§12.2.3 (Q92, Q93): one __error__ message per failure; the next message still flows."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise actor.ExecutionError("it broke")
+        return content
+    net, outputs, errors, _ = _stream_net(
+        _main([{"type": "map", "params": {"agent": "a"}}, {"type": "catch", "params": {}}]),
+        agents=[_FakeAgent("a", fn)], merges=_FROM_INPUT)
+    net.send("bad")
+    net.send("good")
+    assert [m.content for m in outputs] == ["good"]
+    assert [(m.content, m.metadata["error"], m.metadata["error_type"]) for m in errors] == [
+        ("Error: it broke", True, "ExecutionError")]
+    assert errors[0].source_stream == "main"
+
+
+def test_error_feedback_loop_is_cut():
+    """§12.6: an __error__ handler that fails again reaches the host once, without recursion."""
+    def fail(content, ctx):
+        raise ValueError("again")
+    net, _, errors, rt = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]},
+         "handler": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]}},
+        agents=[_FakeAgent("a", fail)],
+        merges=[{"sources": ["__input__"], "target": "main"},
+                {"sources": ["__error__"], "target": "handler"}])
+    net.send("x")
+    assert [m.content for m in errors] == ["Error: again", "Error: again"]
+    assert any("feedback loop" in w for w in rt.warnings)
+
+
+def test_hot_and_replay_streams_replay_to_late_subscribers():
+    """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
+    net, _, _, _ = _stream_net(
+        {"hot": {"type": "stream", "stream_type": "hot", "initial_value": "seed"},
+         "rep": {"type": "stream", "stream_type": "replay", "buffer_size": 2},
+         "cold": {"type": "stream"}},
+        merges=[{"sources": ["__input__"], "target": t} for t in ("hot", "rep", "cold")])
+    late = {name: [] for name in ("hot", "rep", "cold")}
+    net.subscribe("hot", lambda m: late["hot"].append(m.content))
+    assert late["hot"] == ["seed"]
+    for content in ("a", "b", "c"):
+        net.send(content)
+    for name in late:
+        net.subscribe(name, lambda m, name=name: late[name].append(m.content))
+    assert late == {"hot": ["seed", "a", "b", "c", "c"], "rep": ["b", "c"], "cold": []}
+
+
+def test_debounce_capped_in_single_shot_runs():
+    """§5.3.2 (Q95): single-shot runs cap debounce at 50 ms."""
+    doc = actor.Doc({"agents": {}, "routes": _main(
+        [{"type": "debounce", "params": {"duration": 5.0}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    net = actor.StreamNetwork(rt, single_shot=True)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("x")
+    rt.clock.advance(0.04)
+    assert outputs == []
+    rt.clock.advance(0.01)
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_settle_waits_for_timers_under_real_clock():
+    """settle() lets a short real delay fire before returning."""
+    net, outputs, _, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 0.02}}]),
+                                     merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    assert outputs == []
+    net.settle()
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_settle_reports_soft_timeout():
+    """§12.2.4: waiting beyond the soft bound signals an ExecutionError on __error__."""
+    net, outputs, errors, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 60}}]),
+                                          merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    net.settle(timeout=0.01)
+    assert outputs == [] and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_graph_route_fed_by_merge_emits_run_output():
+    """Q28: a graph route that is a merge target sends GraphRun.output to __output__."""
+    graph = _FakeGraph()
+    net, outputs, errors, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}, "s": {"type": "stream"}},
+        graphs={"g": graph}, merges=[{"sources": ["__input__"], "target": "g"}])
+    net.send("hi")
+    net.send("explode")
+    assert [m.content for m in outputs] == ["out: hi"]
+    assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
+    assert errors[0].metadata["error_type"] == "ExecutionError"
+    assert graph.runs == [("hi", False), ("explode", False)]
+
+
+def test_pure_graph_mode_runs_pure():
+    """§6.9: when every route is a graph, the default router runs it with pure=True."""
+    graph = _FakeGraph()
+    doc = actor.Doc({"agents": {}, "routes": {"g": {"type": "graph", "nodes": {}}}})
+    rt = actor.Runtime(doc)
+    rt.graphs["g"] = graph
+    rt.default_router = "g"
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hi")
+    assert graph.runs == [("hi", True)] and [m.content for m in outputs] == ["out: hi"]
+
+
+def test_graph_bridge_operators():
+    """§5.3.2 graph_execute, state_update, state_checkpoint, graph_node."""
+    graph = _FakeGraph()
+    ops = [{"type": "state_update", "params": {"graph": "g"}},
+           {"type": "state_checkpoint", "params": {"graph": "g"}},
+           {"type": "graph_node", "params": {"graph": "g", "node": "work"}},
+           {"type": "graph_execute", "params": {"graph": "g"}}]
+    net, outputs, _, _ = _stream_net(
+        {**_main(ops), "g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}},
+        graphs={"g": graph}, merges=_FROM_INPUT)
+    net.send("x")
+    assert graph.updates == ["x"] and graph.checkpoints_made == 1 and graph.nodes_run == ["work"]
+    (out,) = outputs
+    assert out.content == "graph: work(x)"
+    meta = out.metadata
+    assert meta["state_updated"] is True and meta["checkpointed"] is True
+    assert meta["node"] == "work" and meta["graph"] == "g"
+    assert meta["execution_history"] == ["start", "work", "end"]
+    assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+
+
+def test_graph_execute_without_messages_forwards_state():
+    """§5.3.2 graph_execute: no assistant message -> the whole final state is the content."""
+    class Stateless(_FakeGraph):
+        def run(self, content, ctx, *, pure=False):
+            return _FakeRun("o", {"messages": [], "metadata": {"k": 1}}, [])
+    net, outputs, _, _ = _stream_net(
+        {**_main([{"type": "graph_execute", "params": {"graph": "g"}}]),
+         "g": {"type": "graph", "nodes": {}}}, graphs={"g": Stateless()}, merges=_FROM_INPUT)
+    net.send("x")
+    assert outputs[0].content == {"messages": [], "metadata": {"k": 1}}
+
+
+def test_check_streams_errors_are_located():
+    """Load-time operator errors carry the config path and the source location."""
+    text = ("agents:\n  a: {type: tool, config: {tools: [echo]}}\nroutes:\n  main:\n"
+            "    type: stream\n    operators:\n      - type: map\n        params: {agent: a}\n"
+            "      - type: mapp\n")
+    data = actor.yaml.safe_load(text)
+    doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
+                    ["team.yaml"])
+    with pytest.raises(actor.StreamRoutingError) as info:
+        actor.check_streams(doc, {"a"}, set())
+    err = info.value
+    assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
+    assert err.section == "5.3.2"
+
+
+def test_send_to_named_route_and_errors():
+    """send(target=route) enters that route directly; unknown targets and a completed input raise."""
+    net, outputs, _, _ = _stream_net(
+        {"a": {"type": "stream", "operators": [{"type": "map", "params": {
+            "transform": {"type": "format", "template": "a:{content}"}}}],
+               "publications": ["__output__"]}})
+    net.send("x", target="a")
+    assert [m.content for m in outputs] == ["a:x"]
+    with pytest.raises(actor.RoutingError):
+        net.send("x", target="nowhere")
+    net.complete()
+    with pytest.raises(actor.StreamRoutingError):
+        net.send("y")
+
+
+def test_pipeline_graph_stage_uses_named_graph():
+    """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
+    graph = _FakeGraph()
+    net, outputs, _, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {}}, "s": {"type": "stream"}}, graphs={"g": graph},
+        merges=[{"sources": ["__input__"], "target": "p"}],
+        pipelines={"p": {"stages": [{"type": "stream", "name": "one"},
+                                    {"type": "graph", "graph": "g"},
+                                    {"type": "stream", "name": "three",
+                                     "publications": ["__output__"]}]}})
+    net.send("x")
+    assert [m.content for m in outputs] == ["out: x"]
+
+
+def test_routing_prefixes_can_be_extended_by_the_host():
+    """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
+    assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
+    assert actor.strip_routing_prefix("SET_topic:AI") == "AI"
+    assert actor.strip_routing_prefix("FINAL: x") == "FINAL: x"
+    assert actor.strip_routing_prefix("FINAL: x", ["FINAL:"]) == "x"
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "transform": {"type": "format", "template": "FINAL: {content}"}}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.routing_prefixes = ["FINAL:"]
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("done")
+    assert [m.content for m in outputs] == ["done"]
+
+
+def test_retry_without_agent_map_warns():
+    net, _, _, rt = _stream_net(_main([{"type": "retry", "params": {"count": 2}}]),
+                                merges=_FROM_INPUT)
+    assert any("retry has no agent map" in w for w in rt.warnings)
+
+
+def test_registered_function_applies():
+    """§5.3.3: a host-registered transformer (rt.functions) maps content."""
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "function": "text.shout"}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.functions = {"text.shout": lambda content: content.upper() + "!"}
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hey")
+    assert [m.content for m in outputs] == ["HEY!"]
+
+
+def test_mermaid_lines_show_routes_links_and_conditions():
+    net, _, _, _ = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}],
+                  "publications": ["__output__"]},
+         "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
+        splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
+    lines = net.mermaid()
+    assert 'main["main: map(a)"]' in lines and "__input__ --> main" in lines
+    assert "main --> __output__" in lines
+    assert "main -- \"content_contains 'x'\" --> lane" in lines
+
+
+def test_close_disposes_subscriptions():
+    """§12.1 step 8: after close() nothing reaches the host hooks."""
+    net, outputs, _, _ = _stream_net(_main([]), merges=_FROM_INPUT)
+    net.close()
+    net.send("x")
+    assert outputs == []
+
+
+def _bench_actor():
+    cfg = ("agents:\n  echo: {type: tool, config: {tools: [echo]}}\n"
+           "routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: echo}}]\n"
+           "    publications: [__output__]\n"
+           "merges: [{sources: [__input__], target: main}]\n")
+    return actor.load(text=cfg)
+
+
+@pytest.mark.bench
+def test_bench_send_against_direct_agent_calls():
+    """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
+    invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
+    import time as _time
+    n = 20000
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    for i in range(200):                  # warm up both paths
+        a.send("warm")
+        agent.invoke("warm", ctx)
+    start = _time.perf_counter()
+    for i in range(n):
+        agent.invoke("hello", ctx)
+    floor = n / (_time.perf_counter() - start)
+    start = _time.perf_counter()
+    for i in range(n):
+        a.send("hello")
+    through = n / (_time.perf_counter() - start)
+    print(f"\nbare agent.invoke loop: {floor:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s")
+    print(f"ratio (floor / send): {floor / through:.2f}x (target <= 3x)")
+    assert a.send("hello").outputs[0].content == "hello"
 
 
 # =====================================================================================
@@ -910,7 +2652,473 @@ def test_graph_bench_linear_ten_nodes():
 # =====================================================================================
 # §8, §9.2 Templating (templating)
 # =====================================================================================
-# [templating]
+import copy  # noqa: E402  (Phase B tests copy fixtures)
+import json  # noqa: E402
+
+
+def _mustache_spec_dir():
+    for base in (HERE, *HERE.parents):
+        folder = base / "shared" / "conformance" / "mustache-spec"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+MUSTACHE_SPEC = _mustache_spec_dir()
+MUSTACHE_REQUIRED = ("comments", "interpolation", "sections", "inverted")
+MUSTACHE_SHOULD = ("delimiters", "partials")
+
+
+def _mustache_cases():
+    import json
+    cases = []
+    if MUSTACHE_SPEC is None:
+        return cases
+    for module in MUSTACHE_REQUIRED + MUSTACHE_SHOULD:
+        path = MUSTACHE_SPEC / f"{module}.json"
+        if path.exists():
+            for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
+                cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    return cases
+
+
+@pytest.mark.conformance
+@pytest.mark.skipif(MUSTACHE_SPEC is None, reason="shared/conformance/mustache-spec not present")
+@pytest.mark.parametrize("case", _mustache_cases())
+def test_mustache_conformance(case):
+    """The official Mustache spec data, read in place. The optional `~` modules (lambdas,
+    dynamic names, inheritance) are not read: §9.2 MUSTACHE promises none of them."""
+    got = actor.render(case["template"], case["data"], "MUSTACHE", case.get("partials"))
+    assert got == case["expected"], case["desc"]
+
+
+def test_mustache_optional_modules_are_skipped_by_name():
+    if MUSTACHE_SPEC is None:
+        pytest.skip("shared/conformance/mustache-spec not present")
+    optional = sorted(p.name for p in MUSTACHE_SPEC.glob("~*.json"))
+    read = {f"{m}.json" for m in MUSTACHE_REQUIRED + MUSTACHE_SHOULD}
+    assert optional and not read & set(optional)
+
+
+# §9.2 JINJA2 ---------------------------------------------------------------------------------
+def test_jinja2_keeps_trailing_newline_q59():
+    assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
+    assert actor.render("plain\n\n", {}) == "plain\n\n"
+
+
+def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing }}", {})
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing.attr }}", {})
+    assert actor.render("{% if missing %}x{% else %}y{% endif %}", {}) == "y"
+    assert actor.render("{% if ctx.n > 5 %}x{% endif %}ok", {"ctx": {}}) == "ok"
+    assert actor.render("{{ missing | default('d') }}", {}) == "d"
+
+
+def test_jinja2_sandbox_blocks_python_internals():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_jinja2_compiles_each_text_once():
+    actor.jinja_template.cache_clear()
+    for _ in range(3):
+        actor.render("{{ a }}-{{ b }}", {"a": 1, "b": 2})
+    info = actor.jinja_template.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_builtins_of_8_3_table():
+    text = ("{{ range(3) | list }} {{ len('abc') }} {{ enumerate('ab') | list }} "
+            "{{ zip([1, 2], 'ab') | list }} {{ min(3, 1) }} {{ max([3, 9]) }} {{ sum([1, 2]) }} "
+            "{{ abs(-2) }} {{ round(2.6) }} {{ int('7') }} {{ float('1.5') }} {{ str(3) }} "
+            "{{ bool(0) }} {{ list('ab') }} {{ dict(a=1) }}")
+    assert actor.render(text, {}) == ("[0, 1, 2] 3 [(0, 'a'), (1, 'b')] [(1, 'a'), (2, 'b')] 1 9 3 "
+                                     "2 3 7 1.5 3 False ['a', 'b'] {'a': 1}")
+
+
+def test_filter_tojson_is_single_line_plain_json_q58():
+    out = actor.render("{{ v | tojson }}", {"v": {"a": "<b> & 'c'", "n": [1, None]}})
+    assert out == '{"a": "<b> & \'c\'", "n": [1, null]}'
+    assert actor.render("{{ v | yaml }}", {"v": "x"}) == '"x"'
+    assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
+
+
+def test_filter_indent_leaves_first_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "a\n  b\n\n  c"
+    assert actor.render("{{ t | indent(2, true) }}", {"t": "a\nb"}) == "  a\n  b"
+
+
+def test_filter_sum_attribute_and_selectattr_operators():
+    items = [{"n": "a", "v": 1}, {"n": "b", "v": 2}, {"n": "c", "v": 3}]
+    assert actor.render("{{ items | sum('v') }}", {"items": items}) == "6"
+    assert actor.render("{{ items | sum(attribute='v') }}", {"items": items}) == "6"
+    expected = {"==": "b", "!=": "ac", ">": "c", "<": "a", ">=": "bc", "<=": "ab"}
+    for op, names in expected.items():
+        text = "{% for i in items | selectattr('v', '" + op + "', 2) %}{{ i.n }}{% endfor %}"
+        assert actor.render(text, {"items": items}) == names, op
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ items | selectattr('v', '~', 2) | list }}", {"items": items})
+
+
+def test_filter_default_treats_none_as_missing_q56():
+    assert actor.render("{{ v | default('x') }}", {"v": None}) == "x"
+    assert actor.render("{{ v | default('x') }}", {"v": ""}) == ""
+    assert actor.render("{{ v | default('x', true) }}", {"v": ""}) == "x"
+
+
+def test_filter_length_split_and_standard_filters():
+    assert actor.render("{{ 'a,b' | split(',') | length }}", {}) == "2"
+    assert actor.render("{{ 'a b' | split }}", {}) == "['a', 'b']"
+    assert actor.render("{{ ' Hi ' | trim | upper }} {{ ['a', 'b'] | join('+') }}", {}) == "HI a+b"
+
+
+def test_render_rejects_unknown_engine_and_non_mapping_variables():
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", {}, engine="ERB")
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", ["a"], engine="JINJA2")
+    assert actor.render("{{ n }}", {"n": 1}, engine="jinja2") == "1"
+
+
+# §9.2 MUSTACHE -------------------------------------------------------------------------------
+def test_mustache_core_forms():
+    data = {"name": "<b>", "a": {"b": {"c": "deep"}}, "items": [1, 2], "no": False,
+            "person": {"first": "Ada"}}
+    text = ("{{name}}|{{{name}}}|{{& name}}|{{a.b.c}}|{{#items}}[{{.}}]{{/items}}|"
+            "{{^no}}none{{/no}}|{{#person}}{{first}}{{/person}}|{{! comment }}end")
+    assert actor.render(text, data, "MUSTACHE") == (
+        "&lt;b&gt;|<b>|<b>|deep|[1][2]|none|Ada|end")
+
+
+def test_mustache_root_may_be_any_value():
+    assert actor.render("{{#.}}<{{.}}>{{/.}}", ["x", "y"], "MUSTACHE") == "<x><y>"
+    assert actor.render("{{.}}!", "hi", "MUSTACHE") == "hi!"
+
+
+def test_mustache_standalone_lines_delimiters_and_partials():
+    text = "begin\n  {{#show}}\n  line\n  {{/show}}\n{{=<% %>=}}\n<% x %>\n  <%> part %>\nend"
+    out = actor.render(text, {"show": True, "x": 1, "y": 2}, "MUSTACHE",
+                       partials={"part": "p{{y}}\nq\n"})
+    assert out == "begin\n  line\n1\n  p2\n  q\nend"
+
+
+def test_mustache_errors_are_template_errors():
+    for text in ("{{#a}}open", "{{/a}}", "{{name", "{{=<% =}}"):
+        with pytest.raises(actor.TemplateError):
+            actor.render(text, {"a": 1}, "MUSTACHE")
+
+
+# §9.2 SIMPLE ---------------------------------------------------------------------------------
+def test_simple_format_pass_and_unknown_names():
+    variables = {"name": "Ada", "team": {"city": "Rome", "zip": [1, 2]}}
+    assert actor.render("Hi {name} of {team[city]}, {team.zip[1]}", variables, "SIMPLE") == \
+        "Hi Ada of Rome, 2"
+    with pytest.raises(actor.TemplateError, match="unknown name"):
+        actor.render("Hi {nobody}", {}, "SIMPLE")
+    with pytest.raises(actor.TemplateError):
+        actor.render("{name.__class__}", {"name": "x"}, "SIMPLE")
+
+
+@pytest.mark.skipif(not hasattr(actor, "eval_expression_text"),
+                    reason="needs the sandbox's eval_expression_text (§13.2.2)")
+def test_simple_expression_pass_uses_the_expression_sandbox():
+    assert actor.render("{{ n * 2 }} and {n}", {"n": 21}, "SIMPLE") == "42 and 21"
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ __import__('os') }}", {}, "SIMPLE")
+
+
+# §8.1-§8.5 Phase A ---------------------------------------------------------------------------
+def test_has_template_syntax():
+    assert actor.has_template_syntax("a {{ b }}") and actor.has_template_syntax("{% if %}")
+    assert actor.has_template_syntax("{# c #}") and not actor.has_template_syntax("{a: {b: 1}}")
+
+
+def test_protection_covers_plain_quoted_and_block_scalars():
+    text = ("agents:\n  a:\n    config:\n      system_prompt: Hi {{ context.x }}\n"
+            "      model: \"{{ m }}\"\n  b:\n    config:\n      system_prompt: \"{{ message }}\"\n"
+            "  c:\n    config:\n      system_prompt: |\n        {% if context.y %}\n"
+            "        y\n        {% endif %}\n      prompt: >\n        {{ message }}\n"
+            "prompts:\n  p:\n    content: '{{ context.z }}'\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out                   # not a runtime field: Phase A renders it
+    assert out.count(actor.TEMPLATE_START) == 4 and out.count(actor.BLOCK_START) == 2
+    assert actor.restore_markers(out) == text
+
+
+def test_protection_leaves_names_bound_at_phase_a_q47():
+    text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
+            "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
+            "{{ ms | length }} for {{ context.user }} and {{ who }}\n{% endfor %}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out and "{{ loop.index }} of" in out and "{{ ms | length }}" in out
+    assert "{{ context.user }}" not in out and "{{ who }}" not in out
+    out = actor.protect_runtime_fields(text, {"who": "W", "context": {}})
+    assert "{{ who }}" in out and "{{ context.user }}" not in out
+
+
+def test_protection_keeps_template_bodies_whole_q49():
+    text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
+            "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
+            "template_strings:\n  agents:\n    s: |\n      {% for i in range(2) %}\n"
+            "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{" not in out and "{%" not in out
+
+
+def test_structural_statement_in_templates_is_rejected_q3():
+    text = ("templates:\n  agents:\n    t:\n      type: llm\n      config:\n"
+            "        {% if x %}\n        model: a\n        {% endif %}\n"
+            "        system_prompt: |\n          {% if y %}ok{% endif %}\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document(text, None, "JINJA2")
+    assert info.value.line == 6
+    actor.render_document(text.replace("        {% if x %}\n", "").replace(
+        "        {% endif %}\n", ""), None, "JINJA2")
+
+
+def test_render_document_strips_comments_honours_raw_and_locates_failures():
+    text = "{# gone #}\na: {{ 1 + 1 }}\nb: '{% raw %}{{ keep }}{% endraw %}'\n"
+    assert actor.render_document(text, None, "JINJA2") == "\na: 2\nb: '{{ keep }}'\n"
+    assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document("a: 1\nb: {{ nope }}\n", None, "JINJA2")
+    assert info.value.line == 2 and info.value.section == "8.12"
+    assert actor.render_document("n: {{ n }}\n", {"n": 3}, "JINJA2") == "n: 3\n"
+
+
+def test_restore_sentinels_in_keys_and_values():
+    s, e = actor.TEMPLATE_START, actor.TEMPLATE_END
+    data = {f"k{s}x{e}": [f"{actor.BLOCK_START} if a {actor.BLOCK_END}", 3]}
+    assert actor.restore_sentinels(data) == {"k{{x}}": ["{% if a %}", 3]}
+
+
+def test_reserved_template_keys_rejected_anywhere():
+    for key in actor.RESERVED_TEMPLATE_KEYS:
+        doc = actor.Doc({"agents": {"a": {"type": "llm", "config": {key: True}}}})
+        with pytest.raises(actor.ConfigurationError) as info:
+            actor.check_reserved_template_keys(doc)
+        assert info.value.path == f"agents.a.config.{key}"
+
+
+# §8.6-§8.10 Phase B --------------------------------------------------------------------------
+def _expand(data, engine="JINJA2"):
+    doc = actor.Doc(data)
+    actor.expand_templates(doc, None, engine=engine)
+    return doc.data
+
+
+def _one_param(ptype, value, **decl):
+    data = {"templates": {"agents": {"t": {
+        "parameters": {"p": {"type": ptype, **decl}}, "type": "llm",
+        "config": {"v": "{{ p | tojson }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"p": value}}}}
+    rendered = _expand(data)["agents"]["a"]["config"]["v"]
+    return json.loads(rendered) if isinstance(rendered, str) else rendered
+
+
+@pytest.mark.parametrize("ptype, value, expected", [
+    ("string", 42, "42"), ("string", True, "true"),
+    ("int", "42", 42), ("int", 7.0, 7), ("float", "3.5", 3.5), ("float", 2, 2.0),
+    ("boolean", "YES", True), ("boolean", "on", True), ("boolean", "1", True),
+    ("boolean", "off", False), ("boolean", "False", False), ("boolean", "0", False),
+    ("boolean", "maybe", True), ("boolean", 0, False), ("boolean", [], False),
+    ("list", "x", ["x"]), ("list", [1, 2], [1, 2]), ("dict", {"a": 1}, {"a": 1}),
+])
+def test_parameter_type_coercions_8_6_2(ptype, value, expected):
+    assert _one_param(ptype, value) == expected
+
+
+def test_parameter_mismatches_are_configuration_errors():
+    for ptype, value, extra in (("int", "x", {}), ("float", "x", {}), ("int", True, {}),
+                                ("int", "2.5", {}),
+                                ("enum", "z", {"values": ["a", "b"]})):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _one_param(ptype, value, **extra)
+        assert info.value.path == "agents.a.params.p"
+    assert _one_param("enum", "b", values=["a", "b"]) == "b"
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("colour", "x")
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("enum", "a")          # enum without values
+
+
+def test_required_missing_default_filled_and_sequence_form_rejected():
+    base = {"templates": {"agents": {"t": {
+        "parameters": {"need": {"type": "string", "required": True},
+                       "opt": {"type": "int", "default": "5"}},
+        "type": "llm", "config": {"a": "{{ need }}", "b": "{{ opt }}"}}}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**base, "agents": {"x": {"template": "t"}}})
+    assert info.value.path == "agents.x.params"
+    out = _expand({**copy.deepcopy(base), "agents": {"x": {"template": "t", "params": {"need": "n"}}}})
+    assert out["agents"]["x"] == {"type": "llm", "config": {"a": "n", "b": 5}}
+    bad = copy.deepcopy(base)
+    bad["templates"]["agents"]["t"]["parameters"] = [{"name": "need"}]
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**bad, "agents": {"x": {"template": "t"}}})
+    assert "16.2" in info.value.section
+
+
+def test_instantiation_does_not_mutate_the_template_and_drops_parameters():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "{{ d }}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "one"}},
+                       "b": {"template": "t", "params": {"d": "two"}}}}
+    out = _expand(data)
+    assert out["agents"]["a"]["config"]["s"] == "one" and out["agents"]["b"]["config"]["s"] == "two"
+    assert "parameters" not in out["agents"]["a"]
+    assert out["templates"]["agents"]["t"]["config"]["s"] == "{{ d }}"
+
+
+def test_rendered_scalars_are_coerced_step_6():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "b": "{{ 'TRUE' }}", "i": "{{ 40 + 2 }}", "f": "{{ 3.25 }}", "l": "{{ [1, 2] | tojson }}",
+        "m": '{{ {"k": 1} | tojson }}', "s": "{{ 'plain' }}", "literal": "42"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
+                   "literal": "42"}
+
+
+def test_empty_if_blocks_are_removed_step_7_q52():
+    data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
+        "type": "llm", "config": {
+            "memory_enabled": "{% if mem %}true{% endif %}",
+            "tools": ["a", "{% if mem %}b{% endif %}"]}}}},
+        "agents": {"on": {"template": "t", "params": {"mem": "yes"}},
+                   "off": {"template": "t", "params": {"mem": "no"}}}}
+    out = _expand(data)["agents"]
+    assert out["on"]["config"] == {"memory_enabled": True, "tools": ["a", "b"]}
+    assert out["off"]["config"] == {"tools": ["a"]}
+
+
+def test_runtime_expressions_survive_phase_b_q49():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+        "type": "llm", "config": {"system_prompt":
+            "{{ d }} {% if context.x %}{{ context.x }}{% endif %} {{ message }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    prompt = _expand(data)["agents"]["a"]["config"]["system_prompt"]
+    assert prompt == "law {% if context.x %}{{ context.x }}{% endif %} {{ message }}"
+
+
+def test_phase_b_render_failure_is_configuration_error():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm",
+                                            "config": {"model": "{{ nope }}"}}}},
+            "agents": {"a": {"template": "t"}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand(data)
+    assert info.value.section == "8.12"
+
+
+def test_forbidden_instance_forms():
+    tpl = {"agents": {"t": {"parameters": {}, "type": "llm", "config": {}}}}
+    for agent, section in (({"agent_template": "t"}, "16.2"),
+                           ({"agent_template": "t", "template": "t"}, "16.3"),
+                           ({"template": "t", "type": "llm"}, "16.3"),
+                           ({"template": "unknown"}, "8.7")):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _expand({"templates": copy.deepcopy(tpl), "agents": {"a": agent}})
+        assert info.value.section == section, agent
+    out = _expand({"templates": copy.deepcopy(tpl),
+                   "agents": {"a": {"template": "t", "type": "template_instance"}}})
+    assert out["agents"]["a"]["type"] == "llm"
+
+
+def test_route_templates_via_template_config_q54():
+    graph = {"parameters": {"who": {"type": "agent_ref", "required": True}},
+             "entry_point": "start", "nodes": {"n": {"type": "agent", "agent": "{{ who }}"}},
+             "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]}
+    base = {"templates": {"graphs": {"g": graph}}, "agents": {"x": {"type": "llm"}}}
+    out = _expand({**copy.deepcopy(base), "routes": {"main": {
+        "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert out["routes"]["main"]["type"] == "graph"
+    assert out["routes"]["main"]["nodes"]["n"]["agent"] == "x"
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "graph", "nodes": {},
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert info.value.section == "16.3"
+    with pytest.raises(actor.ConfigurationError):
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "stream",
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {
+            "template_config": {"template": "g", "params": {"who": "ghost"}}}}})
+    assert info.value.section == "8.7.1"
+
+
+def test_composite_scope_resolves_before_the_actor_8_7_1():
+    data = {"templates": {"agents": {"wrap": {
+        "parameters": {"inner": {"type": "agent_ref", "required": True}},
+        "type": "chain", "config": {"steps": ["{{ inner }}"]}}}},
+        "agents": {"box": {"type": "composite", "config": {
+            "components": {"agents": {"local": {"type": "llm"},
+                                      "w": {"template": "wrap", "params": {"inner": "local"}}}},
+            "routing": {"input": {"type": "agent", "name": "w"},
+                        "output": {"type": "agent", "name": "w"}}}}}}
+    out = _expand(data)
+    assert out["agents"]["box"]["config"]["components"]["agents"]["w"]["config"]["steps"] == ["local"]
+    data["agents"]["top"] = {"template": "wrap", "params": {"inner": "local"}}
+    with pytest.raises(actor.ConfigurationError):
+        _expand(data)      # `local` exists only inside the composite
+
+
+def test_template_strings_single_and_several_definitions_q53():
+    body = ("parameters:\n  n:\n    type: int\n    default: 2\n"
+            "{% for i in range(n) %}\nw{{ i }}:\n  type: llm\n{% endfor %}\n")
+    single = "parameters:\n  m:\n    type: string\ntype: llm\nconfig:\n  model: {{ m }}\n"
+    out = _expand({"template_strings": {"agents": {"team": body, "one": single}},
+                   "agents": {"t": {"template": "team", "params": {"n": "3"}},
+                              "o": {"template": "one", "params": {"m": "gpt"}}}})
+    team = out["agents"]["t"]
+    assert team["type"] == "composite"
+    assert list(team["config"]["components"]["agents"]) == ["w0", "w1", "w2"]
+    assert team["config"]["routing"]["input"]["name"] == "w0"
+    assert out["agents"]["o"] == {"type": "llm", "config": {"model": "gpt"}}
+
+
+def test_deprecated_instances_section_moves_into_agents_q55(caplog):
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm"}}},
+            "instances": {"x": {"template": "t"}}, "agents": {}}
+    assert _expand(data)["agents"]["x"] == {"type": "llm"}
+    assert "deprecated" in caplog.text
+
+
+def test_phase_b_in_mustache():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "In {{d}}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, "MUSTACHE")["agents"]["a"]["config"]["s"] == "In law"
+
+
+# §8.11-§8.12 Phase C -------------------------------------------------------------------------
+def _rt(engine="JINJA2"):
+    rt = actor.Runtime(actor.Doc({}))
+    rt.engine = engine
+    return rt
+
+
+def test_render_runtime_variables_8_11():
+    rt = _rt()
+    text = "{{ context.topic }}={{ topic }} {{ message }} {{ len(message) }}"
+    assert actor.render_runtime(rt, text, {"topic": "T"}, "hey") == "T=T hey 3"
+    assert actor.render_runtime(rt, "{{ message }}", {}, actor.Message("m")) == "m"
+
+
+def test_render_runtime_failure_warns_and_returns_literal_8_12():
+    rt = _rt()
+    text = "Hi {{ context.who.name }}"
+    assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
+    assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_in_mustache_and_simple():
+    assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
+        "Hi Ada Ada"
+    assert actor.render_runtime(_rt("SIMPLE"), "Hi {u}: {message}", {"u": "Ada"}, "m") == "Hi Ada: m"
+    rt = _rt("SIMPLE")
+    assert actor.render_runtime(rt, "Hi {nobody}", {}, "m") == "Hi {nobody}" and rt.warnings
 
 
 # =====================================================================================
