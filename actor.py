@@ -4027,10 +4027,7 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def _warn_unknown_keys(self):
-        for key in self.cfg:
-            if key not in GRAPH_FIELDS:
-                self.rt.warn(f"unknown graph route key '{key}' ignored", section="6.1",
-                             path=self.path + (key,))
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
         for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
             known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
             for key in node_cfg:
