@@ -4950,9 +4950,9 @@ def check_graph(doc, name, cfg, path, agent_names):
         return                                              # §11.3: instantiated from a template
     if not isinstance(nodes, dict) or not nodes:
         fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    edges = cfg.get("edges", [])
-    if edges is None:
-        edges = []
+    if "edges" not in cfg:
+        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
+    edges = cfg["edges"] if cfg["edges"] is not None else []
     if not isinstance(edges, list):
         fail(("edges",), "edges must be a sequence", "6.4")
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
