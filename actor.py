@@ -3880,6 +3880,8 @@ class GraphRoute:
         if node is None:
             raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
                                  path=path_str(self.path), section="5.3.2")
+        if node.type in (START_NODE, END_NODE):
+            return content                          # they pass the message on, updating nothing
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)

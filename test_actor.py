@@ -2076,6 +2076,23 @@ def test_graph_unknown_keys_warn():
     assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
 
 
+def test_graph_run_node_applies_one_node():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert g.run_node("b", "m") == "b(m)"
+    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
+    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
+    with pytest.raises(actor.ExecutionError):
+        g.run_node("ghost", "m")
+
+
+def test_graph_resume_without_interrupted_run_does_nothing():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    run = g.resume()
+    assert run.history == [] and run.output == ""
+    g.run("x")
+    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
+
+
 # §6.2 Nodes ----------------------------------------------------------------------------------
 def test_graph_node_types_are_case_insensitive():
     cfg = linear("a")
