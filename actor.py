@@ -3839,39 +3839,31 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            begin_run(state, content, target_ctx)
+            begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            if self.entry == END_NODE:
-                results = []
-            else:
-                results = self._step([(self.entry, content)], trace)
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
         """Continue an interrupted run from a restored state: follow the edges out of
         state.current_node with metadata.last_output as the message (§6.6 recovery)."""
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            state["metadata"]["context"] = target_ctx
-            node = state.get("current_node")
-            output = state["metadata"].get("last_output", "")
-            trace = _RunTrace(output)
-            results = [] if node in (None, END_NODE) or node not in self.nodes else [(node, output)]
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            metadata = self.state["metadata"]
+            metadata["context"] = target_ctx
+            node, output = self.state.get("current_node"), metadata.get("last_output", "")
+            done = node in (None, END_NODE) or node not in self.nodes
+            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+
+    def _continue(self, results, trace, target_ctx):
+        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        while results and trace.stopped is None:
+            frontier = self._next_nodes(results, trace)
+            if not frontier:
+                break
+            results = self._step(frontier, trace)
+        replace_active_context(self.state, target_ctx)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
