@@ -3893,14 +3893,7 @@ class GraphRoute:
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
-            node, message = admitted[0]
-            try:
-                outcomes = [(node.handler(self, node, message, state), None)]
-            except ActorError as exc:
-                outcomes = [(None, exc)]
-            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
-                outcomes = [(None, ExecutionError(
-                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+            outcomes = [call_node(self, *admitted[0], state)]
         else:
             outcomes = run_next_node_set(self, admitted, state)
         results = []
@@ -4722,26 +4715,25 @@ def run_next_node_set(graph, admitted, state):
             from concurrent.futures import ThreadPoolExecutor
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
         for i in parallel:
-            node, message = admitted[i]
-            futures[i] = graph._pool.submit(node.handler, graph, node, message, state)
+            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
     for i, (node, message) in enumerate(admitted):
-        if i in futures:
-            continue
-        try:
-            outcomes[i] = (node.handler(graph, node, message, state), None)
-        except Exception as exc:  # agent boundary: reported after the set is joined
-            outcomes[i] = (None, exc)
+        if i not in futures:
+            outcomes[i] = call_node(graph, node, message, state)
     for i, future in futures.items():
-        try:
-            outcomes[i] = (future.result(), None)
-        except Exception as exc:
-            outcomes[i] = (None, exc)
-    for i, (result, error) in enumerate(outcomes):
-        if error is not None and not isinstance(error, ActorError):
-            node = admitted[i][0]
-            outcomes[i] = (None, ExecutionError(
-                f"graph '{graph.name}' node '{node.name}': {error}", section="6.2"))
+        outcomes[i] = future.result()
     return outcomes
+
+
+def call_node(graph, node, message, state):
+    """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
+    try:
+        return node.handler(graph, node, message, state), None
+    except ActorError as exc:
+        return None, exc
+    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
+        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
+                                    section="6.2")
+
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
 # Output fragments that show an agent asked for more routing (§6.8 item 4).
