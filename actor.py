@@ -3797,6 +3797,7 @@ GRAPH_FIELDS = {
 }
 
 
+# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -3869,39 +3870,31 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            begin_run(state, content, target_ctx)
+            begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            if self.entry == END_NODE:
-                results = []
-            else:
-                results = self._step([(self.entry, content)], trace)
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
         """Continue an interrupted run from a restored state: follow the edges out of
         state.current_node with metadata.last_output as the message (§6.6 recovery)."""
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            state["metadata"]["context"] = target_ctx
-            node = state.get("current_node")
-            output = state["metadata"].get("last_output", "")
-            trace = _RunTrace(output)
-            results = [] if node in (None, END_NODE) or node not in self.nodes else [(node, output)]
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            metadata = self.state["metadata"]
+            metadata["context"] = target_ctx
+            node, output = self.state.get("current_node"), metadata.get("last_output", "")
+            done = node in (None, END_NODE) or node not in self.nodes
+            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+
+    def _continue(self, results, trace, target_ctx):
+        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        while results and trace.stopped is None:
+            frontier = self._next_nodes(results, trace)
+            if not frontier:
+                break
+            results = self._step(frontier, trace)
+        replace_active_context(self.state, target_ctx)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
@@ -3910,6 +3903,8 @@ class GraphRoute:
         if node is None:
             raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
                                  path=path_str(self.path), section="5.3.2")
+        if node.type in (START_NODE, END_NODE):
+            return content                          # they pass the message on, updating nothing
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
@@ -3929,14 +3924,7 @@ class GraphRoute:
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
-            node, message = admitted[0]
-            try:
-                outcomes = [(node.handler(self, node, message, state), None)]
-            except ActorError as exc:
-                outcomes = [(None, exc)]
-            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
-                outcomes = [(None, ExecutionError(
-                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+            outcomes = [call_node(self, *admitted[0], state)]
         else:
             outcomes = run_next_node_set(self, admitted, state)
         results = []
@@ -3959,6 +3947,8 @@ class GraphRoute:
 
     def _next_nodes(self, results, trace):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
         for name, output in results:
@@ -4055,10 +4045,7 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def _warn_unknown_keys(self):
-        for key in self.cfg:
-            if key not in GRAPH_FIELDS:
-                self.rt.warn(f"unknown graph route key '{key}' ignored", section="6.1",
-                             path=self.path + (key,))
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
         for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
             known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
             for key in node_cfg:
@@ -4253,6 +4240,7 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's context changes are dropped; after the last one the run fails (state.error).
     attempt = 0
@@ -4368,6 +4356,7 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -4480,7 +4469,8 @@ GRAPH_STATE_FIELDS = {
 }
 MAX_STATE_MESSAGES = 50
 
-# Schemas "known to the host" (§6.3.3): this host knows only its own default state.
+# Schemas "known to the host" (§6.3.3).
+# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
 STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
 
 
@@ -4574,7 +4564,9 @@ def apply_state_update(state, update, mode="merge"):
 
 def state_update_from_content(content):
     """What a state_update message means: a mapping (or JSON object text) is the update itself;
-    any other content is appended to messages as a user message (Q34)."""
+    any other content is appended to messages as a user message."""
+    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # update changes the state the next run starts from.
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
@@ -4754,26 +4746,25 @@ def run_next_node_set(graph, admitted, state):
             from concurrent.futures import ThreadPoolExecutor
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
         for i in parallel:
-            node, message = admitted[i]
-            futures[i] = graph._pool.submit(node.handler, graph, node, message, state)
+            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
     for i, (node, message) in enumerate(admitted):
-        if i in futures:
-            continue
-        try:
-            outcomes[i] = (node.handler(graph, node, message, state), None)
-        except Exception as exc:  # agent boundary: reported after the set is joined
-            outcomes[i] = (None, exc)
+        if i not in futures:
+            outcomes[i] = call_node(graph, node, message, state)
     for i, future in futures.items():
-        try:
-            outcomes[i] = (future.result(), None)
-        except Exception as exc:
-            outcomes[i] = (None, exc)
-    for i, (result, error) in enumerate(outcomes):
-        if error is not None and not isinstance(error, ActorError):
-            node = admitted[i][0]
-            outcomes[i] = (None, ExecutionError(
-                f"graph '{graph.name}' node '{node.name}': {error}", section="6.2"))
+        outcomes[i] = future.result()
     return outcomes
+
+
+def call_node(graph, node, message, state):
+    """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
+    try:
+        return node.handler(graph, node, message, state), None
+    except ActorError as exc:
+        return None, exc
+    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
+        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
+                                    section="6.2")
+
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
 # Output fragments that show an agent asked for more routing (§6.8 item 4).
@@ -4976,9 +4967,9 @@ def check_graph(doc, name, cfg, path, agent_names):
         return                                              # §11.3: instantiated from a template
     if not isinstance(nodes, dict) or not nodes:
         fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    edges = cfg.get("edges", [])
-    if edges is None:
-        edges = []
+    if "edges" not in cfg:
+        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
+    edges = cfg["edges"] if cfg["edges"] is not None else []
     if not isinstance(edges, list):
         fail(("edges",), "edges must be a sequence", "6.4")
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
@@ -5000,7 +4991,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if node_type == "dynamic_router":
             fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
                  "16.2")
-        if node_type not in NODE_TYPES:
+        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of

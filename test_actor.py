@@ -2096,9 +2096,27 @@ def test_graph_entry_point_may_be_a_declared_node():
 
 def test_graph_unknown_keys_warn():
     cfg = linear("a")
-    cfg["colour"] = "red"
+    cfg["nodes"]["a"]["colour"] = "red"
+    cfg["edges"][0]["weight"] = 2
     rt, g = make_graph(cfg, {"a": echo("a")})
-    assert any("colour" in w for w in rt.warnings)
+    assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
+
+
+def test_graph_run_node_applies_one_node():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert g.run_node("b", "m") == "b(m)"
+    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
+    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
+    with pytest.raises(actor.ExecutionError):
+        g.run_node("ghost", "m")
+
+
+def test_graph_resume_without_interrupted_run_does_nothing():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    run = g.resume()
+    assert run.history == [] and run.output == ""
+    g.run("x")
+    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
 
 
 # §6.2 Nodes ----------------------------------------------------------------------------------
@@ -2628,6 +2646,44 @@ def test_graph_mermaid_pins_18_3():
         'end']
 
 
+def _load_vector_config(stem):
+    path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
+    return actor.read_vector(path)["config"]
+
+
+def test_graph_actor_diagram_shows_18_3_graph():
+    a = actor.load(text=json.dumps(_load_vector_config("18.3-message-router-graph")),
+                   env={"OPENAI_API_KEY": "test"})
+    text = a.diagram()
+    assert text.startswith("flowchart LR\n")
+    lines = text.splitlines()
+    block = lines.index('  subgraph graph__main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    main__start(["start"])',
+                                          '    main__router{"router: message_router"}',
+                                          '    main__code["code: agent code_agent"]']
+    assert '    main__router -->|"next_node = research"| main__research' in lines
+
+
+def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
+    cfg = linear("a", "b", "c", "d", "e")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    doc = {"agents": {n: {"type": "llm", "config": {"provider": "openai"}} for n in "abcde"},
+           "routes": {"main": cfg}, "merges": [{"sources": ["__input__"], "target": "main"}]}
+    a = actor.load(text=json.dumps(doc), env={"OPENAI_API_KEY": "test"}, workdir=tmp_path,
+                   llm={})
+    assert a.send("one").outputs[0].content == "one"       # unscripted fake replies echo
+    a.send("two")
+    files = a.checkpoints("main")
+    assert len(files) == 1 and files[0].parent == tmp_path / "ck"
+    graph = a.rt.graphs["main"]
+    assert graph.state["execution_count"] == 10
+    a.rewind("main", 4)
+    assert graph.state["execution_count"] == 6
+    a.restore("main")
+    assert graph.state["execution_count"] == 10
+    assert [m["content"] for m in graph.state["messages"]][-2:] == ["two", "two"]
+
+
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
@@ -2652,8 +2708,8 @@ def test_graph_bench_linear_ten_nodes():
     def floor_loop():
         for _ in range(rounds):
             ctx, content = rt.context, message
-            for agent in agents:
-                agent.invoke(content, ctx)
+            for agent in agents:                 # each agent gets the previous reply, as in the graph
+                content = agent.invoke(content, ctx)
 
     def graph_loop():
         for _ in range(rounds):
@@ -2671,8 +2727,8 @@ def test_graph_bench_linear_ten_nodes():
     overhead = best["graph"] - best["floor"]
     print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
           f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x")
-    assert overhead < 5.0
+          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
+    assert best["graph"] < 5 * best["floor"]
 
 
 # =====================================================================================
