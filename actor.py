@@ -7392,7 +7392,7 @@ import operator    # noqa: E402
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
-SANDBOX_MEMORY_HEADROOM = 1 << 30  # bytes of address space one run may add (POSIX backstop)
+SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
@@ -7567,9 +7567,14 @@ class _SandboxRewriter(ast.NodeTransformer):
                                ast.Constant(symbol), node.value)
         return ast.copy_location(ast.Expr(call), node)
 
+    def __init__(self, bound):
+        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
+
     def visit_Call(self, node):
         self.generic_visit(node)
         func = node.func
+        if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
+            func.id = "__sb_str__"
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
             call.keywords = node.keywords
@@ -7578,10 +7583,8 @@ class _SandboxRewriter(ast.NodeTransformer):
 
     def visit_FormattedValue(self, node):
         self.generic_visit(node)
-        if node.format_spec is None:
-            return node
         node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
-                                 node.format_spec)
+                                 node.format_spec or ast.Constant(""))
         node.conversion, node.format_spec = -1, None
         return node
 
@@ -7610,7 +7613,7 @@ def _sandbox_compile(source, mode, kind, table, filename):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
     _check_tree(tree, kind, table)
-    tree = ast.fix_missing_locations(_SandboxRewriter().visit(tree))
+    tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
     return tree, compile(tree, filename, mode, dont_inherit=True)
 
 
@@ -7792,8 +7795,7 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
     _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
-    del namespace["__builtins__"]
-    return namespace
+    return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
 def _lambda_accepts(node, nparams):
@@ -7895,6 +7897,8 @@ def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
+    for value in values:
+        check_rendering(value)
     sys.stderr.write(sep.join(str(value) for value in values) + end)
 
 
@@ -7938,6 +7942,7 @@ class JsonFacility:
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
             raise SandboxAbort("json.dumps indent larger than 64")
+        check_rendering(value)
         return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                           separators=separators)
 
@@ -8052,6 +8057,7 @@ def _check_operands(symbol, left, right):
             _refuse_size("shift")
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
+        check_rendering(right)
 
 
 def _check_printf(fmt, args):
@@ -8083,8 +8089,46 @@ def guard_aug_attr(obj, name, symbol, value):
     setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
 
 
+_CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _text_weight(value, memo):
+    """Roughly how many characters str(value) has: a container counts its items plus the weight of
+    each child, shared children computed once (memo by id), cycles counted once."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    memo[key] = 1
+    weight = len(value) + 1
+    children = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+    for child in children:
+        if isinstance(child, _CONTAINERS):
+            weight += _text_weight(child, memo)
+            if weight > SANDBOX_MAX_ITEMS:
+                break
+    memo[key] = weight
+    return weight
+
+
+def check_rendering(value):
+    """Refuse to turn into text a structure whose text would pass the limit. Aliasing makes tiny
+    structures print huge: x = [0] * 10**6; str([x] * 10**6) is 10**12 characters."""
+    if isinstance(value, _CONTAINERS[2:]) and _text_weight(value, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("text of a structure")
+
+
+def guard_str(*args, **kwargs):
+    """str(x) as written in the code: the rendering check first."""
+    if args:
+        check_rendering(args[0])
+    return str(*args, **kwargs)
+
+
 def guard_format(value, conversion, spec):
-    """f"{x:>{n}}": refuse pad widths past the limit, then format as Python would."""
+    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as Python would."""
+    check_rendering(value)
     if conversion == ord("r"):
         value = repr(value)
     elif conversion == ord("s"):
@@ -8139,6 +8183,7 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
+    "__sb_str__": guard_str,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
