@@ -2176,10 +2176,10 @@ class _Checker:
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
         for key, (check, default) in spec.items():
-            value = params.get(key, default)
-            if value is REQUIRED:
+            value = params.get(key)
+            if value is None and default is REQUIRED:
                 self.fail(path, f"operator {kind!r} needs params.{key}")
-            if value is not None and value is not default:
+            if value is not None:
                 check(self, value, path + (key,))
         if kind not in OPEN_PARAMS:
             for key in params:
@@ -2228,7 +2228,7 @@ class _Checker:
     def transform(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_type(self, value.get("type", "identity"), path + ("type",))
+        check_transform_params(self, value, path)
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
@@ -2290,6 +2290,15 @@ def stream_edges(data, known, default=None):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             for target in split["targets"]:
                 edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(stage.get("publications") or []):
+                    if target in known:
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
     if isinstance(default, str):
         edges.append(("__input__", default, ("cleveragents", "default_router")))
     return edges
@@ -2552,10 +2561,7 @@ def op_debounce(site, params, down):
         debounce(2 ticks)
         output:   ----b-----c--|     (completion emits a still-pending message at once)
     """
-    duration = params["duration"]
-    if site.net.single_shot:
-        duration = min(duration, DEBOUNCE_SINGLE_SHOT_CAP)
-    clock = site.rt.clock
+    duration, net, clock = params["duration"], site.net, site.rt.clock
     pending = [None, None]      # message, timer
 
     def fire():
@@ -2566,7 +2572,8 @@ def op_debounce(site, params, down):
         if pending[1] is not None:
             pending[1].cancel()
         pending[0] = msg
-        pending[1] = clock.call_later(duration, fire)
+        wait = min(duration, DEBOUNCE_SINGLE_SHOT_CAP) if net.single_shot else duration
+        pending[1] = clock.call_later(wait, fire)
 
     def on_complete():
         if pending[1] is not None:
@@ -2996,7 +3003,7 @@ def _check_transform(checker, params, path):
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
-        check_transform_type(checker, params["type"], path + ("type",))
+        check_transform_params(checker, params, path)
 
 
 def _check_sample(checker, params, path):
@@ -3101,6 +3108,7 @@ def function_mapper(site, name, down):
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
 PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
@@ -3157,13 +3165,15 @@ def agent_mapper(site, name, down):
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
     attempts = 1 + retry_count(site)
+    call = agent.invoke if not rt.clock.real else (
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
         failure = None
         for _ in range(attempts):
             try:
-                reply = invoke_agent(rt, agent, msg.content, ctx)
+                reply = call(msg.content, ctx)
             except _AgentTimedOut:
                 out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
                 out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
@@ -3178,7 +3188,7 @@ def agent_mapper(site, name, down):
             down.next(out)
             return
         else:
-            out = msg.copy(content="Error: " + error_reason(failure), source_stream=route)
+            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
@@ -3231,13 +3241,28 @@ def check_transform_type(checker, kind, path):
                      "5.3.5")
 
 
+def check_transform_params(checker, params, path):
+    """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
+    check_transform_type(checker, params.get("type") or "identity", path + ("type",))
+    if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
+        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+    for key in ("field", "template", "old", "new"):
+        if isinstance(params.get(key), (dict, list)):
+            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+
+
 def transform_stage(site, params, down):
     """§5.3.5 a built-in transform applied to every message's content."""
     handler = TRANSFORMS[params.get("type") or "identity"]
-    route = site.route
+    net, route = site.net, site.route
 
     def on_next(msg):
-        down.next(msg.copy(content=handler(msg.content, params), source_stream=route))
+        try:
+            content = handler(msg.content, params)
+        except Exception as exc:    # §12.2.3 boundary (e.g. a content that cannot be str()'d)
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
     return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
@@ -3424,12 +3449,8 @@ class StreamNetwork:
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
-        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
-        # so (rt.single_shot, e.g. the CLI with -m messages); vectors and the API are not.
-        self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
-                                else single_shot)
+        self._single_shot = single_shot
         self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
-        self.error_depth = 0
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
@@ -3453,6 +3474,16 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    @property
+    def single_shot(self):
+        """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
+        # with -m messages); vectors and the API are not single-shot.
+        if self._single_shot is not None:
+            return bool(self._single_shot)
+        return bool(getattr(self.rt, "single_shot", False))
 
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):
@@ -3530,9 +3561,9 @@ class StreamNetwork:
             raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
         if self.nodes[INPUT].out.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = dict(metadata or {})
-        meta.setdefault("context", self.rt.context)     # §10.2(2): a reference, not a copy
-        meta.setdefault("_unsafe_mode", self.rt.unsafe)
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        if metadata:
+            meta.update(metadata)
         node.push(Message(content, meta, INPUT, self.rt.clock.now()))
 
     def complete(self):
@@ -3588,7 +3619,7 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message("Error: " + error_reason(exc), dict(msg.metadata), origin,
+        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
                       self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
         self.report(out)
@@ -3766,6 +3797,7 @@ GRAPH_FIELDS = {
 }
 
 
+# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -3838,39 +3870,31 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            begin_run(state, content, target_ctx)
+            begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            if self.entry == END_NODE:
-                results = []
-            else:
-                results = self._step([(self.entry, content)], trace)
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
         """Continue an interrupted run from a restored state: follow the edges out of
         state.current_node with metadata.last_output as the message (§6.6 recovery)."""
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            state["metadata"]["context"] = target_ctx
-            node = state.get("current_node")
-            output = state["metadata"].get("last_output", "")
-            trace = _RunTrace(output)
-            results = [] if node in (None, END_NODE) or node not in self.nodes else [(node, output)]
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            metadata = self.state["metadata"]
+            metadata["context"] = target_ctx
+            node, output = self.state.get("current_node"), metadata.get("last_output", "")
+            done = node in (None, END_NODE) or node not in self.nodes
+            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+
+    def _continue(self, results, trace, target_ctx):
+        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        while results and trace.stopped is None:
+            frontier = self._next_nodes(results, trace)
+            if not frontier:
+                break
+            results = self._step(frontier, trace)
+        replace_active_context(self.state, target_ctx)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
@@ -3879,6 +3903,8 @@ class GraphRoute:
         if node is None:
             raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
                                  path=path_str(self.path), section="5.3.2")
+        if node.type in (START_NODE, END_NODE):
+            return content                          # they pass the message on, updating nothing
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
@@ -3898,14 +3924,7 @@ class GraphRoute:
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
-            node, message = admitted[0]
-            try:
-                outcomes = [(node.handler(self, node, message, state), None)]
-            except ActorError as exc:
-                outcomes = [(None, exc)]
-            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
-                outcomes = [(None, ExecutionError(
-                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+            outcomes = [call_node(self, *admitted[0], state)]
         else:
             outcomes = run_next_node_set(self, admitted, state)
         results = []
@@ -3928,6 +3947,8 @@ class GraphRoute:
 
     def _next_nodes(self, results, trace):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
         for name, output in results:
@@ -4024,10 +4045,7 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def _warn_unknown_keys(self):
-        for key in self.cfg:
-            if key not in GRAPH_FIELDS:
-                self.rt.warn(f"unknown graph route key '{key}' ignored", section="6.1",
-                             path=self.path + (key,))
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
         for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
             known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
             for key in node_cfg:
@@ -4222,6 +4240,7 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's context changes are dropped; after the last one the run fails (state.error).
     attempt = 0
@@ -4337,6 +4356,7 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -4449,7 +4469,8 @@ GRAPH_STATE_FIELDS = {
 }
 MAX_STATE_MESSAGES = 50
 
-# Schemas "known to the host" (§6.3.3): this host knows only its own default state.
+# Schemas "known to the host" (§6.3.3).
+# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
 STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
 
 
@@ -4543,7 +4564,9 @@ def apply_state_update(state, update, mode="merge"):
 
 def state_update_from_content(content):
     """What a state_update message means: a mapping (or JSON object text) is the update itself;
-    any other content is appended to messages as a user message (Q34)."""
+    any other content is appended to messages as a user message."""
+    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # update changes the state the next run starts from.
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
@@ -4723,26 +4746,25 @@ def run_next_node_set(graph, admitted, state):
             from concurrent.futures import ThreadPoolExecutor
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
         for i in parallel:
-            node, message = admitted[i]
-            futures[i] = graph._pool.submit(node.handler, graph, node, message, state)
+            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
     for i, (node, message) in enumerate(admitted):
-        if i in futures:
-            continue
-        try:
-            outcomes[i] = (node.handler(graph, node, message, state), None)
-        except Exception as exc:  # agent boundary: reported after the set is joined
-            outcomes[i] = (None, exc)
+        if i not in futures:
+            outcomes[i] = call_node(graph, node, message, state)
     for i, future in futures.items():
-        try:
-            outcomes[i] = (future.result(), None)
-        except Exception as exc:
-            outcomes[i] = (None, exc)
-    for i, (result, error) in enumerate(outcomes):
-        if error is not None and not isinstance(error, ActorError):
-            node = admitted[i][0]
-            outcomes[i] = (None, ExecutionError(
-                f"graph '{graph.name}' node '{node.name}': {error}", section="6.2"))
+        outcomes[i] = future.result()
     return outcomes
+
+
+def call_node(graph, node, message, state):
+    """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
+    try:
+        return node.handler(graph, node, message, state), None
+    except ActorError as exc:
+        return None, exc
+    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
+        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
+                                    section="6.2")
+
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
 # Output fragments that show an agent asked for more routing (§6.8 item 4).
@@ -4945,9 +4967,9 @@ def check_graph(doc, name, cfg, path, agent_names):
         return                                              # §11.3: instantiated from a template
     if not isinstance(nodes, dict) or not nodes:
         fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    edges = cfg.get("edges", [])
-    if edges is None:
-        edges = []
+    if "edges" not in cfg:
+        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
+    edges = cfg["edges"] if cfg["edges"] is not None else []
     if not isinstance(edges, list):
         fail(("edges",), "edges must be a sequence", "6.4")
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
@@ -4969,7 +4991,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if node_type == "dynamic_router":
             fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
                  "16.2")
-        if node_type not in NODE_TYPES:
+        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
@@ -5186,12 +5208,23 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
                             "or built-in stream", "7.3")
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            here = path + ("stages", i)
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+                checker.operators(stage.get("operators"), here + ("operators",))
+            elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
+                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                            checker.agents)
 
 
 def _stage_type(stage):
     return str(stage.get("type", "")).lower()
+
+
+def _stage_graph(stage):
+    """An inline graph stage's config as a graph route (its `name` key is only a label)."""
+    cfg = {"type": "graph", **stage["config"]}
+    cfg.pop("name", None)
+    return cfg
 
 
 def pipeline_links(net, data):
@@ -5223,14 +5256,8 @@ def _pipeline_stage(net, node_name, stage, path):
     if _stage_type(stage) == "stream":
         return StreamRoute(net, node_name, stage, path)
     if isinstance(stage.get("config"), dict):
-        try:
-            graph = GraphRoute(node_name, {"type": "graph", **stage["config"]}, rt, path + ("config",))
-        except ActorError:
-            raise
-        except Exception as exc:
-            raise rt.error(ConfigurationError, path + ("config",),
-                           f"pipeline graph stage could not be built: {exc}", "7.3") from exc
-        return GraphParticipant(net, node_name, graph)
+        cfg = _stage_graph(stage)
+        return GraphParticipant(net, node_name, GraphRoute(node_name, cfg, rt, path + ("config",)))
     graph = rt.graphs.get(stage.get("graph", stage.get("name")))
     if graph is None:
         return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
@@ -5248,11 +5275,6 @@ class _PipelineEntry(_Node):
     def push(self, msg):
         if self.first is not None:
             self.first.push(msg)
-
-    def source_done(self):
-        self.sources -= 1
-        if self.sources <= 0:
-            self.finish()
 
     def finish(self):
         if self.first is not None:
@@ -5273,6 +5295,7 @@ class _PipelineEntry(_Node):
 # INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
 # governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
 # filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
 import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
 import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
 
@@ -5355,9 +5378,20 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
                                  file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# §8.3 table 1: built-in callables in every rendering namespace (Phases A, B and C).
+MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
+
+
+def builtin_range(*args):
+    """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
+    seq = range(*args)
+    if len(seq) > MAX_RANGE:
+        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+    return seq
+
+
+# Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
@@ -5367,6 +5401,7 @@ def _undefined(value):
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
+# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
 def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
@@ -5377,6 +5412,7 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
+# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
 def filter_indent(value, width=4, first=False, blank=False):
     """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
     blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
@@ -5437,6 +5473,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     return out
 
 
+# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
     """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
     if _undefined(value) or value is None or (boolean and not value):
@@ -5456,7 +5493,7 @@ def filter_split(value, sep=None, maxsplit=-1):
     return str(value).split(sep, maxsplit)
 
 
-# §8.3 table 2: the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
 FILTERS = {
     "tojson": filter_tojson,
     "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
@@ -5612,7 +5649,8 @@ def walk_tags(text, scope, defer, need_names=False):
         protected = False
         if kind == "{%" and word == "raw":
             close = text.find("endraw", end)
-            close = text.find("%}", close) + 2 if close >= 0 else len(text)
+            close = text.find("%}", close) if close >= 0 else -1
+            close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
@@ -5773,7 +5811,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
 RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
                           "__jinja_template__", "__is_template__")
 
@@ -5866,7 +5904,7 @@ def param_pass(value):
     return value
 
 
-# §8.6.2 table: parameter type -> coercion. Rows in the spec's order.
+# Table of §8.6.2: parameter type -> coercion. Rows in the spec's order.
 PARAMETER_TYPES = {
     "string": param_string,
     "int": param_int,
@@ -5884,7 +5922,9 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    A missing block means no parameters; the sequence form is forbidden (§16.2).
+    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form
+    is forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -6056,6 +6096,8 @@ class Expansion:
                                      "16.2")
             if "template" not in cfg:
                 break
+            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
@@ -6124,6 +6166,8 @@ INT_FORM = re.compile(r"[-+]?\d+")
 FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
+# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# never a runtime field (render_tree), so quoted literals and prompts stay strings.
 def coerce_rendered(text):
     """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
     mapping becomes that value; anything else stays a string."""
@@ -6171,10 +6215,13 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C (JINJA2).
+    expression whose names are not all parameters or built-ins survives to Phase C.
     """
+    names = set(variables) - RUNTIME_NAMES
     if runtime_field and ex.engine == "JINJA2":
-        text = walk_tags(text, TagScope(set(variables) - RUNTIME_NAMES), defer=True)
+        text = walk_tags(text, TagScope(names), defer=True)
+    elif runtime_field:
+        text = defer_foreign_tags(text, names, ex.engine)
     try:
         if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
             rendered = render_simple(text, variables, format_pass=False)
@@ -6184,6 +6231,40 @@ def render_phase_b(ex, text, variables, path, runtime_field):
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
+
+
+def foreign_tag_reads(inner, engine):
+    """The names a MUSTACHE or SIMPLE tag reads (None: leave the tag to Phase C)."""
+    if engine == "MUSTACHE":
+        body = inner.strip().strip("{}").strip()
+        if not body or body[0] in "!>=":
+            return None                      # comments, partials, delimiters: Phase C's
+        name = body.lstrip("#^/&").strip()
+        return {name.split(".")[0]} if name != "." else set()
+    try:
+        tree = ast.parse(inner.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def defer_foreign_tags(text, names, engine):
+    """walk_tags for the MUSTACHE and SIMPLE dialects: a {{ }} tag reading a name that is not a
+    parameter or built-in is protected (§15.5 sentinels) so that Phase C renders it."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        end = text.find("}}", start + 2) if start >= 0 else -1
+        if end < 0:
+            break
+        end += 3 if engine == "MUSTACHE" and text.startswith("}", end + 2) else 2
+        tag = text[start:end]
+        reads = foreign_tag_reads(tag[2:-2], engine)
+        out.append(text[pos:start])
+        out.append(tag if reads is not None and reads <= names else protect_markers(tag))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def render_tree(ex, node, variables, path, keys):
@@ -6228,8 +6309,9 @@ def resolve_references(ex, decls, values, path, scope):
         if ptype not in ("agent_ref", "component_ref") or name not in values:
             continue
         ref = values[name]
-        known = ref in scope or ref in agents or (ptype == "component_ref" and ref in routes)
-        if not isinstance(ref, str) or not known:
+        known = isinstance(ref, str) and (
+            ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
+        if not known:
             raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
                                f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
                                " in the composite or the actor", "8.7.1")
@@ -6343,7 +6425,7 @@ def render_runtime(rt, text, ctx, message, path=None):
         return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# §8.12 table: what a render failure does at each phase.
+# Table of §8.12: what a render failure does at each phase.
 RENDER_FAILURE = {
     "A": "ConfigurationError: the configuration fails to load (render_document)",
     "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
@@ -6372,6 +6454,8 @@ def _require_jinja2():
         raise TemplateError(JINJA2_MISSING, section="9.2")
 
 
+# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
+# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
 if jinja2 is not None:
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
@@ -6404,6 +6488,7 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
 
+# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -6680,6 +6765,8 @@ def simple_format(text, variables):
     return "".join(out)
 
 
+# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     text = simple_expressions(text, variables)
@@ -7026,11 +7113,7 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    try:
-        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
-    except ActorError as exc:
-        exc.file = exc.file or file
-        raise
+    rendered = render_document(raw, render_context, engine, file=file)
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 

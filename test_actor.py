@@ -1696,7 +1696,7 @@ def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
     import time as _time
     monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.3) or "late")
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
     net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
                                           agents=[slow], merges=_FROM_INPUT,
                                           clock=actor.RealClock())
@@ -1784,6 +1784,12 @@ def test_debounce_capped_in_single_shot_runs():
     assert outputs == []
     rt.clock.advance(0.01)
     assert [m.content for m in outputs] == ["x"]
+    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
+                                         merges=_FROM_INPUT)
+    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
+    net2.send("y")
+    rt2.clock.advance(0.05)
+    assert [m.content for m in outputs2] == ["y"]
 
 
 def test_settle_waits_for_timers_under_real_clock():
@@ -1974,29 +1980,49 @@ def _bench_actor():
     return actor.load(text=cfg)
 
 
+def _rate(fn, n=20000, repeats=3):
+    """Best-of-`repeats` messages/second of calling fn() n times (best: least disturbed run)."""
+    import time as _time
+    best = float("inf")
+    for _ in range(repeats):
+        start = _time.perf_counter()
+        for _i in range(n):
+            fn()
+        best = min(best, _time.perf_counter() - start)
+    return n / best
+
+
 @pytest.mark.bench
 def test_bench_send_against_direct_agent_calls():
     """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
     invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
-    import time as _time
-    n = 20000
     a = _bench_actor()
     agent, ctx = a.rt.agents["echo"], a.rt.context
-    for i in range(200):                  # warm up both paths
-        a.send("warm")
-        agent.invoke("warm", ctx)
-    start = _time.perf_counter()
-    for i in range(n):
-        agent.invoke("hello", ctx)
-    floor = n / (_time.perf_counter() - start)
-    start = _time.perf_counter()
-    for i in range(n):
-        a.send("hello")
-    through = n / (_time.perf_counter() - start)
+    floor = _rate(lambda: agent.invoke("hello", ctx))
+    through = _rate(lambda: a.send("hello"))
     print(f"\nbare agent.invoke loop: {floor:,.0f} msg/s")
     print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s")
     print(f"ratio (floor / send): {floor / through:.2f}x (target <= 3x)")
     assert a.send("hello").outputs[0].content == "hello"
+
+
+@pytest.mark.bench
+def test_bench_send_against_rxpy_subject_pipeline():
+    """The issue's stretch goal: Actor.send() against a hand-wired RxPY Subject pipeline
+    (input subject -> map(agent) -> output subject) doing only the bare agent call."""
+    rx_ops = pytest.importorskip("reactivex.operators")
+    from reactivex.subject import Subject
+    n = 20000
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    source, sink, seen = Subject(), Subject(), []
+    source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
+    sink.subscribe(seen.append)
+    rx_rate = _rate(lambda: source.on_next("hello"), n)
+    through = _rate(lambda: a.send("hello"), n)
+    print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    assert len(seen) == 3 * n
 
 
 # =====================================================================================
@@ -2070,9 +2096,27 @@ def test_graph_entry_point_may_be_a_declared_node():
 
 def test_graph_unknown_keys_warn():
     cfg = linear("a")
-    cfg["colour"] = "red"
+    cfg["nodes"]["a"]["colour"] = "red"
+    cfg["edges"][0]["weight"] = 2
     rt, g = make_graph(cfg, {"a": echo("a")})
-    assert any("colour" in w for w in rt.warnings)
+    assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
+
+
+def test_graph_run_node_applies_one_node():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert g.run_node("b", "m") == "b(m)"
+    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
+    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
+    with pytest.raises(actor.ExecutionError):
+        g.run_node("ghost", "m")
+
+
+def test_graph_resume_without_interrupted_run_does_nothing():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    run = g.resume()
+    assert run.history == [] and run.output == ""
+    g.run("x")
+    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
 
 
 # §6.2 Nodes ----------------------------------------------------------------------------------
@@ -2190,7 +2234,7 @@ def test_graph_agent_failure_after_retries_sets_state_error():
 def test_graph_agent_timeout_is_per_attempt():
     import time as _time
     rt, g = make_graph(linear("a", a={"timeout": 0.05}),
-                       {"a": lambda c, ctx: _time.sleep(0.3) or "late"})
+                       {"a": lambda c, ctx: _time.sleep(0.2) or "late"})
     started = _time.monotonic()
     with pytest.raises(actor.ExecutionError, match="timed out"):
         g.run("x")
@@ -2602,6 +2646,44 @@ def test_graph_mermaid_pins_18_3():
         'end']
 
 
+def _load_vector_config(stem):
+    path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
+    return actor.read_vector(path)["config"]
+
+
+def test_graph_actor_diagram_shows_18_3_graph():
+    a = actor.load(text=json.dumps(_load_vector_config("18.3-message-router-graph")),
+                   env={"OPENAI_API_KEY": "test"})
+    text = a.diagram()
+    assert text.startswith("flowchart LR\n")
+    lines = text.splitlines()
+    block = lines.index('  subgraph graph__main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    main__start(["start"])',
+                                          '    main__router{"router: message_router"}',
+                                          '    main__code["code: agent code_agent"]']
+    assert '    main__router -->|"next_node = research"| main__research' in lines
+
+
+def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
+    cfg = linear("a", "b", "c", "d", "e")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    doc = {"agents": {n: {"type": "llm", "config": {"provider": "openai"}} for n in "abcde"},
+           "routes": {"main": cfg}, "merges": [{"sources": ["__input__"], "target": "main"}]}
+    a = actor.load(text=json.dumps(doc), env={"OPENAI_API_KEY": "test"}, workdir=tmp_path,
+                   llm={})
+    assert a.send("one").outputs[0].content == "one"       # unscripted fake replies echo
+    a.send("two")
+    files = a.checkpoints("main")
+    assert len(files) == 1 and files[0].parent == tmp_path / "ck"
+    graph = a.rt.graphs["main"]
+    assert graph.state["execution_count"] == 10
+    a.rewind("main", 4)
+    assert graph.state["execution_count"] == 6
+    a.restore("main")
+    assert graph.state["execution_count"] == 10
+    assert [m["content"] for m in graph.state["messages"]][-2:] == ["two", "two"]
+
+
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
@@ -2626,8 +2708,8 @@ def test_graph_bench_linear_ten_nodes():
     def floor_loop():
         for _ in range(rounds):
             ctx, content = rt.context, message
-            for agent in agents:
-                agent.invoke(content, ctx)
+            for agent in agents:                 # each agent gets the previous reply, as in the graph
+                content = agent.invoke(content, ctx)
 
     def graph_loop():
         for _ in range(rounds):
@@ -2645,8 +2727,8 @@ def test_graph_bench_linear_ten_nodes():
     overhead = best["graph"] - best["floor"]
     print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
           f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x")
-    assert overhead < 5.0
+          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
+    assert best["graph"] < 5 * best["floor"]
 
 
 # =====================================================================================
@@ -2679,6 +2761,9 @@ def _mustache_cases():
         if path.exists():
             for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
                 cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
+        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
+            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
     return cases
 
 
@@ -2719,6 +2804,14 @@ def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
 def test_jinja2_sandbox_blocks_python_internals():
     with pytest.raises(actor.TemplateError):
         actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.ConfigurationError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
 
 
 def test_jinja2_compiles_each_text_once():
@@ -2900,6 +2993,41 @@ def test_reserved_template_keys_rejected_anywhere():
         with pytest.raises(actor.ConfigurationError) as info:
             actor.check_reserved_template_keys(doc)
         assert info.value.path == f"agents.a.config.{key}"
+
+
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    monkeypatch.setattr(actor, "jinja2", None)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    import json as _json
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(_json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.render_document(text, None, "MUSTACHE")
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
+    out = actor.render_document(text, None, "JINJA2")
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
 
 
 # §8.6-§8.10 Phase B --------------------------------------------------------------------------
@@ -3085,6 +3213,20 @@ def test_deprecated_instances_section_moves_into_agents_q55(caplog):
     assert "deprecated" in caplog.text
 
 
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
 def test_phase_b_in_mustache():
     data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
                                             "type": "llm", "config": {"s": "In {{d}}"}}}},
@@ -3111,6 +3253,12 @@ def test_render_runtime_failure_warns_and_returns_literal_8_12():
     text = "Hi {{ context.who.name }}"
     assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
     assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
 
 
 def test_render_runtime_in_mustache_and_simple():
