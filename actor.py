@@ -7574,7 +7574,25 @@ class _SandboxRewriter(ast.NodeTransformer):
     def __init__(self, bound):
         self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
 
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr in _GUARDED_METHODS and not getattr(node, "sb_called", False):
+            raise _Rejected(node.lineno, f"taking the method '{node.attr}' without calling it")
+        return node
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        match node.targets:
+            case [ast.Subscript(value=container, slice=ast.Slice() as part)]:
+                key = _guard_call("__sb_slice__", part, *(p or ast.Constant(None) for p in
+                                                          (part.lower, part.upper, part.step)))
+                call = _guard_call("__sb_set_slice__", node, container, key, node.value)
+                return ast.copy_location(ast.Expr(call), node)
+        return node
+
     def visit_Call(self, node):
+        if isinstance(node.func, ast.Attribute):
+            node.func.sb_called = True   # a guarded method called in place is routed below
         self.generic_visit(node)
         func = node.func
         if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
@@ -8114,6 +8132,14 @@ def guard_aug_item(container, key, symbol, value):
     container[key] = guard_inplace(symbol, container[key], value)
 
 
+def guard_set_slice(container, part, value):
+    """a[i:j] = v: refuse growth past the limit (l[len(l):] = l doubles a list)."""
+    if isinstance(container, list) and isinstance(value, _SIZED) \
+            and len(container) + len(value) > SANDBOX_MAX_ITEMS:
+        _refuse_size("slice assignment")
+    container[part] = value
+
+
 def guard_aug_attr(obj, name, symbol, value):
     # `name` passed the layer-1 attribute check at load.
     setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
@@ -8216,7 +8242,7 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
