@@ -7880,6 +7880,8 @@ def eval_expression_text(source, names, timeout=1.0):
     Refused constructs raise ConfigurationError, run-time failures ExecutionError.
     """
     try:
+        if not isinstance(source, str):
+            raise _Rejected(1, f"an expression of type {type(source).__name__}")
         code = _compile_expression_text(source)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
