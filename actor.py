@@ -7372,18 +7372,20 @@ def find_stream_cycle(edges):
 # carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
-# One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2 (expression)
-# built-in table. A restricted __builtins__ dict alone is escapable in many published ways, so four
-# layers hold it, and the first two run once, at load time:
-#   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that leads
-#      to frames, code or tracebacks, no str.format, no imports but json, no class/global/nonlocal/yield/
-#      async/with/decorators, no use of a prohibited facility's name -> ConfigurationError.
-#   2. AST rewrite: + * ** << % and the string methods that pad or repeat go through size guards; a bare
-#      `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass through.
+# One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2
+# (expression) built-in table. A restricted __builtins__ dict alone is escapable in many published
+# ways, so four layers hold it, and the first two run once, at load time:
+#   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that
+#      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
+#      nonlocal, yield, async, with or decorators, no prohibited facility's name
+#      -> ConfigurationError.
+#   2. AST rewrite: + * ** << %, slice assignment and the string methods that pad or repeat go
+#      through size guards; a bare `except:` catches only Exception, so the sandbox's own aborts
+#      (BaseException) pass through.
 #   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
-# Limits hold in unsafe mode too: unsafe mode enables inline code, it does not hand the code the host.
+# Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles.
 import ast         # noqa: E402  (TODO foundation: hoist to the stdlib imports at the top)
 import functools   # noqa: E402
@@ -7416,7 +7418,7 @@ class _Rejected(Exception):
 
 
 def _bound_names(tree):
-    """Every name the code binds itself (assignment, def, parameter, import alias, except, match)."""
+    """Every name the code binds itself (assignment, def, parameter, import, except, match)."""
     bound = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
@@ -7444,7 +7446,8 @@ def _attribute_refusal(attr):
     """Why an attribute name is refused (None when it is fine). Names arrive NFKC-normalised."""
     if attr.startswith("_"):
         return f"access to the private or special attribute '{attr}'"
-    if attr in SANDBOX_FORBIDDEN_ATTRIBUTES or attr.startswith(SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES):
+    if attr in SANDBOX_FORBIDDEN_ATTRIBUTES \
+            or attr.startswith(SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES):
         return f"access to the attribute '{attr}'"
     return None
 
@@ -7598,7 +7601,8 @@ class _SandboxRewriter(ast.NodeTransformer):
         if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
             func.id = "__sb_str__"
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
-            call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
+            call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr),
+                               *node.args)
             call.keywords = node.keywords
             return call
         return node
@@ -7611,15 +7615,16 @@ class _SandboxRewriter(ast.NodeTransformer):
         return node
 
     def visit_ExceptHandler(self, node):
-        # INTERPRETATION §13.2: a bare `except:` catches Exception only, so no limit can be swallowed.
+        # INTERPRETATION §13.2: a bare `except:` catches Exception only; no limit is swallowed.
         self.generic_visit(node)
         if node.type is None:
             node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
         return node
 
     def visit_Import(self, node):
-        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import ...` bind
-        # the §4.5.2 facility, because the spec's example needs it; no import machinery is exposed.
+        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import ...`
+        # bind the §4.5.2 facility, because the spec's example needs it; no import machinery is
+        # exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
                 for a in node.names]
@@ -7642,7 +7647,7 @@ def _sandbox_compile(source, mode, kind, table, filename):
 
 
 def _configuration_refusal(exc, rt, path, section, what):
-    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line` is the body line."""
+    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line`: the body line."""
     if isinstance(exc, SyntaxError):
         line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
     else:
@@ -7657,12 +7662,12 @@ def _configuration_refusal(exc, rt, path, section, what):
 
 
 # Layer 4: the run-time budget ---------------------------------------------------------------
-# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well (unsafe mode enables inline
-# code, it does not hand the code the host). They are ticks, not a trace function. CPython 3.11 sends no
-# `line` event for `while True: pass`, and an exception raised from a trace function switches
-# tracing off while `finally` blocks still run; so the rewrite (layer 2) puts a deadline check at the
-# top of every loop body, comprehension step and function body, and the function-entry check also
-# caps the depth of nested sandboxed calls.
+# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well (unsafe mode enables
+# inline code; it does not hand the code the host). They are ticks, not a trace function: CPython
+# 3.11 sends no `line` event for `while True: pass`, and an exception raised from a trace function
+# switches tracing off while `finally` blocks still run. So the rewrite (layer 2) puts a deadline
+# check at the top of every loop body, comprehension step and function body, and the
+# function-entry check also caps the depth of nested sandboxed calls.
 class _Budget:
     """Wall-clock deadline of one sandboxed call."""
 
@@ -7680,7 +7685,7 @@ _SANDBOX_TURN = threading.RLock()
 
 
 def guard_loop():
-    """Inserted at every loop step: refuse to go on past the deadline. Returns True (comprehension if)."""
+    """Inserted at every loop step: refuse to go on past the deadline. True (a comprehension if)."""
     budget = getattr(_SANDBOX_LOCAL, "budget", None)
     if budget is None:   # a sandbox-made function called by the host outside any sandboxed run
         raise ExecutionError("sandboxed code called outside its sandbox", section="13.2")
@@ -7690,7 +7695,7 @@ def guard_loop():
 
 
 def guard_enter():
-    """Inserted at every function and lambda entry: the deadline, then the depth of sandboxed calls."""
+    """Inserted at every function and lambda entry: the deadline, then the sandboxed call depth."""
     guard_loop()
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth <= SANDBOX_MAX_DEPTH:
@@ -7822,7 +7827,7 @@ def compile_code(source, *, rt=None, path=None):
 
 
 def run_code(unit, variables, *, timeout=1.0):
-    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; returns the final namespace.
+    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; return the final one.
 
     `variables` usually holds input_data, message, context (by reference) and result=None. Any
     violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
@@ -7845,14 +7850,15 @@ def _lambda_accepts(node, nparams):
 
 
 def compile_expression(source, *, nparams=1, rt=None, path=None):
-    """§13.2.2: check and compile `lambda ...: expr` once; returns an ExprUnit, called as unit(*args).
+    """§13.2.2: check and compile `lambda ...: expr` once; an ExprUnit, called as unit(*args).
 
     The lambda must accept `nparams` positional arguments (transform fn: 1, custom_predicate: 2).
     """
     label = f"inline expression {path_str(path)}" if path else "inline expression"
     try:
         tree, code = _sandbox_compile(source.strip() if isinstance(source, str) else source,
-                                      "eval", "expression", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)
+                                      "eval", "expression", EXPRESSION_BUILTINS,
+                                      EXPRESSION_FILENAME)
         if not isinstance(tree.body, ast.Lambda) or not _lambda_accepts(tree.body, nparams):
             raise _Rejected(1, f"anything but a lambda of {nparams} parameter(s)")
     except (SyntaxError, _Rejected) as exc:
@@ -7875,7 +7881,7 @@ def _compile_expression_text(source):
 
 
 def eval_expression_text(source, names, timeout=1.0):
-    """§9.2 SIMPLE pre-pass: evaluate a bare expression in the §13.2.2 sandbox with `names` as variables.
+    """§9.2 SIMPLE pre-pass: a bare expression in the §13.2.2 sandbox, `names` as its variables.
 
     Refused constructs raise ConfigurationError, run-time failures ExecutionError.
     """
@@ -7920,7 +7926,7 @@ def _unwrap_classinfo(spec):
 
 def builtin_type(*args):
     """§13.2.1 type: the one-argument form only; three arguments would create a class."""
-    # INTERPRETATION §13.2.1: type() inspects; classes outside SANDBOX_INERT_TYPES come back opaque.
+    # INTERPRETATION §13.2.1: type() inspects; classes not in SANDBOX_INERT_TYPES come back opaque.
     if len(args) != 1:
         raise SandboxAbort("type() with three arguments (class creation) is refused")
     cls = type(args[0])
@@ -8002,15 +8008,15 @@ class JsonFacility:
 
 SANDBOX_JSON = JsonFacility()
 
-# §13.2.1 table: the built-ins of inline code -- these and no others. Rows in the spec's order.
+# §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
 INLINE_CODE_BUILTINS = {
     # Type constructors
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
-    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted, "sum": builtin_sum,
-    "zip": zip,
+    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
+    "sum": builtin_sum, "zip": zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -8018,13 +8024,14 @@ INLINE_CODE_BUILTINS = {
     # Diagnostic output
     "print": builtin_print,
     # Error categories
-    "ValueError": ValueError, "IndexError": IndexError, "KeyError": KeyError, "TypeError": TypeError,
+    "ValueError": ValueError, "IndexError": IndexError, "KeyError": KeyError,
+    "TypeError": TypeError,
     # Module access
     "json": SANDBOX_JSON,
 }
 
 # §13.2.2 Restricted built-ins for expression evaluation ---------------------------------
-# §13.2.2 table: the built-ins of inline expressions -- these and no others. Rows in the spec's order.
+# §13.2.2 table: the built-ins of inline expressions -- these and no others, in the spec's order.
 EXPRESSION_BUILTINS = {
     # Type constructors
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
@@ -8038,14 +8045,15 @@ EXPRESSION_BUILTINS = {
 # INTERPRETATION §13.2.3 (Q71): refused in both places -- what the AST shows is refused at load
 # (ConfigurationError with the body line); limits and type() with three arguments at invocation
 # (ExecutionError, which reaches __error__).
-# §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused at
-# load unless the sandbox's own table lists it (print, type, locals in inline code) or the code binds
-# that name itself (`id = 3`).
+# §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused
+# at load unless the sandbox's own table lists it (print, type, locals in inline code) or the code
+# binds that name itself (`id = 3`).
 SANDBOX_PROHIBITED_CAPABILITIES = {
     "arbitrary I/O": ("open", "input", "print", "breakpoint", "help", "exit", "quit", "memoryview"),
     "dynamic evaluation or compilation": ("eval", "exec", "compile"),
     "introspection": ("globals", "locals", "vars", "dir", "type", "getattr", "setattr", "delattr",
-                      "hasattr", "id", "object", "super", "classmethod", "staticmethod", "property"),
+                      "hasattr", "id", "object", "super", "classmethod", "staticmethod",
+                      "property"),
     "dynamic import": ("importlib",),
     "subprocess spawning or signaling": ("os", "sys", "subprocess", "signal"),
 }
@@ -8185,7 +8193,7 @@ def guard_str(*args, **kwargs):
 
 
 def guard_format(value, conversion, spec):
-    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as Python would."""
+    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as usual."""
     check_rendering(value)
     if conversion == ord("r"):
         value = repr(value)
@@ -8214,7 +8222,8 @@ def _method_growth(obj, name, args, kwargs):
     if name == "join" and isinstance(obj, (str, bytes)) and args \
             and isinstance(args[0], (list, tuple)):
         items = args[0]
-        return len(obj) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, _SIZED))
+        return len(obj) * max(len(items) - 1, 0) \
+            + sum(len(x) for x in items if isinstance(x, _SIZED))
     if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
         return len(obj) + len(args[0])
     if name == "to_bytes" and isinstance(obj, int):
@@ -8242,7 +8251,8 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 
 # Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
 _SANDBOX_GUARDS = {
-    "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
+    "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
+    "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
     "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
