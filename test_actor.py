@@ -3373,8 +3373,10 @@ SANDBOX_ESCAPES = {
     "join-generator-frames": "x = ''.join(str(g.gi_frame) for g in [(i for i in [1])])",
     "lambda-yield": "x = lambda: (yield)",
     "traceback-frame":
-        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.__traceback__.tb_frame.f_back.f_globals",
-    "traceback-via-attribute-name": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
+        "try:\n    int('x')\nexcept ValueError as e:\n"
+        "    x = e.__traceback__.tb_frame.f_back.f_globals",
+    "traceback-via-attribute-name":
+        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
     "with-traceback": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.with_traceback(None)",
     "exception-args-class": "x = ValueError('a').__class__.__init__.__globals__",
     "global-statement": "global __builtins__",
@@ -3497,10 +3499,13 @@ SANDBOX_RUNAWAYS = {
         "def f():\n    try:\n        f()\n    except:\n        f()\nf()",
     "bare-except-keeps-looping":
         "while True:\n    try:\n        while True:\n            pass\n    except:\n        pass",
-    "finally-keeps-looping": "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
+    "finally-keeps-looping":
+        "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
     "except-type-expression-loops":
-        "def f():\n    while True:\n        pass\ntry:\n    while True:\n        pass\nexcept f():\n    pass",
-    "nested-comprehension": "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
+        "def f():\n    while True:\n        pass\n"
+        "try:\n    while True:\n        pass\nexcept f():\n    pass",
+    "nested-comprehension":
+        "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
     "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
 }
