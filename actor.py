@@ -8066,7 +8066,7 @@ SANDBOX_PROHIBITED_CAPABILITIES = {
 SANDBOX_FORBIDDEN_ATTRIBUTES = frozenset({
     "format", "format_map", "mro", "with_traceback", "gi_frame", "gi_code", "cr_frame", "ag_frame",
     "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame", "tb_next", "co_code",
-    "func_globals", "func_code",
+    "func_globals", "func_code", "obj",   # AttributeError.obj: whatever object a lookup failed on
 })
 SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_", "func_", "im_")
 

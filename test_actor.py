@@ -3402,6 +3402,7 @@ SANDBOX_ESCAPES = {
     "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
     "dunder-variable": "__builtins__ = {'open': 1}",
     "aliased-method-dodges-size-guard": "f = 'a'.ljust\nx = f(10**10)",
+    "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
     "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
 }
 
