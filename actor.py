@@ -3519,12 +3519,12 @@ class StreamNetwork:
         return push_if
 
     def _implicit_graph_output(self):
-        # INTERPRETATION §6.1, §3.3 (Q28): a graph route that receives messages and that no merge
-        # or split reads from sends each run's output (GraphRun.output) to __output__.
-        fed = {t for (_s, t) in self.edges}
+        # INTERPRETATION §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
+        # no merge, split or next stage reads from sends each run's output (GraphRun.output) to
+        # __output__, however it was fed (merge, split, default router, send(target=...)).
         read = {s for (s, _t) in self.edges}
         for name, node in list(self.nodes.items()):
-            if isinstance(node, GraphParticipant) and name in fed and name not in read:
+            if isinstance(node, GraphParticipant) and name not in read:
                 self.edges[(name, OUTPUT)] = [(None, ("routes", name))]
                 self.nodes[OUTPUT].sources += 1
                 node.out.subscribe(self.nodes[OUTPUT].push, self.nodes[OUTPUT].source_done)

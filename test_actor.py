@@ -1823,6 +1823,8 @@ def test_graph_route_fed_by_merge_emits_run_output():
     assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
     assert errors[0].metadata["error_type"] == "ExecutionError"
     assert graph.runs == [("hi", False), ("explode", False)]
+    net.send("direct", target="g")
+    assert [m.content for m in outputs] == ["out: hi", "out: direct"]
 
 
 def test_pure_graph_mode_runs_pure():
