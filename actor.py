@@ -3797,6 +3797,7 @@ GRAPH_FIELDS = {
 }
 
 
+# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -3869,39 +3870,31 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            begin_run(state, content, target_ctx)
+            begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            if self.entry == END_NODE:
-                results = []
-            else:
-                results = self._step([(self.entry, content)], trace)
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
         """Continue an interrupted run from a restored state: follow the edges out of
         state.current_node with metadata.last_output as the message (§6.6 recovery)."""
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
-            state = self.state
-            state["metadata"]["context"] = target_ctx
-            node = state.get("current_node")
-            output = state["metadata"].get("last_output", "")
-            trace = _RunTrace(output)
-            results = [] if node in (None, END_NODE) or node not in self.nodes else [(node, output)]
-            while results and trace.stopped is None:
-                frontier = self._next_nodes(results, trace)
-                if not frontier:
-                    break
-                results = self._step(frontier, trace)
-            replace_active_context(state, target_ctx)
-            return GraphRun(trace.output, snapshot_state(state), trace.history, trace.stopped)
+            metadata = self.state["metadata"]
+            metadata["context"] = target_ctx
+            node, output = self.state.get("current_node"), metadata.get("last_output", "")
+            done = node in (None, END_NODE) or node not in self.nodes
+            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+
+    def _continue(self, results, trace, target_ctx):
+        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        while results and trace.stopped is None:
+            frontier = self._next_nodes(results, trace)
+            if not frontier:
+                break
+            results = self._step(frontier, trace)
+        replace_active_context(self.state, target_ctx)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
@@ -3910,6 +3903,8 @@ class GraphRoute:
         if node is None:
             raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
                                  path=path_str(self.path), section="5.3.2")
+        if node.type in (START_NODE, END_NODE):
+            return content                          # they pass the message on, updating nothing
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
@@ -3929,14 +3924,7 @@ class GraphRoute:
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
-            node, message = admitted[0]
-            try:
-                outcomes = [(node.handler(self, node, message, state), None)]
-            except ActorError as exc:
-                outcomes = [(None, exc)]
-            except Exception as exc:  # agent boundary (§12.2.3): becomes an ExecutionError
-                outcomes = [(None, ExecutionError(
-                    f"graph '{self.name}' node '{node.name}': {exc}", section="6.2"))]
+            outcomes = [call_node(self, *admitted[0], state)]
         else:
             outcomes = run_next_node_set(self, admitted, state)
         results = []
@@ -3959,6 +3947,8 @@ class GraphRoute:
 
     def _next_nodes(self, results, trace):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
         for name, output in results:
@@ -4055,10 +4045,7 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def _warn_unknown_keys(self):
-        for key in self.cfg:
-            if key not in GRAPH_FIELDS:
-                self.rt.warn(f"unknown graph route key '{key}' ignored", section="6.1",
-                             path=self.path + (key,))
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
         for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
             known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
             for key in node_cfg:
@@ -4253,6 +4240,7 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's context changes are dropped; after the last one the run fails (state.error).
     attempt = 0
@@ -4368,6 +4356,7 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -4480,7 +4469,8 @@ GRAPH_STATE_FIELDS = {
 }
 MAX_STATE_MESSAGES = 50
 
-# Schemas "known to the host" (§6.3.3): this host knows only its own default state.
+# Schemas "known to the host" (§6.3.3).
+# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
 STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
 
 
@@ -4574,7 +4564,9 @@ def apply_state_update(state, update, mode="merge"):
 
 def state_update_from_content(content):
     """What a state_update message means: a mapping (or JSON object text) is the update itself;
-    any other content is appended to messages as a user message (Q34)."""
+    any other content is appended to messages as a user message."""
+    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # update changes the state the next run starts from.
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
@@ -4754,26 +4746,25 @@ def run_next_node_set(graph, admitted, state):
             from concurrent.futures import ThreadPoolExecutor
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
         for i in parallel:
-            node, message = admitted[i]
-            futures[i] = graph._pool.submit(node.handler, graph, node, message, state)
+            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
     for i, (node, message) in enumerate(admitted):
-        if i in futures:
-            continue
-        try:
-            outcomes[i] = (node.handler(graph, node, message, state), None)
-        except Exception as exc:  # agent boundary: reported after the set is joined
-            outcomes[i] = (None, exc)
+        if i not in futures:
+            outcomes[i] = call_node(graph, node, message, state)
     for i, future in futures.items():
-        try:
-            outcomes[i] = (future.result(), None)
-        except Exception as exc:
-            outcomes[i] = (None, exc)
-    for i, (result, error) in enumerate(outcomes):
-        if error is not None and not isinstance(error, ActorError):
-            node = admitted[i][0]
-            outcomes[i] = (None, ExecutionError(
-                f"graph '{graph.name}' node '{node.name}': {error}", section="6.2"))
+        outcomes[i] = future.result()
     return outcomes
+
+
+def call_node(graph, node, message, state):
+    """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
+    try:
+        return node.handler(graph, node, message, state), None
+    except ActorError as exc:
+        return None, exc
+    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
+        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
+                                    section="6.2")
+
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
 # Output fragments that show an agent asked for more routing (§6.8 item 4).
@@ -4976,9 +4967,9 @@ def check_graph(doc, name, cfg, path, agent_names):
         return                                              # §11.3: instantiated from a template
     if not isinstance(nodes, dict) or not nodes:
         fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    edges = cfg.get("edges", [])
-    if edges is None:
-        edges = []
+    if "edges" not in cfg:
+        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
+    edges = cfg["edges"] if cfg["edges"] is not None else []
     if not isinstance(edges, list):
         fail(("edges",), "edges must be a sequence", "6.4")
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
@@ -5000,7 +4991,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if node_type == "dynamic_router":
             fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
                  "16.2")
-        if node_type not in NODE_TYPES:
+        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
@@ -7122,11 +7113,7 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    try:
-        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
-    except ActorError as exc:
-        exc.file = exc.file or file
-        raise
+    rendered = render_document(raw, render_context, engine, file=file)
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 
@@ -7405,7 +7392,7 @@ import operator    # noqa: E402
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
-SANDBOX_MEMORY_HEADROOM = 1 << 30  # bytes of address space one run may add (POSIX backstop)
+SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
@@ -7580,9 +7567,14 @@ class _SandboxRewriter(ast.NodeTransformer):
                                ast.Constant(symbol), node.value)
         return ast.copy_location(ast.Expr(call), node)
 
+    def __init__(self, bound):
+        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
+
     def visit_Call(self, node):
         self.generic_visit(node)
         func = node.func
+        if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
+            func.id = "__sb_str__"
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
             call.keywords = node.keywords
@@ -7591,10 +7583,8 @@ class _SandboxRewriter(ast.NodeTransformer):
 
     def visit_FormattedValue(self, node):
         self.generic_visit(node)
-        if node.format_spec is None:
-            return node
         node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
-                                 node.format_spec)
+                                 node.format_spec or ast.Constant(""))
         node.conversion, node.format_spec = -1, None
         return node
 
@@ -7623,7 +7613,7 @@ def _sandbox_compile(source, mode, kind, table, filename):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
     _check_tree(tree, kind, table)
-    tree = ast.fix_missing_locations(_SandboxRewriter().visit(tree))
+    tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
     return tree, compile(tree, filename, mode, dont_inherit=True)
 
 
@@ -7805,8 +7795,7 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
     _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
-    del namespace["__builtins__"]
-    return namespace
+    return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
 def _lambda_accepts(node, nparams):
@@ -7908,6 +7897,8 @@ def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
+    for value in values:
+        check_rendering(value)
     sys.stderr.write(sep.join(str(value) for value in values) + end)
 
 
@@ -7951,6 +7942,7 @@ class JsonFacility:
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
             raise SandboxAbort("json.dumps indent larger than 64")
+        check_rendering(value)
         return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                           separators=separators)
 
@@ -8065,6 +8057,7 @@ def _check_operands(symbol, left, right):
             _refuse_size("shift")
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
+        check_rendering(right)
 
 
 def _check_printf(fmt, args):
@@ -8096,8 +8089,46 @@ def guard_aug_attr(obj, name, symbol, value):
     setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
 
 
+_CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _text_weight(value, memo):
+    """Roughly how many characters str(value) has: a container counts its items plus the weight of
+    each child, shared children computed once (memo by id), cycles counted once."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    memo[key] = 1
+    weight = len(value) + 1
+    children = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+    for child in children:
+        if isinstance(child, _CONTAINERS):
+            weight += _text_weight(child, memo)
+            if weight > SANDBOX_MAX_ITEMS:
+                break
+    memo[key] = weight
+    return weight
+
+
+def check_rendering(value):
+    """Refuse to turn into text a structure whose text would pass the limit. Aliasing makes tiny
+    structures print huge: x = [0] * 10**6; str([x] * 10**6) is 10**12 characters."""
+    if isinstance(value, _CONTAINERS[2:]) and _text_weight(value, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("text of a structure")
+
+
+def guard_str(*args, **kwargs):
+    """str(x) as written in the code: the rendering check first."""
+    if args:
+        check_rendering(args[0])
+    return str(*args, **kwargs)
+
+
 def guard_format(value, conversion, spec):
-    """f"{x:>{n}}": refuse pad widths past the limit, then format as Python would."""
+    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as Python would."""
+    check_rendering(value)
     if conversion == ord("r"):
         value = repr(value)
     elif conversion == ord("s"):
@@ -8152,6 +8183,7 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
+    "__sb_str__": guard_str,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
