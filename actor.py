@@ -193,6 +193,7 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
+_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -206,7 +207,8 @@ class Message:
 
     def copy(self, **changes):
         """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" else copy.copy(v)) for k, v in self.metadata.items()}
+        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
+                for k, v in self.metadata.items()}
         new = Message(self.content, meta, self.source_stream, self.timestamp)
         for key, value in changes.items():
             setattr(new, key, value)
@@ -7154,10 +7156,11 @@ def resolve_engine(doc, host_engine):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None):
+                context=None, routing_prefixes=None):
     """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport)
+    rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
     check_top_level(doc, rt)
@@ -8901,17 +8904,21 @@ class Actor:
 
 
 def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
-         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None,
+         routing_prefixes=None):
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
     the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or "X_" for a
+    family X_<NAME>:).
     """
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
         template_engine=template_engine, default_router=default_router, provider=provider,
         workdir=workdir, clock=clock or VirtualClock(),
-        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context,
+        routing_prefixes=routing_prefixes)
 
 
 def jsonable(value):
@@ -9311,6 +9318,9 @@ def main(argv=None):
     except ActorError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
+    # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped input)
+    # is single-shot; an interactive prompt is not.
+    actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
     with actor:
         if args.check:
             print("ok")

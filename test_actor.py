@@ -268,6 +268,28 @@ def test_cli_describe_text_and_json():
     assert info["routes"] == {"main": "stream"}
 
 
+def test_host_extends_routing_prefixes():
+    """§12.5: the host may extend the list of prefixes stripped from __output__."""
+    text = ("agents: {a: {type: chain}}\nroutes: {m: {type: stream, publications: [__output__]}}\n"
+            "merges: [{sources: [__input__], target: m}]\n")
+    plain = actor.load(text=text)
+    assert [m.content for m in plain.send("NOTE: hi").outputs] == ["NOTE: hi"]
+    assert [m.content for m in plain.send("GOTO_X: hi").outputs] == ["hi"]
+    extended = actor.load(text=text, routing_prefixes=["NOTE:"])
+    assert [m.content for m in extended.send("NOTE: hi").outputs] == ["hi"]
+
+
+def test_message_copy_keeps_context_by_reference_and_copies_the_rest():
+    """§12.2.1: metadata.context by reference; other values copied one level deep."""
+    ctx, tags, nested = {"k": 1}, ["a"], {"inner": ["x"]}
+    msg = actor.Message("c", {"context": ctx, "tags": tags, "nested": nested, "n": 1})
+    twin = msg.copy(content="d")
+    assert twin.metadata["context"] is ctx
+    assert twin.metadata["tags"] == tags and twin.metadata["tags"] is not tags
+    assert twin.metadata["nested"] is not nested and twin.metadata["nested"]["inner"] is nested["inner"]
+    assert (twin.content, msg.content, twin.source_stream) == ("d", "c", "__input__")
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
