@@ -4131,9 +4131,9 @@ def trim_history(messages, max_messages, max_chars, end=None):
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
+        if len("".join([entry["content"] for entry in history])) <= max_chars:
             return history
-    except TypeError:
+    except (KeyError, TypeError):
         pass
     total = 0
     for index in range(len(history) - 1, -1, -1):
