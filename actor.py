@@ -2176,10 +2176,10 @@ class _Checker:
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
         for key, (check, default) in spec.items():
-            value = params.get(key, default)
-            if value is REQUIRED:
+            value = params.get(key)
+            if value is None and default is REQUIRED:
                 self.fail(path, f"operator {kind!r} needs params.{key}")
-            if value is not None and value is not default:
+            if value is not None:
                 check(self, value, path + (key,))
         if kind not in OPEN_PARAMS:
             for key in params:
@@ -2228,7 +2228,7 @@ class _Checker:
     def transform(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_type(self, value.get("type", "identity"), path + ("type",))
+        check_transform_params(self, value, path)
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
@@ -2290,6 +2290,15 @@ def stream_edges(data, known, default=None):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             for target in split["targets"]:
                 edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(stage.get("publications") or []):
+                    if target in known:
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
     if isinstance(default, str):
         edges.append(("__input__", default, ("cleveragents", "default_router")))
     return edges
@@ -2552,10 +2561,7 @@ def op_debounce(site, params, down):
         debounce(2 ticks)
         output:   ----b-----c--|     (completion emits a still-pending message at once)
     """
-    duration = params["duration"]
-    if site.net.single_shot:
-        duration = min(duration, DEBOUNCE_SINGLE_SHOT_CAP)
-    clock = site.rt.clock
+    duration, net, clock = params["duration"], site.net, site.rt.clock
     pending = [None, None]      # message, timer
 
     def fire():
@@ -2566,7 +2572,8 @@ def op_debounce(site, params, down):
         if pending[1] is not None:
             pending[1].cancel()
         pending[0] = msg
-        pending[1] = clock.call_later(duration, fire)
+        wait = min(duration, DEBOUNCE_SINGLE_SHOT_CAP) if net.single_shot else duration
+        pending[1] = clock.call_later(wait, fire)
 
     def on_complete():
         if pending[1] is not None:
@@ -2996,7 +3003,7 @@ def _check_transform(checker, params, path):
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
-        check_transform_type(checker, params["type"], path + ("type",))
+        check_transform_params(checker, params, path)
 
 
 def _check_sample(checker, params, path):
@@ -3101,6 +3108,7 @@ def function_mapper(site, name, down):
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
 PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
@@ -3157,13 +3165,15 @@ def agent_mapper(site, name, down):
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
     attempts = 1 + retry_count(site)
+    call = agent.invoke if not rt.clock.real else (
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
         failure = None
         for _ in range(attempts):
             try:
-                reply = invoke_agent(rt, agent, msg.content, ctx)
+                reply = call(msg.content, ctx)
             except _AgentTimedOut:
                 out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
                 out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
@@ -3178,7 +3188,7 @@ def agent_mapper(site, name, down):
             down.next(out)
             return
         else:
-            out = msg.copy(content="Error: " + error_reason(failure), source_stream=route)
+            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
@@ -3231,13 +3241,28 @@ def check_transform_type(checker, kind, path):
                      "5.3.5")
 
 
+def check_transform_params(checker, params, path):
+    """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
+    check_transform_type(checker, params.get("type") or "identity", path + ("type",))
+    if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
+        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+    for key in ("field", "template", "old", "new"):
+        if isinstance(params.get(key), (dict, list)):
+            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+
+
 def transform_stage(site, params, down):
     """§5.3.5 a built-in transform applied to every message's content."""
     handler = TRANSFORMS[params.get("type") or "identity"]
-    route = site.route
+    net, route = site.net, site.route
 
     def on_next(msg):
-        down.next(msg.copy(content=handler(msg.content, params), source_stream=route))
+        try:
+            content = handler(msg.content, params)
+        except Exception as exc:    # §12.2.3 boundary (e.g. a content that cannot be str()'d)
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
     return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
@@ -3424,12 +3449,8 @@ class StreamNetwork:
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
-        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
-        # so (rt.single_shot, e.g. the CLI with -m messages); vectors and the API are not.
-        self.single_shot = bool(getattr(rt, "single_shot", False) if single_shot is None
-                                else single_shot)
+        self._single_shot = single_shot
         self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
-        self.error_depth = 0
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
@@ -3453,6 +3474,16 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    @property
+    def single_shot(self):
+        """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
+        # with -m messages); vectors and the API are not single-shot.
+        if self._single_shot is not None:
+            return bool(self._single_shot)
+        return bool(getattr(self.rt, "single_shot", False))
 
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):
@@ -3530,9 +3561,9 @@ class StreamNetwork:
             raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
         if self.nodes[INPUT].out.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = dict(metadata or {})
-        meta.setdefault("context", self.rt.context)     # §10.2(2): a reference, not a copy
-        meta.setdefault("_unsafe_mode", self.rt.unsafe)
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        if metadata:
+            meta.update(metadata)
         node.push(Message(content, meta, INPUT, self.rt.clock.now()))
 
     def complete(self):
@@ -3588,7 +3619,7 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message("Error: " + error_reason(exc), dict(msg.metadata), origin,
+        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
                       self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
         self.report(out)
@@ -5177,12 +5208,23 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
                             "or built-in stream", "7.3")
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            here = path + ("stages", i)
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                checker.operators(stage.get("operators"), path + ("stages", i, "operators"))
+                checker.operators(stage.get("operators"), here + ("operators",))
+            elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
+                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                            checker.agents)
 
 
 def _stage_type(stage):
     return str(stage.get("type", "")).lower()
+
+
+def _stage_graph(stage):
+    """An inline graph stage's config as a graph route (its `name` key is only a label)."""
+    cfg = {"type": "graph", **stage["config"]}
+    cfg.pop("name", None)
+    return cfg
 
 
 def pipeline_links(net, data):
@@ -5214,14 +5256,8 @@ def _pipeline_stage(net, node_name, stage, path):
     if _stage_type(stage) == "stream":
         return StreamRoute(net, node_name, stage, path)
     if isinstance(stage.get("config"), dict):
-        try:
-            graph = GraphRoute(node_name, {"type": "graph", **stage["config"]}, rt, path + ("config",))
-        except ActorError:
-            raise
-        except Exception as exc:
-            raise rt.error(ConfigurationError, path + ("config",),
-                           f"pipeline graph stage could not be built: {exc}", "7.3") from exc
-        return GraphParticipant(net, node_name, graph)
+        cfg = _stage_graph(stage)
+        return GraphParticipant(net, node_name, GraphRoute(node_name, cfg, rt, path + ("config",)))
     graph = rt.graphs.get(stage.get("graph", stage.get("name")))
     if graph is None:
         return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
@@ -5239,11 +5275,6 @@ class _PipelineEntry(_Node):
     def push(self, msg):
         if self.first is not None:
             self.first.push(msg)
-
-    def source_done(self):
-        self.sources -= 1
-        if self.sources <= 0:
-            self.finish()
 
     def finish(self):
         if self.first is not None:
@@ -5264,6 +5295,7 @@ class _PipelineEntry(_Node):
 # INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
 # governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
 # filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
 import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
 import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
 
@@ -5346,9 +5378,20 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
                                  file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# §8.3 table 1: built-in callables in every rendering namespace (Phases A, B and C).
+MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
+
+
+def builtin_range(*args):
+    """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
+    seq = range(*args)
+    if len(seq) > MAX_RANGE:
+        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+    return seq
+
+
+# Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
@@ -5358,6 +5401,7 @@ def _undefined(value):
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
+# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
 def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
@@ -5368,6 +5412,7 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
+# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
 def filter_indent(value, width=4, first=False, blank=False):
     """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
     blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
@@ -5428,6 +5473,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     return out
 
 
+# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
     """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
     if _undefined(value) or value is None or (boolean and not value):
@@ -5447,7 +5493,7 @@ def filter_split(value, sep=None, maxsplit=-1):
     return str(value).split(sep, maxsplit)
 
 
-# §8.3 table 2: the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
 FILTERS = {
     "tojson": filter_tojson,
     "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
@@ -5603,7 +5649,8 @@ def walk_tags(text, scope, defer, need_names=False):
         protected = False
         if kind == "{%" and word == "raw":
             close = text.find("endraw", end)
-            close = text.find("%}", close) + 2 if close >= 0 else len(text)
+            close = text.find("%}", close) if close >= 0 else -1
+            close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
@@ -5764,7 +5811,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
 RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
                           "__jinja_template__", "__is_template__")
 
@@ -5857,7 +5904,7 @@ def param_pass(value):
     return value
 
 
-# §8.6.2 table: parameter type -> coercion. Rows in the spec's order.
+# Table of §8.6.2: parameter type -> coercion. Rows in the spec's order.
 PARAMETER_TYPES = {
     "string": param_string,
     "int": param_int,
@@ -5875,7 +5922,9 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    A missing block means no parameters; the sequence form is forbidden (§16.2).
+    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form
+    is forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -6047,6 +6096,8 @@ class Expansion:
                                      "16.2")
             if "template" not in cfg:
                 break
+            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
@@ -6115,6 +6166,8 @@ INT_FORM = re.compile(r"[-+]?\d+")
 FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
+# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# never a runtime field (render_tree), so quoted literals and prompts stay strings.
 def coerce_rendered(text):
     """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
     mapping becomes that value; anything else stays a string."""
@@ -6162,10 +6215,13 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C (JINJA2).
+    expression whose names are not all parameters or built-ins survives to Phase C.
     """
+    names = set(variables) - RUNTIME_NAMES
     if runtime_field and ex.engine == "JINJA2":
-        text = walk_tags(text, TagScope(set(variables) - RUNTIME_NAMES), defer=True)
+        text = walk_tags(text, TagScope(names), defer=True)
+    elif runtime_field:
+        text = defer_foreign_tags(text, names, ex.engine)
     try:
         if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
             rendered = render_simple(text, variables, format_pass=False)
@@ -6175,6 +6231,40 @@ def render_phase_b(ex, text, variables, path, runtime_field):
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
+
+
+def foreign_tag_reads(inner, engine):
+    """The names a MUSTACHE or SIMPLE tag reads (None: leave the tag to Phase C)."""
+    if engine == "MUSTACHE":
+        body = inner.strip().strip("{}").strip()
+        if not body or body[0] in "!>=":
+            return None                      # comments, partials, delimiters: Phase C's
+        name = body.lstrip("#^/&").strip()
+        return {name.split(".")[0]} if name != "." else set()
+    try:
+        tree = ast.parse(inner.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def defer_foreign_tags(text, names, engine):
+    """walk_tags for the MUSTACHE and SIMPLE dialects: a {{ }} tag reading a name that is not a
+    parameter or built-in is protected (§15.5 sentinels) so that Phase C renders it."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        end = text.find("}}", start + 2) if start >= 0 else -1
+        if end < 0:
+            break
+        end += 3 if engine == "MUSTACHE" and text.startswith("}", end + 2) else 2
+        tag = text[start:end]
+        reads = foreign_tag_reads(tag[2:-2], engine)
+        out.append(text[pos:start])
+        out.append(tag if reads is not None and reads <= names else protect_markers(tag))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def render_tree(ex, node, variables, path, keys):
@@ -6219,8 +6309,9 @@ def resolve_references(ex, decls, values, path, scope):
         if ptype not in ("agent_ref", "component_ref") or name not in values:
             continue
         ref = values[name]
-        known = ref in scope or ref in agents or (ptype == "component_ref" and ref in routes)
-        if not isinstance(ref, str) or not known:
+        known = isinstance(ref, str) and (
+            ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
+        if not known:
             raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
                                f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
                                " in the composite or the actor", "8.7.1")
@@ -6334,7 +6425,7 @@ def render_runtime(rt, text, ctx, message, path=None):
         return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# §8.12 table: what a render failure does at each phase.
+# Table of §8.12: what a render failure does at each phase.
 RENDER_FAILURE = {
     "A": "ConfigurationError: the configuration fails to load (render_document)",
     "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
@@ -6363,6 +6454,8 @@ def _require_jinja2():
         raise TemplateError(JINJA2_MISSING, section="9.2")
 
 
+# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
+# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
 if jinja2 is not None:
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
@@ -6395,6 +6488,7 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
 
+# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -6671,6 +6765,8 @@ def simple_format(text, variables):
     return "".join(out)
 
 
+# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     text = simple_expressions(text, variables)
@@ -7017,11 +7113,7 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    try:
-        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
-    except ActorError as exc:
-        exc.file = exc.file or file
-        raise
+    rendered = render_document(raw, render_context, engine, file=file)
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 
@@ -7300,7 +7392,7 @@ import operator    # noqa: E402
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
-SANDBOX_MEMORY_HEADROOM = 1 << 30  # bytes of address space one run may add (POSIX backstop)
+SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
@@ -7475,9 +7567,14 @@ class _SandboxRewriter(ast.NodeTransformer):
                                ast.Constant(symbol), node.value)
         return ast.copy_location(ast.Expr(call), node)
 
+    def __init__(self, bound):
+        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
+
     def visit_Call(self, node):
         self.generic_visit(node)
         func = node.func
+        if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
+            func.id = "__sb_str__"
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
             call.keywords = node.keywords
@@ -7486,10 +7583,8 @@ class _SandboxRewriter(ast.NodeTransformer):
 
     def visit_FormattedValue(self, node):
         self.generic_visit(node)
-        if node.format_spec is None:
-            return node
         node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
-                                 node.format_spec)
+                                 node.format_spec or ast.Constant(""))
         node.conversion, node.format_spec = -1, None
         return node
 
@@ -7518,7 +7613,7 @@ def _sandbox_compile(source, mode, kind, table, filename):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
     _check_tree(tree, kind, table)
-    tree = ast.fix_missing_locations(_SandboxRewriter().visit(tree))
+    tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
     return tree, compile(tree, filename, mode, dont_inherit=True)
 
 
@@ -7700,8 +7795,7 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
     _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
-    del namespace["__builtins__"]
-    return namespace
+    return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
 def _lambda_accepts(node, nparams):
@@ -7803,6 +7897,8 @@ def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
+    for value in values:
+        check_rendering(value)
     sys.stderr.write(sep.join(str(value) for value in values) + end)
 
 
@@ -7846,6 +7942,7 @@ class JsonFacility:
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
         if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
             raise SandboxAbort("json.dumps indent larger than 64")
+        check_rendering(value)
         return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                           separators=separators)
 
@@ -7960,6 +8057,7 @@ def _check_operands(symbol, left, right):
             _refuse_size("shift")
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
+        check_rendering(right)
 
 
 def _check_printf(fmt, args):
@@ -7991,8 +8089,46 @@ def guard_aug_attr(obj, name, symbol, value):
     setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
 
 
+_CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _text_weight(value, memo):
+    """Roughly how many characters str(value) has: a container counts its items plus the weight of
+    each child, shared children computed once (memo by id), cycles counted once."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    memo[key] = 1
+    weight = len(value) + 1
+    children = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+    for child in children:
+        if isinstance(child, _CONTAINERS):
+            weight += _text_weight(child, memo)
+            if weight > SANDBOX_MAX_ITEMS:
+                break
+    memo[key] = weight
+    return weight
+
+
+def check_rendering(value):
+    """Refuse to turn into text a structure whose text would pass the limit. Aliasing makes tiny
+    structures print huge: x = [0] * 10**6; str([x] * 10**6) is 10**12 characters."""
+    if isinstance(value, _CONTAINERS[2:]) and _text_weight(value, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("text of a structure")
+
+
+def guard_str(*args, **kwargs):
+    """str(x) as written in the code: the rendering check first."""
+    if args:
+        check_rendering(args[0])
+    return str(*args, **kwargs)
+
+
 def guard_format(value, conversion, spec):
-    """f"{x:>{n}}": refuse pad widths past the limit, then format as Python would."""
+    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as Python would."""
+    check_rendering(value)
     if conversion == ord("r"):
         value = repr(value)
     elif conversion == ord("s"):
@@ -8047,6 +8183,7 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
+    "__sb_str__": guard_str,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

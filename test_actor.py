@@ -1696,7 +1696,7 @@ def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
     import time as _time
     monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.3) or "late")
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
     net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
                                           agents=[slow], merges=_FROM_INPUT,
                                           clock=actor.RealClock())
@@ -1784,6 +1784,12 @@ def test_debounce_capped_in_single_shot_runs():
     assert outputs == []
     rt.clock.advance(0.01)
     assert [m.content for m in outputs] == ["x"]
+    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
+                                         merges=_FROM_INPUT)
+    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
+    net2.send("y")
+    rt2.clock.advance(0.05)
+    assert [m.content for m in outputs2] == ["y"]
 
 
 def test_settle_waits_for_timers_under_real_clock():
@@ -1974,29 +1980,49 @@ def _bench_actor():
     return actor.load(text=cfg)
 
 
+def _rate(fn, n=20000, repeats=3):
+    """Best-of-`repeats` messages/second of calling fn() n times (best: least disturbed run)."""
+    import time as _time
+    best = float("inf")
+    for _ in range(repeats):
+        start = _time.perf_counter()
+        for _i in range(n):
+            fn()
+        best = min(best, _time.perf_counter() - start)
+    return n / best
+
+
 @pytest.mark.bench
 def test_bench_send_against_direct_agent_calls():
     """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
     invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
-    import time as _time
-    n = 20000
     a = _bench_actor()
     agent, ctx = a.rt.agents["echo"], a.rt.context
-    for i in range(200):                  # warm up both paths
-        a.send("warm")
-        agent.invoke("warm", ctx)
-    start = _time.perf_counter()
-    for i in range(n):
-        agent.invoke("hello", ctx)
-    floor = n / (_time.perf_counter() - start)
-    start = _time.perf_counter()
-    for i in range(n):
-        a.send("hello")
-    through = n / (_time.perf_counter() - start)
+    floor = _rate(lambda: agent.invoke("hello", ctx))
+    through = _rate(lambda: a.send("hello"))
     print(f"\nbare agent.invoke loop: {floor:,.0f} msg/s")
     print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s")
     print(f"ratio (floor / send): {floor / through:.2f}x (target <= 3x)")
     assert a.send("hello").outputs[0].content == "hello"
+
+
+@pytest.mark.bench
+def test_bench_send_against_rxpy_subject_pipeline():
+    """The issue's stretch goal: Actor.send() against a hand-wired RxPY Subject pipeline
+    (input subject -> map(agent) -> output subject) doing only the bare agent call."""
+    rx_ops = pytest.importorskip("reactivex.operators")
+    from reactivex.subject import Subject
+    n = 20000
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    source, sink, seen = Subject(), Subject(), []
+    source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
+    sink.subscribe(seen.append)
+    rx_rate = _rate(lambda: source.on_next("hello"), n)
+    through = _rate(lambda: a.send("hello"), n)
+    print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    assert len(seen) == 3 * n
 
 
 # =====================================================================================
@@ -2208,7 +2234,7 @@ def test_graph_agent_failure_after_retries_sets_state_error():
 def test_graph_agent_timeout_is_per_attempt():
     import time as _time
     rt, g = make_graph(linear("a", a={"timeout": 0.05}),
-                       {"a": lambda c, ctx: _time.sleep(0.3) or "late"})
+                       {"a": lambda c, ctx: _time.sleep(0.2) or "late"})
     started = _time.monotonic()
     with pytest.raises(actor.ExecutionError, match="timed out"):
         g.run("x")
@@ -2735,6 +2761,9 @@ def _mustache_cases():
         if path.exists():
             for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
                 cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
+        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
+            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
     return cases
 
 
@@ -2775,6 +2804,14 @@ def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
 def test_jinja2_sandbox_blocks_python_internals():
     with pytest.raises(actor.TemplateError):
         actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.ConfigurationError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
 
 
 def test_jinja2_compiles_each_text_once():
@@ -2956,6 +2993,41 @@ def test_reserved_template_keys_rejected_anywhere():
         with pytest.raises(actor.ConfigurationError) as info:
             actor.check_reserved_template_keys(doc)
         assert info.value.path == f"agents.a.config.{key}"
+
+
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    monkeypatch.setattr(actor, "jinja2", None)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    import json as _json
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(_json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.render_document(text, None, "MUSTACHE")
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
+    out = actor.render_document(text, None, "JINJA2")
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
 
 
 # §8.6-§8.10 Phase B --------------------------------------------------------------------------
@@ -3141,6 +3213,20 @@ def test_deprecated_instances_section_moves_into_agents_q55(caplog):
     assert "deprecated" in caplog.text
 
 
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
 def test_phase_b_in_mustache():
     data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
                                             "type": "llm", "config": {"s": "In {{d}}"}}}},
@@ -3169,6 +3255,12 @@ def test_render_runtime_failure_warns_and_returns_literal_8_12():
     assert rt.warnings and "8.12" in rt.warnings[0]
 
 
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
+
+
 def test_render_runtime_in_mustache_and_simple():
     assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
         "Hi Ada Ada"
@@ -3180,4 +3272,579 @@ def test_render_runtime_in_mustache_and_simple():
 # =====================================================================================
 # §13.2 Sandboxes (sandbox)
 # =====================================================================================
-# [sandbox]
+# §13.2 Sandboxed code execution --------------------------------------------------------------
+import builtins as _py_builtins   # noqa: E402
+import json as _py_json           # noqa: E402
+import resource as _resource      # noqa: E402
+import time as _time              # noqa: E402
+
+
+def sandbox_vars(**extra):
+    """The §4.5.2 item 3 variables, as the tool agent passes them."""
+    return {"input_data": "hello", "message": "hello", "context": {}, "result": None, **extra}
+
+
+def sandbox_run(source, *, timeout=1.0, **extra):
+    return actor.run_code(actor.compile_code(source), sandbox_vars(**extra), timeout=timeout)
+
+
+def sandbox_still_serves():
+    """The next legitimate call after an attack or a runaway body is answered normally."""
+    ns = sandbox_run("import json\nresult = json.dumps({'up': input_data.upper()})")
+    assert ns["result"] == '{"up": "HELLO"}'
+
+
+# Escapes publicly known for Python sandboxes. MARKER is a file each payload tries to create; the
+# context carries a sentinel each one tries to change. Every attempt must be refused at load
+# (ConfigurationError) or fail when run (ExecutionError), without effect.
+SANDBOX_ESCAPES = {
+    "subclasses-walk-tuple":
+        "for c in ().__class__.__bases__[0].__subclasses__():\n"
+        "    if c.__name__ == '_wrap_close':\n"
+        "        c.__init__.__globals__['system']('touch MARKER')",
+    "subclasses-walk-mro": "x = [].__class__.__mro__[-1].__subclasses__()",
+    "subclasses-walk-str": "x = ''.__class__.__mro__[1].__subclasses__()",
+    "subclasses-via-type": "x = type(()).__bases__[0].__subclasses__()",
+    "subclasses-via-int": "x = int.__subclasses__()",
+    "subclasses-in-comprehension": "x = [c for c in ().__class__.__base__.__subclasses__()]",
+    "starred-subclasses": "x = [*().__class__.__mro__]",
+    "lambda-globals": "(lambda: 0).__globals__['__builtins__']['open']('MARKER', 'w')",
+    "lambda-code-object": "x = (lambda: 0).__code__.co_consts",
+    "def-globals": "def f():\n    pass\nf.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "func-globals-py2-name": "x = (lambda: 0).func_globals",
+    "function-dict": "def f():\n    pass\nx = f.__dict__",
+    "print-self-builtins-module": "print.__self__.open('MARKER', 'w')",
+    "len-self-import": "len.__self__.__import__('os').system('touch MARKER')",
+    "sorted-self": "x = sorted.__self__",
+    "bound-method-self": "x = [].append.__self__",
+    "call-self": "x = max.__call__.__self__",
+    "context-get-self": "x = context.get.__self__.__class__",
+    "context-class": "x = context.__class__.__base__.__subclasses__()",
+    "json-loads-globals": "json.loads.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "json-dumps-globals": "x = json.dumps.__globals__['sys']",
+    "json-decoder-attribute": "x = json.decoder.scanner",
+    "json-module-attributes": "x = json.codecs",
+    "json-error-init-globals": "x = json.JSONDecodeError.__init__.__globals__['sys']",
+    "json-facility-class": "x = json.__class__.__init__",
+    "json-hook-kwarg": "x = json.loads('{}', object_hook=print)",
+    "json-cls-kwarg": "x = json.dumps({}, cls=type)",
+    "json-facility-overwrite": "json.loads = lambda s: 'pwned'",
+    "json-facility-delete": "del json.loads",
+    "import-json-alias-globals": "import json as j\nx = j.loads.__globals__",
+    "import-os": "import os\nos.system('touch MARKER')",
+    "import-subprocess": "import subprocess",
+    "from-os-import": "from os import system",
+    "import-json-submodule": "import json.decoder",
+    "from-json-import-module-attribute": "from json import decoder",
+    "dunder-import": "__import__('os').system('touch MARKER')",
+    "builtins-dict": "__builtins__['open']('MARKER', 'w')",
+    "builtins-attribute": "x = __builtins__.open",
+    "eval": "eval(\"open('MARKER', 'w')\")",
+    "exec": "exec(\"open('MARKER', 'w')\")",
+    "compile": "x = compile('1', 'f', 'eval')",
+    "open": "open('MARKER', 'w').write('x')",
+    "getattr-dunder": "x = getattr((), '__class__')",
+    "vars-json": "x = vars(json)",
+    "dir-json": "x = dir(json)",
+    "globals": "x = globals()['__builtins__']",
+    "locals-builtins-key": "x = locals()['__builtins__']['open']",
+    "locals-builtins-get": "x = locals().get('__builtins__')['open']('MARKER', 'w')",
+    "locals-guard-names": "x = locals()['__sb_method__']",
+    "guard-helper-by-name": "__sb_method__(print, '__self__')",
+    "format-string-attribute": "x = '{0.__class__.__base__.__subclasses__}'.format(())",
+    "format-map-attribute": "x = '{f.__globals__}'.format_map({'f': len})",
+    "format-via-str-class": "x = str.format('{0.__class__}', 1)",
+    "fstring-attribute": "x = f'{(lambda: 0).__globals__}'",
+    "fstring-conversion-attribute": "x = f'{().__class__!r}'",
+    "fullwidth-dunder": "x = ().__\uff43lass__",
+    "math-bold-dunder": "x = ().__\U0001d41c\U0001d425ass__",
+    "fullwidth-eval": "x = \uff45\uff56\uff41\uff4c('1')",
+    "fullwidth-builtins-name": "x = __\uff42uiltins__",
+    "type-three-args": "X = type('X', (), {})",
+    "type-of-type": "X = type(type(0))('X', (), {})",
+    "type-of-builtin-call": "x = type(print)(1)",
+    "type-of-range-dodges-limit": "x = type(range(1))(10**12)",
+    "class-definition": "class X:\n    pass",
+    "metaclass-hook": "class M(type):\n    pass\nclass X(metaclass=M):\n    pass",
+    "exception-subclass-del": "class E(ValueError):\n    def __del__(self):\n        pass",
+    "generator-function-frame": "def g():\n    yield 1\nx = g().gi_frame.f_back.f_globals",
+    "generator-expression-frame": "g = (i for i in [1])\nx = g.gi_frame.f_back.f_globals",
+    "generator-code": "g = (i for i in [1])\nx = g.gi_code",
+    "join-generator-frames": "x = ''.join(str(g.gi_frame) for g in [(i for i in [1])])",
+    "lambda-yield": "x = lambda: (yield)",
+    "traceback-frame":
+        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.__traceback__.tb_frame.f_back.f_globals",
+    "traceback-via-attribute-name": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
+    "with-traceback": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.with_traceback(None)",
+    "exception-args-class": "x = ValueError('a').__class__.__init__.__globals__",
+    "global-statement": "global __builtins__",
+    "global-plain": "def f():\n    global context\n    context = {}\nf()",
+    "nonlocal-statement": "def f():\n    x = 1\n    def g():\n        nonlocal x\n    return g",
+    "decorator": "def d(f):\n    return f\n@d\ndef g():\n    pass",
+    "with-statement": "with open('MARKER', 'w') as f:\n    pass",
+    "async-function": "async def f():\n    pass",
+    "mro-method": "x = str.mro()",
+    "mro-via-type": "x = type(1).mro()",
+    "breakpoint": "breakpoint()",
+    "input": "x = input()",
+    "memoryview": "x = memoryview(b'x')",
+    "object-subclasses": "x = object.__subclasses__()",
+    "super": "x = super()",
+    "match-class-attribute": "match ():\n    case tuple(__class__=c):\n        pass",
+    "private-attribute": "x = json._private",
+    "module-attribute": "x = print.__module__",
+    "operator-attrgetter": "import operator\nx = operator.attrgetter('__class__')(1)",
+    "id-builtin": "x = id(1)",
+    "percent-format-escape": "x = '%(a)s' % {'a': ().__class__}",
+    "enumerate-new": "x = enumerate.__new__",
+    "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
+    "dunder-variable": "__builtins__ = {'open': 1}",
+    "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
+}
+
+
+def _sandbox_intact():
+    """What an escape would change: the real builtins, the json module, the sandbox tables."""
+    return (_py_builtins.open, _py_json.loads, actor.SANDBOX_JSON.loads, actor.SANDBOX_JSON.dumps,
+            tuple(actor.INLINE_CODE_BUILTINS.items()), tuple(actor.EXPRESSION_BUILTINS.items()))
+
+
+def test_sandbox_escape_corpus_is_large_enough():
+    assert len(SANDBOX_ESCAPES) >= 50
+    assert len(set(SANDBOX_ESCAPES.values())) == len(SANDBOX_ESCAPES)
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_ESCAPES.values()), ids=list(SANDBOX_ESCAPES))
+def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "MARKER"
+    before = _sandbox_intact()
+    context = {"sentinel": "intact"}
+    try:
+        unit = actor.compile_code(source)
+    except actor.ConfigurationError as exc:
+        assert exc.code_line >= 1
+    else:
+        with pytest.raises(actor.ExecutionError):
+            actor.run_code(unit, sandbox_vars(context=context))
+    assert not marker.exists()
+    assert context == {"sentinel": "intact"}
+    assert _sandbox_intact() == before
+    sandbox_still_serves()
+
+
+SANDBOX_EXPRESSION_ESCAPES = {
+    "class-walk": "lambda x: ().__class__.__base__.__subclasses__()",
+    "lambda-globals": "lambda x: (lambda: 0).__globals__",
+    "print": "lambda x: print(x)",
+    "type": "lambda x: type(x)",
+    "locals": "lambda x: locals()",
+    "import": "lambda x: __import__('os')",
+    "format": "lambda x: '{0.__class__}'.format(x)",
+    "range-not-in-table": "lambda x: range(3)",
+    "json-not-in-table": "lambda x: json.loads(x)",
+    "fullwidth": "lambda x: x.__\uff43lass__",
+    "walrus-builtins": "lambda x: (b := __builtins__)",
+    "default-argument-walk": "lambda x, y=().__class__: y",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_EXPRESSION_ESCAPES.values()),
+                         ids=list(SANDBOX_EXPRESSION_ESCAPES))
+def test_sandbox_expression_escape_fails(source):
+    try:
+        unit = actor.compile_expression(source)
+    except actor.ConfigurationError:
+        pass
+    else:
+        with pytest.raises(actor.ExecutionError):
+            unit("hello")
+    assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
+
+
+# Runaway bodies: each stops within its timeout (plus slack) and without a large allocation.
+SANDBOX_RUNAWAYS = {
+    "while-true": "while True:\n    pass",
+    "while-true-one-line": "while True: pass",
+    "huge-range-loop": "for i in range(10**12):\n    pass",
+    "long-range-loop": "n = 0\nfor i in range(10**7):\n    n += 1",
+    "c-level-sum-of-range": "x = sum(range(10**12))",
+    "power-tower": "x = 10**10**10",
+    "int-product-growth": "x = 3\nwhile True:\n    x = x * x",
+    "shift-bomb": "x = 1 << 10**10",
+    "string-repeat": "x = 'a' * 10**10",
+    "list-repeat": "x = [0] * 10**10",
+    "string-doubling": "x = 'a'\nfor i in range(64):\n    x += x",
+    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
+    "ljust-pad": "x = 'a'.ljust(10**10)",
+    "fstring-width": "x = f'{1:>{10**10}}'",
+    "printf-width": "x = '%*d' % (10**10, 1)",
+    "to-bytes": "x = (1).to_bytes(10**10, 'big')",
+    "replace-growth": "x = ('a' * 10**6).replace('', 'bbbbbbbbbbbbbbbb')",
+    "aliasing-str": "x = [0] * 10**6\ny = [x for i in range(10**6)]\nz = str(y)",
+    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
+    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
+    "deep-recursion": "def f(n):\n    return f(n + 1)\nf(0)",
+    "lambda-recursion": "f = lambda n: f(n + 1)\nf(0)",
+    "exponential-recursion-with-except":
+        "def f():\n    try:\n        f()\n    except:\n        f()\nf()",
+    "bare-except-keeps-looping":
+        "while True:\n    try:\n        while True:\n            pass\n    except:\n        pass",
+    "finally-keeps-looping": "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
+    "except-type-expression-loops":
+        "def f():\n    while True:\n        pass\ntry:\n    while True:\n        pass\nexcept f():\n    pass",
+    "nested-comprehension": "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
+    "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
+    "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_RUNAWAYS.values()), ids=list(SANDBOX_RUNAWAYS))
+def test_sandbox_runaway_is_stopped(capsys, source):
+    timeout = 0.2
+    rss_before = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError):
+        sandbox_run(source, timeout=timeout)
+    assert _time.monotonic() - start < timeout + 1.5
+    grown_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 400 * 1024
+    assert capsys.readouterr().out == ""
+    sandbox_still_serves()
+
+
+# Controls: the spec's own inline code runs unchanged (§4.5.2, §18.4, §18.9, §18.10).
+def test_sandbox_control_route_by_prefix():   # §4.5.2, first example
+    source = (
+        '# `input_data` holds the incoming message.\n'
+        '# `context` holds the active context.\n'
+        '# `result` MUST be set to the value the tool returns.\n'
+        'text = (input_data or "").strip()\n'
+        'if text.startswith("!"):\n'
+        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
+        'else:\n'
+        '    stage = context.get("current_stage") or "default"\n'
+        '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    unit = actor.compile_code(source)
+    assert actor.run_code(unit, sandbox_vars(input_data=" !help "))["result"] == \
+        "GOTO_COMMAND_HANDLER:!help"
+    ns = actor.run_code(unit, sandbox_vars(input_data="hi", context={"current_stage": "intro"}))
+    assert ns["result"] == "GOTO_INTRO:hi"
+    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_DEFAULT:hi"
+
+
+def test_sandbox_control_save_topic():   # §4.5.2, second example
+    source = (
+        'import json\n'
+        '# input_data is expected to be JSON: {"topic": "<value>"}\n'
+        'try:\n'
+        '    payload = json.loads(input_data)\n'
+        '    topic = payload.get("topic", "")\n'
+        'except json.JSONDecodeError:\n'
+        '    topic = input_data\n'
+        '\n'
+        '# Mutating `context` propagates back to the caller.\n'
+        'context["current_topic"] = topic\n'
+        'result = f"Topic set to: {topic}"\n')
+    unit = actor.compile_code(source)
+    context = {}
+    ns = actor.run_code(unit, sandbox_vars(input_data='{"topic": "tides"}', context=context))
+    assert (ns["result"], context) == ("Topic set to: tides", {"current_topic": "tides"})
+    ns = actor.run_code(unit, sandbox_vars(input_data="not json", context=context))
+    assert (ns["result"], context) == ("Topic set to: not json", {"current_topic": "not json"})
+
+
+def test_sandbox_control_echo_with_prefix():   # §18.4
+    ns = sandbox_run('result = "PREFIX: " + str(input_data)\n')
+    assert ns["result"] == "PREFIX: hello"
+
+
+def test_sandbox_control_workflow_dispatch():   # §18.9, workflow_controller
+    source = (
+        'text = (input_data or "").strip()\n'
+        'if text.startswith("!"):\n'
+        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
+        'else:\n'
+        '    stage = context.get("workflow_stage") or "intro"\n'
+        '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    unit = actor.compile_code(source)
+    assert actor.run_code(unit, sandbox_vars(input_data="!next"))["result"] == \
+        "GOTO_COMMAND_HANDLER:!next"
+    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_INTRO:hi"
+
+
+def test_sandbox_control_handle_command():   # §18.9, command_handler
+    source = (
+        'text = (input_data or "").strip()\n'
+        'parts = text.split(maxsplit=1)\n'
+        'command = parts[0]\n'
+        'if command == "!next":\n'
+        '    stage_order = context.get("stage_order", [])\n'
+        '    current = context.get("workflow_stage") or "intro"\n'
+        '    try:\n'
+        '        idx = stage_order.index(current)\n'
+        '        if idx + 1 < len(stage_order):\n'
+        '            next_stage = stage_order[idx + 1]\n'
+        '            context["workflow_stage"] = next_stage\n'
+        '            result = f"GOTO_{next_stage.upper()}:"\n'
+        '        else:\n'
+        '            result = "COMMAND_OUTPUT:Final stage already reached."\n'
+        '    except ValueError:\n'
+        '        result = "COMMAND_OUTPUT:Unknown current stage."\n'
+        'elif command == "!stage":\n'
+        '    result = f"COMMAND_OUTPUT:Current stage is {context.get(\'workflow_stage\')}"\n'
+        'else:\n'
+        '    result = f"COMMAND_OUTPUT:Unknown command {command}"\n')
+    unit = actor.compile_code(source)
+    context = {"stage_order": ["intro", "discovery", "done"], "workflow_stage": "intro"}
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "GOTO_DISCOVERY:"
+    assert context["workflow_stage"] == "discovery"
+    assert actor.run_code(unit, sandbox_vars(input_data="!stage", context=context))["result"] == \
+        "COMMAND_OUTPUT:Current stage is discovery"
+    context["workflow_stage"] = "elsewhere"
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown current stage."
+    assert actor.run_code(unit, sandbox_vars(input_data="!x", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown command !x"
+
+
+def test_sandbox_control_triage():   # §18.10
+    source = (
+        'text = (input_data or "").lower()\n'
+        'if "tax" in text:\n'
+        '    result = "GOTO_TAX_ADVISOR:" + input_data\n'
+        'elif "stock" in text or "invest" in text:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n'
+        'elif "bitcoin" in text or "crypto" in text:\n'
+        '    result = "GOTO_CRYPTO_ADVISOR:" + input_data\n'
+        'else:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n')
+    unit = actor.compile_code(source)
+    for text, expected in (("Tax help", "GOTO_TAX_ADVISOR:Tax help"),
+                           ("crypto?", "GOTO_CRYPTO_ADVISOR:crypto?"),
+                           ("hello", "GOTO_INVESTING_ADVISOR:hello")):
+        assert actor.run_code(unit, sandbox_vars(input_data=text))["result"] == expected
+
+
+# The two tables, exactly.
+def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
+    assert set(actor.INLINE_CODE_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
+        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
+        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
+    ns = sandbox_run(
+        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
+        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
+        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
+        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
+        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
+        "          json.loads('[1]'), json.dumps([1])]\n"
+        "x = 1\n")
+    assert ns["result"][-2:] == [[1], "[1]"]
+
+
+@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
+                                  "callable", "pow", "repr", "format", "bytes", "Exception"])
+def test_sandbox_other_builtins_are_absent(name):   # §13.2.1 "no other built-in facilities"
+    with pytest.raises(actor.ExecutionError, match="NameError"):
+        sandbox_run(f"x = {name}")
+
+
+def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
+    assert set(actor.EXPRESSION_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "len", "max", "min", "round", "sum"}
+    unit = actor.compile_expression(
+        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
+        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
+    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
+                          1, True, True, 2, "b", "a", 2, 3]
+    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
+                 "ValueError"):
+        with pytest.raises(actor.ExecutionError, match="NameError"):
+            actor.compile_expression(f"lambda x: {name}")("a")
+
+
+def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
+    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
+    assert public == {"loads", "dumps", "JSONDecodeError"}
+    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
+                     "    result = 'bad: ' + str(e.pos)")
+    assert ns["result"] == "bad: 1"
+    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
+                     "sort_keys=True, indent=2)")
+    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
+
+
+def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
+    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
+    with pytest.raises(actor.ConfigurationError):
+        actor.compile_code("import json, os")
+
+
+# Load-time refusal: located, with the line inside the body (Q71 (c)).
+def test_sandbox_refusal_names_the_body_line():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
+    assert info.value.code_line == 3 and "line 3" in str(info.value)
+    assert info.value.path == "agents.t.code"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\nif x\n")
+    assert info.value.code_line == 2
+
+
+def test_sandbox_refusal_is_located_in_the_document():
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
+            "          code: |\n            x = 1\n            y = ().__class__\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text, unsafe=True)
+    assert info.value.code_line == 2 and info.value.line is not None
+
+
+def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
+    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
+
+
+def test_sandbox_type_wraps_non_inert_classes():
+    ns = sandbox_run("a = type(1)\nb = type(len)\nc = type(type(1))\n"
+                     "result = (a is int, str(b), b == type(max), isinstance(len, b), str(c))")
+    assert ns["result"] == (True, "<class 'builtin_function_or_method'>", True, True,
+                            "<class 'type'>")
+
+
+def test_sandbox_locals_is_a_copy_without_builtins():
+    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
+                     "result = (sorted(x), sorted(locals()))")
+    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
+
+
+def test_sandbox_functions_reach_only_the_sandbox_namespace():
+    unit = actor.compile_code("def f():\n    return 1\nresult = f")
+    fn = actor.run_code(unit, sandbox_vars())["result"]
+    assert fn.__globals__["__builtins__"] is unit.builtins
+    assert set(unit.builtins) == set(actor.INLINE_CODE_BUILTINS) | set(actor._SANDBOX_GUARDS)
+    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
+    with pytest.raises(actor.ExecutionError):   # the host calling it outside a sandboxed run
+        fn()
+
+
+def test_sandbox_print_goes_to_stderr(capsys):
+    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "diag-1\n"
+
+
+def test_sandbox_context_by_reference_and_aug_assign_in_place():
+    context = {"items": [1]}
+    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
+                "context['n'] = 1\ncontext['n'] *= 5", context=context)
+    assert context == {"items": [1, 2, 3], "n": 5}
+
+
+def test_sandbox_bare_except_does_not_catch_a_limit():
+    with pytest.raises(actor.ExecutionError, match="size limit"):
+        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
+    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
+
+
+def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
+    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
+        sandbox_run("x = {}\ny = x['missing']")
+
+
+def test_sandbox_limits_hold_in_unsafe_mode():
+    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
+            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
+            "                while True:\n                    pass\n"
+            "            result = 'ok:' + input_data\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    a = actor.load(text=text, unsafe=True)
+    start = _time.monotonic()
+    first = a.send("spin")
+    assert _time.monotonic() - start < 1.5
+    assert len(first.errors) == 1
+    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
+    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
+
+
+def test_sandbox_compiles_once(monkeypatch):
+    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
+    unit = actor.compile_code("result = input_data[::-1]")
+    expr = actor.compile_expression("lambda x: x * 2")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("parsed or compiled on the hot path")
+    monkeypatch.setattr(actor.ast, "parse", refuse)
+    monkeypatch.setattr(_py_builtins, "compile", refuse)
+    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
+    assert expr("ab") == "abab"
+
+
+def test_sandbox_expression_arity_and_shape():
+    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
+    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
+                            ("lambda a: a", 2), ("lambda a:", 1)):
+        with pytest.raises(actor.ConfigurationError):
+            actor.compile_expression(source, nparams=nparams)
+
+
+def test_sandbox_expression_runaway_and_size():
+    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError, match="time limit"):
+        unit(list(range(1000)), timeout=0.2)
+    assert _time.monotonic() - start < 1.5
+    with pytest.raises(actor.ExecutionError, match="size limit"):
+        actor.compile_expression("lambda x: x * 10**10")("ab")
+    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
+
+
+def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
+    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
+    assert actor.eval_expression_text("name.upper()", names) == "ADA"
+    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("__import__('os')", names)
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("open('x')", names)
+    with pytest.raises(actor.ExecutionError, match="NameError"):
+        actor.eval_expression_text("chr(1)", names)
+
+
+@pytest.mark.bench
+def test_sandbox_bench_overhead_per_inline_tool_call():
+    """Per-call cost of run_code against a bare exec of the same body (printed, README Security)."""
+    source = 'result = "PREFIX: " + str(input_data)\n'
+    unit = actor.compile_code(source)
+    plain = compile(source, "<plain>", "exec")
+    n = 20000
+
+    def clock(fn):
+        start = _time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (_time.perf_counter() - start) / n * 1e6
+    sandboxed = clock(lambda: actor.run_code(unit, sandbox_vars()))
+    bare = clock(lambda: exec(plain, sandbox_vars()))
+    loop_unit = actor.compile_code("n = 0\nfor i in range(100000):\n    n += i\nresult = n")
+    loop_plain = compile("n = 0\nfor i in range(100000):\n    n += i\nresult = n", "<p>", "exec")
+    start = _time.perf_counter()
+    actor.run_code(loop_unit, sandbox_vars())
+    loop_sandboxed = _time.perf_counter() - start
+    start = _time.perf_counter()
+    exec(loop_plain, sandbox_vars())
+    loop_bare = _time.perf_counter() - start
+    print(f"\ninline-tool call: sandboxed {sandboxed:.1f} us, bare exec {bare:.1f} us, "
+          f"overhead {sandboxed - bare:.1f} us; 100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
+          f"{loop_bare * 1e3:.1f} ms ({loop_sandboxed / loop_bare:.1f}x)")
+    assert sandboxed < 1000
