@@ -3814,11 +3814,12 @@ class GraphRun:
         self.output, self.state, self.history, self.stopped = output, state, history, stopped
 
     def __repr__(self):
-        return f"GraphRun(output={self.output!r}, history={self.history!r}, stopped={self.stopped!r})"
+        return (f"GraphRun(output={self.output!r}, history={self.history!r}, "
+                f"stopped={self.stopped!r})")
 
 
 class _RunTrace:
-    """Per-run bookkeeping for the §6.8 guards: path, revisit fingerprints, depth, latest output."""
+    """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
 
     __slots__ = ("history", "seen", "depth", "output", "stopped")
 
@@ -4016,13 +4017,13 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is off)",
-                                 path=path_str(self.path), section="6.6")
+            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is "
+                                 "off)", path=path_str(self.path), section="6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
     def checkpoints(self):
-        """Checkpoint files of this graph, oldest first; the last one is the latest (§6.6 item 3)."""
+        """Checkpoint files of this graph, oldest first; the last is the latest (§6.6 item 3)."""
         if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
             return []
         return sorted(self.checkpoint_dir.glob(CHECKPOINT_GLOB))
@@ -4164,9 +4165,9 @@ def trim_history(messages, max_messages, max_chars, end=None):
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
+        if len("".join([entry["content"] for entry in history])) <= max_chars:
             return history
-    except TypeError:
+    except (KeyError, TypeError):
         pass
     total = 0
     for index in range(len(history) - 1, -1, -1):
@@ -4999,7 +5000,8 @@ def check_graph(doc, name, cfg, path, agent_names):
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
         # their own type; any other node under these names is rejected.
         if canonical in (START_NODE, END_NODE) and node_type != canonical:
-            fail(where, f"node name '{node_name}' is reserved for the {canonical} node", "6.2, 15.2")
+            fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
+                 "6.2, 15.2")
         if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
             fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
                  "6.2.1")
