@@ -3466,6 +3466,11 @@ class StreamNetwork:
             elif route_type(cfg) == "graph" and name in rt.graphs:
                 self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
             # bridge routes carry no messages (§5.6)
+        if not self.pure:                           # §6.10: graph-internal streams (mixed mode)
+            for graph in rt.graphs.values():
+                for stream in graph.internal_stream_names():
+                    self.nodes[stream] = _Node(self, stream, Stream(stream))
+                graph.observers.append(self._graph_event)
         links = publication_links(routes)           # §5.5
         links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
         links += merge_links(self, data)            # §12.1 step 5: merges and splits
@@ -3476,6 +3481,12 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    def _graph_event(self, stream, msg):
+        """§6.10: a graph's node event (or run state) on its reserved internal stream."""
+        node = self.nodes.get(stream)
+        if node is not None:
+            node.out.next(msg)
 
     @property
     def single_shot(self):
@@ -3716,6 +3727,9 @@ class GraphParticipant(_Node):
             return
         out = msg.copy(content=run.output, source_stream=self.name)
         out.metadata["graph"] = self.name
+        if not self.net.pure:       # §6.10: the run's final state on __<graph>_state__
+            self.net._graph_event(f"__{self.name}_state__", Message(
+                run.state, {"graph": self.name}, f"__{self.name}_state__", rt.clock.now()))
         self.out.next(out)
 
     def describe(self):
@@ -8860,9 +8874,9 @@ class Actor:
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
-        close = getattr(self.network, "close", None)
-        if close is not None:
-            close()
+        self.network.close()
+        for graph in self.rt.graphs.values():
+            graph.close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
@@ -8886,6 +8900,10 @@ class Actor:
 
     def rewind(self, route, steps):
         return self._graph(route).rewind(steps)
+
+    def resume(self, route):
+        """Continue a graph run interrupted after its last checkpoint (restore() first)."""
+        return self._call(lambda: self._graph(route).resume(self.rt.context))
 
     # -- inspection (§4.11)
     def describe(self):

@@ -2757,6 +2757,45 @@ def test_graph_bench_linear_ten_nodes():
     assert best["graph"] < 5 * best["floor"]
 
 
+def test_mixed_mode_creates_graph_internal_streams():
+    """§6.10: beside stream routes, each graph gets per-node, control and state streams."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    names = sorted(n for n in a.network.nodes if n.startswith("__g_"))
+    assert names == ["__g_control__", "__g_node_end__", "__g_node_n1__", "__g_node_start__",
+                     "__g_state__"]
+    seen = []
+    a.network.subscribe("__g_node_n1__", lambda m: seen.append((m.source_stream, m.content)))
+    a.network.subscribe("__g_state__", lambda m: seen.append((m.source_stream, sorted(m.content))))
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
+    assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
+    assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def test_pure_graph_mode_creates_no_internal_streams():
+    a = actor.load(text="""
+agents:
+  t: {type: chain}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+merges: [{sources: [__input__], target: g}]
+""")
+    assert not [n for n in a.network.nodes if n.startswith("__g_")]
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi"]
+
+
 # =====================================================================================
 # §8, §9.2 Templating (templating)
 # =====================================================================================
