@@ -1648,6 +1648,10 @@ class _FakeGraph:
 
     def __init__(self):
         self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+        self.observers = []            # §6.10 node-event listeners (none are fired here)
+
+    def internal_stream_names(self):
+        return []
 
     def run(self, content, ctx, *, pure=False):
         self.runs.append((content, pure))
