@@ -193,6 +193,7 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
+_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -206,7 +207,8 @@ class Message:
 
     def copy(self, **changes):
         """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" else copy.copy(v)) for k, v in self.metadata.items()}
+        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
+                for k, v in self.metadata.items()}
         new = Message(self.content, meta, self.source_stream, self.timestamp)
         for key, value in changes.items():
             setattr(new, key, value)
@@ -415,6 +417,8 @@ def parse_yaml(text, file=None):
     loader = Yaml12Loader(text)
     try:
         node = loader.get_single_node()
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
@@ -465,7 +469,10 @@ def parse_yaml(text, file=None):
     if node is None:
         return None, marks
     marks[()] = at(node)
-    return build(node, ()), marks
+    try:
+        return build(node, ()), marks
+    except RecursionError:
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
 
 
 def deep_merge(base, extra):
@@ -512,11 +519,28 @@ TOP_LEVEL_SECTIONS = {
     "instances": False, "context": False, "prompts": False, "pipelines": False,
     "template_strings": False, "name": False,
 }
-HOST_PARAMETER_SECTIONS = {"cleveragents", "version"}   # INTERPRETATION §9.1 (Q88)
+HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+
+
+def host_parameter(doc, key, host_value):
+    """A §9 parameter: the host's value, else a top-level key, else the cleveragents block.
+
+    INTERPRETATION §9.1 (Q88): the host (API, command line) wins; a document may also carry
+    `default_router` / `template_engine` at the top level or under `cleveragents:` (§9.2, §18.9).
+    Returns (value, path of the value in the document).
+    """
+    if host_value is not None:
+        return host_value, ()
+    if key in doc.data:
+        return doc.data[key], (key,)
+    block = doc.data.get("cleveragents")
+    if isinstance(block, dict) and key in block:
+        return block[key], ("cleveragents", key)
+    return None, ()
 
 
 def check_top_level(doc, rt):
-    """§3.1, §11.1.1, §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    """§3.1, §11.1 (item 1), §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
     if not isinstance(doc.data, dict):
         kind = "empty" if doc.data is None else type(doc.data).__name__
         raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
@@ -557,15 +581,13 @@ def inputs_feed(data):
 
 
 def resolve_default_router(doc, rt, host_value):
-    """§3.4, §9.3, §11.1.6: the designated route, or None when __input__ merges/splits feed routes.
+    """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed routes.
 
     INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
     §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
     that is not a route is an error.
     """
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    name = host_value if host_value is not None else params.get("default_router")
-    path = ("cleveragents", "default_router") if host_value is None else ()
+    name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
         if name not in doc.data["routes"]:
             raise doc.error(ConfigurationError, path,
@@ -583,7 +605,7 @@ def resolve_default_router(doc, rt, host_value):
 
 # §4.1 The agents section ---------------------------------------------------------------
 def check_agent(doc, name, cfg, path, agent_types):
-    """§4.1, §4.2, §11.1.3-4, §11.2, §15.4: one agent definition (after Phase B expansion)."""
+    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion)."""
     if not isinstance(name, str) or not name:
         raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
     if name.startswith("__"):
@@ -701,6 +723,9 @@ class LLMAgent:
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
         self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
         self.base_url = values["base_url"]
+        if self.base_url is not None and not re.match(r"https?://", self.base_url):
+            raise rt.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
@@ -709,12 +734,10 @@ class LLMAgent:
             self.capabilities.append("structured-output")
         if self.tool_execute:
             self.capabilities.append("tool-execution")
-        self.metadata = {
-            "name": name, "type": self.type, "capabilities": self.capabilities, "reactive": True,
-            "provider": self.provider, "model": self.model, "temperature": self.temperature,
-            "max_tokens": self.max_tokens, "memory_enabled": self.memory_enabled,
-            "supports_structured_output": bool(adapter.structured),
-        }
+        self.metadata = agent_metadata(
+            self, provider=self.provider, model=self.model, temperature=self.temperature,
+            max_tokens=self.max_tokens, memory_enabled=self.memory_enabled,
+            supports_structured_output=bool(adapter.structured))
 
     def __repr__(self):  # never the key
         return f"LLMAgent({self.name!r}, provider={self.provider!r}, model={self.model!r})"
@@ -729,7 +752,8 @@ class LLMAgent:
         rt = self.rt
         ctx = ctx if ctx is not None else {}
         message = _llm_text(content)
-        view = {**self.context, **ctx}      # agent context (§4.9) under the invocation context
+        # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
+        view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
@@ -739,7 +763,14 @@ class LLMAgent:
         temperature = effective_temperature(self, ctx)
         if self.response_format is not None:
             check_structured_support(self, self.response_format)
-        history = self.memory.snapshot() if self.memory_enabled else history_from_context(ctx)
+        if self.memory_enabled:
+            history = self.memory.snapshot()
+        else:
+            history = history_from_context(ctx)
+            # INTERPRETATION §4.4.4: a graph's history already ends with the message in hand
+            # (§6.2.2); it is sent once, not twice.
+            if history and history[-1] == {"role": "user", "content": message}:
+                history.pop()
         request = {
             "agent": self.name, "provider": self.provider, "model": self.model,
             "temperature": temperature, "max_tokens": self.max_tokens, "system": system,
@@ -760,11 +791,14 @@ class LLMAgent:
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
         if self.memory_enabled:
+            # INTERPRETATION §4.4.4 (Q78): the formatted message as sent, and the response with its
+            # §12.4 blocks already replaced.
             self.memory.record(user, output)
         return output
 
     def _base_url(self):
         """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
+        # INTERPRETATION §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
         if self.base_url:
             return self.base_url
         adapter = PROVIDERS[self.provider]
@@ -841,6 +875,7 @@ def resolve_provider(rt, configured, path):
     An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
     from `--provider fake`) replaces the provider every llm agent uses.
     """
+    # INTERPRETATION §4.4.1 (Q76): availability is checked before the key.
     configured = configured.strip().lower()
     if configured not in PROVIDERS:
         raise rt.error(AgentCreationError, path,
@@ -911,6 +946,7 @@ def check_response_format(rt, rf, path):
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
+    # INTERPRETATION §4.4.3: "does not support" is judged per provider and response_format type.
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
@@ -974,6 +1010,7 @@ def effective_temperature(agent, ctx):
     override = ctx.get("_temperature_override")
     if override is None:
         return agent.temperature
+    # INTERPRETATION §4.4.5: an override that is no number in [0, 2] fails this call only.
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
@@ -2055,31 +2092,1205 @@ def make_agent(rt, name, cfg, path):
 # =====================================================================================
 
 # §5.1 The routes section ---------------------------------------------------------------
-# [streams]
+def route_type(cfg):
+    """The canonical (lower-case, §11.3(2)) type of a route mapping, or None."""
+    kind = cfg.get("type") if isinstance(cfg, dict) else None
+    return kind.lower() if isinstance(kind, str) else None
+
+
+def check_streams(doc, agent_names, graph_names, rt=None):
+    """§5, §7, §12.6 static checks of the stream side, before any agent exists (§1.3(2)).
+
+    Raises a located StreamRoutingError for operator errors (an unknown operator type, a
+    transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
+    every other malformed field. The structure of routes, merges and splits (§11.3, §11.4) is
+    checked by the validator first. With `rt` (the network re-checks at build time) warnings
+    about unknown operator keys go to rt.warn; the validator's early call passes no rt.
+    """
+    data = doc.data
+    routes = data["routes"]
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    known = stream_names(doc) | set(pipelines)
+    checker = _Checker(doc, set(agent_names), set(graph_names), known, routes, rt)
+    for name, cfg in routes.items():
+        path = ("routes", name)
+        kind = route_type(cfg)
+        if kind == "stream":
+            checker.stream_route(cfg, path)
+        elif kind == "bridge":
+            check_bridge(doc, cfg, path, rt)
+    check_pipeline_stages(doc, pipelines, routes, checker)
+    default = getattr(rt, "default_router", None) if rt is not None else None
+    if default is None and isinstance(data.get("cleveragents"), dict):
+        default = data["cleveragents"].get("default_router")
+    cycle = find_stream_cycle(stream_edges(data, known, default))
+    if cycle:
+        raise doc.error(StreamRoutingError, cycle[1],
+                        "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
+
+
+class _Checker:
+    """Walks stream routes and operators; one method per config shape, errors located."""
+
+    def __init__(self, doc, agents, graphs, known, routes, rt=None):
+        self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
+        self.rt = rt
+
+    def note(self, path, message, section="5.3.2"):
+        if self.rt is not None:
+            self.rt.warn(message, section=section, path=path)
+
+    def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
+        raise self.doc.error(cls, path, message, section)
+
+    def stream_route(self, cfg, path):
+        kind = cfg.get("stream_type", "cold")
+        if kind not in STREAM_TYPES:
+            self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
+                      f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
+        size = cfg.get("buffer_size", 1)
+        if not _is_count(size) or size < 1:
+            self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        if isinstance(cfg.get("bridge"), dict):
+            check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
+        self.operators(cfg.get("operators", []), path + ("operators",))
+
+    def operators(self, ops, path):
+        if ops is None:
+            return
+        if not isinstance(ops, list):
+            self.fail(path, "operators must be a sequence of operator mappings")
+        for i, op in enumerate(ops):
+            self.operator(op, path + (i,))
+
+    def operator(self, op, path):
+        if not isinstance(op, dict) or not isinstance(op.get("type"), str):
+            self.fail(path, "an operator is a mapping with a string `type`")
+        kind = op["type"]
+        if kind not in OPERATORS:
+            self.fail(path + ("type",), f"unknown operator {kind!r}", cls=StreamRoutingError)
+        for key in op:
+            if key not in ("type", "params"):
+                self.note(path + (key,), f"unknown operator key {key!r} ignored")
+        params = op.get("params") or {}
+        if not isinstance(params, dict):
+            self.fail(path + ("params",), "params must be a mapping")
+        path = path + ("params",)
+        _handler, spec = OPERATORS[kind]
+        for key, (check, default) in spec.items():
+            value = params.get(key)
+            if value is None and default is REQUIRED:
+                self.fail(path, f"operator {kind!r} needs params.{key}")
+            if value is not None:
+                check(self, value, path + (key,))
+        if kind not in OPEN_PARAMS:
+            for key in params:
+                if key not in spec:
+                    self.note(path + (key,), f"unknown param {key!r} of operator {kind!r} ignored")
+        extra = OPERATOR_CHECKS.get(kind)
+        if extra:
+            extra(self, params, path)
+
+    # One check per parameter kind (the second element of each OPERATORS spec row) -----
+    def seconds(self, value, path):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            self.fail(path, "must be a non-negative number of seconds")
+
+    def count(self, value, path):
+        if not _is_count(value):
+            self.fail(path, "must be a non-negative integer")
+
+    def text(self, value, path):
+        if not isinstance(value, str):
+            self.fail(path, "must be a string")
+
+    def condition(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+
+    def mapping(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "must be a mapping")
+
+    def agent(self, value, path):
+        if value not in self.agents:
+            self.fail(path, f"unknown agent {value!r}", "5.3.4")
+
+    def graph(self, value, path):
+        if value not in self.graphs:
+            self.fail(path, f"unknown graph route {value!r}")
+
+    def function(self, value, path):
+        # INTERPRETATION §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
+        # anything else is an inline expression, which §16.2 forbids.
+        if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
+            self.fail(path, "function must name a transformer; inline expressions are forbidden "
+                      "here (use the transform operator with fn)", "16.2")
+
+    def transform(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
+        check_transform_params(self, value, path)
+
+    def accumulator(self, value, path):
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in ACCUMULATORS:
+            self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
+
+    def target(self, value, path):
+        if not isinstance(value, str):
+            self.fail(path, "a switch target names a stream")
+        # §5.3.2: an unknown target is no-match at run time, not a load error.
+
+    def cases(self, value, path):
+        if not isinstance(value, list):
+            self.fail(path, "cases must be a sequence")
+        for i, case in enumerate(value):
+            if not isinstance(case, dict):
+                self.fail(path + (i,), "a case is a mapping with `condition`")
+            if "condition" in case:
+                self.condition(case["condition"], path + (i, "condition"))
+            if case.get("target") is not None:
+                self.target(case["target"], path + (i, "target"))
+            self.operators(case.get("operators"), path + (i, "operators"))
+
+    def operator_list(self, value, path):
+        self.operators(value, path)
+
+    def route_conditions(self, value, path):
+        if not isinstance(value, dict):
+            self.fail(path, "routes must map route names to conditions", "5.3.2")
+        for name, cond in value.items():
+            self.condition(cond, path + (name,))
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def stream_edges(data, known, default=None):
+    """Every static source -> target link of the stream side, with the config path declaring it.
+
+    Publications (§5.5), merges (§7.1), splits (§7.2), the default router (§3.4), switch and
+    bridge-router targets (§5.3.2) and pipelines (§7.3). Used for §12.6 and for diagrams.
+    """
+    edges = []
+    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    for name, cfg in routes.items():
+        if route_type(cfg) != "stream":
+            continue
+        for i, target in enumerate(cfg.get("publications") or []):
+            edges.append((name, target, ("routes", name, "publications", i)))
+        for target, path in _switch_targets(cfg.get("operators"), ("routes", name, "operators")):
+            if target in known:
+                edges.append((name, target, path))
+    for i, merge in enumerate(data.get("merges") or []):
+        if isinstance(merge, dict) and merge.get("target") is not None:
+            for j, source in enumerate(merge.get("sources") or []):
+                edges.append((source, merge["target"], ("merges", i, "sources", j)))
+    for i, split in enumerate(data.get("splits") or []):
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            for target in split["targets"]:
+                edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(stage.get("publications") or []):
+                    if target in known:
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
+    if isinstance(default, str):
+        edges.append(("__input__", default, ("cleveragents", "default_router")))
+    return edges
+
+
+def _switch_targets(ops, path):
+    """(target, path) of every switch/conditional_route target and default, nested cases too."""
+    for i, op in enumerate(ops if isinstance(ops, list) else []):
+        params = op.get("params") if isinstance(op, dict) else None
+        if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
+            continue
+        here = path + (i, "params")
+        for j, case in enumerate(params.get("cases") or []):
+            if isinstance(case, dict):
+                if isinstance(case.get("target"), str):
+                    yield case["target"], here + ("cases", j, "target")
+                yield from _switch_targets(case.get("operators"), here + ("cases", j, "operators"))
+        for name in (params.get("routes") or {}) if isinstance(params.get("routes"), dict) else ():
+            yield name, here + ("routes", name)
+        if isinstance(params.get("default"), str):
+            yield params["default"], here + ("default",)
+        yield from _switch_targets(params.get("default_operators"), here + ("default_operators",))
+
 
 # §5.2 Built-in streams --------------------------------------------------------------------
-# [streams]
+INPUT, OUTPUT, ERROR = "__input__", "__output__", "__error__"
+
+# §5.2 table: name -> direction. All three are cold streams that exist implicitly.
+BUILTIN_STREAMS = {
+    INPUT: "producer",
+    OUTPUT: "consumer",
+    ERROR: "consumer",
+}
 
 # §5.3 Stream routes ---------------------------------------------------------------------
-# [streams]
+class _Node:
+    """A participant of the stream network: push() takes a message in, `out` carries results.
+
+    A node completes when every wired source has completed (§5.5: completion flows through
+    publications, merges and splits); the network's complete() sweeps the rest in order.
+    """
+
+    def __init__(self, net, name, out):
+        self.net, self.name, self.out = net, name, out
+        self.sources = 0            # wired upstream streams that have not completed yet
+
+    def push(self, msg):
+        self.out.next(msg)
+
+    def source_done(self):
+        self.sources -= 1
+        if self.sources <= 0:
+            self.finish()
+
+    def finish(self):
+        self.out.complete()
+
+    def describe(self):
+        return self.name
+
+
+class StreamRoute(_Node):
+    """§5.3 A stream route: its operators in order, then its stream (§5.3.1) that publications read.
+
+    {type: stream, stream_type: cold, operators: [...], publications: [...], initial_value: x,
+     buffer_size: n}. Operators run once per message whatever the number of targets (Q22).
+    """
+
+    def __init__(self, net, name, cfg, path):
+        kind = cfg.get("stream_type") or "cold"
+        seed = cfg["initial_value"] if cfg.get("initial_value") is not None else _NO_VALUE
+        super().__init__(net, name, Stream(name, kind, seed, cfg.get("buffer_size") or 1))
+        self.ops = cfg.get("operators") or []
+        self.head = build_chain(net, name, self.ops, path + ("operators",),
+                                Stage(self.emit, self.out.complete))
+        self.ended = False
+
+    def push(self, msg):
+        self.head.next(msg)
+
+    def emit(self, msg):
+        # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
+        # every hop, so `source_is` can name any route.
+        if msg.source_stream != self.name:
+            msg = msg.copy(source_stream=self.name)
+        self.out.next(msg)
+
+    def finish(self):
+        if not self.ended:
+            self.ended = True
+            self.head.complete()     # operators flush (buffer, reduce, debounce) then complete
+
+    def describe(self):
+        ops = [_describe_op(op) for op in self.ops]
+        return self.name + (": " + " → ".join(ops) if ops else "")
+
+
+def _describe_op(op):
+    params = op.get("params") or {} if isinstance(op, dict) else {}
+    kind = op.get("type", "?") if isinstance(op, dict) else "?"
+    detail = params.get("agent") or params.get("graph") or params.get("function") or ""
+    if not detail and isinstance(params.get("condition"), dict):
+        detail = params["condition"].get("type", "")
+    return f"{kind}({detail})" if detail else kind
+
+
+class Stage:
+    """One operator instance: next(msg) takes a message, complete() ends the flow.
+
+    Handlers build a Stage around the downstream Stage `down`, so a route is a chain of plain
+    calls: no scheduler, no queue, one Python call per operator per message.
+    """
+
+    __slots__ = ("next", "complete")
+
+    def __init__(self, next, complete):
+        self.next = next
+        self.complete = complete
+
+
+class _OpSite:
+    """Where an operator lives: the network, its route, its config path, and its neighbours."""
+
+    __slots__ = ("net", "rt", "route", "path", "ops", "index")
+
+    def __init__(self, net, route, path, ops, index):
+        self.net, self.rt, self.route = net, net.rt, route
+        self.path, self.ops, self.index = path, ops, index
+
+
+def build_chain(net, route, ops, path, down):
+    """Build the operators `ops` (§5.3.2) in front of `down`; return the first Stage."""
+    stage = down
+    for index in range(len(ops) - 1, -1, -1):
+        op = ops[index]
+        handler, spec = OPERATORS[op["type"]]
+        params = dict(op.get("params") or {})
+        for key, (_check, default) in spec.items():
+            if params.get(key) is None and default is not REQUIRED:
+                params[key] = default
+        stage = handler(_OpSite(net, route, path + (index, "params"), ops, index), params, stage)
+    return stage
 
 # §5.3.1 Stream types ------------------------------------------------------------------
-# [streams]
+# §5.3.1 table: stream type -> how many past messages a late subscriber receives
+# (None: the route's buffer_size). Every subscriber wired at setup sees every message.
+# INTERPRETATION §5.3.1 (Q22): operators run once per message and every target shares the
+# result; hot/replay memory (and a hot stream's initial_value) reaches late subscribers only,
+# i.e. hooks added with StreamNetwork.subscribe() after creation.
+STREAM_TYPES = {
+    "cold": 0,
+    "hot": 1,
+    "replay": None,
+}
+
+_NO_VALUE = object()
+
+
+class Stream:
+    """The reactive core: a named subject with next/complete and ordered subscribers.
+
+    next() hands a message to every observer in subscription order (§12.2.2, Q97); complete()
+    ends the stream once. Per-message failures never become stream errors: they are messages on
+    __error__ (§12.2.3), so the stream keeps flowing.
+    """
+
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+
+    def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
+        self.name, self.stream_type = name, stream_type
+        self.observers, self.finishers = [], []
+        keep = STREAM_TYPES[stream_type]
+        keep = buffer_size if keep is None else keep
+        self.keep = keep
+        self.memory = [] if keep else None
+        if initial_value is not _NO_VALUE and stream_type == "hot":
+            self.memory.append(Message(initial_value, source_stream=name))
+        self.done = False
+
+    def subscribe(self, on_next, on_complete=None):
+        """Add an observer; hot and replay streams first replay their memory to it."""
+        for msg in list(self.memory or ()):
+            on_next(msg)
+        self.observers.append(on_next)
+        if on_complete is not None:
+            if self.done:
+                on_complete()
+            else:
+                self.finishers.append(on_complete)
+
+    def next(self, msg):
+        if self.memory is not None:
+            self.memory.append(msg)
+            if len(self.memory) > self.keep:
+                del self.memory[0]
+        for on_next in self.observers:
+            on_next(msg)
+
+    def complete(self):
+        if not self.done:
+            self.done = True
+            for on_complete in self.finishers:
+                on_complete()
 
 # §5.3.2 Operators -------------------------------------------------------------------------
-# [streams]
+REQUIRED = object()     # an OPERATORS spec default: the parameter must be given
+
+
+def op_map(site, params, down):
+    """§5.3.2 map: replace each message's content through an agent, a function or a transform.
+
+    {type: map, params: {agent: <name>} | {function: <name>} | {transform: {type: <t>, ...}}}
+    """
+    if params.get("agent") is not None:
+        return agent_mapper(site, params["agent"], down)
+    if params.get("function") is not None:
+        return function_mapper(site, params["function"], down)
+    return transform_stage(site, params.get("transform") or {}, down)
+
+
+def op_filter(site, params, down):
+    """§5.3.2 filter: pass the messages whose condition holds (stream-router rules, §5.4.1).
+
+    {type: filter, params: {condition: {type: content_contains, text: x}}}
+    """
+    cond, rt, path = params.get("condition"), site.rt, site.path + ("condition",)
+
+    def on_next(msg):
+        if evaluate_condition(cond, "stream", msg, rt, path):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_transform(site, params, down):
+    """§5.3.2 transform: `fn` (a one-parameter expression on the content, §13.2.2) or `type`.
+
+    {type: transform, params: {fn: "lambda x: x.upper()"}} | {type: transform, params: {type:
+    format, template: "[{content}]"}} -- the second behaves as map with that transform.
+    """
+    if params.get("fn") is None:
+        return transform_stage(site, params, down)
+    unit = compile_expression(params["fn"], nparams=1, rt=site.rt, path=site.path + ("fn",))
+    net, route = site.net, site.route
+
+    def on_next(msg):
+        try:
+            content = unit(msg.content)
+        except Exception as exc:     # §12.2.3 boundary: the failure becomes an __error__ message
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
+    return Stage(on_next, down.complete)
+
+
+def op_debounce(site, params, down):
+    """§5.3.2 debounce: emit a message only after `duration` seconds without a newer one.
+
+    {type: debounce, params: {duration: <s>}}   (capped at 50 ms in single-shot runs)
+        input:    a-b-----c----|
+        debounce(2 ticks)
+        output:   ----b-----c--|     (completion emits a still-pending message at once)
+    """
+    duration, net, clock = params["duration"], site.net, site.rt.clock
+    pending = [None, None]      # message, timer
+
+    def fire():
+        msg, pending[0], pending[1] = pending[0], None, None
+        down.next(msg)
+
+    def on_next(msg):
+        if pending[1] is not None:
+            pending[1].cancel()
+        pending[0] = msg
+        wait = min(duration, DEBOUNCE_SINGLE_SHOT_CAP) if net.single_shot else duration
+        pending[1] = clock.call_later(wait, fire)
+
+    def on_complete():
+        if pending[1] is not None:
+            pending[1].cancel()
+            fire()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_throttle(site, params, down):
+    """§5.3.2 throttle: emit a message, then drop every message for `duration` seconds.
+
+    {type: throttle, params: {duration: <s>}}
+        input:    a-b-c---d-e--
+        throttle(3 ticks)
+        output:   a-------d----
+    """
+    # INTERPRETATION §5.3.2 throttle (Q16): leading-edge throttle; dropped messages are gone.
+    duration, clock = params["duration"], site.rt.clock
+    last = [None]
+
+    def on_next(msg):
+        now = clock.now()
+        if last[0] is None or now - last[0] >= duration:
+            last[0] = now
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_delay(site, params, down):
+    """§5.3.2 delay: emit each message `duration` seconds after it arrived, in order.
+
+    {type: delay, params: {duration: <s>}}
+        input:    a-b------|
+        delay(2 ticks)
+        output:   --a-b----|   (completion emits messages still waiting, in order)
+    """
+    duration, clock = params["duration"], site.rt.clock
+    waiting = []                # [timer, message] in arrival order
+
+    def fire():
+        _timer, msg = waiting.pop(0)
+        down.next(msg)
+
+    def on_next(msg):
+        waiting.append([clock.call_later(duration, fire), msg])
+
+    def on_complete():
+        while waiting:
+            waiting[0][0].cancel()
+            fire()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_buffer(site, params, down):
+    """§5.3.2 buffer: hold messages, then release the batch as individual messages again.
+
+    {type: buffer, params: {count: <n>, timeout: <s, default 0.1>}} | {params: {time: <s>}}
+        input:    a-b-c-d-e---|
+        buffer(count 2)
+        output:   --(ab)-(cd)-(e)|   (each batch flattened; completion flushes)
+    """
+    # INTERPRETATION §5.3.2 buffer (Q17): a window (time, else timeout) starts at the first
+    # buffered message; a batch leaves when count is reached or its window ends, whichever is
+    # first; completion flushes a partial batch.
+    count, clock = params.get("count"), site.rt.clock
+    window = params["time"] if params.get("time") is not None else params["timeout"]
+    batch, timer = [], [None]
+
+    def flush():
+        if timer[0] is not None:
+            timer[0].cancel()
+            timer[0] = None
+        items = batch[:]
+        batch.clear()
+        for msg in items:       # §5.3.2: flattened back into individual emissions
+            down.next(msg)
+
+    def on_next(msg):
+        batch.append(msg)
+        if count and len(batch) >= count:
+            flush()
+        elif timer[0] is None:
+            timer[0] = clock.call_later(window, flush)
+
+    def on_complete():
+        flush()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_scan(site, params, down):
+    """§5.3.2 scan: fold each message into a running total and emit the total every time.
+
+    {type: scan, params: {accumulator: {type: collect|concat|sum}}}
+    """
+    seed, step = ACCUMULATORS[params["accumulator"]["type"]]
+    total = [seed()]
+    route = site.route
+
+    def on_next(msg):
+        total[0] = step(total[0], msg.content)
+        down.next(msg.copy(content=total[0], source_stream=route))
+    return Stage(on_next, down.complete)
+
+
+def op_reduce(site, params, down):
+    """§5.3.2 reduce: fold every message, emit the total once when the route completes.
+
+    {type: reduce, params: {accumulator: {type: collect|concat|sum}}}
+        input:    1-2-3-|
+        reduce(sum)
+        output:   ------6|   (nothing arrived: nothing emitted)
+    """
+    seed, step = ACCUMULATORS[params["accumulator"]["type"]]
+    total, last = [seed()], [None]
+    route = site.route
+
+    def on_next(msg):
+        total[0] = step(total[0], msg.content)
+        last[0] = msg
+
+    def on_complete():
+        if last[0] is not None:
+            down.next(last[0].copy(content=total[0], source_stream=route))
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_switch(site, params, down):
+    """§5.3.2 switch: the first case whose condition holds decides where a message goes.
+
+    {type: switch, params: {cases: [{condition: c, target: <stream>, operators: [...]}],
+     default: <stream>, default_operators: [...]}}
+    """
+    # INTERPRETATION §5.3.2 switch (Q12): a case whose target is unknown counts as no-match and
+    # evaluation goes on with the next case; a forwarded message leaves this route; a matching
+    # case with neither operators nor target passes the message on unchanged.
+    net, rt, path, route = site.net, site.rt, site.path, site.route
+    inline = Stage(down.next, _no_completion)
+    cases = []
+    for i, case in enumerate(params.get("cases") or []):
+        ops = case.get("operators") or []
+        chain = build_chain(net, route, ops, path + ("cases", i, "operators"), inline) if ops else None
+        cases.append((case.get("condition"), case.get("target"), chain, path + ("cases", i, "condition")))
+    default_ops = params.get("default_operators") or []
+    default_chain = (build_chain(net, route, default_ops, path + ("default_operators",), inline)
+                     if default_ops else None)
+    default = params.get("default")
+
+    def on_next(msg):
+        for cond, target, chain, cond_path in cases:
+            if not evaluate_condition(cond, "stream", msg, rt, cond_path):
+                continue
+            if chain is not None:
+                chain.next(msg)
+                return
+            if target is None:
+                down.next(msg)
+                return
+            if net.forward(route, target, msg):
+                return
+        if default_chain is not None:
+            default_chain.next(msg)
+        elif default is None or not net.forward(route, default, msg):
+            down.next(msg)
+
+    def on_complete():
+        for chain in [c[2] for c in cases] + [default_chain]:
+            if chain is not None:
+                chain.complete()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def _no_completion():
+    """Inline switch chains share the route's downstream, which completes once, on its own."""
+
+
+def op_conditional_route(site, params, down):
+    """§5.3.2 conditional_route: the bridge router when params has `routes`, else switch.
+
+    {type: conditional_route, params: {routes: {<route>: <condition>, ...}, default: <route>}}
+    """
+    # INTERPRETATION §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when the
+    # operator's params carry a `routes` mapping; each message goes to the first route (in
+    # declaration order) whose condition holds under the bridge rules of §5.4.1 (unknown type:
+    # no-match), else to `default`, else on down this route.
+    if not isinstance(params.get("routes"), dict):
+        return op_switch(site, params, down)
+    net, rt, route = site.net, site.rt, site.route
+    routes = [(name, cond, site.path + ("routes", name)) for name, cond in params["routes"].items()]
+    default = params.get("default")
+
+    def on_next(msg):
+        for name, cond, path in routes:
+            if evaluate_condition(cond, "bridge", msg, rt, path) and net.forward(route, name, msg):
+                return
+        if default is None or not net.forward(route, default, msg):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_catch(site, params, down):
+    """§5.3.2 catch: keep error messages out of the rest of the route (they are on __error__).
+
+    {type: catch, params: {}}
+    """
+    # INTERPRETATION §5.3.2 catch vs §12.2.3 (Q21, Q93): every failure already put exactly one
+    # message on __error__ where it happened; catch removes messages flagged error: true from
+    # the downstream flow, so they do not reach this route's publications a second time.
+    def on_next(msg):
+        if not msg.metadata.get("error"):
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_retry(site, params, down):
+    """§5.3.2 retry: re-invoke the nearest agent map before it up to `count` more times.
+
+    {type: retry, params: {count: 3}} -- the map reads the count at build time (retry_count),
+    so this stage itself passes messages through.
+    """
+    # INTERPRETATION §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
+    # means: the closest preceding agent map in the same route re-invokes its agent up to
+    # `count` extra times before it reports the failure.
+    if _retried_map(site.ops, site.index) is None:
+        site.rt.warn("retry has no agent map before it in this route; it does nothing",
+                     section="5.3.2", path=site.path)
+    return Stage(down.next, down.complete)
+
+
+def _retried_map(ops, index):
+    """Index of the agent map a retry at `index` applies to, or None."""
+    for i in range(index - 1, -1, -1):
+        op = ops[i]
+        if op.get("type") == "map" and (op.get("params") or {}).get("agent") is not None:
+            return i
+    return None
+
+
+def retry_count(site):
+    """Extra attempts an agent map at site.index gets from the first retry after it."""
+    for i in range(site.index + 1, len(site.ops)):
+        op = site.ops[i]
+        if op.get("type") == "retry" and _retried_map(site.ops, i) == site.index:
+            count = (op.get("params") or {}).get("count")
+            return 3 if count is None else count
+    return 0
+
+
+def op_distinct(site, params, down):
+    """§5.3.2 distinct: drop a message whose content equals the previous message's content.
+
+    {type: distinct, params: {}}
+        input:    a-a-b-a-a-|
+        output:   a---b-a---|
+    """
+    last = [_NO_VALUE]
+
+    def on_next(msg):
+        if last[0] is _NO_VALUE or msg.content != last[0]:
+            last[0] = msg.content
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_take(site, params, down):
+    """§5.3.2 take: pass the first `count` messages (default 1), drop the rest.
+
+    {type: take, params: {count: 1}}
+    """
+    left = [params["count"]]
+
+    def on_next(msg):
+        if left[0] > 0:
+            left[0] -= 1
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_skip(site, params, down):
+    """§5.3.2 skip: drop the first `count` messages (default 1), pass the rest.
+
+    {type: skip, params: {count: 1}}
+    """
+    left = [params["count"]]
+
+    def on_next(msg):
+        if left[0] > 0:
+            left[0] -= 1
+        else:
+            down.next(msg)
+    return Stage(on_next, down.complete)
+
+
+def op_sample(site, params, down):
+    """§5.3.2 sample: every `interval` seconds, emit the latest message if a new one arrived.
+
+    {type: sample, params: {interval: 1.0}}
+        input:    a-b---------c---|
+        sample(4 ticks, ticks counted from the first message)
+        output:   ----b-------c---|
+    """
+    # INTERPRETATION §5.3.2 sample (Q18): a tick emits only a message that arrived since the
+    # previous tick; ticks fall on a grid that starts at the first message, and are scheduled
+    # only while a message waits (no endless timer); completion emits a waiting message.
+    interval, clock = params["interval"], site.rt.clock
+    state = {"latest": None, "t0": None, "timer": None}
+
+    def tick():
+        state["timer"] = None
+        msg, state["latest"] = state["latest"], None
+        if msg is not None:
+            down.next(msg)
+
+    def on_next(msg):
+        state["latest"] = msg
+        if state["timer"] is None:
+            now = clock.now()
+            if state["t0"] is None:
+                state["t0"] = now
+            ticks = int((now - state["t0"]) / interval) + 1
+            state["timer"] = clock.call_at(state["t0"] + ticks * interval, tick)
+
+    def on_complete():
+        if state["timer"] is not None:
+            state["timer"].cancel()
+            tick()
+        down.complete()
+    return Stage(on_next, on_complete)
+
+
+def op_graph_execute(site, params, down):
+    """§5.3.2 graph_execute: run a graph route per message and forward its result.
+
+    {type: graph_execute, params: {graph: <graph route>}} -- content: the final state's last
+    assistant message, else the whole state; metadata: graph, execution_history, final_state.
+    """
+    net, rt, route, name = site.net, site.rt, site.route, params["graph"]
+
+    def on_next(msg):
+        try:
+            run = rt.graphs[name].run(msg.content, resolve_context(msg, rt))
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        state = run.state if isinstance(run.state, dict) else {}
+        replies = [m for m in state.get("messages") or []
+                   if isinstance(m, dict) and m.get("role") == "assistant"]
+        out = msg.copy(content=replies[-1].get("content") if replies else state,
+                       source_stream=route)
+        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state)
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def op_state_update(site, params, down):
+    """§5.3.2 state_update: apply the content as an update to a graph's state; mark the message.
+
+    {type: state_update, params: {graph: <graph route>}}
+    """
+    return _graph_side_effect(site, params, down, "state_updated",
+                              lambda graph, msg: graph.update_state(msg.content))
+
+
+def op_state_checkpoint(site, params, down):
+    """§5.3.2 state_checkpoint: save a checkpoint of a graph's state (§6.6); mark the message.
+
+    {type: state_checkpoint, params: {graph: <graph route>}}
+    """
+    return _graph_side_effect(site, params, down, "checkpointed",
+                              lambda graph, msg: graph.checkpoint())
+
+
+def _graph_side_effect(site, params, down, flag, action):
+    net, rt, route, name = site.net, site.rt, site.route, params["graph"]
+
+    def on_next(msg):
+        try:
+            action(rt.graphs[name], msg)
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        out = msg.copy(source_stream=route)
+        out.metadata[flag] = True
+        out.metadata["graph"] = name
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def op_graph_node(site, params, down):
+    """§5.3.2 graph_node: run one node of a graph route on the content; forward its output.
+
+    {type: graph_node, params: {graph: <graph route>, node: <node name>}}
+    """
+    net, rt, route = site.net, site.rt, site.route
+    name, node = params["graph"], params["node"]
+
+    def on_next(msg):
+        try:
+            content = rt.graphs[name].run_node(node, msg.content, resolve_context(msg, rt))
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        out = msg.copy(content=content, source_stream=route)
+        out.metadata.update(graph=name, node=node)
+        down.next(out)
+    return Stage(on_next, down.complete)
+
+
+def _check_map(checker, params, path):
+    # INTERPRETATION §5.3.2 map (Q13): none or several of agent/function/transform is a
+    # ConfigurationError at load time.
+    given = [k for k in ("agent", "function", "transform") if params.get(k) is not None]
+    if len(given) != 1:
+        checker.fail(path, "map needs exactly one of agent, function, transform"
+                     + (f" (got {', '.join(given)})" if given else ""))
+
+
+def _check_transform(checker, params, path):
+    if params.get("fn") is None and params.get("type") is None:
+        checker.fail(path, "transform needs `fn` or `type`", cls=StreamRoutingError)
+    if params.get("fn") is not None and params.get("type") is not None:
+        checker.fail(path, "transform takes `fn` or `type`, not both")
+    if params.get("fn") is not None:
+        _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
+    else:
+        check_transform_params(checker, params, path)
+
+
+def _check_sample(checker, params, path):
+    if params.get("interval") is not None and params["interval"] <= 0:
+        checker.fail(path + ("interval",), "interval must be positive")
+
+
+def _check_graph_node(checker, params, path):
+    graph = checker.routes.get(params.get("graph"))
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    if isinstance(nodes, dict) and params.get("node") not in nodes:
+        checker.fail(path + ("node",), f"graph {params.get('graph')!r} has no node "
+                     f"{params.get('node')!r}")
+
+
+def _compile_located(doc, source, nparams, rt, path):
+    """compile_expression with the error located in the document even before a Runtime exists."""
+    if not isinstance(source, str):
+        raise doc.error(ConfigurationError, path, "an expression must be a string", "13.2.2")
+    try:
+        return compile_expression(source, nparams=nparams, rt=rt, path=path)
+    except ActorError as exc:
+        if exc.file is None and exc.line is None:
+            raise doc.error(type(exc), path, exc.message, exc.section or "13.2.2") from exc
+        raise
+
+
+# §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
+OPERATORS = {
+    "map":               (op_map,               {"agent": (_Checker.agent, None),
+                                                 "function": (_Checker.function, None),
+                                                 "transform": (_Checker.transform, None)}),
+    "filter":            (op_filter,            {"condition": (_Checker.condition, None)}),
+    "transform":         (op_transform,         {"fn": (_Checker.text, None),
+                                                 "type": (_Checker.text, None)}),
+    "debounce":          (op_debounce,          {"duration": (_Checker.seconds, REQUIRED)}),
+    "throttle":          (op_throttle,          {"duration": (_Checker.seconds, REQUIRED)}),
+    "delay":             (op_delay,             {"duration": (_Checker.seconds, REQUIRED)}),
+    "buffer":            (op_buffer,            {"count": (_Checker.count, None),
+                                                 "timeout": (_Checker.seconds, 0.1),
+                                                 "time": (_Checker.seconds, None)}),
+    "scan":              (op_scan,              {"accumulator": (_Checker.accumulator, REQUIRED)}),
+    "reduce":            (op_reduce,            {"accumulator": (_Checker.accumulator, REQUIRED)}),
+    "switch":            (op_switch,            {"cases": (_Checker.cases, None),
+                                                 "default": (_Checker.target, None),
+                                                 "default_operators": (_Checker.operator_list, None)}),
+    "conditional_route": (op_conditional_route, {"cases": (_Checker.cases, None),
+                                                 "default": (_Checker.target, None),
+                                                 "default_operators": (_Checker.operator_list, None),
+                                                 "routes": (_Checker.route_conditions, None)}),
+    "catch":             (op_catch,             {}),
+    "retry":             (op_retry,             {"count": (_Checker.count, 3)}),
+    "distinct":          (op_distinct,          {}),
+    "take":              (op_take,              {"count": (_Checker.count, 1)}),
+    "skip":              (op_skip,              {"count": (_Checker.count, 1)}),
+    "sample":            (op_sample,            {"interval": (_Checker.seconds, 1.0)}),
+    "graph_execute":     (op_graph_execute,     {"graph": (_Checker.graph, REQUIRED)}),
+    "state_update":      (op_state_update,      {"graph": (_Checker.graph, REQUIRED)}),
+    "state_checkpoint":  (op_state_checkpoint,  {"graph": (_Checker.graph, REQUIRED)}),
+    "graph_node":        (op_graph_node,        {"graph": (_Checker.graph, REQUIRED),
+                                                 "node": (_Checker.text, REQUIRED)}),
+}
+
+# Operators whose params also carry keys of their own (transform-specific keys, §5.3.5).
+OPEN_PARAMS = {"transform"}
+
+# Checks that span several params of one operator.
+OPERATOR_CHECKS = {
+    "map": _check_map,
+    "transform": _check_transform,
+    "sample": _check_sample,
+    "graph_node": _check_graph_node,
+}
 
 # §5.3.3 Function references ---------------------------------------------------------
-# [streams]
+# INTERPRETATION §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
+# empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
+# found in neither is the identity transformation (with a warning at build time).
+STANDARD_FUNCTIONS = {}
+
+FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def function_mapper(site, name, down):
+    """§5.3.3 map with `function`: a registered transformer, else the identity."""
+    registry = {**STANDARD_FUNCTIONS, **(getattr(site.rt, "functions", None) or {})}
+    fn = registry.get(name)
+    if fn is None:
+        site.rt.warn(f"no transformer named {name!r} is registered; map acts as identity",
+                     section="5.3.3", path=site.path + ("function",))
+        return Stage(down.next, down.complete)
+    net, route = site.net, site.route
+
+    def on_next(msg):
+        try:
+            content = fn(msg.content)
+        except Exception as exc:    # §12.2.3 boundary
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
+    return Stage(on_next, down.complete)
 
 # §5.3.4 Agent mappers -----------------------------------------------------------------
-# [streams]
+PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
+ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
+AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
+
+
+class _AgentTimedOut(Exception):
+    """Internal: an agent call outlived AGENT_HARD_TIMEOUT (never escapes the map stage)."""
+
+
+def resolve_context(msg, rt):
+    """§5.3.4(1): the message's metadata.context, else the global context, else {}.
+
+    Returns the dict itself (a reference, §10.2), never a copy.
+    """
+    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    if isinstance(ctx, dict):
+        return ctx
+    ctx = getattr(rt, "context", None)
+    return ctx if isinstance(ctx, dict) else {}
+
+
+def invoke_agent(rt, agent, content, ctx):
+    """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
+
+    Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
+    the real clock the call runs on a daemon worker thread that we stop waiting for after
+    AGENT_HARD_TIMEOUT seconds.
+    """
+    if not rt.clock.real:
+        return agent.invoke(content, ctx)
+    box = {}
+
+    def work():
+        try:
+            box["reply"] = agent.invoke(content, ctx)
+        except BaseException as exc:    # carried back to the stream thread and handled there
+            box["error"] = exc
+    worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
+    worker.start()
+    worker.join(AGENT_HARD_TIMEOUT)
+    if worker.is_alive():
+        raise _AgentTimedOut()
+    if "error" in box:
+        raise box["error"]
+    return box["reply"]
+
+
+def agent_mapper(site, name, down):
+    """§5.3.4 map with `agent`: invoke the agent once per message; errors become messages.
+
+    Success: content = reply, metadata.processed_by = agent, metadata.context = the context
+    reference. Timeout: "Processing timed out" with timeout/error metadata. Failure:
+    "Error: <reason>" with error/processed_by metadata. Both failures also put one message on
+    __error__ (§12.2.3), and the route keeps processing other messages.
+    """
+    net, rt, route = site.net, site.rt, site.route
+    agent = rt.agents[name]
+    attempts = 1 + retry_count(site)
+    call = agent.invoke if not rt.clock.real else (
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+
+    def on_next(msg):
+        ctx = resolve_context(msg, rt)
+        failure = None
+        for _ in range(attempts):
+            try:
+                reply = call(msg.content, ctx)
+            except _AgentTimedOut:
+                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                    processed_by=name)
+                break
+            except Exception as exc:    # §12.2.3 boundary: agent invocation
+                failure = exc
+                continue
+            out = msg.copy(content=reply, source_stream=route)
+            out.metadata["processed_by"] = name
+            out.metadata["context"] = ctx
+            down.next(out)
+            return
+        else:
+            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
+        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
+        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
+        net.report(out)
+        down.next(out)
+    return Stage(on_next, down.complete)
 
 # §5.3.5 Transform types ---------------------------------------------------------------
-# [streams]
+def tf_extract(content, params):
+    """content[field] when content is a mapping holding field; otherwise unchanged (Q15)."""
+    field = params.get("field")
+    return content[field] if isinstance(content, dict) and field in content else content
+
+
+def tf_wrap(content, params):
+    return {**(params.get("wrapper") or {}), "data": content}
+
+
+def tf_format(content, params):
+    """Only {content} is a placeholder, filled with str(content); other braces stay (Q15)."""
+    return str(params.get("template", "{content}")).replace("{content}", str(content))
+
+
+def tf_replace(content, params):
+    """Every occurrence, on string content only; an empty `old` changes nothing (Q15)."""
+    old, new = str(params.get("old", "")), str(params.get("new", ""))
+    return content.replace(old, new) if isinstance(content, str) and old else content
+
+
+def tf_identity(content, params):
+    return content
+
+
+# §5.3.5 table: transform type -> handler(content, params) -> new content.
+# INTERPRETATION §5.3.5 (Q15): extract of a missing field or non-mapping leaves content
+# unchanged; format uses str(); replace replaces all occurrences; an absent type is identity
+# and an unknown type is a ConfigurationError at load.
+TRANSFORMS = {
+    "extract": tf_extract,
+    "wrap": tf_wrap,
+    "format": tf_format,
+    "replace": tf_replace,
+    "identity": tf_identity,
+}
+
+
+def check_transform_type(checker, kind, path):
+    if kind not in TRANSFORMS:
+        checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
+                     "5.3.5")
+
+
+def check_transform_params(checker, params, path):
+    """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
+    check_transform_type(checker, params.get("type") or "identity", path + ("type",))
+    if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
+        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+    for key in ("field", "template", "old", "new"):
+        if isinstance(params.get(key), (dict, list)):
+            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+
+
+def transform_stage(site, params, down):
+    """§5.3.5 a built-in transform applied to every message's content."""
+    handler = TRANSFORMS[params.get("type") or "identity"]
+    net, route = site.net, site.route
+
+    def on_next(msg):
+        try:
+            content = handler(msg.content, params)
+        except Exception as exc:    # §12.2.3 boundary (e.g. a content that cannot be str()'d)
+            net.fail(route, msg, exc)
+            return
+        down.next(msg.copy(content=content, source_stream=route))
+    return Stage(on_next, down.complete)
 
 # §5.3.6 Accumulators -------------------------------------------------------------------
-# [streams]
+def acc_collect(total, content):
+    return total + [content]        # a new list each time: emitted totals never change later
+
+
+def acc_concat(total, content):
+    return total + (content if isinstance(content, str) else str(content))
+
+
+def acc_sum(total, content):
+    if isinstance(content, (int, float)) and not isinstance(content, bool):
+        return total + content
+    return total
+
+
+# §5.3.6 table: accumulator -> (seed, step(total, content) -> total).
+# INTERPRETATION §5.3.6 (Q19): sum counts int/float content only (not numeric strings, not
+# bools), an ignored item still makes scan emit the unchanged total, the total stays an int
+# while every input is one; concat joins with no separator.
+ACCUMULATORS = {
+    "collect": (list, acc_collect),
+    "concat": (str, acc_concat),
+    "sum": (int, acc_sum),
+}
 
 # §5.4 Conditions --------------------------------------------------------------------------
 # One evaluator per condition type; the subsystem differences come from the two tables below.
@@ -2228,10 +3439,351 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 
 
 # §5.5 Subscriptions and publications -----------------------------------------------------
-# [streams]
+class StreamNetwork:
+    """Every stream participant of one Actor, wired once at creation (§5.5, §7, §12.1 steps 4-6).
+
+    Built from rt.doc.data after rt.agents and rt.graphs exist. send() feeds __input__ (or a
+    named route), complete() ends the input and lets completion flow, settle() waits for pending
+    timers under the real clock; on_output/on_error register host hooks; mermaid() draws it.
+    """
+
+    def __init__(self, rt, *, single_shot=None):
+        self.rt = rt
+        data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
+        check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
+        self._single_shot = single_shot
+        self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
+        routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+        # §6.9: a document whose every route is a graph runs in pure graph mode.
+        self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
+        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+                      OUTPUT: _Sink(self, OUTPUT, self._to_output),
+                      ERROR: _Sink(self, ERROR, self._to_error)}
+        for name, cfg in routes.items():            # §12.1 step 4: routes
+            path = ("routes", name)
+            if route_type(cfg) == "stream":
+                self.nodes[name] = StreamRoute(self, name, cfg, path)
+            elif route_type(cfg) == "graph" and name in rt.graphs:
+                self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
+            # bridge routes carry no messages (§5.6)
+        if not self.pure:                           # §6.10: graph-internal streams (mixed mode)
+            for graph in rt.graphs.values():
+                for stream in graph.internal_stream_names():
+                    self.nodes[stream] = _Node(self, stream, Stream(stream))
+                graph.observers.append(self._graph_event)
+        links = publication_links(routes)           # §5.5
+        links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
+        links += merge_links(self, data)            # §12.1 step 5: merges and splits
+        links += split_links(self, data)
+        default = default_router(rt)
+        if default is not None:                     # §3.4, §9.3: the default router
+            links.append((INPUT, default, None, ("default_router",)))
+        self.edges = self._wire(links)
+        self._implicit_graph_output()
+        self.order = self._completion_order()
+
+    def _graph_event(self, stream, msg):
+        """§6.10: a graph's node event (or run state) on its reserved internal stream."""
+        node = self.nodes.get(stream)
+        if node is not None:
+            node.out.next(msg)
+
+    @property
+    def single_shot(self):
+        """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
+        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
+        # with -m messages); vectors and the API are not single-shot.
+        if self._single_shot is not None:
+            return bool(self._single_shot)
+        return bool(getattr(self.rt, "single_shot", False))
+
+    # Wiring ------------------------------------------------------------------------------
+    def _wire(self, links):
+        """Subscribe every target to its sources; one edge per (source, target) pair."""
+        # INTERPRETATION §5.5 (Q24, Q7 f): a source -> target pair declared more than once
+        # (publication + merge, split, default router) is one edge: a message crosses it at most
+        # once, when any of the declarations lets it through. A diamond A->B->C, A->C still
+        # delivers twice at C: those are different pairs.
+        edges = {}
+        for source, target, cond, path in links:
+            if source not in self.nodes or target not in self.nodes:
+                missing = source if source not in self.nodes else target
+                self.rt.warn(f"{missing!r} carries no messages here (a bridge, or a graph "
+                             "route without a runtime graph); link ignored", section="5.5",
+                             path=path)
+                continue
+            conds = edges.setdefault((source, target), [])
+            conds.append((cond, path))
+        for (source, target), conds in edges.items():
+            node = self.nodes[target]
+            node.sources += 1
+            self.nodes[source].out.subscribe(self._edge(node, conds), node.source_done)
+        return edges
+
+    def _edge(self, node, conds):
+        if any(cond is None for cond, _path in conds):
+            return node.push
+        rt = self.rt
+
+        def push_if(msg):
+            if any(evaluate_condition(cond, "stream", msg, rt, path) for cond, path in conds):
+                node.push(msg)
+        return push_if
+
+    def _implicit_graph_output(self):
+        # INTERPRETATION §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
+        # no merge, split or next stage reads from sends each run's output (GraphRun.output) to
+        # __output__, however it was fed (merge, split, default router, send(target=...)).
+        read = {s for (s, _t) in self.edges}
+        for name, node in list(self.nodes.items()):
+            if isinstance(node, GraphParticipant) and name not in read:
+                self.edges[(name, OUTPUT)] = [(None, ("routes", name))]
+                self.nodes[OUTPUT].sources += 1
+                node.out.subscribe(self.nodes[OUTPUT].push, self.nodes[OUTPUT].source_done)
+
+    def _completion_order(self):
+        """Nodes in topological order of every link (switch targets too), __input__ first."""
+        after = {name: [] for name in self.nodes}
+        for source, target in self.edges:
+            after[source].append(target)
+        for name, node in self.nodes.items():
+            for target, _path in _switch_targets(getattr(node, "ops", None), ()):
+                if target in self.nodes:
+                    after[name].append(target)
+            after[name].extend(getattr(node, "feeds", ()))
+        order, seen = [], set()
+
+        def visit(name):
+            if name not in seen:
+                seen.add(name)
+                for target in after[name]:
+                    visit(target)
+                order.append(name)
+        for name in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
+            visit(name)
+        order.reverse()
+        return [n for n in order if n not in (OUTPUT, ERROR)] + [OUTPUT, ERROR]
+
+    # The host side ------------------------------------------------------------------------
+    def send(self, content, *, target=None, metadata=None):
+        """Submit a message to __input__, or straight to the route named `target`."""
+        name = INPUT if target is None else target
+        node = self.nodes.get(name)
+        if node is None or name in (OUTPUT, ERROR):
+            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
+        if self.nodes[INPUT].out.done:
+            raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        if metadata:
+            meta.update(metadata)
+        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+
+    def complete(self):
+        """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
+        # INTERPRETATION §5.5 (Q27): __input__ completes when the host ends input; each node then
+        # completes once all its sources have, and nodes only reachable by send(target=...) or
+        # a switch complete in topological order after their upstream.
+        for name in self.order:
+            self.nodes[name].finish()
+
+    def settle(self, timeout=None):
+        """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
+        clock = self.rt.clock
+        if not clock.real:
+            return
+        deadline = clock.now() + (SOFT_TIMEOUT if timeout is None else timeout)
+        while (due := clock.next_due()) is not None:
+            if due > deadline:
+                self.report(Message(SOFT_TIMEOUT_TEXT, {"error": True, "timeout": True,
+                                                        "error_type": "ExecutionError"}, INPUT,
+                                    clock.now()))
+                return
+            clock.advance(max(0.0, due - clock.now()))
+
+    def on_output(self, fn):
+        self.nodes[OUTPUT].hooks.append(fn)
+
+    def on_error(self, fn):
+        self.nodes[ERROR].hooks.append(fn)
+
+    def close(self):
+        """§12.1 step 8: dispose of every subscription and host hook."""
+        for node in self.nodes.values():
+            node.out.observers.clear()
+            node.out.finishers.clear()
+            if isinstance(node, _Sink):
+                node.hooks.clear()
+
+    def subscribe(self, name, fn):
+        """A late subscriber to a stream: hot and replay streams replay their memory (§5.3.1)."""
+        self.nodes[name].out.subscribe(fn)
+
+    # Forwarding and errors (used by operators) ---------------------------------------------
+    def forward(self, source, target, msg):
+        """switch/bridge forwarding; False when `target` names no stream (= no-match, §5.3.2)."""
+        node = self.nodes.get(target)
+        if node is None or target == INPUT:
+            return False
+        if msg.source_stream != source:
+            msg = msg.copy(source_stream=source)
+        node.push(msg)
+        return True
+
+    def fail(self, origin, msg, exc):
+        """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
+        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
+                      self.rt.clock.now())
+        out.metadata.update(error=True, error_type=error_category(exc))
+        self.report(out)
+
+    def report(self, msg):
+        """Put a copy of `msg` on __error__ (the original may also travel downstream)."""
+        self.nodes[ERROR].push(msg.copy())
+
+    def _to_output(self, msg):
+        if isinstance(msg.content, str):
+            match = self.strip.match(msg.content)
+            if match:
+                msg = msg.copy(content=msg.content[match.end():])
+        return msg
+
+    def _to_error(self, msg):
+        msg.metadata.setdefault("error", True)
+        msg.metadata.setdefault("error_type", "ExecutionError")
+        if not isinstance(msg.content, str):
+            msg = msg.copy(content=str(msg.content))
+        return msg
+
+    # §18 --diagram ------------------------------------------------------------------------
+    def mermaid(self):
+        """Mermaid flowchart lines (no header) for routes with operators, links and conditions."""
+        ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
+        lines = []
+        for name, node in self.nodes.items():
+            label = node.describe().replace('"', "'")
+            shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
+            lines.append(f"{ids[name]}{shape}")
+        for (source, target), conds in self.edges.items():
+            if any(cond is None for cond, _path in conds):
+                lines.append(f"{ids[source]} --> {ids[target]}")
+            else:
+                label = " or ".join(_describe_condition(c) for c, _p in conds).replace('"', "'")
+                lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
+        for name, node in self.nodes.items():
+            for target, _path in _switch_targets(getattr(node, "ops", None), ()):
+                if target in ids:
+                    lines.append(f"{ids[name]} -. switch .-> {ids[target]}")
+        return lines
+
+
+def _describe_condition(cond):
+    if not isinstance(cond, dict):
+        return "always"
+    detail = cond.get("text", cond.get("key", cond.get("source", "")))
+    return f"{cond.get('type', 'always')} {detail!r}" if detail != "" else str(cond.get("type"))
+
+
+class _Sink(_Node):
+    """__output__ / __error__: a cold stream plus host hooks, after a per-message adjustment."""
+
+    def __init__(self, net, name, adjust):
+        super().__init__(net, name, Stream(name))
+        self.adjust, self.hooks, self.depth = adjust, [], 0
+
+    def push(self, msg):
+        msg = self.adjust(msg)
+        self.depth += 1
+        try:
+            if self.depth == 1:
+                self.out.next(msg)
+            else:
+                # §12.6: a message emitted here while this stream is still delivering another
+                # (e.g. an error handler fed from __error__ that fails) goes to the host only.
+                self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
+            for hook in self.hooks:
+                hook(msg)
+        finally:
+            self.depth -= 1
+
+
+class GraphParticipant(_Node):
+    """A graph route fed by a merge, split, pipeline or the default router (§6, §7).
+
+    Each message runs the graph once (pure=True in pure graph mode, §6.9); the run's output
+    (GraphRun.output, chosen by [graphs]) continues as this stream's message.
+    """
+
+    def __init__(self, net, name, graph):
+        super().__init__(net, name, Stream(name))
+        self.graph = graph
+
+    def push(self, msg):
+        rt = self.net.rt
+        try:
+            run = self.graph.run(msg.content, resolve_context(msg, rt), pure=self.net.pure)
+        except Exception as exc:        # §12.2.3 boundary
+            self.net.fail(self.name, msg, exc)
+            return
+        out = msg.copy(content=run.output, source_stream=self.name)
+        out.metadata["graph"] = self.name
+        if not self.net.pure:       # §6.10: the run's final state on __<graph>_state__
+            self.net._graph_event(f"__{self.name}_state__", Message(
+                run.state, {"graph": self.name}, f"__{self.name}_state__", rt.clock.now()))
+        self.out.next(out)
+
+    def describe(self):
+        return f"{self.name}: graph"
+
+
+def default_router(rt):
+    """The §9.3 default_router: a host/Runtime setting first, else the document's key."""
+    name = getattr(rt, "default_router", None)
+    if name is None and isinstance(rt.doc.data, dict):
+        name = rt.doc.data.get("default_router")
+    return name if isinstance(name, str) else None
+
+
+def publication_links(routes):
+    """§5.5: each publication target receives every emission of its route."""
+    links = []
+    for name, cfg in routes.items():
+        if route_type(cfg) == "stream":
+            for i, target in enumerate(cfg.get("publications") or []):
+                links.append((name, target, None, ("routes", name, "publications", i)))
+    # Subscriptions are validated by check_streams and never wired (§5.5).
+    return links
 
 # §5.6 Bridge routes -----------------------------------------------------------------------
-# [streams]
+# §5.6 tables: expression fields -> parameters the expression takes (§13.2.2).
+BRIDGE_EXPRESSIONS = {
+    "state_extractor": 1,
+    "state_flattener": 1,
+}
+BRIDGE_CONDITION_EXPRESSIONS = {
+    "custom_predicate": 2,      # (message, route configuration)
+}
+
+
+def check_bridge(doc, cfg, path, rt=None):
+    """§5.6: bridges are advisory (never acted on here), but their expressions must compile.
+
+    {type: bridge, upgrade_conditions: {custom_predicate: "lambda m, cfg: ..."},
+     state_extractor: "lambda s: ...", state_flattener: "lambda s: ..."}
+    """
+    for key, nparams in BRIDGE_EXPRESSIONS.items():
+        if cfg.get(key) is not None:
+            _compile_located(doc, cfg[key], nparams, rt, path + (key,))
+    for group in ("upgrade_conditions", "downgrade_conditions"):
+        conds = cfg.get(group)
+        if conds is None:
+            continue
+        if not isinstance(conds, dict):
+            raise doc.error(ConfigurationError, path + (group,), f"{group} must be a mapping",
+                            "5.6")
+        for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
+            if conds.get(key) is not None:
+                _compile_located(doc, conds[key], nparams, rt, path + (group, key))
 
 
 # =====================================================================================
@@ -2239,55 +3791,1386 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §6.1 Graph route structure -------------------------------------------------------------
-# [graphs] class GraphRoute; §6.2-§6.11 below.
+# A graph route is run by one small executor (GraphRoute.run): it walks the graph step by step,
+# one "next-node set" at a time (§6.7), applies each node's result to the one state of the route
+# (§6.3), then follows every edge whose condition holds (§6.5). The handlers, the state rules,
+# the checkpoint files, the guards and the setup analysis live under their own banners below.
+
+# The §6.1 table: field -> default ("required" marks the two fields without one).
+GRAPH_FIELDS = {
+    "type": "required",
+    "nodes": "required",
+    "edges": "required",
+    "entry_point": "start",
+    "checkpointing": False,
+    "checkpoint_dir": None,
+    "enable_time_travel": False,
+    "parallel_execution": True,
+    "state_class": None,
+    "bridge": None,
+    "metadata": {},
+    "template_config": None,
+}
+
+
+# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
+class GraphRun:
+    """What one execution of a graph route gives back.
+
+    `output` is the consumer-facing result (the run's latest output, §6.8/Q28), `state` a snapshot
+    of the graph state at the end (messages list and metadata copied one level deep), `history`
+    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None).
+    """
+
+    __slots__ = ("output", "state", "history", "stopped")
+
+    def __init__(self, output, state, history, stopped=None):
+        self.output, self.state, self.history, self.stopped = output, state, history, stopped
+
+    def __repr__(self):
+        return (f"GraphRun(output={self.output!r}, history={self.history!r}, "
+                f"stopped={self.stopped!r})")
+
+
+class _RunTrace:
+    """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
+
+    __slots__ = ("history", "seen", "depth", "output", "stopped")
+
+    def __init__(self, output):
+        self.history = []
+        self.seen = set()
+        self.depth = 0
+        self.output = output
+        self.stopped = None
+
+
+class GraphRoute:
+    """§6: one graph route -- its analysed structure, its one persistent state, and its executor.
+
+    `{type: graph, nodes: {...}, edges: [...], entry_point: start, checkpointing: false, ...}`
+    """
+
+    def __init__(self, name, cfg, rt, path=None):
+        self.name = name
+        self.cfg = cfg
+        self.rt = rt
+        self.path = tuple(path or ("routes", name))
+        check_graph(rt.doc, name, cfg, self.path, set(rt.agents))
+        self._warn_unknown_keys()
+        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+        self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
+        self.edges = build_edges(self)                      # [GraphEdge] in declaration order
+        self.analysis = analyse_graph(self)                 # §6.11
+        self.forward = self.analysis.forward
+        self.parallel_execution = bool(cfg.get("parallel_execution", True))
+        self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
+        self.state = new_graph_state(resolve_state_class(self))
+        self.time_travel = bool(cfg.get("enable_time_travel", False))
+        self.snapshots = []                                  # §6.6 time travel, oldest first
+        self.checkpoint_dir = None
+        if cfg.get("checkpointing"):
+            self.checkpoint_dir = Path(rt.workdir) / str(cfg["checkpoint_dir"])
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+        self._checkpoint_seq = 0
+        self.observers = []                                  # §6.10 node-event listeners
+        self._pool = None                                    # §6.7 worker threads, made on demand
+        self._lock = threading.RLock()                       # one run or update at a time
+
+    # -- executing -------------------------------------------------------------------------
+    def run(self, content, ctx=None, *, pure=False):
+        """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
+
+        `ctx` is the invocation context (the message's metadata.context, §10.2); it becomes
+        state.metadata.context by reference and, after the run, is replaced in place by the final
+        metadata (§6.9 item 3). pure=True: the active context rt.context is the one replaced.
+        """
+        target_ctx = self.rt.context if (pure or ctx is None) else ctx
+        with self._lock:
+            begin_run(self.state, content, target_ctx)
+            trace = _RunTrace(content)
+            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            return self._continue(first, trace, target_ctx)
+
+    def resume(self, ctx=None, *, pure=False):
+        """Continue an interrupted run from a restored state: follow the edges out of
+        state.current_node with metadata.last_output as the message (§6.6 recovery)."""
+        target_ctx = self.rt.context if (pure or ctx is None) else ctx
+        with self._lock:
+            metadata = self.state["metadata"]
+            metadata["context"] = target_ctx
+            node, output = self.state.get("current_node"), metadata.get("last_output", "")
+            done = node in (None, END_NODE) or node not in self.nodes
+            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+
+    def _continue(self, results, trace, target_ctx):
+        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        while results and trace.stopped is None:
+            frontier = self._next_nodes(results, trace)
+            if not frontier:
+                break
+            results = self._step(frontier, trace)
+        replace_active_context(self.state, target_ctx)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
+
+    def run_node(self, node_name, content, ctx=None):
+        """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
+        name = normalize_node_name(node_name)
+        node = self.nodes.get(name)
+        if node is None:
+            raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
+                                 path=path_str(self.path), section="5.3.2")
+        if node.type in (START_NODE, END_NODE):
+            return content                          # they pass the message on, updating nothing
+        with self._lock:
+            self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
+            result = node.handler(self, node, content, self.state)
+            if result is not None:
+                self._apply(node, content, result)
+            return content if result is None else result.output
+
+    def _step(self, frontier, trace):
+        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        state = self.state
+        relaxed = guards_relaxed(state)
+        admitted = []
+        for name, message in frontier:
+            node = self.nodes[name]
+            stop = guard_before_node(self, node, message, trace, relaxed)
+            if stop:
+                break
+            admitted.append((node, message))
+        if len(admitted) == 1:                  # the common case: no set to schedule
+            outcomes = [call_node(self, *admitted[0], state)]
+        else:
+            outcomes = run_next_node_set(self, admitted, state)
+        results = []
+        for (node, message), (result, error) in zip(admitted, outcomes):
+            if error is not None:
+                state["error"] = str(error)
+                raise error
+            if node.type != "start":
+                trace.history.append(node.name)
+            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
+                results.append((node.name, message))
+                continue
+            if node.type != "start":
+                self._apply(node, message, result)
+            trace.output = result.output
+            results.append((node.name, result.output))
+            if guard_after_node(self, node, result.output, trace, relaxed):
+                break
+        return results
+
+    def _next_nodes(self, results, trace):
+        """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
+        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # ends when no branch is left.
+        frontier, taken = [], set()
+        state = self.state
+        for name, output in results:
+            view = None
+            for edge in self.forward[name]:
+                if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
+                    continue
+                if edge.condition is not None:
+                    if view is None:
+                        view = {"messages": state["messages"], "metadata": state["metadata"],
+                                "_condition_content": output}
+                    if not evaluate_condition(edge.condition, "edge", view, self.rt, edge.path):
+                        continue
+                taken.add(edge.target)
+                if edge.target != END_NODE:
+                    frontier.append((edge.target, output))
+        return frontier
+
+    def _apply(self, node, message, result):
+        """Apply one node result to the state: one state update (§6.3, Q42/Q43)."""
+        state = self.state
+        metadata = state["metadata"]
+        if result.metadata:
+            metadata.update(result.metadata)
+        if result.removed:
+            for key in result.removed:
+                metadata.pop(key, None)
+        if result.set_state:
+            merge_values(metadata, result.set_state)
+        metadata["current_node"] = node.name
+        metadata["current_message"] = message
+        metadata["last_output"] = result.output
+        messages = state["messages"]
+        if result.last_content is not None and messages:
+            messages[-1] = {**messages[-1], "content": result.last_content}
+        if result.messages:
+            messages.extend(result.messages)
+            if len(messages) > MAX_STATE_MESSAGES:
+                del messages[:len(messages) - MAX_STATE_MESSAGES]
+        state["current_node"] = node.name
+        self._updated()
+        if self.observers:
+            notify_node_event(self, node, result.output)
+
+    def _updated(self):
+        """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
+        state = self.state
+        state["execution_count"] += 1
+        if self.time_travel:
+            self.snapshots.append(copy_state_for_history(state))
+            if len(self.snapshots) > MAX_SNAPSHOTS:
+                del self.snapshots[0]                 # §6.6: first in, first out
+        if self.checkpoint_dir is not None and state["execution_count"] % CHECKPOINT_EVERY == 0:
+            self.checkpoint()
+
+    # -- state, checkpoints, time travel (§6.3, §6.6) ------------------------------------
+    def update_state(self, content, mode="merge"):
+        """Apply `content` as one state update (the state_update operator, §5.3.2, §6.3.2)."""
+        with self._lock:
+            apply_state_update(self.state, state_update_from_content(content), mode)
+            self._updated()
+
+    def checkpoint(self):
+        """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
+        if self.checkpoint_dir is None:
+            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is "
+                                 "off)", path=path_str(self.path), section="6.6")
+        with self._lock:
+            return write_checkpoint(self, self.state)
+
+    def checkpoints(self):
+        """Checkpoint files of this graph, oldest first; the last is the latest (§6.6 item 3)."""
+        if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
+            return []
+        return sorted(self.checkpoint_dir.glob(CHECKPOINT_GLOB))
+
+    def restore(self, path=None):
+        """Replace the state by a checkpoint file's (default: the latest); return the path used."""
+        with self._lock:
+            return restore_checkpoint(self, path)
+
+    def rewind(self, steps=1):
+        """§6.6 time travel: go back `steps` state updates; later snapshots are dropped."""
+        with self._lock:
+            rewind_state(self, steps)
+
+    # -- seeing it ---------------------------------------------------------------------------
+    def mermaid(self):
+        """Lines of a Mermaid flowchart `subgraph` for this graph (nodes, edges, entry, end)."""
+        return mermaid_graph(self)
+
+    def internal_stream_names(self):
+        """§6.10 reserved names of this graph's internal streams."""
+        return internal_stream_names(self.name, self.nodes)
+
+    def _warn_unknown_keys(self):
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
+        for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
+            known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
+            for key in node_cfg:
+                if key not in known and key not in NODE_COMMON_FIELDS:
+                    self.rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
+                                 section="6.2", path=self.path + ("nodes", node_name, key))
+        for index, edge_cfg in enumerate(self.cfg.get("edges") or []):
+            for key in edge_cfg:
+                if key not in EDGE_FIELDS:
+                    self.rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
+                                 path=self.path + ("edges", index, key))
+
+    def close(self):
+        """Stop the worker threads (§12.1 cleanup)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 # §6.2 Nodes -------------------------------------------------------------------------------
-# [graphs]
+class GraphNode:
+    """One node, prepared at setup: type, handler, and the fields its handler reads."""
+
+    __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
+                 "retry_delay", "timeout", "max_history_messages", "max_history_chars",
+                 "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
+                 "path")
+
+    def __init__(self, name, node_type, cfg, path):
+        self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
+        self.handler = NODE_TYPES[node_type]
+        self.parallel = bool(cfg.get("parallel", False))
+        self.is_router = node_type == "message_router"
+        self.agent = cfg.get("agent")
+        policy = cfg.get("retry_policy")
+        self.retries = int(policy.get("max_retries", 3)) if isinstance(policy, dict) else 0
+        self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0
+        self.timeout = cfg.get("timeout")
+        meta = cfg.get("metadata") or {}
+        self.max_history_messages = int(meta.get("max_history_messages", 20))   # §6.2.2.1
+        self.max_history_chars = int(meta.get("max_history_chars", 12000))
+        self.rules = compile_router_rules(cfg, path) if self.is_router else ()
+        self.function = cfg.get("function")
+        tools = cfg.get("tools", [])
+        self.tools = [tools] if isinstance(tools, str) else list(tools or [])
+        self.condition = cfg.get("condition")
+        self.graph = cfg.get("graph")
+        self.routes_only_to_router = False          # set by the §6.11 analysis
+
+
+class NodeResult:
+    """What a node handler returns; GraphRoute._apply turns it into one state update.
+
+    output: the text passed on along the edges; metadata: keys written to state.metadata (the
+    node's value wins); set_state: merged into state.metadata (§6.2.6.3); messages: appended to
+    state.messages; last_content: new content for the last state message (§6.2.6.4).
+    """
+
+    __slots__ = ("output", "metadata", "set_state", "messages", "last_content", "removed")
+
+    def __init__(self, output, metadata=None, set_state=None, messages=None, last_content=None,
+                 removed=None):
+        self.output = output
+        self.removed = removed
+        self.metadata = metadata
+        self.set_state = set_state
+        self.messages = messages
+        self.last_content = last_content
+
+
+START_NODE = "start"
+END_NODE = "end"
+# START/start and END/end name the same two nodes (§6.4).
+NODE_NAME_ALIASES = {"START": START_NODE, "start": START_NODE, "END": END_NODE, "end": END_NODE}
+
+
+def normalize_node_name(name):
+    """§6.4 START/END normalisation; every other name is kept as written."""
+    return NODE_NAME_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def build_nodes(graph):
+    """Prepared GraphNode objects; start and end added when absent (§6.2.1)."""
+    declared = {}
+    for name, node_cfg in graph.cfg["nodes"].items():
+        declared[normalize_node_name(name)] = GraphNode(
+            normalize_node_name(name), str(node_cfg["type"]).lower(), node_cfg,
+            graph.path + ("nodes", name))
+    nodes = {}
+    for name in (START_NODE, *declared, END_NODE):        # start first, end last
+        nodes[name] = declared.get(name) or GraphNode(name, name, {"type": name},
+                                                      graph.path + ("nodes", name))
+    return nodes
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
-# [graphs]
+def node_start(graph, node, message, state):
+    """§6.2.1 start: receives the initial message and hands it on. `{type: start}`"""
+    return NodeResult(message)
+
+
+def node_end(graph, node, message, state):
+    """§6.2.1 end: reached through an edge it closes its branch (the executor never runs it)."""
+    return NodeResult(message)
 
 # §6.2.2 Agent nodes -------------------------------------------------------------------
-# [graphs]
+# The keys the agent node adds to the agent's context and never copies back (§6.2.2 item 3).
+AGENT_NODE_RESERVED_KEYS = frozenset({
+    "graph_state", "conversation_history", "full_context",
+    "_history_truncated", "_history_original_length"})
+
+
+def trim_history(messages, max_messages, max_chars, end=None):
+    """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
+    `max_chars` characters."""
+    end = len(messages) if end is None else end
+    history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
+    try:                                     # the common case: string contents within budget
+        if len("".join([entry["content"] for entry in history])) <= max_chars:
+            return history
+    except (KeyError, TypeError):
+        pass
+    total = 0
+    for index in range(len(history) - 1, -1, -1):
+        total += len(str(history[index].get("content", "")))
+        if total > max_chars:
+            history = history[index + 1:]
+            break
+    return history
+
+
+def agent_node_context(node, state, message):
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
+    ctx = dict(nested) if isinstance(nested, dict) else {}
+    ctx.update(metadata)
+    messages = state["messages"]
+    # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
+    # receives; when the newest state message is that message, it is the input, not history.
+    end = len(messages)
+    if end and messages[-1].get("content") == message:
+        end -= 1
+    history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
+    ctx["graph_state"] = {"messages": history, "metadata": metadata,
+                          "current_node": state["current_node"],
+                          "execution_count": state["execution_count"], "error": state["error"]}
+    ctx["conversation_history"] = history
+    ctx["full_context"] = True
+    if len(history) < end:
+        ctx["_history_truncated"] = True
+        ctx["_history_original_length"] = end
+    return ctx
+
+
+def context_changes(before, after):
+    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
+    get = before.get
+    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
+    if changes:
+        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
+            del changes[key]
+    removed = before.keys() - after.keys()
+    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+
+
+def invoke_with_timeout(agent, content, ctx, timeout):
+    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread)."""
+    if timeout is None:
+        return agent.invoke(content, ctx)
+    box = {}
+
+    def call():
+        try:
+            box["value"] = agent.invoke(content, ctx)
+        except BaseException as exc:  # handed back to the caller's thread below
+            box["error"] = exc
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(float(timeout))
+    if worker.is_alive():
+        raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def node_agent(graph, node, message, state):
+    """§6.2.2 run the named agent on the current message with the graph-built context.
+
+    `{type: agent, agent: <name>, retry_policy: {max_retries: 3, delay: 1.0}, timeout: <s>,
+    parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
+    """
+    agent = graph.rt.agents[node.agent]
+    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
+    # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
+    # failed attempt's context changes are dropped; after the last one the run fails (state.error).
+    attempt = 0
+    while True:
+        ctx = agent_node_context(node, state, message)
+        before = dict(ctx)
+        try:
+            reply = invoke_with_timeout(agent, message, ctx, node.timeout)
+            break
+        except Exception as exc:
+            if attempt >= node.retries:
+                if isinstance(exc, ActorError):
+                    raise
+                raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
+                                     f"'{node.agent}' failed: {exc}", section="6.2.2") from exc
+            attempt += 1
+            if graph.rt.clock.real and node.retry_delay > 0:
+                time.sleep(node.retry_delay)        # a real wait between attempts
+    reply = reply if isinstance(reply, str) else str(reply)
+    changes, removed = context_changes(before, ctx)
+    changes["last_agent_node"] = node.name                     # §6.2.2 item 4
+    # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
+    return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
+                      removed=removed or None)
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
-# [graphs]
+def function_summarize(state):
+    """summarize: metadata.summary = "Summary of N messages"."""
+    return {"summary": f"Summary of {len(state['messages'])} messages"}
+
+
+def function_route(state):
+    """route: metadata.route = "question" when the last message holds '?', else "statement"."""
+    messages = state["messages"]
+    last = str(messages[-1].get("content", "")) if messages else ""
+    return {"route": "question" if "?" in last else "statement"}
+
+
+def function_validate(state):
+    """validate: metadata.valid = whether the last message has non-blank content."""
+    # INTERPRETATION §6.2.3 (Q38): valid iff the latest state message has non-blank content.
+    messages = state["messages"]
+    return {"valid": bool(messages) and bool(str(messages[-1].get("content", "")).strip())}
+
+
+# The §6.2.3 table: the built-in functions every implementation supports.
+FUNCTIONS = {
+    "summarize": function_summarize,
+    "route": function_route,
+    "validate": function_validate,
+}
+
+
+def node_function(graph, node, message, state):
+    """§6.2.3 run a built-in function over the state; unknown names add nothing.
+
+    `{type: function, function: summarize|route|validate}`
+    """
+    function = FUNCTIONS.get(node.function)
+    return NodeResult(message, metadata=function(state) if function else {})
+
+
+def node_tool(graph, node, message, state):
+    """§6.2.3 record one `Executed <name>` entry per named tool in metadata.tool_results.
+
+    `{type: tool, tools: [<name>, ...]}`
+    """
+    # INTERPRETATION §6.2.3 (Q37): the names come from `tools`; nothing runs, the entries are
+    # the fixed records the section prescribes.
+    results = [{"tool": name, "result": f"Executed {name}"} for name in node.tools]
+    return NodeResult(message, metadata={"tool_results": results})
 
 # §6.2.4 Conditional nodes -------------------------------------------------------------
-# [graphs]
+def node_conditional(graph, node, message, state):
+    """§6.2.4 evaluate the condition on the state into metadata.condition_result.
+
+    `{type: conditional, condition: {type: has_messages}}`
+    """
+    view = {"messages": state["messages"], "metadata": state["metadata"],
+            "_condition_content": message}
+    result = evaluate_condition(node.condition, "node", view, graph.rt, node.path + ("condition",))
+    return NodeResult(message, metadata={"condition_result": bool(result)})
 
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
-# [graphs]
+def node_subgraph(graph, node, message, state):
+    """§6.2.5 mark a nested graph: metadata.subgraph = <graph>, subgraph_pending = true.
+
+    `{type: subgraph, graph: <graph_route_name>}`
+    """
+    # INTERPRETATION §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
+    return NodeResult(message, metadata={"subgraph": node.graph, "subgraph_pending": True})
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
-# [graphs]
+def match_prefix(text, pattern, regex):
+    return text.startswith(pattern)
+
+
+def match_suffix(text, pattern, regex):
+    return text.endswith(pattern)
+
+
+def match_contains(text, pattern, regex):
+    return pattern in text
+
+
+def match_regex(text, pattern, regex):
+    return regex.search(text)
+
+
+def match_exact(text, pattern, regex):
+    return text == pattern
+
+
+def extract_prefix(text, pattern, separator, found):
+    """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
+    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
+    if separator and text.startswith(pattern + separator):
+        return text[len(pattern) + len(separator):]
+    return text[len(pattern):]
+
+
+def extract_suffix(text, pattern, separator, found):
+    return text[:len(text) - len(pattern)]
+
+
+def extract_contains(text, pattern, separator, found):
+    """The text after the first `pattern + separator`; the whole text when that is absent."""
+    marker = pattern + separator
+    at = text.find(marker)
+    return text[at + len(marker):] if at >= 0 else text
+
+
+def extract_regex(text, pattern, separator, found):
+    """The first capture group when the pattern has one, else the whole message."""
+    if found.re.groups:
+        return found.group(1) or ""
+    return text
+
+
+def extract_exact(text, pattern, separator, found):
+    return ""
+
+
+# The §6.2.6.2 table: match_type -> (matcher, default extraction). Rows in the spec's order.
+MATCH_TYPES = {
+    "prefix":   (match_prefix,   extract_prefix),
+    "suffix":   (match_suffix,   extract_suffix),
+    "contains": (match_contains, extract_contains),
+    "regex":    (match_regex,    extract_regex),
+    "exact":    (match_exact,    extract_exact),
+}
+
+
+class RouterRule:
+    """A message_router rule with its regex compiled at setup."""
+
+    __slots__ = ("match", "extract", "pattern", "regex", "target", "extract_message",
+                 "separator", "set_state")
+
+    def __init__(self, rule):
+        self.match, self.extract = MATCH_TYPES[str(rule["match_type"]).lower()]
+        self.pattern = str(rule["pattern"])
+        self.regex = re.compile(self.pattern) if self.match is match_regex else None
+        self.target = normalize_node_name(rule["target"])
+        self.extract_message = bool(rule.get("extract_message", True))
+        self.separator = str(rule.get("separator", ":"))
+        self.set_state = rule.get("set_state")
+
+
+def compile_router_rules(cfg, path):
+    return tuple(RouterRule(rule) for rule in cfg.get("rules") or ())
+
+
+def node_message_router(graph, node, message, state):
+    """§6.2.6 first matching rule sets next_node, rewrites the message, applies set_state.
+
+    `{type: message_router, rules: [{match_type: prefix, pattern: CODE, target: code,
+    extract_message: true, separator: ":", set_state: {...}}]}`
+    """
+    text = message if isinstance(message, str) else str(message)
+    for rule in node.rules:                                     # §6.2.6.1 declaration order
+        found = rule.match(text, rule.pattern, rule.regex)
+        if not found:
+            continue
+        extracted = rule.extract(text, rule.pattern, rule.separator, found) \
+            if rule.extract_message else text
+        # INTERPRETATION §6.2.6.3 (Q35): set_state is written into state.metadata.
+        return NodeResult(extracted, metadata={"next_node": rule.target},
+                          set_state=rule.set_state, last_content=extracted)
+    return None                                                  # §6.2.6.4: state unchanged
+
+
+# The §6.2 table: node type (matched case-insensitively) -> handler. Rows in the spec's order.
+NODE_TYPES = {
+    "start":          node_start,
+    "end":            node_end,
+    "agent":          node_agent,
+    "function":       node_function,
+    "tool":           node_tool,
+    "conditional":    node_conditional,
+    "subgraph":       node_subgraph,
+    "message_router": node_message_router,
+}
+
+# Keys each node type reads (anything else on a node draws a warning).
+NODE_COMMON_FIELDS = ("type", "metadata", "parallel", "description")
+NODE_FIELDS = {
+    "start": (),
+    "end": (),
+    "agent": ("agent", "retry_policy", "timeout"),
+    "function": ("function",),
+    "tool": ("tools",),
+    "conditional": ("condition",),
+    "subgraph": ("graph", "params"),
+    "message_router": ("rules",),
+}
 
 # §6.3 Graph state -------------------------------------------------------------------------
-# [graphs]
+# The §6.3.1 table: field -> default (a fresh copy per state).
+GRAPH_STATE_FIELDS = {
+    "messages": list,
+    "metadata": dict,
+    "current_node": lambda: None,
+    "execution_count": lambda: 0,
+    "error": lambda: None,
+}
+MAX_STATE_MESSAGES = 50
+
+# Schemas "known to the host" (§6.3.3).
+# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
+STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
+
+
+def new_graph_state(fields=GRAPH_STATE_FIELDS):
+    return {name: make() for name, make in fields.items()}
+
+
+def resolve_state_class(graph):
+    """§6.3.3 the state_class schema, or the default one with a warning when unknown."""
+    name = graph.cfg.get("state_class")
+    if name is None:
+        return GRAPH_STATE_FIELDS
+    if name in STATE_SCHEMAS:
+        return STATE_SCHEMAS[name]
+    graph.rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
+                  f"state", section="6.3.3", path=graph.path + ("state_class",))
+    return GRAPH_STATE_FIELDS
+
+
+def begin_run(state, content, ctx):
+    """A run starts: the global context joins the state, the input joins the messages."""
+    metadata = state["metadata"]
+    # INTERPRETATION §6.3.1 (Q32): state.metadata.context is the invocation context, by reference.
+    metadata["context"] = ctx
+    # INTERPRETATION §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the start.
+    metadata.pop("next_node", None)
+    if isinstance(ctx, dict):
+        ctx.pop("next_node", None)
+    metadata["current_message"] = content
+    # INTERPRETATION §6.2.1 (Q30): the start node's message joins state.messages as a user entry.
+    messages = state["messages"]
+    messages.append({"role": "user", "content": content})
+    if len(messages) > MAX_STATE_MESSAGES:
+        del messages[:len(messages) - MAX_STATE_MESSAGES]
+
+
+def merge_values(target, update):
+    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced."""
+    for key, value in update.items():
+        old = target.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            merge_values(old, value)
+        elif isinstance(value, list) and isinstance(old, list):
+            target[key] = old + value
+        else:
+            target[key] = value
+
+
+def update_replace(state, field, value):
+    state[field] = value
+
+
+def update_merge(state, field, value):
+    merge_values(state, {field: value})
+
+
+def update_append(state, field, value):
+    old = state.get(field)
+    if isinstance(old, list):
+        state[field] = old + (value if isinstance(value, list) else [value])
+    else:
+        update_merge(state, field, value)
+
+
+# The §6.3.2 table: mode -> how one field of an update is applied.
+UPDATE_MODES = {
+    "replace": update_replace,
+    "merge":   update_merge,
+    "append":  update_append,
+}
+
+
+def apply_state_update(state, update, mode="merge"):
+    """Apply a mapping to the state in one of the §6.3.2 modes; cap messages at 50 (§6.3.1)."""
+    # INTERPRETATION §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
+    # the 50-message cap holds after every mode, replace included.
+    if mode not in UPDATE_MODES:
+        raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+    apply = UPDATE_MODES[mode]
+    extra = {key: value for key, value in update.items() if key not in state}
+    for key, value in update.items():
+        if key in state:
+            apply(state, key, value)
+    if extra:
+        apply(state, "metadata", extra)
+    if not isinstance(state.get("messages"), list):
+        state["messages"] = []
+    if len(state["messages"]) > MAX_STATE_MESSAGES:
+        state["messages"] = state["messages"][-MAX_STATE_MESSAGES:]
+
+
+def state_update_from_content(content):
+    """What a state_update message means: a mapping (or JSON object text) is the update itself;
+    any other content is appended to messages as a user message."""
+    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # update changes the state the next run starts from.
+    if isinstance(content, str):
+        try:
+            parsed = json.loads(content)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            content = parsed
+    if isinstance(content, dict):
+        return content
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def snapshot_state(state):
+    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
+    return {"messages": list(state["messages"]), "metadata": dict(state["metadata"]),
+            "current_node": state["current_node"], "execution_count": state["execution_count"],
+            "error": state["error"]}
 
 # §6.4 Edges -------------------------------------------------------------------------------
-# [graphs]
+EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
+
+
+class GraphEdge:
+    __slots__ = ("source", "target", "condition", "path", "cfg")
+
+    def __init__(self, source, target, condition, path, cfg):
+        self.source, self.target, self.condition, self.path, self.cfg = \
+            source, target, condition, path, cfg
+
+
+def build_edges(graph):
+    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
+                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
+            for i, e in enumerate(graph.cfg.get("edges") or [])]
 
 # §6.5 Edge conditions -------------------------------------------------------------------
-# [graphs]
+# Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
+# it sees is {messages, metadata, _condition_content: the source node's output} (GraphRoute.
+# _next_nodes), so content_* conditions read the latest output and context_value reads
+# state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
+# INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+
+
+def describe_condition(cond):
+    """A short label for a condition, used on diagram edges."""
+    if not isinstance(cond, dict):
+        return ""
+    kind = str(cond.get("type", "always"))
+    if kind == "context_value":
+        return f"{cond.get('key')} = {cond.get('value')}"
+    for field in ("text", "pattern", "value", "key", "source"):
+        if field in cond:
+            return f"{kind} {cond[field]!r}" if isinstance(cond[field], str) \
+                else f"{kind} {cond[field]}"
+    return kind
 
 # §6.6 Checkpointing and time travel -----------------------------------------------------
-# [graphs]
+CHECKPOINT_EVERY = 10
+MAX_SNAPSHOTS = 100
+CHECKPOINT_GLOB = "checkpoint_*.json"
+
+
+def checkpoint_timestamp(rt):
+    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
+    import datetime
+    if rt.clock.real:
+        moment = datetime.datetime.now(datetime.timezone.utc)
+    else:
+        moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
+            datetime.timedelta(seconds=rt.clock.now())
+    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def checkpoint_sequence(path):
+    match = re.search(r"-(\d+)\.json$", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def write_checkpoint(graph, state):
+    """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json."""
+    # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
+    # sequence continues past the newest file already there, so names stay unique and sortable.
+    directory = graph.checkpoint_dir
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = graph.checkpoints()
+    if existing:
+        graph._checkpoint_seq = max(graph._checkpoint_seq, checkpoint_sequence(existing[-1]))
+    graph._checkpoint_seq += 1
+    stamp = checkpoint_timestamp(graph.rt)
+    name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    if existing and name <= existing[-1].name:         # the clock went back: keep the order
+        stamp = existing[-1].name[len("checkpoint_"):-len("-000000.json")]
+        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    final = directory / name
+    text = json.dumps(state, default=str, ensure_ascii=False, indent=1)
+    temp = directory / f".{final.name}.tmp"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, final)
+    return final
+
+
+def restore_checkpoint(graph, path=None):
+    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state."""
+    if path is None:
+        found = graph.checkpoints()
+        if not found:
+            raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
+                                   path=path_str(graph.path), section="6.6")
+        path = found[-1]
+    path = Path(path)
+    if not path.is_absolute():
+        path = Path(graph.rt.workdir) / path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                               path=path_str(graph.path), section="6.6") from exc
+    if not isinstance(data, dict):
+        raise ApplicationError(f"{path} does not hold a graph state", section="6.6")
+    state = new_graph_state()
+    for key in state:
+        if key in data:
+            state[key] = data[key]
+    # INTERPRETATION §6.6 (Q42): the stored context copy is kept until the next run re-attaches
+    # the live context (Q32).
+    graph.state = state
+    return path
+
+
+def copy_state_for_history(state):
+    """A time-travel snapshot: messages and metadata copied, the live context left out."""
+    metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
+    return {"messages": list(state["messages"]), "metadata": metadata,
+            "current_node": state["current_node"], "execution_count": state["execution_count"],
+            "error": state["error"]}
+
+
+def rewind_state(graph, steps):
+    """§6.6 time travel: restore the state as it was `steps` updates ago."""
+    if not graph.time_travel:
+        raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
+                               path=path_str(graph.path), section="6.6")
+    steps = int(steps)
+    if steps < 1 or steps >= len(graph.snapshots):
+        raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
+                               f"steps, not {steps}", path=path_str(graph.path), section="6.6")
+    del graph.snapshots[len(graph.snapshots) - steps:]
+    chosen = graph.snapshots[-1]
+    context = graph.state["metadata"].get("context")
+    state = {"messages": list(chosen["messages"]), "metadata": copy.deepcopy(chosen["metadata"]),
+             "current_node": chosen["current_node"], "execution_count": chosen["execution_count"],
+             "error": chosen["error"]}
+    if context is not None:
+        state["metadata"]["context"] = context
+    graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
-# [graphs]
+def run_next_node_set(graph, admitted, state):
+    """§6.7: the parallel:true nodes of the set run together on threads, the others one after
+    another; every node reads the state as it was before the set, and the outcomes come back in
+    the set's order as (NodeResult|None, error|None)."""
+    # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
+    # declaration (edge) order after all of them finished, and a node reached by several
+    # edges of the same step runs once.
+    parallel = []
+    if graph.parallel_execution and len(admitted) > 1:
+        parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
+    if len(parallel) < 2:
+        parallel = []
+    outcomes = [None] * len(admitted)
+    futures = {}
+    if parallel:
+        if graph._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
+        for i in parallel:
+            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
+    for i, (node, message) in enumerate(admitted):
+        if i not in futures:
+            outcomes[i] = call_node(graph, node, message, state)
+    for i, future in futures.items():
+        outcomes[i] = future.result()
+    return outcomes
+
+
+def call_node(graph, node, message, state):
+    """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
+    try:
+        return node.handler(graph, node, message, state), None
+    except ActorError as exc:
+        return None, exc
+    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
+        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
+                                    section="6.2")
+
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
-# [graphs]
+# Output fragments that show an agent asked for more routing (§6.8 item 4).
+ROUTING_TOKENS = ("GOTO_", "ROUTE_", "SET_", "CMD_", "DISCOVERY_RESPONSE",
+                  "AUTO_SECTIONS_COMPLETE", "COMMAND_OUTPUT")
+FINGERPRINT_CHARS = 200
+
+
+def guards_relaxed(state):
+    """auto_finish_active, read from state.metadata, then its nested context (Q39)."""
+    metadata = state["metadata"]
+    if "auto_finish_active" in metadata:
+        return bool(metadata["auto_finish_active"])
+    nested = metadata.get("context")
+    return bool(nested.get("auto_finish_active")) if isinstance(nested, dict) else False
+
+
+def guard_before_node(graph, node, message, trace, relaxed):
+    """Items 1 and 2, checked before a node runs; True (and trace.stopped set) stops the run."""
+    # INTERPRETATION §6.8 (Q39): the guards count per run; depth is the number of node
+    # executions; a revisit is caught before the repeated node runs and fingerprints the
+    # message the node is about to receive; "router" means a message_router node.
+    if node.type == "start":
+        return False
+    trace.depth += 1
+    if trace.depth > graph.max_depth:
+        graph.rt.warn(f"graph '{graph.name}' exceeded its recursion bound of {graph.max_depth} "
+                      f"node executions; returning the latest output", section="6.8",
+                      path=graph.path)
+        trace.stopped = "recursion"
+        return True
+    if not node.is_router and not relaxed:
+        text = message if isinstance(message, str) else str(message)
+        key = (node.name, text[:FINGERPRINT_CHARS])
+        if key in trace.seen:
+            trace.stopped = "revisit"
+            return True
+        trace.seen.add(key)
+    return False
+
+
+def guard_after_node(graph, node, output, trace, relaxed):
+    """Items 3 and 4, checked after a node ran; True (and trace.stopped set) stops the run."""
+    if node.type != "agent":
+        return False
+    history = trace.history
+    if not relaxed and len(history) >= 4 and history[-1] == history[-3] == node.name:
+        if graph.nodes[history[-2]].is_router and graph.nodes[history[-4]].is_router:
+            trace.stopped = "ping-pong"
+            return True
+    if node.routes_only_to_router:
+        text = output if isinstance(output, str) else str(output)
+        if not any(token in text for token in ROUTING_TOKENS):
+            trace.output = output
+            trace.stopped = "return-without-routing"
+            return True
+    return False
 
 # §6.9 Pure graph mode -------------------------------------------------------------------
-# [graphs]
+def replace_active_context(state, ctx):
+    """§6.9 item 3: the final metadata replaces the context in place, nested keys merged up."""
+    # INTERPRETATION §6.9 (Q33): top-level metadata keys win over nested context keys; graph
+    # keys (last_output, last_agent_node, ...) are kept for inspection; this happens after
+    # every run, pure or mixed, so both modes look the same.
+    if not isinstance(ctx, dict):
+        return
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    merged = dict(nested) if isinstance(nested, dict) else {}
+    for key, value in metadata.items():
+        if key != "context":
+            merged[key] = value
+    ctx.clear()
+    ctx.update(merged)
+    metadata["context"] = ctx
 
 # §6.10 Graph-internal streams ---------------------------------------------------------
-# [graphs]
+def internal_stream_names(graph_name, node_names):
+    """The reserved per-node, control and state stream names of one graph (§6.10, §15.6)."""
+    names = [f"__{graph_name}_node_{node}__" for node in node_names]
+    return names + [f"__{graph_name}_control__", f"__{graph_name}_state__"]
+
+
+def notify_node_event(graph, node, output):
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    stream = f"__{graph.name}_node_{node.name}__"
+    msg = Message(output, {"graph": graph.name, "node": node.name,
+                           "execution_count": graph.state["execution_count"]},
+                  source_stream=stream, timestamp=graph.rt.clock.now())
+    for listener in list(graph.observers):
+        listener(stream, msg)
 
 # §6.11 Graph analysis -------------------------------------------------------------------
-# [graphs]
+class GraphAnalysis:
+    """§6.11 results: adjacency both ways, cycles, topological levels, unreachable nodes."""
+
+    __slots__ = ("forward", "reverse", "has_cycles", "back_edges", "levels", "unreachable")
+
+
+def analyse_graph(graph):
+    nodes, edges = graph.nodes, graph.edges
+    result = GraphAnalysis()
+    result.forward = {name: [] for name in nodes}                     # item 1
+    result.reverse = {name: [] for name in nodes}
+    for edge in edges:
+        result.forward[edge.source].append(edge)
+        result.reverse[edge.target].append(edge)
+    result.back_edges = find_back_edges(graph.entry, nodes, result.forward)   # item 2
+    result.has_cycles = bool(result.back_edges)
+    result.levels = topological_levels(nodes, edges, result.back_edges)       # item 3
+    reached = reachable_from(graph.entry, result.forward)                     # item 4
+    result.unreachable = [name for name in nodes
+                          if name not in reached and name not in implicit_names(graph)]
+    if result.unreachable:
+        graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
+                      + ", ".join(result.unreachable), section="6.11", path=graph.path)
+    for name, node in nodes.items():                                         # for §6.8 item 4
+        out = result.forward[name]
+        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    return result
+
+
+def implicit_names(graph):
+    declared = {normalize_node_name(name) for name in graph.cfg["nodes"]}
+    return {START_NODE, END_NODE} - declared
+
+
+def reachable_from(entry, forward):
+    seen, todo = {entry}, [entry]
+    while todo:
+        for edge in forward.get(todo.pop(), ()):
+            if edge.target not in seen:
+                seen.add(edge.target)
+                todo.append(edge.target)
+    return seen
+
+
+def find_back_edges(entry, nodes, forward):
+    """Edges that close a cycle, by depth-first search from the entry, then from the rest."""
+    colour = {name: 0 for name in nodes}         # 0 new, 1 on the current path, 2 done
+    back = []
+    for root in [entry] + list(nodes):
+        if colour.get(root) != 0:
+            continue
+        colour[root] = 1
+        stack = [(root, iter(forward[root]))]
+        while stack:
+            name, edges = stack[-1]
+            edge = next(edges, None)
+            if edge is None:
+                colour[name] = 2
+                stack.pop()
+            elif colour[edge.target] == 1:
+                back.append(edge)
+            elif colour[edge.target] == 0:
+                colour[edge.target] = 1
+                stack.append((edge.target, iter(forward[edge.target])))
+    return back
+
+
+def topological_levels(nodes, edges, back_edges):
+    """Nodes grouped by longest distance from a source once cycle-closing edges are set aside."""
+    skip = set(map(id, back_edges))
+    indegree = {name: 0 for name in nodes}
+    succ = {name: [] for name in nodes}
+    for edge in edges:
+        if id(edge) not in skip:
+            indegree[edge.target] += 1
+            succ[edge.source].append(edge.target)
+    level = {name: 0 for name in nodes if indegree[name] == 0}
+    ready = [name for name in nodes if indegree[name] == 0]
+    while ready:
+        name = ready.pop(0)
+        for target in succ[name]:
+            level[target] = max(level.get(target, 0), level[name] + 1)
+            indegree[target] -= 1
+            if indegree[target] == 0:
+                ready.append(target)
+    levels = []
+    for name in nodes:
+        depth = level.get(name, 0)
+        while len(levels) <= depth:
+            levels.append([])
+        levels[depth].append(name)
+    return levels
+
+
+def check_graph(doc, name, cfg, path, agent_names):
+    """§11.3, §6.4, §6.11 items 5-6, §16.2: static checks of one graph route before any agent
+    exists; raises a located ConfigurationError."""
+    path = tuple(path)
+
+    def fail(where, message, section):
+        raise doc.error(ConfigurationError, path + tuple(where), message, section)
+
+    if not isinstance(cfg, dict):
+        fail((), f"graph route '{name}' must be a mapping", "6.1")
+    nodes = cfg.get("nodes")
+    if nodes is None and cfg.get("template_config") is not None:
+        return                                              # §11.3: instantiated from a template
+    if not isinstance(nodes, dict) or not nodes:
+        fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
+    if "edges" not in cfg:
+        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
+    edges = cfg["edges"] if cfg["edges"] is not None else []
+    if not isinstance(edges, list):
+        fail(("edges",), "edges must be a sequence", "6.4")
+    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
+        if flag in cfg and not isinstance(cfg[flag], bool):
+            fail((flag,), f"{flag} must be a boolean", "6.1")
+    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
+        # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
+        fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    if "state_class" in cfg and not isinstance(cfg["state_class"], str):
+        fail(("state_class",), "state_class must be a string", "6.3.3")
+    declared = set()
+    for node_name, node_cfg in nodes.items():
+        where = ("nodes", node_name)
+        if not isinstance(node_name, str) or not node_name:
+            fail(where, "node names must be non-empty strings", "6.2")
+        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
+            fail(where, f"node '{node_name}' must be a mapping with a type", "6.2")
+        node_type = str(node_cfg["type"]).lower()
+        if node_type == "dynamic_router":
+            fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
+                 "16.2")
+        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
+            fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
+        canonical = normalize_node_name(node_name)
+        # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
+        # their own type; any other node under these names is rejected.
+        if canonical in (START_NODE, END_NODE) and node_type != canonical:
+            fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
+                 "6.2, 15.2")
+        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
+            fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
+                 "6.2.1")
+        if canonical in declared:
+            fail(where, f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+        declared.add(canonical)
+        check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc)
+    known = declared | {START_NODE, END_NODE}
+    for index, edge in enumerate(edges):
+        where = ("edges", index)
+        if not isinstance(edge, dict):
+            fail(where, "an edge must be a mapping with source and target", "6.4")
+        for end in ("source", "target"):
+            value = edge.get(end)
+            if not isinstance(value, str):
+                fail(where + (end,), f"edge {end} is required", "6.4")
+            if normalize_node_name(value) not in known:
+                fail(where + (end,), f"{end} '{value}' is not a node of graph '{name}'",
+                     "6.4, 11.3")
+        if "condition" in edge and not isinstance(edge["condition"], dict):
+            fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
+    entry = normalize_node_name(cfg.get("entry_point", "start"))
+    if entry not in known:
+        fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
+             f"'{name}'", "6.11, 11.3")
+    for node_name, node_cfg in nodes.items():
+        if str(node_cfg["type"]).lower() == "message_router":
+            for index, rule in enumerate(node_cfg["rules"]):
+                if normalize_node_name(rule["target"]) not in known:
+                    fail(("nodes", node_name, "rules", index, "target"),
+                         f"target '{rule['target']}' is not a node of graph '{name}'", "6.2.6")
+
+
+def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
+    """The per-type field checks of one node (§6.2.2-§6.2.6)."""
+    if "parallel" in node_cfg and not isinstance(node_cfg["parallel"], bool):
+        fail(where + ("parallel",), "parallel must be a boolean", "6.7")
+    meta = node_cfg.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        fail(where + ("metadata",), "node metadata must be a mapping", "6.2")
+    for key in ("max_history_messages", "max_history_chars"):
+        if isinstance(meta, dict) and key in meta and (
+                isinstance(meta[key], bool) or not isinstance(meta[key], int) or meta[key] < 0):
+            fail(where + ("metadata", key), f"{key} must be a non-negative integer", "6.2.2.1")
+    if node_type == "agent":
+        agent = node_cfg.get("agent")
+        if not isinstance(agent, str):
+            fail(where + ("agent",), f"agent node '{node_name}' needs an agent", "6.2.2")
+        if agent not in agent_names:
+            fail(where + ("agent",), f"agent '{agent}' is not defined in agents", "6.2.2, 11.3")
+        policy = node_cfg.get("retry_policy")
+        if policy is not None:
+            if not isinstance(policy, dict):
+                fail(where + ("retry_policy",), "retry_policy must be a mapping", "6.2.2")
+            retries, delay = policy.get("max_retries", 3), policy.get("delay", 1.0)
+            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+                fail(where + ("retry_policy", "max_retries"),
+                     "max_retries must be a non-negative integer", "6.2.2")
+            if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+                fail(where + ("retry_policy", "delay"), "delay must be a non-negative number",
+                     "6.2.2")
+        timeout = node_cfg.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float)) or timeout <= 0):
+            fail(where + ("timeout",), "timeout must be a positive number of seconds", "6.2.2")
+    elif node_type == "function":
+        if not isinstance(node_cfg.get("function"), str):
+            fail(where + ("function",), f"function node '{node_name}' needs a function name",
+                 "6.2.3")
+    elif node_type == "tool":
+        tools = node_cfg.get("tools", [])
+        if isinstance(tools, str):
+            tools = [tools]
+        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+            fail(where + ("tools",), "tools must be a list of tool names", "6.2.3")
+    elif node_type == "conditional":
+        if not isinstance(node_cfg.get("condition"), dict):
+            fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
+                 "mapping", "6.2.4")
+    elif node_type == "subgraph":
+        graph = node_cfg.get("graph")
+        routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
+        target = routes.get(graph) if isinstance(routes, dict) and isinstance(graph, str) else None
+        if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
+            fail(where + ("graph",), f"subgraph node '{node_name}' must name a graph route in "
+                 "`graph`", "6.2.5")
+    elif node_type == "message_router":
+        rules = node_cfg.get("rules")
+        if not isinstance(rules, list) or not rules:
+            fail(where + ("rules",), f"message_router '{node_name}' needs a list of rules",
+                 "6.2.6")
+        for index, rule in enumerate(rules):
+            at = where + ("rules", index)
+            if not isinstance(rule, dict):
+                fail(at, "a rule must be a mapping", "6.2.6")
+            kind = rule.get("match_type")
+            if not isinstance(kind, str) or kind.lower() not in MATCH_TYPES:
+                fail(at + ("match_type",), f"unknown match_type {kind!r}", "6.2.6.2")
+            if not isinstance(rule.get("pattern"), str):
+                fail(at + ("pattern",), "pattern is required (a string)", "6.2.6")
+            if not isinstance(rule.get("target"), str):
+                fail(at + ("target",), "target is required (a node name)", "6.2.6")
+            if kind.lower() == "regex":
+                try:
+                    re.compile(rule["pattern"])
+                except re.error as exc:
+                    fail(at + ("pattern",), f"invalid regular expression: {exc}", "6.2.6.2")
+            if "extract_message" in rule and not isinstance(rule["extract_message"], bool):
+                fail(at + ("extract_message",), "extract_message must be a boolean", "6.2.6")
+            if "separator" in rule and not isinstance(rule["separator"], str):
+                fail(at + ("separator",), "separator must be a string", "6.2.6")
+            if "set_state" in rule and not isinstance(rule["set_state"], dict):
+                fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
+
+
+def mermaid_id(graph_name, node_name):
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"{graph_name}__{node_name}")
+
+
+def mermaid_text(text):
+    return str(text).replace('"', "#quot;")
+
+
+# Node shapes in the diagram, by node type.
+MERMAID_SHAPES = {
+    "start": '(["{}"])', "end": '(["{}"])', "agent": '["{}"]', "function": '[["{}"]]',
+    "tool": '[["{}"]]', "conditional": '{{"{}"}}', "subgraph": '[["{}"]]',
+    "message_router": '{{"{}"}}',
+}
+
+
+def mermaid_graph(graph):
+    """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
+    gid = mermaid_id("graph", graph.name)
+    lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
+    for name, node in graph.nodes.items():
+        label = name
+        if node.type == "agent":
+            label = f"{name}: agent {node.agent}"
+        elif node.type == "function":
+            label = f"{name}: function {node.function}"
+        elif node.type in ("tool", "subgraph", "conditional", "message_router"):
+            label = f"{name}: {node.type}"
+        shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
+        lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
+    entry = mermaid_id(graph.name, "__entry")
+    lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
+    for edge in graph.edges:
+        arrow = "-->"
+        if edge.condition is not None:
+            arrow = f'-->|"{mermaid_text(describe_condition(edge.condition))}"|'
+        lines.append(f"  {mermaid_id(graph.name, edge.source)} {arrow} "
+                     f"{mermaid_id(graph.name, edge.target)}")
+    lines.append("end")
+    return lines
 
 
 # =====================================================================================
@@ -2295,13 +5178,130 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §7.1 The merges section ---------------------------------------------------------------
-# [streams]
+def merge_links(net, data):
+    """§7.1: each source feeds the target; a missing target is created as a cold stream."""
+    links = []
+    for i, merge in enumerate(data.get("merges") or []):
+        sources = merge.get("sources") or []
+        if not sources:
+            continue        # §7.1: an empty merge is silently ignored
+        _ensure_stream(net, merge["target"])
+        for j, source in enumerate(sources):
+            links.append((source, merge["target"], None, ("merges", i, "sources", j)))
+    return links
+
+
+def _ensure_stream(net, name):
+    if name not in net.nodes:
+        net.nodes[name] = _Node(net, name, Stream(name, "cold"))
 
 # §7.2 The splits section ---------------------------------------------------------------
-# [streams]
+def split_links(net, data):
+    """§7.2: each target (created if missing) gets the source's messages its condition passes."""
+    links = []
+    for i, split in enumerate(data.get("splits") or []):
+        for name, cond in (split.get("targets") or {}).items():
+            _ensure_stream(net, name)
+            # A target's condition is never None-as-unconditional: an absent condition is
+            # evaluated (stream default: true, §5.4.1) like any other.
+            links.append((split["source"], name, cond if cond is not None else {},
+                          ("splits", i, "targets", name)))
+    return links
 
 # §7.3 The pipelines section -------------------------------------------------------------
-# [streams]
+# INTERPRETATION §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a message
+# sent to the pipeline's name (send(target=...), a merge or split target, the default router)
+# enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
+# (publications naming non-routes, input_from, output_to, subscriptions) are advisory;
+# publications naming a route or built-in stream are honoured.
+def check_pipeline_stages(doc, pipelines, routes, checker):
+    """§7.3: a pipeline's name must not hide a route; stream stages' operators as in §5.3.2.
+
+    The rest of §7.3/§11.5 (stage shapes, the §11.5 warnings) is the validator's check_pipelines.
+    """
+    for name, cfg in pipelines.items():
+        path = ("pipelines", name)
+        if name in routes or name in BUILTIN_STREAMS:
+            raise doc.error(ConfigurationError, path, f"pipeline name {name!r} is already a route "
+                            "or built-in stream", "7.3")
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            here = path + ("stages", i)
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                checker.operators(stage.get("operators"), here + ("operators",))
+            elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
+                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                            checker.agents)
+
+
+def _stage_type(stage):
+    return str(stage.get("type", "")).lower()
+
+
+def _stage_graph(stage):
+    """An inline graph stage's config as a graph route (its `name` key is only a label)."""
+    cfg = {"type": "graph", **stage["config"]}
+    cfg.pop("name", None)
+    return cfg
+
+
+def pipeline_links(net, data):
+    """§7.3: build each pipeline's stages as nodes named <pipeline>.<stage> and chain them."""
+    links = []
+    for name, cfg in (data.get("pipelines") or {}).items():
+        stages = []
+        for i, stage in enumerate(cfg.get("stages") or []):
+            here = ("pipelines", name, "stages", i)
+            node_name = f"{name}.{stage.get('name', i)}"
+            node = _pipeline_stage(net, node_name, stage, here)
+            net.nodes[node_name] = node
+            stages.append(node_name)
+            publications = stage.get("publications") if _stage_type(stage) == "stream" else None
+            for j, target in enumerate(publications or []):
+                if target in net.nodes and target not in stages:
+                    links.append((node_name, target, None, here + ("publications", j)))
+        for a, b in zip(stages, stages[1:]):
+            links.append((a, b, None, ("pipelines", name, "stages")))
+        entry = _PipelineEntry(net, name, net.nodes[stages[0]] if stages else None)
+        net.nodes[name] = entry
+        if stages:
+            entry.out = net.nodes[stages[-1]].out
+    return links
+
+
+def _pipeline_stage(net, node_name, stage, path):
+    rt = net.rt
+    if _stage_type(stage) == "stream":
+        return StreamRoute(net, node_name, stage, path)
+    if isinstance(stage.get("config"), dict):
+        cfg = _stage_graph(stage)
+        return GraphParticipant(net, node_name, GraphRoute(node_name, cfg, rt, path + ("config",)))
+    graph = rt.graphs.get(stage.get("graph", stage.get("name")))
+    if graph is None:
+        return _Node(net, node_name, Stream(node_name))     # §11.5: warned, passes through
+    return GraphParticipant(net, node_name, graph)
+
+
+class _PipelineEntry(_Node):
+    """A pipeline's name as a stream: pushing enters stage 1; `out` is the last stage's stream."""
+
+    def __init__(self, net, name, first):
+        super().__init__(net, name, Stream(name))
+        self.first = first
+        self.feeds = [first.name] if first is not None else []
+
+    def push(self, msg):
+        if self.first is not None:
+            self.first.push(msg)
+
+    def finish(self):
+        if self.first is not None:
+            self.first.finish()
+        else:
+            self.out.complete()
+
+    def describe(self):
+        return f"{self.name}: pipeline"
 
 
 # =====================================================================================
@@ -2309,40 +5309,1146 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §8.1 Document-level templating (Phase A) ------------------------------------------------
-# [templating]
+# Phase A is always the Jinja2 dialect, whatever template_engine says:
+# INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
+# governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
+# filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
+import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
+import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
+
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
+
+
+def has_template_syntax(text):
+    """§8.2 step 1: does the raw text contain {{, {% or {# at all?"""
+    return isinstance(text, str) and any(mark in text for mark in TEMPLATE_MARKERS)
+
+
+def scan_tags(text, pos=0):
+    """Yield (start, end, kind) for every {{ }}, {% %} and {# #} tag from `pos`, in order.
+
+    Quoted strings and bracket nesting inside a tag are skipped, so `{{ {'a': {'b': 1}} }}` is
+    one tag. An unclosed tag ends the scan (the renderer reports it).
+    """
+    n = len(text)
+    while True:
+        start = text.find("{", pos)
+        while start >= 0 and text[start + 1:start + 2] not in ("{", "%", "#"):
+            start = text.find("{", start + 1)
+        if start < 0 or start + 1 >= n:
+            return
+        kind = text[start:start + 2]
+        if kind == "{#":
+            end = text.find("#}", start + 2)
+            if end < 0:
+                return
+            pos = end + 2
+            yield start, pos, kind
+            continue
+        close = "}}" if kind == "{{" else "%}"
+        i, depth, quote = start + 2, 0, None
+        while i < n:
+            ch = text[i]
+            if quote:
+                if ch == "\\":
+                    i += 1
+                elif ch == quote:
+                    quote = None
+            elif ch in "'\"":
+                quote = ch
+            elif depth == 0 and text.startswith(close, i):
+                break
+            elif ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+            i += 1
+        if i >= n:
+            return
+        pos = i + 2
+        yield start, pos, kind
 
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
-# [templating]
+def render_document(text, render_context=None, engine="JINJA2", *, file=None):
+    """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
+
+    The caller first rejects §15.5 sentinels in the raw text (check_sentinels, §15.5). This
+    returns text without template syntax unchanged (step 1), protects runtime fields and
+    template bodies (§8.4; text already protected is first restored, so the render context
+    is taken into account whoever protected it), then renders
+    the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
+    (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
+    failure is a ConfigurationError located at the template line (§8.12). After parsing, call
+    restore_sentinels() on the data (§8.2 step 4). `engine` (the host's template_engine) only
+    decides how runtime fields are protected.
+    """
+    text = restore_markers(text)     # text protected by an earlier call: start from the raw form
+    if not has_template_syntax(text):
+        return text
+    text = protect_runtime_fields(text, render_context, file=file, engine=engine)
+    if not has_template_syntax(text):
+        return text
+    try:
+        return render_jinja2(text, dict(render_context or {}))
+    except TemplateError as exc:
+        raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
+                                 file=file, line=exc.line) from exc
 
 # §8.3 Template variables, filters and built-ins ------------------------------------------
-# [templating]
+MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
+
+
+def builtin_range(*args):
+    """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
+    seq = range(*args)
+    if len(seq) > MAX_RANGE:
+        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+    return seq
+
+
+# Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
+BUILTINS = {
+    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "sum": sum, "abs": abs, "round": round,
+    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
+}
+
+
+def _undefined(value):
+    return jinja2 is not None and isinstance(value, jinja2.Undefined)
+
+
+# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
+def filter_tojson(value, indent=None):
+    """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
+    if _undefined(value):
+        str(value)  # raises the undefined-name error
+    try:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+    except (TypeError, ValueError) as exc:
+        raise TemplateError(f"tojson: {exc}", section="8.3") from exc
+
+
+# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
+def filter_indent(value, width=4, first=False, blank=False):
+    """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
+    blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
+    pad = " " * width if isinstance(width, int) else str(width)
+    lines = str(value).split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if (i > 0 or first) and (line or blank):
+            line = pad + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def _item_attr(item, attr):
+    """Jinja-style attribute lookup on a list item: mapping key, then a dotted path."""
+    for part in str(attr).split("."):
+        if isinstance(item, dict):
+            item = item.get(part)
+        elif isinstance(item, (list, tuple)) and part.isdigit():
+            item = item[int(part)] if int(part) < len(item) else None
+        else:
+            item = None
+    return item
+
+
+def filter_sum(items, attribute=None, start=0):
+    """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
+    values = items if attribute is None else (_item_attr(it, attribute) for it in items)
+    return sum(values, start)
+
+
+SELECT_OPERATORS = {
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    ">": lambda a, b: a > b, "<": lambda a, b: a < b,
+    ">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b,
+}
+
+
+def filter_selectattr(items, attr, op=None, value=None):
+    """§8.3 selectattr(attr, op, value): keep items whose attribute satisfies op (==, !=, >, <,
+    >=, <=; Jinja's names eq, ne, gt, lt, ge, le too); with no op, a truthy attribute."""
+    op = {"eq": "==", "equalto": "==", "ne": "!=", "gt": ">", "greaterthan": ">", "lt": "<",
+          "lessthan": "<", "ge": ">=", "le": "<="}.get(op, op)
+    if op is not None and op not in SELECT_OPERATORS:
+        raise TemplateError(f"selectattr: unknown operator {op!r}", section="8.3")
+    out = []
+    for item in items:
+        got = _item_attr(item, attr)
+        if op is None:
+            keep = bool(got)
+        else:
+            try:
+                keep = SELECT_OPERATORS[op](got, value)
+            except TypeError:
+                keep = False   # None > 3 and the like: no match rather than a crash
+        if keep:
+            out.append(item)
+    return out
+
+
+# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
+def filter_default(value, default_value="", boolean=False):
+    """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
+    if _undefined(value) or value is None or (boolean and not value):
+        return default_value
+    return value
+
+
+def filter_length(value):
+    """§8.3 length: len(x); an undefined value fails like any other read of it (Q50)."""
+    if _undefined(value):
+        str(value)
+    return len(value)
+
+
+def filter_split(value, sep=None, maxsplit=-1):
+    """§8.3 split (Q58 (a)): Python's str.split."""
+    return str(value).split(sep, maxsplit)
+
+
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+FILTERS = {
+    "tojson": filter_tojson,
+    "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
+    "indent": filter_indent,
+    "sum": filter_sum,
+    "selectattr": filter_selectattr,
+    "default": filter_default,
+    "d": filter_default,
+    "length": filter_length,
+    "count": filter_length,
+    "split": filter_split,
+}
 
 # §8.4 Deferred rendering and field protection -------------------------------------------
-# [templating]
+# Which fields are runtime-bearing: rendered per invocation (Phase C), so protected at Phase A.
+# INTERPRETATION §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
+# (§4.7 renders it with the per-message `message`, which cannot exist at load).
+RUNTIME_FIELDS = {
+    "system_prompt": "4.4.6",     # any mapping key of that name
+    "prompt": "4.7",              # chain agents
+    "content": "10.4",            # only directly under prompts.<name>
+}
+# INTERPRETATION §8.4 vs §8.9 (Q49): Phase A leaves whole template bodies untouched; they are
+# rendered at instantiation (Phase B) with their parameters.
+DEFERRED_SECTIONS = ("templates", "template_strings")
+# Names that only exist at Phase C: never treated as bound at Phase A or B (Q46, Q47).
+RUNTIME_NAMES = frozenset({"context", "message"})
+# Block statements that take an {% end... %} partner.
+BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
+
+KEY_LINE = re.compile(r"( *)(?:- +)*(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?) *:(?= |\n|$)")
+BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
+
+
+def is_runtime_field(keys):
+    """keys: the mapping keys from the document root down to a scalar."""
+    last = keys[-1] if keys else None
+    if last == "content":
+        return len(keys) == 3 and keys[0] == "prompts"
+    return last in ("system_prompt", "prompt")
+
+
+def protect_markers(text):
+    """§8.4 step 1: {{ }} {% %} -> the §15.5 sentinels."""
+    for marker, sentinel in SENTINELS.items():
+        text = text.replace(marker, sentinel)
+    return text
+
+
+def protect_tags(text):
+    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
+    JSON mapping's own closing braces stay braces)."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        out.append(text[start:end] if kind == "{#" else protect_markers(text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def restore_markers(text):
+    """§8.4 step 4: the §15.5 sentinels -> {{ }} {% %}."""
+    for marker, sentinel in SENTINELS.items():
+        text = text.replace(sentinel, marker)
+    return text
+
+
+def restore_sentinels(data):
+    """§8.2 step 4 / §8.4 step 4: put the protected template syntax back, keys and values alike."""
+    if isinstance(data, str):
+        return restore_markers(data) if "<<<" in data else data
+    if isinstance(data, list):
+        data[:] = [restore_sentinels(item) for item in data]
+        return data
+    if isinstance(data, dict):
+        items = [(restore_sentinels(k), restore_sentinels(v)) for k, v in data.items()]
+        data.clear()
+        data.update(items)
+        return data
+    return data
+
+
+@functools.lru_cache(maxsize=4096)
+def tag_free_names(kind, inner, word):
+    """Names a tag reads that it does not bind itself (None when it does not parse)."""
+    if kind == "{{":
+        source = "{{ " + inner + " }}"
+    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+        source = "{% " + inner + " %}{% end" + word + " %}"
+    else:
+        source = "{% " + inner + " %}"
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja_environment().parse(source)))
+    except Exception:  # a syntax error: leave the tag to the phase that renders it
+        return None
+
+
+def tag_binds(word, inner):
+    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
+    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
+    if word == "for":
+        targets = rest.split(" in ", 1)[0]
+        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
+    if word in ("set", "with"):
+        names = set()
+        targets = rest.split("=", 1)[0] if word == "set" else rest
+        for part in targets.split(","):
+            name = part.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names
+    if word == "macro":
+        head, _, args = rest.partition("(")
+        names = {head.strip()}
+        for arg in args.rstrip(") ").split(","):
+            name = arg.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names | {"varargs", "kwargs", "caller"}
+    return set()
+
+
+class TagScope:
+    """The names bound at some point of a template: base names plus open for/with/macro blocks."""
+
+    def __init__(self, names=()):
+        self.names = set(names)
+        self.stack = []          # (word, protected, names added by the opener)
+
+
+def walk_tags(text, scope, defer, need_names=False):
+    """Track bound names through `text`; with defer=True also replace by the §15.5 sentinels
+    every tag whose free names are not all bound (Q47 (b)), so a later phase renders it.
+
+    {% raw %}...{% endraw %} is left for the phase that meets it first, comments likewise.
+    An {% elif %}/{% else %}/{% end... %} follows its opener's fate. need_names=True also
+    defers a tag that reads no name at all (under MUSTACHE/SIMPLE such a tag is the engine's).
+    """
+    out, pos = [], 0
+    tags = scan_tags(text)
+    for start, end, kind in tags:
+        if start < pos:          # inside a raw block already copied
+            continue
+        out.append(text[pos:start])
+        tag = text[start:end]
+        pos = end
+        if kind == "{#":
+            out.append(tag)
+            continue
+        inner = tag[2:-2].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        protected = False
+        if kind == "{%" and word == "raw":
+            close = text.find("endraw", end)
+            close = text.find("%}", close) if close >= 0 else -1
+            close = close + 2 if close >= 0 else len(text)
+            out.append(text[start:close])
+            pos = close
+            continue
+        if kind == "{{":
+            free = tag_free_names(kind, inner, "")
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
+        elif word in ("elif", "else"):
+            protected = scope.stack[-1][1] if scope.stack else defer
+        elif word.startswith("end"):
+            if scope.stack:
+                _, protected, added = scope.stack.pop()
+                scope.names -= added
+            else:
+                protected = defer
+        else:
+            free = tag_free_names(kind, inner, word)
+            protected = defer and (free is None or not free <= scope.names
+                                   or (need_names and not free))
+            binds = set() if protected else tag_binds(word, inner)
+            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+                if word in ("set", "macro"):      # the name outlives the block
+                    scope.names |= binds
+                    binds = set()
+                added = binds - scope.names
+                scope.stack.append((word, protected, added))
+                scope.names |= added
+            else:
+                scope.names |= binds
+        out.append(protect_markers(tag) if protected else tag)
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def document_regions(text, file=None):
+    """Char spans (start, end, kind) of the text Phase A must not render as is:
+    'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
+
+    When the raw text already composes as YAML (template syntax only inside scalars, or a
+    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
+    indentation finds them (document_regions_by_lines).
+    """
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return document_regions_by_lines(text, file)
+    regions = []
+
+    def walk(node, keys):
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                path = keys + [key]
+                if not keys and key in DEFERRED_SECTIONS:
+                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
+                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
+                else:
+                    walk(value, path)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, keys)
+
+    if root is not None:
+        walk(root, [])
+    return sorted(regions)
+
+
+def document_regions_by_lines(text, file=None):
+    """document_regions for text that is not YAML before Phase A (statements between keys).
+
+    A value region is the rest of the key's line plus every following blank or more-indented
+    line (plain, quoted and | > block scalars alike).
+    """
+    regions, keys, offset = [], [], 0
+    region = None            # [start, key_col, kind, block_col]
+    lines = text.splitlines(keepends=True)
+    for lineno, line in enumerate(lines, 1):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if region is not None:
+            if blank or indent > region[1]:
+                if region[2] == "templates":
+                    region[3] = templates_line(line, indent, blank, region[3], lineno, file)
+                offset += len(line)
+                continue
+            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            region = None
+        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        if match:
+            key_col = match.start(2)
+            key = match.group(2).strip("\"'")
+            while keys and keys[-1][0] >= key_col:
+                keys.pop()
+            keys.append((key_col, key))
+            path = [k for _, k in keys]
+            if key_col == 0 and key in DEFERRED_SECTIONS:
+                region = [offset + len(line), 0, key, None]
+            elif is_runtime_field(path):
+                region = [offset + match.end(), key_col, "field", None]
+        offset += len(line)
+    if region is not None:
+        regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+    return regions
+
+
+def templates_line(line, indent, blank, block_col, lineno, file):
+    """One line inside `templates:`; returns the open block scalar's key column (or None).
+
+    INTERPRETATION §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
+    {% if %} inside string values, but a statement line that would emit YAML structure (a
+    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
+    """
+    if blank:
+        return block_col
+    if block_col is not None and indent > block_col:
+        return block_col
+    stripped = line.strip()
+    if stripped.startswith("{%"):
+        raise ConfigurationError(
+            "a statement that generates YAML structure inside `templates`; declare this "
+            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+    match = KEY_LINE.match(line.rstrip("\r\n"))
+    if match and BLOCK_SCALAR.match(line[match.end():]):
+        return match.start(2)
+    return None
+
+
+def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJA2"):
+    """§8.4 step 1: replace {{ }} {% %} by the §15.5 sentinels where Phase A must not render.
+
+    Template bodies (templates, template_strings) are protected whole (Q49 (a)). In runtime
+    fields an expression is protected unless every name it reads is bound at Phase A -- by an
+    enclosing {% for %}, a {% set %}, or the supplied render context (never `context` or
+    `message`):
+    INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
+    worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
+    Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so only tags that
+    read Phase A names (not built-ins) and nothing else are rendered at load.
+    """
+    builtin_names = set(BUILTINS) | set(jinja_environment().globals)
+    other_dialect = engine_name(engine) != "JINJA2"
+    scope = TagScope(builtin_names | (set(render_context or ()) - RUNTIME_NAMES))
+    out, pos = [], 0
+    for start, end, kind in document_regions(text, file):
+        out.append(walk_tags(text[pos:start], scope, defer=False))
+        region = text[start:end]
+        if kind == "section":
+            out.append(protect_tags(region))
+        elif other_dialect:
+            out.append(walk_tags(region, TagScope(scope.names - builtin_names), defer=True,
+                                 need_names=True))
+        else:
+            out.append(walk_tags(region, TagScope(scope.names), defer=True))
+        pos = end
+    out.append(walk_tags(text[pos:], scope, defer=False))
+    return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# [templating]
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
+                          "__jinja_template__", "__is_template__")
+
+
+def check_reserved_template_keys(doc):
+    """§8.5: reject a mapping key anywhere in the document that is one of the reserved tags."""
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in RESERVED_TEMPLATE_KEYS:
+                    raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
+                                    "the template-loading host and must not be used", "8.5")
+                walk(value, path + (key,))
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, path + (i,))
+    walk(doc.data, ())
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
-# [templating]
+def param_string(value):
+    """string: the canonical text of the value (YAML spelling for booleans, null and collections)."""
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bool, list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def param_int(value):
+    """int: the integer the value represents ("42", 42, 42.0); anything else is an error."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            number = float(text)
+            if number.is_integer():
+                return int(number)
+    raise ValueError(f"{value!r} is not an integer")
+
+
+def param_float(value):
+    """float: the floating-point number the value represents."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return float(value.strip())
+    raise ValueError(f"{value!r} is not a number")
+
+
+# INTERPRETATION §8.6.2 vs §8.8 (Q51 (b)): "false", "no", "0", "off" (any case) are false as
+# well, matching step 6's coercion of a rendered "false"; other values go by truthiness.
+BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "on": True,
+                 "false": False, "no": False, "0": False, "off": False}
+
+
+def param_boolean(value):
+    """boolean: the listed words by name (any case), anything else by its truthiness."""
+    if isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
+    return bool(value)
+
+
+def param_enum(value, decl):
+    """enum: MUST be one of `values`."""
+    if value not in decl.get("values", ()):
+        raise ValueError(f"{value!r} is not one of {decl.get('values')}")
+    return value
+
+
+def param_list(value):
+    """list: a single value is wrapped into a one-element list."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    return [] if value is None else [value]
+
+
+def param_pass(value):
+    """dict, agent_ref, component_ref: passed through (references are resolved in §8.8 step 8)."""
+    return value
+
+
+# Table of §8.6.2: parameter type -> coercion. Rows in the spec's order.
+PARAMETER_TYPES = {
+    "string": param_string,
+    "int": param_int,
+    "float": param_float,
+    "boolean": param_boolean,
+    "enum": param_enum,
+    "list": param_list,
+    "dict": param_pass,
+    "agent_ref": param_pass,
+    "component_ref": param_pass,
+}
+PARAMETER_KEYS = ("type", "default", "required", "values", "description")
+
+
+def parameter_declarations(doc, decls, path, rt=None):
+    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
+
+    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form
+    is forbidden (§16.2).
+    """
+    if decls is None:
+        return {}
+    if isinstance(decls, list):
+        raise doc.error(ConfigurationError, path, "template parameters declared as a sequence; "
+                        "use the mapping form (name: {type: ...})", "8.6.1, 16.2")
+    if not isinstance(decls, dict):
+        raise doc.error(ConfigurationError, path, "template parameters must be a mapping", "8.6.1")
+    for name, decl in decls.items():
+        at = path + (name,)
+        if not isinstance(decl, dict):
+            raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
+                            "8.6.1")
+        ptype = decl.get("type", "string")
+        if ptype not in PARAMETER_TYPES:
+            raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
+                            f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
+        if ptype == "enum" and not isinstance(decl.get("values"), list):
+            raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
+                            "8.6.1")
+        for key in decl:
+            if key not in PARAMETER_KEYS:
+                warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
+                     path=at + (key,))
+    return decls
+
+
+def coerce_parameter(doc, name, decl, value, at):
+    """One value through its §8.6.2 type; a mismatch is a ConfigurationError at the instance."""
+    ptype = decl.get("type", "string")
+    try:
+        if ptype == "enum":
+            return param_enum(value, decl)
+        return PARAMETER_TYPES[ptype](value)
+    except (ValueError, TypeError) as exc:
+        raise doc.error(ConfigurationError, at, f"parameter {name!r} ({ptype}): {exc}",
+                        "8.6.2") from exc
+
+
+def bind_parameters(doc, decls, params, inst_path, rt=None):
+    """§8.8 steps 1-2: required present, types coerced (§8.6.2), then defaults filled."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise doc.error(ConfigurationError, inst_path + ("params",), "params must be a mapping",
+                        "8.7")
+    values = {}
+    for name, decl in decls.items():
+        ptype = decl.get("type", "string")
+        if name in params:
+            given, at = params[name], inst_path + ("params", name)
+        elif "default" in decl:
+            continue
+        elif decl.get("required"):
+            raise doc.error(ConfigurationError, inst_path + ("params",),
+                            f"required parameter {name!r} is missing", "8.6.2")
+        else:
+            continue
+        values[name] = coerce_parameter(doc, name, decl, given, at)
+    for name, decl in decls.items():        # step 2, after validation
+        if name not in values and "default" in decl:
+            values[name] = coerce_parameter(doc, name, decl, copy.deepcopy(decl["default"]),
+                                            inst_path + ("params",))
+    for name in params:
+        if name not in decls:
+            warn(rt, f"parameter {name!r} is not declared by the template; passed through",
+                 section="8.6.1", path=inst_path + ("params", name))
+            values[name] = params[name]
+    return values
 
 # §8.7 Template instances ------------------------------------------------------------------
-# [templating]
+TEMPLATE_KINDS = ("agents", "graphs", "streams")
+ROUTE_KIND = {"graph": "graphs", "stream": "streams"}
+TEMPLATE_ROUTE_KEYS = ("template_config", "type", "description")
+
+
+def data_engine(data):
+    """The template_engine a document names for itself (§9.2 example: cleveragents.template_engine)."""
+    block = data.get("cleveragents")
+    if isinstance(block, dict) and block.get("template_engine"):
+        return block["template_engine"]
+    return data.get("template_engine")
+
+
+def expand_templates(doc, rt=None, *, engine=None):
+    """Phase B (§8.2 step 5, §8.6-§8.10): rewrite doc.data in place, every template instance
+    replaced by its concrete definition, before validation.
+
+    Agents with `template:` (also inside composite components, §8.10), routes with
+    `template_config:` (§8.7), and the deprecated `instances:` section (Q55).
+    """
+    data = doc.data
+    if not isinstance(data, dict):
+        return
+    ex = Expansion(doc, rt, data, engine)
+    instances = data.get("instances")
+    if instances is not None:
+        ex.move_instances(instances)
+    agents = data.get("agents")
+    if isinstance(agents, dict):
+        for name in list(agents):
+            agents[name] = ex.agent(agents[name], ("agents", name), ())
+    routes = data.get("routes")
+    if isinstance(routes, dict):
+        for name in list(routes):
+            routes[name] = ex.route(routes[name], ("routes", name))
+
+
+class Expansion:
+    """One Phase B pass over a document: the template registries and the instantiation steps."""
+
+    def __init__(self, doc, rt, data, engine=None):
+        self.doc, self.rt, self.data = doc, rt, data
+        self.engine = engine_name(engine or getattr(rt, "engine", None) or data_engine(data))
+        self.templates = self.registry("templates", dict)
+        self.strings = self.registry("template_strings", str)
+
+    def registry(self, section, body_type):
+        """templates / template_strings: {agents|graphs|streams: {name: body}}."""
+        table = self.data.get(section) or {}
+        if not isinstance(table, dict):
+            raise self.doc.error(ConfigurationError, (section,), f"{section} must be a mapping",
+                                 "8.6")
+        for kind, entries in table.items():
+            if kind not in TEMPLATE_KINDS:
+                raise self.doc.error(ConfigurationError, (section, kind), f"unknown template "
+                                     f"kind {kind!r}; use agents, graphs or streams", "8.6")
+            if not isinstance(entries, dict):
+                raise self.doc.error(ConfigurationError, (section, kind), "must be a mapping of "
+                                     "template name to definition", "8.6")
+            for name, body in entries.items():
+                if not isinstance(body, body_type):
+                    what = "a mapping" if body_type is dict else "a string (the raw body)"
+                    raise self.doc.error(ConfigurationError, (section, kind, name),
+                                         f"a {section} entry must be {what}", "8.6, 8.9")
+        return table
+
+    def move_instances(self, instances):
+        """INTERPRETATION §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read as
+        {name: {template, params}} and moved into `agents`, with a deprecation warning."""
+        warn(self.rt, "the `instances` section is deprecated; declare instances inline under "
+             "agents (template: ..., params: ...)", section="8.7", path=("instances",))
+        if not isinstance(instances, dict):
+            raise self.doc.error(ConfigurationError, ("instances",), "instances must be a mapping",
+                                 "8.7")
+        agents = self.data.setdefault("agents", {})
+        for name, inst in instances.items():
+            if not isinstance(inst, dict) or "template" not in inst:
+                raise self.doc.error(ConfigurationError, ("instances", name),
+                                     "an instance needs `template` (and `params`)", "8.7")
+            if isinstance(agents, dict) and name in agents:
+                raise self.doc.error(ConfigurationError, ("instances", name),
+                                     f"instance {name!r} clashes with agent {name!r}", "8.7")
+            agents[name] = inst
+
+    def agent(self, cfg, path, scope):
+        """An agent definition after Phase B; `scope` = names of the enclosing composite's
+        components (§8.7.1 scope 1), empty at the top level."""
+        for _ in range(32):                       # a template may yield another instance
+            if not isinstance(cfg, dict):
+                return cfg
+            if "agent_template" in cfg:
+                if "template" in cfg:
+                    raise self.doc.error(ConfigurationError, path, "`agent_template` and "
+                                         "`template` on the same agent", "16.3")
+                # INTERPRETATION §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says MUST.
+                raise self.doc.error(ConfigurationError, path + ("agent_template",),
+                                     "`agent_template` is a forbidden form; use `template`",
+                                     "16.2")
+            if "template" not in cfg:
+                break
+            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # not a competing form, so it may stand beside `template`.
+            if "type" in cfg and cfg["type"] != "template_instance":
+                raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
+                                     "same agent (one form excludes the other)", "16.3")
+            for key in cfg:
+                if key not in ("template", "params", "type"):
+                    warn(self.rt, f"key {key!r} beside `template` is ignored", section="8.7",
+                         path=path + (key,))
+            cfg = self.instantiate("agents", cfg["template"], cfg.get("params"), path, scope)
+        else:
+            raise self.doc.error(ConfigurationError, path, "templates instantiate each other "
+                                 "more than 32 levels deep", "8.7")
+        return self.composite(cfg, path)
+
+    def route(self, cfg, path):
+        """§8.7 routes via template_config: {template, params}."""
+        if not isinstance(cfg, dict) or "template_config" not in cfg:
+            return cfg
+        extra = [key for key in cfg if key not in TEMPLATE_ROUTE_KEYS]
+        if extra:
+            raise self.doc.error(ConfigurationError, path + (extra[0],), "a route with "
+                                 "template_config takes its structure from the template; "
+                                 f"remove {', '.join(extra)}", "16.3")
+        tc = cfg["template_config"]
+        if not isinstance(tc, dict) or not isinstance(tc.get("template"), str):
+            raise self.doc.error(ConfigurationError, path + ("template_config",),
+                                 "template_config needs `template` (and `params`)", "8.7")
+        name = tc["template"]
+        # INTERPRETATION §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then comes
+        # from the template's kind; when given it picks the kind and must match.
+        declared = str(cfg["type"]).lower() if "type" in cfg else None
+        if declared is not None and declared not in ROUTE_KIND:
+            raise self.doc.error(ConfigurationError, path + ("type",), "only graph and stream "
+                                 "routes can come from a template", "8.7")
+        kinds = [ROUTE_KIND[declared]] if declared else [
+            k for k in ("graphs", "streams") if self.find(k, name) is not None]
+        if len(kinds) > 1:
+            raise self.doc.error(ConfigurationError, path + ("template_config", "template"),
+                                 f"template {name!r} exists as a graph and as a stream "
+                                 "template; add `type` to the route", "8.7")
+        kind = kinds[0] if kinds else "graphs"
+        body = self.instantiate(kind, name, tc.get("params"), path + ("template_config",), ())
+        rtype = "graph" if kind == "graphs" else "stream"
+        if str(body.get("type", rtype)).lower() != rtype:
+            raise self.doc.error(ConfigurationError, path, f"template {name!r} yields a "
+                                 f"{body.get('type')} route, not a {rtype} route", "8.7")
+        body.setdefault("type", rtype)
+        return body
+
+    def instantiate(self, kind, name, params, path, scope):
+        return instantiate(self, kind, name, params, path, scope)
+
+    def composite(self, cfg, path):
+        return expand_composite(self, cfg, path)
+
+    def find(self, kind, name):
+        """(body, is_raw_string) of a registered template, or None."""
+        if name in (self.templates.get(kind) or {}):
+            return self.templates[kind][name], False
+        if name in (self.strings.get(kind) or {}):
+            return self.strings[kind][name], True
+        return None
 
 # §8.8 Template rendering semantics (Phase B) ---------------------------------------------
-# [templating]
+WHOLE_IF_BLOCK = re.compile(r"\s*\{%-?\s*if\b.*\{%-?\s*endif\s*-?%\}\s*", re.DOTALL)
+INT_FORM = re.compile(r"[-+]?\d+")
+FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
+
+
+# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# never a runtime field (render_tree), so quoted literals and prompts stay strings.
+def coerce_rendered(text):
+    """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
+    mapping becomes that value; anything else stays a string."""
+    s = text.strip()
+    if s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    if INT_FORM.fullmatch(s):
+        return int(s)
+    if FLOAT_FORM.fullmatch(s):
+        return float(s)
+    if (s.startswith("[") and s.endswith("]")) or (s.startswith("{") and s.endswith("}")):
+        try:
+            return json.loads(s)
+        except ValueError:
+            return text
+    return text
+
+
+def instantiate(ex, kind, name, params, path, scope):
+    """§8.8: the nine steps, in order, for one instance of template `name` of `kind`."""
+    found = ex.find(kind, name) if isinstance(name, str) else None
+    if found is None:
+        raise ex.doc.error(ConfigurationError, path + ("template",),
+                           f"unknown {kind[:-1]} template {name!r}", "8.7")
+    body, raw = found
+    section = "template_strings" if raw else "templates"
+    tpath = (section, kind, name)
+    decls = (template_string_parameters(ex.doc, body, tpath) if raw
+             else body.get("parameters"))
+    decls = parameter_declarations(ex.doc, decls, tpath + ("parameters",), ex.rt)
+    values = bind_parameters(ex.doc, decls, params, path, ex.rt)          # steps 1-2
+    variables = dict(BUILTINS)
+    variables.update(values)
+    if raw:                                                                 # §8.9
+        result = instantiate_string(ex, body, variables, path, tpath)
+    else:
+        result = copy.deepcopy(body)                                       # step 3
+        result.pop("parameters", None)                                     # step 4
+        result = render_tree(ex, result, variables, path, ())              # steps 5-7
+    resolve_references(ex, decls, values, path, scope)                     # step 8
+    return result                                                          # step 9
+
+
+def render_phase_b(ex, text, variables, path, runtime_field):
+    """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
+
+    INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
+    expression whose names are not all parameters or built-ins survives to Phase C.
+    """
+    names = set(variables) - RUNTIME_NAMES
+    if runtime_field and ex.engine == "JINJA2":
+        text = walk_tags(text, TagScope(names), defer=True)
+    elif runtime_field:
+        text = defer_foreign_tags(text, names, ex.engine)
+    try:
+        if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
+            rendered = render_simple(text, variables, format_pass=False)
+        else:
+            rendered = render(text, variables, ex.engine)
+    except TemplateError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
+                           "8.12") from exc
+    return restore_markers(rendered) if runtime_field else rendered
+
+
+def foreign_tag_reads(inner, engine):
+    """The names a MUSTACHE or SIMPLE tag reads (None: leave the tag to Phase C)."""
+    if engine == "MUSTACHE":
+        body = inner.strip().strip("{}").strip()
+        if not body or body[0] in "!>=":
+            return None                      # comments, partials, delimiters: Phase C's
+        name = body.lstrip("#^/&").strip()
+        return {name.split(".")[0]} if name != "." else set()
+    try:
+        tree = ast.parse(inner.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def defer_foreign_tags(text, names, engine):
+    """walk_tags for the MUSTACHE and SIMPLE dialects: a {{ }} tag reading a name that is not a
+    parameter or built-in is protected (§15.5 sentinels) so that Phase C renders it."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        end = text.find("}}", start + 2) if start >= 0 else -1
+        if end < 0:
+            break
+        end += 3 if engine == "MUSTACHE" and text.startswith("}", end + 2) else 2
+        tag = text[start:end]
+        reads = foreign_tag_reads(tag[2:-2], engine)
+        out.append(text[pos:start])
+        out.append(tag if reads is not None and reads <= names else protect_markers(tag))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def render_tree(ex, node, variables, path, keys):
+    """Steps 5-7 over a definition: render every string (keys too), coerce rendered scalars,
+    and drop the entries whose whole value was an {% if %} block that rendered empty."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            new_key = key
+            if has_template_syntax(key):
+                new_key = render_phase_b(ex, key, variables, path, False)
+            if dropped_if_block(value, ex, variables, path, key in ("system_prompt", "prompt")):
+                continue
+            out[new_key] = render_tree(ex, value, variables, path + (key,), keys + (key,))
+        return out
+    if isinstance(node, list):
+        return [render_tree(ex, item, variables, path + (i,), keys)
+                for i, item in enumerate(node)
+                if not dropped_if_block(item, ex, variables, path + (i,), False)]
+    if isinstance(node, str) and has_template_syntax(node):
+        runtime = bool(keys) and keys[-1] in ("system_prompt", "prompt")
+        rendered = render_phase_b(ex, node, variables, path, runtime)
+        return rendered if runtime else coerce_rendered(rendered)              # step 6
+    return node
+
+
+def dropped_if_block(value, ex, variables, path, runtime_field):
+    """Step 7. INTERPRETATION §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
+    one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
+    if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
+        return False
+    return render_phase_b(ex, value, variables, path, runtime_field).strip() == ""
+
+
+def resolve_references(ex, decls, values, path, scope):
+    """Step 8, §8.7.1: agent_ref / component_ref name a component of the enclosing composite
+    (scope 1) or a top-level agent -- or, for component_ref, a route (scope 2)."""
+    agents = ex.data.get("agents") if isinstance(ex.data.get("agents"), dict) else {}
+    routes = ex.data.get("routes") if isinstance(ex.data.get("routes"), dict) else {}
+    for name, decl in decls.items():
+        ptype = decl.get("type")
+        if ptype not in ("agent_ref", "component_ref") or name not in values:
+            continue
+        ref = values[name]
+        known = isinstance(ref, str) and (
+            ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
+        if not known:
+            raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
+                               f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
+                               " in the composite or the actor", "8.7.1")
 
 # §8.9 The template_strings section -------------------------------------------------------
-# [templating]
+def template_string_parameters(doc, body, tpath):
+    """INTERPRETATION §8.9 (Q53 (a)): a template_strings body declares its parameters in a
+    leading top-level `parameters:` block, read as YAML before the first template tag."""
+    lines = body.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == "parameters:"), None)
+    if start is None:
+        return None
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        stripped = line.strip()
+        if stripped and not line.startswith((" ", "\t")):
+            break
+        block.append(line)
+    text = "".join(block)
+    if has_template_syntax(text):
+        raise doc.error(ConfigurationError, tpath, "the parameters block of a template_strings "
+                        "body must not contain template syntax", "8.9")
+    try:
+        return (yaml.safe_load(text) or {}).get("parameters")
+    except yaml.YAMLError as exc:
+        raise doc.error(ConfigurationError, tpath, f"parameters block: {exc}", "8.9") from exc
+
+
+def instantiate_string(ex, body, variables, path, tpath):
+    """§8.9: render the raw body with the parameters, then parse it as YAML.
+
+    INTERPRETATION §8.9/§18.11 (Q53 (e)): a body that yields one definition (it has `type` or
+    `template`) is the instance; a body that yields several definitions becomes a composite
+    named after the instance, those definitions its components (input: the first, output:
+    the last), so §18.11's `agent: legal_team` names something real.
+    """
+    try:
+        text = render_simple(body, variables, format_pass=False) if ex.engine == "SIMPLE" else \
+            render(body, variables, ex.engine)
+    except TemplateError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
+                           f"failed: {exc.message}", "8.12") from exc
+    try:
+        result = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} does not render to "
+                           f"YAML: {exc}", "8.9") from exc
+    if not isinstance(result, dict):
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} must render to a "
+                           "mapping", "8.9")
+    result.pop("parameters", None)
+    if "type" in result or "template" in result or tpath[1] != "agents":
+        return result
+    if not result:
+        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} rendered no "
+                           "definitions", "8.9")
+    names = list(result)
+    return {"type": "composite", "config": {
+        "components": {"agents": result},
+        "routing": {"input": {"type": "agent", "name": names[0]},
+                    "output": {"type": "agent", "name": names[-1]}}}}
 
 # §8.10 Composite templates ----------------------------------------------------------------
-# [templating]
+def expand_composite(ex, cfg, path):
+    """§8.10 / §8.7.1: template instances among a composite's components resolve references
+    in the composite's own scope first, then the actor's."""
+    if not (isinstance(cfg, dict) and cfg.get("type") == "composite"):
+        return cfg
+    config = cfg.get("config")
+    comps = config.get("components") if isinstance(config, dict) else None
+    agents = comps.get("agents") if isinstance(comps, dict) else None
+    if not isinstance(agents, dict):
+        return cfg
+    scope = tuple(agents)
+    at = path + ("config", "components", "agents")
+    for name in list(agents):
+        agents[name] = ex.agent(agents[name], at + (name,), scope)
+    return cfg
 
 # §8.11 Runtime template rendering (Phase C) ----------------------------------------------
-# [templating]
+def runtime_variables(ctx, message):
+    """§8.11 table: the §8.3 built-ins, the context's top-level keys flattened, `context` and
+    `message` (the text of the message being processed)."""
+    if isinstance(message, Message):
+        message = message.content
+    variables = dict(BUILTINS)
+    if isinstance(ctx, dict):
+        variables.update(ctx)
+    variables["context"] = ctx if ctx is not None else {}
+    variables["message"] = message
+    return variables
+
+
+def render_runtime(rt, text, ctx, message, path=None):
+    """§8.11 Phase C: render a system prompt or prompt template for one invocation, in
+    rt.engine; on failure warn and use the literal text (§8.12, §4.4.6).
+
+    Registered prompts (§10.4, rt.prompts) serve as MUSTACHE partials.
+    """
+    if not isinstance(text, str):
+        return text
+    engine = engine_name(getattr(rt, "engine", None))
+    if engine != "SIMPLE" and not has_template_syntax(text):
+        return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
+    try:
+        return render(text, runtime_variables(ctx, message), engine,
+                      partials=getattr(rt, "prompts", None))
+    except TemplateError as exc:
+        warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
+             section="8.12", path=path)
+        return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# [templating]
+# Table of §8.12: what a render failure does at each phase.
+RENDER_FAILURE = {
+    "A": "ConfigurationError: the configuration fails to load (render_document)",
+    "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
+    "C": "warning, then the literal unrendered text (render_runtime)",
+}
 
 
 # =====================================================================================
@@ -2350,7 +6456,363 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
 # =====================================================================================
 
 # §9.2 template_engine ---------------------------------------------------------------------
-# [templating] the JINJA2, MUSTACHE and SIMPLE engines; render(text, variables, engine, partials)
+# The three dialects share one entry point, render(); Phases A, B and C all go through it.
+try:  # the one place jinja2 is imported; without it only configs that need JINJA2 fail
+    import jinja2
+    import jinja2.meta
+    import jinja2.sandbox
+except ImportError:  # pragma: no cover - exercised only on hosts without jinja2
+    jinja2 = None
+
+JINJA2_MISSING = "the JINJA2 template engine needs the jinja2 package: python3 -m pip install jinja2"
+
+
+def _require_jinja2():
+    if jinja2 is None:
+        raise TemplateError(JINJA2_MISSING, section="9.2")
+
+
+# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
+# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
+if jinja2 is not None:
+    class RuntimeUndefined(jinja2.Undefined):
+        """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
+        but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x %}`)."""
+
+        __slots__ = ()
+        __str__ = jinja2.Undefined._fail_with_undefined_error
+        __len__ = jinja2.Undefined._fail_with_undefined_error
+
+        def __lt__(self, other):
+            return False
+
+        __le__ = __gt__ = __ge__ = __lt__
+
+        def __iter__(self):
+            return iter(())
+
+
+if jinja2 is not None:
+    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
+        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
+        attribute, so `context.items` is the configured list, not dict.items.
+
+        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+        """
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, dict) and attribute in obj:
+                return obj[attribute]
+            return super().getattr(obj, attribute)
+
+
+# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
+@functools.lru_cache(maxsize=None)
+def jinja_environment():
+    """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
+
+    Templates come from configuration files, hence the sandbox; keep_trailing_newline by Q59 (a).
+    """
+    _require_jinja2()
+    env = ActorSandbox(
+        undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
+    env.globals.update(BUILTINS)
+    env.filters.update(FILTERS)
+    return env
+
+
+@functools.lru_cache(maxsize=4096)
+def jinja_template(text):
+    """Compiled template by source text: the hot path (Phase C, once per message) never re-parses."""
+    return jinja_environment().from_string(text)
+
+
+def jinja_error_line(exc):
+    """The template line an error happened on (syntax errors carry it; runtime errors are
+    located through the traceback frame jinja2 rewrites to `<template>`)."""
+    if getattr(exc, "lineno", None):
+        return exc.lineno
+    tb, line = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def render_jinja2(text, variables, partials=None):
+    """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
+    try:
+        return jinja_template(text).render(variables)
+    except TemplateError:
+        raise
+    except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
+        err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
+        err.line = jinja_error_line(exc)
+        raise err from exc
+
+
+# MUSTACHE: a hand-written tokenizer + tree renderer -----------------------------------------
+MUSTACHE_STANDALONE = "#^/!>="        # tag sigils that may stand alone on a line
+MUSTACHE_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}
+
+
+def mustache_parse(text, open_delim="{{", close_delim="}}"):
+    """Tokenize and nest a Mustache template into a node list.
+
+    Nodes: ('text', s) ('var', name, escaped) ('section', name, inverted, nodes) ('partial', name,
+    indent). Standalone tags (alone on their line apart from whitespace) take the whole line away.
+    """
+    root, stack, pos = [], [], 0
+    nodes = root
+    n = len(text)
+    while pos < n:
+        start = text.find(open_delim, pos)
+        if start < 0:
+            nodes.append(("text", text[pos:]))
+            break
+        inner = start + len(open_delim)
+        if text.startswith("{", inner):          # triple mustache {{{name}}}
+            close = "}" + close_delim
+            inner += 1
+            sigil = "{"
+        else:
+            close = close_delim
+            sigil = text[inner] if inner < n else ""
+        end = text.find(close, inner)
+        if end < 0:
+            raise TemplateError(f"MUSTACHE: unclosed tag at offset {start}", section="9.2")
+        body = text[inner:end]
+        after = end + len(close)
+        if sigil in "#^/!>=&":
+            body = body[1:]
+        if sigil == "=":
+            body = body.rstrip()
+            if not body.endswith("="):
+                raise TemplateError("MUSTACHE: malformed set-delimiter tag", section="9.2")
+            parts = body[:-1].split()
+            if len(parts) != 2:
+                raise TemplateError("MUSTACHE: set-delimiter needs two delimiters", section="9.2")
+        name = body.strip()
+        before = text[pos:start]
+        indent = ""
+        if sigil and sigil in MUSTACHE_STANDALONE:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", after)
+            line_end = n if line_end < 0 else line_end
+            lead, trail = text[line_start:start], text[after:line_end]
+            if line_start >= pos and lead.strip(" \t") == "" and trail.strip(" \t\r") == "":
+                before = before[:len(before) - len(lead)]
+                indent = lead
+                after = min(n, line_end + 1)
+        if before:
+            nodes.append(("text", before))
+        pos = after
+        if sigil == "!":
+            continue
+        if sigil == "=":
+            open_delim, close_delim = parts
+            continue
+        if sigil in "#^":
+            section = ("section", name, sigil == "^", [])
+            nodes.append(section)
+            stack.append((name, nodes))
+            nodes = section[3]
+        elif sigil == "/":
+            if not stack or stack[-1][0] != name:
+                raise TemplateError(f"MUSTACHE: unexpected closing tag {name!r}", section="9.2")
+            nodes = stack.pop()[1]
+        elif sigil == ">":
+            nodes.append(("partial", name, indent))
+        else:
+            nodes.append(("var", name, sigil not in "&{"))
+    if stack:
+        raise TemplateError(f"MUSTACHE: unclosed section {stack[-1][0]!r}", section="9.2")
+    return root
+
+
+def mustache_lookup(stack, name):
+    """Mustache name resolution: '.' is the top; 'a.b.c' finds 'a' up the stack, then digs."""
+    if name == ".":
+        return stack[-1]
+    first, *rest = name.split(".")
+    for frame in reversed(stack):
+        if isinstance(frame, dict) and first in frame:
+            value = frame[first]
+            break
+    else:
+        return None
+    for part in rest:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return None
+    return value
+
+
+def mustache_text(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def mustache_render_nodes(nodes, stack, partials, out, depth=0):
+    for node in nodes:
+        kind = node[0]
+        if kind == "text":
+            out.append(node[1])
+        elif kind == "var":
+            text = mustache_text(mustache_lookup(stack, node[1]))
+            if node[2]:
+                text = "".join(MUSTACHE_ESCAPES.get(ch, ch) for ch in text)
+            out.append(text)
+        elif kind == "section":
+            value = mustache_lookup(stack, node[1])
+            falsy = value is None or value is False or value == "" or (
+                isinstance(value, (list, tuple)) and not value)
+            if node[2]:
+                if falsy:
+                    mustache_render_nodes(node[3], stack, partials, out, depth)
+            elif falsy:
+                continue
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    mustache_render_nodes(node[3], stack + [item], partials, out, depth)
+            else:
+                mustache_render_nodes(node[3], stack + [value], partials, out, depth)
+        else:  # partial
+            if depth > 100:
+                raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
+            source = (partials or {}).get(node[1])
+            if source is None:
+                continue
+            if node[2]:  # a standalone partial indents every line it produces
+                source = node[2] + re.sub(r"\n(?!$)", "\n" + node[2], source)
+            mustache_render_nodes(mustache_parse(source), stack, partials, out, depth + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def mustache_compiled(text):
+    return mustache_parse(text)
+
+
+def render_mustache(text, variables, partials=None):
+    """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
+    out = []
+    mustache_render_nodes(mustache_compiled(text), [variables], partials, out)
+    return "".join(out)
+
+
+# SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
+def simple_expressions(text, variables):
+    """Pass 1: each {{ expr }} is evaluated in the expression sandbox and replaced by str(value)."""
+    out, pos = [], 0
+    while True:
+        start = text.find("{{", pos)
+        if start < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        end = text.find("}}", start + 2)
+        if end < 0:
+            raise TemplateError("SIMPLE: '{{' without a closing '}}'", section="9.2")
+        out.append(text[pos:start])
+        source = text[start + 2:end].strip()
+        try:
+            value = eval_expression_text(source, dict(variables))
+        except ActorError as exc:
+            raise TemplateError(f"SIMPLE: {{{{ {source} }}}}: {exc.message}", section="9.2") from exc
+        out.append("" if value is None else str(value))
+        pos = end + 2
+
+
+def simple_field(variables, field):
+    """Resolve a format field `name`, `name.key` or `name[key]` through mappings and lists only:
+    attribute access would reach Python internals, so it is not offered."""
+    parts, token, i = [], "", 0
+    while i < len(field):
+        ch = field[i]
+        if ch == ".":
+            parts.append(token)
+            token = ""
+        elif ch == "[":
+            close = field.find("]", i)
+            if close < 0:
+                raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+            parts.append(token)
+            token = field[i + 1:close]
+            i = close
+        else:
+            token += ch
+        i += 1
+    parts.append(token)
+    parts = [p for p in parts if p != ""] or [""]
+    value = variables
+    for part in parts:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise TemplateError(f"SIMPLE: unknown name {{{field}}} in format substitution",
+                                section="9.2")
+    return value
+
+
+def simple_format(text, variables):
+    """Pass 2: `{name}` fields replaced from the variables; `{{`/`}}` stand for literal braces."""
+    out = []
+    try:
+        pieces = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        raise TemplateError(f"SIMPLE: format substitution: {exc}", section="9.2") from exc
+    for literal, field, spec, conversion in pieces:
+        out.append(literal)
+        if field is None:
+            continue
+        value = simple_field(variables, field)
+        if conversion == "r":
+            value = repr(value)
+        elif conversion in ("s", "a"):
+            value = str(value) if conversion == "s" else ascii(value)
+        try:
+            out.append(format(value, simple_format(spec, variables) if spec else ""))
+        except (ValueError, TypeError) as exc:
+            raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
+    return "".join(out)
+
+
+# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# only, with the Phase C rendering context as the named parameters.
+def render_simple(text, variables, partials=None, *, format_pass=True):
+    """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    text = simple_expressions(text, variables)
+    return simple_format(text, variables) if format_pass else text
+
+
+ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
+
+
+def engine_name(engine):
+    """§9.2: case-insensitive; canonical upper case; unknown -> TemplateError."""
+    name = str(engine or "JINJA2").upper()
+    if name not in ENGINES:
+        raise TemplateError(f"unknown template_engine {engine!r}: use one of {', '.join(ENGINES)}",
+                            section="9.2")
+    return name
+
+
+def render(text, variables, engine="JINJA2", partials=None):
+    """Render `text` with `variables` in one of the §9.2 dialects (public API).
+
+    MUSTACHE accepts any value as the root context and `partials` ({name: source}); JINJA2 and
+    SIMPLE take a mapping. Every failure is a TemplateError.
+    """
+    handler = ENGINES[engine_name(engine)]
+    if handler is not render_mustache and not isinstance(variables, dict):
+        raise TemplateError("variables must be a mapping for JINJA2 and SIMPLE", section="9.2")
+    return handler(text, variables, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
 # See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
@@ -2669,11 +7131,7 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    try:
-        rendered = render_document(protect_runtime_fields(raw), render_context, engine)
-    except ActorError as exc:
-        exc.file = exc.file or file
-        raise
+    rendered = render_document(raw, render_context, engine, file=file)
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 
@@ -2703,11 +7161,10 @@ def load_document(sources, render_context, engine, env, rt):
 
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
-    params = doc.data.get("cleveragents") if isinstance(doc.data.get("cleveragents"), dict) else {}
-    value = host_engine if host_engine is not None else params.get("template_engine", "JINJA2")
+    value, path = host_parameter(doc, "template_engine", host_engine)
+    value = "JINJA2" if value is None else value
     engine = str(value).upper()
     if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
-        path = () if host_engine is not None else ("cleveragents", "template_engine")
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
@@ -2715,10 +7172,11 @@ def resolve_engine(doc, host_engine):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None):
+                context=None, routing_prefixes=None):
     """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport)
+    rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
     check_top_level(doc, rt)
@@ -2739,7 +7197,30 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
-# [streams] §12.2.2 ordering, §12.2.3 error handling, §12.2.4 timeouts
+# §12.2.2: order within a stream holds because every stage is a synchronous call made in
+# arrival order, and timers fire in (time, sequence) order. Across fan-out each message reaches
+# its targets one at a time, in declaration order of the links.
+# INTERPRETATION §12.2.2 (Q97): fan-out delivers each message to every target, in link
+# declaration order, before the next message.
+
+SOFT_TIMEOUT = 30.0         # §12.2.4: per-message completion bound in single-shot runs, seconds
+SOFT_TIMEOUT_TEXT = "Per-message completion exceeded the soft timeout"
+DEBOUNCE_SINGLE_SHOT_CAP = 0.05     # §5.3.2 debounce: seconds
+
+
+def error_reason(exc):
+    """The <reason> of "Error: <reason>": the error's own message, never a traceback."""
+    if isinstance(exc, ActorError):
+        return exc.message
+    return str(exc) or type(exc).__name__
+
+
+def error_category(exc):
+    """§12.2.3 metadata.error_type: the §20 category an error carries, else ExecutionError."""
+    # INTERPRETATION §12.2.3, §20 (Q94): agent, tool and expression failures are
+    # ExecutionErrors (an §20 error raised by the agent keeps its own category); routing
+    # failures are StreamRoutingErrors.
+    return exc.category if isinstance(exc, ActorError) else "ExecutionError"
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
 # INTERPRETATION §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
@@ -2748,6 +7229,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
 TOOL_EXECUTE_PATTERN = re.compile(
     r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+# INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
 TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
 TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
 
@@ -2832,10 +7314,71 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
-# [streams]
+# §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
+# ending in "_" is a family (GOTO_<TARGET>:); the others are fixed tokens.
+# INTERPRETATION §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
+# including its first colon, with the blanks after it. A host extends the list by setting
+# rt.routing_prefixes (same syntax) before the network is built.
+ROUTING_PREFIXES = (
+    "GOTO_",
+    "ROUTE_",
+    "SET_",
+    "CMD_",
+    "COMMAND_OUTPUT:",
+    "DISCOVERY_RESPONSE:",
+    "AUTO_SECTIONS_COMPLETE:",
+)
+
+
+def routing_prefix_pattern(extra=None):
+    """One compiled regex matching a leading routing token (and the blanks after it)."""
+    parts = []
+    for prefix in tuple(ROUTING_PREFIXES) + tuple(extra or ()):
+        if prefix.endswith("_"):
+            parts.append(re.escape(prefix) + r"[^\s:]+:")
+        else:
+            parts.append(re.escape(prefix))
+    return re.compile(r"(?:" + "|".join(parts) + r")[ \t]*")
+
+
+def strip_routing_prefix(text, extra=None):
+    """`text` without one leading §12.5 routing token (a convenience for hosts and tests)."""
+    match = routing_prefix_pattern(extra).match(text)
+    return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# [streams]
+# INTERPRETATION §12.6 (Q25): every cycle of static links (publications, merges, splits, the
+# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError,
+# limiting operators or not: each message is pushed synchronously, so a cycle is unbounded
+# recursion unless an operator happens to stop it. Feedback through __error__ (an error handler
+# that fails) is cut at run time by the __error__ sink (see _Sink.push).
+
+def find_stream_cycle(edges):
+    """First cycle among (source, target, path) links: ([names...], path of the closing link)."""
+    after = {}
+    for source, target, path in edges:
+        after.setdefault(source, []).append((target, path))
+    state = {}      # name -> 1 while on the DFS stack, 2 when done
+
+    def visit(name, trail):
+        state[name] = 1
+        for target, path in after.get(name, ()):
+            if state.get(target) == 1:
+                names = [n for n, _p in trail] + [name]
+                return names[names.index(target):] + [target], path
+            if target not in state:
+                found = visit(target, trail + [(name, path)])
+                if found:
+                    return found
+        state[name] = 2
+        return None
+
+    for name in list(after):
+        if name not in state:
+            found = visit(name, [])
+            if found:
+                return found
+    return None
 
 
 # =====================================================================================
@@ -2848,16 +7391,820 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
-# [sandbox] compile_code / run_code / compile_expression
+# One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2 (expression)
+# built-in table. A restricted __builtins__ dict alone is escapable in many published ways, so four
+# layers hold it, and the first two run once, at load time:
+#   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that leads
+#      to frames, code or tracebacks, no str.format, no imports but json, no class/global/nonlocal/yield/
+#      async/with/decorators, no use of a prohibited facility's name -> ConfigurationError.
+#   2. AST rewrite: + * ** << % and the string methods that pad or repeat go through size guards; a bare
+#      `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass through.
+#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
+#   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
+#      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
+# Limits hold in unsafe mode too: unsafe mode enables inline code, it does not hand the code the host.
+# The hot path (run_code, ExprUnit.__call__) never parses or compiles.
+import ast         # noqa: E402  (TODO foundation: hoist to the stdlib imports at the top)
+import functools   # noqa: E402
+import operator    # noqa: E402
+
+SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
+SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
+SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
+CODE_FILENAME = "<inline code>"
+EXPRESSION_FILENAME = "<inline expression>"
+SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
+
+
+class SandboxAbort(BaseException):
+    """A limit or a run-time refusal inside the sandbox. BaseException, and bare `except:` is
+    rewritten to `except Exception:`, so sandboxed code can never catch it."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Rejected(Exception):
+    """A construct refused by the AST check: (line inside the code body, what)."""
+
+    def __init__(self, line, what):
+        super().__init__(what)
+        self.line, self.what = line, what
+
+
+def _bound_names(tree):
+    """Every name the code binds itself (assignment, def, parameter, import alias, except, match)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound.add(node.rest)
+    return bound
+
+
+def _is_dunder(name):
+    return name.startswith("__")
+
+
+def _attribute_refusal(attr):
+    """Why an attribute name is refused (None when it is fine). Names arrive NFKC-normalised."""
+    if attr.startswith("_"):
+        return f"access to the private or special attribute '{attr}'"
+    if attr in SANDBOX_FORBIDDEN_ATTRIBUTES or attr.startswith(SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES):
+        return f"access to the attribute '{attr}'"
+    return None
+
+
+def _construct_refusal(node, kind, prohibited):
+    """§13.2.3: why one AST node is refused in a sandbox of `kind` ("code" or "expression")."""
+    match node:
+        case ast.Import(names=names):
+            bad = [a.name for a in names if a.name != "json"]
+            return f"import of '{bad[0]}' (only json may be imported)" if bad else None
+        case ast.ImportFrom(module=module, level=level, names=names):
+            if module != "json" or level:
+                return f"import from '{'.' * level}{module or ''}' (only json may be imported)"
+            bad = [a.name for a in names if a.name not in ("loads", "dumps", "JSONDecodeError")]
+            return f"import of 'json.{bad[0]}'" if bad else None
+        case ast.ClassDef():
+            return "a class definition (class creation hooks lead out of the sandbox)"
+        case ast.Global() | ast.Nonlocal():
+            return "a global or nonlocal statement"
+        case ast.Yield() | ast.YieldFrom():
+            return "a generator function (yield)"
+        case ast.AsyncFunctionDef() | ast.Await() | ast.AsyncFor() | ast.AsyncWith():
+            return "asynchronous code"
+        case ast.With():
+            return "a with statement"
+        case ast.FunctionDef(decorator_list=decorators) if decorators:
+            return "a decorator"
+        case ast.FunctionDef(name=name) if _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.Name(id=name) if _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
+            return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Attribute(attr=attr):
+            return _attribute_refusal(attr)
+        case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
+                | ast.MatchAs(name=name) | ast.MatchStar(name=name) if name and _is_dunder(name):
+            return f"the special name '{name}'"
+        case ast.MatchClass(kwd_attrs=attrs):
+            return next(filter(None, map(_attribute_refusal, attrs)), None)
+        case ast.MatchMapping(rest=rest) if rest and _is_dunder(rest):
+            return f"the special name '{rest}'"
+        case ast.keyword(arg=name) if name and _is_dunder(name):
+            return f"the special keyword '{name}'"
+    return None
+
+
+def _check_tree(tree, kind, table):
+    """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
+    prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
+                  for name in names if name not in table}
+    for name in prohibited.keys() & _bound_names(tree):
+        del prohibited[name]   # a variable the code binds itself (`id = 3`) is not the facility
+    for node in ast.walk(tree):
+        reason = _construct_refusal(node, kind, prohibited)
+        if reason:
+            raise _Rejected(getattr(node, "lineno", 1), reason)
+
+
+def _guard_call(name, node, *args):
+    return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
+
+
+def _tick(name, node):
+    return ast.copy_location(ast.Expr(_guard_call(name, node)), node)
+
+
+class _SandboxRewriter(ast.NodeTransformer):
+    """Layer 2: deadline ticks in loops and calls; size-sensitive operations through the guards."""
+
+    def visit_While(self, node):
+        self.generic_visit(node)
+        node.body.insert(0, _tick("__sb_loop__", node))
+        return node
+
+    visit_For = visit_While
+
+    def visit_comprehension(self, node):
+        self.generic_visit(node)
+        node.ifs.insert(0, _guard_call("__sb_loop__", node.iter))
+        return node
+
+    def visit_FunctionDef(self, node):
+        self.generic_visit(node)
+        node.body.insert(0, _tick("__sb_enter__", node))
+        return node
+
+    def visit_Lambda(self, node):
+        self.generic_visit(node)
+        node.body = ast.copy_location(
+            ast.BoolOp(ast.And(), [_guard_call("__sb_enter__", node.body), node.body]), node.body)
+        return node
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        symbol = _GUARDED_OPERATORS.get(type(node.op))
+        if symbol is None:
+            return node
+        return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_AugAssign(self, node):
+        self.generic_visit(node)
+        symbol = _GUARDED_OPERATORS.get(type(node.op))
+        if symbol is None:
+            return node
+        target = node.target
+        if isinstance(target, ast.Name):
+            value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
+                                ast.Name(target.id, ast.Load()), node.value)
+            return ast.copy_location(ast.Assign([target], value), node)
+        if isinstance(target, ast.Subscript):
+            key = target.slice
+            if isinstance(key, ast.Slice):
+                key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
+                                                         (key.lower, key.upper, key.step)))
+            call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
+                               node.value)
+        else:
+            call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
+                               ast.Constant(symbol), node.value)
+        return ast.copy_location(ast.Expr(call), node)
+
+    def __init__(self, bound):
+        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
+            func.id = "__sb_str__"
+        if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
+            call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr), *node.args)
+            call.keywords = node.keywords
+            return call
+        return node
+
+    def visit_FormattedValue(self, node):
+        self.generic_visit(node)
+        node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
+                                 node.format_spec or ast.Constant(""))
+        node.conversion, node.format_spec = -1, None
+        return node
+
+    def visit_ExceptHandler(self, node):
+        self.generic_visit(node)
+        if node.type is None:
+            node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
+        return node
+
+    def visit_Import(self, node):
+        # `import json [as j]` binds the §4.5.2 facility (Q70 (a)); no import machinery is exposed.
+        return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
+                                             ast.Name("__sb_json__", ast.Load())), node)
+                for a in node.names]
+
+    def visit_ImportFrom(self, node):
+        return [ast.copy_location(ast.Assign(
+            [ast.Name(a.asname or a.name, ast.Store())],
+            ast.Attribute(ast.Name("__sb_json__", ast.Load()), a.name, ast.Load())), node)
+            for a in node.names]
+
+
+def _sandbox_compile(source, mode, kind, table, filename):
+    """Parse, check (layer 1), rewrite (layer 2) and compile; raises SyntaxError or _Rejected."""
+    if not isinstance(source, str):
+        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
+    tree = ast.parse(source, filename=filename, mode=mode)
+    _check_tree(tree, kind, table)
+    tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
+    return tree, compile(tree, filename, mode, dont_inherit=True)
+
+
+def _configuration_refusal(exc, rt, path, section, what):
+    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line` is the body line."""
+    if isinstance(exc, SyntaxError):
+        line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
+    else:
+        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
+    message = f"{what}, line {line}: {text}"
+    if rt is not None and path is not None:
+        err = rt.error(ConfigurationError, path, message, section)
+    else:
+        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
+    err.code_line = line
+    return err
+
+
+# Layer 4: the run-time budget ---------------------------------------------------------------
+# INTERPRETATION §13.2 (issue 4): limits are ticks, not a trace function. CPython 3.11 sends no
+# `line` event for `while True: pass`, and an exception raised from a trace function switches
+# tracing off while `finally` blocks still run; so the rewrite (layer 2) puts a deadline check at the
+# top of every loop body, comprehension step and function body, and the function-entry check also
+# caps the depth of nested sandboxed calls.
+class _Budget:
+    """Wall-clock deadline of one sandboxed call."""
+
+    __slots__ = ("timeout", "deadline")
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+
+# Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
+_SANDBOX_LOCAL = threading.local()
+# The address-space cap is process-wide, so sandboxed runs take turns (a process resource).
+_SANDBOX_TURN = threading.RLock()
+
+
+def guard_loop():
+    """Inserted at every loop step: refuse to go on past the deadline. Returns True (comprehension if)."""
+    budget = getattr(_SANDBOX_LOCAL, "budget", None)
+    if budget is None:   # a sandbox-made function called by the host outside any sandboxed run
+        raise ExecutionError("sandboxed code called outside its sandbox", section="13.2")
+    if time.monotonic() > budget.deadline:
+        raise SandboxAbort(f"time limit of {budget.timeout:g} s exceeded")
+    return True
+
+
+def guard_enter():
+    """Inserted at every function and lambda entry: the deadline, then the depth of sandboxed calls."""
+    guard_loop()
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth <= SANDBOX_MAX_DEPTH:
+        if frame.f_code.co_filename in SANDBOX_FILENAMES:
+            depth += 1
+        frame = frame.f_back
+    if depth > SANDBOX_MAX_DEPTH:
+        raise SandboxAbort(f"call depth exceeds {SANDBOX_MAX_DEPTH}")
+    return True
+
+
+def _address_space():
+    """Current virtual size of this process in bytes, or None where /proc is missing."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class _MemoryCap:
+    """POSIX backstop: RLIMIT_AS = current size + headroom while sandboxed code runs."""
+
+    def __enter__(self):
+        self.saved = None
+        try:
+            import resource
+        except ImportError:
+            return self
+        current = _address_space()
+        if current is None:
+            return self
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = current + SANDBOX_MEMORY_HEADROOM
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft != resource.RLIM_INFINITY and soft <= limit:
+            return self   # already capped (nested run, or a stricter host limit)
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        except (ValueError, OSError):
+            return self
+        self.saved = (resource, soft, hard)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved:
+            resource, soft, hard = self.saved
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        return False
+
+
+def _sandbox_line(tb, filename):
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _run_sandboxed(thunk, timeout, label, filename):
+    """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
+    with _SANDBOX_TURN, _MemoryCap():
+        previous = getattr(_SANDBOX_LOCAL, "budget", None)
+        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        try:
+            return thunk()
+        except SandboxAbort as abort:
+            failure, section = abort.reason, "13.2.3"
+        except MemoryError:
+            failure, section = "memory limit exceeded", "13.2.3"
+        except RecursionError:
+            failure, section = "recursion limit exceeded", "13.2.3"
+        except Exception as exc:   # the code's own error: reported, never fatal to the Actor
+            line = _sandbox_line(exc.__traceback__, filename)
+            where = f"line {line}: " if line else ""
+            failure, section = f"{where}{type(exc).__name__}: {str(exc)[:500]}", "13.2"
+        finally:
+            _SANDBOX_LOCAL.budget = previous
+    raise ExecutionError(f"{label}: {failure}", section=section)
+
+
+# §13.2 entry points ------------------------------------------------------------------------
+class CodeUnit:
+    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
+
+    __slots__ = ("source", "code", "label", "builtins")
+
+    def __init__(self, source, code, label):
+        self.source, self.code, self.label = source, code, label
+        self.builtins = {**INLINE_CODE_BUILTINS, **_SANDBOX_GUARDS}
+
+
+class ExprUnit:
+    """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
+
+    __slots__ = ("source", "fn", "label", "nparams")
+
+    def __init__(self, source, fn, label, nparams):
+        self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
+
+    def __call__(self, *args, timeout=1.0):
+        return _run_sandboxed(lambda: self.fn(*args), timeout, self.label, EXPRESSION_FILENAME)
+
+
+def compile_code(source, *, rt=None, path=None):
+    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
+
+    A refused construct or a syntax error is a located ConfigurationError naming the line inside
+    the body (also kept as `err.code_line`).
+    """
+    label = f"inline code {path_str(path)}" if path else "inline code"
+    try:
+        _, code = _sandbox_compile(source, "exec", "code", INLINE_CODE_BUILTINS, CODE_FILENAME)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
+    return CodeUnit(source, code, label)
+
+
+def run_code(unit, variables, *, timeout=1.0):
+    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; returns the final namespace.
+
+    `variables` usually holds input_data, message, context (by reference) and result=None. Any
+    violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
+    """
+    namespace = dict(variables)
+    namespace["__builtins__"] = unit.builtins
+    _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
+    return {key: value for key, value in namespace.items() if key != "__builtins__"}
+
+
+def _lambda_accepts(node, nparams):
+    args = node.args
+    positional = len(args.posonlyargs) + len(args.args)
+    required = positional - len(args.defaults)
+    return required <= nparams and (nparams <= positional or args.vararg is not None) \
+        and all(default is not None for default in args.kw_defaults)
+
+
+def compile_expression(source, *, nparams=1, rt=None, path=None):
+    """§13.2.2: check and compile `lambda ...: expr` once; returns an ExprUnit, called as unit(*args).
+
+    The lambda must accept `nparams` positional arguments (transform fn: 1, custom_predicate: 2).
+    """
+    label = f"inline expression {path_str(path)}" if path else "inline expression"
+    try:
+        tree, code = _sandbox_compile(source.strip() if isinstance(source, str) else source,
+                                      "eval", "expression", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)
+        if not isinstance(tree.body, ast.Lambda) or not _lambda_accepts(tree.body, nparams):
+            raise _Rejected(1, f"anything but a lambda of {nparams} parameter(s)")
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
+    namespace = {"__builtins__": {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}}
+    fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    return ExprUnit(source, fn, label, nparams)
+
+
+@functools.lru_cache(maxsize=512)   # a pure cache of compiled text; no Actor state lives here
+def _compile_expression_text(source):
+    return _sandbox_compile(source.strip(), "eval", "expression", EXPRESSION_BUILTINS,
+                            EXPRESSION_FILENAME)[1]
+
+
+def eval_expression_text(source, names, timeout=1.0):
+    """§9.2 SIMPLE pre-pass: evaluate a bare expression in the §13.2.2 sandbox with `names` as variables.
+
+    Refused constructs raise ConfigurationError, run-time failures ExecutionError.
+    """
+    try:
+        code = _compile_expression_text(source)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
+    namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
+    namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
+    return _run_sandboxed(lambda: eval(code, namespace), timeout, "inline expression",
+                          EXPRESSION_FILENAME)
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
-# [sandbox]
+class SandboxType:
+    """What the sandbox's type() returns for a class outside SANDBOX_INERT_TYPES: it compares and
+    prints like the class, and works in isinstance(), but cannot be called or walked."""
+
+    __slots__ = ("_cls",)
+
+    def __init__(self, cls):
+        self._cls = cls
+
+    def __eq__(self, other):
+        return isinstance(other, SandboxType) and other._cls is self._cls
+
+    def __hash__(self):
+        return hash(self._cls)
+
+    def __repr__(self):
+        return f"<class '{self._cls.__name__}'>"
+
+
+def _unwrap_classinfo(spec):
+    if isinstance(spec, SandboxType):
+        return spec._cls
+    if isinstance(spec, tuple):
+        return tuple(_unwrap_classinfo(item) for item in spec)
+    return spec
+
+
+def builtin_type(*args):
+    """§13.2.1 type: the one-argument form only; three arguments would create a class."""
+    if len(args) != 1:
+        raise SandboxAbort("type() with three arguments (class creation) is refused")
+    cls = type(args[0])
+    return cls if cls in SANDBOX_INERT_TYPES else SandboxType(cls)
+
+
+def builtin_isinstance(obj, classinfo):
+    """§13.2.1 isinstance, accepting what the sandbox's type() returns."""
+    return isinstance(obj, _unwrap_classinfo(classinfo))
+
+
+def builtin_locals():
+    """§13.2.1 locals: a copy of the caller's variables, without __builtins__ or guard names."""
+    frame = sys._getframe(1)
+    if frame.f_code.co_filename not in SANDBOX_FILENAMES:
+        return {}
+    return {key: value for key, value in frame.f_locals.items() if not _is_dunder(key)}
+
+
+def builtin_print(*values, sep=" ", end="\n", **_ignored):
+    """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
+    sep = sep if isinstance(sep, str) else " "
+    end = end if isinstance(end, str) else "\n"
+    for value in values:
+        check_rendering(value)
+    sys.stderr.write(sep.join(str(value) for value in values) + end)
+
+
+def builtin_range(*args):
+    """§13.2.1 range, refusing more than SANDBOX_MAX_ITEMS steps: C-level consumers such as
+    sum(range(10**12)) never reach the line budget."""
+    span = range(*args)
+    try:
+        size = len(span)
+    except OverflowError:
+        size = SANDBOX_MAX_ITEMS + 1
+    if size > SANDBOX_MAX_ITEMS:
+        raise SandboxAbort(f"range of more than {SANDBOX_MAX_ITEMS} items")
+    return span
+
+
+def builtin_sum(iterable, /, start=0):
+    """§13.2.1/§13.2.2 sum; sequence concatenation goes through the size guard."""
+    if isinstance(start, (str, bytes, list, tuple)):
+        total = start
+        for item in iterable:
+            total = guard_binop("+", total, item)
+        return total
+    return sum(iterable, start)
+
+
+class JsonFacility:
+    """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
+
+    Not the json module, whose attributes (decoder, scanner, codecs...) lead elsewhere.
+    """
+
+    __slots__ = ()
+    JSONDecodeError = json.JSONDecodeError
+
+    @staticmethod
+    def loads(text):
+        return json.loads(text)
+
+    @staticmethod
+    def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
+        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
+            raise SandboxAbort("json.dumps indent larger than 64")
+        check_rendering(value)
+        return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
+                          separators=separators)
+
+    def __repr__(self):
+        return "<json facility: loads, dumps, JSONDecodeError>"
+
+
+SANDBOX_JSON = JsonFacility()
+
+# §13.2.1 table: the built-ins of inline code -- these and no others. Rows in the spec's order.
+INLINE_CODE_BUILTINS = {
+    # Type constructors
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
+    # Iteration / aggregation
+    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
+    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted, "sum": builtin_sum,
+    "zip": zip,
+    # Type inspection
+    "isinstance": builtin_isinstance, "type": builtin_type,
+    # Local-frame access
+    "locals": builtin_locals,
+    # Diagnostic output
+    "print": builtin_print,
+    # Error categories
+    "ValueError": ValueError, "IndexError": IndexError, "KeyError": KeyError, "TypeError": TypeError,
+    # Module access
+    "json": SANDBOX_JSON,
+}
 
 # §13.2.2 Restricted built-ins for expression evaluation ---------------------------------
-# [sandbox]
+# §13.2.2 table: the built-ins of inline expressions -- these and no others. Rows in the spec's order.
+EXPRESSION_BUILTINS = {
+    # Type constructors
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
+    # Numeric / iteration utilities
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
+    "sum": builtin_sum,
+}
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
-# [sandbox]
+# INTERPRETATION §13.2.3 (Q71): refused in both places -- what the AST shows is refused at load
+# (ConfigurationError with the body line); limits and type() with three arguments at invocation
+# (ExecutionError, which reaches __error__).
+# §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused at
+# load unless the sandbox's own table lists it (print, type, locals in inline code) or the code binds
+# that name itself (`id = 3`).
+SANDBOX_PROHIBITED_CAPABILITIES = {
+    "arbitrary I/O": ("open", "input", "print", "breakpoint", "help", "exit", "quit", "memoryview"),
+    "dynamic evaluation or compilation": ("eval", "exec", "compile"),
+    "introspection": ("globals", "locals", "vars", "dir", "type", "getattr", "setattr", "delattr",
+                      "hasattr", "id", "object", "super", "classmethod", "staticmethod", "property"),
+    "dynamic import": ("importlib",),
+    "subprocess spawning or signaling": ("os", "sys", "subprocess", "signal"),
+}
+
+# Attributes that lead to frames, code objects, tracebacks, class hierarchies or format-string
+# attribute walks ("{0.__class__}".format(x)). Any `_x` attribute is refused as well.
+# INTERPRETATION §13.2.3: str.format and format_map are refused outright (f-strings remain, and
+# their fields are checked like any other expression), because a format string is data and can walk
+# attributes the AST never shows.
+SANDBOX_FORBIDDEN_ATTRIBUTES = frozenset({
+    "format", "format_map", "mro", "with_traceback", "gi_frame", "gi_code", "cr_frame", "ag_frame",
+    "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame", "tb_next", "co_code",
+    "func_globals", "func_code",
+})
+SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_", "func_", "im_")
+
+# Classes the sandbox's type() hands out as themselves; any other class comes back as SandboxType,
+# so type(type(0)) cannot create classes and type(range(1)) cannot dodge the range limit.
+SANDBOX_INERT_TYPES = frozenset({
+    bool, int, float, complex, str, list, tuple, dict, set, frozenset, type(None),
+    ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
+})
+
+_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
+_BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
+           "%": operator.mod}
+_INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
+            "%": operator.imod}
+_SIZED = (str, bytes, list, tuple)
+_WIDTH_RE = re.compile(r"\d+")
+
+
+def _refuse_size(what):
+    raise SandboxAbort(f"{what} exceeds the sandbox size limit")
+
+
+def _check_operands(symbol, left, right):
+    """Refuse + * ** << % whose result would pass SANDBOX_MAX_ITEMS / SANDBOX_MAX_INT_BITS."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if symbol == "+":
+        if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
+                and len(left) + len(right) > SANDBOX_MAX_ITEMS:
+            _refuse_size("concatenation")
+    elif symbol == "*":
+        if ints:
+            if left.bit_length() + right.bit_length() > SANDBOX_MAX_INT_BITS:
+                _refuse_size("integer product")
+        else:
+            seq, count = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, _SIZED) and isinstance(count, int) \
+                    and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition")
+    elif symbol == "**":
+        if ints and right > 0 and abs(left) > 1 \
+                and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
+            _refuse_size("power")
+    elif symbol == "<<":
+        if ints and left and right > 0 and left.bit_length() + right > SANDBOX_MAX_INT_BITS:
+            _refuse_size("shift")
+    elif symbol == "%" and isinstance(left, str):
+        _check_printf(left, right)
+        check_rendering(right)
+
+
+def _check_printf(fmt, args):
+    """'%*d' % (10**10, 1) and '%9999999999d' % 1 pad without bound."""
+    widths = [int(digits) for digits in _WIDTH_RE.findall(fmt)]
+    if "*" in fmt:
+        values = args if isinstance(args, tuple) else (args,)
+        widths += [value for value in values if isinstance(value, int)]
+    if any(width > SANDBOX_MAX_ITEMS for width in widths):
+        _refuse_size("%-format width")
+
+
+def guard_binop(symbol, left, right):
+    _check_operands(symbol, left, right)
+    return _BINARY[symbol](left, right)
+
+
+def guard_inplace(symbol, left, right):
+    _check_operands(symbol, left, right)
+    return _INPLACE[symbol](left, right)
+
+
+def guard_aug_item(container, key, symbol, value):
+    container[key] = guard_inplace(symbol, container[key], value)
+
+
+def guard_aug_attr(obj, name, symbol, value):
+    # `name` passed the layer-1 attribute check at load.
+    setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
+
+
+_CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _text_weight(value, memo):
+    """Roughly how many characters str(value) has: a container counts its items plus the weight of
+    each child, shared children computed once (memo by id), cycles counted once."""
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    memo[key] = 1
+    weight = len(value) + 1
+    children = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+    for child in children:
+        if isinstance(child, _CONTAINERS):
+            weight += _text_weight(child, memo)
+            if weight > SANDBOX_MAX_ITEMS:
+                break
+    memo[key] = weight
+    return weight
+
+
+def check_rendering(value):
+    """Refuse to turn into text a structure whose text would pass the limit. Aliasing makes tiny
+    structures print huge: x = [0] * 10**6; str([x] * 10**6) is 10**12 characters."""
+    if isinstance(value, _CONTAINERS[2:]) and _text_weight(value, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("text of a structure")
+
+
+def guard_str(*args, **kwargs):
+    """str(x) as written in the code: the rendering check first."""
+    if args:
+        check_rendering(args[0])
+    return str(*args, **kwargs)
+
+
+def guard_format(value, conversion, spec):
+    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as Python would."""
+    check_rendering(value)
+    if conversion == ord("r"):
+        value = repr(value)
+    elif conversion == ord("s"):
+        value = str(value)
+    elif conversion == ord("a"):
+        value = ascii(value)
+    if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
+        _refuse_size("format width")
+    return format(value, spec)
+
+
+def _method_growth(obj, name, args, kwargs):
+    """Size estimate of what a padding/repeating method would build, or 0 when not applicable."""
+    if name in ("ljust", "rjust", "center", "zfill"):
+        width = args[0] if args else kwargs.get("width", 0)
+        return width if isinstance(width, int) else 0
+    if name == "expandtabs" and isinstance(obj, (str, bytes)):
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        return len(obj) + obj.count("\t" if isinstance(obj, str) else b"\t") * size \
+            if isinstance(size, int) else 0
+    if name == "replace" and isinstance(obj, (str, bytes)) and len(args) >= 2 \
+            and isinstance(args[0], type(obj)) and isinstance(args[1], type(obj)):
+        hits = obj.count(args[0]) if args[0] else len(obj) + 1
+        return len(obj) + hits * max(len(args[1]) - len(args[0]), 0)
+    if name == "join" and isinstance(obj, (str, bytes)) and args and isinstance(args[0], list):
+        items = args[0]
+        return len(obj) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, _SIZED))
+    if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
+        return len(obj) + len(args[0])
+    if name == "to_bytes" and isinstance(obj, int):
+        length = args[0] if args else kwargs.get("length", 1)
+        return length if isinstance(length, int) else 0
+    if name == "translate" and isinstance(obj, str) and args and isinstance(args[0], dict):
+        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+        return len(obj) * longest
+    return 0
+
+
+def guard_method(obj, name, *args, **kwargs):
+    """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
+    if name == "join" and args and not isinstance(args[0], (list, tuple, str)):
+        args = (list(args[0]),) + args[1:]   # materialise a generator once, under the line budget
+    if _method_growth(obj, name, args, kwargs) > SANDBOX_MAX_ITEMS:
+        _refuse_size(f"{name}() result")
+    return getattr(obj, name)(*args, **kwargs)   # `name` passed the layer-1 attribute check
+
+
+_GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
+                              "extend", "to_bytes", "translate"})
+
+# Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
+_SANDBOX_GUARDS = {
+    "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
+    "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
+    "__sb_str__": guard_str,
+    "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
+}
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
 def host_refusal(env, given, op):
@@ -3157,6 +8504,9 @@ class ProviderAdapter:
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
+        if not re.match(r"https?://", base_url or ""):
+            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                                 section="4.4")
         url = self.endpoint(base_url.rstrip("/"), request["model"])
         body = self.body(request)
         headers = self.headers(key)
@@ -3165,8 +8515,8 @@ class ProviderAdapter:
         while True:
             retry, data, resp_headers = True, None, {}
             try:
-                status, resp_headers, raw = _http_post(url, headers,
-                                                       json.dumps(body).encode("utf-8"), timeout)
+                status, resp_headers, raw = _http_post(
+                    url, headers, json.dumps(body, default=str).encode("utf-8"), timeout)
             except (TimeoutError, urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
@@ -3277,6 +8627,7 @@ class AnthropicAdapter(ProviderAdapter):
     default_base = "https://api.anthropic.com"
     base_envs = ("ANTHROPIC_BASE_URL",)
     structured = frozenset({"json_schema"})
+    STRUCTURED_TOOL = "structured_output"
 
     def endpoint(self, base, model):
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
@@ -3306,11 +8657,14 @@ class AnthropicAdapter(ProviderAdapter):
     def reply(self, data):
         if data.get("stop_reason") == "refusal":
             raise ValueError("the model refused (stop_reason: refusal)")
-        parts = [block["text"] for block in data["content"]
-                 if isinstance(block, dict) and block.get("type") == "text"]
-        if not parts:
-            raise ValueError("the reply has no text content")
-        return "".join(parts)
+        blocks = [block for block in data["content"] if isinstance(block, dict)]
+        parts = [block["text"] for block in blocks if block.get("type") == "text"]
+        if parts:
+            return "".join(parts)
+        for block in blocks:        # the forced-tool form of structured output (see fallback)
+            if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
+                return json.dumps(block.get("input"), ensure_ascii=False)
+        raise ValueError("the reply has no text content")
 
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
@@ -3327,6 +8681,15 @@ class AnthropicAdapter(ProviderAdapter):
         if "temperature" in body and "temperature" in message and "temperature" not in used:
             used.add("temperature")     # "`temperature` is deprecated for this model"
             return {k: v for k, v in body.items() if k != "temperature"}
+        if "output_config" in body and "output_config" in message and "structured" not in used:
+            # Models or servers without output_config: force a tool whose input is the schema.
+            used.add("structured")
+            fixed = {k: v for k, v in body.items() if k != "output_config"}
+            fixed["tools"] = [{"name": self.STRUCTURED_TOOL,
+                               "description": "Give the answer as this tool's input.",
+                               "input_schema": body["output_config"]["format"]["schema"]}]
+            fixed["tool_choice"] = {"type": "tool", "name": self.STRUCTURED_TOOL}
+            return fixed
         return None
 
 
@@ -3511,9 +8874,9 @@ class Actor:
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
-        close = getattr(self.network, "close", None)
-        if close is not None:
-            close()
+        self.network.close()
+        for graph in self.rt.graphs.values():
+            graph.close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
@@ -3538,6 +8901,10 @@ class Actor:
     def rewind(self, route, steps):
         return self._graph(route).rewind(steps)
 
+    def resume(self, route):
+        """Continue a graph run interrupted after its last checkpoint (restore() first)."""
+        return self._call(lambda: self._graph(route).resume(self.rt.context))
+
     # -- inspection (§4.11)
     def describe(self):
         """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
@@ -3557,17 +8924,21 @@ class Actor:
 
 
 def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
-         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None,
+         routing_prefixes=None):
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
     the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or "X_" for a
+    family X_<NAME>:).
     """
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
         template_engine=template_engine, default_router=default_router, provider=provider,
         workdir=workdir, clock=clock or VirtualClock(),
-        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context,
+        routing_prefixes=routing_prefixes)
 
 
 def jsonable(value):
@@ -3967,6 +9338,9 @@ def main(argv=None):
     except ActorError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
+    # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped input)
+    # is single-shot; an interactive prompt is not.
+    actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
     with actor:
         if args.check:
             print("ok")
@@ -3978,6 +9352,9 @@ def main(argv=None):
             else:
                 for name, agent in info["agents"].items():
                     print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+                    for key, value in agent["metadata"].items():
+                        if key not in ("name", "type", "capabilities"):
+                            print(f"    {key}: {json.dumps(value)}")
                 for name, kind in info["routes"].items():
                     mark = "  [default router]" if name == info["default_router"] else ""
                     print(f"route {name} ({kind}){mark}")

@@ -233,6 +233,63 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
 
 
+def test_cli_runs_the_18_4_example_end_to_end():
+    """§18.4 from the command line: refused on a safe host, answered on an unsafe one."""
+    example = HERE / "examples" / "inline-tool.yaml"
+    r = run_cli(str(example), "--unsafe", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "PREFIX: hello\n")
+    r = run_cli(str(example), "-m", "hello")
+    assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
+
+
+def test_readme_first_command_runs_offline():
+    """The README's first command: the chat example through the fake provider, no key needed."""
+    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
+    assert (r.returncode, r.stdout) == (0, "hello\n")
+
+
+def test_cli_check_accepts_the_examples():
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        r = run_cli("--check", "--unsafe", "--provider", "fake", str(example))
+        assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
+
+
+def test_cli_describe_text_and_json():
+    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
+    import json
+    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    assert r.returncode == 0
+    assert "agent echo_tool (tool): tool-execution" in r.stdout
+    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
+    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    info = json.loads(r.stdout)
+    meta = info["agents"]["echo_tool"]["metadata"]
+    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
+    assert info["routes"] == {"main": "stream"}
+
+
+def test_host_extends_routing_prefixes():
+    """§12.5: the host may extend the list of prefixes stripped from __output__."""
+    text = ("agents: {a: {type: chain}}\nroutes: {m: {type: stream, publications: [__output__]}}\n"
+            "merges: [{sources: [__input__], target: m}]\n")
+    plain = actor.load(text=text)
+    assert [m.content for m in plain.send("NOTE: hi").outputs] == ["NOTE: hi"]
+    assert [m.content for m in plain.send("GOTO_X: hi").outputs] == ["hi"]
+    extended = actor.load(text=text, routing_prefixes=["NOTE:"])
+    assert [m.content for m in extended.send("NOTE: hi").outputs] == ["hi"]
+
+
+def test_message_copy_keeps_context_by_reference_and_copies_the_rest():
+    """§12.2.1: metadata.context by reference; other values copied one level deep."""
+    ctx, tags, nested = {"k": 1}, ["a"], {"inner": ["x"]}
+    msg = actor.Message("c", {"context": ctx, "tags": tags, "nested": nested, "n": 1})
+    twin = msg.copy(content="d")
+    assert twin.metadata["context"] is ctx
+    assert twin.metadata["tags"] == tags and twin.metadata["tags"] is not tags
+    assert twin.metadata["nested"] is not nested and twin.metadata["nested"]["inner"] is nested["inner"]
+    assert (twin.content, msg.content, twin.source_stream) == ("d", "c", "__input__")
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
@@ -243,6 +300,638 @@ def test_cli_version_and_help():
 # §4.4 LLM agents and HOST providers (llm)
 # =====================================================================================
 # [llm]
+import http.server  # noqa: E402
+import json  # noqa: E402
+import threading  # noqa: E402
+
+LLM_KEY = "sk-test-SECRET-4242"
+
+
+@pytest.fixture
+def llm_render(monkeypatch):
+    """Until [templating] lands on this branch, prompts without template syntax pass through."""
+    if not hasattr(actor, "render_runtime"):
+        monkeypatch.setattr(actor, "render_runtime",
+                            lambda rt, text, ctx, message, path=None: text, raising=False)
+
+
+def _llm_rt(env=None, doc=None, **kwargs):
+    env = {"OPENAI_API_KEY": LLM_KEY} if env is None else env
+    return actor.Runtime(actor.Doc(doc or {}), env=env, **kwargs)
+
+
+def _llm_agent(config, rt=None, name="a"):
+    rt = rt or _llm_rt()
+    return actor.LLMAgent(name, {"type": "llm", "config": config}, rt, ("agents", name))
+
+
+class _LLMServer:
+    """A scripted HTTP server on 127.0.0.1: records each request, answers from `replies`."""
+
+    def __init__(self):
+        self.requests = []
+        self.replies = []           # (status, headers, body: dict | bytes | str)
+        self.delay = 0.0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
+                                        "body": json.loads(raw)})
+                if server.delay:
+                    threading.Event().wait(server.delay)
+                status, headers, body = server.replies.pop(0) if server.replies else (
+                    500, {}, {"error": {"message": "no scripted reply"}})
+                if isinstance(body, (dict, list)):
+                    body = json.dumps(body)
+                if isinstance(body, str):
+                    body = body.encode("utf-8")
+                try:
+                    self.send_response(status)
+                    for key, value in headers.items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def llm_server():
+    server = _LLMServer()
+    yield server
+    server.close()
+
+
+def _openai_ok(text):
+    return (200, {}, {"id": "c1", "object": "chat.completion", "model": "m",
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": text}}]})
+
+
+def _sleeps(agent):
+    waits = []
+    agent.sleep = waits.append
+    return waits
+
+
+# §4.4 LLM agents: fields, defaults, metadata ------------------------------------------------
+def test_llm_defaults_and_metadata(llm_render):
+    agent = _llm_agent({})
+    assert (agent.provider, agent.model) == ("openai", "gpt-3.5-turbo")
+    assert (agent.temperature, agent.max_tokens) == (0.7, 1000)
+    assert agent.system_prompt == "You are a helpful assistant."
+    assert (agent.memory_enabled, agent.max_history) == (False, 10)
+    meta = agent.metadata
+    assert meta["name"] == "a" and meta["type"] == "llm" and meta["reactive"] is True
+    for key in ("provider", "model", "temperature", "max_tokens", "memory_enabled",
+                "supports_structured_output", "capabilities"):
+        assert key in meta
+    assert "text-generation" in agent.capabilities and "structured-output" in agent.capabilities
+    assert LLM_KEY not in repr(agent) and LLM_KEY not in json.dumps(meta)
+
+
+@pytest.mark.parametrize("provider, env, model", [
+    ("OpenAI", {"OPENAI_API_KEY": "k"}, "gpt-3.5-turbo"),
+    ("ANTHROPIC", {"ANTHROPIC_API_KEY": "k"}, "claude-3-5-sonnet-20241022"),
+    ("google", {"GOOGLEAI_API_KEY": "k"}, "gemini-1.5-flash"),
+])
+def test_llm_provider_case_insensitive_default_models(provider, env, model):
+    agent = _llm_agent({"provider": provider}, _llm_rt(env))
+    assert agent.provider == provider.lower() and agent.model == model
+
+
+def test_llm_missing_key_names_variables():
+    with pytest.raises(actor.ConfigurationError) as info:
+        _llm_agent({"provider": "google"}, _llm_rt({"OPENAI_API_KEY": "k", "GOOGLE_API_KEY": ""}))
+    assert "GOOGLE_API_KEY" in info.value.message and "GOOGLEAI_API_KEY" in info.value.message
+    assert info.value.path == "agents.a.config"
+
+
+def test_llm_key_order_and_explicit_key(llm_render):
+    rt = _llm_rt({"GOOGLE_API_KEY": "first", "GOOGLEAI_API_KEY": "second"})
+    assert _llm_agent({"provider": "google"}, rt)._api_key == "first"
+    assert _llm_agent({"provider": "google", "api_key": "mine"}, rt)._api_key == "mine"
+
+
+def test_llm_unknown_provider_before_missing_key():
+    with pytest.raises(actor.AgentCreationError) as info:
+        _llm_agent({"provider": "mistral"}, _llm_rt({}))
+    assert "mistral" in info.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 2.5), ("temperature", -0.1), ("temperature", True), ("temperature", "hot"),
+    ("max_tokens", "many"), ("max_tokens", 0), ("memory_enabled", "yes"), ("max_history", -1),
+    ("response_format", "json"), ("template_vars", [1]), ("system_prompt", 3),
+])
+def test_llm_rejects_bad_field_values(field, value):
+    with pytest.raises(actor.ConfigurationError) as info:
+        _llm_agent({field: value})
+    assert info.value.path.startswith(f"agents.a.config.{field}")
+
+
+def test_llm_unknown_field_warns():
+    rt = _llm_rt()
+    _llm_agent({"temprature": 0.1}, rt)
+    assert any("temprature" in text for text in rt.warnings)
+
+
+def test_llm_host_fake_provider_needs_no_key(llm_render):
+    agent = _llm_agent({"provider": "anthropic"}, _llm_rt({}, provider="fake"))
+    assert agent.provider == "fake" and agent.model == "claude-3-5-sonnet-20241022"
+    assert agent.invoke("hello", {}) == "hello"
+
+
+# §4.4.3 Structured output --------------------------------------------------------------------
+SCHEMA_RF = {"type": "json_schema",
+             "json_schema": {"name": "t", "strict": True,
+                             "schema": {"type": "object", "properties": {"x": {"type": "string"}},
+                                        "required": ["x"], "additionalProperties": False}}}
+
+
+def test_llm_response_format_shape_checked_at_load():
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"response_format": {"type": "json_schema"}})
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"response_format": {"json_schema": {}}})
+
+
+def test_llm_structured_output_unsupported_type_is_execution_error(llm_render):
+    rt = _llm_rt({"ANTHROPIC_API_KEY": "k"}, llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"provider": "anthropic", "response_format": {"type": "json_object"}}, rt)
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("x", {})
+    assert rt.llm_log == []
+
+
+# §4.4.4 Memory and history -------------------------------------------------------------------
+def test_llm_memory_order_and_truncation_in_entries(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": ["r1", "r2", "r3"]}))
+    agent = _llm_agent({"memory_enabled": True, "max_history": 3}, rt)
+    assert [agent.invoke(m, {}) for m in ("m1", "m2", "m3")] == ["r1", "r2", "r3"]
+    assert rt.llm_log[1]["messages"] == [
+        {"role": "user", "content": "m1"}, {"role": "assistant", "content": "r1"},
+        {"role": "user", "content": "m2"}]
+    assert rt.llm_log[2]["messages"] == [
+        {"role": "assistant", "content": "r1"}, {"role": "user", "content": "m2"},
+        {"role": "assistant", "content": "r2"}, {"role": "user", "content": "m3"}]
+    assert agent.history == [{"role": "assistant", "content": "r2"},
+                             {"role": "user", "content": "m3"}, {"role": "assistant", "content": "r3"}]
+
+
+def test_llm_memory_not_appended_after_failure(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [{"error": "boom"}, "ok"]}))
+    agent = _llm_agent({"memory_enabled": True}, rt)
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("first", {})
+    assert agent.history == []
+    assert agent.invoke("second", {}) == "ok"
+    assert agent.history == [{"role": "user", "content": "second"},
+                             {"role": "assistant", "content": "ok"}]
+
+
+def test_llm_memory_off_uses_context_history_without_keeping_it(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({}, rt)
+    ctx = {"conversation_history": [{"role": "user", "content": "u0"},
+                                    {"role": "assistant", "content": "a0"},
+                                    {"role": "system", "content": "s"}]}
+    agent.invoke("q1", ctx)
+    agent.invoke("q2", {})
+    assert rt.llm_log[0]["messages"] == [{"role": "user", "content": "u0"},
+                                         {"role": "assistant", "content": "a0"},
+                                         {"role": "user", "content": "q1"}]
+    assert rt.llm_log[1]["messages"] == [{"role": "user", "content": "q2"}]
+    assert len(ctx["conversation_history"]) == 3 and agent.history == []
+
+
+def test_llm_context_history_ending_with_the_message_sends_it_once(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    ctx = {"conversation_history": [{"role": "user", "content": "hi"}]}
+    _llm_agent({}, rt).invoke("hi", ctx)
+    assert rt.llm_log[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_llm_memory_is_thread_safe(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"memory_enabled": True, "max_history": 1000}, rt)
+    threads = [threading.Thread(target=agent.invoke, args=(f"m{i}", {})) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    history = agent.history
+    assert len(history) == 80
+    for user, assistant in zip(history[::2], history[1::2]):   # pairs stay together
+        assert user["role"] == "user" and assistant == {"role": "assistant",
+                                                        "content": user["content"]}
+
+
+# §4.4.5 Temperature override -----------------------------------------------------------------
+def test_llm_temperature_override(llm_render):
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"temperature": 0.3}, rt)
+    agent.invoke("x", {"_temperature_override": 1.5})
+    agent.invoke("y", {})
+    assert [r["temperature"] for r in rt.llm_log] == [1.5, 0.3]
+    with pytest.raises(actor.ExecutionError):
+        agent.invoke("z", {"_temperature_override": "hot"})
+
+
+# §4.4.6 System prompt rendering (needs [templating]'s render_runtime) --------------------------
+def test_llm_system_prompt_rendered_and_fallback():
+    if not hasattr(actor, "render_runtime"):
+        pytest.skip("render_runtime arrives with [templating]")
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}))
+    _llm_agent({"system_prompt": "Topic {{ context.topic }}; msg {{ message }}"}, rt).invoke(
+        "hi", {"topic": "owls"})
+    assert rt.llm_log[-1]["system"] == "Topic owls; msg hi"
+    broken = "Bad {{ 1 | no_such_filter_x }}"
+    _llm_agent({"system_prompt": broken}, rt, name="b").invoke("hi", {})
+    assert rt.llm_log[-1]["system"] == broken and rt.warnings
+
+
+def test_llm_template_formats_user_message(llm_render):
+    doc = {"prompts": {"greet": {"content": "Say hello"}}}
+    rt = _llm_rt(doc=doc, llm_transport=actor.FakeTransport({}))
+    agent = _llm_agent({"template": "greet", "template_vars": {"who": "Bob"}}, rt)
+    assert agent.invoke("ignored", {}) == "Say hello"
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"template": "nope"}, rt, name="b")
+
+
+# HOST -- providers: OpenAI Chat Completions over a local server -------------------------------
+def test_openai_wire_format(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("pong"))
+    rt = _llm_rt()
+    agent = _llm_agent({"base_url": llm_server.url + "/v1/", "model": "gpt-4o",
+                        "system_prompt": "Be brief.", "memory_enabled": True,
+                        "response_format": SCHEMA_RF, "max_tokens": 50, "temperature": 0.2}, rt)
+    agent.memory.record("u0", "a0")
+    assert agent.invoke("ping", {}) == "pong"
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1/chat/completions"
+    assert req["headers"]["authorization"] == f"Bearer {LLM_KEY}"
+    assert req["headers"]["content-type"] == "application/json"
+    assert req["body"] == {"model": "gpt-4o", "max_tokens": 50, "temperature": 0.2,
+                           "response_format": SCHEMA_RF,
+                           "messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "u0"},
+                                        {"role": "assistant", "content": "a0"},
+                                        {"role": "user", "content": "ping"}]}
+    assert LLM_KEY not in json.dumps(rt.llm_log)
+
+
+def test_openai_base_url_from_env_alone(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("local"))
+    agent = _llm_agent({"model": "llama3"}, _llm_rt({"OPENAI_API_KEY": "ollama",
+                                                     "OPENAI_BASE_URL": llm_server.url + "/v1"}))
+    assert agent.invoke("hi", {}) == "local"
+    assert llm_server.requests[0]["path"] == "/v1/chat/completions"
+
+
+def test_base_url_precedence_and_scheme(llm_render):
+    env = {"GOOGLE_API_KEY": "k", "GOOGLE_BASE_URL": "http://b", "GOOGLE_GEMINI_BASE_URL": "http://g"}
+    assert _llm_agent({"provider": "google"}, _llm_rt(env))._base_url() == "http://g"
+    assert _llm_agent({"provider": "google", "base_url": "https://f"}, _llm_rt(env))._base_url() \
+        == "https://f"
+    assert _llm_agent({"provider": "anthropic"}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))._base_url() \
+        == "https://api.anthropic.com"
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({"base_url": "localhost:11434/v1"})
+    agent = _llm_agent({}, _llm_rt({"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "localhost:1"}))
+    with pytest.raises(actor.ExecutionError, match="not an http"):
+        agent.invoke("x", {})
+
+
+def test_llm_actor_reaches_openai_compatible_server_by_base_url(llm_server):
+    """An Actor loaded through the public API talks to a local server named only by env."""
+    llm_server.replies += [_openai_ok("from local 1"), _openai_ok("from local 2")]
+    text = ("agents:\n  bot: {type: llm, config: {model: llama3, memory_enabled: true}}\n"
+            "routes:\n  main:\n    type: stream\n"
+            "    operators: [{type: map, params: {agent: bot}}]\n"
+            "    publications: [__output__]\n")
+    env = {"OPENAI_API_KEY": "ollama", "OPENAI_BASE_URL": llm_server.url + "/v1"}
+    team = actor.load(text=text, env=env, default_router="main")
+    try:
+        assert [m.content for m in team.send("hi").outputs] == ["from local 1"]
+        assert [m.content for m in team.send("again").outputs] == ["from local 2"]
+    finally:
+        team.close()
+    assert [r["path"] for r in llm_server.requests] == ["/v1/chat/completions"] * 2
+    assert llm_server.requests[1]["body"]["messages"][1:] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "from local 1"},
+        {"role": "user", "content": "again"}]
+
+
+def test_openai_reasoning_models_use_max_completion_tokens(llm_server, llm_render):
+    llm_server.replies.append(_openai_ok("ok"))
+    _llm_agent({"base_url": llm_server.url, "model": "o3-mini"}).invoke("x", {})
+    body = llm_server.requests[0]["body"]
+    assert body["max_completion_tokens"] == 1000
+    assert "max_tokens" not in body and "temperature" not in body
+
+
+def test_openai_unsupported_parameter_retried_once_with_other(llm_server, llm_render):
+    llm_server.replies += [(400, {}, {"error": {
+        "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+                   "Use 'max_completion_tokens' instead.", "type": "invalid_request_error",
+        "param": "max_tokens", "code": "unsupported_parameter"}}), _openai_ok("ok")]
+    assert _llm_agent({"base_url": llm_server.url, "model": "new-model"}).invoke("x", {}) == "ok"
+    bodies = [r["body"] for r in llm_server.requests]
+    assert "max_tokens" in bodies[0] and bodies[1]["max_completion_tokens"] == 1000
+    assert "max_tokens" not in bodies[1]
+
+
+def test_openai_refusal_is_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"choices": [{"message": {
+        "role": "assistant", "content": None, "refusal": "I can't help with that."}}]}))
+    with pytest.raises(actor.ExecutionError, match="refused"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+# HOST -- providers: Anthropic Messages -------------------------------------------------------
+def test_anthropic_wire_format(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {
+        "id": "m1", "type": "message", "role": "assistant", "model": "claude-x",
+        "stop_reason": "end_turn", "content": [{"type": "thinking", "thinking": "hm"},
+                                               {"type": "text", "text": "Hel"},
+                                               {"type": "text", "text": "lo"}]}))
+    rt = _llm_rt({"ANTHROPIC_API_KEY": LLM_KEY, "ANTHROPIC_BASE_URL": llm_server.url + "/v1"})
+    agent = _llm_agent({"provider": "anthropic", "model": "claude-x", "temperature": 1.5,
+                        "system_prompt": "Sys", "response_format": SCHEMA_RF}, rt)
+    assert agent.invoke("hi", {}) == "Hello"
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1/messages"
+    assert req["headers"]["x-api-key"] == LLM_KEY
+    assert req["headers"]["anthropic-version"] == actor.ANTHROPIC_VERSION
+    assert req["body"] == {"model": "claude-x", "max_tokens": 1000, "temperature": 1.0,
+                           "system": "Sys", "messages": [{"role": "user", "content": "hi"}],
+                           "output_config": {"format": {
+                               "type": "json_schema",
+                               "schema": SCHEMA_RF["json_schema"]["schema"]}}}
+
+
+def test_anthropic_deprecated_temperature_dropped_once(llm_server, llm_render):
+    llm_server.replies += [
+        (400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                              "message": "`temperature` is deprecated for this model."}}),
+        (200, {}, {"content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn"})]
+    rt = _llm_rt({"ANTHROPIC_API_KEY": "k"})
+    assert _llm_agent({"provider": "anthropic", "base_url": llm_server.url}, rt).invoke("x", {}) == "ok"
+    assert "temperature" in llm_server.requests[0]["body"]
+    assert "temperature" not in llm_server.requests[1]["body"]
+
+
+def test_anthropic_structured_output_falls_back_to_forced_tool(llm_server, llm_render):
+    llm_server.replies += [
+        (400, {}, {"type": "error", "error": {"type": "invalid_request_error",
+                                              "message": "output_config: Extra inputs are not "
+                                                         "permitted"}}),
+        (200, {}, {"content": [{"type": "tool_use", "id": "t1", "name": "structured_output",
+                                "input": {"x": "y"}}], "stop_reason": "tool_use"})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url,
+                        "response_format": SCHEMA_RF}, _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    assert json.loads(agent.invoke("x", {})) == {"x": "y"}
+    second = llm_server.requests[1]["body"]
+    assert "output_config" not in second
+    assert second["tools"][0]["input_schema"] == SCHEMA_RF["json_schema"]["schema"]
+    assert second["tool_choice"] == {"type": "tool", "name": "structured_output"}
+
+
+def test_anthropic_529_overloaded_is_retried(llm_server, llm_render):
+    overloaded = (529, {}, {"type": "error", "error": {"type": "overloaded_error",
+                                                        "message": "Overloaded"}})
+    llm_server.replies += [overloaded, overloaded,
+                           (200, {}, {"content": [{"type": "text", "text": "ok"}]})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok"
+    assert waits == [0.5, 1.0] and len(llm_server.requests) == 3
+
+
+def test_anthropic_spend_limit_not_retried(llm_server, llm_render):
+    llm_server.replies.append((429, {"retry-after": "1"}, {"type": "error", "error": {
+        "type": "rate_limit_error", "message": "spend limit",
+        "details": {"error_code": "enforced_spend_limit_reached"}}}))
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="enforced_spend_limit_reached"):
+        agent.invoke("x", {})
+    assert waits == [] and len(llm_server.requests) == 1
+
+
+# HOST -- providers: Gemini generateContent ---------------------------------------------------
+def test_google_wire_format(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"candidates": [{"index": 0, "finishReason": "STOP",
+                                                         "content": {"role": "model", "parts": [
+                                                             {"text": "thinking", "thought": True},
+                                                             {"text": "{\"x\": \"y\"}"}]}}]}))
+    rt = _llm_rt({"GOOGLE_API_KEY": LLM_KEY, "GOOGLE_BASE_URL": llm_server.url})
+    agent = _llm_agent({"provider": "google", "model": "gemini-2.0-flash", "system_prompt": "S",
+                        "memory_enabled": True, "response_format": SCHEMA_RF}, rt)
+    agent.memory.record("u0", "a0")
+    assert agent.invoke("hi", {}) == '{"x": "y"}'
+    req = llm_server.requests[0]
+    assert req["path"] == "/v1beta/models/gemini-2.0-flash:generateContent"
+    assert req["headers"]["x-goog-api-key"] == LLM_KEY and LLM_KEY not in req["path"]
+    assert req["body"] == {
+        "contents": [{"role": "user", "parts": [{"text": "u0"}]},
+                     {"role": "model", "parts": [{"text": "a0"}]},
+                     {"role": "user", "parts": [{"text": "hi"}]}],
+        "systemInstruction": {"parts": [{"text": "S"}]},
+        "generationConfig": {"temperature": 0.7, "maxOutputTokens": 1000,
+                             "responseMimeType": "application/json",
+                             "responseJsonSchema": SCHEMA_RF["json_schema"]["schema"]}}
+
+
+def test_google_bad_key_error_not_retried_and_scrubbed(llm_server, llm_render):
+    llm_server.replies.append((400, {}, {"error": {
+        "code": 400, "message": f"API key not valid: {LLM_KEY}", "status": "INVALID_ARGUMENT",
+        "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                     "reason": "API_KEY_INVALID"}]}}))
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": LLM_KEY}))
+    with pytest.raises(actor.ExecutionError) as info:
+        agent.invoke("x", {})
+    text = str(info.value)
+    assert "google: HTTP 400 INVALID_ARGUMENT/API_KEY_INVALID" in text
+    assert LLM_KEY not in text and "***" in text and len(llm_server.requests) == 1
+
+
+def test_google_retry_info_delay(llm_server, llm_render):
+    llm_server.replies += [(429, {}, {"error": {
+        "code": 429, "message": "slow down", "status": "RESOURCE_EXHAUSTED",
+        "details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "7s"}]}}),
+        (200, {}, {"candidates": [{"content": {"parts": [{"text": "ok"}]}}]})]
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok" and waits == [7.0]
+
+
+def test_google_blocked_prompt_is_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, {"promptFeedback": {"blockReason": "SAFETY"}}))
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": "k"}))
+    with pytest.raises(actor.ExecutionError, match="SAFETY"):
+        agent.invoke("x", {})
+
+
+# HOST -- providers: retries, errors, key hygiene ---------------------------------------------
+def test_retry_after_headers_honoured(llm_server, llm_render):
+    llm_server.replies += [(429, {"retry-after": "3"}, {"error": {"code": "rate_limit_exceeded",
+                                                                   "message": "slow"}}),
+                           (503, {"retry-after-ms": "250"}, {"error": {"message": "busy"}}),
+                           _openai_ok("ok")]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok"
+    assert waits == [3.0, 0.25]
+
+
+def test_retries_are_bounded_and_report_last_error(llm_server, llm_render):
+    llm_server.replies += [(500, {}, {"error": {"message": f"fail {i}"}}) for i in range(5)]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="openai: HTTP 500: fail 2"):
+        agent.invoke("x", {})
+    assert len(llm_server.requests) == 3 and waits == [0.5, 1.0]
+
+
+def test_x_should_retry_false_and_insufficient_quota_not_retried(llm_server, llm_render):
+    llm_server.replies += [(503, {"x-should-retry": "false"}, {"error": {"message": "no"}}),
+                           (429, {}, {"error": {"code": "insufficient_quota", "message": "pay"}})]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    for _ in range(2):
+        with pytest.raises(actor.ExecutionError):
+            agent.invoke("x", {})
+    assert waits == [] and len(llm_server.requests) == 2
+
+
+def test_vendor_error_text_and_key_scrubbed(llm_server, llm_render, caplog):
+    llm_server.replies.append((401, {}, {"error": {
+        "message": f"Incorrect API key provided: {LLM_KEY}.", "type": "invalid_request_error",
+        "code": "invalid_api_key"}}))
+    agent = _llm_agent({"base_url": llm_server.url})
+    with caplog.at_level("DEBUG"):
+        with pytest.raises(actor.ExecutionError) as info:
+            agent.invoke("x", {})
+    text = str(info.value)
+    assert "agent 'a' (llm): openai: HTTP 401 invalid_api_key: Incorrect API key provided" in text
+    assert LLM_KEY not in text and LLM_KEY not in caplog.text and LLM_KEY not in repr(info.value)
+
+
+def test_malformed_json_reply_is_execution_error(llm_server, llm_render):
+    llm_server.replies.append((200, {}, b"{not json"))
+    with pytest.raises(actor.ExecutionError, match="malformed JSON"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+    llm_server.replies.append((200, {}, {"unexpected": True}))
+    with pytest.raises(actor.ExecutionError, match="unexpected reply"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+def test_connection_error_retried_then_reported(llm_render):
+    server = _LLMServer()
+    url = server.url
+    server.close()                      # nothing listens there now
+    agent = _llm_agent({"base_url": url})
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="connection error"):
+        agent.invoke("x", {})
+    assert waits == [0.5, 1.0]
+
+
+def test_request_timeout(llm_server, llm_render, monkeypatch):
+    monkeypatch.setattr(actor, "LLM_REQUEST_TIMEOUT", 0.05)
+    monkeypatch.setattr(actor, "LLM_MAX_RETRIES", 0)
+    llm_server.delay = 0.25
+    llm_server.replies.append(_openai_ok("late"))
+    with pytest.raises(actor.ExecutionError, match="timed out"):
+        _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+def test_fake_transport_scripted_then_echo():
+    transport = actor.FakeTransport({"a": ["one", 2]})
+    request = {"agent": "a", "provider": "openai", "messages": [{"role": "user", "content": "hi"}]}
+    assert [transport.complete(request) for _ in range(3)] == ["one", "2", "hi"]
+    assert transport.complete(dict(request, agent="other")) == "hi"
+
+
+# §12.4 Tool command processing in outputs ----------------------------------------------------
+@pytest.fixture
+def fake_tools(monkeypatch):
+    calls = []
+
+    def run(rt, name, args, ctx, agent=None):
+        calls.append((name, args))
+        if name == "json_parse":
+            raise actor.ExecutionError("tool failed")
+        return f"<{name}:{args.get('text', '')}>"
+
+    monkeypatch.setattr(actor, "run_builtin_tool", run, raising=False)
+    monkeypatch.setattr(actor, "BUILTIN_TOOLS", {"echo": run, "math": run, "json_parse": run,
+                                                 "shell": run}, raising=False)
+    return calls
+
+
+def test_tool_blocks_reverse_order_and_multiline(fake_tools):
+    text = ('A [TOOL_EXECUTE:echo] {"text": "one"} [/TOOL_EXECUTE] B '
+            '[TOOL_EXECUTE:math]\n{\n  "text": "two"\n}\n[/TOOL_EXECUTE] C')
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo", "math"], {})
+    assert out == "A <echo:one> B <math:two> C"
+    assert [name for name, _ in fake_tools] == ["math", "echo"]
+
+
+def test_tool_block_sanitising(fake_tools):
+    text = '[TOOL_EXECUTE:echo] {"text": "line1\nline2\t\\section "quoted" end"} [/TOOL_EXECUTE]'
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo"], {})
+    assert out == '<echo:line1\nline2\t\\section "quoted" end>'
+    assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
+
+
+def test_tool_block_errors_substituted(fake_tools):
+    rt = _llm_rt()
+    out = actor.process_tool_blocks(rt, "[TOOL_EXECUTE:echo] {broken [/TOOL_EXECUTE]", ["echo"], {})
+    assert out.startswith("Error executing tool 'echo': invalid JSON")
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:math] {"text": "1"} [/TOOL_EXECUTE]',
+                                    ["echo"], {})
+    assert out == "Error executing tool 'math': the tool is not allowed for this agent"
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:json_parse] {} [/TOOL_EXECUTE]!',
+                                    ["json_parse"], {})
+    assert out == "Error executing tool 'json_parse': tool failed!"
+    assert actor.process_tool_blocks(rt, '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]', ["echo"], {}) \
+        == '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]'
+
+
+def test_tool_execute_is_opt_in_and_checked(fake_tools, llm_render):
+    reply = '[TOOL_EXECUTE:echo] {"text": "x"} [/TOOL_EXECUTE]'
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [reply], "b": [reply]}))
+    assert _llm_agent({}, rt).invoke("q", {}) == reply
+    agent = _llm_agent({"tool_execute": True, "tools": ["echo"]}, rt, name="b")
+    assert agent.invoke("q", {}) == "<echo:x>" and "tool-execution" in agent.capabilities
+    for config in ({"tool_execute": True}, {"tool_execute": True, "tools": ["nope"]},
+                   {"tool_execute": True, "tools": ["shell"]}):
+        with pytest.raises(actor.ConfigurationError):
+            _llm_agent(config, rt, name="c")
 
 
 # =====================================================================================
@@ -933,22 +1622,2294 @@ def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch)
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
-# [streams]
+# Unit tests build a Runtime by hand with tiny fake agents and graphs, so they exercise the stream
+# layer alone; the vectors under vectors/05-streams, 07-composition and 18-examples go end to end.
+
+class _FakeAgent:
+    """An agent (§4 interface) whose reply comes from `fn(content, ctx)`."""
+
+    def __init__(self, name, fn=None):
+        self.name, self.type, self.capabilities, self.metadata = name, "fake", [], {}
+        self.fn = fn or (lambda content, ctx: content)
+        self.calls = []
+
+    def invoke(self, content, ctx):
+        self.calls.append(content)
+        return self.fn(content, ctx)
+
+
+class _FakeRun:
+    def __init__(self, output, state, history):
+        self.output, self.state, self.history = output, state, history
+
+
+class _FakeGraph:
+    """The [graphs] GraphRoute interface, recording what the stream layer asks of it."""
+
+    def __init__(self):
+        self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+
+    def run(self, content, ctx, *, pure=False):
+        self.runs.append((content, pure))
+        if content == "explode":
+            raise actor.ExecutionError("graph exploded")
+        state = {"messages": [{"role": "user", "content": content},
+                              {"role": "assistant", "content": f"graph: {content}"}]}
+        return _FakeRun(f"out: {content}", state, ["start", "work", "end"])
+
+    def run_node(self, node, content, ctx):
+        self.nodes_run.append(node)
+        return f"{node}({content})"
+
+    def update_state(self, content):
+        self.updates.append(content)
+
+    def checkpoint(self):
+        self.checkpoints_made += 1
+
+
+def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
+    """A StreamNetwork over `routes` (+ merges/splits/...), with outputs and errors collected."""
+    doc = actor.Doc({"agents": {a.name: {"type": "tool"} for a in agents}, "routes": routes, **data})
+    rt = actor.Runtime(doc, clock=clock)
+    for agent in agents:
+        rt.agents[agent.name] = agent
+    rt.graphs.update(graphs or {})
+    net = actor.StreamNetwork(rt)
+    outputs, errors = [], []
+    net.on_output(outputs.append)
+    net.on_error(errors.append)
+    return net, outputs, errors, rt
+
+
+def _main(ops, **extra):
+    return {"main": {"type": "stream", "operators": ops, "publications": ["__output__"], **extra}}
+
+
+_FROM_INPUT = [{"sources": ["__input__"], "target": "main"}]
+
+
+def test_operators_table_lists_every_spec_operator():
+    """§5.3.2: one OPERATORS row per operator the standard defines, in the spec's order."""
+    assert list(actor.OPERATORS) == [
+        "map", "filter", "transform", "debounce", "throttle", "delay", "buffer", "scan", "reduce",
+        "switch", "conditional_route", "catch", "retry", "distinct", "take", "skip", "sample",
+        "graph_execute", "state_update", "state_checkpoint", "graph_node"]
+    assert list(actor.TRANSFORMS) == ["extract", "wrap", "format", "replace", "identity"]
+    assert list(actor.ACCUMULATORS) == ["collect", "concat", "sum"]
+
+
+def test_agent_mapper_resolves_message_context_first():
+    """§5.3.4(1): metadata.context wins over the global context; the reference is kept."""
+    seen = []
+    agent = _FakeAgent("a", lambda content, ctx: seen.append(ctx) or "ok")
+    net, outputs, _, rt = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                      agents=[agent], merges=_FROM_INPUT)
+    rt.context["k"] = "global"
+    own = {"k": "own"}
+    net.send("x", metadata={"context": own})
+    net.send("y")
+    assert seen[0] is own and seen[1] is rt.context
+    assert outputs[0].metadata["context"] is own and outputs[1].metadata["context"] is rt.context
+    assert outputs[0].metadata["processed_by"] == "a"
+
+
+def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
+    """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
+    import time as _time
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                          agents=[slow], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_agent_mapper_real_clock_success_and_failure():
+    """The worker-thread path returns replies and carries agent errors back as messages."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise ValueError("no good")
+        return content.upper()
+    agent = _FakeAgent("a", fn)
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                          agents=[agent], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("ok")
+    net.send("bad")
+    assert [m.content for m in outputs] == ["OK", "Error: no good"]
+    assert [m.content for m in errors] == ["Error: no good"]
+
+
+def test_error_message_is_one_per_failure_and_stream_continues():
+    """§12.2.3 (Q92, Q93): one __error__ message per failure; the next message still flows."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise actor.ExecutionError("it broke")
+        return content
+    net, outputs, errors, _ = _stream_net(
+        _main([{"type": "map", "params": {"agent": "a"}}, {"type": "catch", "params": {}}]),
+        agents=[_FakeAgent("a", fn)], merges=_FROM_INPUT)
+    net.send("bad")
+    net.send("good")
+    assert [m.content for m in outputs] == ["good"]
+    assert [(m.content, m.metadata["error"], m.metadata["error_type"]) for m in errors] == [
+        ("Error: it broke", True, "ExecutionError")]
+    assert errors[0].source_stream == "main"
+
+
+def test_error_feedback_loop_is_cut():
+    """§12.6: an __error__ handler that fails again reaches the host once, without recursion."""
+    def fail(content, ctx):
+        raise ValueError("again")
+    net, _, errors, rt = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]},
+         "handler": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]}},
+        agents=[_FakeAgent("a", fail)],
+        merges=[{"sources": ["__input__"], "target": "main"},
+                {"sources": ["__error__"], "target": "handler"}])
+    net.send("x")
+    assert [m.content for m in errors] == ["Error: again", "Error: again"]
+    assert any("feedback loop" in w for w in rt.warnings)
+
+
+def test_hot_and_replay_streams_replay_to_late_subscribers():
+    """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
+    net, _, _, _ = _stream_net(
+        {"hot": {"type": "stream", "stream_type": "hot", "initial_value": "seed"},
+         "rep": {"type": "stream", "stream_type": "replay", "buffer_size": 2},
+         "cold": {"type": "stream"}},
+        merges=[{"sources": ["__input__"], "target": t} for t in ("hot", "rep", "cold")])
+    late = {name: [] for name in ("hot", "rep", "cold")}
+    net.subscribe("hot", lambda m: late["hot"].append(m.content))
+    assert late["hot"] == ["seed"]
+    for content in ("a", "b", "c"):
+        net.send(content)
+    for name in late:
+        net.subscribe(name, lambda m, name=name: late[name].append(m.content))
+    assert late == {"hot": ["seed", "a", "b", "c", "c"], "rep": ["b", "c"], "cold": []}
+
+
+def test_debounce_capped_in_single_shot_runs():
+    """§5.3.2 (Q95): single-shot runs cap debounce at 50 ms."""
+    doc = actor.Doc({"agents": {}, "routes": _main(
+        [{"type": "debounce", "params": {"duration": 5.0}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    net = actor.StreamNetwork(rt, single_shot=True)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("x")
+    rt.clock.advance(0.04)
+    assert outputs == []
+    rt.clock.advance(0.01)
+    assert [m.content for m in outputs] == ["x"]
+    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
+                                         merges=_FROM_INPUT)
+    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
+    net2.send("y")
+    rt2.clock.advance(0.05)
+    assert [m.content for m in outputs2] == ["y"]
+
+
+def test_settle_waits_for_timers_under_real_clock():
+    """settle() lets a short real delay fire before returning."""
+    net, outputs, _, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 0.02}}]),
+                                     merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    assert outputs == []
+    net.settle()
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_settle_reports_soft_timeout():
+    """§12.2.4: waiting beyond the soft bound signals an ExecutionError on __error__."""
+    net, outputs, errors, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 60}}]),
+                                          merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    net.settle(timeout=0.01)
+    assert outputs == [] and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_graph_route_fed_by_merge_emits_run_output():
+    """Q28: a graph route that is a merge target sends GraphRun.output to __output__."""
+    graph = _FakeGraph()
+    net, outputs, errors, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}, "s": {"type": "stream"}},
+        graphs={"g": graph}, merges=[{"sources": ["__input__"], "target": "g"}])
+    net.send("hi")
+    net.send("explode")
+    assert [m.content for m in outputs] == ["out: hi"]
+    assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
+    assert errors[0].metadata["error_type"] == "ExecutionError"
+    assert graph.runs == [("hi", False), ("explode", False)]
+    net.send("direct", target="g")
+    assert [m.content for m in outputs] == ["out: hi", "out: direct"]
+
+
+def test_pure_graph_mode_runs_pure():
+    """§6.9: when every route is a graph, the default router runs it with pure=True."""
+    graph = _FakeGraph()
+    doc = actor.Doc({"agents": {}, "routes": {"g": {"type": "graph", "nodes": {}}}})
+    rt = actor.Runtime(doc)
+    rt.graphs["g"] = graph
+    rt.default_router = "g"
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hi")
+    assert graph.runs == [("hi", True)] and [m.content for m in outputs] == ["out: hi"]
+
+
+def test_graph_bridge_operators():
+    """§5.3.2 graph_execute, state_update, state_checkpoint, graph_node."""
+    graph = _FakeGraph()
+    ops = [{"type": "state_update", "params": {"graph": "g"}},
+           {"type": "state_checkpoint", "params": {"graph": "g"}},
+           {"type": "graph_node", "params": {"graph": "g", "node": "work"}},
+           {"type": "graph_execute", "params": {"graph": "g"}}]
+    net, outputs, _, _ = _stream_net(
+        {**_main(ops), "g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}},
+        graphs={"g": graph}, merges=_FROM_INPUT)
+    net.send("x")
+    assert graph.updates == ["x"] and graph.checkpoints_made == 1 and graph.nodes_run == ["work"]
+    (out,) = outputs
+    assert out.content == "graph: work(x)"
+    meta = out.metadata
+    assert meta["state_updated"] is True and meta["checkpointed"] is True
+    assert meta["node"] == "work" and meta["graph"] == "g"
+    assert meta["execution_history"] == ["start", "work", "end"]
+    assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+
+
+def test_graph_execute_without_messages_forwards_state():
+    """§5.3.2 graph_execute: no assistant message -> the whole final state is the content."""
+    class Stateless(_FakeGraph):
+        def run(self, content, ctx, *, pure=False):
+            return _FakeRun("o", {"messages": [], "metadata": {"k": 1}}, [])
+    net, outputs, _, _ = _stream_net(
+        {**_main([{"type": "graph_execute", "params": {"graph": "g"}}]),
+         "g": {"type": "graph", "nodes": {}}}, graphs={"g": Stateless()}, merges=_FROM_INPUT)
+    net.send("x")
+    assert outputs[0].content == {"messages": [], "metadata": {"k": 1}}
+
+
+def test_check_streams_errors_are_located():
+    """Load-time operator errors carry the config path and the source location."""
+    text = ("agents:\n  a: {type: tool, config: {tools: [echo]}}\nroutes:\n  main:\n"
+            "    type: stream\n    operators:\n      - type: map\n        params: {agent: a}\n"
+            "      - type: mapp\n")
+    data = actor.yaml.safe_load(text)
+    doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
+                    ["team.yaml"])
+    with pytest.raises(actor.StreamRoutingError) as info:
+        actor.check_streams(doc, {"a"}, set())
+    err = info.value
+    assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
+    assert err.section == "5.3.2"
+
+
+def test_send_to_named_route_and_errors():
+    """send(target=route) enters that route directly; unknown targets and a completed input raise."""
+    net, outputs, _, _ = _stream_net(
+        {"a": {"type": "stream", "operators": [{"type": "map", "params": {
+            "transform": {"type": "format", "template": "a:{content}"}}}],
+               "publications": ["__output__"]}})
+    net.send("x", target="a")
+    assert [m.content for m in outputs] == ["a:x"]
+    with pytest.raises(actor.RoutingError):
+        net.send("x", target="nowhere")
+    net.complete()
+    with pytest.raises(actor.StreamRoutingError):
+        net.send("y")
+
+
+def test_pipeline_graph_stage_uses_named_graph():
+    """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
+    graph = _FakeGraph()
+    net, outputs, _, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {}}, "s": {"type": "stream"}}, graphs={"g": graph},
+        merges=[{"sources": ["__input__"], "target": "p"}],
+        pipelines={"p": {"stages": [{"type": "stream", "name": "one"},
+                                    {"type": "graph", "graph": "g"},
+                                    {"type": "stream", "name": "three",
+                                     "publications": ["__output__"]}]}})
+    net.send("x")
+    assert [m.content for m in outputs] == ["out: x"]
+
+
+def test_routing_prefixes_can_be_extended_by_the_host():
+    """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
+    assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
+    assert actor.strip_routing_prefix("SET_topic:AI") == "AI"
+    assert actor.strip_routing_prefix("FINAL: x") == "FINAL: x"
+    assert actor.strip_routing_prefix("FINAL: x", ["FINAL:"]) == "x"
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "transform": {"type": "format", "template": "FINAL: {content}"}}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.routing_prefixes = ["FINAL:"]
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("done")
+    assert [m.content for m in outputs] == ["done"]
+
+
+def test_retry_without_agent_map_warns():
+    net, _, _, rt = _stream_net(_main([{"type": "retry", "params": {"count": 2}}]),
+                                merges=_FROM_INPUT)
+    assert any("retry has no agent map" in w for w in rt.warnings)
+
+
+def test_registered_function_applies():
+    """§5.3.3: a host-registered transformer (rt.functions) maps content."""
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "function": "text.shout"}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.functions = {"text.shout": lambda content: content.upper() + "!"}
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hey")
+    assert [m.content for m in outputs] == ["HEY!"]
+
+
+def test_mermaid_lines_show_routes_links_and_conditions():
+    net, _, _, _ = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}],
+                  "publications": ["__output__"]},
+         "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
+        splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
+    lines = net.mermaid()
+    assert 'main["main: map(a)"]' in lines and "__input__ --> main" in lines
+    assert "main --> __output__" in lines
+    assert "main -- \"content_contains 'x'\" --> lane" in lines
+
+
+def test_close_disposes_subscriptions():
+    """§12.1 step 8: after close() nothing reaches the host hooks."""
+    net, outputs, _, _ = _stream_net(_main([]), merges=_FROM_INPUT)
+    net.close()
+    net.send("x")
+    assert outputs == []
+
+
+def _bench_actor():
+    cfg = ("agents:\n  echo: {type: tool, config: {tools: [echo]}}\n"
+           "routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: echo}}]\n"
+           "    publications: [__output__]\n"
+           "merges: [{sources: [__input__], target: main}]\n")
+    return actor.load(text=cfg)
+
+
+def _rates(fns, n=5000, rounds=10):
+    """Messages/second of each fn(), measured in interleaved rounds, best round each (a busy
+    machine slows some rounds; interleaving keeps the comparison fair)."""
+    import time as _time
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = _time.perf_counter()
+            for _i in range(n):
+                fn()
+            best[name] = min(best[name], _time.perf_counter() - start)
+    return {name: n / seconds for name, seconds in best.items()}
+
+
+@pytest.mark.bench
+def test_bench_send_against_direct_agent_calls():
+    """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
+    invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    rates = _rates({"floor": lambda: agent.invoke("hello", ctx), "send": lambda: a.send("hello")})
+    floor, through = rates["floor"], rates["send"]
+    print(f"\nbare agent.invoke loop: {floor:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s")
+    print(f"ratio (floor / send): {floor / through:.2f}x (target <= 3x)")
+    assert a.send("hello").outputs[0].content == "hello"
+
+
+@pytest.mark.bench
+def test_bench_send_against_rxpy_subject_pipeline():
+    """The issue's stretch goal: Actor.send() against a hand-wired RxPY Subject pipeline
+    (input subject -> map(agent) -> output subject) doing only the bare agent call."""
+    rx_ops = pytest.importorskip("reactivex.operators")
+    from reactivex.subject import Subject
+    n = 5000
+    a = _bench_actor()
+    agent, ctx = a.rt.agents["echo"], a.rt.context
+    source, sink, seen = Subject(), Subject(), []
+    source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
+    sink.subscribe(seen.append)
+    rates = _rates({"rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
+    rx_rate, through = rates["rx"], rates["send"]
+    print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    assert len(seen) == 10 * n
 
 
 # =====================================================================================
 # §6 Graph routes (graphs)
 # =====================================================================================
-# [graphs]
+# [graphs] Unit tests build a Runtime by hand with small fake agents (no loader needed); the
+# vectors under vectors/06-graph and vectors/18-examples run through the shared harness.
+import json  # noqa: E402
+import re  # noqa: E402
+
+class FakeAgent:
+    """An agent whose reply is fn(content, ctx); records every call."""
+
+    def __init__(self, name, fn):
+        self.name, self.type, self.fn = name, "tool", fn
+        self.capabilities, self.metadata, self.calls = [], {"name": name}, []
+
+    def invoke(self, content, ctx):
+        self.calls.append((content, dict(ctx)))
+        return self.fn(content, ctx)
+
+
+def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main"):
+    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}."""
+    agents = agents or {}
+    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {name: cfg, **(routes or {})}}
+    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
+    rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
+    rt.context.update(context or {})
+    graph = actor.GraphRoute(name, cfg, rt, ("routes", name))
+    rt.graphs[name] = graph
+    return rt, graph
+
+
+def linear(*names, **node_extra):
+    """A start -> n1 -> ... -> end graph of agent nodes named after their agents."""
+    nodes = {n: {"type": "agent", "agent": n, **node_extra.get(n, {})} for n in names}
+    chain = ["start", *names, "end"]
+    edges = [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]
+    return {"type": "graph", "nodes": nodes, "edges": edges}
+
+
+def echo(tag):
+    return lambda content, ctx: f"{tag}({content})"
+
+
+def check_fails(cfg, agents=("a",), routes=None):
+    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {"main": cfg, **(routes or {})}}
+    doc = actor.Doc(data)
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.check_graph(doc, "main", cfg, ("routes", "main"), set(agents))
+    return info.value
+
+
+# §6.1 Graph route structure ----------------------------------------------------------------
+def test_graph_linear_run_passes_each_output_on():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    run = g.run("x")
+    assert run.output == "b(a(x))"
+    assert run.history == ["a", "b"]
+    assert [m["role"] for m in run.state["messages"]] == ["user", "assistant", "assistant"]
+    assert run.state["execution_count"] == 2
+
+
+def test_graph_entry_point_may_be_a_declared_node():
+    cfg = linear("a", "b")
+    cfg["entry_point"] = "b"
+    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")})
+    assert g.run("x").output == "b(x)"
+
+
+def test_graph_unknown_keys_warn():
+    cfg = linear("a")
+    cfg["nodes"]["a"]["colour"] = "red"
+    cfg["edges"][0]["weight"] = 2
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
+
+
+def test_graph_run_node_applies_one_node():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert g.run_node("b", "m") == "b(m)"
+    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
+    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
+    with pytest.raises(actor.ExecutionError):
+        g.run_node("ghost", "m")
+
+
+def test_graph_resume_without_interrupted_run_does_nothing():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    run = g.resume()
+    assert run.history == [] and run.output == ""
+    g.run("x")
+    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
+
+
+# §6.2 Nodes ----------------------------------------------------------------------------------
+def test_graph_node_types_are_case_insensitive():
+    cfg = linear("a")
+    cfg["nodes"]["a"]["type"] = "AGENT"
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert g.run("x").output == "a(x)"
+
+
+def test_graph_check_rejects_dangling_edge_target_with_location():
+    cfg = linear("a")
+    cfg["edges"][1]["target"] = "fnial"
+    err = check_fails(cfg)
+    assert err.path == "routes.main.edges[1].target"
+    assert "fnial" in err.message and "6.4" in err.section
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda c: c["nodes"]["a"].update(agent="ghost"), "routes.main.nodes.a.agent"),
+    (lambda c: c["nodes"]["a"].update(type="dynamic_router"), "routes.main.nodes.a.type"),
+    (lambda c: c["nodes"]["a"].update(type="teleport"), "routes.main.nodes.a.type"),
+    (lambda c: c.update(nodes={}), "routes.main.nodes"),
+    (lambda c: c.update(entry_point="nowhere"), "routes.main.entry_point"),
+    (lambda c: c.update(checkpointing=True), "routes.main.checkpoint_dir"),
+    (lambda c: c["edges"][0].update(source="ghost"), "routes.main.edges[0].source"),
+    (lambda c: c["nodes"].update(start={"type": "agent", "agent": "a"}), "routes.main.nodes.start"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "regex", "pattern": "(", "target": "a"}]}),
+     "routes.main.nodes.r.rules[0].pattern"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "glob", "pattern": "x", "target": "a"}]}),
+     "routes.main.nodes.r.rules[0].match_type"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "exact", "pattern": "x", "target": "nope"}]}),
+     "routes.main.nodes.r.rules[0].target"),
+    (lambda c: c["nodes"].update(s={"type": "subgraph", "graph": "missing"}),
+     "routes.main.nodes.s.graph"),
+    (lambda c: c["nodes"]["a"].update(retry_policy={"max_retries": -1}),
+     "routes.main.nodes.a.retry_policy.max_retries"),
+])
+def test_graph_check_rejects(mutate, where):
+    cfg = linear("a")
+    mutate(cfg)
+    assert check_fails(cfg).path == where
+
+
+def test_graph_start_end_normalisation_and_declared_start():
+    cfg = linear("a")
+    cfg["edges"] = [{"source": "START", "target": "a"}, {"source": "a", "target": "END"}]
+    cfg["nodes"]["START"] = {"type": "start"}
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert g.run("x").output == "a(x)"
+    assert list(g.nodes) == ["start", "a", "end"]
+
+
+# §6.2.2 Agent nodes ----------------------------------------------------------------------
+def test_graph_agent_node_context_is_built_per_6_2_2():
+    cfg = linear("a", a={"metadata": {"max_history_messages": 2}})
+    seen = {}
+
+    def agent(content, ctx):
+        seen.update(ctx)
+        ctx["mood"] = "good"                 # propagated
+        ctx["full_context"] = "tampered"     # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent}, context={"user": "ada"})
+    g.state["metadata"]["topic"] = "t"
+    g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(3))
+    g.run("hello")
+    assert seen["full_context"] is True
+    assert seen["user"] == "ada" and seen["topic"] == "t"          # nested flattened + top level
+    assert [m["content"] for m in seen["conversation_history"]] == ["1", "2"]   # input excluded
+    assert seen["graph_state"]["messages"] == seen["conversation_history"]
+    assert seen["_history_truncated"] is True and seen["_history_original_length"] == 3
+    meta = g.state["metadata"]
+    assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
+    assert "full_context" not in meta and "graph_state" not in meta
+    assert rt.context["mood"] == "good"                            # §6.9 write-back
+
+
+def test_graph_history_trimmed_by_chars():
+    cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
+    seen = {}
+    rt, g = make_graph(cfg, {"a": lambda c, ctx: seen.update(ctx) or "ok"})
+    g.state["messages"].extend([{"role": "user", "content": "abcd"}, {"role": "user", "content": "ef"}])
+    g.run("xyz")
+    assert [m["content"] for m in seen["conversation_history"]] == ["ef"]
+    assert seen["_history_original_length"] == 2
+
+
+def test_graph_agent_retry_policy_retries_raised_errors():
+    attempts = []
+
+    def flaky(content, ctx):
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise RuntimeError("boom")
+        return "fine"
+
+    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 2, "delay": 0}}),
+                       {"a": flaky})
+    assert g.run("x").output == "fine" and len(attempts) == 3
+
+
+def test_graph_agent_failure_after_retries_sets_state_error():
+    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 1, "delay": 0}}),
+                       {"a": lambda c, ctx: 1 / 0})
+    with pytest.raises(actor.ExecutionError):
+        g.run("x")
+    assert "division" in g.state["error"]
+
+
+def test_graph_agent_timeout_is_per_attempt():
+    import time as _time
+    rt, g = make_graph(linear("a", a={"timeout": 0.05}),
+                       {"a": lambda c, ctx: _time.sleep(0.2) or "late"})
+    started = _time.monotonic()
+    with pytest.raises(actor.ExecutionError, match="timed out"):
+        g.run("x")
+    assert _time.monotonic() - started < 0.25
+
+
+# §6.2.3 Function and tool nodes; §6.2.4; §6.2.5 ----------------------------------------------
+def test_graph_function_tool_conditional_subgraph_nodes():
+    cfg = {"type": "graph", "nodes": {
+        "s": {"type": "function", "function": "summarize"},
+        "r": {"type": "function", "function": "route"},
+        "v": {"type": "function", "function": "validate"},
+        "u": {"type": "function", "function": "no_such_function"},
+        "t": {"type": "tool", "tools": ["search", "calc"]},
+        "c": {"type": "conditional", "condition": {"type": "message_count", "value": 1,
+                                                   "operator": "eq"}},
+        "g": {"type": "subgraph", "graph": "other"}},
+        "edges": [{"source": a, "target": b} for a, b in zip(
+            ["start", "s", "r", "v", "u", "t", "c", "g"], ["s", "r", "v", "u", "t", "c", "g", "end"])]}
+    other = linear("a")
+    rt, g = make_graph(cfg, {"a": echo("a")}, routes={"other": other})
+    run = g.run("is it?")
+    meta = run.state["metadata"]
+    assert run.output == "is it?"
+    assert meta["summary"] == "Summary of 1 messages"
+    assert meta["route"] == "question" and meta["valid"] is True
+    assert meta["tool_results"] == [{"tool": "search", "result": "Executed search"},
+                                    {"tool": "calc", "result": "Executed calc"}]
+    assert meta["condition_result"] is True
+    assert meta["subgraph"] == "other" and meta["subgraph_pending"] is True
+    assert run.state["execution_count"] == 7
+
+
+# §6.2.6 Message router nodes ----------------------------------------------------------------
+@pytest.mark.parametrize("rule, text, target, extracted", [
+    ({"match_type": "prefix", "pattern": "CODE"}, "CODE:fix it", "x", "fix it"),
+    ({"match_type": "prefix", "pattern": "CODE"}, "CODEfix", "x", "fix"),
+    ({"match_type": "prefix", "pattern": "CODE", "extract_message": False}, "CODE:a", "x", "CODE:a"),
+    ({"match_type": "suffix", "pattern": "!!"}, "hey!!", "x", "hey"),
+    ({"match_type": "suffix", "pattern": ""}, "hey", "x", "hey"),
+    ({"match_type": "contains", "pattern": "TO"}, "say TO:bob", "x", "bob"),
+    ({"match_type": "contains", "pattern": "TO", "separator": "="}, "a TO b", "x", "a TO b"),
+    ({"match_type": "regex", "pattern": r"id=(\d+)"}, "user id=42 now", "x", "42"),
+    ({"match_type": "regex", "pattern": r"id=\d+"}, "user id=42 now", "x", "user id=42 now"),
+    ({"match_type": "exact", "pattern": "stop"}, "stop", "x", ""),
+    ({"match_type": "exact", "pattern": "stop"}, "stop now", "y", "stop now"),
+])
+def test_graph_router_match_types(rule, text, target, extracted):
+    cfg = {"type": "graph", "nodes": {
+        "r": {"type": "message_router", "rules": [{**rule, "target": "x"}]},
+        "x": {"type": "agent", "agent": "x"}, "y": {"type": "agent", "agent": "y"}},
+        "edges": [{"source": "start", "target": "r"},
+                  {"source": "r", "target": "x",
+                   "condition": {"type": "context_value", "key": "next_node", "value": "x"}},
+                  {"source": "r", "target": "y"},
+                  {"source": "x", "target": "end"}, {"source": "y", "target": "end"}]}
+    rt, g = make_graph(cfg, {"x": echo("x"), "y": echo("y")})
+    run = g.run(text)
+    if target == "x":
+        assert rt.agents["x"].calls[0][0] == extracted
+        assert run.history == ["r", "x", "y"]        # the unconditional edge is taken too
+        assert run.state["metadata"]["next_node"] == "x"
+    else:
+        assert run.output == f"y({text})" and run.history == ["r", "y"]
+        assert "next_node" not in run.state["metadata"]
+
+
+def test_graph_router_first_match_wins_and_sets_state():
+    cfg = {"type": "graph", "nodes": {
+        "r": {"type": "message_router", "rules": [
+            {"match_type": "contains", "pattern": "a", "target": "one", "set_state": {"k": {"x": 1}}},
+            {"match_type": "contains", "pattern": "a", "target": "two", "set_state": {"j": 2}}]},
+        "one": {"type": "agent", "agent": "one"}, "two": {"type": "agent", "agent": "two"}},
+        "edges": [{"source": "start", "target": "r"},
+                  {"source": "r", "target": "one",
+                   "condition": {"type": "context_value", "key": "next_node", "value": "one"}},
+                  {"source": "r", "target": "two",
+                   "condition": {"type": "context_value", "key": "next_node", "value": "two"}},
+                  {"source": "one", "target": "end"}, {"source": "two", "target": "end"}]}
+    rt, g = make_graph(cfg, {"one": echo("1"), "two": echo("2")})
+    run = g.run("banana")
+    assert run.history == ["r", "one"]
+    assert run.state["metadata"]["k"] == {"x": 1} and "j" not in run.state["metadata"]
+    assert run.state["messages"][0]["content"] == "banana"    # extraction edits the last message
+    assert g.state["metadata"]["next_node"] == "one"
+
+
+# §6.3 Graph state ----------------------------------------------------------------------------
+def test_graph_state_messages_capped_at_50():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    for i in range(30):
+        g.run(str(i))
+    assert len(g.state["messages"]) == 50
+    assert g.state["messages"][-1]["content"] == "a(29)"
+
+
+@pytest.mark.parametrize("mode, update, field, expected", [
+    ("merge", {"metadata": {"d": {"y": 2}, "l": [2]}}, "metadata", {"d": {"x": 1, "y": 2}, "l": [1, 2]}),
+    ("replace", {"metadata": {"d": {"y": 2}}}, "metadata", {"d": {"y": 2}}),
+    ("append", {"messages": {"role": "user", "content": "m"}}, "messages",
+     [{"role": "user", "content": "m"}]),
+    ("merge", {"colour": "red"}, "metadata", {"d": {"x": 1}, "l": [1], "colour": "red"}),
+])
+def test_graph_state_update_modes(mode, update, field, expected):
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.state["metadata"].update({"d": {"x": 1}, "l": [1]})
+    g.update_state(update, mode)
+    assert g.state[field] == expected
+    assert g.state["execution_count"] == 1
+
+
+def test_graph_state_update_caps_messages_under_replace():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.update_state({"messages": [{"role": "user", "content": i} for i in range(60)]}, "replace")
+    assert len(g.state["messages"]) == 50 and g.state["messages"][0]["content"] == 10
+
+
+def test_graph_state_update_from_text():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.update_state('{"metadata": {"k": 1}}')
+    g.update_state("plain words")
+    assert g.state["metadata"]["k"] == 1
+    assert g.state["messages"][-1] == {"role": "user", "content": "plain words"}
+
+
+def test_graph_unknown_state_class_falls_back_with_warning():
+    cfg = linear("a")
+    cfg["state_class"] = "my.Schema"
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert set(g.state) == {"messages", "metadata", "current_node", "execution_count", "error"}
+    assert any("my.Schema" in w for w in rt.warnings)
+
+
+# §6.5 Edge conditions -------------------------------------------------------------------------
+def test_graph_fan_out_runs_every_satisfied_edge_before_end():
+    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": n} for n in "abc"},
+           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"},
+                     {"source": "a", "target": "b"}, {"source": "a", "target": "c"},
+                     {"source": "b", "target": "end"}, {"source": "c", "target": "end"}]}
+    rt, g = make_graph(cfg, {n: echo(n) for n in "abc"})
+    run = g.run("x")
+    assert run.history == ["a", "b", "c"] and run.output == "c(a(x))"
+
+
+def test_graph_context_value_reads_nested_context_with_deep_equality():
+    cfg = linear("a", "b")
+    cfg["edges"][1]["condition"] = {"type": "context_value", "key": "tags", "value": ["x", {"y": 1}]}
+    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")}, context={"tags": ["x", {"y": 1}]})
+    assert g.run("m").history == ["a", "b"]
+    rt.context["tags"] = ["x"]
+    assert g.run("n").history == ["a"]
+
+
+# §6.6 Checkpointing and time travel ----------------------------------------------------------
+def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
+    cfg = linear(*[f"n{i}" for i in range(4)])
+    cfg.update(checkpointing=True, checkpoint_dir="ck/main")
+    rt, g = make_graph(cfg, {f"n{i}": echo(str(i)) for i in range(4)}, workdir=tmp_path)
+    assert (tmp_path / "ck/main").is_dir()
+    g.run("a"), g.run("b")                       # 8 updates: none yet
+    assert g.checkpoints() == []
+    g.run("c")                                   # updates 9..12: one checkpoint at 10
+    files = g.checkpoints()
+    assert len(files) == 1 and re.fullmatch(r"checkpoint_\d{8}T\d{6}\.\d{6}Z-\d{6}\.json",
+                                            files[0].name)
+    assert json.loads(files[0].read_text())["execution_count"] == 10
+    g.run("d"), g.run("e")                       # 20
+    assert len(g.checkpoints()) == 2 and g.checkpoints()[-1].name > files[0].name
+    assert not list((tmp_path / "ck/main").glob(".*"))          # no temp file left behind
+    g.restore(files[0])
+    assert g.state["execution_count"] == 10
+    g.restore()
+    assert g.state["execution_count"] == 20
+    assert g.checkpoint().name > g.checkpoints()[-2].name
+
+
+def test_graph_time_travel_rewinds_and_evicts_fifo():
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    for i in range(120):
+        g.run(str(i))
+    assert len(g.snapshots) == 100 and g.snapshots[0]["execution_count"] == 21
+    g.rewind(3)
+    assert g.state["execution_count"] == 117
+    assert g.state["messages"][-1]["content"] == "a(116)"
+    with pytest.raises(actor.ApplicationError):
+        g.rewind(500)
+
+
+def test_graph_rewind_needs_time_travel():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    with pytest.raises(actor.ApplicationError):
+        g.rewind(1)
+
+
+KILL_SCRIPT = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+class Agent:
+    def __init__(self, name): self.name, self.type, self.capabilities, self.metadata = name, "tool", [], {}
+    def invoke(self, content, ctx):
+        if self.name == "n14" and sys.argv[3] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return content + "+" + self.name
+names = [f"n{i}" for i in range(20)]
+chain = ["start", *names, "end"]
+cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
+       "nodes": {n: {"type": "agent", "agent": n} for n in names},
+       "edges": [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]}
+rt = actor.Runtime(actor.Doc({"agents": {n: {"type": "tool"} for n in names}, "routes": {"g": cfg}}),
+                   env={}, workdir=sys.argv[2])
+rt.agents = {n: Agent(n) for n in names}
+graph = actor.GraphRoute("g", cfg, rt)
+if sys.argv[3] == "kill":
+    graph.run("go")
+else:
+    path = graph.restore()
+    print(path.name, graph.state["execution_count"], graph.state["current_node"])
+    run = graph.resume()
+    print(run.output)
+    print(",".join(run.history))
+'''
+
+
+def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
+    import subprocess
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    killed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "kill"],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode != 0                       # died mid-run at node n14
+    assert len(list((tmp_path / "ck").glob("checkpoint_*.json"))) == 1
+    resumed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "resume"],
+                             capture_output=True, text=True, timeout=60)
+    assert resumed.returncode == 0, resumed.stderr
+    first, output, history = resumed.stdout.splitlines()
+    assert first.endswith(" 10 n9")
+    assert output == "go" + "".join(f"+n{i}" for i in range(20))
+    assert history == ",".join(f"n{i}" for i in range(10, 20))
+
+
+# §6.7 Parallel execution -----------------------------------------------------------------------
+def _fan_out(parallel_execution, parallel=True):
+    import time as _time
+    cfg = {"type": "graph", "parallel_execution": parallel_execution,
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": parallel} for n in ("p", "q")},
+           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
+                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
+    slow = lambda tag: (lambda c, ctx: _time.sleep(0.2) or f"{tag}:{c}")
+    rt, g = make_graph(cfg, {"p": slow("p"), "q": slow("q")})
+    started = _time.monotonic()
+    run = g.run("x")
+    return _time.monotonic() - started, run
+
+
+def test_graph_parallel_nodes_run_concurrently_and_join_in_order():
+    elapsed, run = _fan_out(True)
+    assert elapsed < 0.35
+    assert run.history == ["p", "q"] and run.output == "q:x"
+    assert [m["content"] for m in run.state["messages"][-2:]] == ["p:x", "q:x"]
+
+
+def test_graph_parallel_execution_false_is_sequential():
+    elapsed, run = _fan_out(False)
+    assert elapsed >= 0.38 and run.history == ["p", "q"]
+
+
+def test_graph_nodes_without_parallel_flag_are_sequential():
+    elapsed, run = _fan_out(True, parallel=False)
+    assert elapsed >= 0.38
+
+
+# §6.8 Loop and cycle detection ------------------------------------------------------------------
+def _loop(agent_fn, context=None, extra_nodes=0):
+    cfg = {"type": "graph", "nodes": {"a": {"type": "agent", "agent": "a"}},
+           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "a"}]}
+    return make_graph(cfg, {"a": agent_fn}, context=context)
+
+
+def test_graph_guard_revisit_stops_on_same_fingerprint():
+    rt, g = _loop(lambda c, ctx: "same")
+    run = g.run("x")
+    assert run.stopped == "revisit" and run.history == ["a", "a"] and run.output == "same"
+
+
+def test_graph_guard_fingerprint_is_first_200_chars():
+    counter = iter(range(10 ** 6))
+    rt, g = _loop(lambda c, ctx: "p" * 200 + str(next(counter)))
+    run = g.run("x")
+    assert run.stopped == "revisit" and len(run.history) == 2 and run.output.endswith("p1")
+
+
+def test_graph_guard_recursion_bound_warns_and_returns_latest_output():
+    counter = iter(range(10 ** 6))
+    rt, g = _loop(lambda c, ctx: str(next(counter)))
+    run = g.run("x")
+    assert run.stopped == "recursion" and len(run.history) == 2000 and run.output == "1999"
+    assert any("recursion" in w for w in rt.warnings)
+
+
+def test_graph_guard_auto_finish_active_relaxes_revisit():
+    rt, g = _loop(lambda c, ctx: "same", context={"auto_finish_active": True})
+    run = g.run("x")
+    assert run.stopped == "recursion" and len(run.history) == 2000
+
+
+def _ping_pong(reply, context=None):
+    cfg = {"type": "graph", "nodes": {
+        "r": {"type": "message_router", "rules": [
+            {"match_type": "prefix", "pattern": "GOTO_A", "target": "a"}]},
+        "a": {"type": "agent", "agent": "a"}},
+        "edges": [{"source": "start", "target": "r"},
+                  {"source": "r", "target": "a",
+                   "condition": {"type": "context_value", "key": "next_node", "value": "a"}},
+                  {"source": "a", "target": "r"}]}
+    return make_graph(cfg, {"a": reply}, context=context)
+
+
+def test_graph_guard_router_ping_pong_stops():
+    counter = iter(range(100))
+    rt, g = _ping_pong(lambda c, ctx: f"GOTO_A:{next(counter)}")
+    run = g.run("GOTO_A:start")
+    assert run.stopped == "ping-pong" and run.history == ["r", "a", "r", "a"]
+    assert run.output == "GOTO_A:1"
+
+
+def test_graph_guard_agent_return_without_routing():
+    rt, g = _ping_pong(lambda c, ctx: "plain answer")
+    run = g.run("GOTO_A:hi")
+    assert run.stopped == "return-without-routing" and run.output == "plain answer"
+    assert run.history == ["r", "a"]
+
+
+# §6.9 Pure graph mode ---------------------------------------------------------------------------
+def test_graph_pure_mode_replaces_active_context():
+    def agent(content, ctx):
+        ctx["stage"] = "two"
+        return "done"
+
+    rt, g = make_graph(linear("a"), {"a": agent}, context={"stage": "one", "keep": 1})
+    live = rt.context
+    g.run("x", rt.context, pure=True)
+    assert rt.context is live
+    assert rt.context["stage"] == "two" and rt.context["keep"] == 1     # top level wins (Q33)
+    assert rt.context["last_output"] == "done" and "context" not in rt.context
+    g.state["metadata"]["next_node"] = "stale"
+    g.run("y", rt.context, pure=True)
+    assert "next_node" not in rt.context                               # per-run signal
+
+
+# §6.10 Graph-internal streams -------------------------------------------------------------------
+def test_graph_internal_stream_names_and_node_events():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    assert g.internal_stream_names() == ["__main_node_start__", "__main_node_a__",
+                                         "__main_node_end__", "__main_control__", "__main_state__"]
+    events = []
+    g.observers.append(lambda stream, msg: events.append((stream, msg.content, msg.metadata["node"])))
+    g.run("x")
+    assert events == [("__main_node_a__", "a(x)", "a")]
+
+
+# §6.11 Graph analysis -----------------------------------------------------------------------
+def test_graph_analysis_cycles_levels_unreachable():
+    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in "bcdz"},
+           "edges": [{"source": "start", "target": "b"}, {"source": "b", "target": "c"},
+                     {"source": "c", "target": "b"}, {"source": "c", "target": "d"},
+                     {"source": "d", "target": "end"}]}
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    an = g.analysis
+    assert an.has_cycles and [(e.source, e.target) for e in an.back_edges] == [("c", "b")]
+    assert an.levels == [["start", "z"], ["b"], ["c"], ["d"], ["end"]]
+    assert an.unreachable == ["z"] and any("z" in w and "6.11" in w for w in rt.warnings)
+    assert [e.source for e in an.reverse["b"]] == ["start", "c"]
+
+
+def test_graph_mermaid_pins_18_3():
+    cfg = {"type": "graph", "entry_point": "start", "nodes": {
+        "router": {"type": "message_router", "rules": [
+            {"match_type": "prefix", "pattern": "CODE", "target": "code"},
+            {"match_type": "prefix", "pattern": "RESEARCH", "target": "research"},
+            {"match_type": "suffix", "pattern": "", "target": "default", "extract_message": False}]},
+        "code": {"type": "agent", "agent": "code_agent"},
+        "research": {"type": "agent", "agent": "research_agent"},
+        "default": {"type": "agent", "agent": "default_agent"}},
+        "edges": [{"source": "start", "target": "router"}]
+        + [{"source": "router", "target": t,
+            "condition": {"type": "context_value", "key": "next_node", "value": t}}
+           for t in ("code", "research", "default")]
+        + [{"source": t, "target": "end"} for t in ("code", "research", "default")]}
+    rt, g = make_graph(cfg, {a: echo(a) for a in ("code_agent", "research_agent", "default_agent")})
+    assert g.mermaid() == [
+        'subgraph graph__main["graph main"]',
+        '  main__start(["start"])',
+        '  main__router{"router: message_router"}',
+        '  main__code["code: agent code_agent"]',
+        '  main__research["research: agent research_agent"]',
+        '  main__default["default: agent default_agent"]',
+        '  main__end(["end"])',
+        '  main____entry((entry)) --> main__start',
+        '  main__start --> main__router',
+        '  main__router -->|"next_node = code"| main__code',
+        '  main__router -->|"next_node = research"| main__research',
+        '  main__router -->|"next_node = default"| main__default',
+        '  main__code --> main__end',
+        '  main__research --> main__end',
+        '  main__default --> main__end',
+        'end']
+
+
+def _load_vector_config(stem):
+    path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
+    return actor.read_vector(path)["config"]
+
+
+def test_graph_actor_diagram_shows_18_3_graph():
+    a = actor.load(text=json.dumps(_load_vector_config("18.3-message-router-graph")),
+                   env={"OPENAI_API_KEY": "test"})
+    text = a.diagram()
+    assert text.startswith("flowchart LR\n")
+    lines = text.splitlines()
+    block = lines.index('  subgraph graph__main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    main__start(["start"])',
+                                          '    main__router{"router: message_router"}',
+                                          '    main__code["code: agent code_agent"]']
+    assert '    main__router -->|"next_node = research"| main__research' in lines
+
+
+def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
+    cfg = linear("a", "b", "c", "d", "e")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    doc = {"agents": {n: {"type": "llm", "config": {"provider": "openai"}} for n in "abcde"},
+           "routes": {"main": cfg}, "merges": [{"sources": ["__input__"], "target": "main"}]}
+    a = actor.load(text=json.dumps(doc), env={"OPENAI_API_KEY": "test"}, workdir=tmp_path,
+                   llm={})
+    assert a.send("one").outputs[0].content == "one"       # unscripted fake replies echo
+    a.send("two")
+    files = a.checkpoints("main")
+    assert len(files) == 1 and files[0].parent == tmp_path / "ck"
+    graph = a.rt.graphs["main"]
+    assert graph.state["execution_count"] == 10
+    a.rewind("main", 4)
+    assert graph.state["execution_count"] == 6
+    a.restore("main")
+    assert graph.state["execution_count"] == 10
+    assert [m["content"] for m in graph.state["messages"]][-2:] == ["two", "two"]
+
+
+# Benchmark ----------------------------------------------------------------------------------------
+@pytest.mark.bench
+def test_graph_bench_linear_ten_nodes():
+    import time as _time
+    names = [f"n{i}" for i in range(10)]
+    cfg = linear(*names)
+    tool_agent = getattr(actor, "ToolAgent", None)
+    if tool_agent is not None:
+        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+                "routes": {"main": cfg}}
+        rt = actor.Runtime(actor.Doc(data), env={})
+        rt.agents = {n: tool_agent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+        message, kind = "echo hi", "ToolAgent(echo)"
+    else:
+        rt = actor.Runtime(actor.Doc({"agents": {}, "routes": {"main": cfg}}), env={})
+        rt.agents = {n: FakeAgent(n, lambda c, ctx: c) for n in names}
+        message, kind = "hi", "fake agent (ToolAgent not merged yet)"
+    graph = actor.GraphRoute("main", cfg, rt)
+    agents = [rt.agents[n] for n in names]
+    rounds = 2000
+
+    def floor_loop():
+        for _ in range(rounds):
+            ctx, content = rt.context, message
+            for agent in agents:                 # each agent gets the previous reply, as in the graph
+                content = agent.invoke(content, ctx)
+
+    def graph_loop():
+        for _ in range(rounds):
+            graph.run(message, rt.context, pure=True)
+
+    best = {}
+    for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
+        fn()
+        times = []
+        for _ in range(3):
+            started = _time.process_time()      # CPU time: steadier on a shared machine
+            fn()
+            times.append(_time.process_time() - started)
+        best[label] = min(times) / (rounds * 10) * 1e6
+    overhead = best["graph"] - best["floor"]
+    print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
+          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
+          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
+    assert best["graph"] < 5 * best["floor"]
+
+
+def test_mixed_mode_creates_graph_internal_streams():
+    """§6.10: beside stream routes, each graph gets per-node, control and state streams."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    names = sorted(n for n in a.network.nodes if n.startswith("__g_"))
+    assert names == ["__g_control__", "__g_node_end__", "__g_node_n1__", "__g_node_start__",
+                     "__g_state__"]
+    seen = []
+    a.network.subscribe("__g_node_n1__", lambda m: seen.append((m.source_stream, m.content)))
+    a.network.subscribe("__g_state__", lambda m: seen.append((m.source_stream, sorted(m.content))))
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
+    assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
+    assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def test_pure_graph_mode_creates_no_internal_streams():
+    a = actor.load(text="""
+agents:
+  t: {type: chain}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+merges: [{sources: [__input__], target: g}]
+""")
+    assert not [n for n in a.network.nodes if n.startswith("__g_")]
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi"]
 
 
 # =====================================================================================
 # §8, §9.2 Templating (templating)
 # =====================================================================================
-# [templating]
+import copy  # noqa: E402  (Phase B tests copy fixtures)
+import json  # noqa: E402
+
+
+def _mustache_spec_dir():
+    for base in (HERE, *HERE.parents):
+        folder = base / "shared" / "conformance" / "mustache-spec"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+MUSTACHE_SPEC = _mustache_spec_dir()
+MUSTACHE_REQUIRED = ("comments", "interpolation", "sections", "inverted")
+MUSTACHE_SHOULD = ("delimiters", "partials")
+
+
+def _mustache_cases():
+    import json
+    cases = []
+    if MUSTACHE_SPEC is None:
+        return cases
+    for module in MUSTACHE_REQUIRED + MUSTACHE_SHOULD:
+        path = MUSTACHE_SPEC / f"{module}.json"
+        if path.exists():
+            for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
+                cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
+        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
+            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
+    return cases
+
+
+@pytest.mark.conformance
+@pytest.mark.skipif(MUSTACHE_SPEC is None, reason="shared/conformance/mustache-spec not present")
+@pytest.mark.parametrize("case", _mustache_cases())
+def test_mustache_conformance(case):
+    """The official Mustache spec data, read in place. The optional `~` modules (lambdas,
+    dynamic names, inheritance) are not read: §9.2 MUSTACHE promises none of them."""
+    got = actor.render(case["template"], case["data"], "MUSTACHE", case.get("partials"))
+    assert got == case["expected"], case["desc"]
+
+
+def test_mustache_optional_modules_are_skipped_by_name():
+    if MUSTACHE_SPEC is None:
+        pytest.skip("shared/conformance/mustache-spec not present")
+    optional = sorted(p.name for p in MUSTACHE_SPEC.glob("~*.json"))
+    read = {f"{m}.json" for m in MUSTACHE_REQUIRED + MUSTACHE_SHOULD}
+    assert optional and not read & set(optional)
+
+
+# §9.2 JINJA2 ---------------------------------------------------------------------------------
+def test_jinja2_keeps_trailing_newline_q59():
+    assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
+    assert actor.render("plain\n\n", {}) == "plain\n\n"
+
+
+def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing }}", {})
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing.attr }}", {})
+    assert actor.render("{% if missing %}x{% else %}y{% endif %}", {}) == "y"
+    assert actor.render("{% if ctx.n > 5 %}x{% endif %}ok", {"ctx": {}}) == "ok"
+    assert actor.render("{{ missing | default('d') }}", {}) == "d"
+
+
+def test_jinja2_sandbox_blocks_python_internals():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.ConfigurationError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
+
+
+def test_jinja2_compiles_each_text_once():
+    actor.jinja_template.cache_clear()
+    for _ in range(3):
+        actor.render("{{ a }}-{{ b }}", {"a": 1, "b": 2})
+    info = actor.jinja_template.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_builtins_of_8_3_table():
+    text = ("{{ range(3) | list }} {{ len('abc') }} {{ enumerate('ab') | list }} "
+            "{{ zip([1, 2], 'ab') | list }} {{ min(3, 1) }} {{ max([3, 9]) }} {{ sum([1, 2]) }} "
+            "{{ abs(-2) }} {{ round(2.6) }} {{ int('7') }} {{ float('1.5') }} {{ str(3) }} "
+            "{{ bool(0) }} {{ list('ab') }} {{ dict(a=1) }}")
+    assert actor.render(text, {}) == ("[0, 1, 2] 3 [(0, 'a'), (1, 'b')] [(1, 'a'), (2, 'b')] 1 9 3 "
+                                     "2 3 7 1.5 3 False ['a', 'b'] {'a': 1}")
+
+
+def test_filter_tojson_is_single_line_plain_json_q58():
+    out = actor.render("{{ v | tojson }}", {"v": {"a": "<b> & 'c'", "n": [1, None]}})
+    assert out == '{"a": "<b> & \'c\'", "n": [1, null]}'
+    assert actor.render("{{ v | yaml }}", {"v": "x"}) == '"x"'
+    assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
+
+
+def test_filter_indent_leaves_first_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "a\n  b\n\n  c"
+    assert actor.render("{{ t | indent(2, true) }}", {"t": "a\nb"}) == "  a\n  b"
+
+
+def test_filter_sum_attribute_and_selectattr_operators():
+    items = [{"n": "a", "v": 1}, {"n": "b", "v": 2}, {"n": "c", "v": 3}]
+    assert actor.render("{{ items | sum('v') }}", {"items": items}) == "6"
+    assert actor.render("{{ items | sum(attribute='v') }}", {"items": items}) == "6"
+    expected = {"==": "b", "!=": "ac", ">": "c", "<": "a", ">=": "bc", "<=": "ab"}
+    for op, names in expected.items():
+        text = "{% for i in items | selectattr('v', '" + op + "', 2) %}{{ i.n }}{% endfor %}"
+        assert actor.render(text, {"items": items}) == names, op
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ items | selectattr('v', '~', 2) | list }}", {"items": items})
+
+
+def test_filter_default_treats_none_as_missing_q56():
+    assert actor.render("{{ v | default('x') }}", {"v": None}) == "x"
+    assert actor.render("{{ v | default('x') }}", {"v": ""}) == ""
+    assert actor.render("{{ v | default('x', true) }}", {"v": ""}) == "x"
+
+
+def test_filter_length_split_and_standard_filters():
+    assert actor.render("{{ 'a,b' | split(',') | length }}", {}) == "2"
+    assert actor.render("{{ 'a b' | split }}", {}) == "['a', 'b']"
+    assert actor.render("{{ ' Hi ' | trim | upper }} {{ ['a', 'b'] | join('+') }}", {}) == "HI a+b"
+
+
+def test_render_rejects_unknown_engine_and_non_mapping_variables():
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", {}, engine="ERB")
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", ["a"], engine="JINJA2")
+    assert actor.render("{{ n }}", {"n": 1}, engine="jinja2") == "1"
+
+
+# §9.2 MUSTACHE -------------------------------------------------------------------------------
+def test_mustache_core_forms():
+    data = {"name": "<b>", "a": {"b": {"c": "deep"}}, "items": [1, 2], "no": False,
+            "person": {"first": "Ada"}}
+    text = ("{{name}}|{{{name}}}|{{& name}}|{{a.b.c}}|{{#items}}[{{.}}]{{/items}}|"
+            "{{^no}}none{{/no}}|{{#person}}{{first}}{{/person}}|{{! comment }}end")
+    assert actor.render(text, data, "MUSTACHE") == (
+        "&lt;b&gt;|<b>|<b>|deep|[1][2]|none|Ada|end")
+
+
+def test_mustache_root_may_be_any_value():
+    assert actor.render("{{#.}}<{{.}}>{{/.}}", ["x", "y"], "MUSTACHE") == "<x><y>"
+    assert actor.render("{{.}}!", "hi", "MUSTACHE") == "hi!"
+
+
+def test_mustache_standalone_lines_delimiters_and_partials():
+    text = "begin\n  {{#show}}\n  line\n  {{/show}}\n{{=<% %>=}}\n<% x %>\n  <%> part %>\nend"
+    out = actor.render(text, {"show": True, "x": 1, "y": 2}, "MUSTACHE",
+                       partials={"part": "p{{y}}\nq\n"})
+    assert out == "begin\n  line\n1\n  p2\n  q\nend"
+
+
+def test_mustache_errors_are_template_errors():
+    for text in ("{{#a}}open", "{{/a}}", "{{name", "{{=<% =}}"):
+        with pytest.raises(actor.TemplateError):
+            actor.render(text, {"a": 1}, "MUSTACHE")
+
+
+# §9.2 SIMPLE ---------------------------------------------------------------------------------
+def test_simple_format_pass_and_unknown_names():
+    variables = {"name": "Ada", "team": {"city": "Rome", "zip": [1, 2]}}
+    assert actor.render("Hi {name} of {team[city]}, {team.zip[1]}", variables, "SIMPLE") == \
+        "Hi Ada of Rome, 2"
+    with pytest.raises(actor.TemplateError, match="unknown name"):
+        actor.render("Hi {nobody}", {}, "SIMPLE")
+    with pytest.raises(actor.TemplateError):
+        actor.render("{name.__class__}", {"name": "x"}, "SIMPLE")
+
+
+@pytest.mark.skipif(not hasattr(actor, "eval_expression_text"),
+                    reason="needs the sandbox's eval_expression_text (§13.2.2)")
+def test_simple_expression_pass_uses_the_expression_sandbox():
+    assert actor.render("{{ n * 2 }} and {n}", {"n": 21}, "SIMPLE") == "42 and 21"
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ __import__('os') }}", {}, "SIMPLE")
+
+
+# §8.1-§8.5 Phase A ---------------------------------------------------------------------------
+def test_has_template_syntax():
+    assert actor.has_template_syntax("a {{ b }}") and actor.has_template_syntax("{% if %}")
+    assert actor.has_template_syntax("{# c #}") and not actor.has_template_syntax("{a: {b: 1}}")
+
+
+def test_protection_covers_plain_quoted_and_block_scalars():
+    text = ("agents:\n  a:\n    config:\n      system_prompt: Hi {{ context.x }}\n"
+            "      model: \"{{ m }}\"\n  b:\n    config:\n      system_prompt: \"{{ message }}\"\n"
+            "  c:\n    config:\n      system_prompt: |\n        {% if context.y %}\n"
+            "        y\n        {% endif %}\n      prompt: >\n        {{ message }}\n"
+            "prompts:\n  p:\n    content: '{{ context.z }}'\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out                   # not a runtime field: Phase A renders it
+    assert out.count(actor.TEMPLATE_START) == 4 and out.count(actor.BLOCK_START) == 2
+    assert actor.restore_markers(out) == text
+
+
+def test_protection_leaves_names_bound_at_phase_a_q47():
+    text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
+            "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
+            "{{ ms | length }} for {{ context.user }} and {{ who }}\n{% endfor %}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out and "{{ loop.index }} of" in out and "{{ ms | length }}" in out
+    assert "{{ context.user }}" not in out and "{{ who }}" not in out
+    out = actor.protect_runtime_fields(text, {"who": "W", "context": {}})
+    assert "{{ who }}" in out and "{{ context.user }}" not in out
+
+
+def test_protection_keeps_template_bodies_whole_q49():
+    text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
+            "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
+            "template_strings:\n  agents:\n    s: |\n      {% for i in range(2) %}\n"
+            "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{" not in out and "{%" not in out
+
+
+def test_structural_statement_in_templates_is_rejected_q3():
+    text = ("templates:\n  agents:\n    t:\n      type: llm\n      config:\n"
+            "        {% if x %}\n        model: a\n        {% endif %}\n"
+            "        system_prompt: |\n          {% if y %}ok{% endif %}\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document(text, None, "JINJA2")
+    assert info.value.line == 6
+    actor.render_document(text.replace("        {% if x %}\n", "").replace(
+        "        {% endif %}\n", ""), None, "JINJA2")
+
+
+def test_render_document_strips_comments_honours_raw_and_locates_failures():
+    text = "{# gone #}\na: {{ 1 + 1 }}\nb: '{% raw %}{{ keep }}{% endraw %}'\n"
+    assert actor.render_document(text, None, "JINJA2") == "\na: 2\nb: '{{ keep }}'\n"
+    assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document("a: 1\nb: {{ nope }}\n", None, "JINJA2")
+    assert info.value.line == 2 and info.value.section == "8.12"
+    assert actor.render_document("n: {{ n }}\n", {"n": 3}, "JINJA2") == "n: 3\n"
+
+
+def test_restore_sentinels_in_keys_and_values():
+    s, e = actor.TEMPLATE_START, actor.TEMPLATE_END
+    data = {f"k{s}x{e}": [f"{actor.BLOCK_START} if a {actor.BLOCK_END}", 3]}
+    assert actor.restore_sentinels(data) == {"k{{x}}": ["{% if a %}", 3]}
+
+
+def test_reserved_template_keys_rejected_anywhere():
+    for key in actor.RESERVED_TEMPLATE_KEYS:
+        doc = actor.Doc({"agents": {"a": {"type": "llm", "config": {key: True}}}})
+        with pytest.raises(actor.ConfigurationError) as info:
+            actor.check_reserved_template_keys(doc)
+        assert info.value.path == f"agents.a.config.{key}"
+
+
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    monkeypatch.setattr(actor, "jinja2", None)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    import json as _json
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(_json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.render_document(text, None, "MUSTACHE")
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
+    out = actor.render_document(text, None, "JINJA2")
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
+
+
+# §8.6-§8.10 Phase B --------------------------------------------------------------------------
+def _expand(data, engine="JINJA2"):
+    doc = actor.Doc(data)
+    actor.expand_templates(doc, None, engine=engine)
+    return doc.data
+
+
+def _one_param(ptype, value, **decl):
+    data = {"templates": {"agents": {"t": {
+        "parameters": {"p": {"type": ptype, **decl}}, "type": "llm",
+        "config": {"v": "{{ p | tojson }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"p": value}}}}
+    rendered = _expand(data)["agents"]["a"]["config"]["v"]
+    return json.loads(rendered) if isinstance(rendered, str) else rendered
+
+
+@pytest.mark.parametrize("ptype, value, expected", [
+    ("string", 42, "42"), ("string", True, "true"),
+    ("int", "42", 42), ("int", 7.0, 7), ("float", "3.5", 3.5), ("float", 2, 2.0),
+    ("boolean", "YES", True), ("boolean", "on", True), ("boolean", "1", True),
+    ("boolean", "off", False), ("boolean", "False", False), ("boolean", "0", False),
+    ("boolean", "maybe", True), ("boolean", 0, False), ("boolean", [], False),
+    ("list", "x", ["x"]), ("list", [1, 2], [1, 2]), ("dict", {"a": 1}, {"a": 1}),
+])
+def test_parameter_type_coercions_8_6_2(ptype, value, expected):
+    assert _one_param(ptype, value) == expected
+
+
+def test_parameter_mismatches_are_configuration_errors():
+    for ptype, value, extra in (("int", "x", {}), ("float", "x", {}), ("int", True, {}),
+                                ("int", "2.5", {}),
+                                ("enum", "z", {"values": ["a", "b"]})):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _one_param(ptype, value, **extra)
+        assert info.value.path == "agents.a.params.p"
+    assert _one_param("enum", "b", values=["a", "b"]) == "b"
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("colour", "x")
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("enum", "a")          # enum without values
+
+
+def test_required_missing_default_filled_and_sequence_form_rejected():
+    base = {"templates": {"agents": {"t": {
+        "parameters": {"need": {"type": "string", "required": True},
+                       "opt": {"type": "int", "default": "5"}},
+        "type": "llm", "config": {"a": "{{ need }}", "b": "{{ opt }}"}}}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**base, "agents": {"x": {"template": "t"}}})
+    assert info.value.path == "agents.x.params"
+    out = _expand({**copy.deepcopy(base), "agents": {"x": {"template": "t", "params": {"need": "n"}}}})
+    assert out["agents"]["x"] == {"type": "llm", "config": {"a": "n", "b": 5}}
+    bad = copy.deepcopy(base)
+    bad["templates"]["agents"]["t"]["parameters"] = [{"name": "need"}]
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**bad, "agents": {"x": {"template": "t"}}})
+    assert "16.2" in info.value.section
+
+
+def test_instantiation_does_not_mutate_the_template_and_drops_parameters():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "{{ d }}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "one"}},
+                       "b": {"template": "t", "params": {"d": "two"}}}}
+    out = _expand(data)
+    assert out["agents"]["a"]["config"]["s"] == "one" and out["agents"]["b"]["config"]["s"] == "two"
+    assert "parameters" not in out["agents"]["a"]
+    assert out["templates"]["agents"]["t"]["config"]["s"] == "{{ d }}"
+
+
+def test_rendered_scalars_are_coerced_step_6():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "b": "{{ 'TRUE' }}", "i": "{{ 40 + 2 }}", "f": "{{ 3.25 }}", "l": "{{ [1, 2] | tojson }}",
+        "m": '{{ {"k": 1} | tojson }}', "s": "{{ 'plain' }}", "literal": "42"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
+                   "literal": "42"}
+
+
+def test_empty_if_blocks_are_removed_step_7_q52():
+    data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
+        "type": "llm", "config": {
+            "memory_enabled": "{% if mem %}true{% endif %}",
+            "tools": ["a", "{% if mem %}b{% endif %}"]}}}},
+        "agents": {"on": {"template": "t", "params": {"mem": "yes"}},
+                   "off": {"template": "t", "params": {"mem": "no"}}}}
+    out = _expand(data)["agents"]
+    assert out["on"]["config"] == {"memory_enabled": True, "tools": ["a", "b"]}
+    assert out["off"]["config"] == {"tools": ["a"]}
+
+
+def test_runtime_expressions_survive_phase_b_q49():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+        "type": "llm", "config": {"system_prompt":
+            "{{ d }} {% if context.x %}{{ context.x }}{% endif %} {{ message }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    prompt = _expand(data)["agents"]["a"]["config"]["system_prompt"]
+    assert prompt == "law {% if context.x %}{{ context.x }}{% endif %} {{ message }}"
+
+
+def test_phase_b_render_failure_is_configuration_error():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm",
+                                            "config": {"model": "{{ nope }}"}}}},
+            "agents": {"a": {"template": "t"}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand(data)
+    assert info.value.section == "8.12"
+
+
+def test_forbidden_instance_forms():
+    tpl = {"agents": {"t": {"parameters": {}, "type": "llm", "config": {}}}}
+    for agent, section in (({"agent_template": "t"}, "16.2"),
+                           ({"agent_template": "t", "template": "t"}, "16.3"),
+                           ({"template": "t", "type": "llm"}, "16.3"),
+                           ({"template": "unknown"}, "8.7")):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _expand({"templates": copy.deepcopy(tpl), "agents": {"a": agent}})
+        assert info.value.section == section, agent
+    out = _expand({"templates": copy.deepcopy(tpl),
+                   "agents": {"a": {"template": "t", "type": "template_instance"}}})
+    assert out["agents"]["a"]["type"] == "llm"
+
+
+def test_route_templates_via_template_config_q54():
+    graph = {"parameters": {"who": {"type": "agent_ref", "required": True}},
+             "entry_point": "start", "nodes": {"n": {"type": "agent", "agent": "{{ who }}"}},
+             "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]}
+    base = {"templates": {"graphs": {"g": graph}}, "agents": {"x": {"type": "llm"}}}
+    out = _expand({**copy.deepcopy(base), "routes": {"main": {
+        "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert out["routes"]["main"]["type"] == "graph"
+    assert out["routes"]["main"]["nodes"]["n"]["agent"] == "x"
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "graph", "nodes": {},
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert info.value.section == "16.3"
+    with pytest.raises(actor.ConfigurationError):
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "stream",
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {
+            "template_config": {"template": "g", "params": {"who": "ghost"}}}}})
+    assert info.value.section == "8.7.1"
+
+
+def test_composite_scope_resolves_before_the_actor_8_7_1():
+    data = {"templates": {"agents": {"wrap": {
+        "parameters": {"inner": {"type": "agent_ref", "required": True}},
+        "type": "chain", "config": {"steps": ["{{ inner }}"]}}}},
+        "agents": {"box": {"type": "composite", "config": {
+            "components": {"agents": {"local": {"type": "llm"},
+                                      "w": {"template": "wrap", "params": {"inner": "local"}}}},
+            "routing": {"input": {"type": "agent", "name": "w"},
+                        "output": {"type": "agent", "name": "w"}}}}}}
+    out = _expand(data)
+    assert out["agents"]["box"]["config"]["components"]["agents"]["w"]["config"]["steps"] == ["local"]
+    data["agents"]["top"] = {"template": "wrap", "params": {"inner": "local"}}
+    with pytest.raises(actor.ConfigurationError):
+        _expand(data)      # `local` exists only inside the composite
+
+
+def test_template_strings_single_and_several_definitions_q53():
+    body = ("parameters:\n  n:\n    type: int\n    default: 2\n"
+            "{% for i in range(n) %}\nw{{ i }}:\n  type: llm\n{% endfor %}\n")
+    single = "parameters:\n  m:\n    type: string\ntype: llm\nconfig:\n  model: {{ m }}\n"
+    out = _expand({"template_strings": {"agents": {"team": body, "one": single}},
+                   "agents": {"t": {"template": "team", "params": {"n": "3"}},
+                              "o": {"template": "one", "params": {"m": "gpt"}}}})
+    team = out["agents"]["t"]
+    assert team["type"] == "composite"
+    assert list(team["config"]["components"]["agents"]) == ["w0", "w1", "w2"]
+    assert team["config"]["routing"]["input"]["name"] == "w0"
+    assert out["agents"]["o"] == {"type": "llm", "config": {"model": "gpt"}}
+
+
+def test_deprecated_instances_section_moves_into_agents_q55(caplog):
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm"}}},
+            "instances": {"x": {"template": "t"}}, "agents": {}}
+    assert _expand(data)["agents"]["x"] == {"type": "llm"}
+    assert "deprecated" in caplog.text
+
+
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
+def test_phase_b_in_mustache():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "In {{d}}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, "MUSTACHE")["agents"]["a"]["config"]["s"] == "In law"
+
+
+# §8.11-§8.12 Phase C -------------------------------------------------------------------------
+def _rt(engine="JINJA2"):
+    rt = actor.Runtime(actor.Doc({}))
+    rt.engine = engine
+    return rt
+
+
+def test_render_runtime_variables_8_11():
+    rt = _rt()
+    text = "{{ context.topic }}={{ topic }} {{ message }} {{ len(message) }}"
+    assert actor.render_runtime(rt, text, {"topic": "T"}, "hey") == "T=T hey 3"
+    assert actor.render_runtime(rt, "{{ message }}", {}, actor.Message("m")) == "m"
+
+
+def test_render_runtime_failure_warns_and_returns_literal_8_12():
+    rt = _rt()
+    text = "Hi {{ context.who.name }}"
+    assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
+    assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
+
+
+def test_render_runtime_in_mustache_and_simple():
+    assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
+        "Hi Ada Ada"
+    assert actor.render_runtime(_rt("SIMPLE"), "Hi {u}: {message}", {"u": "Ada"}, "m") == "Hi Ada: m"
+    rt = _rt("SIMPLE")
+    assert actor.render_runtime(rt, "Hi {nobody}", {}, "m") == "Hi {nobody}" and rt.warnings
 
 
 # =====================================================================================
 # §13.2 Sandboxes (sandbox)
 # =====================================================================================
-# [sandbox]
+# §13.2 Sandboxed code execution --------------------------------------------------------------
+import builtins as _py_builtins   # noqa: E402
+import json as _py_json           # noqa: E402
+import resource as _resource      # noqa: E402
+import time as _time              # noqa: E402
+
+
+def sandbox_vars(**extra):
+    """The §4.5.2 item 3 variables, as the tool agent passes them."""
+    return {"input_data": "hello", "message": "hello", "context": {}, "result": None, **extra}
+
+
+def sandbox_run(source, *, timeout=1.0, **extra):
+    return actor.run_code(actor.compile_code(source), sandbox_vars(**extra), timeout=timeout)
+
+
+def sandbox_still_serves():
+    """The next legitimate call after an attack or a runaway body is answered normally."""
+    ns = sandbox_run("import json\nresult = json.dumps({'up': input_data.upper()})")
+    assert ns["result"] == '{"up": "HELLO"}'
+
+
+# Escapes publicly known for Python sandboxes. MARKER is a file each payload tries to create; the
+# context carries a sentinel each one tries to change. Every attempt must be refused at load
+# (ConfigurationError) or fail when run (ExecutionError), without effect.
+SANDBOX_ESCAPES = {
+    "subclasses-walk-tuple":
+        "for c in ().__class__.__bases__[0].__subclasses__():\n"
+        "    if c.__name__ == '_wrap_close':\n"
+        "        c.__init__.__globals__['system']('touch MARKER')",
+    "subclasses-walk-mro": "x = [].__class__.__mro__[-1].__subclasses__()",
+    "subclasses-walk-str": "x = ''.__class__.__mro__[1].__subclasses__()",
+    "subclasses-via-type": "x = type(()).__bases__[0].__subclasses__()",
+    "subclasses-via-int": "x = int.__subclasses__()",
+    "subclasses-in-comprehension": "x = [c for c in ().__class__.__base__.__subclasses__()]",
+    "starred-subclasses": "x = [*().__class__.__mro__]",
+    "lambda-globals": "(lambda: 0).__globals__['__builtins__']['open']('MARKER', 'w')",
+    "lambda-code-object": "x = (lambda: 0).__code__.co_consts",
+    "def-globals": "def f():\n    pass\nf.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "func-globals-py2-name": "x = (lambda: 0).func_globals",
+    "function-dict": "def f():\n    pass\nx = f.__dict__",
+    "print-self-builtins-module": "print.__self__.open('MARKER', 'w')",
+    "len-self-import": "len.__self__.__import__('os').system('touch MARKER')",
+    "sorted-self": "x = sorted.__self__",
+    "bound-method-self": "x = [].append.__self__",
+    "call-self": "x = max.__call__.__self__",
+    "context-get-self": "x = context.get.__self__.__class__",
+    "context-class": "x = context.__class__.__base__.__subclasses__()",
+    "json-loads-globals": "json.loads.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "json-dumps-globals": "x = json.dumps.__globals__['sys']",
+    "json-decoder-attribute": "x = json.decoder.scanner",
+    "json-module-attributes": "x = json.codecs",
+    "json-error-init-globals": "x = json.JSONDecodeError.__init__.__globals__['sys']",
+    "json-facility-class": "x = json.__class__.__init__",
+    "json-hook-kwarg": "x = json.loads('{}', object_hook=print)",
+    "json-cls-kwarg": "x = json.dumps({}, cls=type)",
+    "json-facility-overwrite": "json.loads = lambda s: 'pwned'",
+    "json-facility-delete": "del json.loads",
+    "import-json-alias-globals": "import json as j\nx = j.loads.__globals__",
+    "import-os": "import os\nos.system('touch MARKER')",
+    "import-subprocess": "import subprocess",
+    "from-os-import": "from os import system",
+    "import-json-submodule": "import json.decoder",
+    "from-json-import-module-attribute": "from json import decoder",
+    "dunder-import": "__import__('os').system('touch MARKER')",
+    "builtins-dict": "__builtins__['open']('MARKER', 'w')",
+    "builtins-attribute": "x = __builtins__.open",
+    "eval": "eval(\"open('MARKER', 'w')\")",
+    "exec": "exec(\"open('MARKER', 'w')\")",
+    "compile": "x = compile('1', 'f', 'eval')",
+    "open": "open('MARKER', 'w').write('x')",
+    "getattr-dunder": "x = getattr((), '__class__')",
+    "vars-json": "x = vars(json)",
+    "dir-json": "x = dir(json)",
+    "globals": "x = globals()['__builtins__']",
+    "locals-builtins-key": "x = locals()['__builtins__']['open']",
+    "locals-builtins-get": "x = locals().get('__builtins__')['open']('MARKER', 'w')",
+    "locals-guard-names": "x = locals()['__sb_method__']",
+    "guard-helper-by-name": "__sb_method__(print, '__self__')",
+    "format-string-attribute": "x = '{0.__class__.__base__.__subclasses__}'.format(())",
+    "format-map-attribute": "x = '{f.__globals__}'.format_map({'f': len})",
+    "format-via-str-class": "x = str.format('{0.__class__}', 1)",
+    "fstring-attribute": "x = f'{(lambda: 0).__globals__}'",
+    "fstring-conversion-attribute": "x = f'{().__class__!r}'",
+    "fullwidth-dunder": "x = ().__\uff43lass__",
+    "math-bold-dunder": "x = ().__\U0001d41c\U0001d425ass__",
+    "fullwidth-eval": "x = \uff45\uff56\uff41\uff4c('1')",
+    "fullwidth-builtins-name": "x = __\uff42uiltins__",
+    "type-three-args": "X = type('X', (), {})",
+    "type-of-type": "X = type(type(0))('X', (), {})",
+    "type-of-builtin-call": "x = type(print)(1)",
+    "type-of-range-dodges-limit": "x = type(range(1))(10**12)",
+    "class-definition": "class X:\n    pass",
+    "metaclass-hook": "class M(type):\n    pass\nclass X(metaclass=M):\n    pass",
+    "exception-subclass-del": "class E(ValueError):\n    def __del__(self):\n        pass",
+    "generator-function-frame": "def g():\n    yield 1\nx = g().gi_frame.f_back.f_globals",
+    "generator-expression-frame": "g = (i for i in [1])\nx = g.gi_frame.f_back.f_globals",
+    "generator-code": "g = (i for i in [1])\nx = g.gi_code",
+    "join-generator-frames": "x = ''.join(str(g.gi_frame) for g in [(i for i in [1])])",
+    "lambda-yield": "x = lambda: (yield)",
+    "traceback-frame":
+        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.__traceback__.tb_frame.f_back.f_globals",
+    "traceback-via-attribute-name": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
+    "with-traceback": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.with_traceback(None)",
+    "exception-args-class": "x = ValueError('a').__class__.__init__.__globals__",
+    "global-statement": "global __builtins__",
+    "global-plain": "def f():\n    global context\n    context = {}\nf()",
+    "nonlocal-statement": "def f():\n    x = 1\n    def g():\n        nonlocal x\n    return g",
+    "decorator": "def d(f):\n    return f\n@d\ndef g():\n    pass",
+    "with-statement": "with open('MARKER', 'w') as f:\n    pass",
+    "async-function": "async def f():\n    pass",
+    "mro-method": "x = str.mro()",
+    "mro-via-type": "x = type(1).mro()",
+    "breakpoint": "breakpoint()",
+    "input": "x = input()",
+    "memoryview": "x = memoryview(b'x')",
+    "object-subclasses": "x = object.__subclasses__()",
+    "super": "x = super()",
+    "match-class-attribute": "match ():\n    case tuple(__class__=c):\n        pass",
+    "private-attribute": "x = json._private",
+    "module-attribute": "x = print.__module__",
+    "operator-attrgetter": "import operator\nx = operator.attrgetter('__class__')(1)",
+    "id-builtin": "x = id(1)",
+    "percent-format-escape": "x = '%(a)s' % {'a': ().__class__}",
+    "enumerate-new": "x = enumerate.__new__",
+    "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
+    "dunder-variable": "__builtins__ = {'open': 1}",
+    "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
+}
+
+
+def _sandbox_intact():
+    """What an escape would change: the real builtins, the json module, the sandbox tables."""
+    return (_py_builtins.open, _py_json.loads, actor.SANDBOX_JSON.loads, actor.SANDBOX_JSON.dumps,
+            tuple(actor.INLINE_CODE_BUILTINS.items()), tuple(actor.EXPRESSION_BUILTINS.items()))
+
+
+def test_sandbox_escape_corpus_is_large_enough():
+    assert len(SANDBOX_ESCAPES) >= 50
+    assert len(set(SANDBOX_ESCAPES.values())) == len(SANDBOX_ESCAPES)
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_ESCAPES.values()), ids=list(SANDBOX_ESCAPES))
+def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "MARKER"
+    before = _sandbox_intact()
+    context = {"sentinel": "intact"}
+    try:
+        unit = actor.compile_code(source)
+    except actor.ConfigurationError as exc:
+        assert exc.code_line >= 1
+    else:
+        with pytest.raises(actor.ExecutionError):
+            actor.run_code(unit, sandbox_vars(context=context))
+    assert not marker.exists()
+    assert context == {"sentinel": "intact"}
+    assert _sandbox_intact() == before
+    sandbox_still_serves()
+
+
+SANDBOX_EXPRESSION_ESCAPES = {
+    "class-walk": "lambda x: ().__class__.__base__.__subclasses__()",
+    "lambda-globals": "lambda x: (lambda: 0).__globals__",
+    "print": "lambda x: print(x)",
+    "type": "lambda x: type(x)",
+    "locals": "lambda x: locals()",
+    "import": "lambda x: __import__('os')",
+    "format": "lambda x: '{0.__class__}'.format(x)",
+    "range-not-in-table": "lambda x: range(3)",
+    "json-not-in-table": "lambda x: json.loads(x)",
+    "fullwidth": "lambda x: x.__\uff43lass__",
+    "walrus-builtins": "lambda x: (b := __builtins__)",
+    "default-argument-walk": "lambda x, y=().__class__: y",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_EXPRESSION_ESCAPES.values()),
+                         ids=list(SANDBOX_EXPRESSION_ESCAPES))
+def test_sandbox_expression_escape_fails(source):
+    try:
+        unit = actor.compile_expression(source)
+    except actor.ConfigurationError:
+        pass
+    else:
+        with pytest.raises(actor.ExecutionError):
+            unit("hello")
+    assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
+
+
+# Runaway bodies: each stops within its timeout (plus slack) and without a large allocation.
+SANDBOX_RUNAWAYS = {
+    "while-true": "while True:\n    pass",
+    "while-true-one-line": "while True: pass",
+    "huge-range-loop": "for i in range(10**12):\n    pass",
+    "long-range-loop": "n = 0\nfor i in range(10**7):\n    n += 1",
+    "c-level-sum-of-range": "x = sum(range(10**12))",
+    "power-tower": "x = 10**10**10",
+    "int-product-growth": "x = 3\nwhile True:\n    x = x * x",
+    "shift-bomb": "x = 1 << 10**10",
+    "string-repeat": "x = 'a' * 10**10",
+    "list-repeat": "x = [0] * 10**10",
+    "string-doubling": "x = 'a'\nfor i in range(64):\n    x += x",
+    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
+    "ljust-pad": "x = 'a'.ljust(10**10)",
+    "fstring-width": "x = f'{1:>{10**10}}'",
+    "printf-width": "x = '%*d' % (10**10, 1)",
+    "to-bytes": "x = (1).to_bytes(10**10, 'big')",
+    "replace-growth": "x = ('a' * 10**6).replace('', 'bbbbbbbbbbbbbbbb')",
+    "aliasing-str": "x = [0] * 10**6\ny = [x for i in range(10**6)]\nz = str(y)",
+    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
+    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
+    "deep-recursion": "def f(n):\n    return f(n + 1)\nf(0)",
+    "lambda-recursion": "f = lambda n: f(n + 1)\nf(0)",
+    "exponential-recursion-with-except":
+        "def f():\n    try:\n        f()\n    except:\n        f()\nf()",
+    "bare-except-keeps-looping":
+        "while True:\n    try:\n        while True:\n            pass\n    except:\n        pass",
+    "finally-keeps-looping": "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
+    "except-type-expression-loops":
+        "def f():\n    while True:\n        pass\ntry:\n    while True:\n        pass\nexcept f():\n    pass",
+    "nested-comprehension": "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
+    "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
+    "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_RUNAWAYS.values()), ids=list(SANDBOX_RUNAWAYS))
+def test_sandbox_runaway_is_stopped(capsys, source):
+    timeout = 0.2
+    rss_before = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError):
+        sandbox_run(source, timeout=timeout)
+    assert _time.monotonic() - start < timeout + 1.5
+    grown_kib = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 400 * 1024
+    assert capsys.readouterr().out == ""
+    sandbox_still_serves()
+
+
+# Controls: the spec's own inline code runs unchanged (§4.5.2, §18.4, §18.9, §18.10).
+def test_sandbox_control_route_by_prefix():   # §4.5.2, first example
+    source = (
+        '# `input_data` holds the incoming message.\n'
+        '# `context` holds the active context.\n'
+        '# `result` MUST be set to the value the tool returns.\n'
+        'text = (input_data or "").strip()\n'
+        'if text.startswith("!"):\n'
+        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
+        'else:\n'
+        '    stage = context.get("current_stage") or "default"\n'
+        '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    unit = actor.compile_code(source)
+    assert actor.run_code(unit, sandbox_vars(input_data=" !help "))["result"] == \
+        "GOTO_COMMAND_HANDLER:!help"
+    ns = actor.run_code(unit, sandbox_vars(input_data="hi", context={"current_stage": "intro"}))
+    assert ns["result"] == "GOTO_INTRO:hi"
+    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_DEFAULT:hi"
+
+
+def test_sandbox_control_save_topic():   # §4.5.2, second example
+    source = (
+        'import json\n'
+        '# input_data is expected to be JSON: {"topic": "<value>"}\n'
+        'try:\n'
+        '    payload = json.loads(input_data)\n'
+        '    topic = payload.get("topic", "")\n'
+        'except json.JSONDecodeError:\n'
+        '    topic = input_data\n'
+        '\n'
+        '# Mutating `context` propagates back to the caller.\n'
+        'context["current_topic"] = topic\n'
+        'result = f"Topic set to: {topic}"\n')
+    unit = actor.compile_code(source)
+    context = {}
+    ns = actor.run_code(unit, sandbox_vars(input_data='{"topic": "tides"}', context=context))
+    assert (ns["result"], context) == ("Topic set to: tides", {"current_topic": "tides"})
+    ns = actor.run_code(unit, sandbox_vars(input_data="not json", context=context))
+    assert (ns["result"], context) == ("Topic set to: not json", {"current_topic": "not json"})
+
+
+def test_sandbox_control_echo_with_prefix():   # §18.4
+    ns = sandbox_run('result = "PREFIX: " + str(input_data)\n')
+    assert ns["result"] == "PREFIX: hello"
+
+
+def test_sandbox_control_workflow_dispatch():   # §18.9, workflow_controller
+    source = (
+        'text = (input_data or "").strip()\n'
+        'if text.startswith("!"):\n'
+        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
+        'else:\n'
+        '    stage = context.get("workflow_stage") or "intro"\n'
+        '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    unit = actor.compile_code(source)
+    assert actor.run_code(unit, sandbox_vars(input_data="!next"))["result"] == \
+        "GOTO_COMMAND_HANDLER:!next"
+    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_INTRO:hi"
+
+
+def test_sandbox_control_handle_command():   # §18.9, command_handler
+    source = (
+        'text = (input_data or "").strip()\n'
+        'parts = text.split(maxsplit=1)\n'
+        'command = parts[0]\n'
+        'if command == "!next":\n'
+        '    stage_order = context.get("stage_order", [])\n'
+        '    current = context.get("workflow_stage") or "intro"\n'
+        '    try:\n'
+        '        idx = stage_order.index(current)\n'
+        '        if idx + 1 < len(stage_order):\n'
+        '            next_stage = stage_order[idx + 1]\n'
+        '            context["workflow_stage"] = next_stage\n'
+        '            result = f"GOTO_{next_stage.upper()}:"\n'
+        '        else:\n'
+        '            result = "COMMAND_OUTPUT:Final stage already reached."\n'
+        '    except ValueError:\n'
+        '        result = "COMMAND_OUTPUT:Unknown current stage."\n'
+        'elif command == "!stage":\n'
+        '    result = f"COMMAND_OUTPUT:Current stage is {context.get(\'workflow_stage\')}"\n'
+        'else:\n'
+        '    result = f"COMMAND_OUTPUT:Unknown command {command}"\n')
+    unit = actor.compile_code(source)
+    context = {"stage_order": ["intro", "discovery", "done"], "workflow_stage": "intro"}
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "GOTO_DISCOVERY:"
+    assert context["workflow_stage"] == "discovery"
+    assert actor.run_code(unit, sandbox_vars(input_data="!stage", context=context))["result"] == \
+        "COMMAND_OUTPUT:Current stage is discovery"
+    context["workflow_stage"] = "elsewhere"
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown current stage."
+    assert actor.run_code(unit, sandbox_vars(input_data="!x", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown command !x"
+
+
+def test_sandbox_control_triage():   # §18.10
+    source = (
+        'text = (input_data or "").lower()\n'
+        'if "tax" in text:\n'
+        '    result = "GOTO_TAX_ADVISOR:" + input_data\n'
+        'elif "stock" in text or "invest" in text:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n'
+        'elif "bitcoin" in text or "crypto" in text:\n'
+        '    result = "GOTO_CRYPTO_ADVISOR:" + input_data\n'
+        'else:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n')
+    unit = actor.compile_code(source)
+    for text, expected in (("Tax help", "GOTO_TAX_ADVISOR:Tax help"),
+                           ("crypto?", "GOTO_CRYPTO_ADVISOR:crypto?"),
+                           ("hello", "GOTO_INVESTING_ADVISOR:hello")):
+        assert actor.run_code(unit, sandbox_vars(input_data=text))["result"] == expected
+
+
+# The two tables, exactly.
+def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
+    assert set(actor.INLINE_CODE_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
+        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
+        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
+    ns = sandbox_run(
+        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
+        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
+        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
+        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
+        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
+        "          json.loads('[1]'), json.dumps([1])]\n"
+        "x = 1\n")
+    assert ns["result"][-2:] == [[1], "[1]"]
+
+
+@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
+                                  "callable", "pow", "repr", "format", "bytes", "Exception"])
+def test_sandbox_other_builtins_are_absent(name):   # §13.2.1 "no other built-in facilities"
+    with pytest.raises(actor.ExecutionError, match="NameError"):
+        sandbox_run(f"x = {name}")
+
+
+def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
+    assert set(actor.EXPRESSION_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "len", "max", "min", "round", "sum"}
+    unit = actor.compile_expression(
+        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
+        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
+    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
+                          1, True, True, 2, "b", "a", 2, 3]
+    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
+                 "ValueError"):
+        with pytest.raises(actor.ExecutionError, match="NameError"):
+            actor.compile_expression(f"lambda x: {name}")("a")
+
+
+def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
+    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
+    assert public == {"loads", "dumps", "JSONDecodeError"}
+    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
+                     "    result = 'bad: ' + str(e.pos)")
+    assert ns["result"] == "bad: 1"
+    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
+                     "sort_keys=True, indent=2)")
+    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
+
+
+def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
+    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
+    with pytest.raises(actor.ConfigurationError):
+        actor.compile_code("import json, os")
+
+
+# Load-time refusal: located, with the line inside the body (Q71 (c)).
+def test_sandbox_refusal_names_the_body_line():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
+    assert info.value.code_line == 3 and "line 3" in str(info.value)
+    assert info.value.path == "agents.t.code"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\nif x\n")
+    assert info.value.code_line == 2
+
+
+def test_sandbox_refusal_is_located_in_the_document():
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
+            "          code: |\n            x = 1\n            y = ().__class__\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text, unsafe=True)
+    assert info.value.code_line == 2 and info.value.line is not None
+
+
+def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
+    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
+
+
+def test_sandbox_type_wraps_non_inert_classes():
+    ns = sandbox_run("a = type(1)\nb = type(len)\nc = type(type(1))\n"
+                     "result = (a is int, str(b), b == type(max), isinstance(len, b), str(c))")
+    assert ns["result"] == (True, "<class 'builtin_function_or_method'>", True, True,
+                            "<class 'type'>")
+
+
+def test_sandbox_locals_is_a_copy_without_builtins():
+    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
+                     "result = (sorted(x), sorted(locals()))")
+    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
+
+
+def test_sandbox_functions_reach_only_the_sandbox_namespace():
+    unit = actor.compile_code("def f():\n    return 1\nresult = f")
+    fn = actor.run_code(unit, sandbox_vars())["result"]
+    assert fn.__globals__["__builtins__"] is unit.builtins
+    assert set(unit.builtins) == set(actor.INLINE_CODE_BUILTINS) | set(actor._SANDBOX_GUARDS)
+    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
+    with pytest.raises(actor.ExecutionError):   # the host calling it outside a sandboxed run
+        fn()
+
+
+def test_sandbox_print_goes_to_stderr(capsys):
+    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "diag-1\n"
+
+
+def test_sandbox_context_by_reference_and_aug_assign_in_place():
+    context = {"items": [1]}
+    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
+                "context['n'] = 1\ncontext['n'] *= 5", context=context)
+    assert context == {"items": [1, 2, 3], "n": 5}
+
+
+def test_sandbox_bare_except_does_not_catch_a_limit():
+    with pytest.raises(actor.ExecutionError, match="size limit"):
+        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
+    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
+
+
+def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
+    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
+        sandbox_run("x = {}\ny = x['missing']")
+
+
+def test_sandbox_limits_hold_in_unsafe_mode():
+    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
+            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
+            "                while True:\n                    pass\n"
+            "            result = 'ok:' + input_data\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    a = actor.load(text=text, unsafe=True)
+    start = _time.monotonic()
+    first = a.send("spin")
+    assert _time.monotonic() - start < 1.5
+    assert len(first.errors) == 1
+    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
+    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
+
+
+def test_sandbox_compiles_once(monkeypatch):
+    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
+    unit = actor.compile_code("result = input_data[::-1]")
+    expr = actor.compile_expression("lambda x: x * 2")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("parsed or compiled on the hot path")
+    monkeypatch.setattr(actor.ast, "parse", refuse)
+    monkeypatch.setattr(_py_builtins, "compile", refuse)
+    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
+    assert expr("ab") == "abab"
+
+
+def test_sandbox_expression_arity_and_shape():
+    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
+    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
+                            ("lambda a: a", 2), ("lambda a:", 1)):
+        with pytest.raises(actor.ConfigurationError):
+            actor.compile_expression(source, nparams=nparams)
+
+
+def test_sandbox_expression_runaway_and_size():
+    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError, match="time limit"):
+        unit(list(range(1000)), timeout=0.2)
+    assert _time.monotonic() - start < 1.5
+    with pytest.raises(actor.ExecutionError, match="size limit"):
+        actor.compile_expression("lambda x: x * 10**10")("ab")
+    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
+
+
+def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
+    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
+    assert actor.eval_expression_text("name.upper()", names) == "ADA"
+    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("__import__('os')", names)
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("open('x')", names)
+    with pytest.raises(actor.ExecutionError, match="NameError"):
+        actor.eval_expression_text("chr(1)", names)
+
+
+@pytest.mark.bench
+def test_sandbox_bench_overhead_per_inline_tool_call():
+    """Per-call cost of run_code against a bare exec of the same body (printed, README Security)."""
+    source = 'result = "PREFIX: " + str(input_data)\n'
+    unit = actor.compile_code(source)
+    plain = compile(source, "<plain>", "exec")
+    n = 20000
+
+    def clock(fn):
+        start = _time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (_time.perf_counter() - start) / n * 1e6
+    sandboxed = clock(lambda: actor.run_code(unit, sandbox_vars()))
+    bare = clock(lambda: exec(plain, sandbox_vars()))
+    loop_unit = actor.compile_code("n = 0\nfor i in range(100000):\n    n += i\nresult = n")
+    loop_plain = compile("n = 0\nfor i in range(100000):\n    n += i\nresult = n", "<p>", "exec")
+    start = _time.perf_counter()
+    actor.run_code(loop_unit, sandbox_vars())
+    loop_sandboxed = _time.perf_counter() - start
+    start = _time.perf_counter()
+    exec(loop_plain, sandbox_vars())
+    loop_bare = _time.perf_counter() - start
+    print(f"\ninline-tool call: sandboxed {sandboxed:.1f} us, bare exec {bare:.1f} us, "
+          f"overhead {sandboxed - bare:.1f} us; 100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
+          f"{loop_bare * 1e3:.1f} ms ({loop_sandboxed / loop_bare:.1f}x)")
+    assert sandboxed < 1000
