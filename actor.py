@@ -1605,7 +1605,7 @@ def tool_request(agent, content):
     if parsed is None:
         try:
             parsed = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
                 raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,

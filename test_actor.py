@@ -1411,6 +1411,8 @@ def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
 def test_protocol_invalid_json_is_the_spec_error(utilities):
     error = _fails(utilities, '  {"tool": "echo", }  ')
     assert error.message == "Invalid JSON in tool request"
+    deep = '{"a": ' * 100000 + "1" + "}" * 100000
+    assert _fails(utilities, deep).message == "Invalid JSON in tool request"
     assert actor.INVALID_JSON_IN_TOOL_REQUEST == "Invalid JSON in tool request"
 
 
