@@ -193,6 +193,7 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
+_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -206,7 +207,8 @@ class Message:
 
     def copy(self, **changes):
         """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" else copy.copy(v)) for k, v in self.metadata.items()}
+        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
+                for k, v in self.metadata.items()}
         new = Message(self.content, meta, self.source_stream, self.timestamp)
         for key, value in changes.items():
             setattr(new, key, value)
@@ -1603,7 +1605,7 @@ def tool_request(agent, content):
     if parsed is None:
         try:
             parsed = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
                 raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
@@ -3464,6 +3466,11 @@ class StreamNetwork:
             elif route_type(cfg) == "graph" and name in rt.graphs:
                 self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
             # bridge routes carry no messages (§5.6)
+        if not self.pure:                           # §6.10: graph-internal streams (mixed mode)
+            for graph in rt.graphs.values():
+                for stream in graph.internal_stream_names():
+                    self.nodes[stream] = _Node(self, stream, Stream(stream))
+                graph.observers.append(self._graph_event)
         links = publication_links(routes)           # §5.5
         links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
         links += merge_links(self, data)            # §12.1 step 5: merges and splits
@@ -3474,6 +3481,12 @@ class StreamNetwork:
         self.edges = self._wire(links)
         self._implicit_graph_output()
         self.order = self._completion_order()
+
+    def _graph_event(self, stream, msg):
+        """§6.10: a graph's node event (or run state) on its reserved internal stream."""
+        node = self.nodes.get(stream)
+        if node is not None:
+            node.out.next(msg)
 
     @property
     def single_shot(self):
@@ -3519,12 +3532,12 @@ class StreamNetwork:
         return push_if
 
     def _implicit_graph_output(self):
-        # INTERPRETATION §6.1, §3.3 (Q28): a graph route that receives messages and that no merge
-        # or split reads from sends each run's output (GraphRun.output) to __output__.
-        fed = {t for (_s, t) in self.edges}
+        # INTERPRETATION §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
+        # no merge, split or next stage reads from sends each run's output (GraphRun.output) to
+        # __output__, however it was fed (merge, split, default router, send(target=...)).
         read = {s for (s, _t) in self.edges}
         for name, node in list(self.nodes.items()):
-            if isinstance(node, GraphParticipant) and name in fed and name not in read:
+            if isinstance(node, GraphParticipant) and name not in read:
                 self.edges[(name, OUTPUT)] = [(None, ("routes", name))]
                 self.nodes[OUTPUT].sources += 1
                 node.out.subscribe(self.nodes[OUTPUT].push, self.nodes[OUTPUT].source_done)
@@ -3714,6 +3727,9 @@ class GraphParticipant(_Node):
             return
         out = msg.copy(content=run.output, source_stream=self.name)
         out.metadata["graph"] = self.name
+        if not self.net.pure:       # §6.10: the run's final state on __<graph>_state__
+            self.net._graph_event(f"__{self.name}_state__", Message(
+                run.state, {"graph": self.name}, f"__{self.name}_state__", rt.clock.now()))
         self.out.next(out)
 
     def describe(self):
@@ -3812,11 +3828,12 @@ class GraphRun:
         self.output, self.state, self.history, self.stopped = output, state, history, stopped
 
     def __repr__(self):
-        return f"GraphRun(output={self.output!r}, history={self.history!r}, stopped={self.stopped!r})"
+        return (f"GraphRun(output={self.output!r}, history={self.history!r}, "
+                f"stopped={self.stopped!r})")
 
 
 class _RunTrace:
-    """Per-run bookkeeping for the §6.8 guards: path, revisit fingerprints, depth, latest output."""
+    """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
 
     __slots__ = ("history", "seen", "depth", "output", "stopped")
 
@@ -4014,13 +4031,13 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is off)",
-                                 path=path_str(self.path), section="6.6")
+            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is "
+                                 "off)", path=path_str(self.path), section="6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
     def checkpoints(self):
-        """Checkpoint files of this graph, oldest first; the last one is the latest (§6.6 item 3)."""
+        """Checkpoint files of this graph, oldest first; the last is the latest (§6.6 item 3)."""
         if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
             return []
         return sorted(self.checkpoint_dir.glob(CHECKPOINT_GLOB))
@@ -4162,9 +4179,9 @@ def trim_history(messages, max_messages, max_chars, end=None):
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if sum(map(len, map(dict.get, history, itertools.repeat("content")))) <= max_chars:
+        if len("".join([entry["content"] for entry in history])) <= max_chars:
             return history
-    except TypeError:
+    except (KeyError, TypeError):
         pass
     total = 0
     for index in range(len(history) - 1, -1, -1):
@@ -4997,7 +5014,8 @@ def check_graph(doc, name, cfg, path, agent_names):
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
         # their own type; any other node under these names is rejected.
         if canonical in (START_NODE, END_NODE) and node_type != canonical:
-            fail(where, f"node name '{node_name}' is reserved for the {canonical} node", "6.2, 15.2")
+            fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
+                 "6.2, 15.2")
         if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
             fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
                  "6.2.1")
@@ -7154,10 +7172,11 @@ def resolve_engine(doc, host_engine):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None):
+                context=None, routing_prefixes=None):
     """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport)
+    rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
     check_top_level(doc, rt)
@@ -8926,9 +8945,9 @@ class Actor:
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
-        close = getattr(self.network, "close", None)
-        if close is not None:
-            close()
+        self.network.close()
+        for graph in self.rt.graphs.values():
+            graph.close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
@@ -8953,6 +8972,10 @@ class Actor:
     def rewind(self, route, steps):
         return self._graph(route).rewind(steps)
 
+    def resume(self, route):
+        """Continue a graph run interrupted after its last checkpoint (restore() first)."""
+        return self._call(lambda: self._graph(route).resume(self.rt.context))
+
     # -- inspection (§4.11)
     def describe(self):
         """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
@@ -8972,17 +8995,21 @@ class Actor:
 
 
 def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
-         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None):
+         default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None,
+         routing_prefixes=None):
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
     the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
+    routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or "X_" for a
+    family X_<NAME>:).
     """
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
         template_engine=template_engine, default_router=default_router, provider=provider,
         workdir=workdir, clock=clock or VirtualClock(),
-        llm_transport=FakeTransport(llm) if llm is not None else None, context=context)
+        llm_transport=FakeTransport(llm) if llm is not None else None, context=context,
+        routing_prefixes=routing_prefixes)
 
 
 def jsonable(value):
@@ -9382,6 +9409,9 @@ def main(argv=None):
     except ActorError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG
+    # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped input)
+    # is single-shot; an interactive prompt is not.
+    actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
     with actor:
         if args.check:
             print("ok")
