@@ -7471,8 +7471,8 @@ def _attribute_refusal(attr):
     return None
 
 
-def _construct_refusal(node, kind, prohibited):
-    """§13.2.3: why one AST node is refused in a sandbox of `kind` ("code" or "expression")."""
+def _construct_refusal(node, prohibited):
+    """§13.2.3: why one AST node is refused (None when it is fine)."""
     # INTERPRETATION §13.2.3: class (metaclass hooks), global/nonlocal, yield (generator frames),
     # async, with and decorators are refused at load: each has a published escape or no use here.
     match node:
@@ -7516,7 +7516,7 @@ def _construct_refusal(node, kind, prohibited):
     return None
 
 
-def _check_tree(tree, kind, table):
+def _check_tree(tree, table):
     """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
     prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
                   for name in names if name not in table}
@@ -7525,7 +7525,7 @@ def _check_tree(tree, kind, table):
     for name in prohibited.keys() & _bound_names(tree):
         del prohibited[name]
     for node in ast.walk(tree):
-        reason = _construct_refusal(node, kind, prohibited)
+        reason = _construct_refusal(node, prohibited)
         if reason:
             raise _Rejected(getattr(node, "lineno", 1), reason)
 
@@ -7655,12 +7655,12 @@ class _SandboxRewriter(ast.NodeTransformer):
             for a in node.names]
 
 
-def _sandbox_compile(source, mode, kind, table, filename):
+def _sandbox_compile(source, mode, table, filename):
     """Parse, check (layer 1), rewrite (layer 2) and compile; raises SyntaxError or _Rejected."""
     if not isinstance(source, str):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
-    _check_tree(tree, kind, table)
+    _check_tree(tree, table)
     tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
     return tree, compile(tree, filename, mode, dont_inherit=True)
 
@@ -7839,7 +7839,7 @@ def compile_code(source, *, rt=None, path=None):
     """
     label = f"inline code {path_str(path)}" if path else "inline code"
     try:
-        _, code = _sandbox_compile(source, "exec", "code", INLINE_CODE_BUILTINS, CODE_FILENAME)
+        _, code = _sandbox_compile(source, "exec", INLINE_CODE_BUILTINS, CODE_FILENAME)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
     return CodeUnit(source, code, label)
@@ -7875,9 +7875,8 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
     """
     label = f"inline expression {path_str(path)}" if path else "inline expression"
     try:
-        tree, code = _sandbox_compile(source.strip() if isinstance(source, str) else source,
-                                      "eval", "expression", EXPRESSION_BUILTINS,
-                                      EXPRESSION_FILENAME)
+        text = source.strip() if isinstance(source, str) else source
+        tree, code = _sandbox_compile(text, "eval", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)
         if not isinstance(tree.body, ast.Lambda) or not _lambda_accepts(tree.body, nparams):
             raise _Rejected(1, f"anything but a lambda of {nparams} parameter(s)")
     except (SyntaxError, _Rejected) as exc:
@@ -7895,8 +7894,7 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
 
 @functools.lru_cache(maxsize=512)   # a pure cache of compiled text; no Actor state lives here
 def _compile_expression_text(source):
-    return _sandbox_compile(source.strip(), "eval", "expression", EXPRESSION_BUILTINS,
-                            EXPRESSION_FILENAME)[1]
+    return _sandbox_compile(source.strip(), "eval", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)[1]
 
 
 def eval_expression_text(source, names, timeout=1.0):

@@ -3515,7 +3515,7 @@ def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
 def test_sandbox_layers_hold_without_the_ast_check(tmp_path, monkeypatch, source):
     """Defence in depth: with layer 1 switched off, the built-in table and the ticks still hold."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(actor, "_check_tree", lambda tree, kind, table: None)
+    monkeypatch.setattr(actor, "_check_tree", lambda tree, table: None)
     with pytest.raises(actor.ExecutionError):
         sandbox_run(source, timeout=0.2)
     assert not (tmp_path / "MARKER").exists()
