@@ -7541,6 +7541,9 @@ def _tick(name, node):
 class _SandboxRewriter(ast.NodeTransformer):
     """Layer 2: deadline ticks in loops and calls; size-sensitive operations through the guards."""
 
+    def __init__(self, bound):
+        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
+
     def visit_While(self, node):
         self.generic_visit(node)
         node.body.insert(0, _tick("__sb_loop__", node))
@@ -7592,9 +7595,6 @@ class _SandboxRewriter(ast.NodeTransformer):
             call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
                                ast.Constant(symbol), node.value)
         return ast.copy_location(ast.Expr(call), node)
-
-    def __init__(self, bound):
-        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
 
     def visit_Attribute(self, node):
         self.generic_visit(node)
