@@ -7475,6 +7475,8 @@ def _attribute_refusal(attr):
 
 def _construct_refusal(node, kind, prohibited):
     """§13.2.3: why one AST node is refused in a sandbox of `kind` ("code" or "expression")."""
+    # INTERPRETATION §13.2.3: class (metaclass hooks), global/nonlocal, yield (generator frames),
+    # async, with and decorators are refused at load: each has a published escape or no use here.
     match node:
         case ast.Import(names=names):
             bad = [a.name for a in names if a.name != "json"]
@@ -7520,8 +7522,10 @@ def _check_tree(tree, kind, table):
     """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
     prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
                   for name in names if name not in table}
+    # INTERPRETATION §13.2.3: a name the code binds itself (`id = payload["id"]`) is a variable,
+    # not the prohibited facility, so only unbound uses are refused.
     for name in prohibited.keys() & _bound_names(tree):
-        del prohibited[name]   # a variable the code binds itself (`id = 3`) is not the facility
+        del prohibited[name]
     for node in ast.walk(tree):
         reason = _construct_refusal(node, kind, prohibited)
         if reason:
@@ -7594,7 +7598,25 @@ class _SandboxRewriter(ast.NodeTransformer):
     def __init__(self, bound):
         self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
 
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr in _GUARDED_METHODS and not getattr(node, "sb_called", False):
+            raise _Rejected(node.lineno, f"taking the method '{node.attr}' without calling it")
+        return node
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        match node.targets:
+            case [ast.Subscript(value=container, slice=ast.Slice() as part)]:
+                key = _guard_call("__sb_slice__", part, *(p or ast.Constant(None) for p in
+                                                          (part.lower, part.upper, part.step)))
+                call = _guard_call("__sb_set_slice__", node, container, key, node.value)
+                return ast.copy_location(ast.Expr(call), node)
+        return node
+
     def visit_Call(self, node):
+        if isinstance(node.func, ast.Attribute):
+            node.func.sb_called = True   # a guarded method called in place is routed below
         self.generic_visit(node)
         func = node.func
         if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
@@ -7613,13 +7635,15 @@ class _SandboxRewriter(ast.NodeTransformer):
         return node
 
     def visit_ExceptHandler(self, node):
+        # INTERPRETATION §13.2: a bare `except:` catches Exception only, so no limit can be swallowed.
         self.generic_visit(node)
         if node.type is None:
             node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
         return node
 
     def visit_Import(self, node):
-        # `import json [as j]` binds the §4.5.2 facility (Q70 (a)); no import machinery is exposed.
+        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import ...` bind
+        # the §4.5.2 facility, because the spec's example needs it; no import machinery is exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
                 for a in node.names]
@@ -7657,7 +7681,8 @@ def _configuration_refusal(exc, rt, path, section, what):
 
 
 # Layer 4: the run-time budget ---------------------------------------------------------------
-# INTERPRETATION §13.2 (issue 4): limits are ticks, not a trace function. CPython 3.11 sends no
+# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well (unsafe mode enables inline
+# code, it does not hand the code the host). They are ticks, not a trace function. CPython 3.11 sends no
 # `line` event for `while True: pass`, and an exception raised from a trace function switches
 # tracing off while `finally` blocks still run; so the rewrite (layer 2) puts a deadline check at the
 # top of every loop body, comprehension step and function body, and the function-entry check also
@@ -7668,8 +7693,8 @@ class _Budget:
     __slots__ = ("timeout", "deadline")
 
     def __init__(self, timeout):
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.timeout = 1.0 if timeout is None else float(timeout)
+        self.deadline = time.monotonic() + self.timeout
 
 
 # Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
@@ -7751,6 +7776,16 @@ def _sandbox_line(tb, filename):
     return line
 
 
+def _error_text(exc):
+    """The code's own exception as text, at most 500 characters, never a rendering bomb."""
+    try:
+        for arg in exc.args:
+            check_rendering(arg)
+        return str(exc)[:500]
+    except (SandboxAbort, RecursionError, MemoryError):
+        return "(message too large to show)"
+
+
 def _run_sandboxed(thunk, timeout, label, filename):
     """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
     with _SANDBOX_TURN, _MemoryCap():
@@ -7767,13 +7802,13 @@ def _run_sandboxed(thunk, timeout, label, filename):
         except Exception as exc:   # the code's own error: reported, never fatal to the Actor
             line = _sandbox_line(exc.__traceback__, filename)
             where = f"line {line}: " if line else ""
-            failure, section = f"{where}{type(exc).__name__}: {str(exc)[:500]}", "13.2"
+            failure, section = f"{where}{type(exc).__name__}: {_error_text(exc)}", "13.2"
         finally:
             _SANDBOX_LOCAL.budget = previous
     raise ExecutionError(f"{label}: {failure}", section=section)
 
 
-# §13.2 entry points ------------------------------------------------------------------------
+# Entry points (§13.2) ------------------------------------------------------------------------
 class CodeUnit:
     """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
 
@@ -7822,6 +7857,9 @@ def run_code(unit, variables, *, timeout=1.0):
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
+# INTERPRETATION §13.2.2: an inline expression is a lambda taking the caller's number of positional
+# arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
+# function"; anything else fails the load.
 def _lambda_accepts(node, nparams):
     args = node.args
     positional = len(args.posonlyargs) + len(args.args)
@@ -7844,7 +7882,13 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
     namespace = {"__builtins__": {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}}
-    fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    try:   # evaluates the lambda's defaults, if any, under the budget
+        fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
+    except ExecutionError as exc:
+        if rt is not None and path is not None:
+            raise rt.error(ConfigurationError, path, exc.message, "13.2.2") from None
+        raise ConfigurationError(exc.message, path=path_str(path) if path else None,
+                                 section="13.2.2") from None
     return ExprUnit(source, fn, label, nparams)
 
 
@@ -7860,6 +7904,8 @@ def eval_expression_text(source, names, timeout=1.0):
     Refused constructs raise ConfigurationError, run-time failures ExecutionError.
     """
     try:
+        if not isinstance(source, str):
+            raise _Rejected(1, f"an expression of type {type(source).__name__}")
         code = _compile_expression_text(source)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
@@ -7898,6 +7944,7 @@ def _unwrap_classinfo(spec):
 
 def builtin_type(*args):
     """§13.2.1 type: the one-argument form only; three arguments would create a class."""
+    # INTERPRETATION §13.2.1: type() inspects; classes outside SANDBOX_INERT_TYPES come back opaque.
     if len(args) != 1:
         raise SandboxAbort("type() with three arguments (class creation) is refused")
     cls = type(args[0])
@@ -7911,6 +7958,7 @@ def builtin_isinstance(obj, classinfo):
 
 def builtin_locals():
     """§13.2.1 locals: a copy of the caller's variables, without __builtins__ or guard names."""
+    # INTERPRETATION §13.2.1: a copy, so the built-in table and the guards stay out of reach.
     frame = sys._getframe(1)
     if frame.f_code.co_filename not in SANDBOX_FILENAMES:
         return {}
@@ -7919,6 +7967,7 @@ def builtin_locals():
 
 def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
+    # INTERPRETATION §13.2.1: "diagnostic output" is the host's stderr (file= is ignored).
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
     for value in values:
@@ -7964,8 +8013,9 @@ class JsonFacility:
 
     @staticmethod
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
-        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
-            raise SandboxAbort("json.dumps indent larger than 64")
+        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64 \
+                or separators is not None and sum(len(str(part)) for part in separators) > 64:
+            raise SandboxAbort("json.dumps indent or separators longer than 64")
         check_rendering(value)
         return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                           separators=separators)
@@ -8108,6 +8158,14 @@ def guard_aug_item(container, key, symbol, value):
     container[key] = guard_inplace(symbol, container[key], value)
 
 
+def guard_set_slice(container, part, value):
+    """a[i:j] = v: refuse growth past the limit (l[len(l):] = l doubles a list)."""
+    if isinstance(container, list) and isinstance(value, _SIZED) \
+            and len(container) + len(value) > SANDBOX_MAX_ITEMS:
+        _refuse_size("slice assignment")
+    container[part] = value
+
+
 def guard_aug_attr(obj, name, symbol, value):
     # `name` passed the layer-1 attribute check at load.
     setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
@@ -8177,7 +8235,8 @@ def _method_growth(obj, name, args, kwargs):
             and isinstance(args[0], type(obj)) and isinstance(args[1], type(obj)):
         hits = obj.count(args[0]) if args[0] else len(obj) + 1
         return len(obj) + hits * max(len(args[1]) - len(args[0]), 0)
-    if name == "join" and isinstance(obj, (str, bytes)) and args and isinstance(args[0], list):
+    if name == "join" and isinstance(obj, (str, bytes)) and args \
+            and isinstance(args[0], (list, tuple)):
         items = args[0]
         return len(obj) * max(len(items) - 1, 0) + sum(len(x) for x in items if isinstance(x, _SIZED))
     if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
@@ -8193,9 +8252,11 @@ def _method_growth(obj, name, args, kwargs):
 
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
-    if name == "join" and args and not isinstance(args[0], (list, tuple, str)):
-        args = (list(args[0]),) + args[1:]   # materialise a generator once, under the line budget
-    if _method_growth(obj, name, args, kwargs) > SANDBOX_MAX_ITEMS:
+    receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
+    if name == "join" and rest and not isinstance(rest[0], (list, tuple, str)):
+        rest = (list(rest[0]),) + rest[1:]   # materialise a generator once, under the budget
+        args = (receiver,) + rest if receiver is not obj else rest
+    if _method_growth(receiver, name, rest, kwargs) > SANDBOX_MAX_ITEMS:
         _refuse_size(f"{name}() result")
     return getattr(obj, name)(*args, **kwargs)   # `name` passed the layer-1 attribute check
 
@@ -8207,7 +8268,7 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop, "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

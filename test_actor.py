@@ -1656,6 +1656,10 @@ class _FakeGraph:
 
     def __init__(self):
         self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+        self.observers = []            # §6.10 node-event listeners (none are fired here)
+
+    def internal_stream_names(self):
+        return []
 
     def run(self, content, ctx, *, pure=False):
         self.runs.append((content, pure))
@@ -3472,6 +3476,7 @@ SANDBOX_ESCAPES = {
     "enumerate-new": "x = enumerate.__new__",
     "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
     "dunder-variable": "__builtins__ = {'open': 1}",
+    "aliased-method-dodges-size-guard": "f = 'a'.ljust\nx = f(10**10)",
     "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
 }
 
@@ -3519,6 +3524,7 @@ SANDBOX_EXPRESSION_ESCAPES = {
     "fullwidth": "lambda x: x.__\uff43lass__",
     "walrus-builtins": "lambda x: (b := __builtins__)",
     "default-argument-walk": "lambda x, y=().__class__: y",
+    "default-argument-bomb": "lambda x, y=10**10**10: y",
 }
 
 
@@ -3553,6 +3559,11 @@ SANDBOX_RUNAWAYS = {
     "fstring-width": "x = f'{1:>{10**10}}'",
     "printf-width": "x = '%*d' % (10**10, 1)",
     "to-bytes": "x = (1).to_bytes(10**10, 'big')",
+    "unbound-ljust": "x = str.ljust('a', 10**10)",
+    "json-separators": "x = json.dumps([0] * 10**6, separators=(' ' * 10**6, ':'))",
+    "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
+    "nested-text-recursion": "a = []\nfor i in range(10**5):\n    a = [a]\nb = str(a)",
+    "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
     "replace-growth": "x = ('a' * 10**6).replace('', 'bbbbbbbbbbbbbbbb')",
     "aliasing-str": "x = [0] * 10**6\ny = [x for i in range(10**6)]\nz = str(y)",
     "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
