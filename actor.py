@@ -9091,6 +9091,8 @@ def observe_vector(vector):
                 context=host.get("context"))
         except ActorError as exc:
             return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+        import io
+        actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
         observed = []
         try:
             for step in vector.get("steps") or []:
