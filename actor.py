@@ -9388,6 +9388,8 @@ def main(argv=None):
     """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
     args = _arg_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    if args.run_vector or args.vectors:
+        log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
     if args.run_vector:
         print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
         return EXIT_OK
