@@ -1424,13 +1424,18 @@ def tool_http_request(env, args):
     opener = urllib.request.build_opener(urllib.request.ProxyHandler(http_proxies(env.rt, url)))
     try:
         with opener.open(request, timeout=env.timeout) as response:
-            status, payload = response.status, response.read()
+            status, payload, answer_headers = response.status, response.read(), response.headers
     except urllib.error.HTTPError as exc:          # 4xx/5xx still answer: report them as such
-        status, payload = exc.code, exc.read()
+        status, payload, answer_headers = exc.code, exc.read(), exc.headers
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise env.fail(f"http_request to {url} failed: {reason}", "4.5.1") from None
-    return f"Status: {status}\n\n{payload.decode('utf-8', errors='replace')}"
+    charset = (answer_headers.get_content_charset() if answer_headers else None) or "utf-8"
+    try:
+        body = payload.decode(charset, errors="replace")
+    except LookupError:                            # a charset name Python does not know
+        body = payload.decode("utf-8", errors="replace")
+    return f"Status: {status}\n\n{body}"
 
 
 def http_proxies(rt, url):
@@ -9094,6 +9099,8 @@ def observe_vector(vector):
                 context=host.get("context"))
         except ActorError as exc:
             return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+        import io
+        actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
         observed = []
         try:
             for step in vector.get("steps") or []:
@@ -9389,6 +9396,8 @@ def main(argv=None):
     """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
     args = _arg_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    if args.run_vector or args.vectors:
+        log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
     if args.run_vector:
         print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
         return EXIT_OK

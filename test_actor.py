@@ -1088,7 +1088,12 @@ def http_server():
                          "x_token": self.headers.get("X-Token")})
             status = 404 if self.path == "/missing" else 200
             payload = ("not here" if status == 404 else f"{self.command} {self.path}").encode()
-            self.send_response(status)
+            if self.path == "/latin1":
+                payload = "café".encode("latin-1")
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; charset=latin-1")
+            else:
+                self.send_response(status)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -1116,6 +1121,7 @@ def test_http_request_get_post_and_error_status(utilities, http_server):
     assert seen[-1] == {"method": "POST", "path": "/p", "body": '{"n": 1}',
                         "content_type": "application/json", "x_token": "k"}
     assert _call(utilities, f"http_request {base}/missing") == "Status: 404\n\nnot here"
+    assert _call(utilities, f"http_request {base}/latin1") == "Status: 200\n\ncafé"
 
 
 def test_http_request_failures_are_execution_errors(utilities, tmp_path):
