@@ -40,17 +40,36 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import copy
+import datetime
+import email.utils
+import functools
 import heapq
+import io
 import itertools
 import json
 import logging
+import operator
 import os
 import re
+import string
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+try:
+    import resource         # POSIX only: the sandbox's memory backstop (§13.2)
+except ImportError:         # Windows
+    resource = None
 
 import yaml
 
@@ -1033,11 +1052,6 @@ def render_system_prompt(agent, view, message):
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
 # [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
-import ast  # noqa: E402
-import subprocess  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.parse  # noqa: E402
-import urllib.request  # noqa: E402
 
 # The §4.5 field table: field -> (accepted Python types, default).
 TOOL_AGENT_FIELDS = {
@@ -4653,7 +4667,6 @@ CHECKPOINT_GLOB = "checkpoint_*.json"
 
 def checkpoint_timestamp(rt):
     """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
-    import datetime
     if rt.clock.real:
         moment = datetime.datetime.now(datetime.timezone.utc)
     else:
@@ -4765,7 +4778,6 @@ def run_next_node_set(graph, admitted, state):
     futures = {}
     if parallel:
         if graph._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
         for i in parallel:
             futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
@@ -5318,9 +5330,6 @@ class _PipelineEntry(_Node):
 # INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
 # governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
 # filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
-import ast         # names a SIMPLE expression reads (§8.8, Phase B deferral)
-import functools   # memo of the compiled JINJA2/MUSTACHE templates (§9.2)
-import string      # string.Formatter, the SIMPLE engine's second pass (§9.2)
 
 TEMPLATE_MARKERS = ("{{", "{%", "{#")
 
@@ -5996,7 +6005,6 @@ def bind_parameters(doc, decls, params, inst_path, rt=None):
                         "8.7")
     values = {}
     for name, decl in decls.items():
-        ptype = decl.get("type", "string")
         if name in params:
             given, at = params[name], inst_path + ("params", name)
         elif "default" in decl:
@@ -7411,9 +7419,6 @@ def find_stream_cycle(edges):
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
 # Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles.
-import ast         # noqa: E402  (TODO foundation: hoist to the stdlib imports at the top)
-import functools   # noqa: E402
-import operator    # noqa: E402
 
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
@@ -7745,9 +7750,7 @@ class _MemoryCap:
 
     def __enter__(self):
         self.saved = None
-        try:
-            import resource
-        except ImportError:
+        if resource is None:
             return self
         current = _address_space()
         if current is None:
@@ -8494,10 +8497,6 @@ FORBIDDEN_FORMS = {
 # [llm] PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
-import email.utils  # noqa: E402  (host-only imports, kept beside their one user)
-import urllib.error  # noqa: E402
-import urllib.parse  # noqa: E402
-import urllib.request  # noqa: E402
 
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
@@ -9081,7 +9080,6 @@ def read_tree(root):
 def observe_vector(vector):
     """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
     context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
-    import tempfile
     host = vector.get("host") or {}
     with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
         for rel, content in (host.get("files") or {}).items():
@@ -9099,7 +9097,6 @@ def observe_vector(vector):
                 context=host.get("context"))
         except ActorError as exc:
             return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
-        import io
         actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
         observed = []
         try:
@@ -9271,7 +9268,6 @@ def read_vector(path):
 
 def observe_with(impl, vector, timeout):
     """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
-    import subprocess
     proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0 and not proc.stdout.strip():
@@ -9344,7 +9340,6 @@ def _parse_set(items, option):
 
 
 def _arg_parser():
-    import argparse
     p = argparse.ArgumentParser(
         prog="actor", description="Run, check or inspect Actor configurations (Actor Configuration "
         "Standard 1.0.0).")
