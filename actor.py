@@ -7765,12 +7765,12 @@ class _MemoryCap:
             resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
         except (ValueError, OSError):
             return self
-        self.saved = (resource, soft, hard)
+        self.saved = (soft, hard)
         return self
 
     def __exit__(self, *exc):
         if self.saved:
-            resource, soft, hard = self.saved
+            soft, hard = self.saved
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         return False
 
