@@ -6832,13 +6832,11 @@ def render(text, variables, engine="JINJA2", partials=None):
 
 # §9.4 unsafe --------------------------------------------------------------------------------
 # INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
-# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words; "false" and "no" do not count.
-TRUTHY_WORDS = {"true", "yes", "on", "1"}
-
-
+# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words (BOOLEAN_WORDS); "false", "no" and
+# other strings do not count.
 def is_declared_true(value):
     if isinstance(value, str):
-        return value.strip().lower() in TRUTHY_WORDS
+        return BOOLEAN_WORDS.get(value.strip().lower()) is True
     return bool(value) and isinstance(value, (bool, int, float))
 
 
