@@ -5717,50 +5717,163 @@ def walk_tags(text, scope, defer, need_names=False):
     return "".join(out)
 
 
+def mask_tags(text):
+    """`text` with every tag blanked to the same length, so YAML can compose a template document:
+    a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
+    Newlines stay, so character offsets and line numbers are those of `text`."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        fill = "x" if kind == "{{" else " "
+        out.append(re.sub(r"[^\n]", fill, text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def node_regions(node, keys, offset, regions):
+    """The runtime-field and template-section spans under one composed YAML node (see
+    document_regions); `offset` is where the composed text starts inside the document."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            path = keys + [key]
+            span = (offset + value.start_mark.index, offset + value.end_mark.index)
+            if not keys and key in DEFERRED_SECTIONS:
+                regions.append(span + ("section", key, key_node.start_mark.column))
+            elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                regions.append(span + ("field", key, key_node.start_mark.column))
+            else:
+                node_regions(value, path, offset, regions)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            node_regions(item, keys, offset, regions)
+
+
+# INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
+# would put them once the tags are blanked -- block or flow mappings, list items, beside
+# {% for %}/{% if %} lines; a key that is itself written by an expression is not known
+# before Phase A, so its value renders at Phase A like any other.
 def document_regions(text, file=None):
     """Char spans (start, end, kind) of the text Phase A must not render as is:
     'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
 
-    When the raw text already composes as YAML (template syntax only inside scalars, or a
-    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
-    indentation finds them (document_regions_by_lines).
+    The spans come from the YAML node marks of the text with its tags blanked (mask_tags), so
+    runtime fields are found in block and flow collections alike, around {% for %} and
+    {% if %} lines too. When even the masked text does not compose (a statement inside a
+    line that shifts indentation, a tag that emits structure), a line scan by indentation
+    finds them (document_regions_by_lines).
     """
+    masked = mask_tags(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(masked, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return document_regions_by_lines(text, file)
+        return document_regions_by_lines(text, masked, file)
     regions = []
-
-    def walk(node, keys):
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value in node.value:
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-                path = keys + [key]
-                if not keys and key in DEFERRED_SECTIONS:
-                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
-                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
-                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
-                else:
-                    walk(value, path)
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, keys)
-
     if root is not None:
-        walk(root, [])
-    return sorted(regions)
+        node_regions(root, [], 0, regions)
+    out = []
+    for start, end, kind, key, key_col in regions:
+        end = statement_line_before(text, masked, start, end, key_col)
+        line_start = text.rfind("\n", 0, start) + 1
+        if key == "templates" and not text[line_start:start].strip():   # a block mapping
+            check_templates_body(text, line_start, file)
+        out.append((start, end, kind))
+    return sorted(out)
 
 
-def document_regions_by_lines(text, file=None):
-    """document_regions for text that is not YAML before Phase A (statements between keys).
+def statement_line_before(text, masked, start, end, key_col):
+    """Where a region taken from YAML marks really ends: before the first line that holds
+    only tags (blank once masked) at or left of the key's column -- the {% endfor %} after a
+    block scalar belongs to the document, not to the scalar -- as the line scan decides."""
+    pos = text.find("\n", start, end)
+    while 0 <= pos < end:
+        line_at = pos + 1
+        line_end = text.find("\n", line_at)
+        line_end = len(text) if line_end < 0 else line_end
+        raw = text[line_at:line_end]
+        if raw.strip() and not masked[line_at:line_end].strip() \
+                and len(raw) - len(raw.lstrip(" ")) <= key_col:
+            return line_at
+        pos = line_end if line_end < end else -1
+    return end
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
+
+
+def flow_end(masked, start):
+    """The offset just past the flow collection opening at masked[start] (quotes skipped);
+    None when it never closes."""
+    depth, i, quote, n = 0, start, None, len(masked)
+    while i < n:
+        ch = masked[i]
+        if quote:
+            if ch == quote == "'" and masked.startswith("''", i):
+                i += 1
+            elif ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"" and masked[i - 1] in " \t\n,[{:":
+            quote = ch
+        elif ch == "#" and masked[i - 1] in " \t\n":
+            newline = masked.find("\n", i)
+            i = n if newline < 0 else newline
+            continue
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def flow_regions(masked, start, keys):
+    """Regions inside the flow collection at masked[start], composed on its own; (regions, end)."""
+    end = flow_end(masked, start)
+    if end is None:
+        return [], start
+    try:
+        node = yaml.compose(masked[start:end], Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return [], start
+    regions = []
+    node_regions(node, keys, start, regions)
+    return [region[:3] for region in regions], end     # brackets bound it: nothing to trim
+
+
+def document_regions_by_lines(text, masked=None, file=None):
+    """document_regions for text that does not compose as YAML even with its tags masked.
 
     A value region is the rest of the key's line plus every following blank or more-indented
-    line (plain, quoted and | > block scalars alike).
+    line (plain, quoted and | > block scalars alike). A flow collection that opens a value or
+    a list item (`w: {system_prompt: ...}`, `- {...}`) is composed on its own (flow_regions).
     """
-    regions, keys, offset = [], [], 0
+    masked = mask_tags(text) if masked is None else masked
+    regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # [start, key_col, kind, block_col]
     lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
+        line_at, offset = offset, offset + len(line)
+        if line_at < skip_to:     # inside a multi-line flow collection already read
+            continue
         body = line.rstrip("\r\n")
         indent = len(body) - len(body.lstrip(" "))
         blank = body.strip() == ""
@@ -5768,11 +5881,13 @@ def document_regions_by_lines(text, file=None):
             if blank or indent > region[1]:
                 if region[2] == "templates":
                     region[3] = templates_line(line, indent, blank, region[3], lineno, file)
-                offset += len(line)
                 continue
-            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            regions.append((region[0], line_at, "section" if region[2] != "field" else "field"))
             region = None
-        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
+        item = FLOW_ITEM.match(shown)
+        match = None if item else KEY_LINE.match(shown)
+        flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
             key = match.group(2).strip("\"'")
@@ -5781,13 +5896,26 @@ def document_regions_by_lines(text, file=None):
             keys.append((key_col, key))
             path = [k for _, k in keys]
             if key_col == 0 and key in DEFERRED_SECTIONS:
-                region = [offset + len(line), 0, key, None]
+                region = [offset, 0, key, None]
+                continue
+            value_at = line_at + match.end()
+            value_at += len(masked[value_at:offset]) - len(masked[value_at:offset].lstrip(" "))
+            if masked[value_at:value_at + 1] in ("{", "["):
+                flow_at = value_at
             elif is_runtime_field(path):
-                region = [offset + match.end(), key_col, "field", None]
-        offset += len(line)
+                region = [line_at + match.end(), key_col, "field", None]
+        elif item:
+            flow_at = line_at + item.end()
+            dash_col = len(shown) - len(shown.lstrip(" "))
+            while keys and keys[-1][0] > dash_col:
+                keys.pop()
+            path = [k for _, k in keys]
+        if flow_at is not None:
+            found, skip_to = flow_regions(masked, flow_at, path)
+            regions.extend(found)
     if region is not None:
         regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
-    return regions
+    return sorted(regions)
 
 
 def templates_line(line, indent, blank, block_col, lineno, file):

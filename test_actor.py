@@ -2813,6 +2813,7 @@ merges: [{sources: [__input__], target: g}]
 # =====================================================================================
 import copy  # noqa: E402  (Phase B tests copy fixtures)
 import json  # noqa: E402
+import yaml  # noqa: E402
 
 
 def _mustache_spec_dir():
@@ -3035,6 +3036,40 @@ def test_protection_keeps_template_bodies_whole_q49():
             "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
     out = actor.protect_runtime_fields(text)
     assert "{{" not in out and "{%" not in out
+
+
+def test_mask_tags_keeps_offsets_and_lines():
+    text = "a: {{ x }}\n{% for i in y %}\nb: '{{ \"q\" }}'\n{# c\nd #}\n{% endfor %}\n"
+    masked = actor.mask_tags(text)
+    assert len(masked) == len(text) and masked.count("\n") == text.count("\n")
+    assert "{" not in masked and "a: xxxxxxx" in masked and "b: 'xxxxxxxxx'" in masked
+
+
+def test_protection_finds_flow_mappings_and_list_items():
+    text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
+            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    system_prompt: {{ message }}\n")
+    out = actor.protect_runtime_fields(text)
+    assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
+    assert "system_prompt: <<<TEMPLATE_START>>> message" in out
+    # statements inside lines: the blanked text is not YAML, so the line scan reads the flows
+    text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
+            "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
+            "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
+            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n    - - [{prompt: \"{{ message }}\"}]\n")
+    with pytest.raises(yaml.YAMLError):
+        yaml.compose(actor.mask_tags(text))
+    out = actor.protect_runtime_fields(text)
+    assert out.count(actor.TEMPLATE_START) == 5 and "{% if e %}" in out
+    assert actor.restore_markers(out) == text
+
+
+def test_region_stops_at_a_statement_line_left_of_its_key():
+    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    system_prompt: |\n"
+            "      {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
+    out = actor.protect_runtime_fields(text, {"ms": [1]})
+    assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
+    rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
+    assert rendered.count("{% if context.x %}x{% endif %}") == 2 and "{% endfor" not in rendered
 
 
 def test_structural_statement_in_templates_is_rejected_q3():
