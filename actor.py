@@ -7537,9 +7537,10 @@ def find_stream_cycle(edges):
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
 #      nonlocal, yield, async, with or decorators, no prohibited facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, slice assignment and the string methods that pad or repeat go
-#      through size guards; a bare `except:` catches only Exception, so the sandbox's own aborts
-#      (BaseException) pass through.
+#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
+#      repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
+#      aborts (BaseException) pass through.
 #   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
@@ -7709,6 +7710,18 @@ class _SandboxRewriter(ast.NodeTransformer):
         if symbol is None:
             return node
         return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
+        if not tests:
+            return node
+        if len(node.ops) > 1:
+            raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
+        call = _guard_call("__sb_in__", node, node.left, node.comparators[0])
+        if isinstance(tests[0], ast.NotIn):
+            call = ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
+        return call
 
     def visit_AugAssign(self, node):
         self.generic_visit(node)
@@ -8279,6 +8292,9 @@ def _check_operands(symbol, left, right):
             if isinstance(seq, _SIZED) and isinstance(count, int) \
                     and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
                 _refuse_size("repetition")
+            if isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 1 \
+                    and _nested_weight(seq) * count > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition of a nested structure")
     elif symbol == "**":
         if ints and right > 0 and abs(left) > 1 \
                 and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
@@ -8349,6 +8365,27 @@ def _text_weight(value, memo):
                 break
     memo[key] = weight
     return weight
+
+
+def _nested_weight(seq):
+    """_text_weight of a list or tuple, or just its length when no item is a container (found
+    by a C-level scan, so a long flat list costs no Python loop)."""
+    if set(map(type, seq)).isdisjoint(_CONTAINERS):
+        return len(seq)
+    return _text_weight(seq, {})
+
+
+def guard_in(needle, haystack):
+    """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
+    needle with one item, so a container needle against a long list of aliases of one big
+    structure is quadratic C-level work: m in [l] * 10**6, with l built by a comprehension.
+    Refused when both bounds of that work pass the limit: items x needle size, and the text
+    weight of the haystack (aliases counted every time)."""
+    if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
+            and len(haystack) * _text_weight(needle, {}) > SANDBOX_MAX_ITEMS \
+            and _text_weight(haystack, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("membership test")
+    return needle in haystack
 
 
 def check_rendering(value):
@@ -8427,7 +8464,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

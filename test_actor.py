@@ -3637,6 +3637,13 @@ SANDBOX_RUNAWAYS = {
         "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
     "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
+    "aliased-membership-by-repetition":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\nx = m in [l] * 10**5",
+    "aliased-membership-by-comprehension":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m in y",
+    "aliased-non-membership":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m not in y",
+    "nested-repetition": "l = [0] * 10**4\nx = [[l] * 10**3] * 10**3",
 }
 
 
@@ -3918,6 +3925,16 @@ def test_sandbox_limits_hold_in_unsafe_mode():
     assert len(first.errors) == 1
     assert first.errors[0].metadata.get("error_type") == "ExecutionError"
     assert [m.content for m in a.send("again").outputs] == ["ok:again"]
+
+
+def test_sandbox_membership_and_repetition_controls():
+    """Ordinary membership tests and repetitions of small or flat structures are unaffected."""
+    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\n"
+                      "result = ('a' in words, [1] in [[1], [2]], 3 not in (1, 2), 'x' in 'xyz',"
+                      " 'k' in {'k': 1}, len(rows), [0, 0, 0] in rows)")
+    assert out["result"] == (True, True, True, True, True, 1000, True)
+    with pytest.raises(actor.ConfigurationError, match="chained comparison"):
+        actor.compile_code("result = 1 in [1] in [[1]]")
 
 
 def test_sandbox_compiles_once(monkeypatch):
