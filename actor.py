@@ -5655,6 +5655,29 @@ class TagScope:
     def __init__(self, names=()):
         self.names = set(names)
         self.stack = []          # (word, protected, names added by the opener)
+        self.deferred_reads = set()   # names read by the tags protected so far
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -5690,12 +5713,14 @@ def walk_tags(text, scope, defer, need_names=False):
             free = tag_free_names(kind, inner, "")
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
+            if protected and free:
+                scope.deferred_reads |= free
         elif word in ("elif", "else"):
             protected = scope.stack[-1][1] if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
-                _, protected, added = scope.stack.pop()
-                scope.names -= added
+                _, protected, added, shadowed = scope.stack.pop()
+                scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
         else:
@@ -5703,18 +5728,40 @@ def walk_tags(text, scope, defer, need_names=False):
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
-            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+            if defer and binds and binds_for_runtime(text, end, word, inner, scope, binds,
+                                                     need_names):
+                protected, binds = True, set()
+            if protected and free:
+                scope.deferred_reads |= free
+            # a statement left for Phase C binds its names there: Phase A must not see the
+            # outer meaning of a name it rebinds (`loop` inside a deferred inner loop)
+            shadowed = tag_binds(word, inner) & scope.names if protected else set()
+            if is_block_opener(word, inner):
                 if word in ("set", "macro"):      # the name outlives the block
-                    scope.names |= binds
-                    binds = set()
+                    scope.names = (scope.names | binds) - shadowed
+                    binds, shadowed = set(), set()
                 added = binds - scope.names
-                scope.stack.append((word, protected, added))
-                scope.names |= added
+                scope.stack.append((word, protected, added, shadowed))
+                scope.names = (scope.names | added) - shadowed
             else:
-                scope.names |= binds
+                scope.names = (scope.names | binds) - shadowed
         out.append(protect_markers(tag) if protected else tag)
     out.append(text[pos:])
     return "".join(out)
+
+
+def binds_for_runtime(text, end, word, inner, scope, binds, need_names):
+    """Would a statement that Phase A could run bind a name that a deferred tag after it reads?
+    Then the statement waits for Phase C as well -- `{% for op in ['<', '>'] %}` around
+    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Its reach
+    is the block body, or the rest of the text for `set x = ...` and macros, which outlive it."""
+    if is_block_opener(word, inner) and word not in ("set", "macro"):
+        reach = text[end:block_body_end(text, end)]
+    else:
+        reach = text[end:]
+    trial = TagScope(scope.names | binds)
+    walk_tags(reach, trial, defer=True, need_names=need_names)
+    return bool(trial.deferred_reads & binds)
 
 
 def mask_tags(text):

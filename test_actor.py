@@ -3074,6 +3074,15 @@ def test_protection_leaves_names_bound_at_phase_a_q47():
     assert "{{ who }}" in out and "{{ context.user }}" not in out
 
 
+def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
+    text = ("a:\n  system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
+            "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
+            "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
+    out = actor.restore_markers(actor.render_document(text))
+    assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
+    assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
+
+
 def test_protection_keeps_template_bodies_whole_q49():
     text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
             "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
