@@ -5413,7 +5413,7 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
 MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
 
 
-def builtin_range(*args):
+def template_range(*args):
     """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
     seq = range(*args)
     if len(seq) > MAX_RANGE:
@@ -5423,7 +5423,7 @@ def builtin_range(*args):
 
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": builtin_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
     "sum": sum, "abs": abs, "round": round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
@@ -6417,6 +6417,14 @@ def instantiate(ex, kind, name, params, path, scope):
     return result                                                          # step 9
 
 
+def render_at_instantiation(text, variables, engine):
+    """Phase B's render(): under SIMPLE only the {{ }} pass runs (Q60 (b): the format pass
+    belongs to Phase C)."""
+    if engine == "SIMPLE":
+        return render_simple(text, variables, format_pass=False)
+    return render(text, variables, engine)
+
+
 def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
@@ -6429,10 +6437,7 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     elif runtime_field:
         text = defer_foreign_tags(text, names, ex.engine)
     try:
-        if ex.engine == "SIMPLE":   # Q60 (b): the format pass belongs to Phase C only
-            rendered = render_simple(text, variables, format_pass=False)
-        else:
-            rendered = render(text, variables, ex.engine)
+        rendered = render_at_instantiation(text, variables, ex.engine)
     except TemplateError as exc:
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
@@ -6555,8 +6560,7 @@ def instantiate_string(ex, body, variables, path, tpath):
     the last), so §18.11's `agent: legal_team` names something real.
     """
     try:
-        text = render_simple(body, variables, format_pass=False) if ex.engine == "SIMPLE" else \
-            render(body, variables, ex.engine)
+        text = render_at_instantiation(body, variables, ex.engine)
     except TemplateError as exc:
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
                            f"failed: {exc.message}", "8.12") from exc
