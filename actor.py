@@ -7776,6 +7776,8 @@ class _SandboxRewriter(ast.NodeTransformer):
         return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
 
     def visit_Compare(self, node):
+        # INTERPRETATION §13.2.3: `in` goes through guard_in, so a chained comparison holding
+        # `in` (a in b in c) is refused at load rather than left unguarded.
         self.generic_visit(node)
         tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
         if not tests:
