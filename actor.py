@@ -6899,7 +6899,14 @@ def render_mustache(text, variables, partials=None):
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
 def simple_expressions(text, variables):
-    """Pass 1: each {{ expr }} is evaluated in the expression sandbox and replaced by str(value)."""
+    """Pass 1: each {{ expr }} is evaluated in the expression sandbox and replaced by str(value).
+
+    INTERPRETATION §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
+    its built-ins are the §13.2.2 set alone, the sandbox's guarded ones: the §8.3 callables the
+    context carries (raw sum, range, enumerate, zip) are left out.
+    """
+    names = {key: value for key, value in variables.items()
+             if not (key in BUILTINS and value is BUILTINS[key])}
     out, pos = [], 0
     while True:
         start = text.find("{{", pos)
@@ -6912,7 +6919,7 @@ def simple_expressions(text, variables):
         out.append(text[pos:start])
         source = text[start + 2:end].strip()
         try:
-            value = eval_expression_text(source, dict(variables))
+            value = eval_expression_text(source, names)
         except ActorError as exc:
             raise TemplateError(f"SIMPLE: {{{{ {source} }}}}: {exc.message}", section="9.2") from exc
         out.append("" if value is None else str(value))
@@ -8223,10 +8230,12 @@ def builtin_range(*args):
 
 
 def builtin_sum(iterable, /, start=0):
-    """§13.2.1/§13.2.2 sum; sequence concatenation goes through the size guard."""
+    """§13.2.1/§13.2.2 sum; sequence concatenation goes through the size guard, and each step
+    checks the deadline: sum([[0] * 1000] ..., []) is quadratic copying in C."""
     if isinstance(start, (str, bytes, list, tuple)):
         total = start
         for item in iterable:
+            guard_loop()
             total = guard_binop("+", total, item)
         return total
     return sum(iterable, start)

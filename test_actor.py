@@ -3698,6 +3698,7 @@ SANDBOX_RUNAWAYS = {
     "aliased-non-membership":
         "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m not in y",
     "nested-repetition": "l = [0] * 10**4\nx = [[l] * 10**3] * 10**3",
+    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
 }
 
 
@@ -4021,6 +4022,17 @@ def test_sandbox_expression_runaway_and_size():
     with pytest.raises(actor.ExecutionError, match="size limit"):
         actor.compile_expression("lambda x: x * 10**10")("ab")
     assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
+
+
+def test_simple_expressions_use_the_sandbox_builtins_not_the_template_ones():
+    """§9.2 SIMPLE: the §8.3 callables in the rendering context do not shadow the guarded
+    §13.2.2 built-ins (a raw sum would copy quadratically with no deadline check)."""
+    variables = actor.runtime_variables({"n": 2}, "m")
+    assert actor.render("{{ sum([n, 3]) }}", variables, "SIMPLE") == "5"
+    with pytest.raises(actor.TemplateError, match="time limit"):
+        actor.render("{{ sum([[0] * 1000 for _ in [0] * 10**4], []) }}", variables, "SIMPLE")
+    with pytest.raises(actor.TemplateError, match="NameError"):
+        actor.render("{{ range(3) }}", variables, "SIMPLE")
 
 
 def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
