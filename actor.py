@@ -212,7 +212,10 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
-_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
+_IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
+_SAME = object()        # Message.copy: "keep this field"
+
+
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -224,14 +227,20 @@ class Message:
         self.source_stream = source_stream
         self.timestamp = timestamp
 
-    def copy(self, **changes):
-        """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
-                for k, v in self.metadata.items()}
-        new = Message(self.content, meta, self.source_stream, self.timestamp)
-        for key, value in changes.items():
-            setattr(new, key, value)
-        return new
+    def copy(self, *, content=_SAME, metadata=_SAME, source_stream=_SAME, timestamp=_SAME):
+        """§12.2.1: metadata.context by reference, every other entry copied one level deep.
+
+        Keyword arguments replace fields of the copy (a given `metadata` is used as is).
+        """
+        if metadata is _SAME:
+            metadata = self.metadata.copy()
+            if len(metadata) > 1 or "context" not in metadata:
+                for key, value in metadata.items():     # replacing values keeps the dict's size
+                    if type(value) not in _IMMUTABLE and key != "context":
+                        metadata[key] = copy.copy(value)
+        return Message(self.content if content is _SAME else content, metadata,
+                       self.source_stream if source_stream is _SAME else source_stream,
+                       self.timestamp if timestamp is _SAME else timestamp)
 
     def __repr__(self):
         return f"Message({self.content!r}, source_stream={self.source_stream!r})"
@@ -2395,10 +2404,8 @@ class StreamRoute(_Node):
         self.ops = cfg.get("operators") or []
         self.head = build_chain(net, name, self.ops, path + ("operators",),
                                 Stage(self.emit, self.out.complete))
+        self.push = self.head.next      # a message pushed in goes straight to the first operator
         self.ended = False
-
-    def push(self, msg):
-        self.head.next(msg)
 
     def emit(self, msg):
         # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
@@ -2486,7 +2493,8 @@ class Stream:
     __error__ (§12.2.3), so the stream keeps flowing.
     """
 
-    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done",
+                 "next")
 
     def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
         self.name, self.stream_type = name, stream_type
@@ -2498,19 +2506,35 @@ class Stream:
         if initial_value is not _NO_VALUE and stream_type == "hot":
             self.memory.append(Message(initial_value, source_stream=name))
         self.done = False
+        self._rewire()
+
+    def _rewire(self):
+        # `next` is an attribute, not a method: with no memory and exactly one observer it is
+        # that observer itself, which spares every message one call per hop.
+        if self.memory is None and len(self.observers) == 1:
+            self.next = self.observers[0]
+        else:
+            self.next = self._deliver
 
     def subscribe(self, on_next, on_complete=None):
         """Add an observer; hot and replay streams first replay their memory to it."""
         for msg in list(self.memory or ()):
             on_next(msg)
         self.observers.append(on_next)
+        self._rewire()
         if on_complete is not None:
             if self.done:
                 on_complete()
             else:
                 self.finishers.append(on_complete)
 
-    def next(self, msg):
+    def dispose(self):
+        """§12.1 step 8: drop every observer."""
+        self.observers.clear()
+        self.finishers.clear()
+        self._rewire()
+
+    def _deliver(self, msg):
         if self.memory is not None:
             self.memory.append(msg)
             if len(self.memory) > self.keep:
@@ -3142,7 +3166,7 @@ def resolve_context(msg, rt):
 
     Returns the dict itself (a reference, §10.2), never a copy.
     """
-    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    ctx = msg.metadata.get("context")
     if isinstance(ctx, dict):
         return ctx
     ctx = getattr(rt, "context", None)
@@ -3185,32 +3209,39 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    attempts = 1 + retry_count(site)
     call = agent.invoke if not rt.clock.real else (
         lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    retries = retry_count(site)
+
+    def with_retries(content, ctx):
+        """§5.3.2 retry: up to `retries` more calls after a failure (never after a timeout)."""
+        for _ in range(retries):
+            try:
+                return call(content, ctx)
+            except _AgentTimedOut:
+                raise
+            except Exception:           # tried again below; the last failure is the one reported
+                continue
+        return call(content, ctx)
+    attempt = with_retries if retries else call
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
-        failure = None
-        for _ in range(attempts):
-            try:
-                reply = call(msg.content, ctx)
-            except _AgentTimedOut:
-                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
-                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                    processed_by=name)
-                break
-            except Exception as exc:    # §12.2.3 boundary: agent invocation
-                failure = exc
-                continue
+        try:
+            reply = attempt(msg.content, ctx)
+        except _AgentTimedOut:
+            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        except Exception as exc:        # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        else:
             out = msg.copy(content=reply, source_stream=route)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
             down.next(out)
             return
-        else:
-            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
         net.report(out)
@@ -3475,7 +3506,8 @@ class StreamNetwork:
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
-        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+        self.input = _Node(self, INPUT, Stream(INPUT))
+        self.nodes = {INPUT: self.input,
                       OUTPUT: _Sink(self, OUTPUT, self._to_output),
                       ERROR: _Sink(self, ERROR, self._to_error)}
         for name, cfg in routes.items():            # §12.1 step 4: routes
@@ -3587,16 +3619,20 @@ class StreamNetwork:
     # The host side ------------------------------------------------------------------------
     def send(self, content, *, target=None, metadata=None):
         """Submit a message to __input__, or straight to the route named `target`."""
-        name = INPUT if target is None else target
-        node = self.nodes.get(name)
-        if node is None or name in (OUTPUT, ERROR):
-            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
-        if self.nodes[INPUT].out.done:
+        stream = self.input.out
+        if target is None:
+            push = stream.next                          # __input__ is a plain stream
+        elif target in self.nodes and target not in (OUTPUT, ERROR):
+            push = self.nodes[target].push
+        else:
+            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        if stream.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        rt = self.rt
+        meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+        push(Message(content, meta, INPUT, rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -3629,8 +3665,7 @@ class StreamNetwork:
     def close(self):
         """§12.1 step 8: dispose of every subscription and host hook."""
         for node in self.nodes.values():
-            node.out.observers.clear()
-            node.out.finishers.clear()
+            node.out.dispose()
             if isinstance(node, _Sink):
                 node.hooks.clear()
 
@@ -3708,22 +3743,23 @@ class _Sink(_Node):
 
     def __init__(self, net, name, adjust):
         super().__init__(net, name, Stream(name))
-        self.adjust, self.hooks, self.depth = adjust, [], 0
+        self.adjust, self.hooks, self.delivering = adjust, [], False
 
     def push(self, msg):
         msg = self.adjust(msg)
-        self.depth += 1
-        try:
-            if self.depth == 1:
-                self.out.next(msg)
-            else:
+        if self.out.observers:          # routes fed from this stream (a merge from __error__)
+            if self.delivering:
                 # §12.6: a message emitted here while this stream is still delivering another
                 # (e.g. an error handler fed from __error__ that fails) goes to the host only.
                 self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
-            for hook in self.hooks:
-                hook(msg)
-        finally:
-            self.depth -= 1
+            else:
+                self.delivering = True
+                try:
+                    self.out.next(msg)
+                finally:
+                    self.delivering = False
+        for hook in self.hooks:
+            hook(msg)
 
 
 class GraphParticipant(_Node):
@@ -8889,9 +8925,11 @@ PROVIDERS = {
 class Result:
     """What one call observed: the messages emitted on __output__ and on __error__, in order."""
 
-    def __init__(self):
-        self.outputs = []
-        self.errors = []
+    __slots__ = ("outputs", "errors")
+
+    def __init__(self, outputs=None, errors=None):
+        self.outputs = [] if outputs is None else outputs
+        self.errors = [] if errors is None else errors
 
     def __repr__(self):
         return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
@@ -8905,32 +8943,22 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        self._result = None
-        self._lock = threading.Lock()
-        network.on_output(self._collect_output)
-        network.on_error(self._collect_error)
+        # What the current call has seen. The hooks are bare list.append, which is atomic, so
+        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        self._outputs, self._errors = [], []
+        network.on_output(self._outputs.append)
+        network.on_error(self._errors.append)
 
-    # -- collecting what a call emits (graph branches may emit from worker threads)
-    def _collect_output(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.outputs.append(msg)
+    # -- one call: _begin(), act, then _end() returns what it emitted
+    def _begin(self):
+        del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
-    def _collect_error(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.errors.append(msg)
-
-    def _call(self, action):
-        with self._lock:
-            self._result = result = Result()
-        try:
-            action()
-            if self.rt.clock.real:
-                self.network.settle()
-        finally:
-            with self._lock:
-                self._result = None
+    def _end(self):
+        if self.rt.clock.real:
+            self.network.settle()
+        outputs, errors = self._outputs, self._errors
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
         return result
 
     # -- the public API
@@ -8942,19 +8970,28 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        def action():
-            if at is not None:
-                self.rt.clock.set_time(at)
-            self.network.send(content, target=target)
-        return self._call(action)
+        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+        del outputs[:], errors[:]                           # send() is the hot path
+        if at is not None:
+            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
+        self.network.send(content, target=target)
+        if self.rt.clock.real:
+            self.network.settle()
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
+        return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        return self._call(lambda: self.rt.clock.advance(seconds))
+        self._begin()
+        self.rt.clock.advance(seconds)
+        return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        return self._call(self.network.complete)
+        self._begin()
+        self.network.complete()
+        return self._end()
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
@@ -8987,7 +9024,9 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        return self._call(lambda: self._graph(route).resume(self.rt.context))
+        self._begin()
+        self._graph(route).resume(self.rt.context)
+        return self._end()
 
     # -- inspection (§4.11)
     def describe(self):

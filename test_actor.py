@@ -2101,10 +2101,13 @@ def test_bench_send_against_rxpy_subject_pipeline():
     source, sink, seen = Subject(), Subject(), []
     source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
     sink.subscribe(seen.append)
-    rates = _rates({"rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
-    rx_rate, through = rates["rx"], rates["send"]
+    rates = _rates({"floor": lambda: agent.invoke("hello", ctx),
+                    "rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
+    floor, rx_rate, through = rates["floor"], rates["rx"], rates["send"]
     print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
     print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    print(f"per-message cost above the bare agent call: RxPY {1e6 / rx_rate - 1e6 / floor:.2f} us, "
+          f"Actor.send() {1e6 / through - 1e6 / floor:.2f} us")
     assert len(seen) == 10 * n
 
 
