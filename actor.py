@@ -3897,6 +3897,9 @@ class GraphRoute:
         self._lock = threading.RLock()                       # one run or update at a time
 
     # -- executing -------------------------------------------------------------------------
+    # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
+    # (§6.11 forward adjacency) and each edge knows its target GraphNode, so stepping looks
+    # nothing up by name.
     def run(self, content, ctx=None, *, pure=False):
         """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
 
@@ -3908,7 +3911,13 @@ class GraphRoute:
         with self._lock:
             begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            entry = self.nodes[self.entry]
+            if entry.type == START_NODE:        # start hands the message on and changes nothing
+                first = [(entry, content)]
+            elif entry.type == END_NODE:
+                first = []
+            else:
+                first = self._step([(entry, content)], trace)
             return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
@@ -3918,14 +3927,15 @@ class GraphRoute:
         with self._lock:
             metadata = self.state["metadata"]
             metadata["context"] = target_ctx
-            node, output = self.state.get("current_node"), metadata.get("last_output", "")
-            done = node in (None, END_NODE) or node not in self.nodes
+            name, output = self.state.get("current_node"), metadata.get("last_output", "")
+            node = self.nodes.get(name) if isinstance(name, str) else None
+            done = node is None or node.type == END_NODE
             return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
         while results and trace.stopped is None:
-            frontier = self._next_nodes(results, trace)
+            frontier = self._next_nodes(results)
             if not frontier:
                 break
             results = self._step(frontier, trace)
@@ -3949,14 +3959,12 @@ class GraphRoute:
             return content if result is None else result.output
 
     def _step(self, frontier, trace):
-        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
         admitted = []
-        for name, message in frontier:
-            node = self.nodes[name]
-            stop = guard_before_node(self, node, message, trace, relaxed)
-            if stop:
+        for node, message in frontier:
+            if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
@@ -3968,28 +3976,28 @@ class GraphRoute:
             if error is not None:
                 state["error"] = str(error)
                 raise error
-            if node.type != "start":
+            if node.type != START_NODE:             # an edge may lead back to start
                 trace.history.append(node.name)
             if result is None:                      # §6.2.6.4 no rule matched: state unchanged
-                results.append((node.name, message))
+                results.append((node, message))
                 continue
-            if node.type != "start":
+            if node.type != START_NODE:
                 self._apply(node, message, result)
             trace.output = result.output
-            results.append((node.name, result.output))
+            results.append((node, result.output))
             if guard_after_node(self, node, result.output, trace, relaxed):
                 break
         return results
 
-    def _next_nodes(self, results, trace):
+    def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
-        for name, output in results:
+        for node, output in results:
             view = None
-            for edge in self.forward[name]:
+            for edge in node.out:
                 if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
                     continue
                 if edge.condition is not None:
@@ -4000,7 +4008,7 @@ class GraphRoute:
                         continue
                 taken.add(edge.target)
                 if edge.target != END_NODE:
-                    frontier.append((edge.target, output))
+                    frontier.append((edge.node, output))
         return frontier
 
     def _apply(self, node, message, result):
@@ -4107,7 +4115,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "path")
+                 "out", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4129,6 +4137,7 @@ class GraphNode:
         self.condition = cfg.get("condition")
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
+        self.out = []                               # the edges leaving this node (§6.11)
 
 
 class NodeResult:
@@ -4192,13 +4201,16 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
     "_history_truncated", "_history_original_length"})
 
 
+_message_content = operator.itemgetter("content")
+
+
 def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if len("".join([entry["content"] for entry in history])) <= max_chars:
+        if len("".join(map(_message_content, history))) <= max_chars:
             return history
     except (KeyError, TypeError):
         pass
@@ -4211,8 +4223,63 @@ def trim_history(messages, max_messages, max_chars, end=None):
     return history
 
 
+class NodeContext(dict):
+    """The context mapping an agent node hands its agent: a plain dict to every reader, which also
+    notes each key the agent writes or removes, so that §6.2.2 item 3 copies back exactly those
+    keys without comparing the whole mapping before and after the call."""
+
+    touched = frozenset()           # the keys written or removed; most agents never write
+
+    def _note(self, *keys):
+        self.touched = self.touched.union(keys)
+
+    def __setitem__(self, key, value):
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._note(key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs):
+        written = dict(*args, **kwargs)
+        self._note(*written)
+        super().update(written)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._note(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        if key in self:
+            self._note(key)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._note(key)
+        return key, value
+
+    def clear(self):
+        self._note(*self)
+        super().clear()
+
+    def changes(self):
+        """(key -> value for every key written, the set of keys removed); reserved keys left out."""
+        if not self.touched:
+            return {}, ()
+        touched = self.touched - AGENT_NODE_RESERVED_KEYS
+        written = {key: self[key] for key in touched if key in self}
+        return written, touched - written.keys()
+
+
 def agent_node_context(node, state, message):
-    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
@@ -4233,18 +4300,7 @@ def agent_node_context(node, state, message):
     if len(history) < end:
         ctx["_history_truncated"] = True
         ctx["_history_original_length"] = end
-    return ctx
-
-
-def context_changes(before, after):
-    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
-    get = before.get
-    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
-    if changes:
-        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
-            del changes[key]
-    removed = before.keys() - after.keys()
-    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+    return NodeContext(ctx)
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4282,7 +4338,6 @@ def node_agent(graph, node, message, state):
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
-        before = dict(ctx)
         try:
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
@@ -4296,7 +4351,7 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = context_changes(before, ctx)
+    changes, removed = ctx.changes()
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
@@ -4626,17 +4681,23 @@ EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
 
 
 class GraphEdge:
-    __slots__ = ("source", "target", "condition", "path", "cfg")
+    """One edge: source and target names (START/END normalised), the target GraphNode itself."""
 
-    def __init__(self, source, target, condition, path, cfg):
-        self.source, self.target, self.condition, self.path, self.cfg = \
-            source, target, condition, path, cfg
+    __slots__ = ("source", "target", "node", "condition", "path", "cfg")
+
+    def __init__(self, source, target, node, condition, path, cfg):
+        self.source, self.target, self.node, self.condition, self.path, self.cfg = \
+            source, target, node, condition, path, cfg
 
 
 def build_edges(graph):
-    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
-                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
-            for i, e in enumerate(graph.cfg.get("edges") or [])]
+    edges = []
+    for index, cfg in enumerate(graph.cfg.get("edges") or []):
+        target = normalize_node_name(cfg["target"])
+        edges.append(GraphEdge(normalize_node_name(cfg["source"]), target, graph.nodes[target],
+                               cfg.get("condition"), graph.path + ("edges", index, "condition"),
+                               cfg))
+    return edges
 
 # §6.5 Edge conditions -------------------------------------------------------------------
 # Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
@@ -4915,9 +4976,9 @@ def analyse_graph(graph):
     if result.unreachable:
         graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():                                         # for §6.8 item 4
-        out = result.forward[name]
-        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    for name, node in nodes.items():
+        node.out = out = result.forward[name]                                 # for stepping
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 
 

@@ -2725,23 +2725,18 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
+    """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
+    calling the same agents directly (the floor). Prints the figures; timings are not asserted."""
     import time as _time
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
-    tool_agent = getattr(actor, "ToolAgent", None)
-    if tool_agent is not None:
-        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
-                "routes": {"main": cfg}}
-        rt = actor.Runtime(actor.Doc(data), env={})
-        rt.agents = {n: tool_agent(n, data["agents"][n], rt, ("agents", n)) for n in names}
-        message, kind = "echo hi", "ToolAgent(echo)"
-    else:
-        rt = actor.Runtime(actor.Doc({"agents": {}, "routes": {"main": cfg}}), env={})
-        rt.agents = {n: FakeAgent(n, lambda c, ctx: c) for n in names}
-        message, kind = "hi", "fake agent (ToolAgent not merged yet)"
+    data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+            "routes": {"main": cfg}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
-    rounds = 2000
+    message, rounds = "echo hi", 2000
 
     def floor_loop():
         for _ in range(rounds):
@@ -2757,16 +2752,17 @@ def test_graph_bench_linear_ten_nodes():
     for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
         fn()
         times = []
-        for _ in range(3):
+        for _ in range(5):
             started = _time.process_time()      # CPU time: steadier on a shared machine
             fn()
             times.append(_time.process_time() - started)
         best[label] = min(times) / (rounds * 10) * 1e6
+    assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
-          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
-    assert best["graph"] < 5 * best["floor"]
+    print(f"\n[graphs bench] ToolAgent(echo) x10: floor {best['floor']:.2f} us/node, graph "
+          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
+          f"{best['graph'] / best['floor']:.1f}x the floor; a compiled LangGraph StateGraph "
+          f"spends ~150 us/node ({150 / best['graph']:.0f}x this)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
