@@ -3954,9 +3954,11 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
+            output = content if result is None else result.output
             if result is not None:
                 self._apply(node, content, result)
-            return content if result is None else result.output
+            self._executed(node, output)
+            return output
 
     def _step(self, frontier, trace):
         """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
@@ -3976,17 +3978,19 @@ class GraphRoute:
             if error is not None:
                 state["error"] = str(error)
                 raise error
+            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
+            # they were
+            output = message if result is None else result.output
             if node.type != START_NODE:             # an edge may lead back to start
                 trace.history.append(node.name)
-            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
-                results.append((node, message))
-                continue
-            if node.type != START_NODE:
-                self._apply(node, message, result)
-            trace.output = result.output
-            results.append((node, result.output))
-            if guard_after_node(self, node, result.output, trace, relaxed):
-                break
+                if result is not None:
+                    self._apply(node, message, result)
+                self._executed(node, output)
+            results.append((node, output))
+            if result is not None:
+                trace.output = output
+                if guard_after_node(self, node, output, trace, relaxed):
+                    break
         return results
 
     def _next_nodes(self, results):
@@ -4034,8 +4038,12 @@ class GraphRoute:
                 del messages[:len(messages) - MAX_STATE_MESSAGES]
         state["current_node"] = node.name
         self._updated()
+
+    def _executed(self, node, output):
+        """Count one execution of `node`; in mixed mode tell its §6.10 internal stream."""
+        node.executions += 1
         if self.observers:
-            notify_node_event(self, node, result.output)
+            notify_node_event(self, node, output)
 
     def _updated(self):
         """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
@@ -4115,7 +4123,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "out", "path")
+                 "out", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4138,6 +4146,7 @@ class GraphNode:
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
         self.out = []                               # the edges leaving this node (§6.11)
+        self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
 class NodeResult:
@@ -4944,10 +4953,18 @@ def internal_stream_names(graph_name, node_names):
 
 
 def notify_node_event(graph, node, output):
-    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode).
+
+    The event carries the §12.2.1 keys of a node-level message: graph, node, execution_count
+    (this node's executions so far, counting this one) and context (the run's invocation
+    context, by reference)."""
+    # INTERPRETATION §6.10/§12.2.1: a node event is emitted for every execution (a router that
+    # matched nothing included); execution_count is the per-node counter of §12.2.1, kept for
+    # the Actor's lifetime, not the state's update count.
     stream = f"__{graph.name}_node_{node.name}__"
     msg = Message(output, {"graph": graph.name, "node": node.name,
-                           "execution_count": graph.state["execution_count"]},
+                           "execution_count": node.executions,
+                           "context": graph.state["metadata"].get("context")},
                   source_stream=stream, timestamp=graph.rt.clock.now())
     for listener in list(graph.observers):
         listener(stream, msg)

@@ -2237,6 +2237,40 @@ def test_graph_agent_node_context_is_built_per_6_2_2():
     assert rt.context["mood"] == "good"                            # §6.9 write-back
 
 
+def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
+    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
+    cfg = linear("a")
+
+    def agent(content, ctx):
+        ctx.update({"u": 1}, v=2)
+        ctx.setdefault("w", 3)
+        ctx.setdefault("topic", "ignored")   # present: no write
+        ctx |= {"x": 4}
+        del ctx["old"]
+        ctx.pop("gone")
+        ctx.pop("never", None)
+        ctx["graph_state"] = {}             # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent})
+    g.state["metadata"].update(topic="t", old=1, gone=2)
+    g.run("hello")
+    meta = g.state["metadata"]
+    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
+    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
+    assert "graph_state" not in meta and "never" not in meta
+
+
+def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
+    seen = {}
+    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
+        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
+    g.run("hello")
+    assert seen["isdict"] and seen["dump"]["full_context"] is True
+    assert g.state["metadata"]["last_agent_node"] == "a"
+    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
+
+
 def test_graph_history_trimmed_by_chars():
     cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
     seen = {}
@@ -2787,6 +2821,38 @@ merges: [{sources: [__input__], target: g}]
     assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
     assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
     assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def test_mixed_mode_node_events_carry_graph_node_count_and_context():
+    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
+    execution, a router that matched nothing included) and the invocation context by reference."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
+      n1: {type: agent, agent: t}
+    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    events = []
+    for node in ("r", "n1"):
+        a.network.subscribe(f"__g_node_{node}__", events.append)
+    a.send("hi")
+    a.send("GO:there")
+    assert [(m.source_stream, m.content) for m in events] == [
+        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
+        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
+    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
+        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
+    assert all(m.metadata["graph"] == "g" for m in events)
+    assert all(m.metadata["context"] is a.rt.context for m in events)
+    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
+    assert copied.metadata["context"] is a.rt.context
 
 
 def test_pure_graph_mode_creates_no_internal_streams():
