@@ -3933,6 +3933,9 @@ class GraphRoute:
         self._lock = threading.RLock()                       # one run or update at a time
 
     # -- executing -------------------------------------------------------------------------
+    # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
+    # (§6.11 forward adjacency) and each edge knows its target GraphNode, so stepping looks
+    # nothing up by name.
     def run(self, content, ctx=None, *, pure=False):
         """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
 
@@ -3944,7 +3947,13 @@ class GraphRoute:
         with self._lock:
             begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            entry = self.nodes[self.entry]
+            if entry.type == START_NODE:        # start hands the message on and changes nothing
+                first = [(entry, content)]
+            elif entry.type == END_NODE:
+                first = []
+            else:
+                first = self._step([(entry, content)], trace)
             return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
@@ -3954,14 +3963,15 @@ class GraphRoute:
         with self._lock:
             metadata = self.state["metadata"]
             metadata["context"] = target_ctx
-            node, output = self.state.get("current_node"), metadata.get("last_output", "")
-            done = node in (None, END_NODE) or node not in self.nodes
+            name, output = self.state.get("current_node"), metadata.get("last_output", "")
+            node = self.nodes.get(name) if isinstance(name, str) else None
+            done = node is None or node.type == END_NODE
             return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
         while results and trace.stopped is None:
-            frontier = self._next_nodes(results, trace)
+            frontier = self._next_nodes(results)
             if not frontier:
                 break
             results = self._step(frontier, trace)
@@ -3980,19 +3990,19 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
+            output = content if result is None else result.output
             if result is not None:
                 self._apply(node, content, result)
-            return content if result is None else result.output
+            self._executed(node, output)
+            return output
 
     def _step(self, frontier, trace):
-        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
         admitted = []
-        for name, message in frontier:
-            node = self.nodes[name]
-            stop = guard_before_node(self, node, message, trace, relaxed)
-            if stop:
+        for node, message in frontier:
+            if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
@@ -4004,28 +4014,30 @@ class GraphRoute:
             if error is not None:
                 state["error"] = str(error)
                 raise error
-            if node.type != "start":
+            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
+            # they were
+            output = message if result is None else result.output
+            if node.type != START_NODE:             # an edge may lead back to start
                 trace.history.append(node.name)
-            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
-                results.append((node.name, message))
-                continue
-            if node.type != "start":
-                self._apply(node, message, result)
-            trace.output = result.output
-            results.append((node.name, result.output))
-            if guard_after_node(self, node, result.output, trace, relaxed):
-                break
+                if result is not None:
+                    self._apply(node, message, result)
+                self._executed(node, output)
+            results.append((node, output))
+            if result is not None:
+                trace.output = output
+                if guard_after_node(self, node, output, trace, relaxed):
+                    break
         return results
 
-    def _next_nodes(self, results, trace):
+    def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
-        for name, output in results:
+        for node, output in results:
             view = None
-            for edge in self.forward[name]:
+            for edge in node.out:
                 if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
                     continue
                 if edge.condition is not None:
@@ -4036,7 +4048,7 @@ class GraphRoute:
                         continue
                 taken.add(edge.target)
                 if edge.target != END_NODE:
-                    frontier.append((edge.target, output))
+                    frontier.append((edge.node, output))
         return frontier
 
     def _apply(self, node, message, result):
@@ -4062,8 +4074,12 @@ class GraphRoute:
                 del messages[:len(messages) - MAX_STATE_MESSAGES]
         state["current_node"] = node.name
         self._updated()
+
+    def _executed(self, node, output):
+        """Count one execution of `node`; in mixed mode tell its §6.10 internal stream."""
+        node.executions += 1
         if self.observers:
-            notify_node_event(self, node, result.output)
+            notify_node_event(self, node, output)
 
     def _updated(self):
         """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
@@ -4143,7 +4159,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "path")
+                 "out", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4165,6 +4181,8 @@ class GraphNode:
         self.condition = cfg.get("condition")
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
+        self.out = []                               # the edges leaving this node (§6.11)
+        self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
 class NodeResult:
@@ -4228,13 +4246,16 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
     "_history_truncated", "_history_original_length"})
 
 
+_message_content = operator.itemgetter("content")
+
+
 def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if len("".join([entry["content"] for entry in history])) <= max_chars:
+        if len("".join(map(_message_content, history))) <= max_chars:
             return history
     except (KeyError, TypeError):
         pass
@@ -4247,8 +4268,63 @@ def trim_history(messages, max_messages, max_chars, end=None):
     return history
 
 
+class NodeContext(dict):
+    """The context mapping an agent node hands its agent: a plain dict to every reader, which also
+    notes each key the agent writes or removes, so that §6.2.2 item 3 copies back exactly those
+    keys without comparing the whole mapping before and after the call."""
+
+    touched = frozenset()           # the keys written or removed; most agents never write
+
+    def _note(self, *keys):
+        self.touched = self.touched.union(keys)
+
+    def __setitem__(self, key, value):
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._note(key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs):
+        written = dict(*args, **kwargs)
+        self._note(*written)
+        super().update(written)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._note(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        if key in self:
+            self._note(key)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._note(key)
+        return key, value
+
+    def clear(self):
+        self._note(*self)
+        super().clear()
+
+    def changes(self):
+        """(key -> value for every key written, the set of keys removed); reserved keys left out."""
+        if not self.touched:
+            return {}, ()
+        touched = self.touched - AGENT_NODE_RESERVED_KEYS
+        written = {key: self[key] for key in touched if key in self}
+        return written, touched - written.keys()
+
+
 def agent_node_context(node, state, message):
-    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
@@ -4269,18 +4345,7 @@ def agent_node_context(node, state, message):
     if len(history) < end:
         ctx["_history_truncated"] = True
         ctx["_history_original_length"] = end
-    return ctx
-
-
-def context_changes(before, after):
-    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
-    get = before.get
-    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
-    if changes:
-        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
-            del changes[key]
-    removed = before.keys() - after.keys()
-    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+    return NodeContext(ctx)
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4318,7 +4383,6 @@ def node_agent(graph, node, message, state):
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
-        before = dict(ctx)
         try:
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
@@ -4332,7 +4396,7 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = context_changes(before, ctx)
+    changes, removed = ctx.changes()
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
@@ -4662,17 +4726,23 @@ EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
 
 
 class GraphEdge:
-    __slots__ = ("source", "target", "condition", "path", "cfg")
+    """One edge: source and target names (START/END normalised), the target GraphNode itself."""
 
-    def __init__(self, source, target, condition, path, cfg):
-        self.source, self.target, self.condition, self.path, self.cfg = \
-            source, target, condition, path, cfg
+    __slots__ = ("source", "target", "node", "condition", "path", "cfg")
+
+    def __init__(self, source, target, node, condition, path, cfg):
+        self.source, self.target, self.node, self.condition, self.path, self.cfg = \
+            source, target, node, condition, path, cfg
 
 
 def build_edges(graph):
-    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
-                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
-            for i, e in enumerate(graph.cfg.get("edges") or [])]
+    edges = []
+    for index, cfg in enumerate(graph.cfg.get("edges") or []):
+        target = normalize_node_name(cfg["target"])
+        edges.append(GraphEdge(normalize_node_name(cfg["source"]), target, graph.nodes[target],
+                               cfg.get("condition"), graph.path + ("edges", index, "condition"),
+                               cfg))
+    return edges
 
 # §6.5 Edge conditions -------------------------------------------------------------------
 # Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
@@ -4919,10 +4989,18 @@ def internal_stream_names(graph_name, node_names):
 
 
 def notify_node_event(graph, node, output):
-    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode).
+
+    The event carries the §12.2.1 keys of a node-level message: graph, node, execution_count
+    (this node's executions so far, counting this one) and context (the run's invocation
+    context, by reference)."""
+    # INTERPRETATION §6.10/§12.2.1: a node event is emitted for every execution (a router that
+    # matched nothing included); execution_count is the per-node counter of §12.2.1, kept for
+    # the Actor's lifetime, not the state's update count.
     stream = f"__{graph.name}_node_{node.name}__"
     msg = Message(output, {"graph": graph.name, "node": node.name,
-                           "execution_count": graph.state["execution_count"]},
+                           "execution_count": node.executions,
+                           "context": graph.state["metadata"].get("context")},
                   source_stream=stream, timestamp=graph.rt.clock.now())
     for listener in list(graph.observers):
         listener(stream, msg)
@@ -4951,9 +5029,9 @@ def analyse_graph(graph):
     if result.unreachable:
         graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():                                         # for §6.8 item 4
-        out = result.forward[name]
-        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    for name, node in nodes.items():
+        node.out = out = result.forward[name]                                 # for stepping
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 
 

@@ -2285,6 +2285,40 @@ def test_graph_agent_node_context_is_built_per_6_2_2():
     assert rt.context["mood"] == "good"                            # §6.9 write-back
 
 
+def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
+    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
+    cfg = linear("a")
+
+    def agent(content, ctx):
+        ctx.update({"u": 1}, v=2)
+        ctx.setdefault("w", 3)
+        ctx.setdefault("topic", "ignored")   # present: no write
+        ctx |= {"x": 4}
+        del ctx["old"]
+        ctx.pop("gone")
+        ctx.pop("never", None)
+        ctx["graph_state"] = {}             # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent})
+    g.state["metadata"].update(topic="t", old=1, gone=2)
+    g.run("hello")
+    meta = g.state["metadata"]
+    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
+    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
+    assert "graph_state" not in meta and "never" not in meta
+
+
+def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
+    seen = {}
+    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
+        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
+    g.run("hello")
+    assert seen["isdict"] and seen["dump"]["full_context"] is True
+    assert g.state["metadata"]["last_agent_node"] == "a"
+    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
+
+
 def test_graph_history_trimmed_by_chars():
     cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
     seen = {}
@@ -2773,23 +2807,18 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
+    """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
+    calling the same agents directly (the floor). Prints the figures; timings are not asserted."""
     import time as _time
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
-    tool_agent = getattr(actor, "ToolAgent", None)
-    if tool_agent is not None:
-        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
-                "routes": {"main": cfg}}
-        rt = actor.Runtime(actor.Doc(data), env={})
-        rt.agents = {n: tool_agent(n, data["agents"][n], rt, ("agents", n)) for n in names}
-        message, kind = "echo hi", "ToolAgent(echo)"
-    else:
-        rt = actor.Runtime(actor.Doc({"agents": {}, "routes": {"main": cfg}}), env={})
-        rt.agents = {n: FakeAgent(n, lambda c, ctx: c) for n in names}
-        message, kind = "hi", "fake agent (ToolAgent not merged yet)"
+    data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+            "routes": {"main": cfg}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
-    rounds = 2000
+    message, rounds = "echo hi", 2000
 
     def floor_loop():
         for _ in range(rounds):
@@ -2805,16 +2834,17 @@ def test_graph_bench_linear_ten_nodes():
     for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
         fn()
         times = []
-        for _ in range(3):
+        for _ in range(5):
             started = _time.process_time()      # CPU time: steadier on a shared machine
             fn()
             times.append(_time.process_time() - started)
         best[label] = min(times) / (rounds * 10) * 1e6
+    assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
-          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
-    assert best["graph"] < 5 * best["floor"]
+    print(f"\n[graphs bench] ToolAgent(echo) x10: floor {best['floor']:.2f} us/node, graph "
+          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
+          f"{best['graph'] / best['floor']:.1f}x the floor; a compiled LangGraph StateGraph "
+          f"spends ~150 us/node ({150 / best['graph']:.0f}x this)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
@@ -2839,6 +2869,38 @@ merges: [{sources: [__input__], target: g}]
     assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
     assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
     assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def test_mixed_mode_node_events_carry_graph_node_count_and_context():
+    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
+    execution, a router that matched nothing included) and the invocation context by reference."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
+      n1: {type: agent, agent: t}
+    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    events = []
+    for node in ("r", "n1"):
+        a.network.subscribe(f"__g_node_{node}__", events.append)
+    a.send("hi")
+    a.send("GO:there")
+    assert [(m.source_stream, m.content) for m in events] == [
+        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
+        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
+    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
+        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
+    assert all(m.metadata["graph"] == "g" for m in events)
+    assert all(m.metadata["context"] is a.rt.context for m in events)
+    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
+    assert copied.metadata["context"] is a.rt.context
 
 
 def test_pure_graph_mode_creates_no_internal_streams():
