@@ -1895,7 +1895,62 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
+from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
+
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+# §4.11: the capability a graph or stream component publishes (agents publish their own list).
+COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
+
+
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        path = tuple(path or ())
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def component_routes(components):
+    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            route = dict(route) if isinstance(route, dict) else route
+            if isinstance(route, dict):
+                route.setdefault("type", kind[:-1])
+            routes[local] = route
+    return routes
 
 
 def check_composite(doc, name, config, path, agent_types):
@@ -1904,6 +1959,9 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
+    if "expose_params" in config and not isinstance(config["expose_params"], dict):
+        raise doc.error(ConfigurationError, path + ("expose_params",),
+                        "expose_params must be a mapping", "4.6")
     components = config.get("components")
     if not isinstance(components, dict):
         raise doc.error(ConfigurationError, path + ("components",),
@@ -1913,10 +1971,11 @@ def check_composite(doc, name, config, path, agent_types):
         if key not in COMPONENT_KINDS.values():
             raise doc.error(ConfigurationError, path + ("components", key),
                             f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
                             "4.6.1")
-    for local, sub in (components.get("agents") or {}).items():
+    local_agents = components.get("agents") or {}
+    for local, sub in local_agents.items():
         check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
     routing = config.get("routing")
     if not isinstance(routing, dict):
@@ -1936,65 +1995,110 @@ def check_composite(doc, name, config, path, agent_types):
         if spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+    check_component_routes(doc, config, path)
+
+
+def check_component_routes(doc, config, path):
+    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
+    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    components = config["components"]
+    routes = component_routes(components)
+    for local, route in routes.items():
+        if not isinstance(route, dict):
+            kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            "must be a mapping", "4.6.1")
+    if not routes:
+        return
+    # §8.7.1 scope: the Actor's agents, every enclosing composite's, then this one's.
+    agent_names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            agent_names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
+    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    for local in sorted(graphs, key=list(routes).index):
+        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
+    check_streams(sub_doc, agent_names, graphs)
 
 
 class CompositeAgent:
     """§4.6: nested agents, graphs and streams behind one agent interface.
 
-    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
-    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
-    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
-    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
-    to the output component.
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output},
+    expose_params: {...}}}
+    The components live in a Runtime of their own whose agents are the local ones over the outer
+    ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
+    found); it shares the outer clock, context, prompts and settings. Local agents are created
+    with the composite; its graphs and streams are wired on first use, once every outer agent
+    exists (their static checks ran at validation).
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
+    handed to the output component -- unless the output component is a stream that the input's
+    flow already reached, whose emission is then the response.
+    INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
+    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
     """
 
     type = "composite"
 
     def __init__(self, name, cfg, rt, path):
-        self.name, self.rt, self.path = name, rt, path
+        self.name, self.rt = name, rt
+        # Paths inside the composite's Runtime are relative (agents.<local>, routes.<local>);
+        # ComponentDoc maps them back under this agent's absolute path.
+        outer_doc = rt.doc.outer if isinstance(rt.doc, ComponentDoc) else rt.doc
+        self.path = rt.doc.outer_path(path) if isinstance(rt.doc, ComponentDoc) else tuple(path)
         config = cfg["config"]
         components = config["components"]
-        routes = {}
-        for kind in ("graphs", "streams"):
-            for local, route in (components.get(kind) or {}).items():
-                route = dict(route)
-                route.setdefault("type", kind[:-1])
-                routes[local] = route
-        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                      rt.doc.marks, rt.doc.files)
-        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
-                             llm_transport=rt.llm_transport)
-        inner = self.inner
+        self.routes = component_routes(components)
+        sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
+                                "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.agents = dict(rt.agents)
-        for local, sub in (components.get("agents") or {}).items():
-            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
-        agent_names = set(inner.agents)
-        for local, route in routes.items():
-            rpath = path + ("components", route["type"] + "s", local)
-            if route["type"] == "graph":
-                check_graph(sub_doc, local, route, rpath, agent_names)
-                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
-        self.network = None
-        if routes:
-            check_streams(sub_doc, agent_names, set(inner.graphs))
-            self.network = StreamNetwork(inner)
-            self._collected = []
-            self.network.on_output(self._collected.append)
+        inner.default_router = None
+        inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        local = {}
+        inner.agents = ChainMap(local, rt.agents)
+        for lname, sub in (components.get("agents") or {}).items():
+            local[lname] = make_agent(inner, lname, sub, ("agents", lname))
+        self.local_agents = local
         self.routing = config["routing"]
+        self.expose_params = dict(config.get("expose_params") or {})
+        self._lock = threading.RLock()
+        self.network, self._emitted, self._errors = None, {}, []
+        self._built = not self.routes
+        # §4.11: "composite" plus the union of the components' capabilities, in component order.
         self.capabilities = ["composite"]
-        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
-            for cap in agent.capabilities:
-                if cap not in self.capabilities:
-                    self.capabilities.append(cap)
-        for local in routes:
-            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
+        caps = [cap for agent in local.values() for cap in agent.capabilities]
+        caps += [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]
+        for cap in caps:
             if cap not in self.capabilities:
                 self.capabilities.append(cap)
         self.metadata = agent_metadata(self, components={
-            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")},
+            expose_params=dict(self.expose_params))
+
+    def _build(self):
+        """Wire the graphs and streams (§12.1 steps 4-6 inside the composite), once."""
+        with self._lock:
+            if self._built:
+                return
+            inner = self.inner
+            for local, route in self.routes.items():
+                if route["type"] == "graph":
+                    inner.graphs[local] = GraphRoute(local, route, inner, ("routes", local))
+            self._emitted = {local: [] for local, route in self.routes.items()
+                             if route["type"] == "stream"}
+            self._errors = []
+            if self._emitted:
+                self.network = StreamNetwork(inner)
+                for local, seen in self._emitted.items():
+                    self.network.subscribe(local, seen.append)
+                self.network.on_error(self._errors.append)
+            self._built = True
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -2002,17 +2106,38 @@ class CompositeAgent:
             return self.inner.agents[name].invoke(content, ctx)
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
-        start = len(self._collected)
-        self.network.send(content, target=name)
-        emitted = self._collected[start:]
-        return emitted[-1].content if emitted else content
+        ctx = self.rt.context if ctx is None else ctx
+        self.network.send(content, target=name, metadata={"context": ctx})
+        return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
+        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        self._build()
         first, last = self.routing["input"], self.routing["output"]
-        result = self._dispatch(first, content, ctx)
-        if (last["type"], last["name"]) != (first["type"], first["name"]):
-            result = self._dispatch(last, result, ctx)
+        with self._lock:                          # one request at a time through the wiring
+            marks = {local: len(seen) for local, seen in self._emitted.items()}
+            errors = len(self._errors)
+            result = self._dispatch(first, content, ctx)
+            if first["type"] == "stream":
+                result = self._stream_reply(first["name"], marks)
+            if (last["type"], last["name"]) != (first["type"], first["name"]):
+                reached = last["type"] == "stream" and \
+                    len(self._emitted[last["name"]]) > marks[last["name"]]
+                if not reached:
+                    marks = {local: len(seen) for local, seen in self._emitted.items()}
+                    result = self._dispatch(last, result, ctx)
+                if last["type"] == "stream":
+                    result = self._stream_reply(last["name"], marks)
+            failed = self._errors[errors:]
+        # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
+        if failed:
+            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
+                                 section="4.6.2")
         return result
+
+    def _stream_reply(self, name, marks):
+        emitted = self._emitted[name][marks[name]:]
+        return emitted[-1].content if emitted else ""
 
 
 # §4.7 Chain agents -----------------------------------------------------------------------
