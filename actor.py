@@ -746,6 +746,7 @@ class LLMAgent:
             raise rt.error(ConfigurationError, cpath + ("base_url",),
                            "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
@@ -802,7 +803,8 @@ class LLMAgent:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
-                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
+                    jitter=self.jitter)
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
@@ -8621,6 +8623,8 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
+import random       # [llm] retry jitter only; the integrator may hoist it to the top
+
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
 LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
@@ -8634,9 +8638,9 @@ def scrub_key(text, key):
     return text.replace(key, "***") if key and isinstance(text, str) else text
 
 
-def _retry_delay(headers, data, attempt):
+def _retry_delay(headers, data, attempt, jitter=random.random):
     """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
-    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8) less a random quarter."""
     wait = None
     if headers.get("retry-after-ms"):
         try:
@@ -8663,7 +8667,9 @@ def _retry_delay(headers, data, attempt):
                     pass
     if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
         return wait
-    return min(0.5 * 2 ** attempt, 8.0)
+    # Exponential back-off with the SDKs' jitter (up to 25 % shorter), so that clients that
+    # failed together do not retry together.
+    return min(0.5 * 2 ** attempt, 8.0) * (1.0 - 0.25 * jitter())
 
 
 def _http_post(url, headers, body, timeout):
@@ -8696,7 +8702,8 @@ class ProviderAdapter:
         """A fixed-up body to send once after a 400 the vendor explains, or None."""
         return None
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
@@ -8740,7 +8747,7 @@ class ProviderAdapter:
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
-            sleep(_retry_delay(resp_headers, data, attempt))
+            sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
 
     def _parse_reply(self, raw, key):
@@ -8958,7 +8965,8 @@ class FakeAdapter(ProviderAdapter):
     name = "fake"
     structured = frozenset({"json_schema", "json_object", "text"})
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         return request["messages"][-1]["content"]
 
 
