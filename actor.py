@@ -1961,6 +1961,8 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
+    # INTERPRETATION §4.6: expose_params is a mapping, published in metadata; overriding happens
+    # only through template parameters (§8.10).
     if "expose_params" in config and not isinstance(config["expose_params"], dict):
         raise doc.error(ConfigurationError, path + ("expose_params",),
                         "expose_params must be a mapping", "4.6")
@@ -2012,7 +2014,8 @@ def check_component_routes(doc, config, path):
                             "must be a mapping", "4.6.1")
     if not routes:
         return
-    # §8.7.1 scope: the Actor's agents, every enclosing composite's, then this one's.
+    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
     agent_names = set(doc.data.get("agents") or {})
     for end in range(1, len(path) + 1):
         if path[end - 1] == "config":
@@ -2072,7 +2075,8 @@ class CompositeAgent:
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
-        # §4.11: "composite" plus the union of the components' capabilities, in component order.
+        # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
+        # then stateful-workflow per graph and reactive-processing per stream (no repeats).
         self.capabilities = ["composite"]
         caps = [cap for agent in local.values() for cap in agent.capabilities]
         caps += [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]

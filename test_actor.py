@@ -1762,6 +1762,89 @@ def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch)
     assert _time.monotonic() - started < 2
 
 
+
+# §4.6 Composite agents, §4.11 capabilities ------------------------------------------------
+COMPOSITE_TEXT = """\
+agents:
+  box:
+    type: composite
+    config:
+      expose_params: {depth: medium}
+      components:
+        agents:
+          calc: {type: tool, config: {tools: [math]}}
+          tag: {type: chain, config: {steps: [t]}}
+        graphs:
+          flow:
+            nodes: {work: {type: agent, agent: tag}}
+            edges: [{source: start, target: work}, {source: work, target: end}]
+        streams:
+          s:
+            operators: [{type: map, params: {agent: %s}}]
+      routing:
+        input: {type: stream, name: s}
+        output: {type: graph, name: flow}
+  late: {type: chain, config: {steps: [late]}}
+routes:
+  main:
+    type: stream
+    operators: [{type: map, params: {agent: box}}]
+    publications: [__output__]
+"""
+
+
+def test_composite_capabilities_are_the_union_of_its_components():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        union = ["composite"]
+        for cap in (box.local_agents["calc"].capabilities + box.local_agents["tag"].capabilities
+                    + ["stateful-workflow", "reactive-processing"]):
+            union += [cap] if cap not in union else []
+        assert box.capabilities == union
+        assert {"math-evaluation", "chain-processing"} <= set(union)
+        assert box.metadata["capabilities"] == box.capabilities
+        assert box.metadata["reactive"] is True and box.metadata["type"] == "composite"
+        assert box.metadata["components"] == {"agents": ["calc", "tag"], "graphs": ["flow"],
+                                              "streams": ["s"]}
+        assert box.metadata["expose_params"] == {"depth": "medium"}
+        # stream `s` maps through `late`, an Actor agent declared after the composite
+        assert [m.content for m in team.send("x").outputs] == [
+            "ChainAgent processed: ChainAgent processed: x->late->t"]
+    finally:
+        team.close()
+
+
+def test_composite_component_errors_are_located_at_the_component():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=COMPOSITE_TEXT % "ghost", default_router="main")
+    err = info.value
+    assert err.path == "agents.box.config.components.streams.s.operators[0].params.agent"
+    assert err.line == COMPOSITE_TEXT.splitlines().index(
+        "            operators: [{type: map, params: {agent: %s}}]") + 1
+
+
+def test_composite_components_are_wired_once_and_serve_concurrent_calls():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        results = []
+
+        def call(i):
+            results.append(box.invoke(f"m{i}", {}))
+        threads = [_threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        network = box.network
+        assert sorted(results) == sorted(f"ChainAgent processed: ChainAgent processed: m{i}"
+                                         "->late->t" for i in range(8))
+        box.invoke("again", {})
+        assert box.network is network
+    finally:
+        team.close()
+
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
