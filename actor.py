@@ -1168,11 +1168,8 @@ class ToolAgent:
                 self.capabilities.append(capability)
         if self.allow_shell and "command-execution" not in self.capabilities:
             self.capabilities.append("command-execution")
-        self.metadata = {
-            "name": name, "type": "tool", "capabilities": list(self.capabilities),
-            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
-            "safe_mode": self.safe_mode, "timeout": self.timeout,
-        }
+        self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
+                                       safe_mode=self.safe_mode, timeout=self.timeout)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1980,7 +1977,11 @@ def check_composite(doc, name, config, path, agent_types):
                             "4.6.1")
     local_agents = components.get("agents") or {}
     for local, sub in local_agents.items():
-        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+        lpath = path + ("components", "agents", local)
+        if is_agent_ref(sub):
+            check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
+        else:
+            check_agent(doc, local, sub, lpath, agent_types)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -2002,6 +2003,63 @@ def check_composite(doc, name, config, path, agent_types):
     check_component_routes(doc, config, path)
 
 
+def composite_scope(doc, path):
+    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
+    composite's, and its own."""
+    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
+    names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    return names
+
+
+def is_agent_ref(cfg):
+    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
+    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
+
+
+def check_agent_ref(doc, local, cfg, path, scope, siblings):
+    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
+    # INTERPRETATION §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
+    # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
+    target = cfg["ref"]
+    extra = sorted(set(cfg) - {"ref"})
+    if extra:
+        raise doc.error(ConfigurationError, path + (extra[0],),
+                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
+    if not isinstance(target, str) or target == local or target not in scope:
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
+    if is_agent_ref(siblings.get(target)):
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names another ref component; name the agent itself",
+                        "8.7.1")
+
+
+class AgentRef:
+    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
+    looked up when used (it may be declared after the composite)."""
+
+    type = "ref"
+
+    def __init__(self, name, target, scope):
+        self.name, self.target, self.scope = name, target, scope
+
+    @property
+    def agent(self):
+        agent = self.scope[self.target]
+        return agent.agent if isinstance(agent, AgentRef) else agent
+
+    @property
+    def capabilities(self):
+        return self.agent.capabilities if self.target in self.scope else []
+
+    def invoke(self, content, ctx):
+        return self.agent.invoke(content, ctx)
+
+
 def check_component_routes(doc, config, path):
     """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
     the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
@@ -2014,12 +2072,7 @@ def check_component_routes(doc, config, path):
                             "must be a mapping", "4.6.1")
     if not routes:
         return
-    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
-    # composite's, and this one's (local first), in any document order.
-    agent_names = set(doc.data.get("agents") or {})
-    for end in range(1, len(path) + 1):
-        if path[end - 1] == "config":
-            agent_names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    agent_names = composite_scope(doc, path)
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
     graphs = {local for local, route in routes.items() if route["type"] == "graph"}
@@ -2068,24 +2121,35 @@ class CompositeAgent:
         local = {}
         inner.agents = ChainMap(local, rt.agents)
         for lname, sub in (components.get("agents") or {}).items():
-            local[lname] = make_agent(inner, lname, sub, ("agents", lname))
+            if is_agent_ref(sub):
+                local[lname] = AgentRef(lname, sub["ref"], inner.agents)
+            else:
+                local[lname] = make_agent(inner, lname, sub, ("agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
         self.expose_params = dict(config.get("expose_params") or {})
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
+        self._components = {kind: sorted(components.get(kind) or {})
+                            for kind in ("agents", "graphs", "streams")}
+
+    @property
+    def capabilities(self):
+        """§4.11, computed when asked, since a `ref` component may be declared after us."""
         # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
         # then stateful-workflow per graph and reactive-processing per stream (no repeats).
-        self.capabilities = ["composite"]
-        caps = [cap for agent in local.values() for cap in agent.capabilities]
-        caps += [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]
-        for cap in caps:
-            if cap not in self.capabilities:
-                self.capabilities.append(cap)
-        self.metadata = agent_metadata(self, components={
-            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")},
-            expose_params=dict(self.expose_params))
+        caps = ["composite"]
+        for cap in [cap for agent in self.local_agents.values() for cap in agent.capabilities] + \
+                [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]:
+            if cap not in caps:
+                caps.append(cap)
+        return caps
+
+    @property
+    def metadata(self):
+        return agent_metadata(self, components=copy.deepcopy(self._components),
+                              expose_params=dict(self.expose_params))
 
     def _build(self):
         """Wire the graphs and streams (§12.1 steps 4-6 inside the composite), once."""
