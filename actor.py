@@ -608,7 +608,7 @@ def resolve_default_router(doc, rt, host_value):
     """
     name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
-        if name not in doc.data["routes"]:
+        if not isinstance(name, str) or name not in doc.data["routes"]:
             raise doc.error(ConfigurationError, path,
                             f"default_router '{name}' is not a route in routes", "9.3, §3.4")
         return name
@@ -636,7 +636,7 @@ def check_agent(doc, name, cfg, path, agent_types):
     if "type" not in cfg:
         raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
     kind = cfg["type"]
-    if kind not in agent_types:
+    if not isinstance(kind, str) or kind not in agent_types:
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
@@ -1992,12 +1992,12 @@ def check_composite(doc, name, config, path, agent_types):
             raise doc.error(ConfigurationError, path + ("routing", end),
                             f"routing.{end} must be the explicit form {{type, name}} "
                             "(the shorthand form is forbidden)", "4.6.2, §16.2")
-        kind = COMPONENT_KINDS.get(spec["type"])
+        kind = COMPONENT_KINDS[spec["type"]] if is_known(spec["type"], COMPONENT_KINDS) else None
         if kind is None:
             raise doc.error(ConfigurationError, path + ("routing", end, "type"),
                             f"routing type must be agent, graph or stream, not '{spec['type']}'",
                             "4.6.2")
-        if spec["name"] not in (components.get(kind) or {}):
+        if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
     check_component_routes(doc, config, path)
@@ -2223,8 +2223,8 @@ def check_chain(doc, name, config, path, agent_types):
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
         raise doc.error(ConfigurationError, path + ("steps",),
                         "steps must be a sequence of strings", "4.7")
-    ref = config.get("prompt_reference")
-    if ref is not None and ref not in (doc.data.get("prompts") or {}):
+    ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
+    if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
 
@@ -2359,7 +2359,7 @@ class _Checker:
 
     def stream_route(self, cfg, path):
         kind = cfg.get("stream_type", "cold")
-        if kind not in STREAM_TYPES:
+        if not is_known(kind, STREAM_TYPES):
             self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
                       f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
         size = cfg.get("buffer_size", 1)
@@ -2427,11 +2427,11 @@ class _Checker:
             self.fail(path, "must be a mapping")
 
     def agent(self, value, path):
-        if value not in self.agents:
+        if not is_known(value, self.agents):
             self.fail(path, f"unknown agent {value!r}", "5.3.4")
 
     def graph(self, value, path):
-        if value not in self.graphs:
+        if not is_known(value, self.graphs):
             self.fail(path, f"unknown graph route {value!r}")
 
     def function(self, value, path):
@@ -2448,7 +2448,7 @@ class _Checker:
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
-        if kind not in ACCUMULATORS:
+        if not is_known(kind, ACCUMULATORS):
             self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
 
     def target(self, value, path):
@@ -2511,8 +2511,8 @@ def stream_edges(data, known, default=None):
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                for j, target in enumerate(stage.get("publications") or []):
-                    if target in known:
+                for j, target in enumerate(as_list(stage.get("publications"))):
+                    if is_known(target, known):
                         edges.append((name, target, ("pipelines", name, "stages", i,
                                                      "publications", j)))
     if isinstance(default, str):
@@ -3452,7 +3452,7 @@ TRANSFORMS = {
 
 
 def check_transform_type(checker, kind, path):
-    if kind not in TRANSFORMS:
+    if not is_known(kind, TRANSFORMS):
         checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
                      "5.3.5")
 
@@ -5250,7 +5250,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if "condition" in edge and not isinstance(edge["condition"], dict):
             fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
     entry = normalize_node_name(cfg.get("entry_point", "start"))
-    if entry not in known:
+    if not is_known(entry, known):
         fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
              f"'{name}'", "6.11, 11.3")
     for node_name, node_cfg in nodes.items():
@@ -5469,8 +5469,8 @@ def pipeline_links(net, data):
             net.nodes[node_name] = node
             stages.append(node_name)
             publications = stage.get("publications") if _stage_type(stage) == "stream" else None
-            for j, target in enumerate(publications or []):
-                if target in net.nodes and target not in stages:
+            for j, target in enumerate(as_list(publications)):
+                if is_known(target, net.nodes) and target not in stages:
                     links.append((node_name, target, None, here + ("publications", j)))
         for a, b in zip(stages, stages[1:]):
             links.append((a, b, None, ("pipelines", name, "stages")))
@@ -6166,7 +6166,7 @@ def parameter_declarations(doc, decls, path, rt=None):
             raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
                             "8.6.1")
         ptype = decl.get("type", "string")
-        if ptype not in PARAMETER_TYPES:
+        if not is_known(ptype, PARAMETER_TYPES):
             raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
                             f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
         if ptype == "enum" and not isinstance(decl.get("values"), list):
@@ -7180,13 +7180,23 @@ def stream_names(doc):
     splits create their missing targets.
     """
     names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
-    for merge in doc.data.get("merges") or []:
+    for merge in as_list(doc.data.get("merges")):
         if isinstance(merge, dict) and isinstance(merge.get("target"), str):
             names.add(merge["target"])
-    for split in doc.data.get("splits") or []:
+    for split in as_list(doc.data.get("splits")):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             names.update(split["targets"])
     return names
+
+
+def as_list(value):
+    """A sequence section as a list, [] for anything else (its own check reports the type)."""
+    return value if isinstance(value, list) else []
+
+
+def is_known(name, known):
+    """Membership for names taken from a document: only strings can name anything."""
+    return isinstance(name, str) and name in known
 
 
 def check_routes(doc, rt, agent_names):
@@ -7217,12 +7227,12 @@ def check_routes(doc, rt, agent_names):
                                     "5.3")
             for field in ("subscriptions", "publications"):
                 for i, target in enumerate(route.get(field) or []):
-                    if target not in known:
+                    if not is_known(target, known):
                         raise doc.error(ConfigurationError, path + (field, i),
                                         f"'{target}' is not a known route or built-in stream",
                                         "11.3, §5.5")
             for i, agent in enumerate(route.get("agents") or []):
-                if agent not in agent_names:
+                if not is_known(agent, agent_names):
                     raise doc.error(ConfigurationError, path + ("agents", i),
                                     f"agent '{agent}' is not defined in agents", "11.3")
         elif kind == "graph":
@@ -7245,12 +7255,15 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
+        if not isinstance(merge["target"], str):
+            raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
+                            "7.1")
         sources = merge.get("sources") or []
         if not isinstance(sources, list):
             raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
                             "7.1")
         for j, source in enumerate(sources):
-            if source not in known:
+            if not is_known(source, known):
                 raise doc.error(ConfigurationError, path + ("sources", j),
                                 f"merge source '{source}' is not a known route or stream", "11.4")
     for i, split in enumerate(doc.data.get("splits") or []):
@@ -7260,7 +7273,7 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
-        if split["source"] not in known:
+        if not is_known(split["source"], known):
             raise doc.error(ConfigurationError, path + ("source",),
                             f"split source '{split['source']}' is not a known route or stream",
                             "11.4")
@@ -7293,10 +7306,10 @@ def check_pipelines(doc, rt):
             kind, name = str(stage["type"]).lower(), stage.get("name")
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
-                if (routes.get(ref) or {}).get("type") != "graph":
+                if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
                     rt.warn(f"graph stage refers to '{ref}', which is not a graph route",
                             section="11.5", path=path)
-            if kind == "stream" and name in routes:
+            if kind == "stream" and is_known(name, routes):
                 rt.warn(f"stream stage '{name}' has the name of an existing route",
                         section="11.5", path=path)
 

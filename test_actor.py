@@ -290,6 +290,51 @@ def test_message_copy_keeps_context_by_reference_and_copies_the_rest():
     assert (twin.content, msg.content, twin.source_stream) == ("d", "c", "__input__")
 
 
+def _mutations(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _mutations(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _mutations(value, prefix + (i,))
+
+
+def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
+    """Bad input gets a §20 error, never a Python traceback: every vector config with one or two
+    values replaced by a value of another shape (seeded, so the run is repeatable)."""
+    import copy
+    import json
+    import random
+    rng = random.Random(20261130)
+    shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
+              {"type": None}]
+    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    crashes = []
+    for _ in range(400):
+        vector = rng.choice(vectors)
+        cfg = copy.deepcopy(vector["config"])
+        for _ in range(rng.randint(1, 2)):
+            places = [p for p in _mutations(cfg) if p]
+            where = rng.choice(places)
+            node = cfg
+            for part in where[:-1]:
+                node = node[part]
+            node[where[-1]] = copy.deepcopy(rng.choice(shapes))
+        host = vector.get("host") or {}
+        try:
+            a = actor.start_actor([("f.yaml", json.dumps(cfg))], unsafe=bool(host.get("unsafe")),
+                                  env=host.get("env") or {}, workdir=tmp_path,
+                                  llm_transport=actor.FakeTransport({}))
+            a.send("hello")
+            a.close()
+        except actor.ActorError:
+            pass
+        except Exception as exc:  # the bug this test exists to catch
+            crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {json.dumps(cfg)[:200]}")
+    assert not crashes, "\n".join(crashes[:10])
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
