@@ -2205,6 +2205,17 @@ class CompositeAgent:
                                  section="4.6.2")
         return result
 
+    def close(self):
+        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
+        with self._lock:
+            if self.network is not None:
+                self.network.close()
+            for graph in self.inner.graphs.values():
+                graph.close()
+            for agent in self.local_agents.values():
+                if isinstance(agent, CompositeAgent):
+                    agent.close()
+
     def _stream_reply(self, name, marks):
         emitted = self._emitted[name][marks[name]:]
         return emitted[-1].content if emitted else ""

@@ -992,6 +992,20 @@ def test_base_urls_keep_their_prefix_and_never_double_the_version(llm_server, ll
     assert llm_server.requests[0]["path"] == path
 
 
+def test_keys_and_base_urls_come_only_from_the_actor_env(llm_server, llm_render, monkeypatch):
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/never")
+    monkeypatch.setenv("OPENAI_API_KEY", "from-process")
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({}, _llm_rt({}))                       # the process environment is not read
+    agent = _llm_agent({}, _llm_rt({"OPENAI_API_KEY": "k"}))
+    assert agent._base_url() == "https://api.openai.com/v1"
+    llm_server.replies.append(_openai_ok("ok"))
+    agent = _llm_agent({"api_key": "explicit"}, _llm_rt({"OPENAI_API_KEY": "env-key",
+                                                         "OPENAI_BASE_URL": llm_server.url}))
+    assert agent.invoke("x", {}) == "ok"
+    assert llm_server.requests[0]["headers"]["authorization"] == "Bearer explicit"   # field wins
+
+
 def test_non_json_error_body_is_reported_after_retries(llm_server, llm_render):
     page = "<html><body>502 Bad Gateway</body></html>"
     llm_server.replies += [(502, {"content-type": "text/html"}, page)] * 3
@@ -1887,6 +1901,8 @@ def test_composite_components_are_wired_once_and_serve_concurrent_calls():
                                          "->late->t" for i in range(8))
         box.invoke("again", {})
         assert box.network is network
+        box.close()
+        assert all(not node.out.observers for node in network.nodes.values())
     finally:
         team.close()
 
