@@ -1910,6 +1910,7 @@ class ComponentDoc(Doc):
     def __init__(self, data, outer, path):
         super().__init__(data, outer.marks, outer.files)
         self.outer = outer
+        self.base = tuple(path)
         components = path + ("components",)
         self.prefixes = {("agents",): components + ("agents",)}
         for kind in ("graphs", "streams"):
@@ -1917,7 +1918,11 @@ class ComponentDoc(Doc):
                 self.prefixes[("routes", local)] = components + (kind, local)
 
     def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
         path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
         for size in (2, 1):
             head = self.prefixes.get(path[:size])
             if head is not None and len(path) >= size:
@@ -2102,8 +2107,8 @@ class CompositeAgent:
 
     def __init__(self, name, cfg, rt, path):
         self.name, self.rt = name, rt
-        # Paths inside the composite's Runtime are relative (agents.<local>, routes.<local>);
-        # ComponentDoc maps them back under this agent's absolute path.
+        # Agents and graphs inside get their absolute paths; the stream checks speak of
+        # routes.<local>, which ComponentDoc maps back under this agent's path.
         outer_doc = rt.doc.outer if isinstance(rt.doc, ComponentDoc) else rt.doc
         self.path = rt.doc.outer_path(path) if isinstance(rt.doc, ComponentDoc) else tuple(path)
         config = cfg["config"]
@@ -2118,13 +2123,17 @@ class CompositeAgent:
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
         inner.default_router = None
         inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        # Warnings about routes.<local> name the component's full path, like its errors do.
+        inner.warn = lambda message, *, section=None, path=None: rt.warn(
+            message, section=section, path=None if path is None else sub_doc.outer_path(path))
         local = {}
         inner.agents = ChainMap(local, rt.agents)
         for lname, sub in (components.get("agents") or {}).items():
             if is_agent_ref(sub):
                 local[lname] = AgentRef(lname, sub["ref"], inner.agents)
             else:
-                local[lname] = make_agent(inner, lname, sub, ("agents", lname))
+                local[lname] = make_agent(inner, lname, sub,
+                                          self.path + ("config", "components", "agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
         self.expose_params = dict(config.get("expose_params") or {})
@@ -2159,7 +2168,8 @@ class CompositeAgent:
             inner = self.inner
             for local, route in self.routes.items():
                 if route["type"] == "graph":
-                    inner.graphs[local] = GraphRoute(local, route, inner, ("routes", local))
+                    gpath = self.path + ("config", "components", "graphs", local)
+                    inner.graphs[local] = GraphRoute(local, route, inner, gpath)
             self._emitted = {local: [] for local, route in self.routes.items()
                              if route["type"] == "stream"}
             self._errors = []

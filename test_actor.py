@@ -1881,6 +1881,12 @@ def test_composite_component_errors_are_located_at_the_component():
     assert err.path == "agents.box.config.components.streams.s.operators[0].params.agent"
     assert err.line == COMPOSITE_TEXT.splitlines().index(
         "            operators: [{type: map, params: {agent: %s}}]") + 1
+    bad_local = COMPOSITE_TEXT.replace("calc: {type: tool, config: {tools: [math]}}",
+                                       "calc: {type: llm, config: {provider: fake, temperature: 9}}")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=bad_local % "late", default_router="main")
+    assert info.value.path == "agents.box.config.components.agents.calc.config.temperature"
+    assert info.value.line == 8
 
 
 def test_composite_components_are_wired_once_and_serve_concurrent_calls():
