@@ -8942,7 +8942,12 @@ class AnthropicAdapter(ProviderAdapter):
 
     def body(self, request):
         messages = []
-        for entry in request["messages"]:       # consecutive same-role turns become one
+        entries = list(request["messages"])
+        # The Messages API wants the first turn from the user; an odd max_history (§4.4.4) can
+        # leave an assistant entry first, whose question was truncated away: it is not sent.
+        while entries and entries[0]["role"] == "assistant":
+            entries.pop(0)
+        for entry in entries:                   # consecutive same-role turns become one
             if messages and messages[-1]["role"] == entry["role"]:
                 messages[-1] = {"role": entry["role"],
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}

@@ -1047,6 +1047,21 @@ def test_anthropic_merges_same_role_turns_and_reports_refusal(llm_server, llm_re
         agent.invoke("x", {})
 
 
+def test_anthropic_first_turn_is_the_users_after_odd_truncation(llm_server, llm_render):
+    """max_history 3 keeps [assistant, user, assistant]: the orphan answer is not sent."""
+    llm_server.replies += [(200, {}, {"content": [{"type": "text", "text": f"a{i}"}]})
+                           for i in range(3)]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url,
+                        "memory_enabled": True, "max_history": 3},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    for i in range(3):
+        agent.invoke(f"q{i}", {})
+    assert [e["role"] for e in agent.history] == ["assistant", "user", "assistant"]
+    assert llm_server.requests[2]["body"]["messages"] == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}]
+
+
 def test_google_finish_reason_block_and_daily_quota(llm_server, llm_render):
     llm_server.replies += [
         (200, {}, {"candidates": [{"finishReason": "SAFETY", "content": {"parts": []}}]}),
