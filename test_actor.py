@@ -898,6 +898,20 @@ def test_malformed_json_reply_is_execution_error(llm_server, llm_render):
         _llm_agent({"base_url": llm_server.url}).invoke("x", {})
 
 
+@pytest.mark.parametrize("provider, env", [("anthropic", {"ANTHROPIC_API_KEY": LLM_KEY}),
+                                           ("google", {"GOOGLE_API_KEY": LLM_KEY})])
+def test_malformed_and_fieldless_replies_per_vendor(llm_server, llm_render, provider, env):
+    llm_server.replies += [(200, {}, b"<html>gateway</html>"), (200, {}, {"id": "x"}),
+                           (404, {}, b"not json either")]
+    agent = _llm_agent({"provider": provider, "base_url": llm_server.url}, _llm_rt(env))
+    for expected in (f"{provider}: malformed JSON", f"{provider}: unexpected reply",
+                     f"{provider}: HTTP 404: not json either"):
+        with pytest.raises(actor.ExecutionError, match=expected) as info:
+            agent.invoke("x", {})
+        assert LLM_KEY not in str(info.value)
+    assert len(llm_server.requests) == 3
+
+
 def test_connection_error_retried_then_reported(llm_render):
     server = _LLMServer()
     url = server.url
