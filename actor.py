@@ -1951,8 +1951,10 @@ def component_routes(components):
     for kind in ("graphs", "streams"):
         for local, route in (components.get(kind) or {}).items():
             route = dict(route) if isinstance(route, dict) else route
-            if isinstance(route, dict):
-                route.setdefault("type", kind[:-1])
+            if isinstance(route, dict) and route.get("type") is None:
+                route["type"] = kind[:-1]
+            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
+                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
             routes[local] = route
     return routes
 
@@ -2069,12 +2071,20 @@ def check_component_routes(doc, config, path):
     """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
     the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
     components = config["components"]
+    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
+    if both:
+        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
+                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
     routes = component_routes(components)
     for local, route in routes.items():
+        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
         if not isinstance(route, dict):
-            kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
             raise doc.error(ConfigurationError, path + ("components", kind, local),
                             "must be a mapping", "4.6.1")
+        if route_type(route) != kind[:-1]:
+            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
+                            f"a component under {kind} is a {kind[:-1]}, not "
+                            f"'{route.get('type')}'", "4.6.1")
     if not routes:
         return
     agent_names = composite_scope(doc, path)
