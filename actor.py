@@ -755,6 +755,7 @@ class LLMAgent:
             raise rt.error(ConfigurationError, cpath + ("base_url",),
                            "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
@@ -811,7 +812,8 @@ class LLMAgent:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
-                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
+                    jitter=self.jitter)
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
@@ -1175,11 +1177,8 @@ class ToolAgent:
                 self.capabilities.append(capability)
         if self.allow_shell and "command-execution" not in self.capabilities:
             self.capabilities.append("command-execution")
-        self.metadata = {
-            "name": name, "type": "tool", "capabilities": list(self.capabilities),
-            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
-            "safe_mode": self.safe_mode, "timeout": self.timeout,
-        }
+        self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
+                                       safe_mode=self.safe_mode, timeout=self.timeout)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1904,7 +1903,69 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
+from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
+
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+# §4.11: the capability a graph or stream component publishes (agents publish their own list).
+COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
+
+
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        self.base = tuple(path)
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
+        path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def component_routes(components):
+    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            route = dict(route) if isinstance(route, dict) else route
+            if isinstance(route, dict) and route.get("type") is None:
+                route["type"] = kind[:-1]
+            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
+                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
+            routes[local] = route
+    return routes
 
 
 def check_composite(doc, name, config, path, agent_types):
@@ -1913,6 +1974,11 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
+    # INTERPRETATION §4.6: expose_params is a mapping, published in metadata; overriding happens
+    # only through template parameters (§8.10).
+    if "expose_params" in config and not isinstance(config["expose_params"], dict):
+        raise doc.error(ConfigurationError, path + ("expose_params",),
+                        "expose_params must be a mapping", "4.6")
     components = config.get("components")
     if not isinstance(components, dict):
         raise doc.error(ConfigurationError, path + ("components",),
@@ -1922,11 +1988,16 @@ def check_composite(doc, name, config, path, agent_types):
         if key not in COMPONENT_KINDS.values():
             raise doc.error(ConfigurationError, path + ("components", key),
                             f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
                             "4.6.1")
-    for local, sub in (components.get("agents") or {}).items():
-        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    local_agents = components.get("agents") or {}
+    for local, sub in local_agents.items():
+        lpath = path + ("components", "agents", local)
+        if is_agent_ref(sub):
+            check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
+        else:
+            check_agent(doc, local, sub, lpath, agent_types)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -1945,65 +2016,188 @@ def check_composite(doc, name, config, path, agent_types):
         if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+    check_component_routes(doc, config, path)
+
+
+def composite_scope(doc, path):
+    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
+    composite's, and its own."""
+    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
+    names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    return names
+
+
+def is_agent_ref(cfg):
+    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
+    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
+
+
+def check_agent_ref(doc, local, cfg, path, scope, siblings):
+    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
+    # INTERPRETATION §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
+    # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
+    target = cfg["ref"]
+    extra = sorted(set(cfg) - {"ref"})
+    if extra:
+        raise doc.error(ConfigurationError, path + (extra[0],),
+                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
+    if not isinstance(target, str) or target == local or target not in scope:
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
+    if is_agent_ref(siblings.get(target)):
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names another ref component; name the agent itself",
+                        "8.7.1")
+
+
+class AgentRef:
+    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
+    looked up when used (it may be declared after the composite)."""
+
+    type = "ref"
+
+    def __init__(self, name, target, scope):
+        self.name, self.target, self.scope = name, target, scope
+
+    @property
+    def agent(self):
+        agent = self.scope[self.target]
+        return agent.agent if isinstance(agent, AgentRef) else agent
+
+    @property
+    def capabilities(self):
+        return self.agent.capabilities if self.target in self.scope else []
+
+    def invoke(self, content, ctx):
+        return self.agent.invoke(content, ctx)
+
+
+def check_component_routes(doc, config, path):
+    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
+    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    components = config["components"]
+    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
+    if both:
+        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
+                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
+    routes = component_routes(components)
+    for local, route in routes.items():
+        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            "must be a mapping", "4.6.1")
+        if route_type(route) != kind[:-1]:
+            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
+                            f"a component under {kind} is a {kind[:-1]}, not "
+                            f"'{route.get('type')}'", "4.6.1")
+    if not routes:
+        return
+    agent_names = composite_scope(doc, path)
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
+    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    for local in sorted(graphs, key=list(routes).index):
+        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
+    check_streams(sub_doc, agent_names, graphs)
 
 
 class CompositeAgent:
     """§4.6: nested agents, graphs and streams behind one agent interface.
 
-    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
-    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
-    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
-    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
-    to the output component.
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output},
+    expose_params: {...}}}
+    The components live in a Runtime of their own whose agents are the local ones over the outer
+    ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
+    found); it shares the outer clock, context, prompts and settings. Local agents are created
+    with the composite; its graphs and streams are wired on first use, once every outer agent
+    exists (their static checks ran at validation).
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
+    handed to the output component -- unless the output component is a stream that the input's
+    flow already reached, whose emission is then the response.
+    INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
+    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
     """
 
     type = "composite"
 
     def __init__(self, name, cfg, rt, path):
-        self.name, self.rt, self.path = name, rt, path
+        self.name, self.rt = name, rt
+        # Agents and graphs inside get their absolute paths; the stream checks speak of
+        # routes.<local>, which ComponentDoc maps back under this agent's path.
+        outer_doc = rt.doc.outer if isinstance(rt.doc, ComponentDoc) else rt.doc
+        self.path = rt.doc.outer_path(path) if isinstance(rt.doc, ComponentDoc) else tuple(path)
         config = cfg["config"]
         components = config["components"]
-        routes = {}
-        for kind in ("graphs", "streams"):
-            for local, route in (components.get(kind) or {}).items():
-                route = dict(route)
-                route.setdefault("type", kind[:-1])
-                routes[local] = route
-        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                      rt.doc.marks, rt.doc.files)
-        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
-                             llm_transport=rt.llm_transport)
-        inner = self.inner
+        self.routes = component_routes(components)
+        sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
+                                "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.agents = dict(rt.agents)
-        for local, sub in (components.get("agents") or {}).items():
-            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
-        agent_names = set(inner.agents)
-        for local, route in routes.items():
-            rpath = path + ("components", route["type"] + "s", local)
-            if route["type"] == "graph":
-                check_graph(sub_doc, local, route, rpath, agent_names)
-                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
-        self.network = None
-        if routes:
-            check_streams(sub_doc, agent_names, set(inner.graphs))
-            self.network = StreamNetwork(inner)
-            self._collected = []
-            self.network.on_output(self._collected.append)
+        inner.default_router = None
+        inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        # Warnings about routes.<local> name the component's full path, like its errors do.
+        inner.warn = lambda message, *, section=None, path=None: rt.warn(
+            message, section=section, path=None if path is None else sub_doc.outer_path(path))
+        local = {}
+        inner.agents = ChainMap(local, rt.agents)
+        for lname, sub in (components.get("agents") or {}).items():
+            if is_agent_ref(sub):
+                local[lname] = AgentRef(lname, sub["ref"], inner.agents)
+            else:
+                local[lname] = make_agent(inner, lname, sub,
+                                          self.path + ("config", "components", "agents", lname))
+        self.local_agents = local
         self.routing = config["routing"]
-        self.capabilities = ["composite"]
-        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
-            for cap in agent.capabilities:
-                if cap not in self.capabilities:
-                    self.capabilities.append(cap)
-        for local in routes:
-            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
-            if cap not in self.capabilities:
-                self.capabilities.append(cap)
-        self.metadata = agent_metadata(self, components={
-            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+        self.expose_params = dict(config.get("expose_params") or {})
+        self._lock = threading.RLock()
+        self.network, self._emitted, self._errors = None, {}, []
+        self._built = not self.routes
+        self._components = {kind: sorted(components.get(kind) or {})
+                            for kind in ("agents", "graphs", "streams")}
+
+    @property
+    def capabilities(self):
+        """§4.11, computed when asked, since a `ref` component may be declared after us."""
+        # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
+        # then stateful-workflow per graph and reactive-processing per stream (no repeats).
+        caps = ["composite"]
+        for cap in [cap for agent in self.local_agents.values() for cap in agent.capabilities] + \
+                [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]:
+            if cap not in caps:
+                caps.append(cap)
+        return caps
+
+    @property
+    def metadata(self):
+        return agent_metadata(self, components=copy.deepcopy(self._components),
+                              expose_params=dict(self.expose_params))
+
+    def _build(self):
+        """Wire the graphs and streams (§12.1 steps 4-6 inside the composite), once."""
+        with self._lock:
+            if self._built:
+                return
+            inner = self.inner
+            for local, route in self.routes.items():
+                if route["type"] == "graph":
+                    gpath = self.path + ("config", "components", "graphs", local)
+                    inner.graphs[local] = GraphRoute(local, route, inner, gpath)
+            self._emitted = {local: [] for local, route in self.routes.items()
+                             if route["type"] == "stream"}
+            self._errors = []
+            if self._emitted:
+                self.network = StreamNetwork(inner)
+                for local, seen in self._emitted.items():
+                    self.network.subscribe(local, seen.append)
+                self.network.on_error(self._errors.append)
+            self._built = True
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -2011,17 +2205,49 @@ class CompositeAgent:
             return self.inner.agents[name].invoke(content, ctx)
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
-        start = len(self._collected)
-        self.network.send(content, target=name)
-        emitted = self._collected[start:]
-        return emitted[-1].content if emitted else content
+        ctx = self.rt.context if ctx is None else ctx
+        self.network.send(content, target=name, metadata={"context": ctx})
+        return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
+        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        self._build()
         first, last = self.routing["input"], self.routing["output"]
-        result = self._dispatch(first, content, ctx)
-        if (last["type"], last["name"]) != (first["type"], first["name"]):
-            result = self._dispatch(last, result, ctx)
+        with self._lock:                          # one request at a time through the wiring
+            marks = {local: len(seen) for local, seen in self._emitted.items()}
+            errors = len(self._errors)
+            result = self._dispatch(first, content, ctx)
+            if first["type"] == "stream":
+                result = self._stream_reply(first["name"], marks)
+            if (last["type"], last["name"]) != (first["type"], first["name"]):
+                reached = last["type"] == "stream" and \
+                    len(self._emitted[last["name"]]) > marks[last["name"]]
+                if not reached:
+                    marks = {local: len(seen) for local, seen in self._emitted.items()}
+                    result = self._dispatch(last, result, ctx)
+                if last["type"] == "stream":
+                    result = self._stream_reply(last["name"], marks)
+            failed = self._errors[errors:]
+        # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
+        if failed:
+            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
+                                 section="4.6.2")
         return result
+
+    def close(self):
+        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
+        with self._lock:
+            if self.network is not None:
+                self.network.close()
+            for graph in self.inner.graphs.values():
+                graph.close()
+            for agent in self.local_agents.values():
+                if isinstance(agent, CompositeAgent):
+                    agent.close()
+
+    def _stream_reply(self, name, marks):
+        emitted = self._emitted[name][marks[name]:]
+        return emitted[-1].content if emitted else ""
 
 
 # §4.7 Chain agents -----------------------------------------------------------------------
@@ -8623,6 +8849,8 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
+import random       # [llm] retry jitter only; the integrator may hoist it to the top
+
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
 LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
@@ -8636,9 +8864,9 @@ def scrub_key(text, key):
     return text.replace(key, "***") if key and isinstance(text, str) else text
 
 
-def _retry_delay(headers, data, attempt):
+def _retry_delay(headers, data, attempt, jitter=random.random):
     """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
-    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8) less a random quarter."""
     wait = None
     if headers.get("retry-after-ms"):
         try:
@@ -8665,7 +8893,9 @@ def _retry_delay(headers, data, attempt):
                     pass
     if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
         return wait
-    return min(0.5 * 2 ** attempt, 8.0)
+    # Exponential back-off with the SDKs' jitter (up to 25 % shorter), so that clients that
+    # failed together do not retry together.
+    return min(0.5 * 2 ** attempt, 8.0) * (1.0 - 0.25 * jitter())
 
 
 def _http_post(url, headers, body, timeout):
@@ -8698,7 +8928,8 @@ class ProviderAdapter:
         """A fixed-up body to send once after a 400 the vendor explains, or None."""
         return None
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
@@ -8742,7 +8973,7 @@ class ProviderAdapter:
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
-            sleep(_retry_delay(resp_headers, data, attempt))
+            sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
 
     def _parse_reply(self, raw, key):
@@ -8835,7 +9066,12 @@ class AnthropicAdapter(ProviderAdapter):
 
     def body(self, request):
         messages = []
-        for entry in request["messages"]:       # consecutive same-role turns become one
+        entries = list(request["messages"])
+        # The Messages API wants the first turn from the user; an odd max_history (§4.4.4) can
+        # leave an assistant entry first, whose question was truncated away: it is not sent.
+        while entries and entries[0]["role"] == "assistant":
+            entries.pop(0)
+        for entry in entries:                   # consecutive same-role turns become one
             if messages and messages[-1]["role"] == entry["role"]:
                 messages[-1] = {"role": entry["role"],
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}
@@ -8960,7 +9196,8 @@ class FakeAdapter(ProviderAdapter):
     name = "fake"
     structured = frozenset({"json_schema", "json_object", "text"})
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         return request["messages"][-1]["content"]
 
 
