@@ -5995,6 +5995,29 @@ class TagScope:
     def __init__(self, names=()):
         self.names = set(names)
         self.stack = []          # (word, protected, names added by the opener)
+        self.deferred_reads = set()   # names read by the tags protected so far
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -6030,12 +6053,14 @@ def walk_tags(text, scope, defer, need_names=False):
             free = tag_free_names(kind, inner, "")
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
+            if protected and free:
+                scope.deferred_reads |= free
         elif word in ("elif", "else"):
             protected = scope.stack[-1][1] if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
-                _, protected, added = scope.stack.pop()
-                scope.names -= added
+                _, protected, added, shadowed = scope.stack.pop()
+                scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
         else:
@@ -6043,64 +6068,199 @@ def walk_tags(text, scope, defer, need_names=False):
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
-            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+            if defer and binds and binds_for_runtime(text, end, word, inner, scope, binds,
+                                                     need_names):
+                protected, binds = True, set()
+            if protected and free:
+                scope.deferred_reads |= free
+            # a statement left for Phase C binds its names there: Phase A must not see the
+            # outer meaning of a name it rebinds (`loop` inside a deferred inner loop)
+            shadowed = tag_binds(word, inner) & scope.names if protected else set()
+            if is_block_opener(word, inner):
                 if word in ("set", "macro"):      # the name outlives the block
-                    scope.names |= binds
-                    binds = set()
+                    scope.names = (scope.names | binds) - shadowed
+                    binds, shadowed = set(), set()
                 added = binds - scope.names
-                scope.stack.append((word, protected, added))
-                scope.names |= added
+                scope.stack.append((word, protected, added, shadowed))
+                scope.names = (scope.names | added) - shadowed
             else:
-                scope.names |= binds
+                scope.names = (scope.names | binds) - shadowed
         out.append(protect_markers(tag) if protected else tag)
     out.append(text[pos:])
     return "".join(out)
 
 
+def binds_for_runtime(text, end, word, inner, scope, binds, need_names):
+    """Would a statement that Phase A could run bind a name that a deferred tag after it reads?
+    Then the statement waits for Phase C as well -- `{% for op in ['<', '>'] %}` around
+    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Its reach
+    is the block body, or the rest of the text for `set x = ...` and macros, which outlive it."""
+    if is_block_opener(word, inner) and word not in ("set", "macro"):
+        reach = text[end:block_body_end(text, end)]
+    else:
+        reach = text[end:]
+    trial = TagScope(scope.names | binds)
+    walk_tags(reach, trial, defer=True, need_names=need_names)
+    return bool(trial.deferred_reads & binds)
+
+
+def mask_tags(text):
+    """`text` with every tag blanked to the same length, so YAML can compose a template document:
+    a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
+    Newlines stay, so character offsets and line numbers are those of `text`."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        fill = "x" if kind == "{{" else " "
+        out.append(re.sub(r"[^\n]", fill, text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def node_regions(node, keys, offset, regions):
+    """The runtime-field and template-section spans under one composed YAML node (see
+    document_regions); `offset` is where the composed text starts inside the document."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            path = keys + [key]
+            span = (offset + value.start_mark.index, offset + value.end_mark.index)
+            if not keys and key in DEFERRED_SECTIONS:
+                regions.append(span + ("section", key, key_node.start_mark.column))
+            elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                regions.append(span + ("field", key, key_node.start_mark.column))
+            else:
+                node_regions(value, path, offset, regions)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            node_regions(item, keys, offset, regions)
+
+
+# INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
+# would put them once the tags are blanked -- block or flow mappings, list items, beside
+# {% for %}/{% if %} lines; a key that is itself written by an expression is not known
+# before Phase A, so its value renders at Phase A like any other.
 def document_regions(text, file=None):
     """Char spans (start, end, kind) of the text Phase A must not render as is:
     'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
 
-    When the raw text already composes as YAML (template syntax only inside scalars, or a
-    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
-    indentation finds them (document_regions_by_lines).
+    The spans come from the YAML node marks of the text with its tags blanked (mask_tags), so
+    runtime fields are found in block and flow collections alike, around {% for %} and
+    {% if %} lines too. When even the masked text does not compose (a statement inside a
+    line that shifts indentation, a tag that emits structure), a line scan by indentation
+    finds them (document_regions_by_lines).
     """
+    masked = mask_tags(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(masked, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return document_regions_by_lines(text, file)
+        return document_regions_by_lines(text, masked, file)
     regions = []
-
-    def walk(node, keys):
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value in node.value:
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-                path = keys + [key]
-                if not keys and key in DEFERRED_SECTIONS:
-                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
-                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
-                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
-                else:
-                    walk(value, path)
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, keys)
-
     if root is not None:
-        walk(root, [])
-    return sorted(regions)
+        node_regions(root, [], 0, regions)
+    out = []
+    for start, end, kind, key, key_col in regions:
+        end = statement_line_before(text, masked, start, end, key_col)
+        line_start = text.rfind("\n", 0, start) + 1
+        if key == "templates" and not text[line_start:start].strip():   # a block mapping
+            check_templates_body(text, line_start, file)
+        out.append((start, end, kind))
+    return sorted(out)
 
 
-def document_regions_by_lines(text, file=None):
-    """document_regions for text that is not YAML before Phase A (statements between keys).
+def statement_line_before(text, masked, start, end, key_col):
+    """Where a region taken from YAML marks really ends: before the first line that holds
+    only tags (blank once masked) at or left of the key's column -- the {% endfor %} after a
+    block scalar belongs to the document, not to the scalar -- as the line scan decides."""
+    pos = text.find("\n", start, end)
+    while 0 <= pos < end:
+        line_at = pos + 1
+        line_end = text.find("\n", line_at)
+        line_end = len(text) if line_end < 0 else line_end
+        raw = text[line_at:line_end]
+        if raw.strip() and not masked[line_at:line_end].strip() \
+                and len(raw) - len(raw.lstrip(" ")) <= key_col:
+            return line_at
+        pos = line_end if line_end < end else -1
+    return end
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
+
+
+def flow_end(masked, start):
+    """The offset just past the flow collection opening at masked[start] (quotes skipped);
+    None when it never closes."""
+    depth, i, quote, n = 0, start, None, len(masked)
+    while i < n:
+        ch = masked[i]
+        if quote:
+            if ch == quote == "'" and masked.startswith("''", i):
+                i += 1
+            elif ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"" and masked[i - 1] in " \t\n,[{:":
+            quote = ch
+        elif ch == "#" and masked[i - 1] in " \t\n":
+            newline = masked.find("\n", i)
+            i = n if newline < 0 else newline
+            continue
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def flow_regions(masked, start, keys):
+    """Regions inside the flow collection at masked[start], composed on its own; (regions, end)."""
+    end = flow_end(masked, start)
+    if end is None:
+        return [], start
+    try:
+        node = yaml.compose(masked[start:end], Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return [], start
+    regions = []
+    node_regions(node, keys, start, regions)
+    return [region[:3] for region in regions], end     # brackets bound it: nothing to trim
+
+
+def document_regions_by_lines(text, masked=None, file=None):
+    """document_regions for text that does not compose as YAML even with its tags masked.
 
     A value region is the rest of the key's line plus every following blank or more-indented
-    line (plain, quoted and | > block scalars alike).
+    line (plain, quoted and | > block scalars alike). A flow collection that opens a value or
+    a list item (`w: {system_prompt: ...}`, `- {...}`) is composed on its own (flow_regions).
     """
-    regions, keys, offset = [], [], 0
+    masked = mask_tags(text) if masked is None else masked
+    regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # [start, key_col, kind, block_col]
     lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
+        line_at, offset = offset, offset + len(line)
+        if line_at < skip_to:     # inside a multi-line flow collection already read
+            continue
         body = line.rstrip("\r\n")
         indent = len(body) - len(body.lstrip(" "))
         blank = body.strip() == ""
@@ -6108,11 +6268,13 @@ def document_regions_by_lines(text, file=None):
             if blank or indent > region[1]:
                 if region[2] == "templates":
                     region[3] = templates_line(line, indent, blank, region[3], lineno, file)
-                offset += len(line)
                 continue
-            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            regions.append((region[0], line_at, "section" if region[2] != "field" else "field"))
             region = None
-        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
+        item = FLOW_ITEM.match(shown)
+        match = None if item else KEY_LINE.match(shown)
+        flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
             key = match.group(2).strip("\"'")
@@ -6121,13 +6283,26 @@ def document_regions_by_lines(text, file=None):
             keys.append((key_col, key))
             path = [k for _, k in keys]
             if key_col == 0 and key in DEFERRED_SECTIONS:
-                region = [offset + len(line), 0, key, None]
+                region = [offset, 0, key, None]
+                continue
+            value_at = line_at + match.end()
+            value_at += len(masked[value_at:offset]) - len(masked[value_at:offset].lstrip(" "))
+            if masked[value_at:value_at + 1] in ("{", "["):
+                flow_at = value_at
             elif is_runtime_field(path):
-                region = [offset + match.end(), key_col, "field", None]
-        offset += len(line)
+                region = [line_at + match.end(), key_col, "field", None]
+        elif item:
+            flow_at = line_at + item.end()
+            dash_col = len(shown) - len(shown.lstrip(" "))
+            while keys and keys[-1][0] > dash_col:
+                keys.pop()
+            path = [k for _, k in keys]
+        if flow_at is not None:
+            found, skip_to = flow_regions(masked, flow_at, path)
+            regions.extend(found)
     if region is not None:
         regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
-    return regions
+    return sorted(regions)
 
 
 def templates_line(line, indent, blank, block_col, lineno, file):
@@ -7762,9 +7937,10 @@ def find_stream_cycle(edges):
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
 #      nonlocal, yield, async, with or decorators, no prohibited facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, slice assignment and the string methods that pad or repeat go
-#      through size guards; a bare `except:` catches only Exception, so the sandbox's own aborts
-#      (BaseException) pass through.
+#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
+#      repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
+#      aborts (BaseException) pass through.
 #   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
@@ -7935,6 +8111,18 @@ class _SandboxRewriter(ast.NodeTransformer):
             return node
         return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
 
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
+        if not tests:
+            return node
+        if len(node.ops) > 1:
+            raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
+        call = _guard_call("__sb_in__", node, node.left, node.comparators[0])
+        if isinstance(tests[0], ast.NotIn):
+            call = ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
+        return call
+
     def visit_AugAssign(self, node):
         self.generic_visit(node)
         symbol = _GUARDED_OPERATORS.get(type(node.op))
@@ -8087,13 +8275,35 @@ def guard_enter():
     return True
 
 
-def _address_space():
-    """Current virtual size of this process in bytes, or None where /proc is missing."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+class _AddressSpace:
+    """This process's virtual size in bytes, from /proc/self/statm read through one descriptor
+    kept open (a process resource, like _SANDBOX_TURN): opening the file cost about 10 us a
+    call, a pread of the open descriptor about 1 us, and the number is read fresh every time.
+    A forked child reopens it (/proc/self named the parent). None where /proc is missing."""
+
+    __slots__ = ("pid", "fd")
+
+    def __init__(self):
+        self.pid, self.fd = None, None
+
+    def read(self):
+        pid = os.getpid()
+        if pid != self.pid:          # first use, or a forked child; runs under _SANDBOX_TURN
+            self.pid, self.fd = pid, None
+            try:
+                self.fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                return None
+        if self.fd is None:
+            return None
+        try:
+            return int(os.pread(self.fd, 64, 0).split()[0]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_ADDRESS_SPACE = _AddressSpace()
 
 
 class _MemoryCap:
@@ -8103,7 +8313,7 @@ class _MemoryCap:
         self.saved = None
         if resource is None:
             return self
-        current = _address_space()
+        current = _ADDRESS_SPACE.read()
         if current is None:
             return self
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -8482,6 +8692,9 @@ def _check_operands(symbol, left, right):
             if isinstance(seq, _SIZED) and isinstance(count, int) \
                     and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
                 _refuse_size("repetition")
+            if isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 1 \
+                    and _nested_weight(seq) * count > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition of a nested structure")
     elif symbol == "**":
         if ints and right > 0 and abs(left) > 1 \
                 and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
@@ -8552,6 +8765,27 @@ def _text_weight(value, memo):
                 break
     memo[key] = weight
     return weight
+
+
+def _nested_weight(seq):
+    """_text_weight of a list or tuple, or just its length when no item is a container (found
+    by a C-level scan, so a long flat list costs no Python loop)."""
+    if set(map(type, seq)).isdisjoint(_CONTAINERS):
+        return len(seq)
+    return _text_weight(seq, {})
+
+
+def guard_in(needle, haystack):
+    """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
+    needle with one item, so a container needle against a long list of aliases of one big
+    structure is quadratic C-level work: m in [l] * 10**6, with l built by a comprehension.
+    Refused when both bounds of that work pass the limit: items x needle size, and the text
+    weight of the haystack (aliases counted every time)."""
+    if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
+            and len(haystack) * _text_weight(needle, {}) > SANDBOX_MAX_ITEMS \
+            and _text_weight(haystack, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("membership test")
+    return needle in haystack
 
 
 def check_rendering(value):
@@ -8630,7 +8864,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
