@@ -212,7 +212,10 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
-_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
+_IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
+_SAME = object()        # Message.copy: "keep this field"
+
+
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -224,14 +227,20 @@ class Message:
         self.source_stream = source_stream
         self.timestamp = timestamp
 
-    def copy(self, **changes):
-        """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
-                for k, v in self.metadata.items()}
-        new = Message(self.content, meta, self.source_stream, self.timestamp)
-        for key, value in changes.items():
-            setattr(new, key, value)
-        return new
+    def copy(self, *, content=_SAME, metadata=_SAME, source_stream=_SAME, timestamp=_SAME):
+        """§12.2.1: metadata.context by reference, every other entry copied one level deep.
+
+        Keyword arguments replace fields of the copy (a given `metadata` is used as is).
+        """
+        if metadata is _SAME:
+            metadata = self.metadata.copy()
+            if len(metadata) > 1 or "context" not in metadata:
+                for key, value in metadata.items():     # replacing values keeps the dict's size
+                    if type(value) not in _IMMUTABLE and key != "context":
+                        metadata[key] = copy.copy(value)
+        return Message(self.content if content is _SAME else content, metadata,
+                       self.source_stream if source_stream is _SAME else source_stream,
+                       self.timestamp if timestamp is _SAME else timestamp)
 
     def __repr__(self):
         return f"Message({self.content!r}, source_stream={self.source_stream!r})"
@@ -746,6 +755,7 @@ class LLMAgent:
             raise rt.error(ConfigurationError, cpath + ("base_url",),
                            "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
@@ -802,7 +812,8 @@ class LLMAgent:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
-                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
+                    jitter=self.jitter)
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
@@ -1166,11 +1177,8 @@ class ToolAgent:
                 self.capabilities.append(capability)
         if self.allow_shell and "command-execution" not in self.capabilities:
             self.capabilities.append("command-execution")
-        self.metadata = {
-            "name": name, "type": "tool", "capabilities": list(self.capabilities),
-            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
-            "safe_mode": self.safe_mode, "timeout": self.timeout,
-        }
+        self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
+                                       safe_mode=self.safe_mode, timeout=self.timeout)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1895,7 +1903,69 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
+from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
+
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+# §4.11: the capability a graph or stream component publishes (agents publish their own list).
+COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
+
+
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        self.base = tuple(path)
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
+        path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def component_routes(components):
+    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            route = dict(route) if isinstance(route, dict) else route
+            if isinstance(route, dict) and route.get("type") is None:
+                route["type"] = kind[:-1]
+            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
+                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
+            routes[local] = route
+    return routes
 
 
 def check_composite(doc, name, config, path, agent_types):
@@ -1904,6 +1974,11 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
+    # INTERPRETATION §4.6: expose_params is a mapping, published in metadata; overriding happens
+    # only through template parameters (§8.10).
+    if "expose_params" in config and not isinstance(config["expose_params"], dict):
+        raise doc.error(ConfigurationError, path + ("expose_params",),
+                        "expose_params must be a mapping", "4.6")
     components = config.get("components")
     if not isinstance(components, dict):
         raise doc.error(ConfigurationError, path + ("components",),
@@ -1913,11 +1988,16 @@ def check_composite(doc, name, config, path, agent_types):
         if key not in COMPONENT_KINDS.values():
             raise doc.error(ConfigurationError, path + ("components", key),
                             f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
                             "4.6.1")
-    for local, sub in (components.get("agents") or {}).items():
-        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    local_agents = components.get("agents") or {}
+    for local, sub in local_agents.items():
+        lpath = path + ("components", "agents", local)
+        if is_agent_ref(sub):
+            check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
+        else:
+            check_agent(doc, local, sub, lpath, agent_types)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -1936,65 +2016,188 @@ def check_composite(doc, name, config, path, agent_types):
         if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+    check_component_routes(doc, config, path)
+
+
+def composite_scope(doc, path):
+    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
+    composite's, and its own."""
+    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
+    names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    return names
+
+
+def is_agent_ref(cfg):
+    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
+    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
+
+
+def check_agent_ref(doc, local, cfg, path, scope, siblings):
+    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
+    # INTERPRETATION §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
+    # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
+    target = cfg["ref"]
+    extra = sorted(set(cfg) - {"ref"})
+    if extra:
+        raise doc.error(ConfigurationError, path + (extra[0],),
+                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
+    if not isinstance(target, str) or target == local or target not in scope:
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
+    if is_agent_ref(siblings.get(target)):
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names another ref component; name the agent itself",
+                        "8.7.1")
+
+
+class AgentRef:
+    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
+    looked up when used (it may be declared after the composite)."""
+
+    type = "ref"
+
+    def __init__(self, name, target, scope):
+        self.name, self.target, self.scope = name, target, scope
+
+    @property
+    def agent(self):
+        agent = self.scope[self.target]
+        return agent.agent if isinstance(agent, AgentRef) else agent
+
+    @property
+    def capabilities(self):
+        return self.agent.capabilities if self.target in self.scope else []
+
+    def invoke(self, content, ctx):
+        return self.agent.invoke(content, ctx)
+
+
+def check_component_routes(doc, config, path):
+    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
+    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    components = config["components"]
+    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
+    if both:
+        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
+                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
+    routes = component_routes(components)
+    for local, route in routes.items():
+        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            "must be a mapping", "4.6.1")
+        if route_type(route) != kind[:-1]:
+            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
+                            f"a component under {kind} is a {kind[:-1]}, not "
+                            f"'{route.get('type')}'", "4.6.1")
+    if not routes:
+        return
+    agent_names = composite_scope(doc, path)
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
+    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    for local in sorted(graphs, key=list(routes).index):
+        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
+    check_streams(sub_doc, agent_names, graphs)
 
 
 class CompositeAgent:
     """§4.6: nested agents, graphs and streams behind one agent interface.
 
-    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
-    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
-    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
-    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
-    to the output component.
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output},
+    expose_params: {...}}}
+    The components live in a Runtime of their own whose agents are the local ones over the outer
+    ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
+    found); it shares the outer clock, context, prompts and settings. Local agents are created
+    with the composite; its graphs and streams are wired on first use, once every outer agent
+    exists (their static checks ran at validation).
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
+    handed to the output component -- unless the output component is a stream that the input's
+    flow already reached, whose emission is then the response.
+    INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
+    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
     """
 
     type = "composite"
 
     def __init__(self, name, cfg, rt, path):
-        self.name, self.rt, self.path = name, rt, path
+        self.name, self.rt = name, rt
+        # Agents and graphs inside get their absolute paths; the stream checks speak of
+        # routes.<local>, which ComponentDoc maps back under this agent's path.
+        outer_doc = rt.doc.outer if isinstance(rt.doc, ComponentDoc) else rt.doc
+        self.path = rt.doc.outer_path(path) if isinstance(rt.doc, ComponentDoc) else tuple(path)
         config = cfg["config"]
         components = config["components"]
-        routes = {}
-        for kind in ("graphs", "streams"):
-            for local, route in (components.get(kind) or {}).items():
-                route = dict(route)
-                route.setdefault("type", kind[:-1])
-                routes[local] = route
-        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                      rt.doc.marks, rt.doc.files)
-        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
-                             llm_transport=rt.llm_transport)
-        inner = self.inner
+        self.routes = component_routes(components)
+        sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
+                                "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.agents = dict(rt.agents)
-        for local, sub in (components.get("agents") or {}).items():
-            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
-        agent_names = set(inner.agents)
-        for local, route in routes.items():
-            rpath = path + ("components", route["type"] + "s", local)
-            if route["type"] == "graph":
-                check_graph(sub_doc, local, route, rpath, agent_names)
-                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
-        self.network = None
-        if routes:
-            check_streams(sub_doc, agent_names, set(inner.graphs))
-            self.network = StreamNetwork(inner)
-            self._collected = []
-            self.network.on_output(self._collected.append)
+        inner.default_router = None
+        inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        # Warnings about routes.<local> name the component's full path, like its errors do.
+        inner.warn = lambda message, *, section=None, path=None: rt.warn(
+            message, section=section, path=None if path is None else sub_doc.outer_path(path))
+        local = {}
+        inner.agents = ChainMap(local, rt.agents)
+        for lname, sub in (components.get("agents") or {}).items():
+            if is_agent_ref(sub):
+                local[lname] = AgentRef(lname, sub["ref"], inner.agents)
+            else:
+                local[lname] = make_agent(inner, lname, sub,
+                                          self.path + ("config", "components", "agents", lname))
+        self.local_agents = local
         self.routing = config["routing"]
-        self.capabilities = ["composite"]
-        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
-            for cap in agent.capabilities:
-                if cap not in self.capabilities:
-                    self.capabilities.append(cap)
-        for local in routes:
-            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
-            if cap not in self.capabilities:
-                self.capabilities.append(cap)
-        self.metadata = agent_metadata(self, components={
-            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+        self.expose_params = dict(config.get("expose_params") or {})
+        self._lock = threading.RLock()
+        self.network, self._emitted, self._errors = None, {}, []
+        self._built = not self.routes
+        self._components = {kind: sorted(components.get(kind) or {})
+                            for kind in ("agents", "graphs", "streams")}
+
+    @property
+    def capabilities(self):
+        """§4.11, computed when asked, since a `ref` component may be declared after us."""
+        # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
+        # then stateful-workflow per graph and reactive-processing per stream (no repeats).
+        caps = ["composite"]
+        for cap in [cap for agent in self.local_agents.values() for cap in agent.capabilities] + \
+                [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]:
+            if cap not in caps:
+                caps.append(cap)
+        return caps
+
+    @property
+    def metadata(self):
+        return agent_metadata(self, components=copy.deepcopy(self._components),
+                              expose_params=dict(self.expose_params))
+
+    def _build(self):
+        """Wire the graphs and streams (§12.1 steps 4-6 inside the composite), once."""
+        with self._lock:
+            if self._built:
+                return
+            inner = self.inner
+            for local, route in self.routes.items():
+                if route["type"] == "graph":
+                    gpath = self.path + ("config", "components", "graphs", local)
+                    inner.graphs[local] = GraphRoute(local, route, inner, gpath)
+            self._emitted = {local: [] for local, route in self.routes.items()
+                             if route["type"] == "stream"}
+            self._errors = []
+            if self._emitted:
+                self.network = StreamNetwork(inner)
+                for local, seen in self._emitted.items():
+                    self.network.subscribe(local, seen.append)
+                self.network.on_error(self._errors.append)
+            self._built = True
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -2002,17 +2205,49 @@ class CompositeAgent:
             return self.inner.agents[name].invoke(content, ctx)
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
-        start = len(self._collected)
-        self.network.send(content, target=name)
-        emitted = self._collected[start:]
-        return emitted[-1].content if emitted else content
+        ctx = self.rt.context if ctx is None else ctx
+        self.network.send(content, target=name, metadata={"context": ctx})
+        return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
+        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        self._build()
         first, last = self.routing["input"], self.routing["output"]
-        result = self._dispatch(first, content, ctx)
-        if (last["type"], last["name"]) != (first["type"], first["name"]):
-            result = self._dispatch(last, result, ctx)
+        with self._lock:                          # one request at a time through the wiring
+            marks = {local: len(seen) for local, seen in self._emitted.items()}
+            errors = len(self._errors)
+            result = self._dispatch(first, content, ctx)
+            if first["type"] == "stream":
+                result = self._stream_reply(first["name"], marks)
+            if (last["type"], last["name"]) != (first["type"], first["name"]):
+                reached = last["type"] == "stream" and \
+                    len(self._emitted[last["name"]]) > marks[last["name"]]
+                if not reached:
+                    marks = {local: len(seen) for local, seen in self._emitted.items()}
+                    result = self._dispatch(last, result, ctx)
+                if last["type"] == "stream":
+                    result = self._stream_reply(last["name"], marks)
+            failed = self._errors[errors:]
+        # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
+        if failed:
+            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
+                                 section="4.6.2")
         return result
+
+    def close(self):
+        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
+        with self._lock:
+            if self.network is not None:
+                self.network.close()
+            for graph in self.inner.graphs.values():
+                graph.close()
+            for agent in self.local_agents.values():
+                if isinstance(agent, CompositeAgent):
+                    agent.close()
+
+    def _stream_reply(self, name, marks):
+        emitted = self._emitted[name][marks[name]:]
+        return emitted[-1].content if emitted else ""
 
 
 # §4.7 Chain agents -----------------------------------------------------------------------
@@ -2395,10 +2630,8 @@ class StreamRoute(_Node):
         self.ops = cfg.get("operators") or []
         self.head = build_chain(net, name, self.ops, path + ("operators",),
                                 Stage(self.emit, self.out.complete))
+        self.push = self.head.next      # a message pushed in goes straight to the first operator
         self.ended = False
-
-    def push(self, msg):
-        self.head.next(msg)
 
     def emit(self, msg):
         # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
@@ -2486,7 +2719,8 @@ class Stream:
     __error__ (§12.2.3), so the stream keeps flowing.
     """
 
-    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done",
+                 "next")
 
     def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
         self.name, self.stream_type = name, stream_type
@@ -2498,19 +2732,35 @@ class Stream:
         if initial_value is not _NO_VALUE and stream_type == "hot":
             self.memory.append(Message(initial_value, source_stream=name))
         self.done = False
+        self._rewire()
+
+    def _rewire(self):
+        # `next` is an attribute, not a method: with no memory and exactly one observer it is
+        # that observer itself, which spares every message one call per hop.
+        if self.memory is None and len(self.observers) == 1:
+            self.next = self.observers[0]
+        else:
+            self.next = self._deliver
 
     def subscribe(self, on_next, on_complete=None):
         """Add an observer; hot and replay streams first replay their memory to it."""
         for msg in list(self.memory or ()):
             on_next(msg)
         self.observers.append(on_next)
+        self._rewire()
         if on_complete is not None:
             if self.done:
                 on_complete()
             else:
                 self.finishers.append(on_complete)
 
-    def next(self, msg):
+    def dispose(self):
+        """§12.1 step 8: drop every observer."""
+        self.observers.clear()
+        self.finishers.clear()
+        self._rewire()
+
+    def _deliver(self, msg):
         if self.memory is not None:
             self.memory.append(msg)
             if len(self.memory) > self.keep:
@@ -3142,7 +3392,7 @@ def resolve_context(msg, rt):
 
     Returns the dict itself (a reference, §10.2), never a copy.
     """
-    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    ctx = msg.metadata.get("context")
     if isinstance(ctx, dict):
         return ctx
     ctx = getattr(rt, "context", None)
@@ -3185,32 +3435,39 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    attempts = 1 + retry_count(site)
     call = agent.invoke if not rt.clock.real else (
         lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    retries = retry_count(site)
+
+    def with_retries(content, ctx):
+        """§5.3.2 retry: up to `retries` more calls after a failure (never after a timeout)."""
+        for _ in range(retries):
+            try:
+                return call(content, ctx)
+            except _AgentTimedOut:
+                raise
+            except Exception:           # tried again below; the last failure is the one reported
+                continue
+        return call(content, ctx)
+    attempt = with_retries if retries else call
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
-        failure = None
-        for _ in range(attempts):
-            try:
-                reply = call(msg.content, ctx)
-            except _AgentTimedOut:
-                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
-                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                    processed_by=name)
-                break
-            except Exception as exc:    # §12.2.3 boundary: agent invocation
-                failure = exc
-                continue
+        try:
+            reply = attempt(msg.content, ctx)
+        except _AgentTimedOut:
+            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        except Exception as exc:        # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        else:
             out = msg.copy(content=reply, source_stream=route)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
             down.next(out)
             return
-        else:
-            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
         net.report(out)
@@ -3475,7 +3732,8 @@ class StreamNetwork:
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
-        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+        self.input = _Node(self, INPUT, Stream(INPUT))
+        self.nodes = {INPUT: self.input,
                       OUTPUT: _Sink(self, OUTPUT, self._to_output),
                       ERROR: _Sink(self, ERROR, self._to_error)}
         for name, cfg in routes.items():            # §12.1 step 4: routes
@@ -3587,16 +3845,20 @@ class StreamNetwork:
     # The host side ------------------------------------------------------------------------
     def send(self, content, *, target=None, metadata=None):
         """Submit a message to __input__, or straight to the route named `target`."""
-        name = INPUT if target is None else target
-        node = self.nodes.get(name)
-        if node is None or name in (OUTPUT, ERROR):
-            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
-        if self.nodes[INPUT].out.done:
+        stream = self.input.out
+        if target is None:
+            push = stream.next                          # __input__ is a plain stream
+        elif target in self.nodes and target not in (OUTPUT, ERROR):
+            push = self.nodes[target].push
+        else:
+            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        if stream.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        rt = self.rt
+        meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+        push(Message(content, meta, INPUT, rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -3629,8 +3891,7 @@ class StreamNetwork:
     def close(self):
         """§12.1 step 8: dispose of every subscription and host hook."""
         for node in self.nodes.values():
-            node.out.observers.clear()
-            node.out.finishers.clear()
+            node.out.dispose()
             if isinstance(node, _Sink):
                 node.hooks.clear()
 
@@ -3708,22 +3969,23 @@ class _Sink(_Node):
 
     def __init__(self, net, name, adjust):
         super().__init__(net, name, Stream(name))
-        self.adjust, self.hooks, self.depth = adjust, [], 0
+        self.adjust, self.hooks, self.delivering = adjust, [], False
 
     def push(self, msg):
         msg = self.adjust(msg)
-        self.depth += 1
-        try:
-            if self.depth == 1:
-                self.out.next(msg)
-            else:
+        if self.out.observers:          # routes fed from this stream (a merge from __error__)
+            if self.delivering:
                 # §12.6: a message emitted here while this stream is still delivering another
                 # (e.g. an error handler fed from __error__ that fails) goes to the host only.
                 self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
-            for hook in self.hooks:
-                hook(msg)
-        finally:
-            self.depth -= 1
+            else:
+                self.delivering = True
+                try:
+                    self.out.next(msg)
+                finally:
+                    self.delivering = False
+        for hook in self.hooks:
+            hook(msg)
 
 
 class GraphParticipant(_Node):
@@ -3897,6 +4159,9 @@ class GraphRoute:
         self._lock = threading.RLock()                       # one run or update at a time
 
     # -- executing -------------------------------------------------------------------------
+    # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
+    # (§6.11 forward adjacency) and each edge knows its target GraphNode, so stepping looks
+    # nothing up by name.
     def run(self, content, ctx=None, *, pure=False):
         """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
 
@@ -3908,7 +4173,13 @@ class GraphRoute:
         with self._lock:
             begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            entry = self.nodes[self.entry]
+            if entry.type == START_NODE:        # start hands the message on and changes nothing
+                first = [(entry, content)]
+            elif entry.type == END_NODE:
+                first = []
+            else:
+                first = self._step([(entry, content)], trace)
             return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
@@ -3918,14 +4189,15 @@ class GraphRoute:
         with self._lock:
             metadata = self.state["metadata"]
             metadata["context"] = target_ctx
-            node, output = self.state.get("current_node"), metadata.get("last_output", "")
-            done = node in (None, END_NODE) or node not in self.nodes
+            name, output = self.state.get("current_node"), metadata.get("last_output", "")
+            node = self.nodes.get(name) if isinstance(name, str) else None
+            done = node is None or node.type == END_NODE
             return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
         while results and trace.stopped is None:
-            frontier = self._next_nodes(results, trace)
+            frontier = self._next_nodes(results)
             if not frontier:
                 break
             results = self._step(frontier, trace)
@@ -3944,19 +4216,19 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
+            output = content if result is None else result.output
             if result is not None:
                 self._apply(node, content, result)
-            return content if result is None else result.output
+            self._executed(node, output)
+            return output
 
     def _step(self, frontier, trace):
-        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
         admitted = []
-        for name, message in frontier:
-            node = self.nodes[name]
-            stop = guard_before_node(self, node, message, trace, relaxed)
-            if stop:
+        for node, message in frontier:
+            if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
@@ -3968,28 +4240,30 @@ class GraphRoute:
             if error is not None:
                 state["error"] = str(error)
                 raise error
-            if node.type != "start":
+            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
+            # they were
+            output = message if result is None else result.output
+            if node.type != START_NODE:             # an edge may lead back to start
                 trace.history.append(node.name)
-            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
-                results.append((node.name, message))
-                continue
-            if node.type != "start":
-                self._apply(node, message, result)
-            trace.output = result.output
-            results.append((node.name, result.output))
-            if guard_after_node(self, node, result.output, trace, relaxed):
-                break
+                if result is not None:
+                    self._apply(node, message, result)
+                self._executed(node, output)
+            results.append((node, output))
+            if result is not None:
+                trace.output = output
+                if guard_after_node(self, node, output, trace, relaxed):
+                    break
         return results
 
-    def _next_nodes(self, results, trace):
+    def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
-        for name, output in results:
+        for node, output in results:
             view = None
-            for edge in self.forward[name]:
+            for edge in node.out:
                 if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
                     continue
                 if edge.condition is not None:
@@ -4000,7 +4274,7 @@ class GraphRoute:
                         continue
                 taken.add(edge.target)
                 if edge.target != END_NODE:
-                    frontier.append((edge.target, output))
+                    frontier.append((edge.node, output))
         return frontier
 
     def _apply(self, node, message, result):
@@ -4026,8 +4300,12 @@ class GraphRoute:
                 del messages[:len(messages) - MAX_STATE_MESSAGES]
         state["current_node"] = node.name
         self._updated()
+
+    def _executed(self, node, output):
+        """Count one execution of `node`; in mixed mode tell its §6.10 internal stream."""
+        node.executions += 1
         if self.observers:
-            notify_node_event(self, node, result.output)
+            notify_node_event(self, node, output)
 
     def _updated(self):
         """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
@@ -4107,7 +4385,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "path")
+                 "out", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4129,6 +4407,8 @@ class GraphNode:
         self.condition = cfg.get("condition")
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
+        self.out = []                               # the edges leaving this node (§6.11)
+        self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
 class NodeResult:
@@ -4192,13 +4472,16 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
     "_history_truncated", "_history_original_length"})
 
 
+_message_content = operator.itemgetter("content")
+
+
 def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if len("".join([entry["content"] for entry in history])) <= max_chars:
+        if len("".join(map(_message_content, history))) <= max_chars:
             return history
     except (KeyError, TypeError):
         pass
@@ -4211,8 +4494,63 @@ def trim_history(messages, max_messages, max_chars, end=None):
     return history
 
 
+class NodeContext(dict):
+    """The context mapping an agent node hands its agent: a plain dict to every reader, which also
+    notes each key the agent writes or removes, so that §6.2.2 item 3 copies back exactly those
+    keys without comparing the whole mapping before and after the call."""
+
+    touched = frozenset()           # the keys written or removed; most agents never write
+
+    def _note(self, *keys):
+        self.touched = self.touched.union(keys)
+
+    def __setitem__(self, key, value):
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._note(key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs):
+        written = dict(*args, **kwargs)
+        self._note(*written)
+        super().update(written)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._note(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        if key in self:
+            self._note(key)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._note(key)
+        return key, value
+
+    def clear(self):
+        self._note(*self)
+        super().clear()
+
+    def changes(self):
+        """(key -> value for every key written, the set of keys removed); reserved keys left out."""
+        if not self.touched:
+            return {}, ()
+        touched = self.touched - AGENT_NODE_RESERVED_KEYS
+        written = {key: self[key] for key in touched if key in self}
+        return written, touched - written.keys()
+
+
 def agent_node_context(node, state, message):
-    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
@@ -4233,18 +4571,7 @@ def agent_node_context(node, state, message):
     if len(history) < end:
         ctx["_history_truncated"] = True
         ctx["_history_original_length"] = end
-    return ctx
-
-
-def context_changes(before, after):
-    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
-    get = before.get
-    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
-    if changes:
-        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
-            del changes[key]
-    removed = before.keys() - after.keys()
-    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+    return NodeContext(ctx)
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4282,7 +4609,6 @@ def node_agent(graph, node, message, state):
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
-        before = dict(ctx)
         try:
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
@@ -4296,7 +4622,7 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = context_changes(before, ctx)
+    changes, removed = ctx.changes()
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
@@ -4626,17 +4952,23 @@ EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
 
 
 class GraphEdge:
-    __slots__ = ("source", "target", "condition", "path", "cfg")
+    """One edge: source and target names (START/END normalised), the target GraphNode itself."""
 
-    def __init__(self, source, target, condition, path, cfg):
-        self.source, self.target, self.condition, self.path, self.cfg = \
-            source, target, condition, path, cfg
+    __slots__ = ("source", "target", "node", "condition", "path", "cfg")
+
+    def __init__(self, source, target, node, condition, path, cfg):
+        self.source, self.target, self.node, self.condition, self.path, self.cfg = \
+            source, target, node, condition, path, cfg
 
 
 def build_edges(graph):
-    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
-                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
-            for i, e in enumerate(graph.cfg.get("edges") or [])]
+    edges = []
+    for index, cfg in enumerate(graph.cfg.get("edges") or []):
+        target = normalize_node_name(cfg["target"])
+        edges.append(GraphEdge(normalize_node_name(cfg["source"]), target, graph.nodes[target],
+                               cfg.get("condition"), graph.path + ("edges", index, "condition"),
+                               cfg))
+    return edges
 
 # §6.5 Edge conditions -------------------------------------------------------------------
 # Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
@@ -4883,10 +5215,18 @@ def internal_stream_names(graph_name, node_names):
 
 
 def notify_node_event(graph, node, output):
-    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode).
+
+    The event carries the §12.2.1 keys of a node-level message: graph, node, execution_count
+    (this node's executions so far, counting this one) and context (the run's invocation
+    context, by reference)."""
+    # INTERPRETATION §6.10/§12.2.1: a node event is emitted for every execution (a router that
+    # matched nothing included); execution_count is the per-node counter of §12.2.1, kept for
+    # the Actor's lifetime, not the state's update count.
     stream = f"__{graph.name}_node_{node.name}__"
     msg = Message(output, {"graph": graph.name, "node": node.name,
-                           "execution_count": graph.state["execution_count"]},
+                           "execution_count": node.executions,
+                           "context": graph.state["metadata"].get("context")},
                   source_stream=stream, timestamp=graph.rt.clock.now())
     for listener in list(graph.observers):
         listener(stream, msg)
@@ -4915,9 +5255,9 @@ def analyse_graph(graph):
     if result.unreachable:
         graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():                                         # for §6.8 item 4
-        out = result.forward[name]
-        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    for name, node in nodes.items():
+        node.out = out = result.forward[name]                                 # for stepping
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 
 
@@ -8758,6 +9098,8 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
+import random       # [llm] retry jitter only; the integrator may hoist it to the top
+
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
 LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
@@ -8771,9 +9113,9 @@ def scrub_key(text, key):
     return text.replace(key, "***") if key and isinstance(text, str) else text
 
 
-def _retry_delay(headers, data, attempt):
+def _retry_delay(headers, data, attempt, jitter=random.random):
     """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
-    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8) less a random quarter."""
     wait = None
     if headers.get("retry-after-ms"):
         try:
@@ -8800,7 +9142,9 @@ def _retry_delay(headers, data, attempt):
                     pass
     if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
         return wait
-    return min(0.5 * 2 ** attempt, 8.0)
+    # Exponential back-off with the SDKs' jitter (up to 25 % shorter), so that clients that
+    # failed together do not retry together.
+    return min(0.5 * 2 ** attempt, 8.0) * (1.0 - 0.25 * jitter())
 
 
 def _http_post(url, headers, body, timeout):
@@ -8833,7 +9177,8 @@ class ProviderAdapter:
         """A fixed-up body to send once after a 400 the vendor explains, or None."""
         return None
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
@@ -8877,7 +9222,7 @@ class ProviderAdapter:
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
-            sleep(_retry_delay(resp_headers, data, attempt))
+            sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
 
     def _parse_reply(self, raw, key):
@@ -8970,7 +9315,12 @@ class AnthropicAdapter(ProviderAdapter):
 
     def body(self, request):
         messages = []
-        for entry in request["messages"]:       # consecutive same-role turns become one
+        entries = list(request["messages"])
+        # The Messages API wants the first turn from the user; an odd max_history (§4.4.4) can
+        # leave an assistant entry first, whose question was truncated away: it is not sent.
+        while entries and entries[0]["role"] == "assistant":
+            entries.pop(0)
+        for entry in entries:                   # consecutive same-role turns become one
             if messages and messages[-1]["role"] == entry["role"]:
                 messages[-1] = {"role": entry["role"],
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}
@@ -9095,7 +9445,8 @@ class FakeAdapter(ProviderAdapter):
     name = "fake"
     structured = frozenset({"json_schema", "json_object", "text"})
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         return request["messages"][-1]["content"]
 
 
@@ -9138,9 +9489,11 @@ PROVIDERS = {
 class Result:
     """What one call observed: the messages emitted on __output__ and on __error__, in order."""
 
-    def __init__(self):
-        self.outputs = []
-        self.errors = []
+    __slots__ = ("outputs", "errors")
+
+    def __init__(self, outputs=None, errors=None):
+        self.outputs = [] if outputs is None else outputs
+        self.errors = [] if errors is None else errors
 
     def __repr__(self):
         return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
@@ -9154,32 +9507,22 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        self._result = None
-        self._lock = threading.Lock()
-        network.on_output(self._collect_output)
-        network.on_error(self._collect_error)
+        # What the current call has seen. The hooks are bare list.append, which is atomic, so
+        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        self._outputs, self._errors = [], []
+        network.on_output(self._outputs.append)
+        network.on_error(self._errors.append)
 
-    # -- collecting what a call emits (graph branches may emit from worker threads)
-    def _collect_output(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.outputs.append(msg)
+    # -- one call: _begin(), act, then _end() returns what it emitted
+    def _begin(self):
+        del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
-    def _collect_error(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.errors.append(msg)
-
-    def _call(self, action):
-        with self._lock:
-            self._result = result = Result()
-        try:
-            action()
-            if self.rt.clock.real:
-                self.network.settle()
-        finally:
-            with self._lock:
-                self._result = None
+    def _end(self):
+        if self.rt.clock.real:
+            self.network.settle()
+        outputs, errors = self._outputs, self._errors
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
         return result
 
     # -- the public API
@@ -9191,19 +9534,28 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        def action():
-            if at is not None:
-                self.rt.clock.set_time(at)
-            self.network.send(content, target=target)
-        return self._call(action)
+        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+        del outputs[:], errors[:]                           # send() is the hot path
+        if at is not None:
+            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
+        self.network.send(content, target=target)
+        if self.rt.clock.real:
+            self.network.settle()
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
+        return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        return self._call(lambda: self.rt.clock.advance(seconds))
+        self._begin()
+        self.rt.clock.advance(seconds)
+        return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        return self._call(self.network.complete)
+        self._begin()
+        self.network.complete()
+        return self._end()
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
@@ -9236,7 +9588,9 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        return self._call(lambda: self._graph(route).resume(self.rt.context))
+        self._begin()
+        self._graph(route).resume(self.rt.context)
+        return self._end()
 
     # -- inspection (§4.11)
     def describe(self):

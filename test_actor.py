@@ -348,6 +348,8 @@ def test_cli_version_and_help():
 import http.server  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
+import email.utils  # noqa: E402
+import time  # noqa: E402
 
 LLM_KEY = "sk-test-SECRET-4242"
 
@@ -428,9 +430,11 @@ def _openai_ok(text):
                                    "message": {"role": "assistant", "content": text}}]})
 
 
-def _sleeps(agent):
+def _sleeps(agent, jitter=0.0):
+    """Record the agent's back-off waits; pin the jitter draw (0.0 = the full back-off)."""
     waits = []
     agent.sleep = waits.append
+    agent.jitter = lambda: jitter
     return waits
 
 
@@ -894,6 +898,20 @@ def test_malformed_json_reply_is_execution_error(llm_server, llm_render):
         _llm_agent({"base_url": llm_server.url}).invoke("x", {})
 
 
+@pytest.mark.parametrize("provider, env", [("anthropic", {"ANTHROPIC_API_KEY": LLM_KEY}),
+                                           ("google", {"GOOGLE_API_KEY": LLM_KEY})])
+def test_malformed_and_fieldless_replies_per_vendor(llm_server, llm_render, provider, env):
+    llm_server.replies += [(200, {}, b"<html>gateway</html>"), (200, {}, {"id": "x"}),
+                           (404, {}, b"not json either")]
+    agent = _llm_agent({"provider": provider, "base_url": llm_server.url}, _llm_rt(env))
+    for expected in (f"{provider}: malformed JSON", f"{provider}: unexpected reply",
+                     f"{provider}: HTTP 404: not json either"):
+        with pytest.raises(actor.ExecutionError, match=expected) as info:
+            agent.invoke("x", {})
+        assert LLM_KEY not in str(info.value)
+    assert len(llm_server.requests) == 3
+
+
 def test_connection_error_retried_then_reported(llm_render):
     server = _LLMServer()
     url = server.url
@@ -912,6 +930,166 @@ def test_request_timeout(llm_server, llm_render, monkeypatch):
     llm_server.replies.append(_openai_ok("late"))
     with pytest.raises(actor.ExecutionError, match="timed out"):
         _llm_agent({"base_url": llm_server.url}).invoke("x", {})
+
+
+def test_backoff_jitter_takes_off_at_most_a_quarter(llm_server, llm_render):
+    assert actor._retry_delay({}, None, 0, lambda: 0.0) == 0.5
+    assert actor._retry_delay({}, None, 0, lambda: 0.999) == pytest.approx(0.375, abs=1e-3)
+    assert actor._retry_delay({}, None, 9, lambda: 0.0) == 8.0          # the 8 s cap
+    assert 0.375 <= actor._retry_delay({}, None, 0) <= 0.5               # the real draw
+    llm_server.replies += [(503, {}, {"error": {"message": "busy"}})] * 2 + [_openai_ok("ok")]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent, jitter=1.0)
+    assert agent.invoke("x", {}) == "ok" and waits == [0.375, 0.75]
+
+
+def test_retry_after_as_http_date_and_over_the_cap():
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= actor._retry_delay({"retry-after": soon}, None, 0, lambda: 0.0) <= 30
+    assert actor._retry_delay({"retry-after": "120"}, None, 1, lambda: 0.0) == 1.0   # > 60 s
+    assert actor._retry_delay({"retry-after": "soon"}, None, 0, lambda: 0.0) == 0.5  # unreadable
+
+
+@pytest.mark.parametrize("status, retried", [
+    (408, True), (409, True), (429, True), (500, True), (502, True), (503, True), (504, True),
+    (529, True), (400, False), (401, False), (403, False), (404, False), (413, False)])
+def test_which_statuses_are_retried(llm_server, llm_render, status, retried):
+    llm_server.replies += [(status, {}, {"error": {"message": "m"}}), _openai_ok("ok")]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    if retried:
+        assert agent.invoke("x", {}) == "ok" and waits == [0.5]
+    else:
+        with pytest.raises(actor.ExecutionError, match=f"HTTP {status}"):
+            agent.invoke("x", {})
+        assert waits == [] and len(llm_server.requests) == 1
+
+
+def test_x_should_retry_true_retries_even_a_400(llm_server, llm_render):
+    llm_server.replies += [(400, {"x-should-retry": "true"}, {"error": {"message": "flaky"}}),
+                           _openai_ok("ok")]
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    assert agent.invoke("x", {}) == "ok" and waits == [0.5]
+
+
+def test_timeouts_are_retried_then_reported(llm_server, llm_render, monkeypatch):
+    monkeypatch.setattr(actor, "LLM_REQUEST_TIMEOUT", 0.05)
+    llm_server.delay = 0.12
+    llm_server.replies += [_openai_ok("late")] * 3
+    agent = _llm_agent({"base_url": llm_server.url})
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="timed out after 0.05 s"):
+        agent.invoke("x", {})
+    assert waits == [0.5, 1.0]
+
+
+@pytest.mark.parametrize("provider, env, base, path", [
+    ("openai", {"OPENAI_API_KEY": "k"}, "/gw/api/v1/", "/gw/api/v1/chat/completions"),
+    ("openai", {"OPENAI_API_KEY": "k"}, "", "/chat/completions"),
+    ("anthropic", {"ANTHROPIC_API_KEY": "k"}, "", "/v1/messages"),
+    ("anthropic", {"ANTHROPIC_API_KEY": "k"}, "/proxy/v1/", "/proxy/v1/messages"),
+    ("anthropic", {"ANTHROPIC_API_KEY": "k"}, "/proxy", "/proxy/v1/messages"),
+    ("google", {"GOOGLE_API_KEY": "k"}, "/", "/v1beta/models/m-1:generateContent"),
+    ("google", {"GOOGLE_API_KEY": "k"}, "/gw/v1beta", "/gw/v1beta/models/m-1:generateContent"),
+])
+def test_base_urls_keep_their_prefix_and_never_double_the_version(llm_server, llm_render,
+                                                                   provider, env, base, path):
+    """Base URL + endpoint by concatenation: trailing / stripped, prefixes kept (no urljoin)."""
+    replies = {"openai": _openai_ok("ok"),
+               "anthropic": (200, {}, {"content": [{"type": "text", "text": "ok"}]}),
+               "google": (200, {}, {"candidates": [{"content": {"parts": [{"text": "ok"}]}}]})}
+    llm_server.replies.append(replies[provider])
+    agent = _llm_agent({"provider": provider, "model": "m-1", "base_url": llm_server.url + base},
+                       _llm_rt(env))
+    assert agent.invoke("x", {}) == "ok"
+    assert llm_server.requests[0]["path"] == path
+
+
+def test_keys_and_base_urls_come_only_from_the_actor_env(llm_server, llm_render, monkeypatch):
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/never")
+    monkeypatch.setenv("OPENAI_API_KEY", "from-process")
+    with pytest.raises(actor.ConfigurationError):
+        _llm_agent({}, _llm_rt({}))                       # the process environment is not read
+    agent = _llm_agent({}, _llm_rt({"OPENAI_API_KEY": "k"}))
+    assert agent._base_url() == "https://api.openai.com/v1"
+    llm_server.replies.append(_openai_ok("ok"))
+    agent = _llm_agent({"api_key": "explicit"}, _llm_rt({"OPENAI_API_KEY": "env-key",
+                                                         "OPENAI_BASE_URL": llm_server.url}))
+    assert agent.invoke("x", {}) == "ok"
+    assert llm_server.requests[0]["headers"]["authorization"] == "Bearer explicit"   # field wins
+
+
+def test_non_json_error_body_is_reported_after_retries(llm_server, llm_render):
+    page = "<html><body>502 Bad Gateway</body></html>"
+    llm_server.replies += [(502, {"content-type": "text/html"}, page)] * 3
+    agent = _llm_agent({"base_url": llm_server.url})
+    _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="openai: HTTP 502: <html>"):
+        agent.invoke("x", {})
+    assert len(llm_server.requests) == 3
+
+
+def test_key_never_in_repr_metadata_log_or_echoed_reply(llm_server, llm_render, caplog):
+    rt = _llm_rt()
+    agent = _llm_agent({"base_url": llm_server.url}, rt)
+    llm_server.replies.append((200, {}, f"not json, but your key {LLM_KEY}"))
+    with caplog.at_level("DEBUG"):
+        with pytest.raises(actor.ExecutionError) as info:
+            agent.invoke("x", {})
+    seen = [repr(agent), json.dumps(agent.metadata), json.dumps(rt.llm_log), str(info.value),
+            repr(info.value), caplog.text, "\n".join(rt.warnings), llm_server.requests[0]["path"]]
+    assert all(LLM_KEY not in text for text in seen)
+    assert "***" in str(info.value)
+    assert llm_server.requests[0]["headers"]["authorization"] == f"Bearer {LLM_KEY}"
+
+
+def test_anthropic_merges_same_role_turns_and_reports_refusal(llm_server, llm_render):
+    llm_server.replies += [(200, {}, {"content": [{"type": "text", "text": "ok"}]}),
+                           (200, {}, {"content": [], "stop_reason": "refusal"})]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url, "system_prompt": ""},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    history = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+               {"role": "assistant", "content": "c"}]
+    assert agent.invoke("d", {"conversation_history": history}) == "ok"
+    body = llm_server.requests[0]["body"]
+    assert body["messages"] == [{"role": "user", "content": "a\n\nb"},
+                                {"role": "assistant", "content": "c"},
+                                {"role": "user", "content": "d"}]
+    assert "system" not in body
+    with pytest.raises(actor.ExecutionError, match="refused"):
+        agent.invoke("x", {})
+
+
+def test_anthropic_first_turn_is_the_users_after_odd_truncation(llm_server, llm_render):
+    """max_history 3 keeps [assistant, user, assistant]: the orphan answer is not sent."""
+    llm_server.replies += [(200, {}, {"content": [{"type": "text", "text": f"a{i}"}]})
+                           for i in range(3)]
+    agent = _llm_agent({"provider": "anthropic", "base_url": llm_server.url,
+                        "memory_enabled": True, "max_history": 3},
+                       _llm_rt({"ANTHROPIC_API_KEY": "k"}))
+    for i in range(3):
+        agent.invoke(f"q{i}", {})
+    assert [e["role"] for e in agent.history] == ["assistant", "user", "assistant"]
+    assert llm_server.requests[2]["body"]["messages"] == [
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}]
+
+
+def test_google_finish_reason_block_and_daily_quota(llm_server, llm_render):
+    llm_server.replies += [
+        (200, {}, {"candidates": [{"finishReason": "SAFETY", "content": {"parts": []}}]}),
+        (429, {}, {"error": {"code": 429, "message": "quota", "status": "RESOURCE_EXHAUSTED",
+                             "details": [{"@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                                          "violations": [{"quotaId": "GenerateRequestsPerDay"}]}]}})]
+    agent = _llm_agent({"provider": "google", "base_url": llm_server.url},
+                       _llm_rt({"GOOGLE_API_KEY": "k"}))
+    waits = _sleeps(agent)
+    with pytest.raises(actor.ExecutionError, match="finishReason: SAFETY"):
+        agent.invoke("x", {})
+    with pytest.raises(actor.ExecutionError, match="HTTP 429 RESOURCE_EXHAUSTED"):
+        agent.invoke("x", {})
+    assert waits == [] and len(llm_server.requests) == 2
 
 
 def test_fake_transport_scripted_then_echo():
@@ -1672,6 +1850,97 @@ def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch)
     assert _time.monotonic() - started < 2
 
 
+
+# §4.6 Composite agents, §4.11 capabilities ------------------------------------------------
+COMPOSITE_TEXT = """\
+agents:
+  box:
+    type: composite
+    config:
+      expose_params: {depth: medium}
+      components:
+        agents:
+          calc: {type: tool, config: {tools: [math]}}
+          tag: {type: chain, config: {steps: [t]}}
+        graphs:
+          flow:
+            nodes: {work: {type: agent, agent: tag}}
+            edges: [{source: start, target: work}, {source: work, target: end}]
+        streams:
+          s:
+            operators: [{type: map, params: {agent: %s}}]
+      routing:
+        input: {type: stream, name: s}
+        output: {type: graph, name: flow}
+  late: {type: chain, config: {steps: [late]}}
+routes:
+  main:
+    type: stream
+    operators: [{type: map, params: {agent: box}}]
+    publications: [__output__]
+"""
+
+
+def test_composite_capabilities_are_the_union_of_its_components():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        union = ["composite"]
+        for cap in (box.local_agents["calc"].capabilities + box.local_agents["tag"].capabilities
+                    + ["stateful-workflow", "reactive-processing"]):
+            union += [cap] if cap not in union else []
+        assert box.capabilities == union
+        assert {"math-evaluation", "chain-processing"} <= set(union)
+        assert box.metadata["capabilities"] == box.capabilities
+        assert box.metadata["reactive"] is True and box.metadata["type"] == "composite"
+        assert box.metadata["components"] == {"agents": ["calc", "tag"], "graphs": ["flow"],
+                                              "streams": ["s"]}
+        assert box.metadata["expose_params"] == {"depth": "medium"}
+        # stream `s` maps through `late`, an Actor agent declared after the composite
+        assert [m.content for m in team.send("x").outputs] == [
+            "ChainAgent processed: ChainAgent processed: x->late->t"]
+    finally:
+        team.close()
+
+
+def test_composite_component_errors_are_located_at_the_component():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=COMPOSITE_TEXT % "ghost", default_router="main")
+    err = info.value
+    assert err.path == "agents.box.config.components.streams.s.operators[0].params.agent"
+    assert err.line == COMPOSITE_TEXT.splitlines().index(
+        "            operators: [{type: map, params: {agent: %s}}]") + 1
+    bad_local = COMPOSITE_TEXT.replace("calc: {type: tool, config: {tools: [math]}}",
+                                       "calc: {type: llm, config: {provider: fake, temperature: 9}}")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=bad_local % "late", default_router="main")
+    assert info.value.path == "agents.box.config.components.agents.calc.config.temperature"
+    assert info.value.line == 8
+
+
+def test_composite_components_are_wired_once_and_serve_concurrent_calls():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        results = []
+
+        def call(i):
+            results.append(box.invoke(f"m{i}", {}))
+        threads = [_threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        network = box.network
+        assert sorted(results) == sorted(f"ChainAgent processed: ChainAgent processed: m{i}"
+                                         "->late->t" for i in range(8))
+        box.invoke("again", {})
+        assert box.network is network
+        box.close()
+        assert all(not node.out.observers for node in network.nodes.values())
+    finally:
+        team.close()
+
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
@@ -2101,10 +2370,13 @@ def test_bench_send_against_rxpy_subject_pipeline():
     source, sink, seen = Subject(), Subject(), []
     source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
     sink.subscribe(seen.append)
-    rates = _rates({"rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
-    rx_rate, through = rates["rx"], rates["send"]
+    rates = _rates({"floor": lambda: agent.invoke("hello", ctx),
+                    "rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
+    floor, rx_rate, through = rates["floor"], rates["rx"], rates["send"]
     print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
     print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    print(f"per-message cost above the bare agent call: RxPY {1e6 / rx_rate - 1e6 / floor:.2f} us, "
+          f"Actor.send() {1e6 / through - 1e6 / floor:.2f} us")
     assert len(seen) == 10 * n
 
 
@@ -2280,6 +2552,40 @@ def test_graph_agent_node_context_is_built_per_6_2_2():
     assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
     assert "full_context" not in meta and "graph_state" not in meta
     assert rt.context["mood"] == "good"                            # §6.9 write-back
+
+
+def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
+    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
+    cfg = linear("a")
+
+    def agent(content, ctx):
+        ctx.update({"u": 1}, v=2)
+        ctx.setdefault("w", 3)
+        ctx.setdefault("topic", "ignored")   # present: no write
+        ctx |= {"x": 4}
+        del ctx["old"]
+        ctx.pop("gone")
+        ctx.pop("never", None)
+        ctx["graph_state"] = {}             # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent})
+    g.state["metadata"].update(topic="t", old=1, gone=2)
+    g.run("hello")
+    meta = g.state["metadata"]
+    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
+    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
+    assert "graph_state" not in meta and "never" not in meta
+
+
+def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
+    seen = {}
+    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
+        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
+    g.run("hello")
+    assert seen["isdict"] and seen["dump"]["full_context"] is True
+    assert g.state["metadata"]["last_agent_node"] == "a"
+    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
 
 
 def test_graph_history_trimmed_by_chars():
@@ -2770,23 +3076,18 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
+    """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
+    calling the same agents directly (the floor). Prints the figures; timings are not asserted."""
     import time as _time
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
-    tool_agent = getattr(actor, "ToolAgent", None)
-    if tool_agent is not None:
-        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
-                "routes": {"main": cfg}}
-        rt = actor.Runtime(actor.Doc(data), env={})
-        rt.agents = {n: tool_agent(n, data["agents"][n], rt, ("agents", n)) for n in names}
-        message, kind = "echo hi", "ToolAgent(echo)"
-    else:
-        rt = actor.Runtime(actor.Doc({"agents": {}, "routes": {"main": cfg}}), env={})
-        rt.agents = {n: FakeAgent(n, lambda c, ctx: c) for n in names}
-        message, kind = "hi", "fake agent (ToolAgent not merged yet)"
+    data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+            "routes": {"main": cfg}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
-    rounds = 2000
+    message, rounds = "echo hi", 2000
 
     def floor_loop():
         for _ in range(rounds):
@@ -2802,16 +3103,17 @@ def test_graph_bench_linear_ten_nodes():
     for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
         fn()
         times = []
-        for _ in range(3):
+        for _ in range(5):
             started = _time.process_time()      # CPU time: steadier on a shared machine
             fn()
             times.append(_time.process_time() - started)
         best[label] = min(times) / (rounds * 10) * 1e6
+    assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
-          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
-    assert best["graph"] < 5 * best["floor"]
+    print(f"\n[graphs bench] ToolAgent(echo) x10: floor {best['floor']:.2f} us/node, graph "
+          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
+          f"{best['graph'] / best['floor']:.1f}x the floor; a compiled LangGraph StateGraph "
+          f"spends ~150 us/node ({150 / best['graph']:.0f}x this)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
@@ -2836,6 +3138,38 @@ merges: [{sources: [__input__], target: g}]
     assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
     assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
     assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def test_mixed_mode_node_events_carry_graph_node_count_and_context():
+    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
+    execution, a router that matched nothing included) and the invocation context by reference."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
+      n1: {type: agent, agent: t}
+    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    events = []
+    for node in ("r", "n1"):
+        a.network.subscribe(f"__g_node_{node}__", events.append)
+    a.send("hi")
+    a.send("GO:there")
+    assert [(m.source_stream, m.content) for m in events] == [
+        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
+        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
+    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
+        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
+    assert all(m.metadata["graph"] == "g" for m in events)
+    assert all(m.metadata["context"] is a.rt.context for m in events)
+    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
+    assert copied.metadata["context"] is a.rt.context
 
 
 def test_pure_graph_mode_creates_no_internal_streams():
