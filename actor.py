@@ -740,6 +740,9 @@ class LLMAgent:
         self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
                                                                    cpath + ("provider",))
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
+        if self.response_format is not None:
+            check_response_format_for(rt, self.provider, self.response_format,
+                                      cpath + ("response_format",))
         self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
         self.base_url = values["base_url"]
         if self.base_url is not None and not re.match(r"https?://", self.base_url):
@@ -962,6 +965,23 @@ def check_response_format(rt, rf, path):
     if "strict" in block and not isinstance(block["strict"], bool):
         raise rt.error(ConfigurationError, path + ("json_schema", "strict"),
                        "json_schema.strict must be a boolean", "4.4.3")
+
+
+# Provider rules a §4.4.3 block must meet to be "conformant to the provider's mechanism".
+OPENAI_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_response_format_for(rt, provider, rf, path):
+    """§4.4.3 at load: OpenAI's json_schema requires a `name` of 1-64 letters, digits, _ or -."""
+    # INTERPRETATION §4.4.3: "conformant to the provider's mechanism" is checked at load where a
+    # vendor states a hard rule: OpenAI requires json_schema.name; the others have no slot for it.
+    if provider != "openai" or rf.get("type") != "json_schema":
+        return
+    name = rf["json_schema"].get("name")
+    if not isinstance(name, str) or not OPENAI_SCHEMA_NAME.fullmatch(name):
+        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
+                       "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
+                       "4.4.3")
 
 
 def check_structured_support(agent, rf):
