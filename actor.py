@@ -692,8 +692,9 @@ LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 LLM_CAPABILITIES = ["text-generation", "conversation", "reasoning", "analysis", "creative-writing"]
 
 
-def _llm_text(content):
-    """A message content as the text sent to a model: strings as they are, mappings/lists as JSON."""
+def message_text(content):
+    """A message content as text (for a model, a tool request, §12.4 results): strings as they
+    are, mappings and lists as JSON (non-ASCII kept), None as "", the rest via str()."""
     if isinstance(content, str):
         return content
     if isinstance(content, (dict, list)):
@@ -774,13 +775,13 @@ class LLMAgent:
         """§4.4: render the prompts, call the provider, remember the exchange, run §12.4 blocks."""
         rt = self.rt
         ctx = ctx if ctx is not None else {}
-        message = _llm_text(content)
+        message = message_text(content)
         # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
         view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
-            user = _llm_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
+            user = message_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
                                             {**view, **self.template_vars}, message,
                                             self.path + ("config", "template")))
         temperature = effective_temperature(self, ctx)
@@ -1041,7 +1042,7 @@ def history_from_context(ctx):
         if role == "system":
             continue
         entries.append({"role": "assistant" if role == "assistant" else "user",
-                        "content": _llm_text(item["content"])})
+                        "content": message_text(item["content"])})
     return entries
 
 
@@ -1064,7 +1065,7 @@ def effective_temperature(agent, ctx):
 def render_system_prompt(agent, view, message):
     """§4.4.6: the system prompt rendered with `context` and `message` (Phase C, §8.11); on a
     render failure render_runtime warns and hands back the literal prompt."""
-    return _llm_text(render_runtime(agent.rt, agent.system_prompt, view, message,
+    return message_text(render_runtime(agent.rt, agent.system_prompt, view, message,
                                     agent.path + ("config", "system_prompt")))
 
 
@@ -1618,22 +1619,13 @@ def context_write_back(before, view, ctx):
 INVALID_JSON_IN_TOOL_REQUEST = "Invalid JSON in tool request"     # §4.5.3 step 3, verbatim
 
 
-def request_text(content):
-    """The message as text: strings as they are, mappings and lists as JSON, the rest via str()."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (dict, list)):
-        return json.dumps(content)
-    return tool_output(content)
-
-
 def tool_request(agent, content):
     """§4.5.3 steps 1-4: decode a message into (tool name, args, input_data or None).
 
     Step 5 (the name must be an allowed tool) is checked when the tool is run.
     """
     tools = agent.tools
-    text = request_text(content)
+    text = message_text(content)
     # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
@@ -7580,7 +7572,7 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
         result = run_builtin_tool(rt, name, args, ctx)
     except ActorError as exc:
         return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
-    return result if isinstance(result, str) else _llm_text(result)
+    return result                       # run_builtin_tool gives the §4.5.7 string
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
@@ -9127,7 +9119,7 @@ class FakeTransport:
             return request["messages"][-1]["content"]
         if isinstance(reply, dict) and "error" in reply:
             raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
-        return _llm_text(reply)
+        return message_text(reply)
 
 
 # name -> adapter. Rows: the §4.4.1 providers, then this host's extra `fake`.
