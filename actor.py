@@ -833,21 +833,33 @@ class LLMAgent:
         return adapter.default_base
 
 
-def _llm_check_fields(rt, config, cpath):
-    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    known = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
+def check_config_fields(rt, config, fields, cpath, section, kind):
+    """An agent config against its field table {field: (types, default)}: type errors are located
+    ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
+    fields are ignored with a warning. Returns field -> value."""
     values = {}
-    for field, (types, default) in known.items():
+    for field, (types, default) in fields.items():
         if field not in config or config[field] is None:
             values[field] = copy.deepcopy(default)
             continue
         value = config[field]
         bad_bool = isinstance(value, bool) and bool not in types
         if bad_bool or not isinstance(value, types):
-            kind = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
+            names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
             raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a {kind}, not {type(value).__name__}", "4.4")
+                           f"'{field}' must be a {names}, not {type(value).__name__}", section)
         values[field] = value
+    for field in config:
+        if field not in fields:
+            rt.warn(f"unknown {kind} field '{field}' is ignored", section=section,
+                    path=cpath + (field,))
+    return values
+
+
+def _llm_check_fields(rt, config, cpath):
+    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
+    values = check_config_fields(rt, config, {**LLM_FIELDS, **LLM_EXTRA_FIELDS}, cpath, "4.4",
+                                 "llm agent")
     low, high = LLM_TEMPERATURE_RANGE
     # INTERPRETATION §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
     if not low <= values["temperature"] <= high:
@@ -861,10 +873,6 @@ def _llm_check_fields(rt, config, cpath):
                        "max_history must not be negative", "4.4.4")
     if values["model"] is not None and not values["model"].strip():
         raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
-    for field in config:
-        if field not in known:
-            rt.warn(f"unknown llm agent field '{field}' is ignored", section="4.4",
-                    path=cpath + (field,))
     return values
 
 
@@ -1155,23 +1163,14 @@ class ToolAgent:
         if "tools" not in config:
             raise rt.error(ConfigurationError, config_path,
                            f"tool agent '{name}' needs a `tools` list", "4.5")
-        values = {}
-        for field, (types, default) in TOOL_AGENT_FIELDS.items():
-            value = config.get(field, copy.deepcopy(default))
-            if value is None and field == "context":
-                value = {}
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                kinds = " or ".join(t.__name__ for t in types)
-                raise rt.error(ConfigurationError, config_path + (field,),
-                               f"`{field}` must be a {kinds}", "4.5")
-            values[field] = value
+        if config["tools"] is None:
+            raise rt.error(ConfigurationError, config_path + ("tools",),
+                           "'tools' must be a list of tools", "4.5")
+        values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, config_path, "4.5",
+                                     "tool agent")
         if values["timeout"] <= 0:
             raise rt.error(ConfigurationError, config_path + ("timeout",),
                            "`timeout` must be a positive number of seconds", "4.5")
-        for key in config:
-            if key not in TOOL_AGENT_FIELDS:
-                rt.warn(f"unknown tool agent field '{key}' is ignored", section="4.5",
-                        path=config_path + (key,))
         self.safe_mode = values["safe_mode"]
         self.allow_shell = values["allow_shell"]
         self.timeout = values["timeout"]
