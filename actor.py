@@ -212,7 +212,10 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
-_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
+_IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
+_SAME = object()        # Message.copy: "keep this field"
+
+
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -224,14 +227,20 @@ class Message:
         self.source_stream = source_stream
         self.timestamp = timestamp
 
-    def copy(self, **changes):
-        """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
-                for k, v in self.metadata.items()}
-        new = Message(self.content, meta, self.source_stream, self.timestamp)
-        for key, value in changes.items():
-            setattr(new, key, value)
-        return new
+    def copy(self, *, content=_SAME, metadata=_SAME, source_stream=_SAME, timestamp=_SAME):
+        """§12.2.1: metadata.context by reference, every other entry copied one level deep.
+
+        Keyword arguments replace fields of the copy (a given `metadata` is used as is).
+        """
+        if metadata is _SAME:
+            metadata = self.metadata.copy()
+            if len(metadata) > 1 or "context" not in metadata:
+                for key, value in metadata.items():     # replacing values keeps the dict's size
+                    if type(value) not in _IMMUTABLE and key != "context":
+                        metadata[key] = copy.copy(value)
+        return Message(self.content if content is _SAME else content, metadata,
+                       self.source_stream if source_stream is _SAME else source_stream,
+                       self.timestamp if timestamp is _SAME else timestamp)
 
     def __repr__(self):
         return f"Message({self.content!r}, source_stream={self.source_stream!r})"
@@ -2632,10 +2641,8 @@ class StreamRoute(_Node):
         self.ops = cfg.get("operators") or []
         self.head = build_chain(net, name, self.ops, path + ("operators",),
                                 Stage(self.emit, self.out.complete))
+        self.push = self.head.next      # a message pushed in goes straight to the first operator
         self.ended = False
-
-    def push(self, msg):
-        self.head.next(msg)
 
     def emit(self, msg):
         # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
@@ -2723,7 +2730,8 @@ class Stream:
     __error__ (§12.2.3), so the stream keeps flowing.
     """
 
-    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done",
+                 "next")
 
     def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
         self.name, self.stream_type = name, stream_type
@@ -2735,19 +2743,35 @@ class Stream:
         if initial_value is not _NO_VALUE and stream_type == "hot":
             self.memory.append(Message(initial_value, source_stream=name))
         self.done = False
+        self._rewire()
+
+    def _rewire(self):
+        # `next` is an attribute, not a method: with no memory and exactly one observer it is
+        # that observer itself, which spares every message one call per hop.
+        if self.memory is None and len(self.observers) == 1:
+            self.next = self.observers[0]
+        else:
+            self.next = self._deliver
 
     def subscribe(self, on_next, on_complete=None):
         """Add an observer; hot and replay streams first replay their memory to it."""
         for msg in list(self.memory or ()):
             on_next(msg)
         self.observers.append(on_next)
+        self._rewire()
         if on_complete is not None:
             if self.done:
                 on_complete()
             else:
                 self.finishers.append(on_complete)
 
-    def next(self, msg):
+    def dispose(self):
+        """§12.1 step 8: drop every observer."""
+        self.observers.clear()
+        self.finishers.clear()
+        self._rewire()
+
+    def _deliver(self, msg):
         if self.memory is not None:
             self.memory.append(msg)
             if len(self.memory) > self.keep:
@@ -3379,7 +3403,7 @@ def resolve_context(msg, rt):
 
     Returns the dict itself (a reference, §10.2), never a copy.
     """
-    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    ctx = msg.metadata.get("context")
     if isinstance(ctx, dict):
         return ctx
     ctx = getattr(rt, "context", None)
@@ -3422,32 +3446,39 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    attempts = 1 + retry_count(site)
     call = agent.invoke if not rt.clock.real else (
         lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    retries = retry_count(site)
+
+    def with_retries(content, ctx):
+        """§5.3.2 retry: up to `retries` more calls after a failure (never after a timeout)."""
+        for _ in range(retries):
+            try:
+                return call(content, ctx)
+            except _AgentTimedOut:
+                raise
+            except Exception:           # tried again below; the last failure is the one reported
+                continue
+        return call(content, ctx)
+    attempt = with_retries if retries else call
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
-        failure = None
-        for _ in range(attempts):
-            try:
-                reply = call(msg.content, ctx)
-            except _AgentTimedOut:
-                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
-                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                    processed_by=name)
-                break
-            except Exception as exc:    # §12.2.3 boundary: agent invocation
-                failure = exc
-                continue
+        try:
+            reply = attempt(msg.content, ctx)
+        except _AgentTimedOut:
+            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        except Exception as exc:        # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        else:
             out = msg.copy(content=reply, source_stream=route)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
             down.next(out)
             return
-        else:
-            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
         net.report(out)
@@ -3712,7 +3743,8 @@ class StreamNetwork:
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
-        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+        self.input = _Node(self, INPUT, Stream(INPUT))
+        self.nodes = {INPUT: self.input,
                       OUTPUT: _Sink(self, OUTPUT, self._to_output),
                       ERROR: _Sink(self, ERROR, self._to_error)}
         for name, cfg in routes.items():            # §12.1 step 4: routes
@@ -3824,16 +3856,20 @@ class StreamNetwork:
     # The host side ------------------------------------------------------------------------
     def send(self, content, *, target=None, metadata=None):
         """Submit a message to __input__, or straight to the route named `target`."""
-        name = INPUT if target is None else target
-        node = self.nodes.get(name)
-        if node is None or name in (OUTPUT, ERROR):
-            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
-        if self.nodes[INPUT].out.done:
+        stream = self.input.out
+        if target is None:
+            push = stream.next                          # __input__ is a plain stream
+        elif target in self.nodes and target not in (OUTPUT, ERROR):
+            push = self.nodes[target].push
+        else:
+            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        if stream.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        rt = self.rt
+        meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+        push(Message(content, meta, INPUT, rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -3866,8 +3902,7 @@ class StreamNetwork:
     def close(self):
         """§12.1 step 8: dispose of every subscription and host hook."""
         for node in self.nodes.values():
-            node.out.observers.clear()
-            node.out.finishers.clear()
+            node.out.dispose()
             if isinstance(node, _Sink):
                 node.hooks.clear()
 
@@ -3945,22 +3980,23 @@ class _Sink(_Node):
 
     def __init__(self, net, name, adjust):
         super().__init__(net, name, Stream(name))
-        self.adjust, self.hooks, self.depth = adjust, [], 0
+        self.adjust, self.hooks, self.delivering = adjust, [], False
 
     def push(self, msg):
         msg = self.adjust(msg)
-        self.depth += 1
-        try:
-            if self.depth == 1:
-                self.out.next(msg)
-            else:
+        if self.out.observers:          # routes fed from this stream (a merge from __error__)
+            if self.delivering:
                 # §12.6: a message emitted here while this stream is still delivering another
                 # (e.g. an error handler fed from __error__ that fails) goes to the host only.
                 self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
-            for hook in self.hooks:
-                hook(msg)
-        finally:
-            self.depth -= 1
+            else:
+                self.delivering = True
+                try:
+                    self.out.next(msg)
+                finally:
+                    self.delivering = False
+        for hook in self.hooks:
+            hook(msg)
 
 
 class GraphParticipant(_Node):
@@ -4134,6 +4170,9 @@ class GraphRoute:
         self._lock = threading.RLock()                       # one run or update at a time
 
     # -- executing -------------------------------------------------------------------------
+    # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
+    # (§6.11 forward adjacency) and each edge knows its target GraphNode, so stepping looks
+    # nothing up by name.
     def run(self, content, ctx=None, *, pure=False):
         """Execute the graph once for `content` (§6.2.1 start receives it) and return a GraphRun.
 
@@ -4145,7 +4184,13 @@ class GraphRoute:
         with self._lock:
             begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
-            first = [] if self.entry == END_NODE else self._step([(self.entry, content)], trace)
+            entry = self.nodes[self.entry]
+            if entry.type == START_NODE:        # start hands the message on and changes nothing
+                first = [(entry, content)]
+            elif entry.type == END_NODE:
+                first = []
+            else:
+                first = self._step([(entry, content)], trace)
             return self._continue(first, trace, target_ctx)
 
     def resume(self, ctx=None, *, pure=False):
@@ -4155,14 +4200,15 @@ class GraphRoute:
         with self._lock:
             metadata = self.state["metadata"]
             metadata["context"] = target_ctx
-            node, output = self.state.get("current_node"), metadata.get("last_output", "")
-            done = node in (None, END_NODE) or node not in self.nodes
+            name, output = self.state.get("current_node"), metadata.get("last_output", "")
+            node = self.nodes.get(name) if isinstance(name, str) else None
+            done = node is None or node.type == END_NODE
             return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
         while results and trace.stopped is None:
-            frontier = self._next_nodes(results, trace)
+            frontier = self._next_nodes(results)
             if not frontier:
                 break
             results = self._step(frontier, trace)
@@ -4181,19 +4227,19 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
+            output = content if result is None else result.output
             if result is not None:
                 self._apply(node, content, result)
-            return content if result is None else result.output
+            self._executed(node, output)
+            return output
 
     def _step(self, frontier, trace):
-        """Run one next-node set; return [(node_name, output)] in frontier order (§6.7)."""
+        """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
         admitted = []
-        for name, message in frontier:
-            node = self.nodes[name]
-            stop = guard_before_node(self, node, message, trace, relaxed)
-            if stop:
+        for node, message in frontier:
+            if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
         if len(admitted) == 1:                  # the common case: no set to schedule
@@ -4205,28 +4251,30 @@ class GraphRoute:
             if error is not None:
                 state["error"] = str(error)
                 raise error
-            if node.type != "start":
+            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
+            # they were
+            output = message if result is None else result.output
+            if node.type != START_NODE:             # an edge may lead back to start
                 trace.history.append(node.name)
-            if result is None:                      # §6.2.6.4 no rule matched: state unchanged
-                results.append((node.name, message))
-                continue
-            if node.type != "start":
-                self._apply(node, message, result)
-            trace.output = result.output
-            results.append((node.name, result.output))
-            if guard_after_node(self, node, result.output, trace, relaxed):
-                break
+                if result is not None:
+                    self._apply(node, message, result)
+                self._executed(node, output)
+            results.append((node, output))
+            if result is not None:
+                trace.output = output
+                if guard_after_node(self, node, output, trace, relaxed):
+                    break
         return results
 
-    def _next_nodes(self, results, trace):
+    def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
         frontier, taken = [], set()
         state = self.state
-        for name, output in results:
+        for node, output in results:
             view = None
-            for edge in self.forward[name]:
+            for edge in node.out:
                 if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
                     continue
                 if edge.condition is not None:
@@ -4237,7 +4285,7 @@ class GraphRoute:
                         continue
                 taken.add(edge.target)
                 if edge.target != END_NODE:
-                    frontier.append((edge.target, output))
+                    frontier.append((edge.node, output))
         return frontier
 
     def _apply(self, node, message, result):
@@ -4263,8 +4311,12 @@ class GraphRoute:
                 del messages[:len(messages) - MAX_STATE_MESSAGES]
         state["current_node"] = node.name
         self._updated()
+
+    def _executed(self, node, output):
+        """Count one execution of `node`; in mixed mode tell its §6.10 internal stream."""
+        node.executions += 1
         if self.observers:
-            notify_node_event(self, node, result.output)
+            notify_node_event(self, node, output)
 
     def _updated(self):
         """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
@@ -4344,7 +4396,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "path")
+                 "out", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4366,6 +4418,8 @@ class GraphNode:
         self.condition = cfg.get("condition")
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
+        self.out = []                               # the edges leaving this node (§6.11)
+        self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
 class NodeResult:
@@ -4429,13 +4483,16 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
     "_history_truncated", "_history_original_length"})
 
 
+_message_content = operator.itemgetter("content")
+
+
 def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
     history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
     try:                                     # the common case: string contents within budget
-        if len("".join([entry["content"] for entry in history])) <= max_chars:
+        if len("".join(map(_message_content, history))) <= max_chars:
             return history
     except (KeyError, TypeError):
         pass
@@ -4448,8 +4505,63 @@ def trim_history(messages, max_messages, max_chars, end=None):
     return history
 
 
+class NodeContext(dict):
+    """The context mapping an agent node hands its agent: a plain dict to every reader, which also
+    notes each key the agent writes or removes, so that §6.2.2 item 3 copies back exactly those
+    keys without comparing the whole mapping before and after the call."""
+
+    touched = frozenset()           # the keys written or removed; most agents never write
+
+    def _note(self, *keys):
+        self.touched = self.touched.union(keys)
+
+    def __setitem__(self, key, value):
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._note(key)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs):
+        written = dict(*args, **kwargs)
+        self._note(*written)
+        super().update(written)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._note(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        if key in self:
+            self._note(key)
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._note(key)
+        return key, value
+
+    def clear(self):
+        self._note(*self)
+        super().clear()
+
+    def changes(self):
+        """(key -> value for every key written, the set of keys removed); reserved keys left out."""
+        if not self.touched:
+            return {}, ()
+        touched = self.touched - AGENT_NODE_RESERVED_KEYS
+        written = {key: self[key] for key in touched if key in self}
+        return written, touched - written.keys()
+
+
 def agent_node_context(node, state, message):
-    """§6.2.2 item 2: the context mapping an agent node hands to its agent."""
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
@@ -4470,18 +4582,7 @@ def agent_node_context(node, state, message):
     if len(history) < end:
         ctx["_history_truncated"] = True
         ctx["_history_original_length"] = end
-    return ctx
-
-
-def context_changes(before, after):
-    """§6.2.2 item 3: the keys the agent set, replaced or removed (reserved keys left out)."""
-    get = before.get
-    changes = {key: value for key, value in after.items() if get(key, _MISSING) is not value}
-    if changes:
-        for key in AGENT_NODE_RESERVED_KEYS.intersection(changes):
-            del changes[key]
-    removed = before.keys() - after.keys()
-    return changes, (removed - AGENT_NODE_RESERVED_KEYS if removed else removed)
+    return NodeContext(ctx)
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4519,7 +4620,6 @@ def node_agent(graph, node, message, state):
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
-        before = dict(ctx)
         try:
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
@@ -4533,7 +4633,7 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = context_changes(before, ctx)
+    changes, removed = ctx.changes()
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
@@ -4863,17 +4963,23 @@ EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
 
 
 class GraphEdge:
-    __slots__ = ("source", "target", "condition", "path", "cfg")
+    """One edge: source and target names (START/END normalised), the target GraphNode itself."""
 
-    def __init__(self, source, target, condition, path, cfg):
-        self.source, self.target, self.condition, self.path, self.cfg = \
-            source, target, condition, path, cfg
+    __slots__ = ("source", "target", "node", "condition", "path", "cfg")
+
+    def __init__(self, source, target, node, condition, path, cfg):
+        self.source, self.target, self.node, self.condition, self.path, self.cfg = \
+            source, target, node, condition, path, cfg
 
 
 def build_edges(graph):
-    return [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
-                      e.get("condition"), graph.path + ("edges", i, "condition"), e)
-            for i, e in enumerate(graph.cfg.get("edges") or [])]
+    edges = []
+    for index, cfg in enumerate(graph.cfg.get("edges") or []):
+        target = normalize_node_name(cfg["target"])
+        edges.append(GraphEdge(normalize_node_name(cfg["source"]), target, graph.nodes[target],
+                               cfg.get("condition"), graph.path + ("edges", index, "condition"),
+                               cfg))
+    return edges
 
 # §6.5 Edge conditions -------------------------------------------------------------------
 # Edge conditions go through the one §5.4 evaluator with the "edge" subsystem; the state view
@@ -5120,10 +5226,18 @@ def internal_stream_names(graph_name, node_names):
 
 
 def notify_node_event(graph, node, output):
-    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode)."""
+    """Hand a node's output to the listeners of __<graph>_node_<node>__ (mixed mode).
+
+    The event carries the §12.2.1 keys of a node-level message: graph, node, execution_count
+    (this node's executions so far, counting this one) and context (the run's invocation
+    context, by reference)."""
+    # INTERPRETATION §6.10/§12.2.1: a node event is emitted for every execution (a router that
+    # matched nothing included); execution_count is the per-node counter of §12.2.1, kept for
+    # the Actor's lifetime, not the state's update count.
     stream = f"__{graph.name}_node_{node.name}__"
     msg = Message(output, {"graph": graph.name, "node": node.name,
-                           "execution_count": graph.state["execution_count"]},
+                           "execution_count": node.executions,
+                           "context": graph.state["metadata"].get("context")},
                   source_stream=stream, timestamp=graph.rt.clock.now())
     for listener in list(graph.observers):
         listener(stream, msg)
@@ -5152,9 +5266,9 @@ def analyse_graph(graph):
     if result.unreachable:
         graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():                                         # for §6.8 item 4
-        out = result.forward[name]
-        node.routes_only_to_router = len(out) == 1 and nodes[out[0].target].is_router
+    for name, node in nodes.items():
+        node.out = out = result.forward[name]                                 # for stepping
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 
 
@@ -5892,6 +6006,29 @@ class TagScope:
     def __init__(self, names=()):
         self.names = set(names)
         self.stack = []          # (word, protected, names added by the opener)
+        self.deferred_reads = set()   # names read by the tags protected so far
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -5927,12 +6064,14 @@ def walk_tags(text, scope, defer, need_names=False):
             free = tag_free_names(kind, inner, "")
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
+            if protected and free:
+                scope.deferred_reads |= free
         elif word in ("elif", "else"):
             protected = scope.stack[-1][1] if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
-                _, protected, added = scope.stack.pop()
-                scope.names -= added
+                _, protected, added, shadowed = scope.stack.pop()
+                scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
         else:
@@ -5940,64 +6079,199 @@ def walk_tags(text, scope, defer, need_names=False):
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
-            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+            if defer and binds and binds_for_runtime(text, end, word, inner, scope, binds,
+                                                     need_names):
+                protected, binds = True, set()
+            if protected and free:
+                scope.deferred_reads |= free
+            # a statement left for Phase C binds its names there: Phase A must not see the
+            # outer meaning of a name it rebinds (`loop` inside a deferred inner loop)
+            shadowed = tag_binds(word, inner) & scope.names if protected else set()
+            if is_block_opener(word, inner):
                 if word in ("set", "macro"):      # the name outlives the block
-                    scope.names |= binds
-                    binds = set()
+                    scope.names = (scope.names | binds) - shadowed
+                    binds, shadowed = set(), set()
                 added = binds - scope.names
-                scope.stack.append((word, protected, added))
-                scope.names |= added
+                scope.stack.append((word, protected, added, shadowed))
+                scope.names = (scope.names | added) - shadowed
             else:
-                scope.names |= binds
+                scope.names = (scope.names | binds) - shadowed
         out.append(protect_markers(tag) if protected else tag)
     out.append(text[pos:])
     return "".join(out)
 
 
+def binds_for_runtime(text, end, word, inner, scope, binds, need_names):
+    """Would a statement that Phase A could run bind a name that a deferred tag after it reads?
+    Then the statement waits for Phase C as well -- `{% for op in ['<', '>'] %}` around
+    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Its reach
+    is the block body, or the rest of the text for `set x = ...` and macros, which outlive it."""
+    if is_block_opener(word, inner) and word not in ("set", "macro"):
+        reach = text[end:block_body_end(text, end)]
+    else:
+        reach = text[end:]
+    trial = TagScope(scope.names | binds)
+    walk_tags(reach, trial, defer=True, need_names=need_names)
+    return bool(trial.deferred_reads & binds)
+
+
+def mask_tags(text):
+    """`text` with every tag blanked to the same length, so YAML can compose a template document:
+    a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
+    Newlines stay, so character offsets and line numbers are those of `text`."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        fill = "x" if kind == "{{" else " "
+        out.append(re.sub(r"[^\n]", fill, text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def node_regions(node, keys, offset, regions):
+    """The runtime-field and template-section spans under one composed YAML node (see
+    document_regions); `offset` is where the composed text starts inside the document."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            path = keys + [key]
+            span = (offset + value.start_mark.index, offset + value.end_mark.index)
+            if not keys and key in DEFERRED_SECTIONS:
+                regions.append(span + ("section", key, key_node.start_mark.column))
+            elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                regions.append(span + ("field", key, key_node.start_mark.column))
+            else:
+                node_regions(value, path, offset, regions)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            node_regions(item, keys, offset, regions)
+
+
+# INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
+# would put them once the tags are blanked -- block or flow mappings, list items, beside
+# {% for %}/{% if %} lines; a key that is itself written by an expression is not known
+# before Phase A, so its value renders at Phase A like any other.
 def document_regions(text, file=None):
     """Char spans (start, end, kind) of the text Phase A must not render as is:
     'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
 
-    When the raw text already composes as YAML (template syntax only inside scalars, or a
-    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
-    indentation finds them (document_regions_by_lines).
+    The spans come from the YAML node marks of the text with its tags blanked (mask_tags), so
+    runtime fields are found in block and flow collections alike, around {% for %} and
+    {% if %} lines too. When even the masked text does not compose (a statement inside a
+    line that shifts indentation, a tag that emits structure), a line scan by indentation
+    finds them (document_regions_by_lines).
     """
+    masked = mask_tags(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(masked, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return document_regions_by_lines(text, file)
+        return document_regions_by_lines(text, masked, file)
     regions = []
-
-    def walk(node, keys):
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value in node.value:
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-                path = keys + [key]
-                if not keys and key in DEFERRED_SECTIONS:
-                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
-                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
-                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
-                else:
-                    walk(value, path)
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, keys)
-
     if root is not None:
-        walk(root, [])
-    return sorted(regions)
+        node_regions(root, [], 0, regions)
+    out = []
+    for start, end, kind, key, key_col in regions:
+        end = statement_line_before(text, masked, start, end, key_col)
+        line_start = text.rfind("\n", 0, start) + 1
+        if key == "templates" and not text[line_start:start].strip():   # a block mapping
+            check_templates_body(text, line_start, file)
+        out.append((start, end, kind))
+    return sorted(out)
 
 
-def document_regions_by_lines(text, file=None):
-    """document_regions for text that is not YAML before Phase A (statements between keys).
+def statement_line_before(text, masked, start, end, key_col):
+    """Where a region taken from YAML marks really ends: before the first line that holds
+    only tags (blank once masked) at or left of the key's column -- the {% endfor %} after a
+    block scalar belongs to the document, not to the scalar -- as the line scan decides."""
+    pos = text.find("\n", start, end)
+    while 0 <= pos < end:
+        line_at = pos + 1
+        line_end = text.find("\n", line_at)
+        line_end = len(text) if line_end < 0 else line_end
+        raw = text[line_at:line_end]
+        if raw.strip() and not masked[line_at:line_end].strip() \
+                and len(raw) - len(raw.lstrip(" ")) <= key_col:
+            return line_at
+        pos = line_end if line_end < end else -1
+    return end
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
+
+
+def flow_end(masked, start):
+    """The offset just past the flow collection opening at masked[start] (quotes skipped);
+    None when it never closes."""
+    depth, i, quote, n = 0, start, None, len(masked)
+    while i < n:
+        ch = masked[i]
+        if quote:
+            if ch == quote == "'" and masked.startswith("''", i):
+                i += 1
+            elif ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"" and masked[i - 1] in " \t\n,[{:":
+            quote = ch
+        elif ch == "#" and masked[i - 1] in " \t\n":
+            newline = masked.find("\n", i)
+            i = n if newline < 0 else newline
+            continue
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def flow_regions(masked, start, keys):
+    """Regions inside the flow collection at masked[start], composed on its own; (regions, end)."""
+    end = flow_end(masked, start)
+    if end is None:
+        return [], start
+    try:
+        node = yaml.compose(masked[start:end], Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return [], start
+    regions = []
+    node_regions(node, keys, start, regions)
+    return [region[:3] for region in regions], end     # brackets bound it: nothing to trim
+
+
+def document_regions_by_lines(text, masked=None, file=None):
+    """document_regions for text that does not compose as YAML even with its tags masked.
 
     A value region is the rest of the key's line plus every following blank or more-indented
-    line (plain, quoted and | > block scalars alike).
+    line (plain, quoted and | > block scalars alike). A flow collection that opens a value or
+    a list item (`w: {system_prompt: ...}`, `- {...}`) is composed on its own (flow_regions).
     """
-    regions, keys, offset = [], [], 0
+    masked = mask_tags(text) if masked is None else masked
+    regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # [start, key_col, kind, block_col]
     lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
+        line_at, offset = offset, offset + len(line)
+        if line_at < skip_to:     # inside a multi-line flow collection already read
+            continue
         body = line.rstrip("\r\n")
         indent = len(body) - len(body.lstrip(" "))
         blank = body.strip() == ""
@@ -6005,11 +6279,13 @@ def document_regions_by_lines(text, file=None):
             if blank or indent > region[1]:
                 if region[2] == "templates":
                     region[3] = templates_line(line, indent, blank, region[3], lineno, file)
-                offset += len(line)
                 continue
-            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            regions.append((region[0], line_at, "section" if region[2] != "field" else "field"))
             region = None
-        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
+        item = FLOW_ITEM.match(shown)
+        match = None if item else KEY_LINE.match(shown)
+        flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
             key = match.group(2).strip("\"'")
@@ -6018,13 +6294,26 @@ def document_regions_by_lines(text, file=None):
             keys.append((key_col, key))
             path = [k for _, k in keys]
             if key_col == 0 and key in DEFERRED_SECTIONS:
-                region = [offset + len(line), 0, key, None]
+                region = [offset, 0, key, None]
+                continue
+            value_at = line_at + match.end()
+            value_at += len(masked[value_at:offset]) - len(masked[value_at:offset].lstrip(" "))
+            if masked[value_at:value_at + 1] in ("{", "["):
+                flow_at = value_at
             elif is_runtime_field(path):
-                region = [offset + match.end(), key_col, "field", None]
-        offset += len(line)
+                region = [line_at + match.end(), key_col, "field", None]
+        elif item:
+            flow_at = line_at + item.end()
+            dash_col = len(shown) - len(shown.lstrip(" "))
+            while keys and keys[-1][0] > dash_col:
+                keys.pop()
+            path = [k for _, k in keys]
+        if flow_at is not None:
+            found, skip_to = flow_regions(masked, flow_at, path)
+            regions.extend(found)
     if region is not None:
         regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
-    return regions
+    return sorted(regions)
 
 
 def templates_line(line, indent, blank, block_col, lineno, file):
@@ -7659,9 +7948,10 @@ def find_stream_cycle(edges):
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
 #      nonlocal, yield, async, with or decorators, no prohibited facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, slice assignment and the string methods that pad or repeat go
-#      through size guards; a bare `except:` catches only Exception, so the sandbox's own aborts
-#      (BaseException) pass through.
+#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
+#      repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
+#      aborts (BaseException) pass through.
 #   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
@@ -7832,6 +8122,18 @@ class _SandboxRewriter(ast.NodeTransformer):
             return node
         return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
 
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
+        if not tests:
+            return node
+        if len(node.ops) > 1:
+            raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
+        call = _guard_call("__sb_in__", node, node.left, node.comparators[0])
+        if isinstance(tests[0], ast.NotIn):
+            call = ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
+        return call
+
     def visit_AugAssign(self, node):
         self.generic_visit(node)
         symbol = _GUARDED_OPERATORS.get(type(node.op))
@@ -7984,13 +8286,35 @@ def guard_enter():
     return True
 
 
-def _address_space():
-    """Current virtual size of this process in bytes, or None where /proc is missing."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+class _AddressSpace:
+    """This process's virtual size in bytes, from /proc/self/statm read through one descriptor
+    kept open (a process resource, like _SANDBOX_TURN): opening the file cost about 10 us a
+    call, a pread of the open descriptor about 1 us, and the number is read fresh every time.
+    A forked child reopens it (/proc/self named the parent). None where /proc is missing."""
+
+    __slots__ = ("pid", "fd")
+
+    def __init__(self):
+        self.pid, self.fd = None, None
+
+    def read(self):
+        pid = os.getpid()
+        if pid != self.pid:          # first use, or a forked child; runs under _SANDBOX_TURN
+            self.pid, self.fd = pid, None
+            try:
+                self.fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                return None
+        if self.fd is None:
+            return None
+        try:
+            return int(os.pread(self.fd, 64, 0).split()[0]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_ADDRESS_SPACE = _AddressSpace()
 
 
 class _MemoryCap:
@@ -8000,7 +8324,7 @@ class _MemoryCap:
         self.saved = None
         if resource is None:
             return self
-        current = _address_space()
+        current = _ADDRESS_SPACE.read()
         if current is None:
             return self
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -8379,6 +8703,9 @@ def _check_operands(symbol, left, right):
             if isinstance(seq, _SIZED) and isinstance(count, int) \
                     and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
                 _refuse_size("repetition")
+            if isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 1 \
+                    and _nested_weight(seq) * count > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition of a nested structure")
     elif symbol == "**":
         if ints and right > 0 and abs(left) > 1 \
                 and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
@@ -8449,6 +8776,27 @@ def _text_weight(value, memo):
                 break
     memo[key] = weight
     return weight
+
+
+def _nested_weight(seq):
+    """_text_weight of a list or tuple, or just its length when no item is a container (found
+    by a C-level scan, so a long flat list costs no Python loop)."""
+    if set(map(type, seq)).isdisjoint(_CONTAINERS):
+        return len(seq)
+    return _text_weight(seq, {})
+
+
+def guard_in(needle, haystack):
+    """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
+    needle with one item, so a container needle against a long list of aliases of one big
+    structure is quadratic C-level work: m in [l] * 10**6, with l built by a comprehension.
+    Refused when both bounds of that work pass the limit: items x needle size, and the text
+    weight of the haystack (aliases counted every time)."""
+    if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
+            and len(haystack) * _text_weight(needle, {}) > SANDBOX_MAX_ITEMS \
+            and _text_weight(haystack, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("membership test")
+    return needle in haystack
 
 
 def check_rendering(value):
@@ -8527,7 +8875,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
@@ -9137,9 +9485,11 @@ PROVIDERS = {
 class Result:
     """What one call observed: the messages emitted on __output__ and on __error__, in order."""
 
-    def __init__(self):
-        self.outputs = []
-        self.errors = []
+    __slots__ = ("outputs", "errors")
+
+    def __init__(self, outputs=None, errors=None):
+        self.outputs = [] if outputs is None else outputs
+        self.errors = [] if errors is None else errors
 
     def __repr__(self):
         return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
@@ -9153,32 +9503,22 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        self._result = None
-        self._lock = threading.Lock()
-        network.on_output(self._collect_output)
-        network.on_error(self._collect_error)
+        # What the current call has seen. The hooks are bare list.append, which is atomic, so
+        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        self._outputs, self._errors = [], []
+        network.on_output(self._outputs.append)
+        network.on_error(self._errors.append)
 
-    # -- collecting what a call emits (graph branches may emit from worker threads)
-    def _collect_output(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.outputs.append(msg)
+    # -- one call: _begin(), act, then _end() returns what it emitted
+    def _begin(self):
+        del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
-    def _collect_error(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.errors.append(msg)
-
-    def _call(self, action):
-        with self._lock:
-            self._result = result = Result()
-        try:
-            action()
-            if self.rt.clock.real:
-                self.network.settle()
-        finally:
-            with self._lock:
-                self._result = None
+    def _end(self):
+        if self.rt.clock.real:
+            self.network.settle()
+        outputs, errors = self._outputs, self._errors
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
         return result
 
     # -- the public API
@@ -9190,19 +9530,28 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        def action():
-            if at is not None:
-                self.rt.clock.set_time(at)
-            self.network.send(content, target=target)
-        return self._call(action)
+        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+        del outputs[:], errors[:]                           # send() is the hot path
+        if at is not None:
+            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
+        self.network.send(content, target=target)
+        if self.rt.clock.real:
+            self.network.settle()
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
+        return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        return self._call(lambda: self.rt.clock.advance(seconds))
+        self._begin()
+        self.rt.clock.advance(seconds)
+        return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        return self._call(self.network.complete)
+        self._begin()
+        self.network.complete()
+        return self._end()
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
@@ -9235,7 +9584,9 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        return self._call(lambda: self._graph(route).resume(self.rt.context))
+        self._begin()
+        self._graph(route).resume(self.rt.context)
+        return self._end()
 
     # -- inspection (§4.11)
     def describe(self):

@@ -2370,10 +2370,13 @@ def test_bench_send_against_rxpy_subject_pipeline():
     source, sink, seen = Subject(), Subject(), []
     source.pipe(rx_ops.map(lambda content: agent.invoke(content, ctx))).subscribe(sink)
     sink.subscribe(seen.append)
-    rates = _rates({"rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
-    rx_rate, through = rates["rx"], rates["send"]
+    rates = _rates({"floor": lambda: agent.invoke("hello", ctx),
+                    "rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
+    floor, rx_rate, through = rates["floor"], rates["rx"], rates["send"]
     print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
     print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    print(f"per-message cost above the bare agent call: RxPY {1e6 / rx_rate - 1e6 / floor:.2f} us, "
+          f"Actor.send() {1e6 / through - 1e6 / floor:.2f} us")
     assert len(seen) == 10 * n
 
 
@@ -2549,6 +2552,40 @@ def test_graph_agent_node_context_is_built_per_6_2_2():
     assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
     assert "full_context" not in meta and "graph_state" not in meta
     assert rt.context["mood"] == "good"                            # §6.9 write-back
+
+
+def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
+    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
+    cfg = linear("a")
+
+    def agent(content, ctx):
+        ctx.update({"u": 1}, v=2)
+        ctx.setdefault("w", 3)
+        ctx.setdefault("topic", "ignored")   # present: no write
+        ctx |= {"x": 4}
+        del ctx["old"]
+        ctx.pop("gone")
+        ctx.pop("never", None)
+        ctx["graph_state"] = {}             # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent})
+    g.state["metadata"].update(topic="t", old=1, gone=2)
+    g.run("hello")
+    meta = g.state["metadata"]
+    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
+    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
+    assert "graph_state" not in meta and "never" not in meta
+
+
+def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
+    seen = {}
+    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
+        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
+    g.run("hello")
+    assert seen["isdict"] and seen["dump"]["full_context"] is True
+    assert g.state["metadata"]["last_agent_node"] == "a"
+    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
 
 
 def test_graph_history_trimmed_by_chars():
@@ -3039,23 +3076,18 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_graph_bench_linear_ten_nodes():
+    """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
+    calling the same agents directly (the floor). Prints the figures; timings are not asserted."""
     import time as _time
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
-    tool_agent = getattr(actor, "ToolAgent", None)
-    if tool_agent is not None:
-        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
-                "routes": {"main": cfg}}
-        rt = actor.Runtime(actor.Doc(data), env={})
-        rt.agents = {n: tool_agent(n, data["agents"][n], rt, ("agents", n)) for n in names}
-        message, kind = "echo hi", "ToolAgent(echo)"
-    else:
-        rt = actor.Runtime(actor.Doc({"agents": {}, "routes": {"main": cfg}}), env={})
-        rt.agents = {n: FakeAgent(n, lambda c, ctx: c) for n in names}
-        message, kind = "hi", "fake agent (ToolAgent not merged yet)"
+    data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+            "routes": {"main": cfg}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
-    rounds = 2000
+    message, rounds = "echo hi", 2000
 
     def floor_loop():
         for _ in range(rounds):
@@ -3071,16 +3103,17 @@ def test_graph_bench_linear_ten_nodes():
     for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
         fn()
         times = []
-        for _ in range(3):
+        for _ in range(5):
             started = _time.process_time()      # CPU time: steadier on a shared machine
             fn()
             times.append(_time.process_time() - started)
         best[label] = min(times) / (rounds * 10) * 1e6
+    assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    print(f"\n[graphs bench] {kind}: floor {best['floor']:.2f} us/node, graph "
-          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, "
-          f"ratio {best['graph'] / best['floor']:.1f}x (LangGraph StateGraph: ~150 us/node)")
-    assert best["graph"] < 5 * best["floor"]
+    print(f"\n[graphs bench] ToolAgent(echo) x10: floor {best['floor']:.2f} us/node, graph "
+          f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
+          f"{best['graph'] / best['floor']:.1f}x the floor; a compiled LangGraph StateGraph "
+          f"spends ~150 us/node ({150 / best['graph']:.0f}x this)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
@@ -3107,6 +3140,38 @@ merges: [{sources: [__input__], target: g}]
     assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
 
 
+def test_mixed_mode_node_events_carry_graph_node_count_and_context():
+    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
+    execution, a router that matched nothing included) and the invocation context by reference."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
+      n1: {type: agent, agent: t}
+    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    events = []
+    for node in ("r", "n1"):
+        a.network.subscribe(f"__g_node_{node}__", events.append)
+    a.send("hi")
+    a.send("GO:there")
+    assert [(m.source_stream, m.content) for m in events] == [
+        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
+        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
+    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
+        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
+    assert all(m.metadata["graph"] == "g" for m in events)
+    assert all(m.metadata["context"] is a.rt.context for m in events)
+    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
+    assert copied.metadata["context"] is a.rt.context
+
+
 def test_pure_graph_mode_creates_no_internal_streams():
     a = actor.load(text="""
 agents:
@@ -3127,6 +3192,7 @@ merges: [{sources: [__input__], target: g}]
 # =====================================================================================
 import copy  # noqa: E402  (Phase B tests copy fixtures)
 import json  # noqa: E402
+import yaml  # noqa: E402
 
 
 def _mustache_spec_dir():
@@ -3342,6 +3408,15 @@ def test_protection_leaves_names_bound_at_phase_a_q47():
     assert "{{ who }}" in out and "{{ context.user }}" not in out
 
 
+def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
+    text = ("a:\n  system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
+            "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
+            "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
+    out = actor.restore_markers(actor.render_document(text))
+    assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
+    assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
+
+
 def test_protection_keeps_template_bodies_whole_q49():
     text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
             "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
@@ -3349,6 +3424,40 @@ def test_protection_keeps_template_bodies_whole_q49():
             "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
     out = actor.protect_runtime_fields(text)
     assert "{{" not in out and "{%" not in out
+
+
+def test_mask_tags_keeps_offsets_and_lines():
+    text = "a: {{ x }}\n{% for i in y %}\nb: '{{ \"q\" }}'\n{# c\nd #}\n{% endfor %}\n"
+    masked = actor.mask_tags(text)
+    assert len(masked) == len(text) and masked.count("\n") == text.count("\n")
+    assert "{" not in masked and "a: xxxxxxx" in masked and "b: 'xxxxxxxxx'" in masked
+
+
+def test_protection_finds_flow_mappings_and_list_items():
+    text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
+            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    system_prompt: {{ message }}\n")
+    out = actor.protect_runtime_fields(text)
+    assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
+    assert "system_prompt: <<<TEMPLATE_START>>> message" in out
+    # statements inside lines: the blanked text is not YAML, so the line scan reads the flows
+    text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
+            "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
+            "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
+            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n    - - [{prompt: \"{{ message }}\"}]\n")
+    with pytest.raises(yaml.YAMLError):
+        yaml.compose(actor.mask_tags(text))
+    out = actor.protect_runtime_fields(text)
+    assert out.count(actor.TEMPLATE_START) == 5 and "{% if e %}" in out
+    assert actor.restore_markers(out) == text
+
+
+def test_region_stops_at_a_statement_line_left_of_its_key():
+    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    system_prompt: |\n"
+            "      {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
+    out = actor.protect_runtime_fields(text, {"ms": [1]})
+    assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
+    rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
+    assert rendered.count("{% if context.x %}x{% endif %}") == 2 and "{% endfor" not in rendered
 
 
 def test_structural_statement_in_templates_is_rejected_q3():
@@ -3916,6 +4025,13 @@ SANDBOX_RUNAWAYS = {
         "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
     "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
+    "aliased-membership-by-repetition":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\nx = m in [l] * 10**5",
+    "aliased-membership-by-comprehension":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m in y",
+    "aliased-non-membership":
+        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m not in y",
+    "nested-repetition": "l = [0] * 10**4\nx = [[l] * 10**3] * 10**3",
 }
 
 
@@ -4199,6 +4315,16 @@ def test_sandbox_limits_hold_in_unsafe_mode():
     assert [m.content for m in a.send("again").outputs] == ["ok:again"]
 
 
+def test_sandbox_membership_and_repetition_controls():
+    """Ordinary membership tests and repetitions of small or flat structures are unaffected."""
+    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\n"
+                      "result = ('a' in words, [1] in [[1], [2]], 3 not in (1, 2), 'x' in 'xyz',"
+                      " 'k' in {'k': 1}, len(rows), [0, 0, 0] in rows)")
+    assert out["result"] == (True, True, True, True, True, 1000, True)
+    with pytest.raises(actor.ConfigurationError, match="chained comparison"):
+        actor.compile_code("result = 1 in [1] in [[1]]")
+
+
 def test_sandbox_compiles_once(monkeypatch):
     """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
     unit = actor.compile_code("result = input_data[::-1]")
@@ -4243,6 +4369,34 @@ def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
         actor.eval_expression_text("chr(1)", names)
 
 
+@pytest.mark.skipif(_resource is None or not os.path.exists("/proc/self/statm"),
+                    reason="needs POSIX resource limits and /proc")
+def test_sandbox_memory_cap_reads_fresh_size_through_one_descriptor():
+    """The cap reads /proc/self/statm anew on every call, through one kept descriptor (reopened
+    in a forked child), and sets RLIMIT_AS to that size + headroom only while the code runs."""
+    space = actor._AddressSpace()
+    first = space.read()
+    fd = space.fd
+    with open("/proc/self/statm") as fh:
+        fresh = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    assert abs(first - fresh) < 64 << 20
+    block = bytearray(96 << 20)      # the process grows: the next reading sees it
+    assert space.read() >= first + (64 << 20) and space.fd == fd
+    del block
+    space.pid = -1                   # as in a forked child: the descriptor is reopened
+    assert space.read() is not None and space.pid == os.getpid()
+    os.close(fd)
+    os.close(space.fd)
+    before = _resource.getrlimit(_resource.RLIMIT_AS)
+    seen = actor.run_code(actor.compile_code("result = 1"), sandbox_vars())
+    assert seen["result"] == 1 and _resource.getrlimit(_resource.RLIMIT_AS) == before
+    with actor._MemoryCap():
+        soft = _resource.getrlimit(_resource.RLIMIT_AS)[0]
+        assert soft != _resource.RLIM_INFINITY
+        assert soft <= actor._ADDRESS_SPACE.read() + actor.SANDBOX_MEMORY_HEADROOM
+    assert _resource.getrlimit(_resource.RLIMIT_AS) == before
+
+
 @pytest.mark.bench
 def test_sandbox_bench_overhead_per_inline_tool_call():
     """Per-call cost of run_code against a bare exec of the same body (printed, README Security)."""
@@ -4251,11 +4405,14 @@ def test_sandbox_bench_overhead_per_inline_tool_call():
     plain = compile(source, "<plain>", "exec")
     n = 20000
 
-    def clock(fn):
-        start = _time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (_time.perf_counter() - start) / n * 1e6
+    def clock(fn):   # best of five rounds: the figure of an unloaded machine
+        best = float("inf")
+        for _ in range(5):
+            start = _time.perf_counter()
+            for _ in range(n // 5):
+                fn()
+            best = min(best, (_time.perf_counter() - start) / (n // 5) * 1e6)
+        return best
     sandboxed = clock(lambda: actor.run_code(unit, sandbox_vars()))
     bare = clock(lambda: exec(plain, sandbox_vars()))
     loop_unit = actor.compile_code("n = 0\nfor i in range(100000):\n    n += i\nresult = n")
@@ -4266,7 +4423,12 @@ def test_sandbox_bench_overhead_per_inline_tool_call():
     start = _time.perf_counter()
     exec(loop_plain, sandbox_vars())
     loop_bare = _time.perf_counter() - start
+
+    def cap():
+        with actor._MemoryCap():
+            pass
+    capped = clock(cap)
     print(f"\ninline-tool call: sandboxed {sandboxed:.1f} us, bare exec {bare:.1f} us, "
-          f"overhead {sandboxed - bare:.1f} us; 100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
+          f"overhead {sandboxed - bare:.1f} us, of which the address-space cap {capped:.1f} us; "
+          f"100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
           f"{loop_bare * 1e3:.1f} ms ({loop_sandboxed / loop_bare:.1f}x)")
-    assert sandboxed < 1000
