@@ -645,6 +645,11 @@ def check_agent(doc, name, cfg, path, agent_types):
     if "type" not in cfg:
         raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
     kind = cfg["type"]
+    if kind == "template_instance":
+        # §4.8: the tag marks an instance; Phase B replaces it, so one left here had no template.
+        raise doc.error(ConfigurationError, path + ("type",),
+                        "an agent of type template_instance needs `template` (or "
+                        "`agent_template`) naming an entry of templates.agents", "4.8")
     if not isinstance(kind, str) or kind not in agent_types:
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
