@@ -659,6 +659,14 @@ def check_agent(doc, name, cfg, path, agent_types):
     if not isinstance(cfg["config"], dict):
         raise doc.error(ConfigurationError, path + ("config",), "config must be a mapping",
                         "11.1")
+    own = cfg["config"].get("context")
+    for key in own if isinstance(own, dict) else ():
+        # INTERPRETATION §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
+        # context as in context.global: an Actor never declares them.
+        if key in HOST_ONLY_CONTEXT_KEYS:
+            raise doc.error(ConfigurationError, path + ("config", "context", key),
+                            f"'{key}' is set by the host, never by the Actor configuration",
+                            HOST_ONLY_CONTEXT_KEYS[key])
     check = AGENT_CHECKS.get(kind)
     if check is not None:
         check(doc, name, cfg["config"], path + ("config",), agent_types)
