@@ -2137,8 +2137,9 @@ class CompositeAgent:
     The components live in a Runtime of their own whose agents are the local ones over the outer
     ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
     found); it shares the outer clock, context, prompts and settings. Local agents are created
-    with the composite; its graphs and streams are wired on first use, once every outer agent
-    exists (their static checks ran at validation).
+    with the composite (a `{ref: name}` component is an AgentRef to an agent in scope); its
+    graphs and streams are wired on first use, once every outer agent exists (their static checks
+    ran at validation). One request at a time goes through the wiring.
     INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
     handed to the output component -- unless the output component is a stream that the input's
     flow already reached, whose emission is then the response.
