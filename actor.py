@@ -6388,6 +6388,8 @@ RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing
                           "__jinja_template__", "__is_template__")
 
 
+# INTERPRETATION §8.5 (Q83): "MUST NOT use" names no action; a tag key anywhere is a
+# ConfigurationError at load.
 def check_reserved_template_keys(doc):
     """§8.5: reject a mapping key anywhere in the document that is one of the reserved tags."""
     def walk(node, path):
