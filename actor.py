@@ -6093,8 +6093,8 @@ def walk_tags(text, scope, defer, need_names=False):
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
-            if defer and binds and binds_for_runtime(text, end, word, inner, scope, binds,
-                                                     need_names):
+            if defer and binds and free is not None and free <= phase_c_names() \
+                    and binds_for_runtime(text, end, word, inner, scope, binds, need_names):
                 protected, binds = True, set()
             if protected and free:
                 scope.deferred_reads |= free
@@ -6115,10 +6115,18 @@ def walk_tags(text, scope, defer, need_names=False):
     return "".join(out)
 
 
+@functools.lru_cache(maxsize=None)
+def phase_c_names():
+    """Names every Phase C rendering has whatever the context: built-ins, `context`, `message`."""
+    return frozenset(BUILTINS) | frozenset(jinja_environment().globals) | RUNTIME_NAMES
+
+
 def binds_for_runtime(text, end, word, inner, scope, binds, need_names):
     """Would a statement that Phase A could run bind a name that a deferred tag after it reads?
     Then the statement waits for Phase C as well -- `{% for op in ['<', '>'] %}` around
-    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Its reach
+    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Only a
+    statement that itself reads nothing but Phase C names is moved (the caller checks): one
+    reading a load-time name (`{% for x in ms %}`) could not run at Phase C either. Its reach
     is the block body, or the rest of the text for `set x = ...` and macros, which outlive it."""
     if is_block_opener(word, inner) and word not in ("set", "macro"):
         reach = text[end:block_body_end(text, end)]

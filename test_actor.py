@@ -3427,6 +3427,10 @@ def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
     out = actor.restore_markers(actor.render_document(text))
     assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
     assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
+    # a statement reading a load-time name stays at Phase A (Phase C could not run it either)
+    text = "a:\n  system_prompt: \"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
+    out = actor.restore_markers(actor.render_document(text, {"ms": ["p", "q"]}))
+    assert out == "a:\n  system_prompt: \"{{ context[x] }}{{ context[x] }}\"\n"
 
 
 def test_protection_keeps_template_bodies_whole_q49():
