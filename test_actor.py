@@ -3459,7 +3459,8 @@ def test_protection_finds_flow_mappings_and_list_items():
     text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
             "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
             "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
-            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n    - - [{prompt: \"{{ message }}\"}]\n")
+            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n"
+            "    - - [{prompt: \"{{ message }}\"}]\n")
     with pytest.raises(yaml.YAMLError):
         yaml.compose(actor.mask_tags(text))
     out = actor.protect_runtime_fields(text)
