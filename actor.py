@@ -53,6 +53,7 @@ import json
 import logging
 import operator
 import os
+import random
 import re
 import string
 import subprocess
@@ -63,6 +64,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1927,7 +1929,6 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
 
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
 
@@ -9108,7 +9109,6 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
-import random       # [llm] retry jitter only; the integrator may hoist it to the top
 
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
@@ -9572,6 +9572,10 @@ class Actor:
         self.network.close()
         for graph in self.rt.graphs.values():
             graph.close()
+        for agent in self.rt.agents.values():
+            close = getattr(agent, "close", None)     # composites own workers and wiring
+            if close is not None:
+                close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
