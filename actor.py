@@ -10008,6 +10008,7 @@ def _print_message(msg, as_json, stream):
 
 
 def _print_result(result, as_json):
+    """Print one call's emissions; True when anything reached __error__."""
     for msg in result.outputs:
         _print_message(msg, as_json, sys.stdout)
     for msg in result.errors:
@@ -10077,6 +10078,7 @@ def main(argv=None):
                     if not line:
                         break
                     failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+                    actor.rt.llm_log.clear()    # a long session keeps no request history
             failed |= _print_result(actor.complete(), args.json)
         except KeyboardInterrupt:
             return EXIT_RUNTIME
