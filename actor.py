@@ -53,6 +53,7 @@ import json
 import logging
 import operator
 import os
+import random
 import re
 import string
 import subprocess
@@ -63,6 +64,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1927,7 +1929,6 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
 
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
 
@@ -9133,7 +9134,6 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
-import random       # [llm] retry jitter only; the integrator may hoist it to the top
 
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
@@ -9597,6 +9597,10 @@ class Actor:
         self.network.close()
         for graph in self.rt.graphs.values():
             graph.close()
+        for agent in self.rt.agents.values():
+            close = getattr(agent, "close", None)     # composites own workers and wiring
+            if close is not None:
+                close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
@@ -10029,6 +10033,7 @@ def _print_message(msg, as_json, stream):
 
 
 def _print_result(result, as_json):
+    """Print one call's emissions; True when anything reached __error__."""
     for msg in result.outputs:
         _print_message(msg, as_json, sys.stdout)
     for msg in result.errors:
@@ -10098,6 +10103,7 @@ def main(argv=None):
                     if not line:
                         break
                     failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+                    actor.rt.llm_log.clear()    # a long session keeps no request history
             failed |= _print_result(actor.complete(), args.json)
         except KeyboardInterrupt:
             return EXIT_RUNTIME
