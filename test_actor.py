@@ -4457,6 +4457,14 @@ def test_sandbox_bench_overhead_per_inline_tool_call():
         with actor._MemoryCap():
             pass
     capped = clock(cap)
+    statm = "/proc/self/statm"
+    if os.path.exists(statm):       # the cap's size reading: before (open per call) and now
+
+        def open_per_call():
+            with open(statm, "rb") as fh:
+                return int(fh.read().split()[0])
+        print(f"\naddress-space reading: open per call {clock(open_per_call):.1f} us, "
+              f"kept descriptor {clock(actor._ADDRESS_SPACE.read):.1f} us")
     print(f"\ninline-tool call: sandboxed {sandboxed:.1f} us, bare exec {bare:.1f} us, "
           f"overhead {sandboxed - bare:.1f} us, of which the address-space cap {capped:.1f} us; "
           f"100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
