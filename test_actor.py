@@ -3221,7 +3221,6 @@ MUSTACHE_SHOULD = ("delimiters", "partials")
 
 
 def _mustache_cases():
-    import json
     cases = []
     if MUSTACHE_SPEC is None:
         return cases
