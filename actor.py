@@ -8818,12 +8818,13 @@ def _text_weight(value, memo):
     return weight
 
 
-def _nested_weight(seq):
-    """_text_weight of a list or tuple, or just its length when no item is a container (found
-    by a C-level scan, so a long flat list costs no Python loop)."""
-    if set(map(type, seq)).isdisjoint(_CONTAINERS):
-        return len(seq)
-    return _text_weight(seq, {})
+def _nested_weight(value):
+    """_text_weight of a container, or just its length when no item is a container (found by a
+    C-level scan, so a long flat list costs no Python loop)."""
+    items = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
+    if set(map(type, items)).isdisjoint(_CONTAINERS):
+        return len(value)
+    return _text_weight(value, {})
 
 
 def guard_in(needle, haystack):
@@ -8833,8 +8834,8 @@ def guard_in(needle, haystack):
     Refused when both bounds of that work pass the limit: items x needle size, and the text
     weight of the haystack (aliases counted every time)."""
     if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
-            and len(haystack) * _text_weight(needle, {}) > SANDBOX_MAX_ITEMS \
-            and _text_weight(haystack, {}) > SANDBOX_MAX_ITEMS:
+            and len(haystack) * _nested_weight(needle) > SANDBOX_MAX_ITEMS \
+            and _nested_weight(haystack) > SANDBOX_MAX_ITEMS:
         _refuse_size("membership test")
     return needle in haystack
 
