@@ -3360,49 +3360,49 @@ def _state_metadata(subject):
     return subject.get("metadata", {}) if isinstance(subject, dict) else {}
 
 
-def cond_always(cond, subject):
+def cond_always(cond, subject, rt):
     return True
 
 
-def cond_never(cond, subject):
+def cond_never(cond, subject, rt):
     return False
 
 
-def cond_content_contains(cond, subject):
+def cond_content_contains(cond, subject, rt):
     return str(cond.get("text", "")) in _content_text(subject)
 
 
-def cond_content_not_contains(cond, subject):
+def cond_content_not_contains(cond, subject, rt):
     return str(cond.get("text", "")) not in _content_text(subject)
 
 
-def cond_content_starts_with(cond, subject):
+def cond_content_starts_with(cond, subject, rt):
     return _content_text(subject).startswith(str(cond.get("text", "")))
 
 
-def cond_content_type(cond, subject):
+def cond_content_type(cond, subject, rt):
     content = subject.content if isinstance(subject, Message) else subject.get("_condition_content")
     return type(content).__name__ == cond.get("value")
 
 
-def cond_metadata_has(cond, subject):
+def cond_metadata_has(cond, subject, rt):
     meta = subject.metadata if isinstance(subject, Message) else _state_metadata(subject)
     return cond.get("key") in meta
 
 
-def cond_metadata_check(cond, subject):
+def cond_metadata_check(cond, subject, rt):
     return _state_metadata(subject).get(cond.get("key")) == cond.get("value")
 
 
-def cond_source_is(cond, subject):
+def cond_source_is(cond, subject, rt):
     return isinstance(subject, Message) and subject.source_stream == cond.get("source")
 
 
-def cond_has_messages(cond, subject):
+def cond_has_messages(cond, subject, rt):
     return bool(subject.get("messages")) if isinstance(subject, dict) else False
 
 
-def cond_message_count(cond, subject):
+def cond_message_count(cond, subject, rt):
     count = len(subject.get("messages", [])) if isinstance(subject, dict) else 0
     value, op = cond.get("value", 0), cond.get("operator", "eq")
     try:
@@ -3414,7 +3414,7 @@ def cond_message_count(cond, subject):
 _MISSING = object()
 
 
-def cond_context_value(cond, subject):
+def cond_context_value(cond, subject, rt):
     """§6.5.1: state.metadata[key], then state.metadata['context'][key]; deep equality."""
     meta = _state_metadata(subject)
     key = cond.get("key")
@@ -3424,19 +3424,25 @@ def cond_context_value(cond, subject):
     return found is not _MISSING and found == cond.get("value")
 
 
-def cond_output_pattern(cond, subject):
+def cond_output_pattern(cond, subject, rt):
     return str(_state_metadata(subject).get("last_output", "")).startswith(
         str(cond.get("pattern", "")))
 
 
-def cond_message_pattern(cond, subject):
+def cond_message_pattern(cond, subject, rt):
     messages = subject.get("messages") if isinstance(subject, dict) else None
     last = messages[-1].get("content", "") if messages else ""
     return str(cond.get("pattern", "")) in str(last)
 
 
-def cond_custom(cond, subject):
+def cond_custom(cond, subject, rt):
+    """`function` is a callable bound by the host, or the name of one it registered."""
+    # INTERPRETATION §5.4 custom: a document can only name the callable, so a string is looked
+    # up in the host's registry of functions (rt.functions, as for §5.3.3); a name the host did
+    # not register makes the condition false.
     function = cond.get("function")
+    if isinstance(function, str):
+        function = (getattr(rt, "functions", None) or {}).get(function)
     return bool(function(subject)) if callable(function) else False
 
 
@@ -3485,7 +3491,7 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
             rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
                     f"using its default ({unknown})", section="5.4.2", path=path)
         return unknown
-    return row[0](cond, subject)
+    return row[0](cond, subject, rt)
 
 
 # §5.5 Subscriptions and publications -----------------------------------------------------
