@@ -2008,6 +2008,43 @@ def test_close_disposes_subscriptions():
     assert outputs == []
 
 
+def test_custom_condition_calls_a_host_registered_function():
+    """§5.4 custom: `function` names a callable the host registered; unregistered is false."""
+    rt = actor.Runtime(actor.Doc({}))
+    rt.functions = {"busy": lambda state: len(state["messages"]) > 1}
+    cond = {"type": "custom", "function": "busy"}
+    assert actor.evaluate_condition(cond, "node", {"messages": [1, 2], "metadata": {}}, rt)
+    assert not actor.evaluate_condition(cond, "node", {"messages": [1], "metadata": {}}, rt)
+    assert not actor.evaluate_condition({"type": "custom", "function": "nope"}, "node",
+                                        {"messages": [1, 2], "metadata": {}}, rt)
+    assert actor.evaluate_condition({"type": "custom", "function": lambda state: True}, "node",
+                                    {"messages": [], "metadata": {}}, rt)
+
+
+def test_stream_with_one_observer_rewires_when_another_subscribes():
+    """The single-observer shortcut of Stream.next gives way to fan-out, in order (§12.2.2)."""
+    stream, seen = actor.Stream("s"), []
+    stream.subscribe(lambda msg: seen.append(("a", msg.content)))
+    stream.next(actor.Message(1))
+    stream.subscribe(lambda msg: seen.append(("b", msg.content)))
+    stream.next(actor.Message(2))
+    stream.dispose()
+    stream.next(actor.Message(3))
+    assert seen == [("a", 1), ("a", 2), ("b", 2)]
+
+
+def test_emissions_between_calls_belong_to_no_result():
+    """A Result holds exactly what its own call emitted (§12.2.1 messages, host side)."""
+    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {m: {type: stream, publications: [__output__]}}\n"
+                        "merges: [{sources: [__input__], target: m}]\n")
+    a.network.send("stray")                     # outside any call
+    first = a.send("one")
+    assert [m.content for m in first.outputs] == ["one"]
+    assert [m.content for m in a.send("two").outputs] == ["two"]
+    assert [m.content for m in first.outputs] == ["one"]
+
+
 def _bench_actor():
     cfg = ("agents:\n  echo: {type: tool, config: {tools: [echo]}}\n"
            "routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: echo}}]\n"
