@@ -3158,7 +3158,14 @@ AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per ag
 
 
 class _AgentTimedOut(Exception):
-    """Internal: an agent call outlived AGENT_HARD_TIMEOUT (never escapes the map stage)."""
+    """Internal: an agent call outlived its bound (never escapes the map stage).
+
+    `soft` is true when the bound was the §12.2.4 soft timeout of a single-shot run.
+    """
+
+    def __init__(self, soft=False):
+        super().__init__()
+        self.soft = soft
 
 
 def resolve_context(msg, rt):
@@ -3173,15 +3180,16 @@ def resolve_context(msg, rt):
     return ctx if isinstance(ctx, dict) else {}
 
 
-def invoke_agent(rt, agent, content, ctx):
+def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
     the real clock the call runs on a daemon worker thread that we stop waiting for after
-    AGENT_HARD_TIMEOUT seconds.
+    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run.
     """
     if not rt.clock.real:
         return agent.invoke(content, ctx)
+    soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
     box = {}
 
     def work():
@@ -3191,9 +3199,9 @@ def invoke_agent(rt, agent, content, ctx):
             box["error"] = exc
     worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
     worker.start()
-    worker.join(AGENT_HARD_TIMEOUT)
+    worker.join(SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT)
     if worker.is_alive():
-        raise _AgentTimedOut()
+        raise _AgentTimedOut(soft)
     if "error" in box:
         raise box["error"]
     return box["reply"]
@@ -3209,8 +3217,8 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    call = agent.invoke if not rt.clock.real else (
-        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    call = agent.invoke if not rt.clock.real else (     # virtual time: a direct call
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot))
     retries = retry_count(site)
 
     def with_retries(content, ctx):
@@ -3229,8 +3237,10 @@ def agent_mapper(site, name, down):
         ctx = resolve_context(msg, rt)
         try:
             reply = attempt(msg.content, ctx)
-        except _AgentTimedOut:
-            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+        except _AgentTimedOut as timed_out:
+            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
+            out = msg.copy(content=SOFT_TIMEOUT_TEXT if timed_out.soft else PROCESSING_TIMED_OUT,
+                           source_stream=route)
             out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
                                 processed_by=name)
         except Exception as exc:        # §12.2.3 boundary: agent invocation

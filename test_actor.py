@@ -1740,6 +1740,21 @@ def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
 
 
+def test_agent_mapper_soft_timeout_in_single_shot_runs(monkeypatch):
+    """§12.2.4: a single-shot run bounds each agent call by the soft timeout (an ExecutionError)."""
+    import time as _time
+    monkeypatch.setattr(actor, "SOFT_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
+    net, outputs, errors, rt = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                           agents=[slow], merges=_FROM_INPUT,
+                                           clock=actor.RealClock())
+    rt.single_shot = True
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.SOFT_TIMEOUT_TEXT]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
 def test_agent_mapper_real_clock_success_and_failure():
     """The worker-thread path returns replies and carries agent errors back as messages."""
     def fn(content, ctx):
