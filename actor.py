@@ -3639,12 +3639,17 @@ def cond_has_messages(cond, subject, rt):
 
 
 def cond_message_count(cond, subject, rt):
+    """`operator` (gt, lt, eq; default eq) compares the state's message count with `value`."""
     count = len(subject.get("messages", [])) if isinstance(subject, dict) else 0
-    value, op = cond.get("value", 0), cond.get("operator", "eq")
+    compare = MESSAGE_COUNT_OPERATORS.get(cond.get("operator", "eq"))
     try:
-        return {"gt": count > value, "lt": count < value, "eq": count == value}[op]
-    except (KeyError, TypeError):
+        return compare is not None and bool(compare(count, cond.get("value", 0)))
+    except TypeError:           # a value that is no number: the comparison does not hold
         return False
+
+
+# The §5.4 message_count operators.
+MESSAGE_COUNT_OPERATORS = {"gt": operator.gt, "lt": operator.lt, "eq": operator.eq}
 
 
 _MISSING = object()
@@ -3724,8 +3729,12 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
     row = CONDITIONS.get(kind)
     if row is None or subsystem not in row[1]:
         if should_warn and rt is not None:
-            rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
-                    f"using its default ({unknown})", section="5.4.2", path=path)
+            # Once per condition site, not once per message.
+            warned = rt.__dict__.setdefault("warned_conditions", set())
+            if (subsystem, kind, path) not in warned:
+                warned.add((subsystem, kind, path))
+                rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
+                        f"using its default ({unknown})", section="5.4.2", path=path)
         return unknown
     return row[0](cond, subject, rt)
 
@@ -3928,10 +3937,10 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
-                      self.rt.clock.now())
+        out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=origin,
+                       timestamp=self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
-        self.report(out)
+        self.nodes[ERROR].push(out)
 
     def report(self, msg):
         """Put a copy of `msg` on __error__ (the original may also travel downstream)."""
@@ -3964,20 +3973,14 @@ class StreamNetwork:
             if any(cond is None for cond, _path in conds):
                 lines.append(f"{ids[source]} --> {ids[target]}")
             else:
-                label = " or ".join(_describe_condition(c) for c, _p in conds).replace('"', "'")
+                label = " or ".join(describe_condition(c) or "always"
+                                    for c, _p in conds).replace('"', "'")
                 lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
         for name, node in self.nodes.items():
             for target, _path in _switch_targets(getattr(node, "ops", None), ()):
                 if target in ids:
                     lines.append(f"{ids[name]} -. switch .-> {ids[target]}")
         return lines
-
-
-def _describe_condition(cond):
-    if not isinstance(cond, dict):
-        return "always"
-    detail = cond.get("text", cond.get("key", cond.get("source", "")))
-    return f"{cond.get('type', 'always')} {detail!r}" if detail != "" else str(cond.get("type"))
 
 
 class _Sink(_Node):

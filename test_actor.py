@@ -2350,6 +2350,17 @@ def test_custom_condition_calls_a_host_registered_function():
                                     {"messages": [], "metadata": {}}, rt)
 
 
+def test_unhonoured_condition_warns_once_per_site():
+    """§5.4.1: the SHOULD-warning for an unknown type comes once per condition, not per message."""
+    cond = {"type": "no_such_type"}
+    net, outputs, _, rt = _stream_net(_main([{"type": "filter", "params": {"condition": cond}}]),
+                                      merges=_FROM_INPUT)
+    for text in ("a", "b", "c"):
+        net.send(text)
+    assert [m.content for m in outputs] == ["a", "b", "c"]
+    assert len([w for w in rt.warnings if "no_such_type" in w]) == 1
+
+
 def test_stream_with_one_observer_rewires_when_another_subscribes():
     """The single-observer shortcut of Stream.next gives way to fan-out, in order (§12.2.2)."""
     stream, seen = actor.Stream("s"), []
