@@ -2373,6 +2373,8 @@ def check_streams(doc, agent_names, graph_names, rt=None):
             checker.stream_route(cfg, path)
         elif kind == "bridge":
             check_bridge(doc, cfg, path, rt)
+        elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
+            check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
     default = getattr(rt, "default_router", None) if rt is not None else None
     if default is None and isinstance(data.get("cleveragents"), dict):
