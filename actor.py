@@ -3181,6 +3181,10 @@ def op_sample(site, params, down):
     return Stage(on_next, on_complete)
 
 
+# §12.2.1 metadata.source on messages the bridge operators emit: "the graph subsystem".
+BRIDGE_SOURCE = "graph"
+
+
 def op_graph_execute(site, params, down):
     """§5.3.2 graph_execute: run a graph route per message and forward its result.
 
@@ -3200,7 +3204,8 @@ def op_graph_execute(site, params, down):
                    if isinstance(m, dict) and m.get("role") == "assistant"]
         out = msg.copy(content=replies[-1].get("content") if replies else state,
                        source_stream=route)
-        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state)
+        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state,
+                            source=BRIDGE_SOURCE)
         down.next(out)
     return Stage(on_next, down.complete)
 
@@ -3235,6 +3240,7 @@ def _graph_side_effect(site, params, down, flag, action):
         out = msg.copy(source_stream=route)
         out.metadata[flag] = True
         out.metadata["graph"] = name
+        out.metadata["source"] = BRIDGE_SOURCE
         down.next(out)
     return Stage(on_next, down.complete)
 
@@ -3254,7 +3260,7 @@ def op_graph_node(site, params, down):
             net.fail(route, msg, exc)
             return
         out = msg.copy(content=content, source_stream=route)
-        out.metadata.update(graph=name, node=node)
+        out.metadata.update(graph=name, node=node, source=BRIDGE_SOURCE)
         down.next(out)
     return Stage(on_next, down.complete)
 

@@ -2223,6 +2223,7 @@ def test_graph_bridge_operators():
     assert meta["node"] == "work" and meta["graph"] == "g"
     assert meta["execution_history"] == ["start", "work", "end"]
     assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+    assert meta["source"] == actor.BRIDGE_SOURCE        # §12.2.1: the originating subsystem
 
 
 def test_graph_execute_without_messages_forwards_state():
