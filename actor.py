@@ -3988,10 +3988,14 @@ class StreamNetwork:
         return msg
 
     def _to_error(self, msg):
+        """§12.2.3: string content, metadata.error and error_type -- on a copy, since other
+        targets of the same emission hold the original."""
+        meta = msg.metadata
+        if isinstance(msg.content, str) and "error" in meta and "error_type" in meta:
+            return msg
+        msg = msg.copy(content=msg.content if isinstance(msg.content, str) else str(msg.content))
         msg.metadata.setdefault("error", True)
         msg.metadata.setdefault("error_type", "ExecutionError")
-        if not isinstance(msg.content, str):
-            msg = msg.copy(content=str(msg.content))
         return msg
 
     # §18 --diagram ------------------------------------------------------------------------
