@@ -212,7 +212,10 @@ def warn(rt_or_none, message, *, section=None, path=None):
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
-_IMMUTABLE = (str, int, float, bool, type(None), tuple, frozenset, bytes)
+_IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
+_SAME = object()        # Message.copy: "keep this field"
+
+
 class Message:
     """A unit of data flowing through routes (§2, §12.2.1)."""
 
@@ -224,14 +227,20 @@ class Message:
         self.source_stream = source_stream
         self.timestamp = timestamp
 
-    def copy(self, **changes):
-        """§12.2.1: metadata.context by reference, every other entry copied one level deep."""
-        meta = {k: (v if k == "context" or type(v) in _IMMUTABLE else copy.copy(v))
-                for k, v in self.metadata.items()}
-        new = Message(self.content, meta, self.source_stream, self.timestamp)
-        for key, value in changes.items():
-            setattr(new, key, value)
-        return new
+    def copy(self, *, content=_SAME, metadata=_SAME, source_stream=_SAME, timestamp=_SAME):
+        """§12.2.1: metadata.context by reference, every other entry copied one level deep.
+
+        Keyword arguments replace fields of the copy (a given `metadata` is used as is).
+        """
+        if metadata is _SAME:
+            metadata = self.metadata.copy()
+            if len(metadata) > 1 or "context" not in metadata:
+                for key, value in metadata.items():     # replacing values keeps the dict's size
+                    if type(value) not in _IMMUTABLE and key != "context":
+                        metadata[key] = copy.copy(value)
+        return Message(self.content if content is _SAME else content, metadata,
+                       self.source_stream if source_stream is _SAME else source_stream,
+                       self.timestamp if timestamp is _SAME else timestamp)
 
     def __repr__(self):
         return f"Message({self.content!r}, source_stream={self.source_stream!r})"
@@ -608,7 +617,7 @@ def resolve_default_router(doc, rt, host_value):
     """
     name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
-        if name not in doc.data["routes"]:
+        if not isinstance(name, str) or name not in doc.data["routes"]:
             raise doc.error(ConfigurationError, path,
                             f"default_router '{name}' is not a route in routes", "9.3, §3.4")
         return name
@@ -636,7 +645,7 @@ def check_agent(doc, name, cfg, path, agent_types):
     if "type" not in cfg:
         raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
     kind = cfg["type"]
-    if kind not in agent_types:
+    if not isinstance(kind, str) or kind not in agent_types:
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
@@ -746,6 +755,7 @@ class LLMAgent:
             raise rt.error(ConfigurationError, cpath + ("base_url",),
                            "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
+        self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
@@ -802,7 +812,8 @@ class LLMAgent:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
-                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep)
+                    request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
+                    jitter=self.jitter)
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
@@ -1166,11 +1177,8 @@ class ToolAgent:
                 self.capabilities.append(capability)
         if self.allow_shell and "command-execution" not in self.capabilities:
             self.capabilities.append("command-execution")
-        self.metadata = {
-            "name": name, "type": "tool", "capabilities": list(self.capabilities),
-            "reactive": True, "tools": list(self.tools), "allow_shell": self.allow_shell,
-            "safe_mode": self.safe_mode, "timeout": self.timeout,
-        }
+        self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
+                                       safe_mode=self.safe_mode, timeout=self.timeout)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1895,7 +1903,69 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
+from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
+
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
+
+# §4.11: the capability a graph or stream component publishes (agents publish their own list).
+COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
+
+
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        self.base = tuple(path)
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
+        path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def component_routes(components):
+    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            route = dict(route) if isinstance(route, dict) else route
+            if isinstance(route, dict) and route.get("type") is None:
+                route["type"] = kind[:-1]
+            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
+                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
+            routes[local] = route
+    return routes
 
 
 def check_composite(doc, name, config, path, agent_types):
@@ -1904,6 +1974,11 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
+    # INTERPRETATION §4.6: expose_params is a mapping, published in metadata; overriding happens
+    # only through template parameters (§8.10).
+    if "expose_params" in config and not isinstance(config["expose_params"], dict):
+        raise doc.error(ConfigurationError, path + ("expose_params",),
+                        "expose_params must be a mapping", "4.6")
     components = config.get("components")
     if not isinstance(components, dict):
         raise doc.error(ConfigurationError, path + ("components",),
@@ -1913,11 +1988,16 @@ def check_composite(doc, name, config, path, agent_types):
         if key not in COMPONENT_KINDS.values():
             raise doc.error(ConfigurationError, path + ("components", key),
                             f"unknown component kind '{key}' (agents, graphs, streams)", "4.6.1")
-        if not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict):
             raise doc.error(ConfigurationError, path + ("components", key), "must be a mapping",
                             "4.6.1")
-    for local, sub in (components.get("agents") or {}).items():
-        check_agent(doc, local, sub, path + ("components", "agents", local), agent_types)
+    local_agents = components.get("agents") or {}
+    for local, sub in local_agents.items():
+        lpath = path + ("components", "agents", local)
+        if is_agent_ref(sub):
+            check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
+        else:
+            check_agent(doc, local, sub, lpath, agent_types)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -1928,73 +2008,196 @@ def check_composite(doc, name, config, path, agent_types):
             raise doc.error(ConfigurationError, path + ("routing", end),
                             f"routing.{end} must be the explicit form {{type, name}} "
                             "(the shorthand form is forbidden)", "4.6.2, §16.2")
-        kind = COMPONENT_KINDS.get(spec["type"])
+        kind = COMPONENT_KINDS[spec["type"]] if is_known(spec["type"], COMPONENT_KINDS) else None
         if kind is None:
             raise doc.error(ConfigurationError, path + ("routing", end, "type"),
                             f"routing type must be agent, graph or stream, not '{spec['type']}'",
                             "4.6.2")
-        if spec["name"] not in (components.get(kind) or {}):
+        if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
+    check_component_routes(doc, config, path)
+
+
+def composite_scope(doc, path):
+    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
+    composite's, and its own."""
+    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
+    names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    return names
+
+
+def is_agent_ref(cfg):
+    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
+    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
+
+
+def check_agent_ref(doc, local, cfg, path, scope, siblings):
+    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
+    # INTERPRETATION §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
+    # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
+    target = cfg["ref"]
+    extra = sorted(set(cfg) - {"ref"})
+    if extra:
+        raise doc.error(ConfigurationError, path + (extra[0],),
+                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
+    if not isinstance(target, str) or target == local or target not in scope:
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
+    if is_agent_ref(siblings.get(target)):
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names another ref component; name the agent itself",
+                        "8.7.1")
+
+
+class AgentRef:
+    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
+    looked up when used (it may be declared after the composite)."""
+
+    type = "ref"
+
+    def __init__(self, name, target, scope):
+        self.name, self.target, self.scope = name, target, scope
+
+    @property
+    def agent(self):
+        agent = self.scope[self.target]
+        return agent.agent if isinstance(agent, AgentRef) else agent
+
+    @property
+    def capabilities(self):
+        return self.agent.capabilities if self.target in self.scope else []
+
+    def invoke(self, content, ctx):
+        return self.agent.invoke(content, ctx)
+
+
+def check_component_routes(doc, config, path):
+    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
+    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    components = config["components"]
+    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
+    if both:
+        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
+                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
+    routes = component_routes(components)
+    for local, route in routes.items():
+        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            "must be a mapping", "4.6.1")
+        if route_type(route) != kind[:-1]:
+            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
+                            f"a component under {kind} is a {kind[:-1]}, not "
+                            f"'{route.get('type')}'", "4.6.1")
+    if not routes:
+        return
+    agent_names = composite_scope(doc, path)
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
+    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    for local in sorted(graphs, key=list(routes).index):
+        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
+    check_streams(sub_doc, agent_names, graphs)
 
 
 class CompositeAgent:
     """§4.6: nested agents, graphs and streams behind one agent interface.
 
-    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output}}}
-    The components live in a Runtime of their own whose agents are the outer ones overlaid by the
-    local ones (§8.7.1 scope order); it shares the outer clock, context and settings.
-    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is handed
-    to the output component.
+    {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output},
+    expose_params: {...}}}
+    The components live in a Runtime of their own whose agents are the local ones over the outer
+    ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
+    found); it shares the outer clock, context, prompts and settings. Local agents are created
+    with the composite; its graphs and streams are wired on first use, once every outer agent
+    exists (their static checks ran at validation).
+    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
+    handed to the output component -- unless the output component is a stream that the input's
+    flow already reached, whose emission is then the response.
+    INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
+    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
     """
 
     type = "composite"
 
     def __init__(self, name, cfg, rt, path):
-        self.name, self.rt, self.path = name, rt, path
+        self.name, self.rt = name, rt
+        # Agents and graphs inside get their absolute paths; the stream checks speak of
+        # routes.<local>, which ComponentDoc maps back under this agent's path.
+        outer_doc = rt.doc.outer if isinstance(rt.doc, ComponentDoc) else rt.doc
+        self.path = rt.doc.outer_path(path) if isinstance(rt.doc, ComponentDoc) else tuple(path)
         config = cfg["config"]
         components = config["components"]
-        routes = {}
-        for kind in ("graphs", "streams"):
-            for local, route in (components.get(kind) or {}).items():
-                route = dict(route)
-                route.setdefault("type", kind[:-1])
-                routes[local] = route
-        sub_doc = Doc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                      rt.doc.marks, rt.doc.files)
-        self.inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                             workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
-                             llm_transport=rt.llm_transport)
-        inner = self.inner
+        self.routes = component_routes(components)
+        sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
+                                "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
+                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.agents = dict(rt.agents)
-        for local, sub in (components.get("agents") or {}).items():
-            inner.agents[local] = make_agent(inner, local, sub, path + ("components", "agents", local))
-        agent_names = set(inner.agents)
-        for local, route in routes.items():
-            rpath = path + ("components", route["type"] + "s", local)
-            if route["type"] == "graph":
-                check_graph(sub_doc, local, route, rpath, agent_names)
-                inner.graphs[local] = GraphRoute(local, route, inner, rpath)
-        self.network = None
-        if routes:
-            check_streams(sub_doc, agent_names, set(inner.graphs))
-            self.network = StreamNetwork(inner)
-            self._collected = []
-            self.network.on_output(self._collected.append)
+        inner.default_router = None
+        inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        # Warnings about routes.<local> name the component's full path, like its errors do.
+        inner.warn = lambda message, *, section=None, path=None: rt.warn(
+            message, section=section, path=None if path is None else sub_doc.outer_path(path))
+        local = {}
+        inner.agents = ChainMap(local, rt.agents)
+        for lname, sub in (components.get("agents") or {}).items():
+            if is_agent_ref(sub):
+                local[lname] = AgentRef(lname, sub["ref"], inner.agents)
+            else:
+                local[lname] = make_agent(inner, lname, sub,
+                                          self.path + ("config", "components", "agents", lname))
+        self.local_agents = local
         self.routing = config["routing"]
-        self.capabilities = ["composite"]
-        for agent in (inner.agents[n] for n in (components.get("agents") or {})):
-            for cap in agent.capabilities:
-                if cap not in self.capabilities:
-                    self.capabilities.append(cap)
-        for local in routes:
-            cap = "stateful-workflow" if routes[local]["type"] == "graph" else "reactive-processing"
-            if cap not in self.capabilities:
-                self.capabilities.append(cap)
-        self.metadata = agent_metadata(self, components={
-            kind: sorted(components.get(kind) or {}) for kind in ("agents", "graphs", "streams")})
+        self.expose_params = dict(config.get("expose_params") or {})
+        self._lock = threading.RLock()
+        self.network, self._emitted, self._errors = None, {}, []
+        self._built = not self.routes
+        self._components = {kind: sorted(components.get(kind) or {})
+                            for kind in ("agents", "graphs", "streams")}
+
+    @property
+    def capabilities(self):
+        """§4.11, computed when asked, since a `ref` component may be declared after us."""
+        # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
+        # then stateful-workflow per graph and reactive-processing per stream (no repeats).
+        caps = ["composite"]
+        for cap in [cap for agent in self.local_agents.values() for cap in agent.capabilities] + \
+                [COMPONENT_CAPABILITIES[COMPONENT_KINDS[r["type"]]] for r in self.routes.values()]:
+            if cap not in caps:
+                caps.append(cap)
+        return caps
+
+    @property
+    def metadata(self):
+        return agent_metadata(self, components=copy.deepcopy(self._components),
+                              expose_params=dict(self.expose_params))
+
+    def _build(self):
+        """Wire the graphs and streams (§12.1 steps 4-6 inside the composite), once."""
+        with self._lock:
+            if self._built:
+                return
+            inner = self.inner
+            for local, route in self.routes.items():
+                if route["type"] == "graph":
+                    gpath = self.path + ("config", "components", "graphs", local)
+                    inner.graphs[local] = GraphRoute(local, route, inner, gpath)
+            self._emitted = {local: [] for local, route in self.routes.items()
+                             if route["type"] == "stream"}
+            self._errors = []
+            if self._emitted:
+                self.network = StreamNetwork(inner)
+                for local, seen in self._emitted.items():
+                    self.network.subscribe(local, seen.append)
+                self.network.on_error(self._errors.append)
+            self._built = True
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -2002,17 +2205,49 @@ class CompositeAgent:
             return self.inner.agents[name].invoke(content, ctx)
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
-        start = len(self._collected)
-        self.network.send(content, target=name)
-        emitted = self._collected[start:]
-        return emitted[-1].content if emitted else content
+        ctx = self.rt.context if ctx is None else ctx
+        self.network.send(content, target=name, metadata={"context": ctx})
+        return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
+        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        self._build()
         first, last = self.routing["input"], self.routing["output"]
-        result = self._dispatch(first, content, ctx)
-        if (last["type"], last["name"]) != (first["type"], first["name"]):
-            result = self._dispatch(last, result, ctx)
+        with self._lock:                          # one request at a time through the wiring
+            marks = {local: len(seen) for local, seen in self._emitted.items()}
+            errors = len(self._errors)
+            result = self._dispatch(first, content, ctx)
+            if first["type"] == "stream":
+                result = self._stream_reply(first["name"], marks)
+            if (last["type"], last["name"]) != (first["type"], first["name"]):
+                reached = last["type"] == "stream" and \
+                    len(self._emitted[last["name"]]) > marks[last["name"]]
+                if not reached:
+                    marks = {local: len(seen) for local, seen in self._emitted.items()}
+                    result = self._dispatch(last, result, ctx)
+                if last["type"] == "stream":
+                    result = self._stream_reply(last["name"], marks)
+            failed = self._errors[errors:]
+        # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
+        if failed:
+            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
+                                 section="4.6.2")
         return result
+
+    def close(self):
+        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
+        with self._lock:
+            if self.network is not None:
+                self.network.close()
+            for graph in self.inner.graphs.values():
+                graph.close()
+            for agent in self.local_agents.values():
+                if isinstance(agent, CompositeAgent):
+                    agent.close()
+
+    def _stream_reply(self, name, marks):
+        emitted = self._emitted[name][marks[name]:]
+        return emitted[-1].content if emitted else ""
 
 
 # §4.7 Chain agents -----------------------------------------------------------------------
@@ -2028,8 +2263,8 @@ def check_chain(doc, name, config, path, agent_types):
     if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
         raise doc.error(ConfigurationError, path + ("steps",),
                         "steps must be a sequence of strings", "4.7")
-    ref = config.get("prompt_reference")
-    if ref is not None and ref not in (doc.data.get("prompts") or {}):
+    ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
+    if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
 
@@ -2164,7 +2399,7 @@ class _Checker:
 
     def stream_route(self, cfg, path):
         kind = cfg.get("stream_type", "cold")
-        if kind not in STREAM_TYPES:
+        if not is_known(kind, STREAM_TYPES):
             self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
                       f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
         size = cfg.get("buffer_size", 1)
@@ -2232,11 +2467,11 @@ class _Checker:
             self.fail(path, "must be a mapping")
 
     def agent(self, value, path):
-        if value not in self.agents:
+        if not is_known(value, self.agents):
             self.fail(path, f"unknown agent {value!r}", "5.3.4")
 
     def graph(self, value, path):
-        if value not in self.graphs:
+        if not is_known(value, self.graphs):
             self.fail(path, f"unknown graph route {value!r}")
 
     def function(self, value, path):
@@ -2253,7 +2488,7 @@ class _Checker:
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
-        if kind not in ACCUMULATORS:
+        if not is_known(kind, ACCUMULATORS):
             self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
 
     def target(self, value, path):
@@ -2316,8 +2551,8 @@ def stream_edges(data, known, default=None):
         stages = cfg.get("stages") if isinstance(cfg, dict) else None
         for i, stage in enumerate(stages if isinstance(stages, list) else []):
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                for j, target in enumerate(stage.get("publications") or []):
-                    if target in known:
+                for j, target in enumerate(as_list(stage.get("publications"))):
+                    if is_known(target, known):
                         edges.append((name, target, ("pipelines", name, "stages", i,
                                                      "publications", j)))
     if isinstance(default, str):
@@ -2395,10 +2630,8 @@ class StreamRoute(_Node):
         self.ops = cfg.get("operators") or []
         self.head = build_chain(net, name, self.ops, path + ("operators",),
                                 Stage(self.emit, self.out.complete))
+        self.push = self.head.next      # a message pushed in goes straight to the first operator
         self.ended = False
-
-    def push(self, msg):
-        self.head.next(msg)
 
     def emit(self, msg):
         # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
@@ -2486,7 +2719,8 @@ class Stream:
     __error__ (§12.2.3), so the stream keeps flowing.
     """
 
-    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done")
+    __slots__ = ("name", "stream_type", "observers", "finishers", "memory", "keep", "done",
+                 "next")
 
     def __init__(self, name, stream_type="cold", initial_value=_NO_VALUE, buffer_size=1):
         self.name, self.stream_type = name, stream_type
@@ -2498,19 +2732,35 @@ class Stream:
         if initial_value is not _NO_VALUE and stream_type == "hot":
             self.memory.append(Message(initial_value, source_stream=name))
         self.done = False
+        self._rewire()
+
+    def _rewire(self):
+        # `next` is an attribute, not a method: with no memory and exactly one observer it is
+        # that observer itself, which spares every message one call per hop.
+        if self.memory is None and len(self.observers) == 1:
+            self.next = self.observers[0]
+        else:
+            self.next = self._deliver
 
     def subscribe(self, on_next, on_complete=None):
         """Add an observer; hot and replay streams first replay their memory to it."""
         for msg in list(self.memory or ()):
             on_next(msg)
         self.observers.append(on_next)
+        self._rewire()
         if on_complete is not None:
             if self.done:
                 on_complete()
             else:
                 self.finishers.append(on_complete)
 
-    def next(self, msg):
+    def dispose(self):
+        """§12.1 step 8: drop every observer."""
+        self.observers.clear()
+        self.finishers.clear()
+        self._rewire()
+
+    def _deliver(self, msg):
         if self.memory is not None:
             self.memory.append(msg)
             if len(self.memory) > self.keep:
@@ -3142,7 +3392,7 @@ def resolve_context(msg, rt):
 
     Returns the dict itself (a reference, §10.2), never a copy.
     """
-    ctx = msg.metadata.get("context") if isinstance(msg, Message) else None
+    ctx = msg.metadata.get("context")
     if isinstance(ctx, dict):
         return ctx
     ctx = getattr(rt, "context", None)
@@ -3185,32 +3435,39 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    attempts = 1 + retry_count(site)
     call = agent.invoke if not rt.clock.real else (
         lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    retries = retry_count(site)
+
+    def with_retries(content, ctx):
+        """§5.3.2 retry: up to `retries` more calls after a failure (never after a timeout)."""
+        for _ in range(retries):
+            try:
+                return call(content, ctx)
+            except _AgentTimedOut:
+                raise
+            except Exception:           # tried again below; the last failure is the one reported
+                continue
+        return call(content, ctx)
+    attempt = with_retries if retries else call
 
     def on_next(msg):
         ctx = resolve_context(msg, rt)
-        failure = None
-        for _ in range(attempts):
-            try:
-                reply = call(msg.content, ctx)
-            except _AgentTimedOut:
-                out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
-                out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                    processed_by=name)
-                break
-            except Exception as exc:    # §12.2.3 boundary: agent invocation
-                failure = exc
-                continue
+        try:
+            reply = attempt(msg.content, ctx)
+        except _AgentTimedOut:
+            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        except Exception as exc:        # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        else:
             out = msg.copy(content=reply, source_stream=route)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
             down.next(out)
             return
-        else:
-            out = msg.copy(content=ERROR_PREFIX + error_reason(failure), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(failure), processed_by=name)
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
         net.report(out)
@@ -3257,7 +3514,7 @@ TRANSFORMS = {
 
 
 def check_transform_type(checker, kind, path):
-    if kind not in TRANSFORMS:
+    if not is_known(kind, TRANSFORMS):
         checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
                      "5.3.5")
 
@@ -3475,7 +3732,8 @@ class StreamNetwork:
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
-        self.nodes = {INPUT: _Node(self, INPUT, Stream(INPUT)),
+        self.input = _Node(self, INPUT, Stream(INPUT))
+        self.nodes = {INPUT: self.input,
                       OUTPUT: _Sink(self, OUTPUT, self._to_output),
                       ERROR: _Sink(self, ERROR, self._to_error)}
         for name, cfg in routes.items():            # §12.1 step 4: routes
@@ -3587,16 +3845,20 @@ class StreamNetwork:
     # The host side ------------------------------------------------------------------------
     def send(self, content, *, target=None, metadata=None):
         """Submit a message to __input__, or straight to the route named `target`."""
-        name = INPUT if target is None else target
-        node = self.nodes.get(name)
-        if node is None or name in (OUTPUT, ERROR):
-            raise RoutingError(f"no route or input stream named {name!r}", section="5.1")
-        if self.nodes[INPUT].out.done:
+        stream = self.input.out
+        if target is None:
+            push = stream.next                          # __input__ is a plain stream
+        elif target in self.nodes and target not in (OUTPUT, ERROR):
+            push = self.nodes[target].push
+        else:
+            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        if stream.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
+        rt = self.rt
+        meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        node.push(Message(content, meta, INPUT, self.rt.clock.now()))
+        push(Message(content, meta, INPUT, rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -3629,8 +3891,7 @@ class StreamNetwork:
     def close(self):
         """§12.1 step 8: dispose of every subscription and host hook."""
         for node in self.nodes.values():
-            node.out.observers.clear()
-            node.out.finishers.clear()
+            node.out.dispose()
             if isinstance(node, _Sink):
                 node.hooks.clear()
 
@@ -3708,22 +3969,23 @@ class _Sink(_Node):
 
     def __init__(self, net, name, adjust):
         super().__init__(net, name, Stream(name))
-        self.adjust, self.hooks, self.depth = adjust, [], 0
+        self.adjust, self.hooks, self.delivering = adjust, [], False
 
     def push(self, msg):
         msg = self.adjust(msg)
-        self.depth += 1
-        try:
-            if self.depth == 1:
-                self.out.next(msg)
-            else:
+        if self.out.observers:          # routes fed from this stream (a merge from __error__)
+            if self.delivering:
                 # §12.6: a message emitted here while this stream is still delivering another
                 # (e.g. an error handler fed from __error__ that fails) goes to the host only.
                 self.net.rt.warn(f"{self.name} feedback loop cut for one message", section="12.6")
-            for hook in self.hooks:
-                hook(msg)
-        finally:
-            self.depth -= 1
+            else:
+                self.delivering = True
+                try:
+                    self.out.next(msg)
+                finally:
+                    self.delivering = False
+        for hook in self.hooks:
+            hook(msg)
 
 
 class GraphParticipant(_Node):
@@ -5133,7 +5395,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if "condition" in edge and not isinstance(edge["condition"], dict):
             fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
     entry = normalize_node_name(cfg.get("entry_point", "start"))
-    if entry not in known:
+    if not is_known(entry, known):
         fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
              f"'{name}'", "6.11, 11.3")
     for node_name, node_cfg in nodes.items():
@@ -5352,8 +5614,8 @@ def pipeline_links(net, data):
             net.nodes[node_name] = node
             stages.append(node_name)
             publications = stage.get("publications") if _stage_type(stage) == "stream" else None
-            for j, target in enumerate(publications or []):
-                if target in net.nodes and target not in stages:
+            for j, target in enumerate(as_list(publications)):
+                if is_known(target, net.nodes) and target not in stages:
                     links.append((node_name, target, None, here + ("publications", j)))
         for a, b in zip(stages, stages[1:]):
             links.append((a, b, None, ("pipelines", name, "stages")))
@@ -5733,6 +5995,29 @@ class TagScope:
     def __init__(self, names=()):
         self.names = set(names)
         self.stack = []          # (word, protected, names added by the opener)
+        self.deferred_reads = set()   # names read by the tags protected so far
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -5768,12 +6053,14 @@ def walk_tags(text, scope, defer, need_names=False):
             free = tag_free_names(kind, inner, "")
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
+            if protected and free:
+                scope.deferred_reads |= free
         elif word in ("elif", "else"):
             protected = scope.stack[-1][1] if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
-                _, protected, added = scope.stack.pop()
-                scope.names -= added
+                _, protected, added, shadowed = scope.stack.pop()
+                scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
         else:
@@ -5781,64 +6068,199 @@ def walk_tags(text, scope, defer, need_names=False):
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
             binds = set() if protected else tag_binds(word, inner)
-            if word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+            if defer and binds and binds_for_runtime(text, end, word, inner, scope, binds,
+                                                     need_names):
+                protected, binds = True, set()
+            if protected and free:
+                scope.deferred_reads |= free
+            # a statement left for Phase C binds its names there: Phase A must not see the
+            # outer meaning of a name it rebinds (`loop` inside a deferred inner loop)
+            shadowed = tag_binds(word, inner) & scope.names if protected else set()
+            if is_block_opener(word, inner):
                 if word in ("set", "macro"):      # the name outlives the block
-                    scope.names |= binds
-                    binds = set()
+                    scope.names = (scope.names | binds) - shadowed
+                    binds, shadowed = set(), set()
                 added = binds - scope.names
-                scope.stack.append((word, protected, added))
-                scope.names |= added
+                scope.stack.append((word, protected, added, shadowed))
+                scope.names = (scope.names | added) - shadowed
             else:
-                scope.names |= binds
+                scope.names = (scope.names | binds) - shadowed
         out.append(protect_markers(tag) if protected else tag)
     out.append(text[pos:])
     return "".join(out)
 
 
+def binds_for_runtime(text, end, word, inner, scope, binds, need_names):
+    """Would a statement that Phase A could run bind a name that a deferred tag after it reads?
+    Then the statement waits for Phase C as well -- `{% for op in ['<', '>'] %}` around
+    `{{ context.n ~ op }}` -- or that tag would meet an undefined `op` at Phase C. Its reach
+    is the block body, or the rest of the text for `set x = ...` and macros, which outlive it."""
+    if is_block_opener(word, inner) and word not in ("set", "macro"):
+        reach = text[end:block_body_end(text, end)]
+    else:
+        reach = text[end:]
+    trial = TagScope(scope.names | binds)
+    walk_tags(reach, trial, defer=True, need_names=need_names)
+    return bool(trial.deferred_reads & binds)
+
+
+def mask_tags(text):
+    """`text` with every tag blanked to the same length, so YAML can compose a template document:
+    a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
+    Newlines stay, so character offsets and line numbers are those of `text`."""
+    out, pos = [], 0
+    for start, end, kind in scan_tags(text):
+        out.append(text[pos:start])
+        fill = "x" if kind == "{{" else " "
+        out.append(re.sub(r"[^\n]", fill, text[start:end]))
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def node_regions(node, keys, offset, regions):
+    """The runtime-field and template-section spans under one composed YAML node (see
+    document_regions); `offset` is where the composed text starts inside the document."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            path = keys + [key]
+            span = (offset + value.start_mark.index, offset + value.end_mark.index)
+            if not keys and key in DEFERRED_SECTIONS:
+                regions.append(span + ("section", key, key_node.start_mark.column))
+            elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
+                regions.append(span + ("field", key, key_node.start_mark.column))
+            else:
+                node_regions(value, path, offset, regions)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            node_regions(item, keys, offset, regions)
+
+
+# INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
+# would put them once the tags are blanked -- block or flow mappings, list items, beside
+# {% for %}/{% if %} lines; a key that is itself written by an expression is not known
+# before Phase A, so its value renders at Phase A like any other.
 def document_regions(text, file=None):
     """Char spans (start, end, kind) of the text Phase A must not render as is:
     'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
 
-    When the raw text already composes as YAML (template syntax only inside scalars, or a
-    flow/JSON document) the YAML node marks give exact spans; otherwise a line scan by
-    indentation finds them (document_regions_by_lines).
+    The spans come from the YAML node marks of the text with its tags blanked (mask_tags), so
+    runtime fields are found in block and flow collections alike, around {% for %} and
+    {% if %} lines too. When even the masked text does not compose (a statement inside a
+    line that shifts indentation, a tag that emits structure), a line scan by indentation
+    finds them (document_regions_by_lines).
     """
+    masked = mask_tags(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(masked, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return document_regions_by_lines(text, file)
+        return document_regions_by_lines(text, masked, file)
     regions = []
-
-    def walk(node, keys):
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value in node.value:
-                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-                path = keys + [key]
-                if not keys and key in DEFERRED_SECTIONS:
-                    regions.append((value.start_mark.index, value.end_mark.index, "section"))
-                elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
-                    regions.append((value.start_mark.index, value.end_mark.index, "field"))
-                else:
-                    walk(value, path)
-        elif isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                walk(item, keys)
-
     if root is not None:
-        walk(root, [])
-    return sorted(regions)
+        node_regions(root, [], 0, regions)
+    out = []
+    for start, end, kind, key, key_col in regions:
+        end = statement_line_before(text, masked, start, end, key_col)
+        line_start = text.rfind("\n", 0, start) + 1
+        if key == "templates" and not text[line_start:start].strip():   # a block mapping
+            check_templates_body(text, line_start, file)
+        out.append((start, end, kind))
+    return sorted(out)
 
 
-def document_regions_by_lines(text, file=None):
-    """document_regions for text that is not YAML before Phase A (statements between keys).
+def statement_line_before(text, masked, start, end, key_col):
+    """Where a region taken from YAML marks really ends: before the first line that holds
+    only tags (blank once masked) at or left of the key's column -- the {% endfor %} after a
+    block scalar belongs to the document, not to the scalar -- as the line scan decides."""
+    pos = text.find("\n", start, end)
+    while 0 <= pos < end:
+        line_at = pos + 1
+        line_end = text.find("\n", line_at)
+        line_end = len(text) if line_end < 0 else line_end
+        raw = text[line_at:line_end]
+        if raw.strip() and not masked[line_at:line_end].strip() \
+                and len(raw) - len(raw.lstrip(" ")) <= key_col:
+            return line_at
+        pos = line_end if line_end < end else -1
+    return end
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
+
+
+def flow_end(masked, start):
+    """The offset just past the flow collection opening at masked[start] (quotes skipped);
+    None when it never closes."""
+    depth, i, quote, n = 0, start, None, len(masked)
+    while i < n:
+        ch = masked[i]
+        if quote:
+            if ch == quote == "'" and masked.startswith("''", i):
+                i += 1
+            elif ch == "\\" and quote == '"':
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"" and masked[i - 1] in " \t\n,[{:":
+            quote = ch
+        elif ch == "#" and masked[i - 1] in " \t\n":
+            newline = masked.find("\n", i)
+            i = n if newline < 0 else newline
+            continue
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def flow_regions(masked, start, keys):
+    """Regions inside the flow collection at masked[start], composed on its own; (regions, end)."""
+    end = flow_end(masked, start)
+    if end is None:
+        return [], start
+    try:
+        node = yaml.compose(masked[start:end], Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return [], start
+    regions = []
+    node_regions(node, keys, start, regions)
+    return [region[:3] for region in regions], end     # brackets bound it: nothing to trim
+
+
+def document_regions_by_lines(text, masked=None, file=None):
+    """document_regions for text that does not compose as YAML even with its tags masked.
 
     A value region is the rest of the key's line plus every following blank or more-indented
-    line (plain, quoted and | > block scalars alike).
+    line (plain, quoted and | > block scalars alike). A flow collection that opens a value or
+    a list item (`w: {system_prompt: ...}`, `- {...}`) is composed on its own (flow_regions).
     """
-    regions, keys, offset = [], [], 0
+    masked = mask_tags(text) if masked is None else masked
+    regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # [start, key_col, kind, block_col]
     lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
+        line_at, offset = offset, offset + len(line)
+        if line_at < skip_to:     # inside a multi-line flow collection already read
+            continue
         body = line.rstrip("\r\n")
         indent = len(body) - len(body.lstrip(" "))
         blank = body.strip() == ""
@@ -5846,11 +6268,13 @@ def document_regions_by_lines(text, file=None):
             if blank or indent > region[1]:
                 if region[2] == "templates":
                     region[3] = templates_line(line, indent, blank, region[3], lineno, file)
-                offset += len(line)
                 continue
-            regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+            regions.append((region[0], line_at, "section" if region[2] != "field" else "field"))
             region = None
-        match = None if body.lstrip().startswith(("{%", "{#")) else KEY_LINE.match(body)
+        shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
+        item = FLOW_ITEM.match(shown)
+        match = None if item else KEY_LINE.match(shown)
+        flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
             key = match.group(2).strip("\"'")
@@ -5859,13 +6283,26 @@ def document_regions_by_lines(text, file=None):
             keys.append((key_col, key))
             path = [k for _, k in keys]
             if key_col == 0 and key in DEFERRED_SECTIONS:
-                region = [offset + len(line), 0, key, None]
+                region = [offset, 0, key, None]
+                continue
+            value_at = line_at + match.end()
+            value_at += len(masked[value_at:offset]) - len(masked[value_at:offset].lstrip(" "))
+            if masked[value_at:value_at + 1] in ("{", "["):
+                flow_at = value_at
             elif is_runtime_field(path):
-                region = [offset + match.end(), key_col, "field", None]
-        offset += len(line)
+                region = [line_at + match.end(), key_col, "field", None]
+        elif item:
+            flow_at = line_at + item.end()
+            dash_col = len(shown) - len(shown.lstrip(" "))
+            while keys and keys[-1][0] > dash_col:
+                keys.pop()
+            path = [k for _, k in keys]
+        if flow_at is not None:
+            found, skip_to = flow_regions(masked, flow_at, path)
+            regions.extend(found)
     if region is not None:
         regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
-    return regions
+    return sorted(regions)
 
 
 def templates_line(line, indent, blank, block_col, lineno, file):
@@ -6049,7 +6486,7 @@ def parameter_declarations(doc, decls, path, rt=None):
             raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
                             "8.6.1")
         ptype = decl.get("type", "string")
-        if ptype not in PARAMETER_TYPES:
+        if not is_known(ptype, PARAMETER_TYPES):
             raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
                             f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
         if ptype == "enum" and not isinstance(decl.get("values"), list):
@@ -7063,13 +7500,23 @@ def stream_names(doc):
     splits create their missing targets.
     """
     names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
-    for merge in doc.data.get("merges") or []:
+    for merge in as_list(doc.data.get("merges")):
         if isinstance(merge, dict) and isinstance(merge.get("target"), str):
             names.add(merge["target"])
-    for split in doc.data.get("splits") or []:
+    for split in as_list(doc.data.get("splits")):
         if isinstance(split, dict) and isinstance(split.get("targets"), dict):
             names.update(split["targets"])
     return names
+
+
+def as_list(value):
+    """A sequence section as a list, [] for anything else (its own check reports the type)."""
+    return value if isinstance(value, list) else []
+
+
+def is_known(name, known):
+    """Membership for names taken from a document: only strings can name anything."""
+    return isinstance(name, str) and name in known
 
 
 def check_routes(doc, rt, agent_names):
@@ -7100,12 +7547,12 @@ def check_routes(doc, rt, agent_names):
                                     "5.3")
             for field in ("subscriptions", "publications"):
                 for i, target in enumerate(route.get(field) or []):
-                    if target not in known:
+                    if not is_known(target, known):
                         raise doc.error(ConfigurationError, path + (field, i),
                                         f"'{target}' is not a known route or built-in stream",
                                         "11.3, §5.5")
             for i, agent in enumerate(route.get("agents") or []):
-                if agent not in agent_names:
+                if not is_known(agent, agent_names):
                     raise doc.error(ConfigurationError, path + ("agents", i),
                                     f"agent '{agent}' is not defined in agents", "11.3")
         elif kind == "graph":
@@ -7128,12 +7575,15 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
+        if not isinstance(merge["target"], str):
+            raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
+                            "7.1")
         sources = merge.get("sources") or []
         if not isinstance(sources, list):
             raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
                             "7.1")
         for j, source in enumerate(sources):
-            if source not in known:
+            if not is_known(source, known):
                 raise doc.error(ConfigurationError, path + ("sources", j),
                                 f"merge source '{source}' is not a known route or stream", "11.4")
     for i, split in enumerate(doc.data.get("splits") or []):
@@ -7143,7 +7593,7 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
-        if split["source"] not in known:
+        if not is_known(split["source"], known):
             raise doc.error(ConfigurationError, path + ("source",),
                             f"split source '{split['source']}' is not a known route or stream",
                             "11.4")
@@ -7176,10 +7626,10 @@ def check_pipelines(doc, rt):
             kind, name = str(stage["type"]).lower(), stage.get("name")
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
-                if (routes.get(ref) or {}).get("type") != "graph":
+                if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
                     rt.warn(f"graph stage refers to '{ref}', which is not a graph route",
                             section="11.5", path=path)
-            if kind == "stream" and name in routes:
+            if kind == "stream" and is_known(name, routes):
                 rt.warn(f"stream stage '{name}' has the name of an existing route",
                         section="11.5", path=path)
 
@@ -7487,9 +7937,10 @@ def find_stream_cycle(edges):
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
 #      nonlocal, yield, async, with or decorators, no prohibited facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, slice assignment and the string methods that pad or repeat go
-#      through size guards; a bare `except:` catches only Exception, so the sandbox's own aborts
-#      (BaseException) pass through.
+#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
+#      repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
+#      aborts (BaseException) pass through.
 #   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
 #      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
@@ -7660,6 +8111,18 @@ class _SandboxRewriter(ast.NodeTransformer):
             return node
         return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
 
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
+        if not tests:
+            return node
+        if len(node.ops) > 1:
+            raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
+        call = _guard_call("__sb_in__", node, node.left, node.comparators[0])
+        if isinstance(tests[0], ast.NotIn):
+            call = ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
+        return call
+
     def visit_AugAssign(self, node):
         self.generic_visit(node)
         symbol = _GUARDED_OPERATORS.get(type(node.op))
@@ -7812,13 +8275,35 @@ def guard_enter():
     return True
 
 
-def _address_space():
-    """Current virtual size of this process in bytes, or None where /proc is missing."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+class _AddressSpace:
+    """This process's virtual size in bytes, from /proc/self/statm read through one descriptor
+    kept open (a process resource, like _SANDBOX_TURN): opening the file cost about 10 us a
+    call, a pread of the open descriptor about 1 us, and the number is read fresh every time.
+    A forked child reopens it (/proc/self named the parent). None where /proc is missing."""
+
+    __slots__ = ("pid", "fd")
+
+    def __init__(self):
+        self.pid, self.fd = None, None
+
+    def read(self):
+        pid = os.getpid()
+        if pid != self.pid:          # first use, or a forked child; runs under _SANDBOX_TURN
+            self.pid, self.fd = pid, None
+            try:
+                self.fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                return None
+        if self.fd is None:
+            return None
+        try:
+            return int(os.pread(self.fd, 64, 0).split()[0]) * _PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_ADDRESS_SPACE = _AddressSpace()
 
 
 class _MemoryCap:
@@ -7828,7 +8313,7 @@ class _MemoryCap:
         self.saved = None
         if resource is None:
             return self
-        current = _address_space()
+        current = _ADDRESS_SPACE.read()
         if current is None:
             return self
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -8207,6 +8692,9 @@ def _check_operands(symbol, left, right):
             if isinstance(seq, _SIZED) and isinstance(count, int) \
                     and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
                 _refuse_size("repetition")
+            if isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 1 \
+                    and _nested_weight(seq) * count > SANDBOX_MAX_ITEMS:
+                _refuse_size("repetition of a nested structure")
     elif symbol == "**":
         if ints and right > 0 and abs(left) > 1 \
                 and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
@@ -8277,6 +8765,27 @@ def _text_weight(value, memo):
                 break
     memo[key] = weight
     return weight
+
+
+def _nested_weight(seq):
+    """_text_weight of a list or tuple, or just its length when no item is a container (found
+    by a C-level scan, so a long flat list costs no Python loop)."""
+    if set(map(type, seq)).isdisjoint(_CONTAINERS):
+        return len(seq)
+    return _text_weight(seq, {})
+
+
+def guard_in(needle, haystack):
+    """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
+    needle with one item, so a container needle against a long list of aliases of one big
+    structure is quadratic C-level work: m in [l] * 10**6, with l built by a comprehension.
+    Refused when both bounds of that work pass the limit: items x needle size, and the text
+    weight of the haystack (aliases counted every time)."""
+    if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
+            and len(haystack) * _text_weight(needle, {}) > SANDBOX_MAX_ITEMS \
+            and _text_weight(haystack, {}) > SANDBOX_MAX_ITEMS:
+        _refuse_size("membership test")
+    return needle in haystack
 
 
 def check_rendering(value):
@@ -8355,7 +8864,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice,
+    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
@@ -8574,6 +9083,8 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
+import random       # [llm] retry jitter only; the integrator may hoist it to the top
+
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
 LLM_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
@@ -8587,9 +9098,9 @@ def scrub_key(text, key):
     return text.replace(key, "***") if key and isinstance(text, str) else text
 
 
-def _retry_delay(headers, data, attempt):
+def _retry_delay(headers, data, attempt, jitter=random.random):
     """Seconds to wait before retry number `attempt` (0-based): the server's word when it gives
-    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8)."""
+    one of at most LLM_RETRY_AFTER_CAP, else min(0.5 * 2**attempt, 8) less a random quarter."""
     wait = None
     if headers.get("retry-after-ms"):
         try:
@@ -8616,7 +9127,9 @@ def _retry_delay(headers, data, attempt):
                     pass
     if wait is not None and 0 <= wait <= LLM_RETRY_AFTER_CAP:
         return wait
-    return min(0.5 * 2 ** attempt, 8.0)
+    # Exponential back-off with the SDKs' jitter (up to 25 % shorter), so that clients that
+    # failed together do not retry together.
+    return min(0.5 * 2 ** attempt, 8.0) * (1.0 - 0.25 * jitter())
 
 
 def _http_post(url, headers, body, timeout):
@@ -8649,7 +9162,8 @@ class ProviderAdapter:
         """A fixed-up body to send once after a 400 the vendor explains, or None."""
         return None
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
@@ -8693,7 +9207,7 @@ class ProviderAdapter:
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
-            sleep(_retry_delay(resp_headers, data, attempt))
+            sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
 
     def _parse_reply(self, raw, key):
@@ -8786,7 +9300,12 @@ class AnthropicAdapter(ProviderAdapter):
 
     def body(self, request):
         messages = []
-        for entry in request["messages"]:       # consecutive same-role turns become one
+        entries = list(request["messages"])
+        # The Messages API wants the first turn from the user; an odd max_history (§4.4.4) can
+        # leave an assistant entry first, whose question was truncated away: it is not sent.
+        while entries and entries[0]["role"] == "assistant":
+            entries.pop(0)
+        for entry in entries:                   # consecutive same-role turns become one
             if messages and messages[-1]["role"] == entry["role"]:
                 messages[-1] = {"role": entry["role"],
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}
@@ -8911,7 +9430,8 @@ class FakeAdapter(ProviderAdapter):
     name = "fake"
     structured = frozenset({"json_schema", "json_object", "text"})
 
-    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None):
+    def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
+                 jitter=random.random):
         return request["messages"][-1]["content"]
 
 
@@ -8954,9 +9474,11 @@ PROVIDERS = {
 class Result:
     """What one call observed: the messages emitted on __output__ and on __error__, in order."""
 
-    def __init__(self):
-        self.outputs = []
-        self.errors = []
+    __slots__ = ("outputs", "errors")
+
+    def __init__(self, outputs=None, errors=None):
+        self.outputs = [] if outputs is None else outputs
+        self.errors = [] if errors is None else errors
 
     def __repr__(self):
         return f"Result(outputs={[m.content for m in self.outputs]!r}, " \
@@ -8970,32 +9492,22 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        self._result = None
-        self._lock = threading.Lock()
-        network.on_output(self._collect_output)
-        network.on_error(self._collect_error)
+        # What the current call has seen. The hooks are bare list.append, which is atomic, so
+        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        self._outputs, self._errors = [], []
+        network.on_output(self._outputs.append)
+        network.on_error(self._errors.append)
 
-    # -- collecting what a call emits (graph branches may emit from worker threads)
-    def _collect_output(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.outputs.append(msg)
+    # -- one call: _begin(), act, then _end() returns what it emitted
+    def _begin(self):
+        del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
-    def _collect_error(self, msg):
-        with self._lock:
-            if self._result is not None:
-                self._result.errors.append(msg)
-
-    def _call(self, action):
-        with self._lock:
-            self._result = result = Result()
-        try:
-            action()
-            if self.rt.clock.real:
-                self.network.settle()
-        finally:
-            with self._lock:
-                self._result = None
+    def _end(self):
+        if self.rt.clock.real:
+            self.network.settle()
+        outputs, errors = self._outputs, self._errors
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
         return result
 
     # -- the public API
@@ -9007,19 +9519,28 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        def action():
-            if at is not None:
-                self.rt.clock.set_time(at)
-            self.network.send(content, target=target)
-        return self._call(action)
+        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+        del outputs[:], errors[:]                           # send() is the hot path
+        if at is not None:
+            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
+        self.network.send(content, target=target)
+        if self.rt.clock.real:
+            self.network.settle()
+        result = Result(outputs[:], errors[:])
+        del outputs[:], errors[:]
+        return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        return self._call(lambda: self.rt.clock.advance(seconds))
+        self._begin()
+        self.rt.clock.advance(seconds)
+        return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        return self._call(self.network.complete)
+        self._begin()
+        self.network.complete()
+        return self._end()
 
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams."""
@@ -9052,7 +9573,9 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        return self._call(lambda: self._graph(route).resume(self.rt.context))
+        self._begin()
+        self._graph(route).resume(self.rt.context)
+        return self._end()
 
     # -- inspection (§4.11)
     def describe(self):
