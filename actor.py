@@ -4268,8 +4268,7 @@ class GraphRoute:
                     continue
                 if edge.condition is not None:
                     if view is None:
-                        view = {"messages": state["messages"], "metadata": state["metadata"],
-                                "_condition_content": output}
+                        view = condition_view(state, output)
                     if not evaluate_condition(edge.condition, "edge", view, self.rt, edge.path):
                         continue
                 taken.add(edge.target)
@@ -4681,9 +4680,8 @@ def node_conditional(graph, node, message, state):
 
     `{type: conditional, condition: {type: has_messages}}`
     """
-    view = {"messages": state["messages"], "metadata": state["metadata"],
-            "_condition_content": message}
-    result = evaluate_condition(node.condition, "node", view, graph.rt, node.path + ("condition",))
+    result = evaluate_condition(node.condition, "node", condition_view(state, message), graph.rt,
+                                node.path + ("condition",))
     return NodeResult(message, metadata={"condition_result": bool(result)})
 
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
@@ -4941,11 +4939,16 @@ def state_update_from_content(content):
     return {"messages": [{"role": "user", "content": content}]}
 
 
-def snapshot_state(state):
-    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
-    return {"messages": list(state["messages"]), "metadata": dict(state["metadata"]),
+def copy_state(state, metadata):
+    """A new state dict: `state`'s fields with its own messages list and the given metadata."""
+    return {"messages": list(state["messages"]), "metadata": metadata,
             "current_node": state["current_node"], "execution_count": state["execution_count"],
             "error": state["error"]}
+
+
+def snapshot_state(state):
+    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
+    return copy_state(state, dict(state["metadata"]))
 
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
@@ -4976,6 +4979,13 @@ def build_edges(graph):
 # _next_nodes), so content_* conditions read the latest output and context_value reads
 # state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
 # INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+
+
+def condition_view(state, content):
+    """What a §5.4 condition sees of a graph state: messages, metadata, and `content` (the
+    output of the node the edge leaves, or the message a conditional node received)."""
+    return {"messages": state["messages"], "metadata": state["metadata"],
+            "_condition_content": content}
 
 
 def describe_condition(cond):
@@ -5069,9 +5079,7 @@ def restore_checkpoint(graph, path=None):
 def copy_state_for_history(state):
     """A time-travel snapshot: messages and metadata copied, the live context left out."""
     metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
-    return {"messages": list(state["messages"]), "metadata": metadata,
-            "current_node": state["current_node"], "execution_count": state["execution_count"],
-            "error": state["error"]}
+    return copy_state(state, metadata)
 
 
 def rewind_state(graph, steps):
@@ -5086,9 +5094,7 @@ def rewind_state(graph, steps):
     del graph.snapshots[len(graph.snapshots) - steps:]
     chosen = graph.snapshots[-1]
     context = graph.state["metadata"].get("context")
-    state = {"messages": list(chosen["messages"]), "metadata": copy.deepcopy(chosen["metadata"]),
-             "current_node": chosen["current_node"], "execution_count": chosen["execution_count"],
-             "error": chosen["error"]}
+    state = copy_state(chosen, copy.deepcopy(chosen["metadata"]))
     if context is not None:
         state["metadata"]["context"] = context
     graph.state = state
