@@ -4143,7 +4143,6 @@ class GraphRoute:
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self)                 # §6.11
-        self.forward = self.analysis.forward
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
         self.state = new_graph_state(resolve_state_class(self))
