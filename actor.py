@@ -5100,29 +5100,29 @@ def rewind_state(graph, steps):
 
 # §6.7 Parallel execution ----------------------------------------------------------------
 def run_next_node_set(graph, admitted, state):
-    """§6.7: the parallel:true nodes of the set run together on threads, the others one after
-    another; every node reads the state as it was before the set, and the outcomes come back in
-    the set's order as (NodeResult|None, error|None)."""
+    """§6.7: the parallel:true nodes of the set run together on threads and are joined, then the
+    others run one after another; every node reads the state as it was before the set, and the
+    outcomes come back in the set's order as (NodeResult|None, error|None)."""
     # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
     # declaration (edge) order after all of them finished, and a node reached by several
-    # edges of the same step runs once.
+    # edges of the same step runs once. Items 3-4 in their order: the parallel subset first,
+    # joined, so that no node without parallel: true ever overlaps another.
     parallel = []
     if graph.parallel_execution and len(admitted) > 1:
         parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
     if len(parallel) < 2:
         parallel = []
     outcomes = [None] * len(admitted)
-    futures = {}
     if parallel:
         if graph._pool is None:
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
-        for i in parallel:
-            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
+        futures = [(i, graph._pool.submit(call_node, graph, *admitted[i], state))
+                   for i in parallel]
+        for i, future in futures:
+            outcomes[i] = future.result()
     for i, (node, message) in enumerate(admitted):
-        if i not in futures:
+        if outcomes[i] is None:
             outcomes[i] = call_node(graph, node, message, state)
-    for i, future in futures.items():
-        outcomes[i] = future.result()
     return outcomes
 
 
