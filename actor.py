@@ -5357,6 +5357,11 @@ def check_graph(doc, name, cfg, path, agent_names):
     if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
         # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
         fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
+        fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
+    for field in ("metadata", "bridge"):
+        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+            fail((field,), f"{field} must be a mapping", "6.1")
     if "state_class" in cfg and not isinstance(cfg["state_class"], str):
         fail(("state_class",), "state_class must be a string", "6.3.3")
     declared = set()
