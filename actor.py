@@ -4225,34 +4225,45 @@ class GraphRoute:
         """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
+        if len(frontier) == 1:                  # the common case: one node, nothing to schedule
+            node, message = frontier[0]
+            if guard_before_node(self, node, message, trace, relaxed):
+                return []
+            output, _ = self._finish(node, message, call_node(self, node, message, state), trace,
+                                     relaxed)
+            return [(node, output)]
         admitted = []
         for node, message in frontier:
             if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
-        if len(admitted) == 1:                  # the common case: no set to schedule
-            outcomes = [call_node(self, *admitted[0], state)]
-        else:
-            outcomes = run_next_node_set(self, admitted, state)
         results = []
-        for (node, message), (result, error) in zip(admitted, outcomes):
-            if error is not None:
-                state["error"] = str(error)
-                raise error
-            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
-            # they were
-            output = message if result is None else result.output
-            if node.type != START_NODE:             # an edge may lead back to start
-                trace.history.append(node.name)
-                if result is not None:
-                    self._apply(node, message, result)
-                self._executed(node, output)
+        for (node, message), outcome in zip(admitted, run_next_node_set(self, admitted, state)):
+            output, stopped = self._finish(node, message, outcome, trace, relaxed)
             results.append((node, output))
-            if result is not None:
-                trace.output = output
-                if guard_after_node(self, node, output, trace, relaxed):
-                    break
+            if stopped:
+                break
         return results
+
+    def _finish(self, node, message, outcome, trace, relaxed):
+        """Take one node's (result, error): raise the error, or apply the result and run the
+        after-node guards; return (output, whether a guard stopped the run)."""
+        result, error = outcome
+        if error is not None:
+            self.state["error"] = str(error)
+            raise error
+        # §6.2.6.4: a router that matched nothing (result None) leaves state and message as they
+        # were
+        output = message if result is None else result.output
+        if node.type != START_NODE:             # an edge may lead back to start
+            trace.history.append(node.name)
+            if result is not None:
+                self._apply(node, message, result)
+            self._executed(node, output)
+        if result is None:
+            return output, False
+        trace.output = output
+        return output, guard_after_node(self, node, output, trace, relaxed)
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
