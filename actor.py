@@ -53,6 +53,7 @@ import json
 import logging
 import operator
 import os
+import random
 import re
 import string
 import subprocess
@@ -63,6 +64,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -645,6 +647,11 @@ def check_agent(doc, name, cfg, path, agent_types):
     if "type" not in cfg:
         raise doc.error(ConfigurationError, path, "agent has no type", "11.1")
     kind = cfg["type"]
+    if kind == "template_instance":
+        # §4.8: the tag marks an instance; Phase B replaces it, so one left here had no template.
+        raise doc.error(ConfigurationError, path + ("type",),
+                        "an agent of type template_instance needs `template` (or "
+                        "`agent_template`) naming an entry of templates.agents", "4.8")
     if not isinstance(kind, str) or kind not in agent_types:
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
@@ -654,6 +661,14 @@ def check_agent(doc, name, cfg, path, agent_types):
     if not isinstance(cfg["config"], dict):
         raise doc.error(ConfigurationError, path + ("config",), "config must be a mapping",
                         "11.1")
+    own = cfg["config"].get("context")
+    for key in own if isinstance(own, dict) else ():
+        # INTERPRETATION §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
+        # context as in context.global: an Actor never declares them.
+        if key in HOST_ONLY_CONTEXT_KEYS:
+            raise doc.error(ConfigurationError, path + ("config", "context", key),
+                            f"'{key}' is set by the host, never by the Actor configuration",
+                            HOST_ONLY_CONTEXT_KEYS[key])
     check = AGENT_CHECKS.get(kind)
     if check is not None:
         check(doc, name, cfg["config"], path + ("config",), agent_types)
@@ -701,8 +716,9 @@ LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 LLM_CAPABILITIES = ["text-generation", "conversation", "reasoning", "analysis", "creative-writing"]
 
 
-def _llm_text(content):
-    """A message content as the text sent to a model: strings as they are, mappings/lists as JSON."""
+def message_text(content):
+    """A message content as text (for a model, a tool request, §12.4 results): strings as they
+    are, mappings and lists as JSON (non-ASCII kept), None as "", the rest via str()."""
     if isinstance(content, str):
         return content
     if isinstance(content, (dict, list)):
@@ -749,6 +765,9 @@ class LLMAgent:
         self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
                                                                    cpath + ("provider",))
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
+        if self.response_format is not None:
+            check_response_format_for(rt, self.provider, self.response_format,
+                                      cpath + ("response_format",))
         self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
         self.base_url = values["base_url"]
         if self.base_url is not None and not re.match(r"https?://", self.base_url):
@@ -780,13 +799,13 @@ class LLMAgent:
         """§4.4: render the prompts, call the provider, remember the exchange, run §12.4 blocks."""
         rt = self.rt
         ctx = ctx if ctx is not None else {}
-        message = _llm_text(content)
+        message = message_text(content)
         # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
         view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
-            user = _llm_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
+            user = message_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
                                             {**view, **self.template_vars}, message,
                                             self.path + ("config", "template")))
         temperature = effective_temperature(self, ctx)
@@ -838,21 +857,33 @@ class LLMAgent:
         return adapter.default_base
 
 
-def _llm_check_fields(rt, config, cpath):
-    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    known = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
+def check_config_fields(rt, config, fields, cpath, section, kind):
+    """An agent config against its field table {field: (types, default)}: type errors are located
+    ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
+    fields are ignored with a warning. Returns field -> value."""
     values = {}
-    for field, (types, default) in known.items():
+    for field, (types, default) in fields.items():
         if field not in config or config[field] is None:
             values[field] = copy.deepcopy(default)
             continue
         value = config[field]
         bad_bool = isinstance(value, bool) and bool not in types
         if bad_bool or not isinstance(value, types):
-            kind = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
+            names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
             raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a {kind}, not {type(value).__name__}", "4.4")
+                           f"'{field}' must be a {names}, not {type(value).__name__}", section)
         values[field] = value
+    for field in config:
+        if field not in fields:
+            rt.warn(f"unknown {kind} field '{field}' is ignored", section=section,
+                    path=cpath + (field,))
+    return values
+
+
+def _llm_check_fields(rt, config, cpath):
+    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
+    values = check_config_fields(rt, config, {**LLM_FIELDS, **LLM_EXTRA_FIELDS}, cpath, "4.4",
+                                 "llm agent")
     low, high = LLM_TEMPERATURE_RANGE
     # INTERPRETATION §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
     if not low <= values["temperature"] <= high:
@@ -866,10 +897,6 @@ def _llm_check_fields(rt, config, cpath):
                        "max_history must not be negative", "4.4.4")
     if values["model"] is not None and not values["model"].strip():
         raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
-    for field in config:
-        if field not in known:
-            rt.warn(f"unknown llm agent field '{field}' is ignored", section="4.4",
-                    path=cpath + (field,))
     return values
 
 
@@ -973,6 +1000,23 @@ def check_response_format(rt, rf, path):
                        "json_schema.strict must be a boolean", "4.4.3")
 
 
+# Provider rules a §4.4.3 block must meet to be "conformant to the provider's mechanism".
+OPENAI_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_response_format_for(rt, provider, rf, path):
+    """§4.4.3 at load: OpenAI's json_schema requires a `name` of 1-64 letters, digits, _ or -."""
+    # INTERPRETATION §4.4.3: "conformant to the provider's mechanism" is checked at load where a
+    # vendor states a hard rule: OpenAI requires json_schema.name; the others have no slot for it.
+    if provider != "openai" or rf.get("type") != "json_schema":
+        return
+    name = rf["json_schema"].get("name")
+    if not isinstance(name, str) or not OPENAI_SCHEMA_NAME.fullmatch(name):
+        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
+                       "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
+                       "4.4.3")
+
+
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
@@ -1030,7 +1074,7 @@ def history_from_context(ctx):
         if role == "system":
             continue
         entries.append({"role": "assistant" if role == "assistant" else "user",
-                        "content": _llm_text(item["content"])})
+                        "content": message_text(item["content"])})
     return entries
 
 
@@ -1053,7 +1097,7 @@ def effective_temperature(agent, ctx):
 def render_system_prompt(agent, view, message):
     """§4.4.6: the system prompt rendered with `context` and `message` (Phase C, §8.11); on a
     render failure render_runtime warns and hands back the literal prompt."""
-    return _llm_text(render_runtime(agent.rt, agent.system_prompt, view, message,
+    return message_text(render_runtime(agent.rt, agent.system_prompt, view, message,
                                     agent.path + ("config", "system_prompt")))
 
 
@@ -1143,23 +1187,14 @@ class ToolAgent:
         if "tools" not in config:
             raise rt.error(ConfigurationError, config_path,
                            f"tool agent '{name}' needs a `tools` list", "4.5")
-        values = {}
-        for field, (types, default) in TOOL_AGENT_FIELDS.items():
-            value = config.get(field, copy.deepcopy(default))
-            if value is None and field == "context":
-                value = {}
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                kinds = " or ".join(t.__name__ for t in types)
-                raise rt.error(ConfigurationError, config_path + (field,),
-                               f"`{field}` must be a {kinds}", "4.5")
-            values[field] = value
+        if config["tools"] is None:
+            raise rt.error(ConfigurationError, config_path + ("tools",),
+                           "'tools' must be a list of tools", "4.5")
+        values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, config_path, "4.5",
+                                     "tool agent")
         if values["timeout"] <= 0:
             raise rt.error(ConfigurationError, config_path + ("timeout",),
                            "`timeout` must be a positive number of seconds", "4.5")
-        for key in config:
-            if key not in TOOL_AGENT_FIELDS:
-                rt.warn(f"unknown tool agent field '{key}' is ignored", section="4.5",
-                        path=config_path + (key,))
         self.safe_mode = values["safe_mode"]
         self.allow_shell = values["allow_shell"]
         self.timeout = values["timeout"]
@@ -1607,22 +1642,13 @@ def context_write_back(before, view, ctx):
 INVALID_JSON_IN_TOOL_REQUEST = "Invalid JSON in tool request"     # §4.5.3 step 3, verbatim
 
 
-def request_text(content):
-    """The message as text: strings as they are, mappings and lists as JSON, the rest via str()."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (dict, list)):
-        return json.dumps(content)
-    return tool_output(content)
-
-
 def tool_request(agent, content):
     """§4.5.3 steps 1-4: decode a message into (tool name, args, input_data or None).
 
     Step 5 (the name must be an allowed tool) is checked when the tool is run.
     """
     tools = agent.tools
-    text = request_text(content)
+    text = message_text(content)
     # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
@@ -1903,7 +1929,6 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-from collections import ChainMap    # [tools] the composite's agent scope; may be hoisted to the top
 
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
 
@@ -2113,8 +2138,9 @@ class CompositeAgent:
     The components live in a Runtime of their own whose agents are the local ones over the outer
     ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
     found); it shares the outer clock, context, prompts and settings. Local agents are created
-    with the composite; its graphs and streams are wired on first use, once every outer agent
-    exists (their static checks ran at validation).
+    with the composite (a `{ref: name}` component is an AgentRef to an agent in scope); its
+    graphs and streams are wired on first use, once every outer agent exists (their static checks
+    ran at validation). One request at a time goes through the wiring.
     INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
     handed to the output component -- unless the output component is a stream that the input's
     flow already reached, whose emission is then the response.
@@ -7870,7 +7896,7 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
         result = run_builtin_tool(rt, name, args, ctx)
     except ActorError as exc:
         return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
-    return result if isinstance(result, str) else _llm_text(result)
+    return result                       # run_builtin_tool gives the §4.5.7 string
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
@@ -9104,7 +9130,6 @@ FORBIDDEN_FORMS = {
 # Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
-import random       # [llm] retry jitter only; the integrator may hoist it to the top
 
 LLM_REQUEST_TIMEOUT = 120.0     # seconds for each connect / read of one HTTP request
 LLM_MAX_RETRIES = 2             # retries after the first try (the vendors' SDK default)
@@ -9476,7 +9501,7 @@ class FakeTransport:
             return request["messages"][-1]["content"]
         if isinstance(reply, dict) and "error" in reply:
             raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
-        return _llm_text(reply)
+        return message_text(reply)
 
 
 # name -> adapter. Rows: the §4.4.1 providers, then this host's extra `fake`.
@@ -9568,6 +9593,10 @@ class Actor:
         self.network.close()
         for graph in self.rt.graphs.values():
             graph.close()
+        for agent in self.rt.agents.values():
+            close = getattr(agent, "close", None)     # composites own workers and wiring
+            if close is not None:
+                close()
         self.rt.agents.clear()
         self.rt.graphs.clear()
 
@@ -10000,6 +10029,7 @@ def _print_message(msg, as_json, stream):
 
 
 def _print_result(result, as_json):
+    """Print one call's emissions; True when anything reached __error__."""
     for msg in result.outputs:
         _print_message(msg, as_json, sys.stdout)
     for msg in result.errors:
@@ -10069,6 +10099,7 @@ def main(argv=None):
                     if not line:
                         break
                     failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
+                    actor.rt.llm_log.clear()    # a long session keeps no request history
             failed |= _print_result(actor.complete(), args.json)
         except KeyboardInterrupt:
             return EXIT_RUNTIME

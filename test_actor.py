@@ -1903,6 +1903,18 @@ def test_composite_capabilities_are_the_union_of_its_components():
         team.close()
 
 
+def test_agent_name_outside_the_recommended_class_warns_4_2():
+    text = ("agents:\n  my-agent: {type: chain}\n  fine_1: {type: chain}\n"
+            "routes:\n  main:\n    type: stream\n"
+            "    operators: [{type: map, params: {agent: my-agent}}]\n")
+    team = actor.load(text=text, default_router="main")
+    try:
+        flagged = [w for w in team.rt.warnings if "§4.2" in w]
+        assert len(flagged) == 1 and "my-agent" in flagged[0]
+    finally:
+        team.close()
+
+
 def test_composite_component_errors_are_located_at_the_component():
     with pytest.raises(actor.ConfigurationError) as info:
         actor.load(text=COMPOSITE_TEXT % "ghost", default_router="main")
