@@ -4640,7 +4640,8 @@ def node_agent(graph, node, message, state):
     agent = graph.rt.agents[node.agent]
     # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
-    # failed attempt's context changes are dropped; after the last one the run fails (state.error).
+    # failed attempt's written or removed keys are dropped (objects changed in place stay
+    # changed: they are shared by reference); after the last one the run fails (state.error).
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
