@@ -4200,7 +4200,6 @@ class GraphRoute:
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self)                 # §6.11
-        self.forward = self.analysis.forward
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
         self.state = new_graph_state(resolve_state_class(self))
@@ -4283,34 +4282,45 @@ class GraphRoute:
         """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
+        if len(frontier) == 1:                  # the common case: one node, nothing to schedule
+            node, message = frontier[0]
+            if guard_before_node(self, node, message, trace, relaxed):
+                return []
+            output, _ = self._finish(node, message, call_node(self, node, message, state), trace,
+                                     relaxed)
+            return [(node, output)]
         admitted = []
         for node, message in frontier:
             if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
-        if len(admitted) == 1:                  # the common case: no set to schedule
-            outcomes = [call_node(self, *admitted[0], state)]
-        else:
-            outcomes = run_next_node_set(self, admitted, state)
         results = []
-        for (node, message), (result, error) in zip(admitted, outcomes):
-            if error is not None:
-                state["error"] = str(error)
-                raise error
-            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
-            # they were
-            output = message if result is None else result.output
-            if node.type != START_NODE:             # an edge may lead back to start
-                trace.history.append(node.name)
-                if result is not None:
-                    self._apply(node, message, result)
-                self._executed(node, output)
+        for (node, message), outcome in zip(admitted, run_next_node_set(self, admitted, state)):
+            output, stopped = self._finish(node, message, outcome, trace, relaxed)
             results.append((node, output))
-            if result is not None:
-                trace.output = output
-                if guard_after_node(self, node, output, trace, relaxed):
-                    break
+            if stopped:
+                break
         return results
+
+    def _finish(self, node, message, outcome, trace, relaxed):
+        """Take one node's (result, error): raise the error, or apply the result and run the
+        after-node guards; return (output, whether a guard stopped the run)."""
+        result, error = outcome
+        if error is not None:
+            self.state["error"] = str(error)
+            raise error
+        # §6.2.6.4: a router that matched nothing (result None) leaves state and message as they
+        # were
+        output = message if result is None else result.output
+        if node.type != START_NODE:             # an edge may lead back to start
+            trace.history.append(node.name)
+            if result is not None:
+                self._apply(node, message, result)
+            self._executed(node, output)
+        if result is None:
+            return output, False
+        trace.output = output
+        return output, guard_after_node(self, node, output, trace, relaxed)
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
@@ -4325,8 +4335,7 @@ class GraphRoute:
                     continue
                 if edge.condition is not None:
                     if view is None:
-                        view = {"messages": state["messages"], "metadata": state["metadata"],
-                                "_condition_content": output}
+                        view = condition_view(state, output)
                     if not evaluate_condition(edge.condition, "edge", view, self.rt, edge.path):
                         continue
                 taken.add(edge.target)
@@ -4662,7 +4671,8 @@ def node_agent(graph, node, message, state):
     agent = graph.rt.agents[node.agent]
     # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
-    # failed attempt's context changes are dropped; after the last one the run fails (state.error).
+    # failed attempt's written or removed keys are dropped (objects changed in place stay
+    # changed: they are shared by reference); after the last one the run fails (state.error).
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
@@ -4738,9 +4748,8 @@ def node_conditional(graph, node, message, state):
 
     `{type: conditional, condition: {type: has_messages}}`
     """
-    view = {"messages": state["messages"], "metadata": state["metadata"],
-            "_condition_content": message}
-    result = evaluate_condition(node.condition, "node", view, graph.rt, node.path + ("condition",))
+    result = evaluate_condition(node.condition, "node", condition_view(state, message), graph.rt,
+                                node.path + ("condition",))
     return NodeResult(message, metadata={"condition_result": bool(result)})
 
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
@@ -4998,11 +5007,16 @@ def state_update_from_content(content):
     return {"messages": [{"role": "user", "content": content}]}
 
 
-def snapshot_state(state):
-    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
-    return {"messages": list(state["messages"]), "metadata": dict(state["metadata"]),
+def copy_state(state, metadata):
+    """A new state dict: `state`'s fields with its own messages list and the given metadata."""
+    return {"messages": list(state["messages"]), "metadata": metadata,
             "current_node": state["current_node"], "execution_count": state["execution_count"],
             "error": state["error"]}
+
+
+def snapshot_state(state):
+    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
+    return copy_state(state, dict(state["metadata"]))
 
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
@@ -5033,6 +5047,13 @@ def build_edges(graph):
 # _next_nodes), so content_* conditions read the latest output and context_value reads
 # state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
 # INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+
+
+def condition_view(state, content):
+    """What a §5.4 condition sees of a graph state: messages, metadata, and `content` (the
+    output of the node the edge leaves, or the message a conditional node received)."""
+    return {"messages": state["messages"], "metadata": state["metadata"],
+            "_condition_content": content}
 
 
 def describe_condition(cond):
@@ -5126,9 +5147,7 @@ def restore_checkpoint(graph, path=None):
 def copy_state_for_history(state):
     """A time-travel snapshot: messages and metadata copied, the live context left out."""
     metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
-    return {"messages": list(state["messages"]), "metadata": metadata,
-            "current_node": state["current_node"], "execution_count": state["execution_count"],
-            "error": state["error"]}
+    return copy_state(state, metadata)
 
 
 def rewind_state(graph, steps):
@@ -5143,38 +5162,36 @@ def rewind_state(graph, steps):
     del graph.snapshots[len(graph.snapshots) - steps:]
     chosen = graph.snapshots[-1]
     context = graph.state["metadata"].get("context")
-    state = {"messages": list(chosen["messages"]), "metadata": copy.deepcopy(chosen["metadata"]),
-             "current_node": chosen["current_node"], "execution_count": chosen["execution_count"],
-             "error": chosen["error"]}
+    state = copy_state(chosen, copy.deepcopy(chosen["metadata"]))
     if context is not None:
         state["metadata"]["context"] = context
     graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
 def run_next_node_set(graph, admitted, state):
-    """§6.7: the parallel:true nodes of the set run together on threads, the others one after
-    another; every node reads the state as it was before the set, and the outcomes come back in
-    the set's order as (NodeResult|None, error|None)."""
+    """§6.7: the parallel:true nodes of the set run together on threads and are joined, then the
+    others run one after another; every node reads the state as it was before the set, and the
+    outcomes come back in the set's order as (NodeResult|None, error|None)."""
     # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
     # declaration (edge) order after all of them finished, and a node reached by several
-    # edges of the same step runs once.
+    # edges of the same step runs once. Items 3-4 in their order: the parallel subset first,
+    # joined, so that no node without parallel: true ever overlaps another.
     parallel = []
     if graph.parallel_execution and len(admitted) > 1:
         parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
     if len(parallel) < 2:
         parallel = []
     outcomes = [None] * len(admitted)
-    futures = {}
     if parallel:
         if graph._pool is None:
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
-        for i in parallel:
-            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
+        futures = [(i, graph._pool.submit(call_node, graph, *admitted[i], state))
+                   for i in parallel]
+        for i, future in futures:
+            outcomes[i] = future.result()
     for i, (node, message) in enumerate(admitted):
-        if i not in futures:
+        if outcomes[i] is None:
             outcomes[i] = call_node(graph, node, message, state)
-    for i, future in futures.items():
-        outcomes[i] = future.result()
     return outcomes
 
 
@@ -5409,6 +5426,11 @@ def check_graph(doc, name, cfg, path, agent_names):
     if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
         # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
         fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
+        fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
+    for field in ("metadata", "bridge"):
+        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+            fail((field,), f"{field} must be a mapping", "6.1")
     if "state_class" in cfg and not isinstance(cfg["state_class"], str):
         fail(("state_class",), "state_class must be a string", "6.3.3")
     declared = set()

@@ -2974,6 +2974,31 @@ def test_graph_nodes_without_parallel_flag_are_sequential():
     assert elapsed >= 0.38
 
 
+def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
+    """§6.7 items 3-4: p and q (parallel) overlap and are joined; s (not parallel) runs after."""
+    import time as _time
+    spans = {}
+
+    def slow(tag):
+        def agent(content, ctx):
+            begun = _time.monotonic()
+            _time.sleep(0.15)
+            spans[tag] = (begun, _time.monotonic())
+            return f"{tag}:{content}"
+        return agent
+
+    cfg = {"type": "graph",
+           "nodes": {"s": {"type": "agent", "agent": "s"},
+                     **{n: {"type": "agent", "agent": n, "parallel": True} for n in ("p", "q")}},
+           "edges": [{"source": "start", "target": t} for t in ("s", "p", "q")]
+           + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
+    rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
+    run = g.run("x")
+    assert run.history == ["s", "p", "q"]                       # results in edge order
+    assert spans["p"][0] < spans["q"][1] and spans["q"][0] < spans["p"][1]     # overlapped
+    assert spans["s"][0] >= max(spans["p"][1], spans["q"][1])   # s alone, after the join
+
+
 # §6.8 Loop and cycle detection ------------------------------------------------------------------
 def _loop(agent_fn, context=None, extra_nodes=0):
     cfg = {"type": "graph", "nodes": {"a": {"type": "agent", "agent": "a"}},
