@@ -1655,7 +1655,9 @@ def tool_request(agent, content):
     if len(tools) == 1 and next(iter(tools.values())) is not None:
         return next(iter(tools)), None, text
     parsed = content if isinstance(content, dict) else None
-    if parsed is None:
+    # Only text whose first non-blank character is "{" can decode to a mapping with a `tool` key;
+    # anything else reaches the command form without paying for a failed json.loads.
+    if parsed is None and text.lstrip().startswith("{"):
         try:
             parsed = json.loads(text)
         except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
@@ -3802,10 +3804,12 @@ class StreamNetwork:
             elif route_type(cfg) == "graph" and name in rt.graphs:
                 self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
             # bridge routes carry no messages (§5.6)
+        self.internal_streams = set()
         if not self.pure:                           # §6.10: graph-internal streams (mixed mode)
             for graph in rt.graphs.values():
                 for stream in graph.internal_stream_names():
                     self.nodes[stream] = _Node(self, stream, Stream(stream))
+                    self.internal_streams.add(stream)
                 graph.observers.append(self._graph_event)
         links = publication_links(routes)           # §5.5
         links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
@@ -4004,6 +4008,8 @@ class StreamNetwork:
         ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
         lines = []
         for name, node in self.nodes.items():
+            if name in self.internal_streams:      # §6.10 plumbing: drawn by the graph itself
+                continue
             label = node.describe().replace('"', "'")
             shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
             lines.append(f"{ids[name]}{shape}")
