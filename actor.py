@@ -1655,7 +1655,9 @@ def tool_request(agent, content):
     if len(tools) == 1 and next(iter(tools.values())) is not None:
         return next(iter(tools)), None, text
     parsed = content if isinstance(content, dict) else None
-    if parsed is None:
+    # Only text whose first non-blank character is "{" can decode to a mapping with a `tool` key;
+    # anything else reaches the command form without paying for a failed json.loads.
+    if parsed is None and text.lstrip().startswith("{"):
         try:
             parsed = json.loads(text)
         except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
@@ -2399,6 +2401,8 @@ def check_streams(doc, agent_names, graph_names, rt=None):
             checker.stream_route(cfg, path)
         elif kind == "bridge":
             check_bridge(doc, cfg, path, rt)
+        elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
+            check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
     default = getattr(rt, "default_router", None) if rt is not None else None
     if default is None and isinstance(data.get("cleveragents"), dict):
@@ -3205,6 +3209,10 @@ def op_sample(site, params, down):
     return Stage(on_next, on_complete)
 
 
+# §12.2.1 metadata.source on messages the bridge operators emit: "the graph subsystem".
+BRIDGE_SOURCE = "graph"
+
+
 def op_graph_execute(site, params, down):
     """§5.3.2 graph_execute: run a graph route per message and forward its result.
 
@@ -3224,7 +3232,8 @@ def op_graph_execute(site, params, down):
                    if isinstance(m, dict) and m.get("role") == "assistant"]
         out = msg.copy(content=replies[-1].get("content") if replies else state,
                        source_stream=route)
-        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state)
+        out.metadata.update(graph=name, execution_history=list(run.history), final_state=state,
+                            source=BRIDGE_SOURCE)
         down.next(out)
     return Stage(on_next, down.complete)
 
@@ -3259,6 +3268,7 @@ def _graph_side_effect(site, params, down, flag, action):
         out = msg.copy(source_stream=route)
         out.metadata[flag] = True
         out.metadata["graph"] = name
+        out.metadata["source"] = BRIDGE_SOURCE
         down.next(out)
     return Stage(on_next, down.complete)
 
@@ -3278,7 +3288,7 @@ def op_graph_node(site, params, down):
             net.fail(route, msg, exc)
             return
         out = msg.copy(content=content, source_stream=route)
-        out.metadata.update(graph=name, node=node)
+        out.metadata.update(graph=name, node=node, source=BRIDGE_SOURCE)
         down.next(out)
     return Stage(on_next, down.complete)
 
@@ -3410,7 +3420,14 @@ AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per ag
 
 
 class _AgentTimedOut(Exception):
-    """Internal: an agent call outlived AGENT_HARD_TIMEOUT (never escapes the map stage)."""
+    """Internal: an agent call outlived its bound (never escapes the map stage).
+
+    `soft` is true when the bound was the §12.2.4 soft timeout of a single-shot run.
+    """
+
+    def __init__(self, soft=False):
+        super().__init__()
+        self.soft = soft
 
 
 def resolve_context(msg, rt):
@@ -3425,15 +3442,16 @@ def resolve_context(msg, rt):
     return ctx if isinstance(ctx, dict) else {}
 
 
-def invoke_agent(rt, agent, content, ctx):
+def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
     the real clock the call runs on a daemon worker thread that we stop waiting for after
-    AGENT_HARD_TIMEOUT seconds.
+    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run.
     """
     if not rt.clock.real:
         return agent.invoke(content, ctx)
+    soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
     box = {}
 
     def work():
@@ -3443,9 +3461,9 @@ def invoke_agent(rt, agent, content, ctx):
             box["error"] = exc
     worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
     worker.start()
-    worker.join(AGENT_HARD_TIMEOUT)
+    worker.join(SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT)
     if worker.is_alive():
-        raise _AgentTimedOut()
+        raise _AgentTimedOut(soft)
     if "error" in box:
         raise box["error"]
     return box["reply"]
@@ -3461,8 +3479,8 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    call = agent.invoke if not rt.clock.real else (
-        lambda content, ctx: invoke_agent(rt, agent, content, ctx))    # the fast path: direct
+    call = agent.invoke if not rt.clock.real else (     # virtual time: a direct call
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot))
     retries = retry_count(site)
 
     def with_retries(content, ctx):
@@ -3481,8 +3499,10 @@ def agent_mapper(site, name, down):
         ctx = resolve_context(msg, rt)
         try:
             reply = attempt(msg.content, ctx)
-        except _AgentTimedOut:
-            out = msg.copy(content=PROCESSING_TIMED_OUT, source_stream=route)
+        except _AgentTimedOut as timed_out:
+            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
+            out = msg.copy(content=SOFT_TIMEOUT_TEXT if timed_out.soft else PROCESSING_TIMED_OUT,
+                           source_stream=route)
             out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
                                 processed_by=name)
         except Exception as exc:        # §12.2.3 boundary: agent invocation
@@ -3612,61 +3632,66 @@ def _state_metadata(subject):
     return subject.get("metadata", {}) if isinstance(subject, dict) else {}
 
 
-def cond_always(cond, subject):
+def cond_always(cond, subject, rt):
     return True
 
 
-def cond_never(cond, subject):
+def cond_never(cond, subject, rt):
     return False
 
 
-def cond_content_contains(cond, subject):
+def cond_content_contains(cond, subject, rt):
     return str(cond.get("text", "")) in _content_text(subject)
 
 
-def cond_content_not_contains(cond, subject):
+def cond_content_not_contains(cond, subject, rt):
     return str(cond.get("text", "")) not in _content_text(subject)
 
 
-def cond_content_starts_with(cond, subject):
+def cond_content_starts_with(cond, subject, rt):
     return _content_text(subject).startswith(str(cond.get("text", "")))
 
 
-def cond_content_type(cond, subject):
+def cond_content_type(cond, subject, rt):
     content = subject.content if isinstance(subject, Message) else subject.get("_condition_content")
     return type(content).__name__ == cond.get("value")
 
 
-def cond_metadata_has(cond, subject):
+def cond_metadata_has(cond, subject, rt):
     meta = subject.metadata if isinstance(subject, Message) else _state_metadata(subject)
     return cond.get("key") in meta
 
 
-def cond_metadata_check(cond, subject):
+def cond_metadata_check(cond, subject, rt):
     return _state_metadata(subject).get(cond.get("key")) == cond.get("value")
 
 
-def cond_source_is(cond, subject):
+def cond_source_is(cond, subject, rt):
     return isinstance(subject, Message) and subject.source_stream == cond.get("source")
 
 
-def cond_has_messages(cond, subject):
+def cond_has_messages(cond, subject, rt):
     return bool(subject.get("messages")) if isinstance(subject, dict) else False
 
 
-def cond_message_count(cond, subject):
+def cond_message_count(cond, subject, rt):
+    """`operator` (gt, lt, eq; default eq) compares the state's message count with `value`."""
     count = len(subject.get("messages", [])) if isinstance(subject, dict) else 0
-    value, op = cond.get("value", 0), cond.get("operator", "eq")
+    compare = MESSAGE_COUNT_OPERATORS.get(cond.get("operator", "eq"))
     try:
-        return {"gt": count > value, "lt": count < value, "eq": count == value}[op]
-    except (KeyError, TypeError):
+        return compare is not None and bool(compare(count, cond.get("value", 0)))
+    except TypeError:           # a value that is no number: the comparison does not hold
         return False
+
+
+# The §5.4 message_count operators.
+MESSAGE_COUNT_OPERATORS = {"gt": operator.gt, "lt": operator.lt, "eq": operator.eq}
 
 
 _MISSING = object()
 
 
-def cond_context_value(cond, subject):
+def cond_context_value(cond, subject, rt):
     """§6.5.1: state.metadata[key], then state.metadata['context'][key]; deep equality."""
     meta = _state_metadata(subject)
     key = cond.get("key")
@@ -3676,19 +3701,25 @@ def cond_context_value(cond, subject):
     return found is not _MISSING and found == cond.get("value")
 
 
-def cond_output_pattern(cond, subject):
+def cond_output_pattern(cond, subject, rt):
     return str(_state_metadata(subject).get("last_output", "")).startswith(
         str(cond.get("pattern", "")))
 
 
-def cond_message_pattern(cond, subject):
+def cond_message_pattern(cond, subject, rt):
     messages = subject.get("messages") if isinstance(subject, dict) else None
     last = messages[-1].get("content", "") if messages else ""
     return str(cond.get("pattern", "")) in str(last)
 
 
-def cond_custom(cond, subject):
+def cond_custom(cond, subject, rt):
+    """`function` is a callable bound by the host, or the name of one it registered."""
+    # INTERPRETATION §5.4 custom: a document can only name the callable, so a string is looked
+    # up in the host's registry of functions (rt.functions, as for §5.3.3); a name the host did
+    # not register makes the condition false.
     function = cond.get("function")
+    if isinstance(function, str):
+        function = (getattr(rt, "functions", None) or {}).get(function)
     return bool(function(subject)) if callable(function) else False
 
 
@@ -3734,10 +3765,14 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
     row = CONDITIONS.get(kind)
     if row is None or subsystem not in row[1]:
         if should_warn and rt is not None:
-            rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
-                    f"using its default ({unknown})", section="5.4.2", path=path)
+            # Once per condition site, not once per message.
+            warned = rt.__dict__.setdefault("warned_conditions", set())
+            if (subsystem, kind, path) not in warned:
+                warned.add((subsystem, kind, path))
+                rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
+                        f"using its default ({unknown})", section="5.4.2", path=path)
         return unknown
-    return row[0](cond, subject)
+    return row[0](cond, subject, rt)
 
 
 # §5.5 Subscriptions and publications -----------------------------------------------------
@@ -3769,10 +3804,12 @@ class StreamNetwork:
             elif route_type(cfg) == "graph" and name in rt.graphs:
                 self.nodes[name] = GraphParticipant(self, name, rt.graphs[name])
             # bridge routes carry no messages (§5.6)
+        self.internal_streams = set()
         if not self.pure:                           # §6.10: graph-internal streams (mixed mode)
             for graph in rt.graphs.values():
                 for stream in graph.internal_stream_names():
                     self.nodes[stream] = _Node(self, stream, Stream(stream))
+                    self.internal_streams.add(stream)
                 graph.observers.append(self._graph_event)
         links = publication_links(routes)           # §5.5
         links += pipeline_links(self, data)         # §12.1 step 6 (first, so merges find them)
@@ -3938,10 +3975,10 @@ class StreamNetwork:
 
     def fail(self, origin, msg, exc):
         """§12.2.3: an operator failed on `msg`: one "Error: <reason>" message on __error__."""
-        out = Message(ERROR_PREFIX + error_reason(exc), dict(msg.metadata), origin,
-                      self.rt.clock.now())
+        out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=origin,
+                       timestamp=self.rt.clock.now())
         out.metadata.update(error=True, error_type=error_category(exc))
-        self.report(out)
+        self.nodes[ERROR].push(out)
 
     def report(self, msg):
         """Put a copy of `msg` on __error__ (the original may also travel downstream)."""
@@ -3955,10 +3992,14 @@ class StreamNetwork:
         return msg
 
     def _to_error(self, msg):
+        """§12.2.3: string content, metadata.error and error_type -- on a copy, since other
+        targets of the same emission hold the original."""
+        meta = msg.metadata
+        if isinstance(msg.content, str) and "error" in meta and "error_type" in meta:
+            return msg
+        msg = msg.copy(content=msg.content if isinstance(msg.content, str) else str(msg.content))
         msg.metadata.setdefault("error", True)
         msg.metadata.setdefault("error_type", "ExecutionError")
-        if not isinstance(msg.content, str):
-            msg = msg.copy(content=str(msg.content))
         return msg
 
     # §18 --diagram ------------------------------------------------------------------------
@@ -3967,6 +4008,8 @@ class StreamNetwork:
         ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
         lines = []
         for name, node in self.nodes.items():
+            if name in self.internal_streams:      # §6.10 plumbing: drawn by the graph itself
+                continue
             label = node.describe().replace('"', "'")
             shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
             lines.append(f"{ids[name]}{shape}")
@@ -3974,20 +4017,14 @@ class StreamNetwork:
             if any(cond is None for cond, _path in conds):
                 lines.append(f"{ids[source]} --> {ids[target]}")
             else:
-                label = " or ".join(_describe_condition(c) for c, _p in conds).replace('"', "'")
+                label = " or ".join(describe_condition(c) or "always"
+                                    for c, _p in conds).replace('"', "'")
                 lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
         for name, node in self.nodes.items():
             for target, _path in _switch_targets(getattr(node, "ops", None), ()):
                 if target in ids:
                     lines.append(f"{ids[name]} -. switch .-> {ids[target]}")
         return lines
-
-
-def _describe_condition(cond):
-    if not isinstance(cond, dict):
-        return "always"
-    detail = cond.get("text", cond.get("key", cond.get("source", "")))
-    return f"{cond.get('type', 'always')} {detail!r}" if detail != "" else str(cond.get("type"))
 
 
 class _Sink(_Node):
@@ -4169,7 +4206,6 @@ class GraphRoute:
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self)                 # §6.11
-        self.forward = self.analysis.forward
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
         self.state = new_graph_state(resolve_state_class(self))
@@ -4252,34 +4288,45 @@ class GraphRoute:
         """Run one next-node set; return [(node, output)] in frontier order (§6.7)."""
         state = self.state
         relaxed = guards_relaxed(state)
+        if len(frontier) == 1:                  # the common case: one node, nothing to schedule
+            node, message = frontier[0]
+            if guard_before_node(self, node, message, trace, relaxed):
+                return []
+            output, _ = self._finish(node, message, call_node(self, node, message, state), trace,
+                                     relaxed)
+            return [(node, output)]
         admitted = []
         for node, message in frontier:
             if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
-        if len(admitted) == 1:                  # the common case: no set to schedule
-            outcomes = [call_node(self, *admitted[0], state)]
-        else:
-            outcomes = run_next_node_set(self, admitted, state)
         results = []
-        for (node, message), (result, error) in zip(admitted, outcomes):
-            if error is not None:
-                state["error"] = str(error)
-                raise error
-            # §6.2.6.4: a router that matched nothing (result None) leaves state and message as
-            # they were
-            output = message if result is None else result.output
-            if node.type != START_NODE:             # an edge may lead back to start
-                trace.history.append(node.name)
-                if result is not None:
-                    self._apply(node, message, result)
-                self._executed(node, output)
+        for (node, message), outcome in zip(admitted, run_next_node_set(self, admitted, state)):
+            output, stopped = self._finish(node, message, outcome, trace, relaxed)
             results.append((node, output))
-            if result is not None:
-                trace.output = output
-                if guard_after_node(self, node, output, trace, relaxed):
-                    break
+            if stopped:
+                break
         return results
+
+    def _finish(self, node, message, outcome, trace, relaxed):
+        """Take one node's (result, error): raise the error, or apply the result and run the
+        after-node guards; return (output, whether a guard stopped the run)."""
+        result, error = outcome
+        if error is not None:
+            self.state["error"] = str(error)
+            raise error
+        # §6.2.6.4: a router that matched nothing (result None) leaves state and message as they
+        # were
+        output = message if result is None else result.output
+        if node.type != START_NODE:             # an edge may lead back to start
+            trace.history.append(node.name)
+            if result is not None:
+                self._apply(node, message, result)
+            self._executed(node, output)
+        if result is None:
+            return output, False
+        trace.output = output
+        return output, guard_after_node(self, node, output, trace, relaxed)
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
@@ -4294,8 +4341,7 @@ class GraphRoute:
                     continue
                 if edge.condition is not None:
                     if view is None:
-                        view = {"messages": state["messages"], "metadata": state["metadata"],
-                                "_condition_content": output}
+                        view = condition_view(state, output)
                     if not evaluate_condition(edge.condition, "edge", view, self.rt, edge.path):
                         continue
                 taken.add(edge.target)
@@ -4631,7 +4677,8 @@ def node_agent(graph, node, message, state):
     agent = graph.rt.agents[node.agent]
     # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
-    # failed attempt's context changes are dropped; after the last one the run fails (state.error).
+    # failed attempt's written or removed keys are dropped (objects changed in place stay
+    # changed: they are shared by reference); after the last one the run fails (state.error).
     attempt = 0
     while True:
         ctx = agent_node_context(node, state, message)
@@ -4707,9 +4754,8 @@ def node_conditional(graph, node, message, state):
 
     `{type: conditional, condition: {type: has_messages}}`
     """
-    view = {"messages": state["messages"], "metadata": state["metadata"],
-            "_condition_content": message}
-    result = evaluate_condition(node.condition, "node", view, graph.rt, node.path + ("condition",))
+    result = evaluate_condition(node.condition, "node", condition_view(state, message), graph.rt,
+                                node.path + ("condition",))
     return NodeResult(message, metadata={"condition_result": bool(result)})
 
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
@@ -4967,11 +5013,16 @@ def state_update_from_content(content):
     return {"messages": [{"role": "user", "content": content}]}
 
 
-def snapshot_state(state):
-    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
-    return {"messages": list(state["messages"]), "metadata": dict(state["metadata"]),
+def copy_state(state, metadata):
+    """A new state dict: `state`'s fields with its own messages list and the given metadata."""
+    return {"messages": list(state["messages"]), "metadata": metadata,
             "current_node": state["current_node"], "execution_count": state["execution_count"],
             "error": state["error"]}
+
+
+def snapshot_state(state):
+    """The state at the end of a run, copied one level deep (messages are never edited in place)."""
+    return copy_state(state, dict(state["metadata"]))
 
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
@@ -5002,6 +5053,13 @@ def build_edges(graph):
 # _next_nodes), so content_* conditions read the latest output and context_value reads
 # state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
 # INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+
+
+def condition_view(state, content):
+    """What a §5.4 condition sees of a graph state: messages, metadata, and `content` (the
+    output of the node the edge leaves, or the message a conditional node received)."""
+    return {"messages": state["messages"], "metadata": state["metadata"],
+            "_condition_content": content}
 
 
 def describe_condition(cond):
@@ -5095,9 +5153,7 @@ def restore_checkpoint(graph, path=None):
 def copy_state_for_history(state):
     """A time-travel snapshot: messages and metadata copied, the live context left out."""
     metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
-    return {"messages": list(state["messages"]), "metadata": metadata,
-            "current_node": state["current_node"], "execution_count": state["execution_count"],
-            "error": state["error"]}
+    return copy_state(state, metadata)
 
 
 def rewind_state(graph, steps):
@@ -5112,38 +5168,36 @@ def rewind_state(graph, steps):
     del graph.snapshots[len(graph.snapshots) - steps:]
     chosen = graph.snapshots[-1]
     context = graph.state["metadata"].get("context")
-    state = {"messages": list(chosen["messages"]), "metadata": copy.deepcopy(chosen["metadata"]),
-             "current_node": chosen["current_node"], "execution_count": chosen["execution_count"],
-             "error": chosen["error"]}
+    state = copy_state(chosen, copy.deepcopy(chosen["metadata"]))
     if context is not None:
         state["metadata"]["context"] = context
     graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
 def run_next_node_set(graph, admitted, state):
-    """§6.7: the parallel:true nodes of the set run together on threads, the others one after
-    another; every node reads the state as it was before the set, and the outcomes come back in
-    the set's order as (NodeResult|None, error|None)."""
+    """§6.7: the parallel:true nodes of the set run together on threads and are joined, then the
+    others run one after another; every node reads the state as it was before the set, and the
+    outcomes come back in the set's order as (NodeResult|None, error|None)."""
     # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
     # declaration (edge) order after all of them finished, and a node reached by several
-    # edges of the same step runs once.
+    # edges of the same step runs once. Items 3-4 in their order: the parallel subset first,
+    # joined, so that no node without parallel: true ever overlaps another.
     parallel = []
     if graph.parallel_execution and len(admitted) > 1:
         parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
     if len(parallel) < 2:
         parallel = []
     outcomes = [None] * len(admitted)
-    futures = {}
     if parallel:
         if graph._pool is None:
             graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
-        for i in parallel:
-            futures[i] = graph._pool.submit(call_node, graph, *admitted[i], state)
+        futures = [(i, graph._pool.submit(call_node, graph, *admitted[i], state))
+                   for i in parallel]
+        for i, future in futures:
+            outcomes[i] = future.result()
     for i, (node, message) in enumerate(admitted):
-        if i not in futures:
+        if outcomes[i] is None:
             outcomes[i] = call_node(graph, node, message, state)
-    for i, future in futures.items():
-        outcomes[i] = future.result()
     return outcomes
 
 
@@ -5378,6 +5432,11 @@ def check_graph(doc, name, cfg, path, agent_names):
     if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
         # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
         fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
+        fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
+    for field in ("metadata", "bridge"):
+        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+            fail((field,), f"{field} must be a mapping", "6.1")
     if "state_class" in cfg and not isinstance(cfg["state_class"], str):
         fail(("state_class",), "state_class must be a string", "6.3.3")
     declared = set()

@@ -2066,6 +2066,21 @@ def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
 
 
+def test_agent_mapper_soft_timeout_in_single_shot_runs(monkeypatch):
+    """§12.2.4: a single-shot run bounds each agent call by the soft timeout (an ExecutionError)."""
+    import time as _time
+    monkeypatch.setattr(actor, "SOFT_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
+    net, outputs, errors, rt = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                           agents=[slow], merges=_FROM_INPUT,
+                                           clock=actor.RealClock())
+    rt.single_shot = True
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.SOFT_TIMEOUT_TEXT]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
 def test_agent_mapper_real_clock_success_and_failure():
     """The worker-thread path returns replies and carries agent errors back as messages."""
     def fn(content, ctx):
@@ -2220,6 +2235,7 @@ def test_graph_bridge_operators():
     assert meta["node"] == "work" and meta["graph"] == "g"
     assert meta["execution_history"] == ["start", "work", "end"]
     assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+    assert meta["source"] == actor.BRIDGE_SOURCE        # §12.2.1: the originating subsystem
 
 
 def test_graph_execute_without_messages_forwards_state():
@@ -2332,6 +2348,54 @@ def test_close_disposes_subscriptions():
     net.close()
     net.send("x")
     assert outputs == []
+
+
+def test_custom_condition_calls_a_host_registered_function():
+    """§5.4 custom: `function` names a callable the host registered; unregistered is false."""
+    rt = actor.Runtime(actor.Doc({}))
+    rt.functions = {"busy": lambda state: len(state["messages"]) > 1}
+    cond = {"type": "custom", "function": "busy"}
+    assert actor.evaluate_condition(cond, "node", {"messages": [1, 2], "metadata": {}}, rt)
+    assert not actor.evaluate_condition(cond, "node", {"messages": [1], "metadata": {}}, rt)
+    assert not actor.evaluate_condition({"type": "custom", "function": "nope"}, "node",
+                                        {"messages": [1, 2], "metadata": {}}, rt)
+    assert actor.evaluate_condition({"type": "custom", "function": lambda state: True}, "node",
+                                    {"messages": [], "metadata": {}}, rt)
+
+
+def test_unhonoured_condition_warns_once_per_site():
+    """§5.4.1: the SHOULD-warning for an unknown type comes once per condition, not per message."""
+    cond = {"type": "no_such_type"}
+    net, outputs, _, rt = _stream_net(_main([{"type": "filter", "params": {"condition": cond}}]),
+                                      merges=_FROM_INPUT)
+    for text in ("a", "b", "c"):
+        net.send(text)
+    assert [m.content for m in outputs] == ["a", "b", "c"]
+    assert len([w for w in rt.warnings if "no_such_type" in w]) == 1
+
+
+def test_stream_with_one_observer_rewires_when_another_subscribes():
+    """The single-observer shortcut of Stream.next gives way to fan-out, in order (§12.2.2)."""
+    stream, seen = actor.Stream("s"), []
+    stream.subscribe(lambda msg: seen.append(("a", msg.content)))
+    stream.next(actor.Message(1))
+    stream.subscribe(lambda msg: seen.append(("b", msg.content)))
+    stream.next(actor.Message(2))
+    stream.dispose()
+    stream.next(actor.Message(3))
+    assert seen == [("a", 1), ("a", 2), ("b", 2)]
+
+
+def test_emissions_between_calls_belong_to_no_result():
+    """A Result holds exactly what its own call emitted (§12.2.1 messages, host side)."""
+    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {m: {type: stream, publications: [__output__]}}\n"
+                        "merges: [{sources: [__input__], target: m}]\n")
+    a.network.send("stray")                     # outside any call
+    first = a.send("one")
+    assert [m.content for m in first.outputs] == ["one"]
+    assert [m.content for m in a.send("two").outputs] == ["two"]
+    assert [m.content for m in first.outputs] == ["one"]
 
 
 def _bench_actor():
@@ -2908,6 +2972,31 @@ def test_graph_parallel_execution_false_is_sequential():
 def test_graph_nodes_without_parallel_flag_are_sequential():
     elapsed, run = _fan_out(True, parallel=False)
     assert elapsed >= 0.38
+
+
+def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
+    """§6.7 items 3-4: p and q (parallel) overlap and are joined; s (not parallel) runs after."""
+    import time as _time
+    spans = {}
+
+    def slow(tag):
+        def agent(content, ctx):
+            begun = _time.monotonic()
+            _time.sleep(0.15)
+            spans[tag] = (begun, _time.monotonic())
+            return f"{tag}:{content}"
+        return agent
+
+    cfg = {"type": "graph",
+           "nodes": {"s": {"type": "agent", "agent": "s"},
+                     **{n: {"type": "agent", "agent": n, "parallel": True} for n in ("p", "q")}},
+           "edges": [{"source": "start", "target": t} for t in ("s", "p", "q")]
+           + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
+    rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
+    run = g.run("x")
+    assert run.history == ["s", "p", "q"]                       # results in edge order
+    assert spans["p"][0] < spans["q"][1] and spans["q"][0] < spans["p"][1]     # overlapped
+    assert spans["s"][0] >= max(spans["p"][1], spans["q"][1])   # s alone, after the join
 
 
 # §6.8 Loop and cycle detection ------------------------------------------------------------------
