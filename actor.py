@@ -21,22 +21,27 @@ Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the ra
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
-    PRELUDE: §20 errors, §15 names and sentinels, §12.2.1 Message, clocks, Runtime
-    §3 DOCUMENT STRUCTURE
-    §4 AGENTS
-    §5 ROUTES -- COMMON CONCEPTS
-    §6 GRAPH ROUTES
-    §7 INTER-ROUTE COMPOSITION
-    §8 TEMPLATES AND INSTANCES
-    §9 ACTOR PARAMETERS
-    §10 CONTEXT
-    §11 VALIDATION RULES
-    §12 RUNTIME BEHAVIOR
-    §13 SECURITY MODEL
-    §14 ENVIRONMENT VARIABLE INTERPOLATION
-    §15 RESERVED NAMES
+    PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
+    §3 DOCUMENT STRUCTURE: 3.1 3.2 3.4
+    §4 AGENTS: 4.1 4.2 4.4 4.4.1 4.4.2 4.4.3 4.4.4 4.4.5 4.4.6 4.5 4.5.1 4.5.2 4.5.3 4.5.4 4.5.5
+            4.5.6 4.5.7 4.6 4.7 4.8 4.9 4.11 4.3
+    §5 ROUTES -- COMMON CONCEPTS: 5.1 5.2 5.3 5.3.1 5.3.2 5.3.3 5.3.4 5.3.5 5.3.6 5.4 5.4.1 5.5 5.6
+    §6 GRAPH ROUTES: 6.1 6.2 6.2.1 6.2.2 6.2.3 6.2.4 6.2.5 6.2.6 6.3 6.4 6.5 6.6 6.7 6.8 6.9 6.10
+            6.11
+    §7 INTER-ROUTE COMPOSITION: 7.1 7.2 7.3
+    §8 TEMPLATES AND INSTANCES: 8.1 8.2 8.3 8.4 8.5 8.6 8.7 8.8 8.9 8.10 8.11 8.12
+    §9 ACTOR PARAMETERS: 9.2 9.3 9.4
+    §10 CONTEXT: 10.1 10.3 10.4
+    §11 VALIDATION RULES: 11.1 11.2 11.3 11.4 11.5 11.6
+    §12 RUNTIME BEHAVIOR: 12.1 12.2 12.4 12.5 12.6
+    §13 SECURITY MODEL: 13.1 13.2 13.2.1 13.2.2 13.2.3 13.3 13.5
+    §14 ENVIRONMENT VARIABLE INTERPOLATION: 14.1 14.3
+    §15 RESERVED NAMES: 15.1 15.2 15.4 15.5 15.6
     §16 FORBIDDEN PATTERNS
-    HOST: providers, load / Actor / render, the vector harness, the CLI
+    HOST -- providers
+    HOST -- load / Actor / render
+    HOST -- the vector harness
+    HOST -- command line
 """
 from __future__ import annotations
 
@@ -1934,7 +1939,7 @@ def tool_output(value):
 
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
 
-# §4.11: the capability a graph or stream component publishes (agents publish their own list).
+# Per §4.11: the capability a graph or stream component publishes (agents publish their own list).
 COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
 
 
@@ -2612,7 +2617,7 @@ def _switch_targets(ops, path):
 # §5.2 Built-in streams --------------------------------------------------------------------
 INPUT, OUTPUT, ERROR = "__input__", "__output__", "__error__"
 
-# §5.2 table: name -> direction. All three are cold streams that exist implicitly.
+# The §5.2 table: name -> direction. All three are cold streams that exist implicitly.
 BUILTIN_STREAMS = {
     INPUT: "producer",
     OUTPUT: "consumer",
@@ -2727,7 +2732,7 @@ def build_chain(net, route, ops, path, down):
     return stage
 
 # §5.3.1 Stream types ------------------------------------------------------------------
-# §5.3.1 table: stream type -> how many past messages a late subscriber receives
+# The §5.3.1 table: stream type -> how many past messages a late subscriber receives
 # (None: the route's buffer_size). Every subscriber wired at setup sees every message.
 # INTERPRETATION §5.3.1 (Q22): operators run once per message and every target shares the
 # result; hot/replay memory (and a hot stream's initial_value) reaches late subscribers only,
@@ -3209,7 +3214,7 @@ def op_sample(site, params, down):
     return Stage(on_next, on_complete)
 
 
-# §12.2.1 metadata.source on messages the bridge operators emit: "the graph subsystem".
+# Per §12.2.1, metadata.source on messages the bridge operators emit: "the graph subsystem".
 BRIDGE_SOURCE = "graph"
 
 
@@ -3338,7 +3343,7 @@ def _compile_located(doc, source, nparams, rt, path):
         raise
 
 
-# §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
+# The §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
 OPERATORS = {
     "map":               (op_map,               {"agent": (_Checker.agent, None),
                                                  "function": (_Checker.function, None),
@@ -3546,7 +3551,7 @@ def tf_identity(content, params):
     return content
 
 
-# §5.3.5 table: transform type -> handler(content, params) -> new content.
+# The §5.3.5 table: transform type -> handler(content, params) -> new content.
 # INTERPRETATION §5.3.5 (Q15): extract of a missing field or non-mapping leaves content
 # unchanged; format uses str(); replace replaces all occurrences; an absent type is identity
 # and an unknown type is a ConfigurationError at load.
@@ -3604,7 +3609,7 @@ def acc_sum(total, content):
     return total
 
 
-# §5.3.6 table: accumulator -> (seed, step(total, content) -> total).
+# The §5.3.6 table: accumulator -> (seed, step(total, content) -> total).
 # INTERPRETATION §5.3.6 (Q19): sum counts int/float content only (not numeric strings, not
 # bools), an ignored item still makes scan emit the unchanged total, the total stays an int
 # while every input is one; concat joins with no separator.
@@ -4099,7 +4104,7 @@ def publication_links(routes):
     return links
 
 # §5.6 Bridge routes -----------------------------------------------------------------------
-# §5.6 tables: expression fields -> parameters the expression takes (§13.2.2).
+# The §5.6 tables: expression fields -> parameters the expression takes (§13.2.2).
 BRIDGE_EXPRESSIONS = {
     "state_extractor": 1,
     "state_flattener": 1,
@@ -7842,7 +7847,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
-# §12.2.2: order within a stream holds because every stage is a synchronous call made in
+# Per §12.2.2: order within a stream holds because every stage is a synchronous call made in
 # arrival order, and timers fire in (time, sequence) order. Across fan-out each message reaches
 # its targets one at a time, in declaration order of the links.
 # INTERPRETATION §12.2.2 (Q97): fan-out delivers each message to every target, in link
@@ -7959,7 +7964,7 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
-# §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
+# The §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
 # ending in "_" is a family (GOTO_<TARGET>:); the others are fixed tokens.
 # INTERPRETATION §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
 # including its first colon, with the blanks after it. A host extends the list by setting
@@ -8704,7 +8709,7 @@ class JsonFacility:
 
 SANDBOX_JSON = JsonFacility()
 
-# §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
+# The §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
 INLINE_CODE_BUILTINS = {
     # Type constructors
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
@@ -8727,7 +8732,7 @@ INLINE_CODE_BUILTINS = {
 }
 
 # §13.2.2 Restricted built-ins for expression evaluation ---------------------------------
-# §13.2.2 table: the built-ins of inline expressions -- these and no others, in the spec's order.
+# The §13.2.2 table: the built-ins of inline expressions -- these and no others, in the spec's order.
 EXPRESSION_BUILTINS = {
     # Type constructors
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
@@ -8741,7 +8746,7 @@ EXPRESSION_BUILTINS = {
 # INTERPRETATION §13.2.3 (Q71): refused in both places -- what the AST shows is refused at load
 # (ConfigurationError with the body line); limits and type() with three arguments at invocation
 # (ExecutionError, which reaches __error__).
-# §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused
+# The §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused
 # at load unless the sandbox's own table lists it (print, type, locals in inline code) or the code
 # binds that name itself (`id = 3`).
 SANDBOX_PROHIBITED_CAPABILITIES = {

@@ -106,15 +106,39 @@ def test_harness_reports_failures_and_summary(tmp_path):
 # =====================================================================================
 # §3 DOCUMENT STRUCTURE, §11, §14, §15, §16 (foundation)
 # =====================================================================================
+def _banner_outline(src):
+    """[(top-level banner title, [subsection numbers...])] in file order."""
+    import re
+    lines, outline = src.split("\n"), []
+    for i, line in enumerate(lines):
+        if i and lines[i - 1].startswith("# =====") and re.match(
+                r"^# (§\d+ [A-Z][A-Z ,/&-]+|HOST -- .+|PRELUDE.*)$", line):
+            outline.append((line[2:], []))
+        match = re.match(r"^# §([\d.]+) .*-{3,}$", line)
+        if match and outline:
+            outline[-1][1].append(match.group(1))
+    return outline
+
+
 def test_map_matches_banners():
-    """The module docstring's Map lists every top-level banner, in file order."""
+    """The module docstring's Map lists every banner (top level and subsections), in file order,
+    and only banners start with '# §'."""
     import re
     src = (HERE / "actor.py").read_text(encoding="utf-8")
-    banners = re.findall(r"^# (§\d+ [A-Z][A-Z ,/&-]+|HOST -- [^\n]+|PRELUDE[^\n]*)$", src, flags=re.M)
-    doc_map = actor.__doc__.split("Map", 1)[1]
-    listed = [line.strip() for line in doc_map.splitlines() if line.startswith("    ") and line.strip()]
-    tops = [b for b in banners if b.startswith("§")]
-    assert [l for l in listed if l.startswith("§")] == [t.strip() for t in tops]
+    outline = _banner_outline(src)
+    doc_map = actor.__doc__.split("Map", 1)[1].split("\n", 1)[1]
+    entries, current = [], None
+    for line in doc_map.splitlines():
+        if line.startswith("        ") and current is not None:
+            current[1].extend(line.split())
+        elif line.startswith("    ") and line.strip():
+            title, _, subs = line.strip().partition(": ")
+            current = [title, subs.split()]
+            entries.append(current)
+    assert [(t, s) for t, s in entries] == [(t, s) for t, s in outline]
+    strays = [l for l in src.split("\n") if l.startswith("# §")
+              and not re.match(r"^# §[\d.]+ .*-{3,}$", l) and not re.match(r"^# §\d+ [A-Z]", l)]
+    assert not strays, strays
 
 
 def test_every_cited_section_exists():
