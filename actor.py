@@ -5297,7 +5297,11 @@ def run_next_node_set(graph, admitted, state):
     if parallel:
         pool = graph._pool
         if pool is None:
-            pool = graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
+            # One worker per parallel:true node, so that a whole subset really runs at once
+            # (item 3), however few processors the host has.
+            size = sum(1 for node in graph.nodes.values() if node.parallel)
+            pool = graph._pool = ThreadPoolExecutor(max_workers=max(2, size),
+                                                    thread_name_prefix=f"graph-{graph.name}")
         futures = []
         try:
             for i in parallel:

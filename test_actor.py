@@ -3312,6 +3312,423 @@ merges: [{sources: [__input__], target: g}]
     assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi"]
 
 
+# §6.7, §5.3.4, §12.2.4, §4.4.4, §4.5.6 Concurrency stress tests ---------------------------------
+# Each test forces the overlap it needs with barriers and events (never with sleeps), and asserts
+# outcomes, never timings. Threads a test leaves behind (timed-out workers) are released and joined.
+import threading  # noqa: E402
+
+
+def _join_new_threads(before, timeout=2.0):
+    """Join every thread started since `before` (timed-out workers), graph pool workers aside."""
+    threads = [t for t in threading.enumerate()
+               if t not in before and not t.name.startswith("graph-")]
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads)
+
+
+class _GateTransport:
+    """A fake LLM transport: the first call of agent `slow` blocks until `release` is set; every
+    call is recorded and answers `<agent>:<user message>`."""
+
+    def __init__(self, slow=None):
+        self.slow, self.release, self.entered = slow, threading.Event(), threading.Event()
+        self.calls, self._first = [], True
+
+    def complete(self, request):
+        self.calls.append(request["agent"])
+        if request["agent"] == self.slow and self._first:
+            self._first = False
+            self.entered.set()
+            self.release.wait(2)
+            return "late"
+        return f"{request['agent']}:{request['messages'][-1]['content']}"
+
+
+def test_concurrency_parallel_results_merge_in_declaration_order_whatever_finishes_first():
+    """§6.7: eight branches meet at a barrier (so they really overlap), finish in reverse order,
+    and still join in declaration order: the last declared writer of a key wins."""
+    names = [f"n{i}" for i in range(8)]
+    barrier = threading.Barrier(len(names), timeout=2)
+    finished = []
+    order = {n: threading.Event() for n in names}
+
+    def branch(name):
+        def agent(content, ctx):
+            barrier.wait()                      # all eight are running at once
+            later = names[names.index(name) + 1:]
+            if later:                           # finish after every later-declared branch
+                order[later[0]].wait(2)
+            ctx["who"] = name
+            ctx[f"seen_{name}"] = True
+            finished.append(name)
+            order[name].set()
+            return f"{name}:{content}"
+        return agent
+
+    cfg = {"type": "graph",
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
+           "edges": [{"source": "start", "target": n} for n in names]
+           + [{"source": n, "target": "end"} for n in names]}
+    rt, g = make_graph(cfg, {n: branch(n) for n in names})
+    for _ in range(3):
+        finished.clear()
+        for event in order.values():
+            event.clear()
+        run = g.run("x")
+        assert finished == names[::-1]                       # they did finish in reverse
+        assert run.history == names                          # ...and joined in declaration order
+        assert [m["content"] for m in run.state["messages"][-8:]] == [f"{n}:x" for n in names]
+        assert run.state["metadata"]["who"] == "n7" and rt.context["who"] == "n7"
+        assert all(rt.context[f"seen_{n}"] for n in names)
+        assert run.output == "n7:x"
+
+
+def test_concurrency_parallel_branch_cannot_reach_live_state_through_graph_state():
+    """§6.7, §6.2.2: graph_state is a picture; a branch writing into it neither shows the write to
+    its sibling nor changes the state (only the context keys it sets join, in order)."""
+    wrote = threading.Event()
+
+    def writer(content, ctx):
+        ctx["graph_state"]["metadata"]["leak"] = "p"
+        wrote.set()
+        return "p"
+
+    def reader(content, ctx):
+        assert wrote.wait(2)
+        return str(ctx["graph_state"]["metadata"].get("leak"))
+
+    cfg = {"type": "graph",
+           "nodes": {"p": {"type": "agent", "agent": "p", "parallel": True},
+                     "q": {"type": "agent", "agent": "q", "parallel": True}},
+           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
+                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
+    rt, g = make_graph(cfg, {"p": writer, "q": reader})
+    run = g.run("x")
+    assert run.output == "None"
+    assert "leak" not in run.state["metadata"] and "leak" not in rt.context
+
+
+def test_concurrency_timed_out_llm_reply_is_not_remembered():
+    """§4.4.4 item 4, §6.2.2 timeout: the retry answers; the first attempt's late reply, which
+    arrives after its timeout, is dropped instead of joining the agent's memory."""
+    before = set(threading.enumerate())
+    a = actor.load(text="""
+agents:
+  w: {type: llm, config: {provider: fake, memory_enabled: true}}
+routes:
+  main:
+    type: graph
+    nodes:
+      a: {type: agent, agent: w, timeout: 0.1, retry_policy: {max_retries: 1, delay: 0}}
+    edges: [{source: start, target: a}, {source: a, target: end}]
+merges: [{sources: [__input__], target: main}]
+""")
+    transport = a.rt.llm_transport = _GateTransport(slow="w")
+    assert [m.content for m in a.send("hi").outputs] == ["w:hi"]
+    transport.release.set()
+    _join_new_threads(before)
+    assert a.rt.agents["w"].history == [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "w:hi"}]
+
+
+def test_concurrency_timed_out_inline_tool_writes_nothing_back(monkeypatch):
+    """§5.3.4 item 3: the map emits "Processing timed out"; the abandoned body, released later,
+    does not write its context key into the live global context."""
+    before = set(threading.enumerate())
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
+    inside, release = threading.Event(), threading.Event()
+
+    class Hold:
+        def write(self, text):
+            inside.set()
+            release.wait(2)
+
+        def flush(self):
+            pass
+
+    a = actor.load(text="""
+agents:
+  t:
+    type: tool
+    config:
+      tools: [{name: run, code: "progress_bar(current=1, total=2)\\ncontext['late'] = 1\\nresult = 'ok'"}]
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""", unsafe=True, clock=actor.RealClock())
+    a.rt.progress = actor.ProgressFacility(stream=Hold())
+    result = a.send("x")
+    assert [m.content for m in result.outputs] == [actor.PROCESSING_TIMED_OUT]
+    assert inside.is_set()
+    release.set()
+    _join_new_threads(before)
+    assert "late" not in a.context
+
+
+def test_concurrency_timed_out_composite_stops_its_graph_and_leaves_context_alone(monkeypatch):
+    """§5.3.4 with nested bounds: a composite's graph, abandoned mid-run, takes no further step,
+    its inner bounded call records no memory, and it never rewrites the live context."""
+    before = set(threading.enumerate())
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
+    a = actor.load(text="""
+agents:
+  w1: {type: llm, config: {provider: fake, memory_enabled: true}}
+  w2: {type: llm, config: {provider: fake}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes:
+              n1: {type: agent, agent: w1, timeout: 2, retry_policy: {max_retries: 0}}
+              n2: {type: agent, agent: w2}
+            edges: [{source: start, target: n1}, {source: n1, target: n2}, {source: n2, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""", clock=actor.RealClock(), context={"keep": 1})
+    transport = a.rt.llm_transport = _GateTransport(slow="w1")
+    assert [m.content for m in a.send("x").outputs] == [actor.PROCESSING_TIMED_OUT]
+    context_before = dict(a.context)
+    transport.release.set()
+    _join_new_threads(before)
+    assert transport.calls == ["w1"]                    # n2 never ran
+    assert a.rt.agents["w1"].history == []
+    assert a.context == context_before and a.context["keep"] == 1
+
+
+def test_concurrency_composite_entered_from_its_own_parallel_branch_errors_not_deadlocks():
+    """§6.7 + §4.6: a composite whose graph runs itself on a parallel branch would wait for
+    itself forever; the branch fails with an ExecutionError instead."""
+    a = actor.load(text="""
+agents:
+  e: {type: tool, config: {tools: [echo]}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes:
+              n: {type: agent, agent: c, parallel: true}
+              m: {type: agent, agent: e, parallel: true}
+            edges: [{source: start, target: n}, {source: start, target: m},
+                    {source: n, target: end}, {source: m, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(result=a.send("hi")), daemon=True)
+    worker.start()
+    worker.join(2)
+    assert not worker.is_alive(), "deadlocked"
+    errors = box["result"].errors
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+    assert "deadlock" in errors[0].content
+    a.close()
+
+
+def test_concurrency_close_does_not_wait_for_a_timed_out_composite_call():
+    """§12.1 step 8: close() returns while a timed-out composite call still holds the composite;
+    the call, released later, ends on its own."""
+    before = set(threading.enumerate())
+    a = actor.load(text="""
+agents:
+  w: {type: llm, config: {provider: fake}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes: {n: {type: agent, agent: w}}
+            edges: [{source: start, target: n}, {source: n, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main:
+    type: graph
+    nodes: {a: {type: agent, agent: c, timeout: 0.1, retry_policy: {max_retries: 0}}}
+    edges: [{source: start, target: a}, {source: a, target: end}]
+merges: [{sources: [__input__], target: main}]
+""")
+    transport = a.rt.llm_transport = _GateTransport(slow="w")
+    assert "timed out" in a.send("hi").errors[0].content
+    closer = threading.Thread(target=a.close, daemon=True)
+    closer.start()
+    closer.join(1)
+    closed = not closer.is_alive()
+    transport.release.set()
+    _join_new_threads(before)
+    assert closed
+
+
+def test_concurrency_host_calls_from_two_threads_keep_their_own_results():
+    """Actor: a second host thread's send() waits for the first, so neither call loses or steals
+    the other's outputs."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    emitted, second_done = threading.Event(), threading.Event()
+
+    def slow_hook(msg):                 # the first call pauses right after its emission
+        if msg.content.endswith("first"):
+            emitted.set()
+            second_done.wait(0.3)       # returns at once if the second call (wrongly) ran
+    a.network.on_output(slow_hook)
+    results = {}
+
+    def call(text):
+        results[text] = [m.content for m in a.send(text).outputs]
+        if text == "second":
+            second_done.set()
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert emitted.wait(2)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    first.join(2)
+    second.join(2)
+    assert results == {"first": ["ChainAgent processed: first"],
+                       "second": ["ChainAgent processed: second"]}
+
+
+def test_concurrency_memory_keeps_whole_exchanges_under_concurrent_calls():
+    """§4.4.4: sixteen concurrent invocations of one memory agent leave sixteen whole
+    user/assistant pairs, each reply next to its own message."""
+    n = 16
+    barrier = threading.Barrier(n, timeout=2)
+
+    class Meet:
+        def complete(self, request):
+            barrier.wait()
+            return "re:" + request["messages"][-1]["content"]
+
+    a = actor.load(text="agents: {w: {type: llm, config: {provider: fake, memory_enabled: true,"
+                        " max_history: 100}}}\nroutes: {s: {type: stream}}\n")
+    a.rt.llm_transport = Meet()
+    agent = a.rt.agents["w"]
+    threads = [threading.Thread(target=agent.invoke, args=(f"m{i}", {})) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    history = agent.history
+    assert len(history) == 2 * n and len(a.rt.llm_log) == n
+    pairs = list(zip(history[::2], history[1::2]))
+    assert all(u["role"] == "user" and r == {"role": "assistant", "content": "re:" + u["content"]}
+               for u, r in pairs)
+    assert sorted(u["content"] for u, _ in pairs) == sorted(f"m{i}" for i in range(n))
+
+
+def test_concurrency_parallel_llm_nodes_log_every_request():
+    """§6.7: eight LLM branches at once (they meet at a barrier): every request reaches
+    rt.llm_log (the order across branches is not promised) and the results join in order."""
+    names = [f"w{i}" for i in range(8)]
+    barrier = threading.Barrier(len(names), timeout=2)
+
+    class Meet:
+        def complete(self, request):
+            barrier.wait()
+            return request["agent"]
+
+    agents = "\n".join(f"  {n}: {{type: llm, config: {{provider: fake}}}}" for n in names)
+    nodes = "\n".join(f"      {n}: {{type: agent, agent: {n}, parallel: true}}" for n in names)
+    edges = ", ".join(f"{{source: start, target: {n}}}, {{source: {n}, target: end}}"
+                      for n in names)
+    a = actor.load(text=f"agents:\n{agents}\nroutes:\n  main:\n    type: graph\n    nodes:\n"
+                        f"{nodes}\n    edges: [{edges}]\nmerges: [{{sources: [__input__], "
+                        f"target: main}}]\n")
+    a.rt.llm_transport = Meet()
+    assert [m.content for m in a.send("x").outputs] == ["w7"]
+    assert sorted(r["agent"] for r in a.rt.llm_log) == names
+    assert a.context["last_agent_node"] == "w7"
+    a.close()
+
+
+def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
+    """§4.5.6: concurrent updates each write one whole line and leave one caller's snapshot."""
+    import io
+    n = 32
+    out = io.StringIO()
+    facility = actor.ProgressFacility(stream=out)
+    barrier = threading.Barrier(n, timeout=2)
+    lines = {}
+
+    def update(i):
+        barrier.wait()
+        lines[i] = facility.update({"stage": f"s{i}", "current": i, "total": n,
+                                    "message": f"m{i}"}, {})
+    threads = [threading.Thread(target=update, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    expected = {i: actor.progress_render(f"s{i}", i, n, f"m{i}") for i in range(n)}
+    assert lines == expected
+    written = out.getvalue().split("\r")[1:]
+    assert sorted(w.rstrip("\n") for w in written) == sorted(expected.values())
+    i = facility.current
+    assert (facility.stage, facility.total, facility.message) == (f"s{i}", n, f"m{i}")
+    assert facility.last == expected[i]
+
+
+def test_concurrency_close_stops_every_graph_worker():
+    """§12.1 step 8: after close() the graph's worker threads end (none is left behind)."""
+    a = actor.load(text="""
+agents:
+  p: {type: chain}
+  q: {type: chain}
+routes:
+  main:
+    type: graph
+    nodes: {p: {type: agent, agent: p, parallel: true}, q: {type: agent, agent: q, parallel: true}}
+    edges: [{source: start, target: p}, {source: start, target: q},
+            {source: p, target: end}, {source: q, target: end}]
+merges: [{sources: [__input__], target: main}]
+""")
+    assert len(a.send("x").outputs) == 1
+    workers = list(a.rt.graphs["main"]._pool._threads)
+    assert workers
+    a.close()
+    for worker in workers:
+        worker.join(2)
+    assert not any(worker.is_alive() for worker in workers)
+
+
+def test_concurrency_branches_run_inline_when_no_worker_thread_can_start():
+    """§6.7: when the pool cannot start a thread (closed, or no memory for a stack), the branches
+    not submitted run on the caller; the submitted one is joined; results keep their order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class OneThread(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            if self.used:
+                raise RuntimeError("can't start new thread")
+            self.used = True
+            return super().submit(*args, **kwargs)
+    names = ["p", "q", "r"]
+    cfg = {"type": "graph",
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
+           "edges": [{"source": "start", "target": n} for n in names]
+           + [{"source": n, "target": "end"} for n in names]}
+    rt, g = make_graph(cfg, {n: echo(n) for n in names})
+    g._pool = OneThread()
+    g._pool.used = False
+    run = g.run("x")
+    assert run.history == names and run.output == "r(x)"
+    assert [len(rt.agents[n].calls) for n in names] == [1, 1, 1]
+    g.close()
+
+
 # =====================================================================================
 # §8, §9.2 Templating (templating)
 # =====================================================================================
