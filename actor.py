@@ -5851,10 +5851,21 @@ def template_range(*args):
     return seq
 
 
+def template_sum(iterable, start=0):
+    """§8.3 sum, the §13.2 sandbox's: concatenating sequences is quadratic C work, so it is
+    size-guarded and ticks the render deadline."""
+    return builtin_sum(iterable, start)
+
+
+def template_round(number, ndigits=None):
+    """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
+    return builtin_round(number, ndigits)
+
+
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
     "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
-    "sum": sum, "abs": abs, "round": round,
+    "sum": template_sum, "abs": abs, "round": template_round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
 
@@ -5903,7 +5914,7 @@ def _item_attr(item, attr):
 def filter_sum(items, attribute=None, start=0):
     """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
     values = items if attribute is None else (_item_attr(it, attribute) for it in items)
-    return sum(values, start)
+    return builtin_sum(values, start)
 
 
 SELECT_OPERATORS = {
@@ -7125,17 +7136,59 @@ if jinja2 is not None:
 
 
 if jinja2 is not None:
-    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
-        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
-        attribute, so `context.items` is the configured list, not dict.items.
-
-        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+    class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """Jinja2's immutable sandbox, with these changes:
+        - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
+          configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
+          `context.<key>` always means the key);
+        - the unbound `str.format`/`str.format_map` (reached through the §8.3 `str` built-in)
+          are refused: jinja2 only wraps the bound form, and a format string walks attributes
+          ('{0.__init__.__globals__[os].environ}' read the process environment);
+        - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
+          folded at compile time), every call and every loop step ticks the render deadline
+          (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
+          would otherwise run for hours.
+        INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
+        rendering context holds the live context by reference, and a prompt that could call
+        context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
+
+        intercepted_binops = frozenset({"+", "*", "**", "%", "//"})
 
         def getattr(self, obj, attribute):
             if isinstance(obj, dict) and attribute in obj:
                 return obj[attribute]
             return super().getattr(obj, attribute)
+
+        def is_safe_attribute(self, obj, attr, value):
+            if attr in ("format", "format_map") and isinstance(obj, type):
+                return False
+            return super().is_safe_attribute(obj, attr, value)
+
+        def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
+            guard_loop()
+            if __obj is str.format or __obj is str.format_map:
+                raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            _check_operands(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def _parse(self, source, name, filename):
+            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline."""
+            tree = super()._parse(source, name, filename)
+            for node in tree.find_all(jinja2.nodes.For):
+                node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
+                                                lineno=node.lineno)
+            return tree
+
+
+def template_loop(iterable):
+    """The `sb_loop` filter: each step of a template loop checks the render deadline."""
+    for item in iterable:
+        guard_loop()
+        yield item
 
 
 # INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
@@ -7150,6 +7203,7 @@ def jinja_environment():
         undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
+    env.filters["sb_loop"] = template_loop
     return env
 
 
@@ -7175,9 +7229,11 @@ def jinja_error_line(exc):
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return jinja_template(text).render(variables)
+        return run_bounded(lambda: jinja_template(text).render(variables))
     except TemplateError:
         raise
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"JINJA2: {exc.message}", section="9.2") from exc
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
         err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
         err.line = jinja_error_line(exc)
@@ -7311,10 +7367,12 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
                 continue
             elif isinstance(value, (list, tuple)):
                 for item in value:
+                    guard_loop()
                     mustache_render_nodes(node[3], stack + [item], partials, out, depth)
             else:
                 mustache_render_nodes(node[3], stack + [value], partials, out, depth)
         else:  # partial
+            guard_loop()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
                 raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
             source = (partials or {}).get(node[1])
@@ -7333,7 +7391,11 @@ def mustache_compiled(text):
 def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
-    mustache_render_nodes(mustache_compiled(text), [variables], partials, out)
+    try:
+        run_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
+                                                  out))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
+        raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
     return "".join(out)
 
 
@@ -7411,6 +7473,10 @@ def simple_format(text, variables):
         if field is None:
             continue
         value = simple_field(variables, field)
+        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec or "")):
+            raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
+                                section="9.2")
+        check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
@@ -7426,6 +7492,13 @@ def simple_format(text, variables):
 # only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    try:
+        return run_bounded(lambda: _render_simple(text, variables, format_pass))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
+
+
+def _render_simple(text, variables, format_pass):
     text = simple_expressions(text, variables)
     return simple_format(text, variables) if format_pass else text
 
@@ -8061,6 +8134,7 @@ def find_stream_cycle(edges):
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MAX_DIVISION = 1 << 36     # bits x bits of one long division (// % round(n, -k)): ~0.1 s
 SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
@@ -8510,7 +8584,8 @@ class ExprUnit:
         self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
 
     def __call__(self, *args, timeout=1.0):
-        return _run_sandboxed(lambda: self.fn(*args), timeout, self.label, EXPRESSION_FILENAME)
+        return _run_sandboxed(lambda: _checked_result(self.fn(*args)), timeout, self.label,
+                              EXPRESSION_FILENAME)
 
 
 def compile_code(source, *, rt=None, path=None):
@@ -8535,7 +8610,13 @@ def run_code(unit, variables, *, timeout=1.0):
     """
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
-    _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
+
+    def thunk():
+        exec(unit.code, namespace)
+        for key, value in namespace.items():   # what the host renders later: result, context...
+            if key != "__builtins__":
+                _checked_result(value)
+    _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
@@ -8592,8 +8673,41 @@ def eval_expression_text(source, names, timeout=1.0):
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
     namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
     namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
-    return _run_sandboxed(lambda: eval(code, namespace), timeout, "inline expression",
-                          EXPRESSION_FILENAME)
+    return _run_sandboxed(lambda: _checked_result(eval(code, namespace)), timeout,
+                          "inline expression", EXPRESSION_FILENAME)
+
+
+def _checked_result(value):
+    """A value leaving the sandbox, checked while the budget and the memory cap still hold: the
+    host turns it into text (§4.5.7, message content) with no limit of its own, so an aliased
+    bomb ([x] * n built by a loop) or a structure nested too deep for str() is refused here."""
+    check_rendering(value)
+    return value
+
+
+# The same limits for the template engines (§9.2): Jinja2, Mustache and SIMPLE text comes from
+# configuration files too, so a render runs under a deadline and the memory cap, and the engines
+# tick guard_loop() at loops, calls and sections (see the §9.2 region).
+TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
+
+
+def run_bounded(thunk, timeout=TEMPLATE_TIME_LIMIT):
+    """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
+    RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
+    with _SANDBOX_TURN, _MemoryCap():
+        previous = getattr(_SANDBOX_LOCAL, "budget", None)
+        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        try:
+            return thunk()
+        except SandboxAbort as abort:
+            failure = abort.reason
+        except MemoryError:
+            failure = "memory limit exceeded"
+        except RecursionError:
+            failure = "recursion limit exceeded"
+        finally:
+            _SANDBOX_LOCAL.budget = previous
+    raise ExecutionError(failure, section="13.2.3")
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 class SandboxType:
@@ -8681,6 +8795,18 @@ def builtin_sum(iterable, /, start=0):
     return sum(iterable, start)
 
 
+def builtin_round(number, ndigits=None):
+    """§13.2.1/§13.2.2 round: round(n, -k) on an int divides n by 10**k in C, beyond any deadline
+    (round(1, -10**8) builds a 330-million-bit power first). When 10**k > 2|n| the answer is 0,
+    so that power is never built; a long division past SANDBOX_MAX_DIVISION is refused."""
+    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < 0:
+        bits = number.bit_length()
+        if -ndigits > bits // 3 + 1:
+            return 0
+        _check_division(bits, -ndigits * 10 // 3 + 1)
+    return round(number, ndigits)
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
 
@@ -8716,7 +8842,7 @@ INLINE_CODE_BUILTINS = {
     "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
-    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
+    "range": builtin_range, "reversed": reversed, "round": builtin_round, "sorted": sorted,
     "sum": builtin_sum, "zip": zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
@@ -8738,8 +8864,8 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
-    "sum": builtin_sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "round": builtin_round, "sum": builtin_sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
@@ -8778,11 +8904,12 @@ SANDBOX_INERT_TYPES = frozenset({
     ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
 })
 
-_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
+_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%",
+                      ast.FloorDiv: "//"}
 _BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
-           "%": operator.mod}
+           "%": operator.mod, "//": operator.floordiv}
 _INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
-            "%": operator.imod}
+            "%": operator.imod, "//": operator.ifloordiv}
 _SIZED = (str, bytes, list, tuple)
 _WIDTH_RE = re.compile(r"\d+")
 
@@ -8820,6 +8947,15 @@ def _check_operands(symbol, left, right):
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
         check_rendering(right)
+    if symbol in ("%", "//") and ints:
+        _check_division(left.bit_length(), right.bit_length())
+
+
+def _check_division(dividend_bits, divisor_bits):
+    """Schoolbook long division costs about (dividend - divisor) x divisor bits of work in C:
+    int('f' * 10**7, 16) // (that >> 2 * 10**7) would run for minutes."""
+    if max(dividend_bits - divisor_bits, 0) * divisor_bits > SANDBOX_MAX_DIVISION:
+        _refuse_size("integer division")
 
 
 def _check_printf(fmt, args):
