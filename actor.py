@@ -7409,6 +7409,10 @@ def simple_expressions(text, variables):
     """
     names = {key: value for key, value in variables.items()
              if not (key in BUILTINS and value is BUILTINS[key])}
+    if isinstance(names.get("context"), dict):
+        # A top-level copy: rendering a prompt must not change the live context, and above all
+        # not its host-only keys (§10.3), e.g. {{ context.update({'_unsafe_mode': True}) }}.
+        names["context"] = dict(names["context"])
     out, pos = [], 0
     while True:
         start = text.find("{{", pos)
@@ -8610,9 +8614,15 @@ def run_code(unit, variables, *, timeout=1.0):
     """
     namespace = dict(variables)
     namespace["__builtins__"] = unit.builtins
+    host_keys = _host_only_values(variables.get("context"))
 
     def thunk():
         exec(unit.code, namespace)
+        after = _host_only_values(namespace.get("context"))
+        if after is not host_keys and (after is None or host_keys is None or any(
+                a is not b for a, b in zip(after, host_keys))):
+            raise SandboxAbort(f"inline code may not set the host-only context keys "
+                               f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
         for key, value in namespace.items():   # what the host renders later: result, context...
             if key != "__builtins__":
                 _checked_result(value)
@@ -8675,6 +8685,16 @@ def eval_expression_text(source, names, timeout=1.0):
     namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
     return _run_sandboxed(lambda: _checked_result(eval(code, namespace)), timeout,
                           "inline expression", EXPRESSION_FILENAME)
+
+
+# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
+# says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
+# changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
+def _host_only_values(context):
+    """The host-only keys of a context, by identity (what the body must leave as it found)."""
+    if not isinstance(context, dict):
+        return None
+    return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
 
 
 def _checked_result(value):
