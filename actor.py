@@ -8612,7 +8612,8 @@ def run_code(unit, variables, *, timeout=1.0):
     `variables` usually holds input_data, message, context (by reference) and result=None. Any
     violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
     """
-    namespace = dict(variables)
+    namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
+                 for key, value in variables.items()}
     namespace["__builtins__"] = unit.builtins
     host_keys = _host_only_values(variables.get("context"))
 
@@ -8697,6 +8698,20 @@ def _host_only_values(context):
     return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
 
 
+def _host_function(fn):
+    """A host function handed to the body (progress_bar, §4.5.6): its arguments are checked like
+    any value the host turns into text, because the host's str() runs in C past the deadline
+    (progress_bar(stage=[x] * n) with x long, built by a loop, took seconds)."""
+    if fn.__code__.co_filename in SANDBOX_FILENAMES:
+        return fn
+
+    def checked(*args, **kwargs):
+        for value in itertools.chain(args, kwargs.values()):
+            check_rendering(value)
+        return fn(*args, **kwargs)
+    return checked
+
+
 def _checked_result(value):
     """A value leaving the sandbox, checked while the budget and the memory cap still hold: the
     host turns it into text (§4.5.7, message content) with no limit of its own, so an aliased
@@ -8711,12 +8726,12 @@ def _checked_result(value):
 TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
 
 
-def run_bounded(thunk, timeout=TEMPLATE_TIME_LIMIT):
+def run_bounded(thunk, timeout=None):
     """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
     RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
     with _SANDBOX_TURN, _MemoryCap():
         previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout)
         try:
             return thunk()
         except SandboxAbort as abort:
