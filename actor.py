@@ -8373,6 +8373,13 @@ class _SandboxRewriter(ast.NodeTransformer):
         node.conversion, node.format_spec = -1, None
         return node
 
+    def visit_JoinedStr(self, node):
+        """f"{x}{x}...": each field is checked alone, so the whole string is joined by a guard."""
+        self.generic_visit(node)
+        parts = [part.value if isinstance(part, ast.FormattedValue) else part
+                 for part in node.values]
+        return _guard_call("__sb_join__", node, *parts)
+
     def visit_ExceptHandler(self, node):
         # INTERPRETATION §13.2: a bare `except:` catches Exception only; no limit is swallowed.
         self.generic_visit(node)
@@ -9001,6 +9008,11 @@ def _check_printf(fmt, args):
         widths += [value for value in values if isinstance(value, int)]
     if any(width > SANDBOX_MAX_ITEMS for width in widths):
         _refuse_size("%-format width")
+    if isinstance(args, dict):   # '%(a)s' * 1000 % {'a': long}: each field prints the same value
+        biggest = max((_text_weight(value, {}) for value in args.values()
+                       if isinstance(value, _CONTAINERS)), default=0)
+        if fmt.count("%") * biggest > SANDBOX_MAX_ITEMS:
+            _refuse_size("%-format")
 
 
 def guard_binop(symbol, left, right):
@@ -9089,6 +9101,13 @@ def guard_str(*args, **kwargs):
     return str(*args, **kwargs)
 
 
+def guard_join(*parts):
+    """An f-string's pieces (each already text), joined once their total size is known."""
+    if sum(map(len, parts)) > SANDBOX_MAX_ITEMS:
+        _refuse_size("f-string")
+    return "".join(parts)
+
+
 def guard_format(value, conversion, spec):
     """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as usual."""
     check_rendering(value)
@@ -9151,7 +9170,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
+    "__sb_str__": guard_str, "__sb_join__": guard_join, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
