@@ -5857,6 +5857,16 @@ def template_sum(iterable, start=0):
     return builtin_sum(iterable, start)
 
 
+def template_zip(*iterables, strict=False):
+    """§8.3 zip, the §13.2 sandbox's (nested zip objects crashed the C stack)."""
+    return builtin_zip(*iterables, strict=strict)
+
+
+def template_enumerate(iterable, start=0):
+    """§8.3 enumerate, the §13.2 sandbox's (for the same reason as template_zip)."""
+    return builtin_enumerate(iterable, start)
+
+
 def template_round(number, ndigits=None):
     """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
     return builtin_round(number, ndigits)
@@ -5864,7 +5874,8 @@ def template_round(number, ndigits=None):
 
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
+    "range": template_range, "len": len, "enumerate": template_enumerate, "zip": template_zip,
+    "min": min, "max": max,
     "sum": template_sum, "abs": abs, "round": template_round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
@@ -7184,6 +7195,20 @@ if jinja2 is not None:
             return tree
 
 
+_GENERATOR = type(item for item in ())
+
+
+def template_materialized(fn):
+    """A filter whose generator result (map, select, batch...) is made a list at once: a chain
+    of 60,000 lazy filters ({% set ns.z = ns.z|batch(1)|map('first') %} in a loop) recursed in
+    C when consumed and crashed CPython 3.11."""
+    @functools.wraps(fn)   # keeps jinja2's pass_context/pass_environment marks
+    def run(*args, **kwargs):
+        value = fn(*args, **kwargs)
+        return list(value) if isinstance(value, _GENERATOR) else value
+    return run
+
+
 def template_loop(iterable):
     """The `sb_loop` filter: each step of a template loop checks the render deadline."""
     for item in iterable:
@@ -7203,6 +7228,7 @@ def jinja_environment():
         undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
+    env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
     env.filters["sb_loop"] = template_loop
     return env
 
@@ -8287,6 +8313,14 @@ class _SandboxRewriter(ast.NodeTransformer):
         node.body.insert(0, _tick("__sb_enter__", node))
         return node
 
+    def visit_GeneratorExp(self, node):
+        """A lazy generator expression reads its source through guard_iter, which counts the
+        chain of generators on the stack (z = (x for x in z), 60,000 times, crashed CPython)."""
+        self.generic_visit(node)
+        first = node.generators[0]
+        first.iter = _guard_call("__sb_iter__", first.iter, first.iter)
+        return node
+
     def visit_Lambda(self, node):
         self.generic_visit(node)
         node.body = ast.copy_location(
@@ -8465,12 +8499,31 @@ def guard_enter():
     guard_loop()
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth <= SANDBOX_MAX_DEPTH:
-        if frame.f_code.co_filename in SANDBOX_FILENAMES:
+        code = frame.f_code
+        if code.co_filename in SANDBOX_FILENAMES or code is _SANDBOX_ITER_CODE:
             depth += 1
         frame = frame.f_back
     if depth > SANDBOX_MAX_DEPTH:
-        raise SandboxAbort(f"call depth exceeds {SANDBOX_MAX_DEPTH}")
+        raise SandboxAbort(f"call or generator depth exceeds {SANDBOX_MAX_DEPTH}")
     return True
+
+
+# INTERPRETATION §13.2.3: lazy iterators chained in a loop (z = (x for x in z), zip(z),
+# enumerate(z)) recurse in C when consumed, and CPython 3.11 has no depth check there: 60,000
+# layers overflowed the C stack (a crash of the host). Each such layer reads its source through
+# _sandbox_iter, whose frame guard_enter counts like a call, so a chain stops at
+# SANDBOX_MAX_DEPTH layers.
+def _sandbox_iter(iterator):
+    guard_enter()
+    yield from iterator
+
+
+_SANDBOX_ITER_CODE = _sandbox_iter.__code__
+
+
+def guard_iter(iterable):
+    """A generator expression's source (evaluated at once, as Python does), read lazily."""
+    return _sandbox_iter(iter(iterable))
 
 
 class _AddressSpace:
@@ -8849,6 +8902,16 @@ def builtin_round(number, ndigits=None):
     return round(number, ndigits)
 
 
+def builtin_zip(*iterables, strict=False):
+    """§13.2.1 zip through _sandbox_iter: zip(zip(...)) 10**5 deep crashed the C stack."""
+    return _sandbox_iter(zip(*iterables, strict=strict))
+
+
+def builtin_enumerate(iterable, start=0):
+    """§13.2.1 enumerate through _sandbox_iter, for the reason given at builtin_zip."""
+    return _sandbox_iter(enumerate(iterable, start))
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
 
@@ -8883,9 +8946,9 @@ INLINE_CODE_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
-    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
-    "range": builtin_range, "reversed": reversed, "round": builtin_round, "sorted": sorted,
-    "sum": builtin_sum, "zip": zip,
+    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len, "max": max,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
+    "sorted": sorted, "sum": builtin_sum, "zip": builtin_zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -9170,7 +9233,7 @@ _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_join__": guard_join, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
+    "__sb_str__": guard_str, "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

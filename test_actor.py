@@ -4179,6 +4179,14 @@ SANDBOX_RUNAWAYS = {
     "deep-result": "a = []\nfor i in range(10**5):\n    a = [a]\nresult = a",
     "fstring-many-fields": "x = 'a' * 10**7\ny = f'{x}{x}{x}{x}{x}{x}{x}{x}{x}{x}'",
     "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # Lazy iterators chained 60,000 deep recursed in C without a depth check: a segfault.
+    "generator-expression-chain": "z = [1]\nfor i in range(60000):\n    z = (x for x in z)\nresult = list(z)",
+    "generator-inner-clause-chain":
+        "z = [1]\nfor i in range(60000):\n    z = (y for w in [z] for y in w)\nresult = sum(z)",
+    "zip-chain": "z = [1]\nfor i in range(60000):\n    z = zip(z)\nresult = list(z)",
+    "enumerate-chain": "z = [1]\nfor i in range(60000):\n    z = enumerate(z)\nresult = max(z)",
+    "mixed-iterator-chain":
+        "z = [1]\nfor i in range(30000):\n    z = (x for x in enumerate(zip(z)))\nresult = list(z)",
 }
 
 
@@ -4610,6 +4618,18 @@ def test_sandbox_round_and_division_controls():
     assert actor.compile_expression("lambda x: round(x, -3)")(123456) == 123000
 
 
+def test_sandbox_lazy_iterator_controls():
+    """Generator expressions keep Python's semantics (source evaluated at once, read lazily)."""
+    ns = sandbox_run("l = [1, 2]\ng = (x * 2 for x in l)\nl = [9]\n"
+                     "z = [0]\nfor i in range(90):\n    z = (x + 1 for x in z)\n"
+                     "try:\n    bad = (x for x in 5)\nexcept TypeError:\n    bad = 'eager'\n"
+                     "result = (list(g), list(zip('ab', [1, 2])), list(enumerate('ab', 1)),\n"
+                     "          sum(x for x in range(5)), dict(zip('ab', 'cd')), list(z), bad)")
+    assert ns["result"] == ([2, 4], [("a", 1), ("b", 2)], [(1, "a"), (2, "b")], 10,
+                            {"a": "c", "b": "d"}, [90], "eager")
+    assert actor.compile_expression("lambda x: sum(c.isupper() for c in x)")("aBcD") == 2
+
+
 def test_sandbox_fstring_and_printf_controls():
     ns = sandbox_run("n = 3\nresult = (f'a{n!r:>{n}}b{n:{n}d}', f'', '%(a)s-%(a)s' % {'a': 'x'})")
     assert ns["result"] == ("a  3b  3", "", "x-x")
@@ -4721,6 +4741,13 @@ TEMPLATE_RUNAWAYS = {
         "{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}{% endfor %}{% endfor %}",
     ("JINJA2", "recursive-loop"):
         "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
+    ("JINJA2", "lazy-filter-chain"):   # 60,000 nested generators crashed CPython 3.11
+        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
+        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}"
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    ("JINJA2", "zip-chain"):
+        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
+        "{% set ns.z = zip(ns.z) %}{% endfor %}{% endfor %}{{ ns.z|list }}",
     ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
     ("SIMPLE", "format-width"): "{message:>9999999999}",
     ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
@@ -4753,6 +4780,10 @@ def test_template_limits_leave_ordinary_templates_alone():
                         "{% for i in range(3) %}{% set ns.c = ns.c + i %}{% endfor %}{{ ns.c }}",
                         variables, "JINJA2") == "24|abab|3|1200|3|33|3"
     assert actor.render("{{#items}}{{n}}{{/items}}", variables, "MUSTACHE") == "12"
+    assert actor.render("{{ [1, 2]|map('string')|join(',') }} {{ [1, none]|select|list }} "
+                        "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
+                        "{{ zip('ab', [1, 2])|list }}", variables,
+                        "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
     assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
 
 
