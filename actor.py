@@ -7503,7 +7503,8 @@ def simple_format(text, variables):
         if field is None:
             continue
         value = simple_field(variables, field)
-        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec or "")):
+        spec = simple_format(spec, variables) if spec else ""   # {x:>{width}} nests a field
+        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
             raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
                                 section="9.2")
         check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
@@ -7512,7 +7513,7 @@ def simple_format(text, variables):
         elif conversion in ("s", "a"):
             value = str(value) if conversion == "s" else ascii(value)
         try:
-            out.append(format(value, simple_format(spec, variables) if spec else ""))
+            out.append(format(value, spec))
         except (ValueError, TypeError) as exc:
             raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
     return "".join(out)

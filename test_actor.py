@@ -4750,6 +4750,7 @@ TEMPLATE_RUNAWAYS = {
         "{% set ns.z = zip(ns.z) %}{% endfor %}{% endfor %}{{ ns.z|list }}",
     ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
     ("SIMPLE", "format-width"): "{message:>9999999999}",
+    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
     ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
 }
 
@@ -4762,7 +4763,7 @@ def test_template_runaway_is_stopped(monkeypatch, engine, name):
     nested = {"a": False}
     for _ in range(40):
         nested = {"a": nested}
-    variables = {**nested, "message": "m", "x": list(range(1000))}
+    variables = {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
     partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
     start = _time.monotonic()
     with pytest.raises(actor.TemplateError):
