@@ -8150,15 +8150,19 @@ def find_stream_cycle(edges):
 # ways, so four layers hold it, and the first two run once, at load time:
 #   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
-#      nonlocal, yield, async, with or decorators, no prohibited facility's name
+#      nonlocal, yield, async, with or decorators, no attribute assignment, no prohibited
+#      facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
-#      repeat go through size guards (a repetition also by the nested size it aliases, so
-#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
-#      aborts (BaseException) pass through.
-#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
+#   2. AST rewrite: + * ** << % //, `in`, f-strings, slice assignment and the string methods that
+#      pad or repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a generator expression reads its source through guard_iter; a
+#      bare `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass.
+#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, round, zip,
+#      enumerate, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
-#      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
+#      function entry and cap the depth of calls and of lazy iterator chains; on POSIX an
+#      address-space limit backstops memory. What leaves the run (final names, an expression's
+#      value, arguments of host functions) is size-checked before the host renders it.
 # Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles.
 
@@ -8255,6 +8259,10 @@ def _construct_refusal(node, prohibited):
             return f"the special name '{name}'"
         case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
             return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Attribute(ctx=ast.Store() | ast.Del()):
+            # INTERPRETATION §13.2.3: attribute assignment is refused: the only objects that take
+            # it are functions, and the built-ins' (print.x = context) are shared by every run.
+            return "assigning or deleting an attribute (shared by every run)"
         case ast.Attribute(attr=attr):
             return _attribute_refusal(attr)
         case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
@@ -8359,16 +8367,14 @@ class _SandboxRewriter(ast.NodeTransformer):
             value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
                                 ast.Name(target.id, ast.Load()), node.value)
             return ast.copy_location(ast.Assign([target], value), node)
-        if isinstance(target, ast.Subscript):
-            key = target.slice
-            if isinstance(key, ast.Slice):
-                key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
-                                                         (key.lower, key.upper, key.step)))
-            call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
-                               node.value)
-        else:
-            call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
-                               ast.Constant(symbol), node.value)
+        if not isinstance(target, ast.Subscript):   # an attribute target: refused by layer 1
+            raise _Rejected(node.lineno, "assigning or deleting an attribute (shared by every run)")
+        key = target.slice
+        if isinstance(key, ast.Slice):
+            key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
+                                                     (key.lower, key.upper, key.step)))
+        call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
+                           node.value)
         return ast.copy_location(ast.Expr(call), node)
 
     def visit_Attribute(self, node):
@@ -9101,11 +9107,6 @@ def guard_set_slice(container, part, value):
     container[part] = value
 
 
-def guard_aug_attr(obj, name, symbol, value):
-    # `name` passed the layer-1 attribute check at load.
-    setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
-
-
 _CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
 
 
@@ -9233,8 +9234,9 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
-    "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
+    "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
+    "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
+    "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

@@ -4036,6 +4036,13 @@ SANDBOX_ESCAPES = {
     "aliased-method-dodges-size-guard": "f = 'a'.ljust\nx = f(10**10)",
     "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
     "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
+    # Round 3: attributes set on the shared built-in functions outlived the call (a channel
+    # between calls and Actors: print.shared = context).
+    "builtin-attribute-store": "print.shared = context",
+    "json-function-attribute-store": "json.loads.x = 1",
+    "builtin-attribute-augmented": "sum.n += 1",
+    "builtin-attribute-delete": "del range.x",
+    "attribute-loop-target": "for type.x in [context]:\n    pass",
 }
 
 
