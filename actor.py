@@ -5967,10 +5967,32 @@ def template_range(*args):
     return seq
 
 
+def template_sum(iterable, start=0):
+    """§8.3 sum, the §13.2 sandbox's: concatenating sequences is quadratic C work, so it is
+    size-guarded and ticks the render deadline."""
+    return builtin_sum(iterable, start)
+
+
+def template_zip(*iterables, strict=False):
+    """§8.3 zip, the §13.2 sandbox's (nested zip objects crashed the C stack)."""
+    return builtin_zip(*iterables, strict=strict)
+
+
+def template_enumerate(iterable, start=0):
+    """§8.3 enumerate, the §13.2 sandbox's (for the same reason as template_zip)."""
+    return builtin_enumerate(iterable, start)
+
+
+def template_round(number, ndigits=None):
+    """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
+    return builtin_round(number, ndigits)
+
+
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
-    "sum": sum, "abs": abs, "round": round,
+    "range": template_range, "len": len, "enumerate": template_enumerate, "zip": template_zip,
+    "min": min, "max": max,
+    "sum": template_sum, "abs": abs, "round": template_round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
 
@@ -6019,7 +6041,7 @@ def _item_attr(item, attr):
 def filter_sum(items, attribute=None, start=0):
     """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
     values = items if attribute is None else (_item_attr(it, attribute) for it in items)
-    return sum(values, start)
+    return builtin_sum(values, start)
 
 
 SELECT_OPERATORS = {
@@ -7241,17 +7263,73 @@ if jinja2 is not None:
 
 
 if jinja2 is not None:
-    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
-        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
-        attribute, so `context.items` is the configured list, not dict.items.
-
-        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+    class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """Jinja2's immutable sandbox, with these changes:
+        - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
+          configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
+          `context.<key>` always means the key);
+        - the unbound `str.format`/`str.format_map` (reached through the §8.3 `str` built-in)
+          are refused: jinja2 only wraps the bound form, and a format string walks attributes
+          ('{0.__init__.__globals__[os].environ}' read the process environment);
+        - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
+          folded at compile time), every call and every loop step ticks the render deadline
+          (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
+          would otherwise run for hours.
+        INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
+        rendering context holds the live context by reference, and a prompt that could call
+        context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
+
+        intercepted_binops = frozenset({"+", "*", "**", "%", "//"})
 
         def getattr(self, obj, attribute):
             if isinstance(obj, dict) and attribute in obj:
                 return obj[attribute]
             return super().getattr(obj, attribute)
+
+        def is_safe_attribute(self, obj, attr, value):
+            if attr in ("format", "format_map") and isinstance(obj, type):
+                return False
+            return super().is_safe_attribute(obj, attr, value)
+
+        def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
+            guard_loop()
+            if __obj is str.format or __obj is str.format_map:
+                raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            _check_operands(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def _parse(self, source, name, filename):
+            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline."""
+            tree = super()._parse(source, name, filename)
+            for node in tree.find_all(jinja2.nodes.For):
+                node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
+                                                lineno=node.lineno)
+            return tree
+
+
+_GENERATOR = type(item for item in ())
+
+
+def template_materialized(fn):
+    """A filter whose generator result (map, select, batch...) is made a list at once: a chain
+    of 60,000 lazy filters ({% set ns.z = ns.z|batch(1)|map('first') %} in a loop) recursed in
+    C when consumed and crashed CPython 3.11."""
+    @functools.wraps(fn)   # keeps jinja2's pass_context/pass_environment marks
+    def run(*args, **kwargs):
+        value = fn(*args, **kwargs)
+        return list(value) if isinstance(value, _GENERATOR) else value
+    return run
+
+
+def template_loop(iterable):
+    """The `sb_loop` filter: each step of a template loop checks the render deadline."""
+    for item in iterable:
+        guard_loop()
+        yield item
 
 
 # INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
@@ -7266,6 +7344,8 @@ def jinja_environment():
         undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
+    env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
+    env.filters["sb_loop"] = template_loop
     return env
 
 
@@ -7291,9 +7371,11 @@ def jinja_error_line(exc):
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return jinja_template(text).render(variables)
+        return run_bounded(lambda: jinja_template(text).render(variables))
     except TemplateError:
         raise
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"JINJA2: {exc.message}", section="9.2") from exc
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
         err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
         err.line = jinja_error_line(exc)
@@ -7427,10 +7509,12 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
                 continue
             elif isinstance(value, (list, tuple)):
                 for item in value:
+                    guard_loop()
                     mustache_render_nodes(node[3], stack + [item], partials, out, depth)
             else:
                 mustache_render_nodes(node[3], stack + [value], partials, out, depth)
         else:  # partial
+            guard_loop()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
                 raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
             source = (partials or {}).get(node[1])
@@ -7449,7 +7533,11 @@ def mustache_compiled(text):
 def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
-    mustache_render_nodes(mustache_compiled(text), [variables], partials, out)
+    try:
+        run_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
+                                                  out))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
+        raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
     return "".join(out)
 
 
@@ -7463,6 +7551,10 @@ def simple_expressions(text, variables):
     """
     names = {key: value for key, value in variables.items()
              if not (key in BUILTINS and value is BUILTINS[key])}
+    if isinstance(names.get("context"), dict):
+        # A top-level copy: rendering a prompt must not change the live context, and above all
+        # not its host-only keys (§10.3), e.g. {{ context.update({'_unsafe_mode': True}) }}.
+        names["context"] = dict(names["context"])
     out, pos = [], 0
     while True:
         start = text.find("{{", pos)
@@ -7527,12 +7619,17 @@ def simple_format(text, variables):
         if field is None:
             continue
         value = simple_field(variables, field)
+        spec = simple_format(spec, variables) if spec else ""   # {x:>{width}} nests a field
+        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
+            raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
+                                section="9.2")
+        check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
             value = str(value) if conversion == "s" else ascii(value)
         try:
-            out.append(format(value, simple_format(spec, variables) if spec else ""))
+            out.append(format(value, spec))
         except (ValueError, TypeError) as exc:
             raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
     return "".join(out)
@@ -7542,6 +7639,13 @@ def simple_format(text, variables):
 # only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    try:
+        return run_bounded(lambda: _render_simple(text, variables, format_pass))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
+
+
+def _render_simple(text, variables, format_pass):
     text = simple_expressions(text, variables)
     return simple_format(text, variables) if format_pass else text
 
@@ -8162,21 +8266,26 @@ def find_stream_cycle(edges):
 # ways, so four layers hold it, and the first two run once, at load time:
 #   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
-#      nonlocal, yield, async, with or decorators, no prohibited facility's name
+#      nonlocal, yield, async, with or decorators, no attribute assignment, no prohibited
+#      facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
-#      repeat go through size guards (a repetition also by the nested size it aliases, so
-#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
-#      aborts (BaseException) pass through.
-#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
+#   2. AST rewrite: + * ** << % //, `in`, f-strings, slice assignment and the string methods that
+#      pad or repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a generator expression reads its source through guard_iter; a
+#      bare `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass.
+#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, round, zip,
+#      enumerate, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
-#      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
+#      function entry and cap the depth of calls and of lazy iterator chains; on POSIX an
+#      address-space limit backstops memory. What leaves the run (final names, an expression's
+#      value, arguments of host functions) is size-checked before the host renders it.
 # Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles.
 
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MAX_DIVISION = 1 << 36     # bits x bits of one long division (// % round(n, -k)): ~0.1 s
 SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
@@ -8266,6 +8375,10 @@ def _construct_refusal(node, prohibited):
             return f"the special name '{name}'"
         case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
             return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Attribute(ctx=ast.Store() | ast.Del()):
+            # INTERPRETATION §13.2.3: attribute assignment is refused: the only objects that take
+            # it are functions, and the built-ins' (print.x = context) are shared by every run.
+            return "assigning or deleting an attribute (shared by every run)"
         case ast.Attribute(attr=attr):
             return _attribute_refusal(attr)
         case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
@@ -8325,6 +8438,14 @@ class _SandboxRewriter(ast.NodeTransformer):
         node.body.insert(0, _tick("__sb_enter__", node))
         return node
 
+    def visit_GeneratorExp(self, node):
+        """A lazy generator expression reads its source through guard_iter, which counts the
+        chain of generators on the stack (z = (x for x in z), 60,000 times, crashed CPython)."""
+        self.generic_visit(node)
+        first = node.generators[0]
+        first.iter = _guard_call("__sb_iter__", first.iter, first.iter)
+        return node
+
     def visit_Lambda(self, node):
         self.generic_visit(node)
         node.body = ast.copy_location(
@@ -8362,16 +8483,14 @@ class _SandboxRewriter(ast.NodeTransformer):
             value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
                                 ast.Name(target.id, ast.Load()), node.value)
             return ast.copy_location(ast.Assign([target], value), node)
-        if isinstance(target, ast.Subscript):
-            key = target.slice
-            if isinstance(key, ast.Slice):
-                key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
-                                                         (key.lower, key.upper, key.step)))
-            call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
-                               node.value)
-        else:
-            call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
-                               ast.Constant(symbol), node.value)
+        if not isinstance(target, ast.Subscript):   # an attribute target: refused by layer 1
+            raise _Rejected(node.lineno, "assigning or deleting an attribute (shared by every run)")
+        key = target.slice
+        if isinstance(key, ast.Slice):
+            key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
+                                                     (key.lower, key.upper, key.step)))
+        call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
+                           node.value)
         return ast.copy_location(ast.Expr(call), node)
 
     def visit_Attribute(self, node):
@@ -8410,6 +8529,13 @@ class _SandboxRewriter(ast.NodeTransformer):
                                  node.format_spec or ast.Constant(""))
         node.conversion, node.format_spec = -1, None
         return node
+
+    def visit_JoinedStr(self, node):
+        """f"{x}{x}...": each field is checked alone, so the whole string is joined by a guard."""
+        self.generic_visit(node)
+        parts = [part.value if isinstance(part, ast.FormattedValue) else part
+                 for part in node.values]
+        return _guard_call("__sb_join__", node, *parts)
 
     def visit_ExceptHandler(self, node):
         # INTERPRETATION §13.2: a bare `except:` catches Exception only; no limit is swallowed.
@@ -8496,12 +8622,31 @@ def guard_enter():
     guard_loop()
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth <= SANDBOX_MAX_DEPTH:
-        if frame.f_code.co_filename in SANDBOX_FILENAMES:
+        code = frame.f_code
+        if code.co_filename in SANDBOX_FILENAMES or code is _SANDBOX_ITER_CODE:
             depth += 1
         frame = frame.f_back
     if depth > SANDBOX_MAX_DEPTH:
-        raise SandboxAbort(f"call depth exceeds {SANDBOX_MAX_DEPTH}")
+        raise SandboxAbort(f"call or generator depth exceeds {SANDBOX_MAX_DEPTH}")
     return True
+
+
+# INTERPRETATION §13.2.3: lazy iterators chained in a loop (z = (x for x in z), zip(z),
+# enumerate(z)) recurse in C when consumed, and CPython 3.11 has no depth check there: 60,000
+# layers overflowed the C stack (a crash of the host). Each such layer reads its source through
+# _sandbox_iter, whose frame guard_enter counts like a call, so a chain stops at
+# SANDBOX_MAX_DEPTH layers.
+def _sandbox_iter(iterator):
+    guard_enter()
+    yield from iterator
+
+
+_SANDBOX_ITER_CODE = _sandbox_iter.__code__
+
+
+def guard_iter(iterable):
+    """A generator expression's source (evaluated at once, as Python does), read lazily."""
+    return _sandbox_iter(iter(iterable))
 
 
 class _AddressSpace:
@@ -8626,7 +8771,8 @@ class ExprUnit:
         self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
 
     def __call__(self, *args, timeout=1.0):
-        return _run_sandboxed(lambda: self.fn(*args), timeout, self.label, EXPRESSION_FILENAME)
+        return _run_sandboxed(lambda: _checked_result(self.fn(*args)), timeout, self.label,
+                              EXPRESSION_FILENAME)
 
 
 def compile_code(source, *, rt=None, path=None):
@@ -8649,9 +8795,22 @@ def run_code(unit, variables, *, timeout=1.0):
     `variables` usually holds input_data, message, context (by reference) and result=None. Any
     violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
     """
-    namespace = dict(variables)
+    namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
+                 for key, value in variables.items()}
     namespace["__builtins__"] = unit.builtins
-    _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
+    host_keys = _host_only_values(variables.get("context"))
+
+    def thunk():
+        exec(unit.code, namespace)
+        after = _host_only_values(namespace.get("context"))
+        if after is not host_keys and (after is None or host_keys is None or any(
+                a is not b for a, b in zip(after, host_keys))):
+            raise SandboxAbort(f"inline code may not set the host-only context keys "
+                               f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
+        for key, value in namespace.items():   # what the host renders later: result, context...
+            if key != "__builtins__":
+                _checked_result(value)
+    _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
@@ -8708,8 +8867,65 @@ def eval_expression_text(source, names, timeout=1.0):
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
     namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
     namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
-    return _run_sandboxed(lambda: eval(code, namespace), timeout, "inline expression",
-                          EXPRESSION_FILENAME)
+    return _run_sandboxed(lambda: _checked_result(eval(code, namespace)), timeout,
+                          "inline expression", EXPRESSION_FILENAME)
+
+
+# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
+# says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
+# changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
+def _host_only_values(context):
+    """The host-only keys of a context, by identity (what the body must leave as it found)."""
+    if not isinstance(context, dict):
+        return None
+    return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+
+
+def _host_function(fn):
+    """A host function handed to the body (progress_bar, §4.5.6): its arguments are checked like
+    any value the host turns into text, because the host's str() runs in C past the deadline
+    (progress_bar(stage=[x] * n) with x long, built by a loop, took seconds)."""
+    if fn.__code__.co_filename in SANDBOX_FILENAMES:
+        return fn
+
+    def checked(*args, **kwargs):
+        for value in itertools.chain(args, kwargs.values()):
+            check_rendering(value)
+        return fn(*args, **kwargs)
+    return checked
+
+
+def _checked_result(value):
+    """A value leaving the sandbox, checked while the budget and the memory cap still hold: the
+    host turns it into text (§4.5.7, message content) with no limit of its own, so an aliased
+    bomb ([x] * n built by a loop) or a structure nested too deep for str() is refused here."""
+    check_rendering(value)
+    return value
+
+
+# The same limits for the template engines (§9.2): Jinja2, Mustache and SIMPLE text comes from
+# configuration files too, so a render runs under a deadline and the memory cap, and the engines
+# tick guard_loop() at loops, calls and sections (see the §9.2 region).
+TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
+
+
+def run_bounded(thunk, timeout=None):
+    """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
+    RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
+    with _SANDBOX_TURN, _MemoryCap():
+        previous = getattr(_SANDBOX_LOCAL, "budget", None)
+        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout)
+        try:
+            return thunk()
+        except SandboxAbort as abort:
+            failure = abort.reason
+        except MemoryError:
+            failure = "memory limit exceeded"
+        except RecursionError:
+            failure = "recursion limit exceeded"
+        finally:
+            _SANDBOX_LOCAL.budget = previous
+    raise ExecutionError(failure, section="13.2.3")
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 class SandboxType:
@@ -8797,6 +9013,28 @@ def builtin_sum(iterable, /, start=0):
     return sum(iterable, start)
 
 
+def builtin_round(number, ndigits=None):
+    """§13.2.1/§13.2.2 round: round(n, -k) on an int divides n by 10**k in C, beyond any deadline
+    (round(1, -10**8) builds a 330-million-bit power first). When 10**k > 2|n| the answer is 0,
+    so that power is never built; a long division past SANDBOX_MAX_DIVISION is refused."""
+    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < 0:
+        bits = number.bit_length()
+        if -ndigits > bits // 3 + 1:
+            return 0
+        _check_division(bits, -ndigits * 10 // 3 + 1)
+    return round(number, ndigits)
+
+
+def builtin_zip(*iterables, strict=False):
+    """§13.2.1 zip through _sandbox_iter: zip(zip(...)) 10**5 deep crashed the C stack."""
+    return _sandbox_iter(zip(*iterables, strict=strict))
+
+
+def builtin_enumerate(iterable, start=0):
+    """§13.2.1 enumerate through _sandbox_iter, for the reason given at builtin_zip."""
+    return _sandbox_iter(enumerate(iterable, start))
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
 
@@ -8831,9 +9069,9 @@ INLINE_CODE_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
-    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
-    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
-    "sum": builtin_sum, "zip": zip,
+    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len, "max": max,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
+    "sorted": sorted, "sum": builtin_sum, "zip": builtin_zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -8854,8 +9092,8 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
-    "sum": builtin_sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "round": builtin_round, "sum": builtin_sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
@@ -8894,11 +9132,12 @@ SANDBOX_INERT_TYPES = frozenset({
     ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
 })
 
-_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
+_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%",
+                      ast.FloorDiv: "//"}
 _BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
-           "%": operator.mod}
+           "%": operator.mod, "//": operator.floordiv}
 _INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
-            "%": operator.imod}
+            "%": operator.imod, "//": operator.ifloordiv}
 _SIZED = (str, bytes, list, tuple)
 _WIDTH_RE = re.compile(r"\d+")
 
@@ -8936,6 +9175,15 @@ def _check_operands(symbol, left, right):
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
         check_rendering(right)
+    if symbol in ("%", "//") and ints:
+        _check_division(left.bit_length(), right.bit_length())
+
+
+def _check_division(dividend_bits, divisor_bits):
+    """Schoolbook long division costs about (dividend - divisor) x divisor bits of work in C:
+    int('f' * 10**7, 16) // (that >> 2 * 10**7) would run for minutes."""
+    if max(dividend_bits - divisor_bits, 0) * divisor_bits > SANDBOX_MAX_DIVISION:
+        _refuse_size("integer division")
 
 
 def _check_printf(fmt, args):
@@ -8946,6 +9194,11 @@ def _check_printf(fmt, args):
         widths += [value for value in values if isinstance(value, int)]
     if any(width > SANDBOX_MAX_ITEMS for width in widths):
         _refuse_size("%-format width")
+    if isinstance(args, dict):   # '%(a)s' * 1000 % {'a': long}: each field prints the same value
+        biggest = max((_text_weight(value, {}) for value in args.values()
+                       if isinstance(value, _CONTAINERS)), default=0)
+        if fmt.count("%") * biggest > SANDBOX_MAX_ITEMS:
+            _refuse_size("%-format")
 
 
 def guard_binop(symbol, left, right):
@@ -8968,11 +9221,6 @@ def guard_set_slice(container, part, value):
             and len(container) + len(value) > SANDBOX_MAX_ITEMS:
         _refuse_size("slice assignment")
     container[part] = value
-
-
-def guard_aug_attr(obj, name, symbol, value):
-    # `name` passed the layer-1 attribute check at load.
-    setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
 
 
 _CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
@@ -9032,6 +9280,13 @@ def guard_str(*args, **kwargs):
     if args:
         check_rendering(args[0])
     return str(*args, **kwargs)
+
+
+def guard_join(*parts):
+    """An f-string's pieces (each already text), joined once their total size is known."""
+    if sum(map(len, parts)) > SANDBOX_MAX_ITEMS:
+        _refuse_size("f-string")
+    return "".join(parts)
 
 
 def guard_format(value, conversion, spec):
@@ -9095,8 +9350,9 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
-    "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
+    "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
+    "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
+    "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
