@@ -1915,7 +1915,11 @@ def progress_render(stage, current, total, message):
 
 
 def progress_facility(rt):
-    """The Actor's one facility, created on first use (hosts may set rt.progress beforehand)."""
+    """The Actor's one facility, created on first use (hosts may set rt.progress beforehand).
+
+    A composite's components reach the same one through their runtime's `outer` link."""
+    while getattr(rt, "outer", None) is not None:
+        rt = rt.outer
     facility = getattr(rt, "progress", None)
     if facility is None:
         facility = vars(rt).setdefault("progress", ProgressFacility())
@@ -2177,6 +2181,7 @@ class CompositeAgent:
                                      llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
+        inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
         inner.default_router = None
         inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
         # Warnings about routes.<local> name the component's full path, like its errors do.
@@ -3464,7 +3469,7 @@ class BoundedCall:
 
 
 # The bounded call the running code belongs to. Worker threads start in a copy of their
-# starter's context (run_bounded, the §6.7 pool), so the chain follows the logical call.
+# starter's context (run_on_worker, the §6.7 pool), so the chain follows the logical call.
 _BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
 
 
@@ -3523,7 +3528,7 @@ def in_copied_context(fn):
     return functools.partial(contextvars.copy_context().run, fn)
 
 
-def run_bounded(fn, timeout, name):
+def run_on_worker(fn, timeout, name):
     """Run fn() on a daemon worker thread, waiting at most `timeout` real seconds.
 
     Returns (True, value); re-raises fn's error; returns (False, None) when the wait ran out,
@@ -3572,9 +3577,9 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     if not rt.clock.real:
         return agent.invoke(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
-                                  SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
-                                  f"agent-{agent.name}")
+    finished, reply = run_on_worker(lambda: agent.invoke(content, ctx),
+                                    SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
+                                    f"agent-{agent.name}")
     if not finished:
         raise _AgentTimedOut(soft)
     return reply
@@ -4767,8 +4772,8 @@ def invoke_with_timeout(agent, content, ctx, timeout):
     given up, it makes no further effect: see call_abandoned, §5.3.4)."""
     if timeout is None:
         return agent.invoke(content, ctx)
-    finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
-                                  f"node-agent-{agent.name}")
+    finished, reply = run_on_worker(lambda: agent.invoke(content, ctx), float(timeout),
+                                    f"node-agent-{agent.name}")
     if not finished:
         raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
     return reply

@@ -3681,6 +3681,30 @@ def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
     assert facility.last == expected[i]
 
 
+def test_concurrency_progress_bar_inside_a_composite_is_the_actors_one():
+    """§4.5.6: one snapshot per Actor: a composite's tool drives the host's facility too."""
+    import io
+    a = actor.load(text="""
+agents:
+  c:
+    type: composite
+    config:
+      components:
+        agents:
+          t: {type: tool, config: {tools: [progress_bar]}}
+      routing: {input: {type: agent, name: t}, output: {type: agent, name: t}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    out = io.StringIO()
+    a.rt.progress = actor.ProgressFacility(stream=out)
+    line = actor.progress_render(None, 1, 4, None)
+    result = a.send('{"tool": "progress_bar", "args": {"current": 1, "total": 4}}')
+    assert [m.content for m in result.outputs] == [line]
+    assert out.getvalue() == "\r" + line and a.rt.progress.current == 1
+
+
 def test_concurrency_close_stops_every_graph_worker():
     """§12.1 step 8: after close() the graph's worker threads end (none is left behind)."""
     a = actor.load(text="""
