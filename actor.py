@@ -3469,7 +3469,7 @@ class BoundedCall:
 
 
 # The bounded call the running code belongs to. Worker threads start in a copy of their
-# starter's context (run_on_worker, the §6.7 pool), so the chain follows the logical call.
+# starter's context (run_bounded, the §6.7 pool), so the chain follows the logical call.
 _BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
 
 
@@ -3528,7 +3528,7 @@ def in_copied_context(fn):
     return functools.partial(contextvars.copy_context().run, fn)
 
 
-def run_on_worker(fn, timeout, name):
+def run_bounded(fn, timeout, name):
     """Run fn() on a daemon worker thread, waiting at most `timeout` real seconds.
 
     Returns (True, value); re-raises fn's error; returns (False, None) when the wait ran out,
@@ -3577,9 +3577,9 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     if not rt.clock.real:
         return agent.invoke(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    finished, reply = run_on_worker(lambda: agent.invoke(content, ctx),
-                                    SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
-                                    f"agent-{agent.name}")
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
+                                  SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
+                                  f"agent-{agent.name}")
     if not finished:
         raise _AgentTimedOut(soft)
     return reply
@@ -4772,8 +4772,8 @@ def invoke_with_timeout(agent, content, ctx, timeout):
     given up, it makes no further effect: see call_abandoned, §5.3.4)."""
     if timeout is None:
         return agent.invoke(content, ctx)
-    finished, reply = run_on_worker(lambda: agent.invoke(content, ctx), float(timeout),
-                                    f"node-agent-{agent.name}")
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
+                                  f"node-agent-{agent.name}")
     if not finished:
         raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
     return reply
