@@ -3473,6 +3473,8 @@ class BoundedCall:
 _BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
 
 
+# INTERPRETATION §5.3.4, §6.2.2: a call given up on after its timeout (and all it started) is
+# abandoned; it runs on, since a thread cannot be stopped, but makes no later effect.
 def call_abandoned():
     """True when the running code belongs to a call whose caller stopped waiting (a timeout).
 
@@ -5302,8 +5304,8 @@ def run_next_node_set(graph, admitted, state):
     if parallel:
         pool = graph._pool
         if pool is None:
-            # One worker per parallel:true node, so that a whole subset really runs at once
-            # (item 3), however few processors the host has.
+            # INTERPRETATION §6.7: one worker per parallel:true node, so that a whole subset
+            # really runs at once (item 3), however few processors the host has.
             size = sum(1 for node in graph.nodes.values() if node.parallel)
             pool = graph._pool = ThreadPoolExecutor(max_workers=max(2, size),
                                                     thread_name_prefix=f"graph-{graph.name}")
