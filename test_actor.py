@@ -3721,22 +3721,37 @@ merges: [{sources: [__input__], target: main}]
 
 
 def test_concurrency_close_stops_every_graph_worker():
-    """§12.1 step 8: after close() the graph's worker threads end (none is left behind)."""
-    a = actor.load(text="""
+    """§12.1 step 8: after close() the worker threads of every graph end, a composite's own graph
+    included (none is left behind)."""
+    fan = """
+            nodes: {p: {type: agent, agent: p, parallel: true}, q: {type: agent, agent: q,
+                    parallel: true}}
+            edges: [{source: start, target: p}, {source: start, target: q},
+                    {source: p, target: end}, {source: q, target: end}]"""
+    a = actor.load(text=f"""
 agents:
-  p: {type: chain}
-  q: {type: chain}
+  p: {{type: chain}}
+  q: {{type: chain}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:{fan}
+      routing: {{input: {{type: graph, name: g}}, output: {{type: graph, name: g}}}}
 routes:
   main:
     type: graph
-    nodes: {p: {type: agent, agent: p, parallel: true}, q: {type: agent, agent: q, parallel: true}}
-    edges: [{source: start, target: p}, {source: start, target: q},
-            {source: p, target: end}, {source: q, target: end}]
-merges: [{sources: [__input__], target: main}]
+    nodes: {{p: {{type: agent, agent: c, parallel: true}}, q: {{type: agent, agent: q, parallel: true}}}}
+    edges: [{{source: start, target: p}}, {{source: start, target: q}},
+            {{source: p, target: end}}, {{source: q, target: end}}]
+merges: [{{sources: [__input__], target: main}}]
 """)
     assert len(a.send("x").outputs) == 1
-    workers = list(a.rt.graphs["main"]._pool._threads)
-    assert workers
+    composite = a.rt.agents["c"]
+    workers = list(a.rt.graphs["main"]._pool._threads) \
+        + list(composite.inner.graphs["g"]._pool._threads)
+    assert any(w.name.startswith("graph-g") for w in workers)
     a.close()
     for worker in workers:
         worker.join(2)
