@@ -1558,7 +1558,8 @@ def tool_file_write(env, args):
     if mode not in FILE_WRITE_MODES:
         raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
     target = tool_path(env, given, "file_write")
-    return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
+    with file_write_lock(env.rt):
+        return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
 
 
 def tool_progress_bar(env, args):
@@ -1800,6 +1801,18 @@ def insert_line(env, position, count):
         raise env.fail(f"file_write: position must be \"start\", \"end\" or a line number, "
                        f"not {position!r}", "4.5.5")
     return min(max(position, 1), count + 1)
+
+
+def file_write_lock(rt):
+    """The Actor's one file_write lock (a composite's components share it through `outer`):
+    append and insert read the file, then write it back, so writes from parallel graph branches
+    (§6.7) take turns, and none loses another's text."""
+    while getattr(rt, "outer", None) is not None:
+        rt = rt.outer
+    lock = getattr(rt, "file_write_lock", None)
+    if lock is None:
+        lock = vars(rt).setdefault("file_write_lock", threading.Lock())
+    return lock
 
 
 # The §4.5.5 mode table: mode -> writer. Rows in the spec's order.

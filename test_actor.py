@@ -3720,6 +3720,31 @@ merges: [{sources: [__input__], target: main}]
     assert out.getvalue() == "\r" + line and a.rt.progress.current == 1
 
 
+def test_concurrency_file_write_inserts_from_many_threads_keep_every_line(tmp_path):
+    """§4.5.5 insert reads the file and writes it back: sixteen writers at once (they meet at a
+    barrier) take turns, so every line arrives."""
+    n = 16
+    a = actor.load(text="agents: {t: {type: tool, config: {tools: [file_write]}}}\n"
+                        "routes: {s: {type: stream}}\n", workdir=tmp_path, unsafe=True,
+                   context={"_unsafe_mode": True})
+    barrier = threading.Barrier(n, timeout=2)
+    replies = {}
+
+    def insert(i):
+        barrier.wait()
+        replies[i] = actor.run_builtin_tool(a.rt, "file_write", {
+            "file": "doc.md", "content": f"line {i}", "mode": "insert", "position": "end"},
+            a.context)
+    threads = [threading.Thread(target=insert, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert all(reply.startswith("Successfully inserted") for reply in replies.values())
+    lines = (tmp_path / "doc.md").read_text().splitlines()
+    assert sorted(lines) == sorted(f"line {i}" for i in range(n))
+
+
 def test_concurrency_close_stops_every_graph_worker():
     """§12.1 step 8: after close() the worker threads of every graph end, a composite's own graph
     included (none is left behind)."""
