@@ -1132,26 +1132,53 @@ TOOL_CAPABILITIES = {
 }
 
 
-class ToolEnv:
-    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+class ToolLimits:
+    """The fixed side of a tool call, settled once per agent (§4.5): safe_mode, allow_shell,
+    timeout, the agent's persistent `context` (or None for a caller without one), and the name
+    a tool failure carries."""
 
-    __slots__ = ("rt", "ctx", "view", "safe_mode", "allow_shell", "timeout", "who")
+    __slots__ = ("safe_mode", "allow_shell", "timeout", "context", "who")
 
-    def __init__(self, rt, ctx, *, view=None, safe_mode=True, allow_shell=False, timeout=1,
-                 who="tool"):
-        self.rt = rt
-        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
-        self.view = self.ctx if view is None else view      # agent context + invocation context
+    def __init__(self, *, safe_mode=True, allow_shell=False, timeout=1, context=None, who="tool"):
         self.safe_mode = safe_mode
         self.allow_shell = allow_shell
         self.timeout = timeout
+        self.context = context
         self.who = who
+
+
+class ToolEnv:
+    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+
+    __slots__ = ("rt", "ctx", "limits", "_view")
+
+    def __init__(self, rt, ctx, limits):
+        self.rt = rt
+        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
+        self.limits = limits
+        self._view = None
+
+    safe_mode = property(lambda self: self.limits.safe_mode)
+    allow_shell = property(lambda self: self.limits.allow_shell)
+    timeout = property(lambda self: self.limits.timeout)
+    who = property(lambda self: self.limits.who)
+
+    @property
+    def view(self):
+        """The agent context overlaid by the invocation context (invocation wins, Q79).
+
+        Merged when a tool first reads it (most built-ins never do); a tool reads it before
+        changing anything, so it is the mapping a merge at the start of the call would give."""
+        if self._view is None:
+            base = self.limits.context
+            self._view = self.ctx if base is None else {**base, **self.ctx}
+        return self._view
 
     def fail(self, message, section="4.5"):
         """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
         # INTERPRETATION §4.5.1 (Q65): every tool failure, rejection or operational, is an
         # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
-        return ExecutionError(message, path=self.who, section=section)
+        return ExecutionError(message, path=self.limits.who, section=section)
 
     @property
     def unsafe_invocation(self):
@@ -1219,6 +1246,13 @@ class ToolAgent:
             self.capabilities.append("command-execution")
         self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
                                        safe_mode=self.safe_mode, timeout=self.timeout)
+        # Settled once here, read by every request (§4.5.3): the only tool when there is exactly
+        # one, whether that one is inline code, and the name tool failures carry.
+        self.sole_tool = next(iter(self.tools)) if len(self.tools) == 1 else None
+        self.sole_inline = self.sole_tool is not None and self.tools[self.sole_tool] is not None
+        self.who = f"agent '{name}' (tool)"
+        self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
+                                 timeout=self.timeout, context=self.context, who=self.who)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1259,15 +1293,6 @@ class ToolAgent:
                            "4.5.2")
         self.tools[name] = tool
 
-    def env(self, ctx):
-        """The ToolEnv of one invocation: the agent's limits plus the merged context view."""
-        ctx = ctx if isinstance(ctx, dict) else {}
-        view = dict(self.context)
-        view.update(ctx)
-        return ToolEnv(self.rt, ctx, view=view, safe_mode=self.safe_mode,
-                       allow_shell=self.allow_shell, timeout=self.timeout,
-                       who=f"agent '{self.name}' (tool)")
-
     def invoke(self, content, ctx):
         """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
         name, args, input_data = tool_request(self, content)
@@ -1275,7 +1300,7 @@ class ToolAgent:
 
     def run_tool(self, name, args, ctx, *, input_data=None):
         """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
-        env = self.env(ctx)
+        env = ToolEnv(self.rt, ctx, self.limits)
         if name not in self.tools:
             if name == "shell" and self.allow_shell:
                 pass                              # §13.5: allow_shell makes `shell` available
@@ -1299,7 +1324,7 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
     if isinstance(agent, ToolAgent):
         return agent.run_tool(name, args, ctx)
     who = f"agent '{agent.name}'" if getattr(agent, "name", None) else "tool"
-    env = ToolEnv(rt, ctx, who=who)
+    env = ToolEnv(rt, ctx, ToolLimits(who=who))
     handler = BUILTIN_TOOLS.get(name)
     if handler is None:
         raise env.fail(f"unknown tool '{name}'", "12.4")
@@ -1336,7 +1361,7 @@ def tool_rest(args, name):
         return args[name]
     positional = args.get("args")
     if isinstance(positional, list) and positional:
-        return " ".join(str(item) for item in positional)
+        return " ".join(map(str, positional))
     return None
 
 
@@ -1657,8 +1682,8 @@ def tool_request(agent, content):
     # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
-    if len(tools) == 1 and next(iter(tools.values())) is not None:
-        return next(iter(tools)), None, text
+    if agent.sole_inline:
+        return agent.sole_tool, None, text
     parsed = content if isinstance(content, dict) else None
     # Only text whose first non-blank character is "{" can decode to a mapping with a `tool` key;
     # anything else reaches the command form without paying for a failed json.loads.
@@ -1669,23 +1694,23 @@ def tool_request(agent, content):
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
                 raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
-                                     path=f"agent '{agent.name}' (tool)", section="4.5.3") from None
+                                     path=agent.who, section="4.5.3") from None
     if isinstance(parsed, dict) and "tool" in parsed:
         name = parsed["tool"]
         if not isinstance(name, str):
             raise ExecutionError("the `tool` key of a tool request must be a tool name",
-                                 path=f"agent '{agent.name}' (tool)", section="4.5.3")
+                                 path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
     # INTERPRETATION §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
     # form, as written.
     words = text.split()
     name = words[0] if words else ""
-    if name not in tools and name not in BUILTIN_TOOLS and name not in EXTENSION_TOOLS \
-            and len(tools) == 1:
+    if agent.sole_tool is not None and name not in tools and name not in BUILTIN_TOOLS \
+            and name not in EXTENSION_TOOLS:
         # INTERPRETATION §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
         # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
         # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
-        return next(iter(tools)), [text], text
+        return agent.sole_tool, [text], text
     return name, words[1:], " ".join(words[1:])
 
 # §4.5.4 Safe-mode restrictions ------------------------------------------------------------
