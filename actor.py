@@ -4362,6 +4362,9 @@ class GraphRoute:
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
+        if len(results) == 1 and results[0][0].plain_next is not None:
+            node, output = results[0]           # the common case: one edge, no condition
+            return [] if node.plain_next.name == END_NODE else [(node.plain_next, output)]
         frontier, taken = [], set()
         state = self.state
         for node, output in results:
@@ -4487,7 +4490,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "out", "executions", "path")
+                 "out", "plain_next", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4510,6 +4513,7 @@ class GraphNode:
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
         self.out = []                               # the edges leaving this node (§6.11)
+        self.plain_next = None                      # the target of a lone unconditional edge
         self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
@@ -4517,19 +4521,20 @@ class NodeResult:
     """What a node handler returns; GraphRoute._apply turns it into one state update.
 
     output: the text passed on along the edges; metadata: keys written to state.metadata (the
-    node's value wins); set_state: merged into state.metadata (§6.2.6.3); messages: appended to
-    state.messages; last_content: new content for the last state message (§6.2.6.4).
+    node's value wins); messages: appended to state.messages; removed: keys taken out of
+    state.metadata; set_state: merged into state.metadata (§6.2.6.3); last_content: new content
+    for the last state message (§6.2.6.4).
     """
 
-    __slots__ = ("output", "metadata", "set_state", "messages", "last_content", "removed")
+    __slots__ = ("output", "metadata", "messages", "removed", "set_state", "last_content")
 
-    def __init__(self, output, metadata=None, set_state=None, messages=None, last_content=None,
-                 removed=None):
+    def __init__(self, output, metadata=None, messages=None, removed=None, set_state=None,
+                 last_content=None):
         self.output = output
-        self.removed = removed
         self.metadata = metadata
-        self.set_state = set_state
         self.messages = messages
+        self.removed = removed
+        self.set_state = set_state
         self.last_content = last_content
 
 
@@ -4581,7 +4586,10 @@ def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
-    history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
+    if max_messages <= 0:
+        history = []
+    else:
+        history = messages[end - max_messages if end > max_messages else 0:end]
     try:                                     # the common case: string contents within budget
         if len("".join(map(_message_content, history))) <= max_chars:
             return history
@@ -4655,9 +4663,6 @@ def agent_node_context(node, state, message):
     """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
-    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
-    ctx = dict(nested) if isinstance(nested, dict) else {}
-    ctx.update(metadata)
     messages = state["messages"]
     # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
     # receives; when the newest state message is that message, it is the input, not history.
@@ -4665,15 +4670,19 @@ def agent_node_context(node, state, message):
     if end and messages[-1].get("content") == message:
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
-    ctx["graph_state"] = {"messages": history, "metadata": metadata,
-                          "current_node": state["current_node"],
-                          "execution_count": state["execution_count"], "error": state["error"]}
-    ctx["conversation_history"] = history
-    ctx["full_context"] = True
+    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
+    # keys the node adds win over both. The mapping is filled through dict.update itself, so
+    # that nothing put in here counts as written by the agent.
+    ctx = NodeContext(nested if isinstance(nested, dict) else ())
+    dict.update(ctx, metadata,
+                graph_state={"messages": history, "metadata": metadata,
+                             "current_node": state["current_node"],
+                             "execution_count": state["execution_count"], "error": state["error"]},
+                conversation_history=history,
+                full_context=True)
     if len(history) < end:
-        ctx["_history_truncated"] = True
-        ctx["_history_original_length"] = end
-    return NodeContext(ctx)
+        dict.update(ctx, _history_truncated=True, _history_original_length=end)
+    return ctx
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4713,7 +4722,10 @@ def node_agent(graph, node, message, state):
     while True:
         ctx = agent_node_context(node, state, message)
         try:
-            reply = invoke_with_timeout(agent, message, ctx, node.timeout)
+            if node.timeout is None:
+                reply = agent.invoke(message, ctx)
+            else:
+                reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
         except Exception as exc:
             if attempt >= node.retries:
@@ -4728,8 +4740,7 @@ def node_agent(graph, node, message, state):
     changes, removed = ctx.changes()
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
-    return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
-                      removed=removed or None)
+    return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
@@ -5367,6 +5378,7 @@ def analyse_graph(graph):
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
     for name, node in nodes.items():
         node.out = out = result.forward[name]                                 # for stepping
+        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
         node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 
