@@ -1301,12 +1301,12 @@ class ToolAgent:
     def run_tool(self, name, args, ctx, *, input_data=None):
         """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
         env = ToolEnv(self.rt, ctx, self.limits)
-        if name not in self.tools:
+        inline = self.tools.get(name)
+        if inline is None and name not in self.tools:
             if name == "shell" and self.allow_shell:
                 pass                              # §13.5: allow_shell makes `shell` available
             else:
                 raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
-        inline = self.tools.get(name)
         if inline is not None:
             if input_data is None:
                 input_data = inline_input(args)
@@ -1336,13 +1336,11 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
 
 def tool_args(raw):
     """Normalise a request's `args`: a mapping stays, a list becomes {"args": list}."""
-    if raw is None:
-        return {}
-    if isinstance(raw, dict):
-        return dict(raw)
     if isinstance(raw, (list, tuple)):
         return {"args": list(raw)}
-    return {"args": [raw]}
+    if isinstance(raw, dict):
+        return dict(raw)
+    return {} if raw is None else {"args": [raw]}
 
 
 def tool_argument(args, name, index=0):
@@ -1678,7 +1676,7 @@ def tool_request(agent, content):
     Step 5 (the name must be an allowed tool) is checked when the tool is run.
     """
     tools = agent.tools
-    text = message_text(content)
+    text = content if isinstance(content, str) else message_text(content)
     # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
@@ -4671,18 +4669,17 @@ def agent_node_context(node, state, message):
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
-    # keys the node adds win over both. The mapping is filled through dict.update itself, so
-    # that nothing put in here counts as written by the agent.
-    ctx = NodeContext(nested if isinstance(nested, dict) else ())
-    dict.update(ctx, metadata,
-                graph_state={"messages": history, "metadata": metadata,
-                             "current_node": state["current_node"],
-                             "execution_count": state["execution_count"], "error": state["error"]},
-                conversation_history=history,
-                full_context=True)
+    # keys the node adds win over both.
+    ctx = {**(nested if isinstance(nested, dict) else {}), **metadata,
+           "graph_state": {"messages": history, "metadata": metadata,
+                           "current_node": state["current_node"],
+                           "execution_count": state["execution_count"], "error": state["error"]},
+           "conversation_history": history,
+           "full_context": True}
     if len(history) < end:
-        dict.update(ctx, _history_truncated=True, _history_original_length=end)
-    return ctx
+        ctx["_history_truncated"] = True
+        ctx["_history_original_length"] = end
+    return NodeContext(ctx)             # from here on, the agent's writes are noted
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4737,7 +4734,7 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = ctx.changes()
+    changes, removed = ctx.changes() if ctx.touched else ({}, ())     # most agents write nothing
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
