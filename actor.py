@@ -1359,6 +1359,8 @@ def tool_rest(args, name):
         return args[name]
     positional = args.get("args")
     if isinstance(positional, list) and positional:
+        if len(positional) == 1 and type(positional[0]) is str:
+            return positional[0]                 # one plain string: the join would give it back
         return " ".join(map(str, positional))
     return None
 
