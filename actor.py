@@ -841,6 +841,9 @@ class LLMAgent:
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
+        # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
+        # tools (§4.4.4 item 4 records successful invocations only).
+        check_not_abandoned(f"agent '{self.name}' (llm)")
         output = reply
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
@@ -1661,6 +1664,7 @@ def context_write_back(before, view, ctx):
     # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
     # invocation context (invocation wins); keys it sets or deletes land in the invocation
     # context (the global one in streams), so later steps see them (§4.5.7).
+    check_not_abandoned("inline tool")      # a timed-out call writes nothing back (§5.3.4)
     for key, value in view.items():
         if key not in before or before[key] is not value:
             ctx[key] = value
@@ -2269,6 +2273,14 @@ class CompositeAgent:
 
     def invoke(self, content, ctx):
         """§4.6.2: dispatch to the input component, collect the output component's response."""
+        # Entered again by a parallel branch of its own request: an error, not a deadlock (§6.7).
+        held = hold_in_chain(self, f"agent '{self.name}' (composite)")
+        try:
+            return self._invoke(content, ctx)
+        finally:
+            release_in_chain(held)
+
+    def _invoke(self, content, ctx):
         self._build()
         first, last = self.routing["input"], self.routing["output"]
         with self._lock:                          # one request at a time through the wiring
@@ -2294,14 +2306,16 @@ class CompositeAgent:
 
     def close(self):
         """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
-        with self._lock:
-            if self.network is not None:
-                self.network.close()
-            for graph in self.inner.graphs.values():
-                graph.close()
-            for agent in self.local_agents.values():
-                if isinstance(agent, CompositeAgent):
-                    agent.close()
+        # Not under self._lock: a timed-out request may still hold it for as long as its call
+        # lasts (§5.3.4), and closing must not wait for that; the Actor's own lock already keeps
+        # close() apart from live requests.
+        if self.network is not None:
+            self.network.close()
+        for graph in list(self.inner.graphs.values()):
+            graph.close()
+        for agent in self.local_agents.values():
+            if isinstance(agent, CompositeAgent):
+                agent.close()
 
     def _stream_reply(self, name, marks):
         emitted = self._emitted[name][marks[name]:]
@@ -3449,6 +3463,9 @@ ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reaso
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
+import contextvars  # noqa: E402  [streams] bounded calls only (the integrator may hoist it)
+
+
 class _AgentTimedOut(Exception):
     """Internal: an agent call outlived its bound (never escapes the map stage).
 
@@ -3458,6 +3475,103 @@ class _AgentTimedOut(Exception):
     def __init__(self, soft=False):
         super().__init__()
         self.soft = soft
+
+
+class BoundedCall:
+    """One agent call on a worker thread that its caller may stop waiting for (§5.3.4 item 3,
+    §12.2.4, a graph node's `timeout`). A call started inside another one -- on the same worker,
+    on a graph's parallel workers, on a nested bounded worker -- belongs to it (`parent`)."""
+
+    __slots__ = ("parent", "abandoned")
+
+    def __init__(self, parent):
+        self.parent, self.abandoned = parent, False
+
+
+# The bounded call the running code belongs to. Worker threads start in a copy of their
+# starter's context (run_bounded, the §6.7 pool), so the chain follows the logical call.
+_BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
+
+
+def call_abandoned():
+    """True when the running code belongs to a call whose caller stopped waiting (a timeout).
+
+    Such a "zombie" keeps running (Python cannot stop a thread), so every effect that would
+    outlive the call -- memory, context write-back, §12.4 tools, further graph steps, the final
+    context replacement -- asks this first and is skipped.
+    """
+    call = _BOUNDED_CALL.get()
+    while call is not None:
+        if call.abandoned:
+            return True
+        call = call.parent
+    return False
+
+
+def check_not_abandoned(who, section="5.3.4"):
+    """Raise ExecutionError when the running call was abandoned (its result goes nowhere)."""
+    if call_abandoned():
+        raise ExecutionError(f"{who}: the call timed out earlier; its late result is dropped",
+                             section=section)
+
+
+# What the running call chain holds: (object, thread ident) for every composite entered up the
+# chain (§4.6 takes one request at a time, under a lock).
+_CHAIN_HOLDS = contextvars.ContextVar("actor_chain_holds", default=())
+
+
+def hold_in_chain(obj, who):
+    """Note that this call chain enters `obj` (one request at a time); returns a token for
+    release_in_chain.
+
+    Refuses with an ExecutionError when an earlier link of the same chain holds `obj` on another
+    thread (a graph's parallel branch, §6.7, or a bounded worker): that link waits for this one,
+    so waiting for it would deadlock. Re-entry on the same thread stays allowed.
+    """
+    me = threading.get_ident()
+    held = _CHAIN_HOLDS.get()
+    for other, ident in held:
+        if other is obj and ident != me:
+            raise ExecutionError(f"{who} is entered again from a parallel branch or bounded "
+                                 "call of its own request, which it waits for (a deadlock)",
+                                 section="6.7")
+    return _CHAIN_HOLDS.set(held + ((obj, me),))
+
+
+def release_in_chain(token):
+    _CHAIN_HOLDS.reset(token)
+
+
+def in_copied_context(fn):
+    """`fn` wrapped to run in a copy of the caller's context (for another thread: a context may
+    be entered by one thread at a time)."""
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
+def run_bounded(fn, timeout, name):
+    """Run fn() on a daemon worker thread, waiting at most `timeout` real seconds.
+
+    Returns (True, value); re-raises fn's error; returns (False, None) when the wait ran out,
+    after marking the call abandoned (see call_abandoned).
+    """
+    call = BoundedCall(_BOUNDED_CALL.get())
+    box = {}
+
+    def work():
+        _BOUNDED_CALL.set(call)
+        try:
+            box["value"] = fn()
+        except BaseException as exc:    # carried back to the waiting thread and handled there
+            box["error"] = exc
+    worker = threading.Thread(target=in_copied_context(work), name=name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        call.abandoned = True
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box["value"]
 
 
 def resolve_context(msg, rt):
@@ -3477,26 +3591,18 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
     the real clock the call runs on a daemon worker thread that we stop waiting for after
-    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run.
+    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run;
+    the abandoned call then makes no further effect (call_abandoned).
     """
     if not rt.clock.real:
         return agent.invoke(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    box = {}
-
-    def work():
-        try:
-            box["reply"] = agent.invoke(content, ctx)
-        except BaseException as exc:    # carried back to the stream thread and handled there
-            box["error"] = exc
-    worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
-    worker.start()
-    worker.join(SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT)
-    if worker.is_alive():
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
+                                  SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
+                                  f"agent-{agent.name}")
+    if not finished:
         raise _AgentTimedOut(soft)
-    if "error" in box:
-        raise box["error"]
-    return box["reply"]
+    return reply
 
 
 def agent_mapper(site, name, down):
@@ -4288,11 +4394,15 @@ class GraphRoute:
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        who = f"graph '{self.name}'"
         while results and trace.stopped is None:
             frontier = self._next_nodes(results)
             if not frontier:
                 break
+            # A run inside a timed-out call stops here instead of stepping on (§5.3.4).
+            check_not_abandoned(who, "6.7")
             results = self._step(frontier, trace)
+        check_not_abandoned(who, "6.7")
         replace_active_context(self.state, target_ctx)
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
@@ -4671,9 +4781,11 @@ def agent_node_context(node, state, message):
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
-    # keys the node adds win over both.
+    # keys the node adds win over both. graph_state is a picture of the state (§6.2.2 item 2):
+    # its own metadata dict, so that an agent writing into it cannot reach the live state, nor
+    # a parallel sibling's view (§6.7).
     ctx = {**(nested if isinstance(nested, dict) else {}), **metadata,
-           "graph_state": {"messages": history, "metadata": metadata,
+           "graph_state": {"messages": history, "metadata": dict(metadata),
                            "current_node": state["current_node"],
                            "execution_count": state["execution_count"], "error": state["error"]},
            "conversation_history": history,
@@ -4685,25 +4797,15 @@ def agent_node_context(node, state, message):
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
-    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread)."""
+    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread; once
+    given up, it makes no further effect: see call_abandoned, §5.3.4)."""
     if timeout is None:
         return agent.invoke(content, ctx)
-    box = {}
-
-    def call():
-        try:
-            box["value"] = agent.invoke(content, ctx)
-        except BaseException as exc:  # handed back to the caller's thread below
-            box["error"] = exc
-
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    worker.join(float(timeout))
-    if worker.is_alive():
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
+                                  f"node-agent-{agent.name}")
+    if not finished:
         raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return reply
 
 
 def node_agent(graph, node, message, state):
@@ -4727,7 +4829,7 @@ def node_agent(graph, node, message, state):
                 reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
         except Exception as exc:
-            if attempt >= node.retries:
+            if attempt >= node.retries or call_abandoned():     # a zombie never tries again
                 if isinstance(exc, ActorError):
                     raise
                 raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
@@ -5229,10 +5331,21 @@ def run_next_node_set(graph, admitted, state):
         parallel = []
     outcomes = [None] * len(admitted)
     if parallel:
-        if graph._pool is None:
-            graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
-        futures = [(i, graph._pool.submit(call_node, graph, *admitted[i], state))
-                   for i in parallel]
+        pool = graph._pool
+        if pool is None:
+            pool = graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
+        futures = []
+        try:
+            for i in parallel:
+                # Each worker runs in a copy of this thread's context, so a timed-out caller's
+                # abandonment and the composites busy up the call chain follow the branch.
+                futures.append((i, pool.submit(in_copied_context(call_node), graph,
+                                               *admitted[i], state)))
+        except RuntimeError:
+            # No thread to be had (the pool was closed, or the sandbox's address-space cap,
+            # §13.2, left no room for a stack): the rest run below, one after another. Every
+            # branch already submitted is still joined, so none outlives its step.
+            pass
         for i, future in futures:
             outcomes[i] = future.result()
     for i, (node, message) in enumerate(admitted):
@@ -5887,10 +6000,32 @@ def template_range(*args):
     return seq
 
 
+def template_sum(iterable, start=0):
+    """§8.3 sum, the §13.2 sandbox's: concatenating sequences is quadratic C work, so it is
+    size-guarded and ticks the render deadline."""
+    return builtin_sum(iterable, start)
+
+
+def template_zip(*iterables, strict=False):
+    """§8.3 zip, the §13.2 sandbox's (nested zip objects crashed the C stack)."""
+    return builtin_zip(*iterables, strict=strict)
+
+
+def template_enumerate(iterable, start=0):
+    """§8.3 enumerate, the §13.2 sandbox's (for the same reason as template_zip)."""
+    return builtin_enumerate(iterable, start)
+
+
+def template_round(number, ndigits=None):
+    """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
+    return builtin_round(number, ndigits)
+
+
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min, "max": max,
-    "sum": sum, "abs": abs, "round": round,
+    "range": template_range, "len": len, "enumerate": template_enumerate, "zip": template_zip,
+    "min": min, "max": max,
+    "sum": template_sum, "abs": abs, "round": template_round,
     "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
 
@@ -5939,7 +6074,7 @@ def _item_attr(item, attr):
 def filter_sum(items, attribute=None, start=0):
     """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
     values = items if attribute is None else (_item_attr(it, attribute) for it in items)
-    return sum(values, start)
+    return builtin_sum(values, start)
 
 
 SELECT_OPERATORS = {
@@ -7161,17 +7296,73 @@ if jinja2 is not None:
 
 
 if jinja2 is not None:
-    class ActorSandbox(jinja2.sandbox.SandboxedEnvironment):
-        """The sandbox, with one change: on a mapping, `a.b` reads the key `b` before any
-        attribute, so `context.items` is the configured list, not dict.items.
-
-        INTERPRETATION §8.11 (new: key vs attribute): `context.<key>` always means the key.
+    class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """Jinja2's immutable sandbox, with these changes:
+        - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
+          configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
+          `context.<key>` always means the key);
+        - the unbound `str.format`/`str.format_map` (reached through the §8.3 `str` built-in)
+          are refused: jinja2 only wraps the bound form, and a format string walks attributes
+          ('{0.__init__.__globals__[os].environ}' read the process environment);
+        - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
+          folded at compile time), every call and every loop step ticks the render deadline
+          (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
+          would otherwise run for hours.
+        INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
+        rendering context holds the live context by reference, and a prompt that could call
+        context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
+
+        intercepted_binops = frozenset({"+", "*", "**", "%", "//"})
 
         def getattr(self, obj, attribute):
             if isinstance(obj, dict) and attribute in obj:
                 return obj[attribute]
             return super().getattr(obj, attribute)
+
+        def is_safe_attribute(self, obj, attr, value):
+            if attr in ("format", "format_map") and isinstance(obj, type):
+                return False
+            return super().is_safe_attribute(obj, attr, value)
+
+        def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
+            guard_loop()
+            if __obj is str.format or __obj is str.format_map:
+                raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            _check_operands(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def _parse(self, source, name, filename):
+            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline."""
+            tree = super()._parse(source, name, filename)
+            for node in tree.find_all(jinja2.nodes.For):
+                node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
+                                                lineno=node.lineno)
+            return tree
+
+
+_GENERATOR = type(item for item in ())
+
+
+def template_materialized(fn):
+    """A filter whose generator result (map, select, batch...) is made a list at once: a chain
+    of 60,000 lazy filters ({% set ns.z = ns.z|batch(1)|map('first') %} in a loop) recursed in
+    C when consumed and crashed CPython 3.11."""
+    @functools.wraps(fn)   # keeps jinja2's pass_context/pass_environment marks
+    def run(*args, **kwargs):
+        value = fn(*args, **kwargs)
+        return list(value) if isinstance(value, _GENERATOR) else value
+    return run
+
+
+def template_loop(iterable):
+    """The `sb_loop` filter: each step of a template loop checks the render deadline."""
+    for item in iterable:
+        guard_loop()
+        yield item
 
 
 # INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
@@ -7186,6 +7377,8 @@ def jinja_environment():
         undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
+    env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
+    env.filters["sb_loop"] = template_loop
     return env
 
 
@@ -7211,9 +7404,11 @@ def jinja_error_line(exc):
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return jinja_template(text).render(variables)
+        return run_bounded(lambda: jinja_template(text).render(variables))
     except TemplateError:
         raise
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"JINJA2: {exc.message}", section="9.2") from exc
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
         err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
         err.line = jinja_error_line(exc)
@@ -7347,10 +7542,12 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
                 continue
             elif isinstance(value, (list, tuple)):
                 for item in value:
+                    guard_loop()
                     mustache_render_nodes(node[3], stack + [item], partials, out, depth)
             else:
                 mustache_render_nodes(node[3], stack + [value], partials, out, depth)
         else:  # partial
+            guard_loop()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
                 raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
             source = (partials or {}).get(node[1])
@@ -7369,7 +7566,11 @@ def mustache_compiled(text):
 def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
-    mustache_render_nodes(mustache_compiled(text), [variables], partials, out)
+    try:
+        run_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
+                                                  out))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
+        raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
     return "".join(out)
 
 
@@ -7383,6 +7584,10 @@ def simple_expressions(text, variables):
     """
     names = {key: value for key, value in variables.items()
              if not (key in BUILTINS and value is BUILTINS[key])}
+    if isinstance(names.get("context"), dict):
+        # A top-level copy: rendering a prompt must not change the live context, and above all
+        # not its host-only keys (§10.3), e.g. {{ context.update({'_unsafe_mode': True}) }}.
+        names["context"] = dict(names["context"])
     out, pos = [], 0
     while True:
         start = text.find("{{", pos)
@@ -7447,12 +7652,17 @@ def simple_format(text, variables):
         if field is None:
             continue
         value = simple_field(variables, field)
+        spec = simple_format(spec, variables) if spec else ""   # {x:>{width}} nests a field
+        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
+            raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
+                                section="9.2")
+        check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
             value = str(value) if conversion == "s" else ascii(value)
         try:
-            out.append(format(value, simple_format(spec, variables) if spec else ""))
+            out.append(format(value, spec))
         except (ValueError, TypeError) as exc:
             raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
     return "".join(out)
@@ -7462,6 +7672,13 @@ def simple_format(text, variables):
 # only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    try:
+        return run_bounded(lambda: _render_simple(text, variables, format_pass))
+    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
+        raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
+
+
+def _render_simple(text, variables, format_pass):
     text = simple_expressions(text, variables)
     return simple_format(text, variables) if format_pass else text
 
@@ -8082,21 +8299,26 @@ def find_stream_cycle(edges):
 # ways, so four layers hold it, and the first two run once, at load time:
 #   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that
 #      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
-#      nonlocal, yield, async, with or decorators, no prohibited facility's name
+#      nonlocal, yield, async, with or decorators, no attribute assignment, no prohibited
+#      facility's name
 #      -> ConfigurationError.
-#   2. AST rewrite: + * ** << %, `in`, slice assignment and the string methods that pad or
-#      repeat go through size guards (a repetition also by the nested size it aliases, so
-#      `[l] * 10**6` is refused); a bare `except:` catches only Exception, so the sandbox's own
-#      aborts (BaseException) pass through.
-#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, isinstance are wrapped.
+#   2. AST rewrite: + * ** << % //, `in`, f-strings, slice assignment and the string methods that
+#      pad or repeat go through size guards (a repetition also by the nested size it aliases, so
+#      `[l] * 10**6` is refused); a generator expression reads its source through guard_iter; a
+#      bare `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass.
+#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, round, zip,
+#      enumerate, isinstance are wrapped.
 #   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
-#      function entry and cap the call depth; on POSIX an address-space limit backstops memory.
+#      function entry and cap the depth of calls and of lazy iterator chains; on POSIX an
+#      address-space limit backstops memory. What leaves the run (final names, an expression's
+#      value, arguments of host functions) is size-checked before the host renders it.
 # Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles.
 
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MAX_DIVISION = 1 << 36     # bits x bits of one long division (// % round(n, -k)): ~0.1 s
 SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
@@ -8186,6 +8408,10 @@ def _construct_refusal(node, prohibited):
             return f"the special name '{name}'"
         case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
             return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Attribute(ctx=ast.Store() | ast.Del()):
+            # INTERPRETATION §13.2.3: attribute assignment is refused: the only objects that take
+            # it are functions, and the built-ins' (print.x = context) are shared by every run.
+            return "assigning or deleting an attribute (shared by every run)"
         case ast.Attribute(attr=attr):
             return _attribute_refusal(attr)
         case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
@@ -8245,6 +8471,14 @@ class _SandboxRewriter(ast.NodeTransformer):
         node.body.insert(0, _tick("__sb_enter__", node))
         return node
 
+    def visit_GeneratorExp(self, node):
+        """A lazy generator expression reads its source through guard_iter, which counts the
+        chain of generators on the stack (z = (x for x in z), 60,000 times, crashed CPython)."""
+        self.generic_visit(node)
+        first = node.generators[0]
+        first.iter = _guard_call("__sb_iter__", first.iter, first.iter)
+        return node
+
     def visit_Lambda(self, node):
         self.generic_visit(node)
         node.body = ast.copy_location(
@@ -8282,16 +8516,14 @@ class _SandboxRewriter(ast.NodeTransformer):
             value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
                                 ast.Name(target.id, ast.Load()), node.value)
             return ast.copy_location(ast.Assign([target], value), node)
-        if isinstance(target, ast.Subscript):
-            key = target.slice
-            if isinstance(key, ast.Slice):
-                key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
-                                                         (key.lower, key.upper, key.step)))
-            call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
-                               node.value)
-        else:
-            call = _guard_call("__sb_aug_attr__", node, target.value, ast.Constant(target.attr),
-                               ast.Constant(symbol), node.value)
+        if not isinstance(target, ast.Subscript):   # an attribute target: refused by layer 1
+            raise _Rejected(node.lineno, "assigning or deleting an attribute (shared by every run)")
+        key = target.slice
+        if isinstance(key, ast.Slice):
+            key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
+                                                     (key.lower, key.upper, key.step)))
+        call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
+                           node.value)
         return ast.copy_location(ast.Expr(call), node)
 
     def visit_Attribute(self, node):
@@ -8330,6 +8562,13 @@ class _SandboxRewriter(ast.NodeTransformer):
                                  node.format_spec or ast.Constant(""))
         node.conversion, node.format_spec = -1, None
         return node
+
+    def visit_JoinedStr(self, node):
+        """f"{x}{x}...": each field is checked alone, so the whole string is joined by a guard."""
+        self.generic_visit(node)
+        parts = [part.value if isinstance(part, ast.FormattedValue) else part
+                 for part in node.values]
+        return _guard_call("__sb_join__", node, *parts)
 
     def visit_ExceptHandler(self, node):
         # INTERPRETATION §13.2: a bare `except:` catches Exception only; no limit is swallowed.
@@ -8416,12 +8655,31 @@ def guard_enter():
     guard_loop()
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth <= SANDBOX_MAX_DEPTH:
-        if frame.f_code.co_filename in SANDBOX_FILENAMES:
+        code = frame.f_code
+        if code.co_filename in SANDBOX_FILENAMES or code is _SANDBOX_ITER_CODE:
             depth += 1
         frame = frame.f_back
     if depth > SANDBOX_MAX_DEPTH:
-        raise SandboxAbort(f"call depth exceeds {SANDBOX_MAX_DEPTH}")
+        raise SandboxAbort(f"call or generator depth exceeds {SANDBOX_MAX_DEPTH}")
     return True
+
+
+# INTERPRETATION §13.2.3: lazy iterators chained in a loop (z = (x for x in z), zip(z),
+# enumerate(z)) recurse in C when consumed, and CPython 3.11 has no depth check there: 60,000
+# layers overflowed the C stack (a crash of the host). Each such layer reads its source through
+# _sandbox_iter, whose frame guard_enter counts like a call, so a chain stops at
+# SANDBOX_MAX_DEPTH layers.
+def _sandbox_iter(iterator):
+    guard_enter()
+    yield from iterator
+
+
+_SANDBOX_ITER_CODE = _sandbox_iter.__code__
+
+
+def guard_iter(iterable):
+    """A generator expression's source (evaluated at once, as Python does), read lazily."""
+    return _sandbox_iter(iter(iterable))
 
 
 class _AddressSpace:
@@ -8546,7 +8804,8 @@ class ExprUnit:
         self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
 
     def __call__(self, *args, timeout=1.0):
-        return _run_sandboxed(lambda: self.fn(*args), timeout, self.label, EXPRESSION_FILENAME)
+        return _run_sandboxed(lambda: _checked_result(self.fn(*args)), timeout, self.label,
+                              EXPRESSION_FILENAME)
 
 
 def compile_code(source, *, rt=None, path=None):
@@ -8569,9 +8828,22 @@ def run_code(unit, variables, *, timeout=1.0):
     `variables` usually holds input_data, message, context (by reference) and result=None. Any
     violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
     """
-    namespace = dict(variables)
+    namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
+                 for key, value in variables.items()}
     namespace["__builtins__"] = unit.builtins
-    _run_sandboxed(lambda: exec(unit.code, namespace), timeout, unit.label, CODE_FILENAME)
+    host_keys = _host_only_values(variables.get("context"))
+
+    def thunk():
+        exec(unit.code, namespace)
+        after = _host_only_values(namespace.get("context"))
+        if after is not host_keys and (after is None or host_keys is None or any(
+                a is not b for a, b in zip(after, host_keys))):
+            raise SandboxAbort(f"inline code may not set the host-only context keys "
+                               f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
+        for key, value in namespace.items():   # what the host renders later: result, context...
+            if key != "__builtins__":
+                _checked_result(value)
+    _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
 
@@ -8628,8 +8900,65 @@ def eval_expression_text(source, names, timeout=1.0):
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
     namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
     namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
-    return _run_sandboxed(lambda: eval(code, namespace), timeout, "inline expression",
-                          EXPRESSION_FILENAME)
+    return _run_sandboxed(lambda: _checked_result(eval(code, namespace)), timeout,
+                          "inline expression", EXPRESSION_FILENAME)
+
+
+# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
+# says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
+# changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
+def _host_only_values(context):
+    """The host-only keys of a context, by identity (what the body must leave as it found)."""
+    if not isinstance(context, dict):
+        return None
+    return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+
+
+def _host_function(fn):
+    """A host function handed to the body (progress_bar, §4.5.6): its arguments are checked like
+    any value the host turns into text, because the host's str() runs in C past the deadline
+    (progress_bar(stage=[x] * n) with x long, built by a loop, took seconds)."""
+    if fn.__code__.co_filename in SANDBOX_FILENAMES:
+        return fn
+
+    def checked(*args, **kwargs):
+        for value in itertools.chain(args, kwargs.values()):
+            check_rendering(value)
+        return fn(*args, **kwargs)
+    return checked
+
+
+def _checked_result(value):
+    """A value leaving the sandbox, checked while the budget and the memory cap still hold: the
+    host turns it into text (§4.5.7, message content) with no limit of its own, so an aliased
+    bomb ([x] * n built by a loop) or a structure nested too deep for str() is refused here."""
+    check_rendering(value)
+    return value
+
+
+# The same limits for the template engines (§9.2): Jinja2, Mustache and SIMPLE text comes from
+# configuration files too, so a render runs under a deadline and the memory cap, and the engines
+# tick guard_loop() at loops, calls and sections (see the §9.2 region).
+TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
+
+
+def run_bounded(thunk, timeout=None):
+    """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
+    RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
+    with _SANDBOX_TURN, _MemoryCap():
+        previous = getattr(_SANDBOX_LOCAL, "budget", None)
+        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout)
+        try:
+            return thunk()
+        except SandboxAbort as abort:
+            failure = abort.reason
+        except MemoryError:
+            failure = "memory limit exceeded"
+        except RecursionError:
+            failure = "recursion limit exceeded"
+        finally:
+            _SANDBOX_LOCAL.budget = previous
+    raise ExecutionError(failure, section="13.2.3")
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 class SandboxType:
@@ -8717,6 +9046,28 @@ def builtin_sum(iterable, /, start=0):
     return sum(iterable, start)
 
 
+def builtin_round(number, ndigits=None):
+    """§13.2.1/§13.2.2 round: round(n, -k) on an int divides n by 10**k in C, beyond any deadline
+    (round(1, -10**8) builds a 330-million-bit power first). When 10**k > 2|n| the answer is 0,
+    so that power is never built; a long division past SANDBOX_MAX_DIVISION is refused."""
+    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < 0:
+        bits = number.bit_length()
+        if -ndigits > bits // 3 + 1:
+            return 0
+        _check_division(bits, -ndigits * 10 // 3 + 1)
+    return round(number, ndigits)
+
+
+def builtin_zip(*iterables, strict=False):
+    """§13.2.1 zip through _sandbox_iter: zip(zip(...)) 10**5 deep crashed the C stack."""
+    return _sandbox_iter(zip(*iterables, strict=strict))
+
+
+def builtin_enumerate(iterable, start=0):
+    """§13.2.1 enumerate through _sandbox_iter, for the reason given at builtin_zip."""
+    return _sandbox_iter(enumerate(iterable, start))
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
 
@@ -8751,9 +9102,9 @@ INLINE_CODE_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
-    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max, "min": min,
-    "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
-    "sum": builtin_sum, "zip": zip,
+    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len, "max": max,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
+    "sorted": sorted, "sum": builtin_sum, "zip": builtin_zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -8774,8 +9125,8 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
-    "sum": builtin_sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "round": builtin_round, "sum": builtin_sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
@@ -8814,11 +9165,12 @@ SANDBOX_INERT_TYPES = frozenset({
     ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
 })
 
-_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
+_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%",
+                      ast.FloorDiv: "//"}
 _BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
-           "%": operator.mod}
+           "%": operator.mod, "//": operator.floordiv}
 _INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
-            "%": operator.imod}
+            "%": operator.imod, "//": operator.ifloordiv}
 _SIZED = (str, bytes, list, tuple)
 _WIDTH_RE = re.compile(r"\d+")
 
@@ -8856,6 +9208,15 @@ def _check_operands(symbol, left, right):
     elif symbol == "%" and isinstance(left, str):
         _check_printf(left, right)
         check_rendering(right)
+    if symbol in ("%", "//") and ints:
+        _check_division(left.bit_length(), right.bit_length())
+
+
+def _check_division(dividend_bits, divisor_bits):
+    """Schoolbook long division costs about (dividend - divisor) x divisor bits of work in C:
+    int('f' * 10**7, 16) // (that >> 2 * 10**7) would run for minutes."""
+    if max(dividend_bits - divisor_bits, 0) * divisor_bits > SANDBOX_MAX_DIVISION:
+        _refuse_size("integer division")
 
 
 def _check_printf(fmt, args):
@@ -8866,6 +9227,11 @@ def _check_printf(fmt, args):
         widths += [value for value in values if isinstance(value, int)]
     if any(width > SANDBOX_MAX_ITEMS for width in widths):
         _refuse_size("%-format width")
+    if isinstance(args, dict):   # '%(a)s' * 1000 % {'a': long}: each field prints the same value
+        biggest = max((_text_weight(value, {}) for value in args.values()
+                       if isinstance(value, _CONTAINERS)), default=0)
+        if fmt.count("%") * biggest > SANDBOX_MAX_ITEMS:
+            _refuse_size("%-format")
 
 
 def guard_binop(symbol, left, right):
@@ -8888,11 +9254,6 @@ def guard_set_slice(container, part, value):
             and len(container) + len(value) > SANDBOX_MAX_ITEMS:
         _refuse_size("slice assignment")
     container[part] = value
-
-
-def guard_aug_attr(obj, name, symbol, value):
-    # `name` passed the layer-1 attribute check at load.
-    setattr(obj, name, guard_inplace(symbol, getattr(obj, name), value))
 
 
 _CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
@@ -8952,6 +9313,13 @@ def guard_str(*args, **kwargs):
     if args:
         check_rendering(args[0])
     return str(*args, **kwargs)
+
+
+def guard_join(*parts):
+    """An f-string's pieces (each already text), joined once their total size is known."""
+    if sum(map(len, parts)) > SANDBOX_MAX_ITEMS:
+        _refuse_size("f-string")
+    return "".join(parts)
 
 
 def guard_format(value, conversion, spec):
@@ -9015,8 +9383,9 @@ _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs",
 _SANDBOX_GUARDS = {
     "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
-    "__sb_aug_attr__": guard_aug_attr, "__sb_method__": guard_method, "__sb_format__": guard_format,
-    "__sb_str__": guard_str, "__sb_set_slice__": guard_set_slice, "__sb_in__": guard_in,
+    "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
+    "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
+    "__sb_in__": guard_in,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 
@@ -9643,11 +10012,16 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        # What the current call has seen. The hooks are bare list.append, which is atomic, so
-        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        # What the current call has seen; each call starts the lists afresh. Emissions happen
+        # on the calling thread (graph branches hand their results back, §6.7); the hooks are
+        # bare list.append, which is atomic, should a host hook emit from elsewhere.
         self._outputs, self._errors = [], []
         network.on_output(self._outputs.append)
         network.on_error(self._errors.append)
+        # One host call at a time: the stream network, its operators' state and the lists above
+        # are driven by one thread; calls from several host threads take turns (README
+        # Concurrency). Re-entrant, so a hook may call back in.
+        self._turn = threading.RLock()
 
     # -- one call: _begin(), act, then _end() returns what it emitted
     def _begin(self):
@@ -9670,40 +10044,45 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
-        del outputs[:], errors[:]                           # send() is the hot path
-        if at is not None:
-            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
-        self.network.send(content, target=target)
-        if self.rt.clock.real:
-            self.network.settle()
-        result = Result(outputs[:], errors[:])
-        del outputs[:], errors[:]
-        return result
+        with self._turn:
+            outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+            del outputs[:], errors[:]                           # send() is the hot path
+            if at is not None:
+                self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
+            self.network.send(content, target=target)
+            if self.rt.clock.real:
+                self.network.settle()
+            result = Result(outputs[:], errors[:])
+            del outputs[:], errors[:]
+            return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        self._begin()
-        self.rt.clock.advance(seconds)
-        return self._end()
+        with self._turn:
+            self._begin()
+            self.rt.clock.advance(seconds)
+            return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        self._begin()
-        self.network.complete()
-        return self._end()
+        with self._turn:
+            self._begin()
+            self.network.complete()
+            return self._end()
 
     def close(self):
-        """§12.1 step 8: dispose of subscriptions, agents and streams."""
-        self.network.close()
-        for graph in self.rt.graphs.values():
-            graph.close()
-        for agent in self.rt.agents.values():
-            close = getattr(agent, "close", None)     # composites own workers and wiring
-            if close is not None:
-                close()
-        self.rt.agents.clear()
-        self.rt.graphs.clear()
+        """§12.1 step 8: dispose of subscriptions, agents and streams (after the call in
+        progress, if any; a timed-out agent call still running is not waited for)."""
+        with self._turn:
+            self.network.close()
+            for graph in self.rt.graphs.values():
+                graph.close()
+            for agent in self.rt.agents.values():
+                close = getattr(agent, "close", None)     # composites own workers and wiring
+                if close is not None:
+                    close()
+            self.rt.agents.clear()
+            self.rt.graphs.clear()
 
     def __enter__(self):
         return self
@@ -9728,9 +10107,10 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        self._begin()
-        self._graph(route).resume(self.rt.context)
-        return self._end()
+        with self._turn:
+            self._begin()
+            self._graph(route).resume(self.rt.context)
+            return self._end()
 
     # -- inspection (§4.11)
     def describe(self):

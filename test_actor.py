@@ -4087,6 +4087,13 @@ SANDBOX_ESCAPES = {
     "aliased-method-dodges-size-guard": "f = 'a'.ljust\nx = f(10**10)",
     "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
     "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
+    # Round 3: attributes set on the shared built-in functions outlived the call (a channel
+    # between calls and Actors: print.shared = context).
+    "builtin-attribute-store": "print.shared = context",
+    "json-function-attribute-store": "json.loads.x = 1",
+    "builtin-attribute-augmented": "sum.n += 1",
+    "builtin-attribute-delete": "del range.x",
+    "attribute-loop-target": "for type.x in [context]:\n    pass",
 }
 
 
@@ -4147,6 +4154,10 @@ SANDBOX_EXPRESSION_ESCAPES = {
     "walrus-builtins": "lambda x: (b := __builtins__)",
     "default-argument-walk": "lambda x, y=().__class__: y",
     "default-argument-bomb": "lambda x, y=10**10**10: y",
+    "round-long-division": "lambda x: round(int('f' * 10**7, 16), -10**6)",
+    "long-modulo": "lambda x: int('f' * 10**7, 16) % int('f' * 10**6, 16)",
+    "aliased-return": "lambda x: [l for l in [[0] * 10**6] for _ in [0] * 10**5]",
+    "fstring-many-fields": "lambda x: (lambda s: f'{s}{s}{s}{s}{s}{s}{s}{s}{s}{s}')('a' * 10**7)",
 }
 
 
@@ -4213,6 +4224,27 @@ SANDBOX_RUNAWAYS = {
         "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m not in y",
     "nested-repetition": "l = [0] * 10**4\nx = [[l] * 10**3] * 10**3",
     "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
+    # Round 3 red team: single C-level operations that ran far past the deadline, and values
+    # that stayed small inside the sandbox but exploded when the host turned them into text.
+    "round-huge-int-negative-digits": "x = int('f' * 10**7, 16)\ny = round(x, -10**6)",
+    "long-floor-division": "x = int('f' * 10**7, 16)\ny = x // (x >> 20000000)",
+    "long-modulo": "x = int('f' * 10**7, 16)\ny = x % (x >> 20000000)",
+    "long-division-augmented": "x = int('f' * 10**7, 16)\nx //= x >> 20000000",
+    "long-division-from-bytes": "x = int.from_bytes(b'\\xff' * 10**7, 'big')\ny = x % (x >> 4 * 10**7)",
+    "aliased-result": "x = [0] * 10**6\nresult = [x for _ in range(10**5)]",
+    "aliased-fallback-name": "x = [0] * 10**6\noutput = [x for _ in range(10**5)]",
+    "aliased-context-write": "x = [0] * 10**6\ncontext['x'] = [x for _ in range(10**5)]",
+    "deep-result": "a = []\nfor i in range(10**5):\n    a = [a]\nresult = a",
+    "fstring-many-fields": "x = 'a' * 10**7\ny = f'{x}{x}{x}{x}{x}{x}{x}{x}{x}{x}'",
+    "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # Lazy iterators chained 60,000 deep recursed in C without a depth check: a segfault.
+    "generator-expression-chain": "z = [1]\nfor i in range(60000):\n    z = (x for x in z)\nresult = list(z)",
+    "generator-inner-clause-chain":
+        "z = [1]\nfor i in range(60000):\n    z = (y for w in [z] for y in w)\nresult = sum(z)",
+    "zip-chain": "z = [1]\nfor i in range(60000):\n    z = zip(z)\nresult = list(z)",
+    "enumerate-chain": "z = [1]\nfor i in range(60000):\n    z = enumerate(z)\nresult = max(z)",
+    "mixed-iterator-chain":
+        "z = [1]\nfor i in range(30000):\n    z = (x for x in enumerate(zip(z)))\nresult = list(z)",
 }
 
 
@@ -4632,3 +4664,198 @@ def test_sandbox_bench_overhead_per_inline_tool_call():
           f"overhead {sandboxed - bare:.1f} us, of which the address-space cap {capped:.1f} us; "
           f"100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
           f"{loop_bare * 1e3:.1f} ms ({loop_sandboxed / loop_bare:.1f}x)")
+
+
+# Round 3 red team: what the host puts beside the body, and the template engines ---------------
+def test_sandbox_round_and_division_controls():
+    """round(n, -k) keeps Python's answers; ordinary divisions are untouched."""
+    ns = sandbox_run("result = (round(1234, -2), round(1250, -2), round(-1251, -2), round(5, -1),\n"
+                     "          round(123, -10**9), round(2.675, 2), 10**40 // 7 % 1000, 7 // 2,\n"
+                     "          -7 % 3, 2**100 // 2**99)")
+    assert ns["result"] == (1200, 1200, -1300, 0, 0, 2.67, 428, 3, 2, 2)
+    assert actor.compile_expression("lambda x: round(x, -3)")(123456) == 123000
+
+
+def test_sandbox_lazy_iterator_controls():
+    """Generator expressions keep Python's semantics (source evaluated at once, read lazily)."""
+    ns = sandbox_run("l = [1, 2]\ng = (x * 2 for x in l)\nl = [9]\n"
+                     "z = [0]\nfor i in range(90):\n    z = (x + 1 for x in z)\n"
+                     "try:\n    bad = (x for x in 5)\nexcept TypeError:\n    bad = 'eager'\n"
+                     "result = (list(g), list(zip('ab', [1, 2])), list(enumerate('ab', 1)),\n"
+                     "          sum(x for x in range(5)), dict(zip('ab', 'cd')), list(z), bad)")
+    assert ns["result"] == ([2, 4], [("a", 1), ("b", 2)], [(1, "a"), (2, "b")], 10,
+                            {"a": "c", "b": "d"}, [90], "eager")
+    assert actor.compile_expression("lambda x: sum(c.isupper() for c in x)")("aBcD") == 2
+
+
+def test_sandbox_fstring_and_printf_controls():
+    ns = sandbox_run("n = 3\nresult = (f'a{n!r:>{n}}b{n:{n}d}', f'', '%(a)s-%(a)s' % {'a': 'x'})")
+    assert ns["result"] == ("a  3b  3", "", "x-x")
+
+
+def _tool_actor(code, *, timeout=0.3, host_context=None):
+    text = ("agents:\n  t:\n    type: tool\n    config:\n      timeout: " + str(timeout) + "\n"
+            "      tools:\n        - name: t\n          code: |\n"
+            + "".join("            " + line + "\n" for line in code.split("\n"))
+            + "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    return actor.load(text=text, unsafe=True, context=host_context)
+
+
+def test_sandbox_progress_bar_arguments_are_size_checked(capsys):
+    """progress_bar is a host function: the host's str() of an aliased bomb ran seconds in C."""
+    a = _tool_actor("if input_data == 'bomb':\n    x = [0] * 10**6\n"
+                    "    progress_bar(stage=[x for _ in range(10**5)])\n"
+                    "result = progress_bar(current=1, total=2, stage='s')")
+    start = _time.monotonic()
+    first = a.send("bomb")
+    assert _time.monotonic() - start < 1.5
+    assert [m.metadata.get("error_type") for m in first.errors] == ["ExecutionError"]
+    assert [m.content for m in a.send("next").outputs] == [
+        "████████████░░░░░░░░░░░░ 50.0% (1/2) s"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("source", [
+    "context['_unsafe_mode'] = True", "del context['_temperature_override']",
+    "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)",
+    "context = {'_unsafe_mode': True}", "context.clear()"])
+def test_sandbox_host_only_context_keys_stay_the_hosts(source):
+    """§10.3: _unsafe_mode and _temperature_override are set by the host; a body that touches
+    them fails, and the live context keeps the host's values."""
+    a = _tool_actor(source + "\nresult = 'ran'",
+                    host_context={"_unsafe_mode": False, "_temperature_override": 0.5})
+    out = a.send("x")
+    assert [m.metadata.get("error_type") for m in out.errors] == ["ExecutionError"]
+    assert a.context["_unsafe_mode"] is False and a.context["_temperature_override"] == 0.5
+    ok = _tool_actor("context['mine'] = 1\nresult = str(context.get('_unsafe_mode'))",
+                     host_context={"_unsafe_mode": False})
+    assert [m.content for m in ok.send("x").outputs] == ["False"]
+    assert ok.context["mine"] == 1
+
+
+# Jinja2 server-side template injection payloads (published SSTI corpora), through the §8.3
+# rendering namespace: each must fail as a TemplateError, leave the context as it was, and the
+# next render must work.
+JINJA_SSTI = {
+    "unbound-str-format-environ": "{{ str.format('{0.__init__.__globals__[os].environ}', cycler) }}",
+    "unbound-str-format-builtins":
+        "{{ str.format('{0.__globals__[__builtins__][open]}', lipsum) }}",
+    "unbound-format-map": "{{ str.format_map('{a.__class__}', {'a': 1}) }}",
+    "unbound-format-attr-filter": "{{ (str|attr('format'))('{0.__class__}', 1) }}",
+    "unbound-format-set": "{% set f = str.format %}{{ f('{0.__class__}', 1) }}",
+    "bound-format-attr-filter": "{{ ('{0.__class__}'|attr('format'))(1) }}",
+    "bound-format-set": "{% set f = '{0.__class__}'.format %}{{ f(1) }}",
+    "format-map-bound": "{{ '{a.__class__}'.format_map({'a': 1}) }}",
+    "class-mro-subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "attr-filter-escaped-dunder": "{{ ''|attr('\\x5f\\x5fclass\\x5f\\x5f') }}",
+    "cycler-globals-os": "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "joiner-globals-os": "{{ joiner.__init__.__globals__.os.popen('id').read() }}",
+    "namespace-globals-os": "{{ namespace.__init__.__globals__.os.popen('id').read() }}",
+    "lipsum-globals-os": "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "self-template-reference": "{{ self._TemplateReference__context }}",
+    "builtin-self": "{{ round.__self__ }}",
+    "type-mro": "{{ str.mro() }}",
+    "request-application": "{{ request.application.__globals__.__builtins__ }}",
+    "config-items": "{{ config.items() }}",
+    "context-update-host-key": "{{ context.update({'_unsafe_mode': True}) }}",
+    "context-pop": "{{ context.pop('sentinel') }}",
+    "context-setdefault": "{% set x = context.setdefault('_unsafe_mode', True) %}x",
+    "nested-list-append": "{{ context.items_list.append(1) }}",
+    "power-tower": "{{ 10 ** 100000000 }}",
+    "string-repetition": "{{ 'a' * 10**10 }}",
+    "round-long-division": "{{ round(int('f' * 10**7, 16), -10**6) }}",
+    "sum-concatenation": "{{ sum([[0] * 1000] * 10000, []) }}",
+    "sum-filter-concatenation": "{{ ([[0] * 1000] * 10000)|sum(start=[]) }}",
+}
+
+
+def _ssti_context():
+    return {"sentinel": "intact", "items_list": [0]}
+
+
+@pytest.mark.parametrize("source", list(JINJA_SSTI.values()), ids=list(JINJA_SSTI))
+def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
+    context = _ssti_context()
+    start = _time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        actor.render(source, actor.runtime_variables(context, "m"), "JINJA2")
+    assert _time.monotonic() - start < 1.5
+    assert context == _ssti_context()
+    assert actor.render("{{ context.sentinel }} {{ '{}-{}'.format(1, 2) }} {{ 2 ** 10 }}",
+                        actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
+
+
+# Template runaways: each stops at the render deadline (TEMPLATE_TIME_LIMIT, lowered here).
+TEMPLATE_RUNAWAYS = {
+    ("JINJA2", "macro-calls-itself-twice"):
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ f(60) }}",
+    ("JINJA2", "nested-loops"):
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    ("JINJA2", "nested-loops-over-a-list"):
+        "{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}{% endfor %}{% endfor %}",
+    ("JINJA2", "recursive-loop"):
+        "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
+    ("JINJA2", "lazy-filter-chain"):   # 60,000 nested generators crashed CPython 3.11
+        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
+        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}"
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    ("JINJA2", "zip-chain"):
+        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
+        "{% set ns.z = zip(ns.z) %}{% endfor %}{% endfor %}{{ ns.z|list }}",
+    ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
+    ("SIMPLE", "format-width"): "{message:>9999999999}",
+    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
+    ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
+}
+
+
+@pytest.mark.parametrize("engine,name", list(TEMPLATE_RUNAWAYS), ids=[
+    f"{engine}-{name}" for engine, name in TEMPLATE_RUNAWAYS])
+def test_template_runaway_is_stopped(monkeypatch, engine, name):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
+    source = TEMPLATE_RUNAWAYS[(engine, name)]
+    nested = {"a": False}
+    for _ in range(40):
+        nested = {"a": nested}
+    variables = {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
+    partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
+    start = _time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        actor.render(source, variables, engine, partials=partials)
+    assert _time.monotonic() - start < 1.5
+    assert actor.render("{{ message }}", {"message": "ok"},
+                        "SIMPLE" if engine == "SIMPLE" else engine) == "ok"
+
+
+def test_template_limits_leave_ordinary_templates_alone():
+    variables = actor.runtime_variables({"items": [{"n": 1}, {"n": 2}], "k": "v"}, "msg")
+    assert actor.render("{% for i in items %}{{ i.n * 2 }}{% endfor %}|{{ 'ab' * 2 }}|"
+                        "{{ sum([1, 2]) }}|{{ round(1234, -2) }}|{{ items|sum(attribute='n') }}|"
+                        "{{ 7 // 2 }}{{ 7 % 4 }}|{% set ns = namespace(c=0) %}"
+                        "{% for i in range(3) %}{% set ns.c = ns.c + i %}{% endfor %}{{ ns.c }}",
+                        variables, "JINJA2") == "24|abab|3|1200|3|33|3"
+    assert actor.render("{{#items}}{{n}}{{/items}}", variables, "MUSTACHE") == "12"
+    assert actor.render("{{ [1, 2]|map('string')|join(',') }} {{ [1, none]|select|list }} "
+                        "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
+                        "{{ zip('ab', [1, 2])|list }}", variables,
+                        "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
+    assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
+
+
+def test_simple_expression_cannot_change_the_live_context():
+    context = {"mode": "safe"}
+    out = actor.render("{{ context.update({'mode': 'x', '_unsafe_mode': True}) }}{{ mode }}",
+                       actor.runtime_variables(context, "m"), "SIMPLE")
+    assert out == "safe" and context == {"mode": "safe"}
+
+
+def test_template_limits_do_not_leak_the_memory_cap_or_the_budget():
+    before = _resource.getrlimit(_resource.RLIMIT_AS) if _resource else None
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ 'a' * 10**10 }}", {}, "JINJA2")
+    assert (_resource.getrlimit(_resource.RLIMIT_AS) if _resource else None) == before
+    assert getattr(actor._SANDBOX_LOCAL, "budget", None) is None
