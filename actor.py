@@ -7306,7 +7306,7 @@ if jinja2 is not None:
           ('{0.__init__.__globals__[os].environ}' read the process environment);
         - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
           folded at compile time), every call and every loop step ticks the render deadline
-          (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
+          (render_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
           would otherwise run for hours.
         INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
         rendering context holds the live context by reference, and a prompt that could call
@@ -7404,7 +7404,7 @@ def jinja_error_line(exc):
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return run_bounded(lambda: jinja_template(text).render(variables))
+        return render_bounded(lambda: jinja_template(text).render(variables))
     except TemplateError:
         raise
     except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
@@ -7567,7 +7567,7 @@ def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
     try:
-        run_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
+        render_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
                                                   out))
     except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
         raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
@@ -7656,7 +7656,7 @@ def simple_format(text, variables):
         if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
             raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
                                 section="9.2")
-        check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
+        check_rendering(value)   # under render_simple's render_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
@@ -7673,7 +7673,7 @@ def simple_format(text, variables):
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     try:
-        return run_bounded(lambda: _render_simple(text, variables, format_pass))
+        return render_bounded(lambda: _render_simple(text, variables, format_pass))
     except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
         raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
 
@@ -8942,7 +8942,7 @@ def _checked_result(value):
 TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
 
 
-def run_bounded(thunk, timeout=None):
+def render_bounded(thunk, timeout=None):
     """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
     RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
     with _SANDBOX_TURN, _MemoryCap():
