@@ -3796,6 +3796,34 @@ def test_concurrency_file_write_inserts_from_many_threads_keep_every_line(tmp_pa
     assert sorted(lines) == sorted(f"line {i}" for i in range(n))
 
 
+def test_concurrency_warnings_and_timers_from_many_threads_are_all_kept():
+    """rt.warn and clock.call_later from sixteen threads at once: every warning is kept whole,
+    and every timer fires once, in (time, sequence) order, when the host advances the clock."""
+    n, each = 16, 50
+    rt = actor.Runtime(actor.Doc({}), env={})
+    barrier = threading.Barrier(n, timeout=2)
+    fired = []
+
+    def work(i):
+        barrier.wait()
+        for k in range(each):
+            rt.warn(f"w{i}.{k}")
+            timer = rt.clock.call_later((i * each + k) % 7, lambda i=i, k=k: fired.append((i, k)))
+            assert timer.when == (i * each + k) % 7
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert sorted(rt.warnings) == sorted(f"warning: w{i}.{k}" for i in range(n) for k in range(each))
+    rt.clock.advance(10)
+    assert sorted(fired) == [(i, k) for i in range(n) for k in range(each)]
+    whens = [(i * each + k) % 7 for i, k in fired]
+    assert whens == sorted(whens)                       # due order, whichever thread scheduled
+    assert [k for i, k in fired if i == 3 and (3 * each + k) % 7 == 2] == \
+        sorted(k for k in range(each) if (3 * each + k) % 7 == 2)   # one thread's order kept
+
+
 def test_concurrency_close_stops_every_graph_worker():
     """§12.1 step 8: after close() the worker threads of every graph end, a composite's own graph
     included (none is left behind)."""
