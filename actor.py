@@ -7152,9 +7152,10 @@ if jinja2 is not None:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
           configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
           `context.<key>` always means the key);
-        - the unbound `str.format`/`str.format_map` (reached through the §8.3 `str` built-in)
-          are refused: jinja2 only wraps the bound form, and a format string walks attributes
-          ('{0.__init__.__globals__[os].environ}' read the process environment);
+        - unbound methods of classes (reached through the §8.3 `str`, `dict`, `list`... built-ins)
+          are refused: jinja2 checks the bound forms only, so str.format('{0.__init__.__globals__
+          [os].environ}', cycler) read the process environment and dict.update(context, {...})
+          changed the context;
         - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
           folded at compile time), every call and every loop step ticks the render deadline
           (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
@@ -7172,7 +7173,9 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
         def is_safe_attribute(self, obj, attr, value):
-            if attr in ("format", "format_map") and isinstance(obj, type):
+            # An unbound method takes any receiver, past every check jinja2 makes on the
+            # instance: str.format(...), dict.update(context, ...), list.append(items, ...).
+            if isinstance(obj, type) and isinstance(value, _UNBOUND_METHODS):
                 return False
             return super().is_safe_attribute(obj, attr, value)
 
@@ -7196,6 +7199,7 @@ if jinja2 is not None:
 
 
 _GENERATOR = type(item for item in ())
+_UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
 
 def template_materialized(fn):

@@ -4043,6 +4043,7 @@ SANDBOX_ESCAPES = {
     "builtin-attribute-augmented": "sum.n += 1",
     "builtin-attribute-delete": "del range.x",
     "attribute-loop-target": "for type.x in [context]:\n    pass",
+    "json-error-class-attribute-store": "json.JSONDecodeError.msg = 'poisoned'",
 }
 
 
@@ -4712,6 +4713,10 @@ JINJA_SSTI = {
     "context-pop": "{{ context.pop('sentinel') }}",
     "context-setdefault": "{% set x = context.setdefault('_unsafe_mode', True) %}x",
     "nested-list-append": "{{ context.items_list.append(1) }}",
+    "unbound-dict-update": "{{ dict.update(context, {'_unsafe_mode': True}) }}",
+    "unbound-dict-clear": "{{ dict.clear(context) }}",
+    "unbound-list-append": "{{ list.append(context.items_list, 1) }}",
+    "unbound-method-attr-filter": "{{ (dict|attr('pop'))(context, 'sentinel') }}",
     "power-tower": "{{ 10 ** 100000000 }}",
     "string-repetition": "{{ 'a' * 10**10 }}",
     "round-long-division": "{{ round(int('f' * 10**7, 16), -10**6) }}",
