@@ -8686,13 +8686,15 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
                  for key, value in variables.items()}
     namespace["__builtins__"] = unit.builtins
-    host_keys = _host_only_values(variables.get("context"))
+    context = variables.get("context")
+    host_keys = _host_only_state(context)
 
     def thunk():
-        exec(unit.code, namespace)
-        after = _host_only_values(namespace.get("context"))
-        if after is not host_keys and (after is None or host_keys is None or any(
-                a is not b for a, b in zip(after, host_keys))):
+        try:
+            exec(unit.code, namespace)
+        finally:   # also after a limit or an error: the host's values are put back
+            touched = _host_only_changed(host_keys, context, namespace.get("context"))
+        if touched:
             raise SandboxAbort(f"inline code may not set the host-only context keys "
                                f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
         for key, value in namespace.items():   # what the host renders later: result, context...
@@ -8762,11 +8764,51 @@ def eval_expression_text(source, names, timeout=1.0):
 # INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
 # says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
 # changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
-def _host_only_values(context):
-    """The host-only keys of a context, by identity (what the body must leave as it found)."""
-    if not isinstance(context, dict):
-        return None
-    return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+# Nested mappings count too: in a graph node the context holds the live global context and the
+# state's metadata (later nodes' invocation context) by reference.
+def _host_only_values(mapping):
+    return [mapping.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+
+
+def _host_only_state(root):
+    """id -> (mapping, its host-only values) for every dict reachable from `root` holding one."""
+    found, seen, stack = {}, set(), [root]
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            if any(key in value for key in HOST_ONLY_CONTEXT_KEYS):
+                found[id(value)] = (value, _host_only_values(value))
+            stack.extend(value.values())
+        else:
+            stack.extend(value)
+    return found
+
+
+def _host_only_changed(before, root, new_root):
+    """True when a mapping that held host-only keys holds other values now, or a mapping gained
+    some (unless it is a copy of the context the body was given: same values, same objects), or
+    the body rebound `context` to a mapping without the given values. The host's values are
+    then put back, since the checks run after the body and nested mappings are live."""
+    def same(values, expected):
+        return all(a is b for a, b in zip(values, expected))
+    given = before.get(id(root), (None, [_SAME] * len(HOST_ONLY_CONTEXT_KEYS)))[1]
+    changed = [(mapping, values) for mapping, values in before.values()
+               if not same(_host_only_values(mapping), values)]
+    gained = [(mapping, [_SAME] * len(values))
+              for key, (mapping, values) in _host_only_state(new_root).items()
+              if key not in before and not same(values, given)]
+    rebound = new_root is not root and isinstance(new_root, dict) \
+        and not same(_host_only_values(new_root), given)
+    for mapping, values in changed + gained:
+        for key, value in zip(HOST_ONLY_CONTEXT_KEYS, values):
+            if value is _SAME:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = value
+    return bool(changed or gained or rebound)
 
 
 def _host_function(fn):

@@ -4668,6 +4668,28 @@ def test_sandbox_progress_bar_arguments_are_size_checked(capsys):
 
 
 @pytest.mark.parametrize("source", [
+    "context['context']['_unsafe_mode'] = True",
+    "context['graph_state']['metadata']['_unsafe_mode'] = True",
+    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
+    "context['context']['_unsafe_mode'] = True\nx = 1 // 0",
+    "del context['context']['_unsafe_mode']",
+    "context['items'] = [{'_temperature_override': 9}]"])
+def test_sandbox_host_only_keys_of_nested_contexts_are_restored(source):
+    """In a graph node the context holds the live global context and the state's metadata (the
+    next nodes' invocation context): host-only keys there are the host's too, and are put back
+    even when the body fails for another reason first."""
+    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
+    context = {"_unsafe_mode": False, "context": glob, "graph_state": {"metadata": metadata}}
+    with pytest.raises(actor.ExecutionError):
+        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
+    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
+    assert "items" not in context or context["items"] == [{}]
+    copy = actor.run_code(actor.compile_code("context['copy'] = dict(context['context'])\n"
+                                             "result = 1"), sandbox_vars(context=context))
+    assert copy["result"] == 1
+
+
+@pytest.mark.parametrize("source", [
     "context['_unsafe_mode'] = True", "del context['_temperature_override']",
     "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)",
     "context = {'_unsafe_mode': True}", "context.clear()"])
