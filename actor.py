@@ -8484,9 +8484,11 @@ class _Budget:
 
     __slots__ = ("timeout", "deadline")
 
-    def __init__(self, timeout):
+    def __init__(self, timeout, outer=None):
         self.timeout = 1.0 if timeout is None else float(timeout)
         self.deadline = time.monotonic() + self.timeout
+        if outer is not None and outer.deadline < self.deadline:   # a nested run (a SIMPLE
+            self.timeout, self.deadline = outer.timeout, outer.deadline   # {{ }} in a render)
 
 
 # Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
@@ -8621,7 +8623,7 @@ def _run_sandboxed(thunk, timeout, label, filename):
     """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
     with _SANDBOX_TURN, _MemoryCap():
         previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        _SANDBOX_LOCAL.budget = _Budget(timeout, previous)
         try:
             return thunk()
         except SandboxAbort as abort:
@@ -8844,7 +8846,8 @@ def run_bounded(thunk, timeout=None):
     RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
     with _SANDBOX_TURN, _MemoryCap():
         previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout)
+        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout,
+                                        previous)
         try:
             return thunk()
         except SandboxAbort as abort:
