@@ -841,6 +841,9 @@ class LLMAgent:
         except ExecutionError as exc:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
+        # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
+        # tools (§4.4.4 item 4 records successful invocations only).
+        check_not_abandoned(f"agent '{self.name}' (llm)")
         output = reply
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
@@ -1636,6 +1639,7 @@ def context_write_back(before, view, ctx):
     # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
     # invocation context (invocation wins); keys it sets or deletes land in the invocation
     # context (the global one in streams), so later steps see them (§4.5.7).
+    check_not_abandoned("inline tool")      # a timed-out call writes nothing back (§5.3.4)
     for key, value in view.items():
         if key not in before or before[key] is not value:
             ctx[key] = value
@@ -2244,6 +2248,14 @@ class CompositeAgent:
 
     def invoke(self, content, ctx):
         """§4.6.2: dispatch to the input component, collect the output component's response."""
+        # Entered again by a parallel branch of its own request: an error, not a deadlock (§6.7).
+        held = hold_in_chain(self, f"agent '{self.name}' (composite)")
+        try:
+            return self._invoke(content, ctx)
+        finally:
+            release_in_chain(held)
+
+    def _invoke(self, content, ctx):
         self._build()
         first, last = self.routing["input"], self.routing["output"]
         with self._lock:                          # one request at a time through the wiring
@@ -2269,14 +2281,16 @@ class CompositeAgent:
 
     def close(self):
         """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
-        with self._lock:
-            if self.network is not None:
-                self.network.close()
-            for graph in self.inner.graphs.values():
-                graph.close()
-            for agent in self.local_agents.values():
-                if isinstance(agent, CompositeAgent):
-                    agent.close()
+        # Not under self._lock: a timed-out request may still hold it for as long as its call
+        # lasts (§5.3.4), and closing must not wait for that; the Actor's own lock already keeps
+        # close() apart from live requests.
+        if self.network is not None:
+            self.network.close()
+        for graph in list(self.inner.graphs.values()):
+            graph.close()
+        for agent in self.local_agents.values():
+            if isinstance(agent, CompositeAgent):
+                agent.close()
 
     def _stream_reply(self, name, marks):
         emitted = self._emitted[name][marks[name]:]
@@ -3424,6 +3438,9 @@ ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reaso
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
+import contextvars  # noqa: E402  [streams] bounded calls only (the integrator may hoist it)
+
+
 class _AgentTimedOut(Exception):
     """Internal: an agent call outlived its bound (never escapes the map stage).
 
@@ -3433,6 +3450,103 @@ class _AgentTimedOut(Exception):
     def __init__(self, soft=False):
         super().__init__()
         self.soft = soft
+
+
+class BoundedCall:
+    """One agent call on a worker thread that its caller may stop waiting for (§5.3.4 item 3,
+    §12.2.4, a graph node's `timeout`). A call started inside another one -- on the same worker,
+    on a graph's parallel workers, on a nested bounded worker -- belongs to it (`parent`)."""
+
+    __slots__ = ("parent", "abandoned")
+
+    def __init__(self, parent):
+        self.parent, self.abandoned = parent, False
+
+
+# The bounded call the running code belongs to. Worker threads start in a copy of their
+# starter's context (run_bounded, the §6.7 pool), so the chain follows the logical call.
+_BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
+
+
+def call_abandoned():
+    """True when the running code belongs to a call whose caller stopped waiting (a timeout).
+
+    Such a "zombie" keeps running (Python cannot stop a thread), so every effect that would
+    outlive the call -- memory, context write-back, §12.4 tools, further graph steps, the final
+    context replacement -- asks this first and is skipped.
+    """
+    call = _BOUNDED_CALL.get()
+    while call is not None:
+        if call.abandoned:
+            return True
+        call = call.parent
+    return False
+
+
+def check_not_abandoned(who, section="5.3.4"):
+    """Raise ExecutionError when the running call was abandoned (its result goes nowhere)."""
+    if call_abandoned():
+        raise ExecutionError(f"{who}: the call timed out earlier; its late result is dropped",
+                             section=section)
+
+
+# What the running call chain holds: (object, thread ident) for every composite entered up the
+# chain (§4.6 takes one request at a time, under a lock).
+_CHAIN_HOLDS = contextvars.ContextVar("actor_chain_holds", default=())
+
+
+def hold_in_chain(obj, who):
+    """Note that this call chain enters `obj` (one request at a time); returns a token for
+    release_in_chain.
+
+    Refuses with an ExecutionError when an earlier link of the same chain holds `obj` on another
+    thread (a graph's parallel branch, §6.7, or a bounded worker): that link waits for this one,
+    so waiting for it would deadlock. Re-entry on the same thread stays allowed.
+    """
+    me = threading.get_ident()
+    held = _CHAIN_HOLDS.get()
+    for other, ident in held:
+        if other is obj and ident != me:
+            raise ExecutionError(f"{who} is entered again from a parallel branch or bounded "
+                                 "call of its own request, which it waits for (a deadlock)",
+                                 section="6.7")
+    return _CHAIN_HOLDS.set(held + ((obj, me),))
+
+
+def release_in_chain(token):
+    _CHAIN_HOLDS.reset(token)
+
+
+def in_copied_context(fn):
+    """`fn` wrapped to run in a copy of the caller's context (for another thread: a context may
+    be entered by one thread at a time)."""
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
+def run_bounded(fn, timeout, name):
+    """Run fn() on a daemon worker thread, waiting at most `timeout` real seconds.
+
+    Returns (True, value); re-raises fn's error; returns (False, None) when the wait ran out,
+    after marking the call abandoned (see call_abandoned).
+    """
+    call = BoundedCall(_BOUNDED_CALL.get())
+    box = {}
+
+    def work():
+        _BOUNDED_CALL.set(call)
+        try:
+            box["value"] = fn()
+        except BaseException as exc:    # carried back to the waiting thread and handled there
+            box["error"] = exc
+    worker = threading.Thread(target=in_copied_context(work), name=name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        call.abandoned = True
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box["value"]
 
 
 def resolve_context(msg, rt):
@@ -3452,26 +3566,18 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
     the real clock the call runs on a daemon worker thread that we stop waiting for after
-    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run.
+    AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run;
+    the abandoned call then makes no further effect (call_abandoned).
     """
     if not rt.clock.real:
         return agent.invoke(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    box = {}
-
-    def work():
-        try:
-            box["reply"] = agent.invoke(content, ctx)
-        except BaseException as exc:    # carried back to the stream thread and handled there
-            box["error"] = exc
-    worker = threading.Thread(target=work, name=f"agent-{agent.name}", daemon=True)
-    worker.start()
-    worker.join(SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT)
-    if worker.is_alive():
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
+                                  SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
+                                  f"agent-{agent.name}")
+    if not finished:
         raise _AgentTimedOut(soft)
-    if "error" in box:
-        raise box["error"]
-    return box["reply"]
+    return reply
 
 
 def agent_mapper(site, name, down):
@@ -4267,7 +4373,10 @@ class GraphRoute:
             frontier = self._next_nodes(results)
             if not frontier:
                 break
+            # A run inside a timed-out call stops here instead of stepping on (§5.3.4).
+            check_not_abandoned(f"graph '{self.name}'", "6.7")
             results = self._step(frontier, trace)
+        check_not_abandoned(f"graph '{self.name}'", "6.7")
         replace_active_context(self.state, target_ctx)
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
@@ -4640,7 +4749,9 @@ def agent_node_context(node, state, message):
     if end and messages[-1].get("content") == message:
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
-    ctx["graph_state"] = {"messages": history, "metadata": metadata,
+    # graph_state is a picture of the state (§6.2.2 item 2): its own metadata dict, so that an
+    # agent writing into it cannot reach the live state, nor a parallel sibling's view (§6.7).
+    ctx["graph_state"] = {"messages": history, "metadata": dict(metadata),
                           "current_node": state["current_node"],
                           "execution_count": state["execution_count"], "error": state["error"]}
     ctx["conversation_history"] = history
@@ -4652,25 +4763,15 @@ def agent_node_context(node, state, message):
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
-    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread)."""
+    """Call agent.invoke, giving up after `timeout` real seconds (the call runs on a thread; once
+    given up, it makes no further effect: see call_abandoned, §5.3.4)."""
     if timeout is None:
         return agent.invoke(content, ctx)
-    box = {}
-
-    def call():
-        try:
-            box["value"] = agent.invoke(content, ctx)
-        except BaseException as exc:  # handed back to the caller's thread below
-            box["error"] = exc
-
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    worker.join(float(timeout))
-    if worker.is_alive():
+    finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
+                                  f"node-agent-{agent.name}")
+    if not finished:
         raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return reply
 
 
 def node_agent(graph, node, message, state):
@@ -4691,7 +4792,7 @@ def node_agent(graph, node, message, state):
             reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
         except Exception as exc:
-            if attempt >= node.retries:
+            if attempt >= node.retries or call_abandoned():     # a zombie never tries again
                 if isinstance(exc, ActorError):
                     raise
                 raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
@@ -5194,10 +5295,21 @@ def run_next_node_set(graph, admitted, state):
         parallel = []
     outcomes = [None] * len(admitted)
     if parallel:
-        if graph._pool is None:
-            graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
-        futures = [(i, graph._pool.submit(call_node, graph, *admitted[i], state))
-                   for i in parallel]
+        pool = graph._pool
+        if pool is None:
+            pool = graph._pool = ThreadPoolExecutor(thread_name_prefix=f"graph-{graph.name}")
+        futures = []
+        try:
+            for i in parallel:
+                # Each worker runs in a copy of this thread's context, so a timed-out caller's
+                # abandonment and the composites busy up the call chain follow the branch.
+                futures.append((i, pool.submit(in_copied_context(call_node), graph,
+                                               *admitted[i], state)))
+        except RuntimeError:
+            # No thread to be had (the pool was closed, or the sandbox's address-space cap,
+            # §13.2, left no room for a stack): the rest run below, one after another. Every
+            # branch already submitted is still joined, so none outlives its step.
+            pass
         for i, future in futures:
             outcomes[i] = future.result()
     for i, (node, message) in enumerate(admitted):
@@ -7158,7 +7270,7 @@ if jinja2 is not None:
           changed the context;
         - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
           folded at compile time), every call and every loop step ticks the render deadline
-          (run_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
+          (render_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
           would otherwise run for hours.
         INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
         rendering context holds the live context by reference, and a prompt that could call
@@ -7259,7 +7371,7 @@ def jinja_error_line(exc):
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return run_bounded(lambda: jinja_template(text).render(variables))
+        return render_bounded(lambda: jinja_template(text).render(variables))
     except TemplateError:
         raise
     except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
@@ -7422,7 +7534,7 @@ def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
     try:
-        run_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
+        render_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
                                                   out))
     except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
         raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
@@ -7511,7 +7623,7 @@ def simple_format(text, variables):
         if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
             raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
                                 section="9.2")
-        check_rendering(value)   # under render_simple's run_bounded: a SandboxAbort
+        check_rendering(value)   # under render_simple's render_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
@@ -7528,7 +7640,7 @@ def simple_format(text, variables):
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     try:
-        return run_bounded(lambda: _render_simple(text, variables, format_pass))
+        return render_bounded(lambda: _render_simple(text, variables, format_pass))
     except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
         raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
 
@@ -8841,7 +8953,7 @@ def _checked_result(value):
 TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
 
 
-def run_bounded(thunk, timeout=None):
+def render_bounded(thunk, timeout=None):
     """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
     RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
     with _SANDBOX_TURN, _MemoryCap():
@@ -9912,11 +10024,16 @@ class Actor:
         self.rt = rt
         self.network = network
         self.default_router = default_router
-        # What the current call has seen. The hooks are bare list.append, which is atomic, so
-        # graph branches on worker threads may emit too; each call starts the lists afresh.
+        # What the current call has seen; each call starts the lists afresh. Emissions happen
+        # on the calling thread (graph branches hand their results back, §6.7); the hooks are
+        # bare list.append, which is atomic, should a host hook emit from elsewhere.
         self._outputs, self._errors = [], []
         network.on_output(self._outputs.append)
         network.on_error(self._errors.append)
+        # One host call at a time: the stream network, its operators' state and the lists above
+        # are driven by one thread; calls from several host threads take turns (README
+        # Concurrency). Re-entrant, so a hook may call back in.
+        self._turn = threading.RLock()
 
     # -- one call: _begin(), act, then _end() returns what it emitted
     def _begin(self):
@@ -9939,40 +10056,45 @@ class Actor:
     def send(self, content, *, at=None, target=None):
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
-        outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
-        del outputs[:], errors[:]                           # send() is the hot path
-        if at is not None:
-            self.rt.clock.set_time(at)      # timers falling due on the way belong to this call
-        self.network.send(content, target=target)
-        if self.rt.clock.real:
-            self.network.settle()
-        result = Result(outputs[:], errors[:])
-        del outputs[:], errors[:]
-        return result
+        with self._turn:
+            outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
+            del outputs[:], errors[:]                           # send() is the hot path
+            if at is not None:
+                self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
+            self.network.send(content, target=target)
+            if self.rt.clock.real:
+                self.network.settle()
+            result = Result(outputs[:], errors[:])
+            del outputs[:], errors[:]
+            return result
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
-        self._begin()
-        self.rt.clock.advance(seconds)
-        return self._end()
+        with self._turn:
+            self._begin()
+            self.rt.clock.advance(seconds)
+            return self._end()
 
     def complete(self):
         """Complete __input__: buffers flush and reduce emits (§5.3.2)."""
-        self._begin()
-        self.network.complete()
-        return self._end()
+        with self._turn:
+            self._begin()
+            self.network.complete()
+            return self._end()
 
     def close(self):
-        """§12.1 step 8: dispose of subscriptions, agents and streams."""
-        self.network.close()
-        for graph in self.rt.graphs.values():
-            graph.close()
-        for agent in self.rt.agents.values():
-            close = getattr(agent, "close", None)     # composites own workers and wiring
-            if close is not None:
-                close()
-        self.rt.agents.clear()
-        self.rt.graphs.clear()
+        """§12.1 step 8: dispose of subscriptions, agents and streams (after the call in
+        progress, if any; a timed-out agent call still running is not waited for)."""
+        with self._turn:
+            self.network.close()
+            for graph in self.rt.graphs.values():
+                graph.close()
+            for agent in self.rt.agents.values():
+                close = getattr(agent, "close", None)     # composites own workers and wiring
+                if close is not None:
+                    close()
+            self.rt.agents.clear()
+            self.rt.graphs.clear()
 
     def __enter__(self):
         return self
@@ -9997,9 +10119,10 @@ class Actor:
 
     def resume(self, route):
         """Continue a graph run interrupted after its last checkpoint (restore() first)."""
-        self._begin()
-        self._graph(route).resume(self.rt.context)
-        return self._end()
+        with self._turn:
+            self._begin()
+            self._graph(route).resume(self.rt.context)
+            return self._end()
 
     # -- inspection (§4.11)
     def describe(self):

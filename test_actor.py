@@ -141,6 +141,21 @@ def test_map_matches_banners():
     assert not strays, strays
 
 
+def test_no_module_level_name_is_defined_twice():
+    """One of each (STYLE §6): a second top-level def, class or constant with the same name would
+    silently replace the first."""
+    import ast
+    import collections
+    tree = ast.parse((HERE / "actor.py").read_text(encoding="utf-8"))
+    names = collections.Counter()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names[node.name] += 1
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    assert [name for name, count in names.items() if count > 1] == []
+
+
 def test_every_cited_section_exists():
     import re
     if not (SHARED / "spec").exists():
