@@ -8811,9 +8811,8 @@ def run_code(unit, variables, *, timeout=1.0):
         if touched:
             raise SandboxAbort(f"inline code may not set the host-only context keys "
                                f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
-        for key, value in namespace.items():   # what the host renders later: result, context...
-            if key != "__builtins__":
-                _checked_result(value)
+        for key in SANDBOX_RENDERED_NAMES:   # what the host turns into text or keeps
+            _checked_result(namespace.get(key))
     _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
@@ -8923,6 +8922,10 @@ def _host_only_changed(before, root, new_root):
             else:
                 mapping[key] = value
     return bool(changed or gained or rebound)
+
+
+# The final names the host reads (§4.5.2, §4.5.7): the result, its fallbacks, the context.
+SANDBOX_RENDERED_NAMES = ("result", *INLINE_RESULT_FALLBACKS, "context")
 
 
 def _host_function(fn):
@@ -9377,9 +9380,30 @@ def _method_growth(obj, name, args, kwargs):
     return 0
 
 
+# Codecs written in C, which run in time linear in their input. Any other name would import a
+# module of the encodings package, and some of those are Python code with quadratic loops
+# (punycode of 10,000 distinct characters took 14 s, beyond any deadline).
+SANDBOX_CODECS = frozenset({
+    "utf-8", "utf8", "u8", "utf", "ascii", "us-ascii", "646", "latin-1", "latin1", "iso-8859-1",
+    "iso8859-1", "8859", "l1", "utf-16", "utf16", "utf-16-le", "utf-16le", "utf-16-be",
+    "utf-16be", "utf-32", "utf32", "utf-32-le", "utf-32le", "utf-32-be", "utf-32be",
+    "unicode-escape", "raw-unicode-escape",
+})
+
+
+def _check_codec(args, kwargs):
+    encoding = args[0] if args else kwargs.get("encoding", "utf-8")
+    if not isinstance(encoding, str) \
+            or encoding.strip().lower().replace("_", "-") not in SANDBOX_CODECS:
+        raise SandboxAbort(f"the codec {encoding!r} is not allowed in the sandbox "
+                           f"(utf-8, utf-16, utf-32, ascii, latin-1 and the escapes are)")
+
+
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
+    if name in ("encode", "decode"):
+        _check_codec(rest, kwargs)
     if name == "join" and rest and not isinstance(rest[0], (list, tuple, str)):
         rest = (list(rest[0]),) + rest[1:]   # materialise a generator once, under the budget
         args = (receiver,) + rest if receiver is not obj else rest
@@ -9389,7 +9413,7 @@ def guard_method(obj, name, *args, **kwargs):
 
 
 _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
-                              "extend", "to_bytes", "translate"})
+                              "extend", "to_bytes", "translate", "encode", "decode"})
 
 # Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
 _SANDBOX_GUARDS = {

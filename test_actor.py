@@ -4202,6 +4202,12 @@ SANDBOX_RUNAWAYS = {
     "deep-result": "a = []\nfor i in range(10**5):\n    a = [a]\nresult = a",
     "fstring-many-fields": "x = 'a' * 10**7\ny = f'{x}{x}{x}{x}{x}{x}{x}{x}{x}{x}'",
     "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # Codecs written in Python: punycode is quadratic (10,000 distinct characters took 14 s).
+    "punycode-codec":
+        "s = json.loads('\"' + ''.join(['\\\\u%04x' % (0x4e00 + i) for i in range(20000)]) + '\"')\n"
+        "x = s.encode('punycode')",
+    "idna-codec-unbound": "x = str.encode('a' * 10**6, 'idna')",
+    "codec-by-keyword": "x = b'abc'.decode(encoding='punycode')",
     # Lazy iterators chained 60,000 deep recursed in C without a depth check: a segfault.
     "generator-expression-chain": "z = [1]\nfor i in range(60000):\n    z = (x for x in z)\nresult = list(z)",
     "generator-inner-clause-chain":
@@ -4651,6 +4657,15 @@ def test_sandbox_lazy_iterator_controls():
     assert ns["result"] == ([2, 4], [("a", 1), ("b", 2)], [(1, "a"), (2, "b")], 10,
                             {"a": "c", "b": "d"}, [90], "eager")
     assert actor.compile_expression("lambda x: sum(c.isupper() for c in x)")("aBcD") == 2
+
+
+def test_sandbox_codec_controls():
+    ns = sandbox_run("big = [0] * 10**6\nlines = ('ab' * 5000000).split('a')\n"
+                     "result = ('\u00e9'.encode(), '\u00e9'.encode('UTF_8'), b'a'.decode(encoding='ascii'),\n"
+                     "          'a'.encode('latin-1', 'strict'), b'a'.decode(), '\u00e9'.encode('utf-16-le'))")
+    assert ns["result"] == (b"\xc3\xa9", b"\xc3\xa9", "a", b"a", "a", b"\xe9\x00")
+    with pytest.raises(actor.ConfigurationError):   # a guarded method taken without calling it
+        actor.compile_code("f = 'a'.encode")
 
 
 def test_sandbox_fstring_and_printf_controls():
