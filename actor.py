@@ -7295,6 +7295,9 @@ if jinja2 is not None:
             guard_loop()
             if __obj is str.format or __obj is str.format_map:
                 raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
+            if getattr(__obj, "__name__", None) in ("encode", "decode") \
+                    and isinstance(getattr(__obj, "__self__", None), (str, bytes)):
+                _check_codec(args, kwargs)   # codecs written in Python run past the deadline
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):

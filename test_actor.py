@@ -4774,6 +4774,7 @@ JINJA_SSTI = {
     "round-long-division": "{{ round(int('f' * 10**7, 16), -10**6) }}",
     "sum-concatenation": "{{ sum([[0] * 1000] * 10000, []) }}",
     "sum-filter-concatenation": "{{ ([[0] * 1000] * 10000)|sum(start=[]) }}",
+    "python-codec": "{{ 'abc'.encode('punycode') }}",
 }
 
 
