@@ -1135,26 +1135,53 @@ TOOL_CAPABILITIES = {
 }
 
 
-class ToolEnv:
-    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+class ToolLimits:
+    """The fixed side of a tool call, settled once per agent (§4.5): safe_mode, allow_shell,
+    timeout, the agent's persistent `context` (or None for a caller without one), and the name
+    a tool failure carries."""
 
-    __slots__ = ("rt", "ctx", "view", "safe_mode", "allow_shell", "timeout", "who")
+    __slots__ = ("safe_mode", "allow_shell", "timeout", "context", "who")
 
-    def __init__(self, rt, ctx, *, view=None, safe_mode=True, allow_shell=False, timeout=1,
-                 who="tool"):
-        self.rt = rt
-        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
-        self.view = self.ctx if view is None else view      # agent context + invocation context
+    def __init__(self, *, safe_mode=True, allow_shell=False, timeout=1, context=None, who="tool"):
         self.safe_mode = safe_mode
         self.allow_shell = allow_shell
         self.timeout = timeout
+        self.context = context
         self.who = who
+
+
+class ToolEnv:
+    """What one tool call may reach: the runtime, the invocation context and the agent's limits."""
+
+    __slots__ = ("rt", "ctx", "limits", "_view")
+
+    def __init__(self, rt, ctx, limits):
+        self.rt = rt
+        self.ctx = ctx if isinstance(ctx, dict) else {}     # the invocation context (host keys)
+        self.limits = limits
+        self._view = None
+
+    safe_mode = property(lambda self: self.limits.safe_mode)
+    allow_shell = property(lambda self: self.limits.allow_shell)
+    timeout = property(lambda self: self.limits.timeout)
+    who = property(lambda self: self.limits.who)
+
+    @property
+    def view(self):
+        """The agent context overlaid by the invocation context (invocation wins, Q79).
+
+        Merged when a tool first reads it (most built-ins never do); a tool reads it before
+        changing anything, so it is the mapping a merge at the start of the call would give."""
+        if self._view is None:
+            base = self.limits.context
+            self._view = self.ctx if base is None else {**base, **self.ctx}
+        return self._view
 
     def fail(self, message, section="4.5"):
         """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
         # INTERPRETATION §4.5.1 (Q65): every tool failure, rejection or operational, is an
         # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
-        return ExecutionError(message, path=self.who, section=section)
+        return ExecutionError(message, path=self.limits.who, section=section)
 
     @property
     def unsafe_invocation(self):
@@ -1222,6 +1249,13 @@ class ToolAgent:
             self.capabilities.append("command-execution")
         self.metadata = agent_metadata(self, tools=list(self.tools), allow_shell=self.allow_shell,
                                        safe_mode=self.safe_mode, timeout=self.timeout)
+        # Settled once here, read by every request (§4.5.3): the only tool when there is exactly
+        # one, whether that one is inline code, and the name tool failures carry.
+        self.sole_tool = next(iter(self.tools)) if len(self.tools) == 1 else None
+        self.sole_inline = self.sole_tool is not None and self.tools[self.sole_tool] is not None
+        self.who = f"agent '{name}' (tool)"
+        self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
+                                 timeout=self.timeout, context=self.context, who=self.who)
 
     def _add_tool(self, entry, path):
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
@@ -1262,15 +1296,6 @@ class ToolAgent:
                            "4.5.2")
         self.tools[name] = tool
 
-    def env(self, ctx):
-        """The ToolEnv of one invocation: the agent's limits plus the merged context view."""
-        ctx = ctx if isinstance(ctx, dict) else {}
-        view = dict(self.context)
-        view.update(ctx)
-        return ToolEnv(self.rt, ctx, view=view, safe_mode=self.safe_mode,
-                       allow_shell=self.allow_shell, timeout=self.timeout,
-                       who=f"agent '{self.name}' (tool)")
-
     def invoke(self, content, ctx):
         """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
         name, args, input_data = tool_request(self, content)
@@ -1278,13 +1303,13 @@ class ToolAgent:
 
     def run_tool(self, name, args, ctx, *, input_data=None):
         """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
-        env = self.env(ctx)
-        if name not in self.tools:
+        env = ToolEnv(self.rt, ctx, self.limits)
+        inline = self.tools.get(name)
+        if inline is None and name not in self.tools:
             if name == "shell" and self.allow_shell:
                 pass                              # §13.5: allow_shell makes `shell` available
             else:
                 raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
-        inline = self.tools.get(name)
         if inline is not None:
             if input_data is None:
                 input_data = inline_input(args)
@@ -1302,7 +1327,7 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
     if isinstance(agent, ToolAgent):
         return agent.run_tool(name, args, ctx)
     who = f"agent '{agent.name}'" if getattr(agent, "name", None) else "tool"
-    env = ToolEnv(rt, ctx, who=who)
+    env = ToolEnv(rt, ctx, ToolLimits(who=who))
     handler = BUILTIN_TOOLS.get(name)
     if handler is None:
         raise env.fail(f"unknown tool '{name}'", "12.4")
@@ -1314,13 +1339,11 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
 
 def tool_args(raw):
     """Normalise a request's `args`: a mapping stays, a list becomes {"args": list}."""
-    if raw is None:
-        return {}
-    if isinstance(raw, dict):
-        return dict(raw)
     if isinstance(raw, (list, tuple)):
         return {"args": list(raw)}
-    return {"args": [raw]}
+    if isinstance(raw, dict):
+        return dict(raw)
+    return {} if raw is None else {"args": [raw]}
 
 
 def tool_argument(args, name, index=0):
@@ -1339,7 +1362,9 @@ def tool_rest(args, name):
         return args[name]
     positional = args.get("args")
     if isinstance(positional, list) and positional:
-        return " ".join(str(item) for item in positional)
+        if len(positional) == 1 and type(positional[0]) is str:
+            return positional[0]                 # one plain string: the join would give it back
+        return " ".join(map(str, positional))
     return None
 
 
@@ -1657,12 +1682,12 @@ def tool_request(agent, content):
     Step 5 (the name must be an allowed tool) is checked when the tool is run.
     """
     tools = agent.tools
-    text = message_text(content)
+    text = content if isinstance(content, str) else message_text(content)
     # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
-    if len(tools) == 1 and next(iter(tools.values())) is not None:
-        return next(iter(tools)), None, text
+    if agent.sole_inline:
+        return agent.sole_tool, None, text
     parsed = content if isinstance(content, dict) else None
     # Only text whose first non-blank character is "{" can decode to a mapping with a `tool` key;
     # anything else reaches the command form without paying for a failed json.loads.
@@ -1673,23 +1698,23 @@ def tool_request(agent, content):
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
                 raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
-                                     path=f"agent '{agent.name}' (tool)", section="4.5.3") from None
+                                     path=agent.who, section="4.5.3") from None
     if isinstance(parsed, dict) and "tool" in parsed:
         name = parsed["tool"]
         if not isinstance(name, str):
             raise ExecutionError("the `tool` key of a tool request must be a tool name",
-                                 path=f"agent '{agent.name}' (tool)", section="4.5.3")
+                                 path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
     # INTERPRETATION §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
     # form, as written.
     words = text.split()
     name = words[0] if words else ""
-    if name not in tools and name not in BUILTIN_TOOLS and name not in EXTENSION_TOOLS \
-            and len(tools) == 1:
+    if agent.sole_tool is not None and name not in tools and name not in BUILTIN_TOOLS \
+            and name not in EXTENSION_TOOLS:
         # INTERPRETATION §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
         # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
         # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
-        return next(iter(tools)), [text], text
+        return agent.sole_tool, [text], text
     return name, words[1:], " ".join(words[1:])
 
 # §4.5.4 Safe-mode restrictions ------------------------------------------------------------
@@ -4369,14 +4394,15 @@ class GraphRoute:
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+        who = f"graph '{self.name}'"
         while results and trace.stopped is None:
             frontier = self._next_nodes(results)
             if not frontier:
                 break
             # A run inside a timed-out call stops here instead of stepping on (§5.3.4).
-            check_not_abandoned(f"graph '{self.name}'", "6.7")
+            check_not_abandoned(who, "6.7")
             results = self._step(frontier, trace)
-        check_not_abandoned(f"graph '{self.name}'", "6.7")
+        check_not_abandoned(who, "6.7")
         replace_active_context(self.state, target_ctx)
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
@@ -4446,6 +4472,9 @@ class GraphRoute:
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left.
+        if len(results) == 1 and results[0][0].plain_next is not None:
+            node, output = results[0]           # the common case: one edge, no condition
+            return [] if node.plain_next.name == END_NODE else [(node.plain_next, output)]
         frontier, taken = [], set()
         state = self.state
         for node, output in results:
@@ -4571,7 +4600,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "out", "executions", "path")
+                 "out", "plain_next", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4594,6 +4623,7 @@ class GraphNode:
         self.graph = cfg.get("graph")
         self.routes_only_to_router = False          # set by the §6.11 analysis
         self.out = []                               # the edges leaving this node (§6.11)
+        self.plain_next = None                      # the target of a lone unconditional edge
         self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
@@ -4601,19 +4631,20 @@ class NodeResult:
     """What a node handler returns; GraphRoute._apply turns it into one state update.
 
     output: the text passed on along the edges; metadata: keys written to state.metadata (the
-    node's value wins); set_state: merged into state.metadata (§6.2.6.3); messages: appended to
-    state.messages; last_content: new content for the last state message (§6.2.6.4).
+    node's value wins); messages: appended to state.messages; removed: keys taken out of
+    state.metadata; set_state: merged into state.metadata (§6.2.6.3); last_content: new content
+    for the last state message (§6.2.6.4).
     """
 
-    __slots__ = ("output", "metadata", "set_state", "messages", "last_content", "removed")
+    __slots__ = ("output", "metadata", "messages", "removed", "set_state", "last_content")
 
-    def __init__(self, output, metadata=None, set_state=None, messages=None, last_content=None,
-                 removed=None):
+    def __init__(self, output, metadata=None, messages=None, removed=None, set_state=None,
+                 last_content=None):
         self.output = output
-        self.removed = removed
         self.metadata = metadata
-        self.set_state = set_state
         self.messages = messages
+        self.removed = removed
+        self.set_state = set_state
         self.last_content = last_content
 
 
@@ -4665,7 +4696,10 @@ def trim_history(messages, max_messages, max_chars, end=None):
     """§6.2.2.1: the newest `max_messages` of messages[:end] whose contents total at most
     `max_chars` characters."""
     end = len(messages) if end is None else end
-    history = messages[max(0, end - max_messages):end] if max_messages > 0 else []
+    if max_messages <= 0:
+        history = []
+    else:
+        history = messages[end - max_messages if end > max_messages else 0:end]
     try:                                     # the common case: string contents within budget
         if len("".join(map(_message_content, history))) <= max_chars:
             return history
@@ -4739,9 +4773,6 @@ def agent_node_context(node, state, message):
     """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     nested = metadata.get("context")
-    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key.
-    ctx = dict(nested) if isinstance(nested, dict) else {}
-    ctx.update(metadata)
     messages = state["messages"]
     # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
     # receives; when the newest state message is that message, it is the input, not history.
@@ -4749,17 +4780,20 @@ def agent_node_context(node, state, message):
     if end and messages[-1].get("content") == message:
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
-    # graph_state is a picture of the state (§6.2.2 item 2): its own metadata dict, so that an
-    # agent writing into it cannot reach the live state, nor a parallel sibling's view (§6.7).
-    ctx["graph_state"] = {"messages": history, "metadata": dict(metadata),
-                          "current_node": state["current_node"],
-                          "execution_count": state["execution_count"], "error": state["error"]}
-    ctx["conversation_history"] = history
-    ctx["full_context"] = True
+    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
+    # keys the node adds win over both. graph_state is a picture of the state (§6.2.2 item 2):
+    # its own metadata dict, so that an agent writing into it cannot reach the live state, nor
+    # a parallel sibling's view (§6.7).
+    ctx = {**(nested if isinstance(nested, dict) else {}), **metadata,
+           "graph_state": {"messages": history, "metadata": dict(metadata),
+                           "current_node": state["current_node"],
+                           "execution_count": state["execution_count"], "error": state["error"]},
+           "conversation_history": history,
+           "full_context": True}
     if len(history) < end:
         ctx["_history_truncated"] = True
         ctx["_history_original_length"] = end
-    return NodeContext(ctx)
+    return NodeContext(ctx)             # from here on, the agent's writes are noted
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4789,7 +4823,10 @@ def node_agent(graph, node, message, state):
     while True:
         ctx = agent_node_context(node, state, message)
         try:
-            reply = invoke_with_timeout(agent, message, ctx, node.timeout)
+            if node.timeout is None:
+                reply = agent.invoke(message, ctx)
+            else:
+                reply = invoke_with_timeout(agent, message, ctx, node.timeout)
             break
         except Exception as exc:
             if attempt >= node.retries or call_abandoned():     # a zombie never tries again
@@ -4801,11 +4838,10 @@ def node_agent(graph, node, message, state):
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
     reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = ctx.changes()
+    changes, removed = ctx.changes() if ctx.touched else ({}, ())     # most agents write nothing
     changes["last_agent_node"] = node.name                     # §6.2.2 item 4
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
-    return NodeResult(reply, metadata=changes, messages=[{"role": "assistant", "content": reply}],
-                      removed=removed or None)
+    return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
@@ -5454,6 +5490,7 @@ def analyse_graph(graph):
                       + ", ".join(result.unreachable), section="6.11", path=graph.path)
     for name, node in nodes.items():
         node.out = out = result.forward[name]                                 # for stepping
+        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
         node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
     return result
 

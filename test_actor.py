@@ -3252,8 +3252,59 @@ def test_graph_bench_linear_ten_nodes():
     overhead = best["graph"] - best["floor"]
     print(f"\n[graphs bench] ToolAgent(echo) x10: floor {best['floor']:.2f} us/node, graph "
           f"{best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
-          f"{best['graph'] / best['floor']:.1f}x the floor; a compiled LangGraph StateGraph "
-          f"spends ~150 us/node ({150 / best['graph']:.0f}x this)")
+          f"{best['graph'] / best['floor']:.1f}x the floor (LangGraph: see "
+          f"test_graph_bench_against_langgraph_state_graph)")
+
+
+@pytest.mark.bench
+def test_graph_bench_against_langgraph_state_graph():
+    """Issue 6: the same 10-node linear chain of ToolAgent(echo) calls as a compiled LangGraph
+    StateGraph and as a graph route; prints both per-node costs and the ratio (the issue asks for
+    at least 30x). Skipped when langgraph is not importable; timings are not asserted."""
+    lg = pytest.importorskip("langgraph.graph")
+    from typing import TypedDict
+    import time as _time
+    names = [f"n{i}" for i in range(10)]
+    cfg = linear(*names, **{n: {"agent": "echo"} for n in names})
+    data = {"agents": {"echo": {"type": "tool", "config": {"tools": ["echo"]}}},
+            "routes": {"main": cfg}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {"echo": actor.ToolAgent("echo", data["agents"]["echo"], rt, ("agents", "echo"))}
+    graph = actor.GraphRoute("main", cfg, rt)
+    agent = rt.agents["echo"]
+
+    class State(TypedDict):
+        text: str
+
+    def lg_node(state):                          # one agent call per node, as in the graph route
+        return {"text": "echo " + agent.invoke(state["text"], {})}
+
+    builder = lg.StateGraph(State)
+    for name in names:
+        builder.add_node(name, lg_node)
+    builder.add_edge(lg.START, names[0])
+    for a, b in zip(names, names[1:]):
+        builder.add_edge(a, b)
+    builder.add_edge(names[-1], lg.END)
+    compiled = builder.compile()
+    assert compiled.invoke({"text": "echo hi"})["text"] == "echo hi"
+    assert graph.run("echo hi", {}).output == "hi"
+
+    def per_node(fn, rounds, repeats):
+        fn()                                     # warm up
+        best = float("inf")
+        for _ in range(repeats):
+            started = _time.perf_counter()
+            for _i in range(rounds):
+                fn()
+            best = min(best, _time.perf_counter() - started)
+        return best / (rounds * len(names)) * 1e6
+
+    langgraph_us = per_node(lambda: compiled.invoke({"text": "echo hi"}), 100, 5)
+    actor_us = per_node(lambda: graph.run("echo hi", {}), 1000, 7)
+    print(f"\n[graphs bench] 10 ToolAgent(echo) nodes: LangGraph compiled StateGraph "
+          f"{langgraph_us:.1f} us/node, actor.py graph route {actor_us:.2f} us/node, ratio "
+          f"{langgraph_us / actor_us:.1f}x (issue 6 asks for >= 30x)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
