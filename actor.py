@@ -7325,9 +7325,10 @@ if jinja2 is not None:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
           configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
           `context.<key>` always means the key);
-        - the unbound `str.format`/`str.format_map` (reached through the §8.3 `str` built-in)
-          are refused: jinja2 only wraps the bound form, and a format string walks attributes
-          ('{0.__init__.__globals__[os].environ}' read the process environment);
+        - unbound methods of classes (reached through the §8.3 `str`, `dict`, `list`... built-ins)
+          are refused: jinja2 checks the bound forms only, so str.format('{0.__init__.__globals__
+          [os].environ}', cycler) read the process environment and dict.update(context, {...})
+          changed the context;
         - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
           folded at compile time), every call and every loop step ticks the render deadline
           (render_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
@@ -7345,7 +7346,9 @@ if jinja2 is not None:
             return super().getattr(obj, attribute)
 
         def is_safe_attribute(self, obj, attr, value):
-            if attr in ("format", "format_map") and isinstance(obj, type):
+            # An unbound method takes any receiver, past every check jinja2 makes on the
+            # instance: str.format(...), dict.update(context, ...), list.append(items, ...).
+            if isinstance(obj, type) and isinstance(value, _UNBOUND_METHODS):
                 return False
             return super().is_safe_attribute(obj, attr, value)
 
@@ -7353,6 +7356,9 @@ if jinja2 is not None:
             guard_loop()
             if __obj is str.format or __obj is str.format_map:
                 raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
+            if getattr(__obj, "__name__", None) in ("encode", "decode") \
+                    and isinstance(getattr(__obj, "__self__", None), (str, bytes)):
+                _check_codec(args, kwargs)   # codecs written in Python run past the deadline
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
@@ -7369,6 +7375,7 @@ if jinja2 is not None:
 
 
 _GENERATOR = type(item for item in ())
+_UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
 
 def template_materialized(fn):
@@ -8653,9 +8660,11 @@ class _Budget:
 
     __slots__ = ("timeout", "deadline")
 
-    def __init__(self, timeout):
+    def __init__(self, timeout, outer=None):
         self.timeout = 1.0 if timeout is None else float(timeout)
         self.deadline = time.monotonic() + self.timeout
+        if outer is not None and outer.deadline < self.deadline:   # a nested run (a SIMPLE
+            self.timeout, self.deadline = outer.timeout, outer.deadline   # {{ }} in a render)
 
 
 # Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
@@ -8790,7 +8799,7 @@ def _run_sandboxed(thunk, timeout, label, filename):
     """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
     with _SANDBOX_TURN, _MemoryCap():
         previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(timeout)
+        _SANDBOX_LOCAL.budget = _Budget(timeout, previous)
         try:
             return thunk()
         except SandboxAbort as abort:
@@ -8855,18 +8864,19 @@ def run_code(unit, variables, *, timeout=1.0):
     namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
                  for key, value in variables.items()}
     namespace["__builtins__"] = unit.builtins
-    host_keys = _host_only_values(variables.get("context"))
+    context = variables.get("context")
+    host_keys = _host_only_state(context)
 
     def thunk():
-        exec(unit.code, namespace)
-        after = _host_only_values(namespace.get("context"))
-        if after is not host_keys and (after is None or host_keys is None or any(
-                a is not b for a, b in zip(after, host_keys))):
+        try:
+            exec(unit.code, namespace)
+        finally:   # also after a limit or an error: the host's values are put back
+            touched = _host_only_changed(host_keys, context, namespace.get("context"))
+        if touched:
             raise SandboxAbort(f"inline code may not set the host-only context keys "
                                f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
-        for key, value in namespace.items():   # what the host renders later: result, context...
-            if key != "__builtins__":
-                _checked_result(value)
+        for key in SANDBOX_RENDERED_NAMES:   # what the host turns into text or keeps
+            _checked_result(namespace.get(key))
     _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
     return {key: value for key, value in namespace.items() if key != "__builtins__"}
 
@@ -8931,11 +8941,55 @@ def eval_expression_text(source, names, timeout=1.0):
 # INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
 # says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
 # changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
-def _host_only_values(context):
-    """The host-only keys of a context, by identity (what the body must leave as it found)."""
-    if not isinstance(context, dict):
-        return None
-    return [context.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+# Nested mappings count too: in a graph node the context holds the live global context and the
+# state's metadata (later nodes' invocation context) by reference.
+def _host_only_values(mapping):
+    return [mapping.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
+
+
+def _host_only_state(root):
+    """id -> (mapping, its host-only values) for every dict reachable from `root` holding one."""
+    found, seen, stack = {}, set(), [root]
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            if any(key in value for key in HOST_ONLY_CONTEXT_KEYS):
+                found[id(value)] = (value, _host_only_values(value))
+            stack.extend(value.values())
+        else:
+            stack.extend(value)
+    return found
+
+
+def _host_only_changed(before, root, new_root):
+    """True when a mapping that held host-only keys holds other values now, or a mapping gained
+    some (unless it is a copy of the context the body was given: same values, same objects), or
+    the body rebound `context` to a mapping without the given values. The host's values are
+    then put back, since the checks run after the body and nested mappings are live."""
+    def same(values, expected):
+        return all(a is b for a, b in zip(values, expected))
+    given = before.get(id(root), (None, [_SAME] * len(HOST_ONLY_CONTEXT_KEYS)))[1]
+    changed = [(mapping, values) for mapping, values in before.values()
+               if not same(_host_only_values(mapping), values)]
+    gained = [(mapping, [_SAME] * len(values))
+              for key, (mapping, values) in _host_only_state(new_root).items()
+              if key not in before and not same(values, given)]
+    rebound = new_root is not root and isinstance(new_root, dict) \
+        and not same(_host_only_values(new_root), given)
+    for mapping, values in changed + gained:
+        for key, value in zip(HOST_ONLY_CONTEXT_KEYS, values):
+            if value is _SAME:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = value
+    return bool(changed or gained or rebound)
+
+
+# The final names the host reads (§4.5.2, §4.5.7): the result, its fallbacks, the context.
+SANDBOX_RENDERED_NAMES = ("result", *INLINE_RESULT_FALLBACKS, "context")
 
 
 def _host_function(fn):
@@ -8971,7 +9025,8 @@ def render_bounded(thunk, timeout=None):
     RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
     with _SANDBOX_TURN, _MemoryCap():
         previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout)
+        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout,
+                                        previous)
         try:
             return thunk()
         except SandboxAbort as abort:
@@ -9389,9 +9444,30 @@ def _method_growth(obj, name, args, kwargs):
     return 0
 
 
+# Codecs written in C, which run in time linear in their input. Any other name would import a
+# module of the encodings package, and some of those are Python code with quadratic loops
+# (punycode of 10,000 distinct characters took 14 s, beyond any deadline).
+SANDBOX_CODECS = frozenset({
+    "utf-8", "utf8", "u8", "utf", "ascii", "us-ascii", "646", "latin-1", "latin1", "iso-8859-1",
+    "iso8859-1", "8859", "l1", "utf-16", "utf16", "utf-16-le", "utf-16le", "utf-16-be",
+    "utf-16be", "utf-32", "utf32", "utf-32-le", "utf-32le", "utf-32-be", "utf-32be",
+    "unicode-escape", "raw-unicode-escape",
+})
+
+
+def _check_codec(args, kwargs):
+    encoding = args[0] if args else kwargs.get("encoding", "utf-8")
+    if not isinstance(encoding, str) \
+            or encoding.strip().lower().replace("_", "-") not in SANDBOX_CODECS:
+        raise SandboxAbort(f"the codec {encoding!r} is not allowed in the sandbox "
+                           f"(utf-8, utf-16, utf-32, ascii, latin-1 and the escapes are)")
+
+
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
+    if name in ("encode", "decode"):
+        _check_codec(rest, kwargs)
     if name == "join" and rest and not isinstance(rest[0], (list, tuple, str)):
         rest = (list(rest[0]),) + rest[1:]   # materialise a generator once, under the budget
         args = (receiver,) + rest if receiver is not obj else rest
@@ -9401,7 +9477,7 @@ def guard_method(obj, name, *args, **kwargs):
 
 
 _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
-                              "extend", "to_bytes", "translate"})
+                              "extend", "to_bytes", "translate", "encode", "decode"})
 
 # Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
 _SANDBOX_GUARDS = {

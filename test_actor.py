@@ -4618,6 +4618,7 @@ SANDBOX_ESCAPES = {
     "builtin-attribute-augmented": "sum.n += 1",
     "builtin-attribute-delete": "del range.x",
     "attribute-loop-target": "for type.x in [context]:\n    pass",
+    "json-error-class-attribute-store": "json.JSONDecodeError.msg = 'poisoned'",
 }
 
 
@@ -4761,6 +4762,12 @@ SANDBOX_RUNAWAYS = {
     "deep-result": "a = []\nfor i in range(10**5):\n    a = [a]\nresult = a",
     "fstring-many-fields": "x = 'a' * 10**7\ny = f'{x}{x}{x}{x}{x}{x}{x}{x}{x}{x}'",
     "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # Codecs written in Python: punycode is quadratic (10,000 distinct characters took 14 s).
+    "punycode-codec":
+        "s = json.loads('\"' + ''.join(['\\\\u%04x' % (0x4e00 + i) for i in range(20000)]) + '\"')\n"
+        "x = s.encode('punycode')",
+    "idna-codec-unbound": "x = str.encode('a' * 10**6, 'idna')",
+    "codec-by-keyword": "x = b'abc'.decode(encoding='punycode')",
     # Lazy iterators chained 60,000 deep recursed in C without a depth check: a segfault.
     "generator-expression-chain": "z = [1]\nfor i in range(60000):\n    z = (x for x in z)\nresult = list(z)",
     "generator-inner-clause-chain":
@@ -5212,6 +5219,15 @@ def test_sandbox_lazy_iterator_controls():
     assert actor.compile_expression("lambda x: sum(c.isupper() for c in x)")("aBcD") == 2
 
 
+def test_sandbox_codec_controls():
+    ns = sandbox_run("big = [0] * 10**6\nlines = ('ab' * 5000000).split('a')\n"
+                     "result = ('\u00e9'.encode(), '\u00e9'.encode('UTF_8'), b'a'.decode(encoding='ascii'),\n"
+                     "          'a'.encode('latin-1', 'strict'), b'a'.decode(), '\u00e9'.encode('utf-16-le'))")
+    assert ns["result"] == (b"\xc3\xa9", b"\xc3\xa9", "a", b"a", "a", b"\xe9\x00")
+    with pytest.raises(actor.ConfigurationError):   # a guarded method taken without calling it
+        actor.compile_code("f = 'a'.encode")
+
+
 def test_sandbox_fstring_and_printf_controls():
     ns = sandbox_run("n = 3\nresult = (f'a{n!r:>{n}}b{n:{n}d}', f'', '%(a)s-%(a)s' % {'a': 'x'})")
     assert ns["result"] == ("a  3b  3", "", "x-x")
@@ -5239,6 +5255,28 @@ def test_sandbox_progress_bar_arguments_are_size_checked(capsys):
     assert [m.content for m in a.send("next").outputs] == [
         "████████████░░░░░░░░░░░░ 50.0% (1/2) s"]
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("source", [
+    "context['context']['_unsafe_mode'] = True",
+    "context['graph_state']['metadata']['_unsafe_mode'] = True",
+    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
+    "context['context']['_unsafe_mode'] = True\nx = 1 // 0",
+    "del context['context']['_unsafe_mode']",
+    "context['items'] = [{'_temperature_override': 9}]"])
+def test_sandbox_host_only_keys_of_nested_contexts_are_restored(source):
+    """In a graph node the context holds the live global context and the state's metadata (the
+    next nodes' invocation context): host-only keys there are the host's too, and are put back
+    even when the body fails for another reason first."""
+    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
+    context = {"_unsafe_mode": False, "context": glob, "graph_state": {"metadata": metadata}}
+    with pytest.raises(actor.ExecutionError):
+        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
+    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
+    assert "items" not in context or context["items"] == [{}]
+    copy = actor.run_code(actor.compile_code("context['copy'] = dict(context['context'])\n"
+                                             "result = 1"), sandbox_vars(context=context))
+    assert copy["result"] == 1
 
 
 @pytest.mark.parametrize("source", [
@@ -5287,11 +5325,16 @@ JINJA_SSTI = {
     "context-pop": "{{ context.pop('sentinel') }}",
     "context-setdefault": "{% set x = context.setdefault('_unsafe_mode', True) %}x",
     "nested-list-append": "{{ context.items_list.append(1) }}",
+    "unbound-dict-update": "{{ dict.update(context, {'_unsafe_mode': True}) }}",
+    "unbound-dict-clear": "{{ dict.clear(context) }}",
+    "unbound-list-append": "{{ list.append(context.items_list, 1) }}",
+    "unbound-method-attr-filter": "{{ (dict|attr('pop'))(context, 'sentinel') }}",
     "power-tower": "{{ 10 ** 100000000 }}",
     "string-repetition": "{{ 'a' * 10**10 }}",
     "round-long-division": "{{ round(int('f' * 10**7, 16), -10**6) }}",
     "sum-concatenation": "{{ sum([[0] * 1000] * 10000, []) }}",
     "sum-filter-concatenation": "{{ ([[0] * 1000] * 10000)|sum(start=[]) }}",
+    "python-codec": "{{ 'abc'.encode('punycode') }}",
 }
 
 
