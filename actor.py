@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextvars
 import copy
 import datetime
 import email.utils
@@ -3481,7 +3482,6 @@ ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reaso
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
 
 
-import contextvars  # noqa: E402  [streams] bounded calls only (the integrator may hoist it)
 
 
 class _AgentTimedOut(Exception):
