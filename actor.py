@@ -3652,7 +3652,9 @@ def agent_mapper(site, name, down):
     attempt = with_retries if retries else call
 
     def on_next(msg):
-        ctx = resolve_context(msg, rt)
+        ctx = msg.metadata.get("context")
+        if not isinstance(ctx, dict):       # the usual case, a context dict, needs no call
+            ctx = resolve_context(msg, rt)
         try:
             reply = attempt(msg.content, ctx)
         except _AgentTimedOut as timed_out:
@@ -3945,7 +3947,11 @@ class StreamNetwork:
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
         self._single_shot = single_shot
-        self.strip = routing_prefix_pattern(getattr(rt, "routing_prefixes", None))
+        extra_prefixes = getattr(rt, "routing_prefixes", None)
+        self.strip = routing_prefix_pattern(extra_prefixes)
+        # Every token the pattern matches begins with one of these literal prefixes, so content
+        # starting with none of them (nearly all) needs no regex match (§12.5).
+        self.strip_heads = tuple(ROUTING_PREFIXES) + tuple(extra_prefixes or ())
         routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
         # §6.9: a document whose every route is a graph runs in pure graph mode.
         self.pure = bool(routes) and all(route_type(c) == "graph" for c in routes.values())
@@ -4141,7 +4147,7 @@ class StreamNetwork:
         self.nodes[ERROR].push(msg.copy())
 
     def _to_output(self, msg):
-        if isinstance(msg.content, str):
+        if isinstance(msg.content, str) and msg.content.startswith(self.strip_heads):
             match = self.strip.match(msg.content)
             if match:
                 msg = msg.copy(content=msg.content[match.end():])
