@@ -4425,10 +4425,13 @@ class GraphRoute:
             frontier = self._next_nodes(results)
             if not frontier:
                 break
-            # A run inside a timed-out call stops here instead of stepping on (§5.3.4).
-            check_not_abandoned(who, "6.7")
+            # A run inside a timed-out call stops here instead of stepping on (§5.3.4). Outside
+            # any bounded call (no timeout up the chain) there is nothing to have been abandoned.
+            if _BOUNDED_CALL.get() is not None:
+                check_not_abandoned(who, "6.7")
             results = self._step(frontier, trace)
-        check_not_abandoned(who, "6.7")
+        if _BOUNDED_CALL.get() is not None:
+            check_not_abandoned(who, "6.7")
         replace_active_context(self.state, target_ctx)
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
@@ -4492,7 +4495,7 @@ class GraphRoute:
         if result is None:
             return output, False
         trace.output = output
-        return output, guard_after_node(self, node, output, trace, relaxed)
+        return output, node.guarded_after and guard_after_node(self, node, output, trace, relaxed)
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
@@ -4626,7 +4629,7 @@ class GraphNode:
     __slots__ = ("name", "type", "cfg", "handler", "parallel", "is_router", "agent", "retries",
                  "retry_delay", "timeout", "max_history_messages", "max_history_chars",
                  "rules", "function", "tools", "condition", "graph", "routes_only_to_router",
-                 "out", "plain_next", "executions", "path")
+                 "out", "plain_next", "guarded_after", "executions", "path")
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
@@ -4650,6 +4653,7 @@ class GraphNode:
         self.routes_only_to_router = False          # set by the §6.11 analysis
         self.out = []                               # the edges leaving this node (§6.11)
         self.plain_next = None                      # the target of a lone unconditional edge
+        self.guarded_after = False                  # whether a §6.8 item 3/4 guard applies here
         self.executions = 0                         # how often it ran (§12.2.1 execution_count)
 
 
@@ -5522,6 +5526,11 @@ def analyse_graph(graph):
         node.out = out = result.forward[name]                                 # for stepping
         node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
         node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
+    # §6.8 items 3-4 watch agent nodes only: ping-pong needs router nodes in the graph, and
+    # return-without-routing a node whose one edge leads to a router.
+    has_routers = any(node.is_router for node in nodes.values())
+    for node in nodes.values():
+        node.guarded_after = node.type == "agent" and (has_routers or node.routes_only_to_router)
     return result
 
 
