@@ -10161,14 +10161,16 @@ class Actor:
         to quiescence."""
         with self._turn:
             outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
-            del outputs[:], errors[:]                           # send() is the hot path
+            outputs.clear()                                     # send() is the hot path
+            errors.clear()
             if at is not None:
                 self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
             self.network.send(content, target=target)
             if self.rt.clock.real:
                 self.network.settle()
-            result = Result(outputs[:], errors[:])
-            del outputs[:], errors[:]
+            result = Result(outputs.copy(), errors.copy())
+            outputs.clear()
+            errors.clear()
             return result
 
     def advance(self, seconds):
