@@ -241,17 +241,24 @@ class Message:
         Keyword arguments replace fields of the copy (a given `metadata` is used as is).
         """
         if metadata is _SAME:
-            metadata = self.metadata.copy()
-            if len(metadata) > 1 or "context" not in metadata:
-                for key, value in metadata.items():     # replacing values keeps the dict's size
-                    if type(value) not in _IMMUTABLE and key != "context":
-                        metadata[key] = copy.copy(value)
+            metadata = copy_metadata(self.metadata)
         return Message(self.content if content is _SAME else content, metadata,
                        self.source_stream if source_stream is _SAME else source_stream,
                        self.timestamp if timestamp is _SAME else timestamp)
 
     def __repr__(self):
         return f"Message({self.content!r}, source_stream={self.source_stream!r})"
+
+
+def copy_metadata(metadata):
+    """A message's metadata for its copy (§12.2.1): `context` by reference, every other value
+    copied one level deep."""
+    metadata = metadata.copy()
+    if len(metadata) > 1 or "context" not in metadata:
+        for key, value in metadata.items():     # replacing values keeps the dict's size
+            if type(value) not in _IMMUTABLE and key != "context":
+                metadata[key] = copy.copy(value)
+    return metadata
 
 
 # Clocks: virtual in vectors and tests, real in the CLI (one interface) --------------------
@@ -3666,8 +3673,8 @@ def agent_mapper(site, name, down):
         except Exception as exc:        # §12.2.3 boundary: agent invocation
             out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
-        else:
-            out = msg.copy(content=reply, source_stream=route)
+        else:               # msg.copy(content=reply, source_stream=route), without keywords
+            out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
             down.next(out)
