@@ -156,6 +156,24 @@ def test_no_module_level_name_is_defined_twice():
     assert [name for name, count in names.items() if count > 1] == []
 
 
+def test_readme_interpretations_cite_existing_vectors():
+    """Every vector the README's Interpretations table names exists, and every INTERPRETATION tag
+    in actor.py cites its § (the table is the user-facing index of the readings)."""
+    import re
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Interpretations"):readme.index("\n## ", readme.index(
+        "## Interpretations") + 5)]
+    refs = set(re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", table))
+    assert len(refs) > 100
+    missing = [r for r in sorted(refs) if not (VECTOR_DIR / f"{r}.yaml").exists()
+               and not (VECTOR_DIR / r).is_dir()]
+    assert not missing, missing
+    src = (HERE / "actor.py").read_text(encoding="utf-8")
+    untagged = [line for line in src.splitlines() if "INTERPRETATION" in line
+                and line.lstrip().startswith("#") and "§" not in line]
+    assert not untagged, untagged
+
+
 def test_every_cited_section_exists():
     import re
     if not (SHARED / "spec").exists():
