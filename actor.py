@@ -1122,7 +1122,6 @@ def render_system_prompt(agent, view, message):
 # follow: the built-ins (§4.5.1), inline tools (§4.5.2), the request protocol (§4.5.3), the
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
-# [tools] stdlib modules used only by the tool agent (the integrator may hoist them to the top).
 
 # The §4.5 field table: field -> (accepted Python types, default).
 TOOL_AGENT_FIELDS = {
@@ -4224,7 +4223,7 @@ class GraphParticipant(_Node):
     """A graph route fed by a merge, split, pipeline or the default router (§6, §7).
 
     Each message runs the graph once (pure=True in pure graph mode, §6.9); the run's output
-    (GraphRun.output, chosen by [graphs]) continues as this stream's message.
+    (GraphRun.output, §6 Q28) continues as this stream's message.
     """
 
     def __init__(self, net, name, graph):
@@ -9722,8 +9721,8 @@ FORBIDDEN_FORMS = {
 # =====================================================================================
 # HOST -- providers
 # =====================================================================================
-# [llm] PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
-# Wire formats: shared/providers.md. Each request is the neutral dict LLMAgent builds:
+# PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
+# Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
 
 
