@@ -8086,7 +8086,10 @@ def parse_source(raw, file, render_context, engine):
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return parse_yaml(raw, file)
-    rendered = render_document(raw, render_context, engine, file=file)
+    try:
+        rendered = render_document(raw, render_context, engine, file=file)
+    except RecursionError:      # Phase A reads the YAML shape of the text to protect fields
+        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     data, marks = parse_yaml(rendered, file)
     return restore_sentinels(data), marks
 
