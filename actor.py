@@ -7785,8 +7785,8 @@ def check_unsafe(doc, host_unsafe):
 # =====================================================================================
 
 # §10.1 The context section --------------------------------------------------------------
-def check_context(doc):
-    """§10.1, §10.3, §4.4.5: context.global is a mapping of user keys."""
+def check_context(doc, rt=None):
+    """§10.1, §10.3, §4.4.5, §15.3: context.global is a mapping of user keys."""
     section = doc.data.get("context")
     if section is None:
         return
@@ -7806,6 +7806,9 @@ def check_context(doc):
         if key in HOST_ONLY_CONTEXT_KEYS:
             raise doc.error(ConfigurationError, path, f"'{key}' is set by the host, never by the "
                             "Actor configuration", HOST_ONLY_CONTEXT_KEYS[key])
+        if rt is not None and str(key).startswith("_") and key not in RESERVED_CONTEXT_KEYS:
+            rt.warn(f"context key '{key}' starts with _, which is reserved for system keys",
+                    section="15.3", path=path)
 
 
 def build_global_context(doc, host_context, host_unsafe):
@@ -7869,7 +7872,7 @@ def validate_document(doc, rt, host_default_router=None):
         check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
         check_agent_name_style(rt, name, ("agents", name))
         warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
-    check_context(doc)
+    check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
     known = check_routes(doc, rt, agent_names)
