@@ -747,6 +747,7 @@ class LLMAgent:
     """
 
     type = "llm"
+    reads_context = True            # prompts render with it; history may come from it (§4.4.4)
 
     def __init__(self, name, cfg, rt, path):
         self.name = name
@@ -1261,6 +1262,9 @@ class ToolAgent:
         self.sole_tool = next(iter(self.tools)) if len(self.tools) == 1 else None
         self.sole_inline = self.sole_tool is not None and self.tools[self.sole_tool] is not None
         self.who = f"agent '{name}' (tool)"
+        self.reads_context = self.allow_shell or any(
+            tool is not None or tool_name not in CONTEXT_FREE_TOOLS
+            for tool_name, tool in self.tools.items())
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
 
@@ -1612,6 +1616,10 @@ BUILTIN_TOOLS = {
     "file_write":   tool_file_write,
     "progress_bar": tool_progress_bar,
 }
+# The built-ins that never read the invocation context (env.ctx, env.view, _unsafe_mode): a tool
+# agent using only these cannot tell which context it was handed, so an agent node does not build
+# one for it (ToolAgent.reads_context, §6.2.2).
+CONTEXT_FREE_TOOLS = frozenset({"echo", "math", "json_parse", "http_request"})
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
 # The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where
@@ -2145,6 +2153,10 @@ class AgentRef:
 
     type = "ref"
 
+    @property
+    def reads_context(self):
+        return getattr(self.agent, "reads_context", True)
+
     def __init__(self, name, target, scope):
         self.name, self.target, self.scope = name, target, scope
 
@@ -2209,6 +2221,7 @@ class CompositeAgent:
     """
 
     type = "composite"
+    reads_context = True            # its components get the context
 
     def __init__(self, name, cfg, rt, path):
         self.name, self.rt = name, rt
@@ -2382,6 +2395,7 @@ class ChainAgent:
         self.prompt = config.get("prompt")
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
+        self.reads_context = self.prompt is not None          # only a prompt renders with it
         self.capabilities = ["chain-processing"]
         self.metadata = agent_metadata(self, steps=list(self.steps))
 
@@ -4426,18 +4440,24 @@ class GraphRoute:
 
     def _continue(self, results, trace, target_ctx):
         """Step from `results` (node, output) until no branch is left or a guard stops the run."""
-        who = f"graph '{self.name}'"
+        # A run inside a timed-out call stops before each step instead of stepping on (§5.3.4).
+        # Outside any bounded call (no timeout up the chain) nothing can have been abandoned.
+        bounded = _BOUNDED_CALL.get() is not None
         while results and trace.stopped is None:
-            frontier = self._next_nodes(results)
-            if not frontier:
-                break
-            # A run inside a timed-out call stops here instead of stepping on (§5.3.4). Outside
-            # any bounded call (no timeout up the chain) there is nothing to have been abandoned.
-            if _BOUNDED_CALL.get() is not None:
-                check_not_abandoned(who, "6.7")
+            if len(results) == 1 and results[0][0].plain_next is not None:
+                node, output = results[0]       # the common case: one edge, no condition
+                if node.plain_next.name == END_NODE:
+                    break
+                frontier = [(node.plain_next, output)]
+            else:
+                frontier = self._next_nodes(results)
+                if not frontier:
+                    break
+            if bounded:
+                check_not_abandoned(f"graph '{self.name}'", "6.7")
             results = self._step(frontier, trace)
-        if _BOUNDED_CALL.get() is not None:
-            check_not_abandoned(who, "6.7")
+        if bounded:
+            check_not_abandoned(f"graph '{self.name}'", "6.7")
         replace_active_context(self.state, target_ctx)
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
@@ -4453,10 +4473,7 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
-            output = content if result is None else result.output
-            if result is not None:
-                self._apply(node, content, result)
-            self._executed(node, output)
+            output, _ = self._finish(node, content, (result, None), _RunTrace(content), True)
             return output
 
     def _step(self, frontier, trace):
@@ -4497,7 +4514,9 @@ class GraphRoute:
             trace.history.append(node.name)
             if result is not None:
                 self._apply(node, message, result)
-            self._executed(node, output)
+            node.executions += 1                # §12.2.1 execution_count, every execution
+            if self.observers:                  # mixed mode: tell its §6.10 internal stream
+                notify_node_event(self, node, output)
         if result is None:
             return output, False
         trace.output = output
@@ -4506,10 +4525,7 @@ class GraphRoute:
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
         # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
-        # ends when no branch is left.
-        if len(results) == 1 and results[0][0].plain_next is not None:
-            node, output = results[0]           # the common case: one edge, no condition
-            return [] if node.plain_next.name == END_NODE else [(node.plain_next, output)]
+        # ends when no branch is left. (_continue takes a lone unconditional edge itself.)
         frontier, taken = [], set()
         state = self.state
         for node, output in results:
@@ -4550,12 +4566,6 @@ class GraphRoute:
                 del messages[:len(messages) - MAX_STATE_MESSAGES]
         state["current_node"] = node.name
         self._updated()
-
-    def _executed(self, node, output):
-        """Count one execution of `node`; in mixed mode tell its §6.10 internal stream."""
-        node.executions += 1
-        if self.observers:
-            notify_node_event(self, node, output)
 
     def _updated(self):
         """Count one state update; keep a time-travel snapshot; checkpoint every ten (§6.6)."""
@@ -4726,6 +4736,7 @@ AGENT_NODE_RESERVED_KEYS = frozenset({
 
 
 _message_content = operator.itemgetter("content")
+_dict_update = dict.update             # fills a NodeContext without noting the keys as written
 
 
 def trim_history(messages, max_messages, max_chars, end=None):
@@ -4733,9 +4744,8 @@ def trim_history(messages, max_messages, max_chars, end=None):
     `max_chars` characters."""
     end = len(messages) if end is None else end
     if max_messages <= 0:
-        history = []
-    else:
-        history = messages[end - max_messages if end > max_messages else 0:end]
+        return []
+    history = messages[end - max_messages if end > max_messages else 0:end]
     try:                                     # the common case: string contents within budget
         if len("".join(map(_message_content, history))) <= max_chars:
             return history
@@ -4743,10 +4753,10 @@ def trim_history(messages, max_messages, max_chars, end=None):
         pass
     total = 0
     for index in range(len(history) - 1, -1, -1):
-        total += len(str(history[index].get("content", "")))
+        entry = history[index]
+        total += len(str(entry.get("content", "") if isinstance(entry, dict) else entry))
         if total > max_chars:
-            history = history[index + 1:]
-            break
+            return history[index + 1:]
     return history
 
 
@@ -4808,28 +4818,38 @@ class NodeContext(dict):
 def agent_node_context(node, state, message):
     """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
-    nested = metadata.get("context")
     messages = state["messages"]
     # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
     # receives; when the newest state message is that message, it is the input, not history.
     end = len(messages)
     if end and messages[-1].get("content") == message:
         end -= 1
-    history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
+    # §6.2.2.1 trimming; its common case (history within both limits) is taken right here.
+    limit = node.max_history_messages
+    history = messages[end - limit if end > limit else 0:end] if limit > 0 else []
+    try:
+        within = len("".join(map(_message_content, history))) <= node.max_history_chars
+    except (KeyError, TypeError):
+        within = False
+    if not within:
+        history = trim_history(messages, limit, node.max_history_chars, end)
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
-    # keys the node adds win over both. graph_state is a picture of the state (§6.2.2 item 2):
-    # its own metadata dict, so that an agent writing into it cannot reach the live state, nor
-    # a parallel sibling's view (§6.7).
-    ctx = {**(nested if isinstance(nested, dict) else {}), **metadata,
-           "graph_state": {"messages": history, "metadata": dict(metadata),
-                           "current_node": state["current_node"],
-                           "execution_count": state["execution_count"], "error": state["error"]},
-           "conversation_history": history,
-           "full_context": True}
+    # keys the node adds win over both. The mapping is filled through dict's own methods, so
+    # that only the agent's writes are noted.
+    nested = metadata.get("context")
+    ctx = NodeContext(nested) if isinstance(nested, dict) else NodeContext()
+    _dict_update(ctx, metadata)
+    # graph_state is a picture of the state (§6.2.2 item 2): its own metadata dict, so that an
+    # agent writing into it cannot reach the live state, nor a parallel sibling's view (§6.7).
+    _dict_update(ctx, {
+        "graph_state": {"messages": history, "metadata": dict(metadata),
+                        "current_node": state["current_node"],
+                        "execution_count": state["execution_count"], "error": state["error"]},
+        "conversation_history": history,
+        "full_context": True})
     if len(history) < end:
-        ctx["_history_truncated"] = True
-        ctx["_history_original_length"] = end
-    return NodeContext(ctx)             # from here on, the agent's writes are noted
+        _dict_update(ctx, {"_history_truncated": True, "_history_original_length": end})
+    return ctx                          # from here on, the agent's writes are noted
 
 
 def invoke_with_timeout(agent, content, ctx, timeout):
@@ -4851,13 +4871,17 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # Building the context is work only an agent that reads it can tell happened: one that
+    # cannot (reads_context false, e.g. a tool agent with only CONTEXT_FREE_TOOLS) gets an
+    # empty mapping; what it returns, and items 3-4 below, are the same either way.
+    builds = getattr(agent, "reads_context", True)
     # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's written or removed keys are dropped (objects changed in place stay
     # changed: they are shared by reference); after the last one the run fails (state.error).
     attempt = 0
     while True:
-        ctx = agent_node_context(node, state, message)
+        ctx = agent_node_context(node, state, message) if builds else NodeContext()
         try:
             if node.timeout is None:
                 reply = agent.invoke(message, ctx)
@@ -4873,9 +4897,13 @@ def node_agent(graph, node, message, state):
             attempt += 1
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
-    reply = reply if isinstance(reply, str) else str(reply)
-    changes, removed = ctx.changes() if ctx.touched else ({}, ())     # most agents write nothing
-    changes["last_agent_node"] = node.name                     # §6.2.2 item 4
+    if reply.__class__ is not str:
+        reply = str(reply)
+    if ctx.touched:                                             # most agents write nothing
+        changes, removed = ctx.changes()
+        changes["last_agent_node"] = node.name                 # §6.2.2 item 4
+    else:
+        changes, removed = {"last_agent_node": node.name}, None
     # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 

@@ -2731,6 +2731,80 @@ def test_graph_history_trimmed_by_chars():
     assert seen["_history_original_length"] == 2
 
 
+class _UnreadableContext(dict):
+    """A context mapping that fails on any read: proves a tool never looks at its context."""
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("the context was read")
+
+    __getitem__ = get = __contains__ = __iter__ = keys = items = values = __len__ = _refuse
+    copy = __or__ = __ror__ = _refuse
+
+
+@pytest.mark.parametrize("request_text, expected", [
+    ("echo hi there", "hi there"),
+    ('{"tool": "math", "args": {"expression": "2 + 3 * 4"}}', "14"),
+    ('{"tool": "json_parse", "args": {"json": "[1, 2]"}}', "[\n  1,\n  2\n]"),
+    ('{"tool": "http_request", "args": {"url": "ftp://example.invalid/"}}', actor.ExecutionError),
+])
+def test_context_free_tools_never_read_their_context(request_text, expected):
+    """§6.2.2: an agent node builds no context for a tool agent whose tools are all in
+    CONTEXT_FREE_TOOLS; this holds only if those tools really never read it."""
+    data = {"agents": {"t": {"type": "tool", "config": {"tools": sorted(actor.CONTEXT_FREE_TOOLS)}}}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    agent = actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t"))
+    assert agent.reads_context is False
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            agent.invoke(request_text, _UnreadableContext())
+    else:
+        assert agent.invoke(request_text, _UnreadableContext()) == expected
+
+
+@pytest.mark.parametrize("config, reads", [
+    ({"tools": ["echo", "math"]}, False),
+    ({"tools": ["echo", "progress_bar"]}, True),
+    ({"tools": ["echo", "file_read"]}, True),
+    ({"tools": ["echo"], "allow_shell": True}, True),
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, True),
+])
+def test_tool_agent_reads_context_flag(config, reads):
+    data = {"agents": {"t": {"type": "tool", "config": config}}}
+    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).reads_context is reads
+
+
+def test_graph_node_with_context_free_agent_still_records_and_writes_back():
+    """§6.2.2 items 3-4 hold when no context is built: last_agent_node is recorded, the reply
+    joins the messages, and a context-reading agent after it still gets the full context."""
+    names = ("quiet", "reader")
+    data = {"agents": {"quiet": {"type": "tool", "config": {"tools": ["echo"]}},
+                       "reader": {"type": "tool", "config": {"tools": ["echo", "progress_bar"]}}},
+            "routes": {"main": linear(*names)}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+    seen = []
+    reader = rt.agents["reader"]
+    original = reader.invoke
+    reader.invoke = lambda content, ctx: seen.append(dict(ctx)) or original(content, ctx)
+    graph = actor.GraphRoute("main", data["routes"]["main"], rt, ("routes", "main"))
+    run = graph.run("echo echo hi", {"who": "ada"})
+    assert run.output == "hi" and run.history == ["quiet", "reader"]
+    assert seen[0]["full_context"] is True and seen[0]["who"] == "ada"
+    assert seen[0]["last_agent_node"] == "quiet"
+    assert [m["content"] for m in seen[0]["conversation_history"]] == ["echo echo hi"]
+    assert run.state["metadata"]["last_agent_node"] == "reader"
+
+
+def test_chain_agent_reads_context_only_with_a_prompt():
+    rt = actor.Runtime(actor.Doc({"agents": {}}), env={})
+    plain = actor.ChainAgent("c", {"config": {"steps": ["x"]}}, rt, ("agents", "c"))
+    prompted = actor.ChainAgent("p", {"config": {"steps": ["x"], "prompt": "{{ who }}: {{ message }}"}},
+                                rt, ("agents", "p"))
+    assert plain.reads_context is False and prompted.reads_context is True
+    assert prompted.invoke("hi", {"who": "ada"}) == "ChainAgent processed: ada: hi->x"
+
+
 def test_graph_agent_retry_policy_retries_raised_errors():
     attempts = []
 
