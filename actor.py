@@ -4473,7 +4473,7 @@ class GraphRoute:
         with self._lock:
             self.state["metadata"]["context"] = self.rt.context if ctx is None else ctx
             result = node.handler(self, node, content, self.state)
-            output, _ = self._finish(node, content, (result, None), _RunTrace(content), True)
+            output, _ = self._finish(node, content, result, _RunTrace(content), True)
             return output
 
     def _step(self, frontier, trace):
@@ -4484,8 +4484,11 @@ class GraphRoute:
             node, message = frontier[0]
             if guard_before_node(self, node, message, trace, relaxed):
                 return []
-            output, _ = self._finish(node, message, call_node(self, node, message, state), trace,
-                                     relaxed)
+            try:
+                result = node.handler(self, node, message, state)
+            except Exception as exc:
+                self._fail(node_failure(self, node, exc))
+            output, _ = self._finish(node, message, result, trace, relaxed)
             return [(node, output)]
         admitted = []
         for node, message in frontier:
@@ -4493,20 +4496,24 @@ class GraphRoute:
                 break
             admitted.append((node, message))
         results = []
-        for (node, message), outcome in zip(admitted, run_next_node_set(self, admitted, state)):
-            output, stopped = self._finish(node, message, outcome, trace, relaxed)
+        for (node, message), (result, error) in zip(admitted,
+                                                    run_next_node_set(self, admitted, state)):
+            if error is not None:
+                self._fail(error)
+            output, stopped = self._finish(node, message, result, trace, relaxed)
             results.append((node, output))
             if stopped:
                 break
         return results
 
-    def _finish(self, node, message, outcome, trace, relaxed):
-        """Take one node's (result, error): raise the error, or apply the result and run the
-        after-node guards; return (output, whether a guard stopped the run)."""
-        result, error = outcome
-        if error is not None:
-            self.state["error"] = str(error)
-            raise error
+    def _fail(self, error):
+        """A node failed: the run stops with state.error set (§6.3.1) and the §20 error raised."""
+        self.state["error"] = str(error)
+        raise error
+
+    def _finish(self, node, message, result, trace, relaxed):
+        """Apply one node's result and run the after-node guards; return (output, whether a guard
+        stopped the run)."""
         # §6.2.6.4: a router that matched nothing (result None) leaves state and message as they
         # were
         output = message if result is None else result.output
@@ -5426,11 +5433,16 @@ def call_node(graph, node, message, state):
     """Run one node's handler: (NodeResult|None, None), or (None, the §20 error it raised)."""
     try:
         return node.handler(graph, node, message, state), None
-    except ActorError as exc:
-        return None, exc
-    except Exception as exc:  # agent/node boundary (§12.2.3): reported as an ExecutionError
-        return None, ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}",
-                                    section="6.2")
+    except Exception as exc:
+        return None, node_failure(graph, node, exc)
+
+
+def node_failure(graph, node, exc):
+    """The §20 error for an exception out of a node: an ActorError as it is, anything else (the
+    agent/node boundary, §12.2.3) as an ExecutionError naming the graph and node."""
+    if isinstance(exc, ActorError):
+        return exc
+    return ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}", section="6.2")
 
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
