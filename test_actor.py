@@ -2721,6 +2721,25 @@ def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
     assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
 
 
+def test_graph_history_entries_are_the_states_own_records():
+    """§6.2.2 items 2-3 (README Interpretations): reserved keys are key-level -- rebinding or
+    removing conversation_history never reaches the state -- while the entries in the trimmed
+    list are the state's own message records, shared by reference like every object in a
+    context (§10.2): an agent that edits one in place edits state.messages."""
+    def agent(content, ctx):
+        ctx["conversation_history"][0]["content"] = "edited"      # in place: shared
+        ctx["conversation_history"] = []                           # rebinding: not propagated
+        del ctx["graph_state"]
+        return "ok"
+
+    rt, g = make_graph(linear("a"), {"a": agent})
+    g.state["messages"].append({"role": "user", "content": "before"})
+    g.run("hello")
+    assert [m["content"] for m in g.state["messages"]] == ["edited", "hello", "ok"]
+    meta = g.state["metadata"]
+    assert "conversation_history" not in meta and "graph_state" not in meta
+
+
 def test_graph_history_trimmed_by_chars():
     cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
     seen = {}
