@@ -4831,15 +4831,7 @@ def agent_node_context(node, state, message):
     end = len(messages)
     if end and messages[-1].get("content") == message:
         end -= 1
-    # §6.2.2.1 trimming; its common case (history within both limits) is taken right here.
-    limit = node.max_history_messages
-    history = messages[end - limit if end > limit else 0:end] if limit > 0 else []
-    try:
-        within = len("".join(map(_message_content, history))) <= node.max_history_chars
-    except (KeyError, TypeError):
-        within = False
-    if not within:
-        history = trim_history(messages, limit, node.max_history_chars, end)
+    history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
     # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
     # keys the node adds win over both. The mapping is filled through dict's own methods, so
     # that only the agent's writes are noted.
