@@ -4417,14 +4417,14 @@ class GraphRoute:
         with self._lock:
             begin_run(self.state, content, target_ctx)
             trace = _RunTrace(content)
+            if self.observers:
+                notify_control(self, {"event": "started", "input": content})
             entry = self.nodes[self.entry]
             if entry.type == START_NODE:        # start hands the message on and changes nothing
-                first = [(entry, content)]
-            elif entry.type == END_NODE:
-                first = []
-            else:
-                first = self._step([(entry, content)], trace)
-            return self._continue(first, trace, target_ctx)
+                return self._continue([(entry, content)], trace, target_ctx)
+            if entry.type == END_NODE:
+                return self._continue([], trace, target_ctx)
+            return self._continue(None, trace, target_ctx, first=[(entry, content)])
 
     def resume(self, ctx=None, *, pure=False):
         """Continue an interrupted run from a restored state: follow the edges out of
@@ -4436,29 +4436,45 @@ class GraphRoute:
             name, output = self.state.get("current_node"), metadata.get("last_output", "")
             node = self.nodes.get(name) if isinstance(name, str) else None
             done = node is None or node.type == END_NODE
+            if self.observers:
+                notify_control(self, {"event": "resumed", "node": name, "input": output})
             return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
 
-    def _continue(self, results, trace, target_ctx):
-        """Step from `results` (node, output) until no branch is left or a guard stops the run."""
+    def _continue(self, results, trace, target_ctx, first=None):
+        """Step from `results` (node, output) -- or from running the node set `first` -- until
+        no branch is left or a guard stops the run."""
         # A run inside a timed-out call stops before each step instead of stepping on (§5.3.4).
         # Outside any bounded call (no timeout up the chain) nothing can have been abandoned.
         bounded = _BOUNDED_CALL.get() is not None
-        while results and trace.stopped is None:
-            if len(results) == 1 and results[0][0].plain_next is not None:
-                node, output = results[0]       # the common case: one edge, no condition
-                if node.plain_next.name == END_NODE:
-                    break
-                frontier = [(node.plain_next, output)]
-            else:
-                frontier = self._next_nodes(results)
-                if not frontier:
-                    break
+        try:
+            if first is not None:
+                results = self._step(first, trace)
+            while results and trace.stopped is None:
+                if len(results) == 1 and results[0][0].plain_next is not None:
+                    node, output = results[0]       # the common case: one edge, no condition
+                    if node.plain_next.name == END_NODE:
+                        break
+                    frontier = [(node.plain_next, output)]
+                else:
+                    frontier = self._next_nodes(results)
+                    if not frontier:
+                        break
+                if bounded:
+                    check_not_abandoned(f"graph '{self.name}'", "6.7")
+                results = self._step(frontier, trace)
             if bounded:
                 check_not_abandoned(f"graph '{self.name}'", "6.7")
-            results = self._step(frontier, trace)
-        if bounded:
-            check_not_abandoned(f"graph '{self.name}'", "6.7")
+        except Exception as exc:
+            if self.observers:
+                notify_control(self, {"event": "failed", "error": error_reason(exc),
+                                      "error_type": error_category(exc),
+                                      "history": list(trace.history)})
+            raise
         replace_active_context(self.state, target_ctx)
+        if self.observers:
+            notify_control(self, {"event": "stopped" if trace.stopped else "finished",
+                                  "guard": trace.stopped, "output": trace.output,
+                                  "history": list(trace.history)})
         return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
 
     def run_node(self, node_name, content, ctx=None):
@@ -5532,6 +5548,21 @@ def notify_node_event(graph, node, output):
     msg = Message(output, {"graph": graph.name, "node": node.name,
                            "execution_count": node.executions,
                            "context": graph.state["metadata"].get("context")},
+                  source_stream=stream, timestamp=graph.rt.clock.now())
+    for listener in list(graph.observers):
+        listener(stream, msg)
+
+def notify_control(graph, event):
+    """Hand a run event to the listeners of __<graph>_control__ (mixed mode).
+
+    `event` is a mapping whose "event" is started or resumed (before the first step), then one of
+    finished, stopped (a §6.8 guard ended the run: "guard" names it) or failed ("error",
+    "error_type"); the last three carry the executed node names as "history"."""
+    # INTERPRETATION §6.10: the control stream carries the run's lifecycle, the one kind of
+    # event a graph has besides its node events and its state; the metadata is that of a node
+    # event without the node (graph, context).
+    stream = f"__{graph.name}_control__"
+    msg = Message(event, {"graph": graph.name, "context": graph.state["metadata"].get("context")},
                   source_stream=stream, timestamp=graph.rt.clock.now())
     for listener in list(graph.observers):
         listener(stream, msg)

@@ -3233,9 +3233,17 @@ def test_graph_internal_stream_names_and_node_events():
     assert g.internal_stream_names() == ["__main_node_start__", "__main_node_a__",
                                          "__main_node_end__", "__main_control__", "__main_state__"]
     events = []
-    g.observers.append(lambda stream, msg: events.append((stream, msg.content, msg.metadata["node"])))
+    g.observers.append(lambda stream, msg: events.append(
+        (stream, msg.content, msg.metadata.get("node"))))
     g.run("x")
-    assert events == [("__main_node_a__", "a(x)", "a")]
+    assert events == [("__main_control__", {"event": "started", "input": "x"}, None),
+                      ("__main_node_a__", "a(x)", "a"),
+                      ("__main_control__", {"event": "finished", "guard": None, "output": "a(x)",
+                                            "history": ["a"]}, None)]
+    events.clear()
+    g.resume()                             # the last run ended: resume steps nowhere
+    assert [e[1]["event"] for e in events] == ["resumed", "finished"]
+    assert events[0][1] == {"event": "resumed", "node": "a", "input": "a(x)"}
 
 
 # §6.11 Graph analysis -----------------------------------------------------------------------
@@ -3452,6 +3460,51 @@ merges: [{sources: [__input__], target: g}]
     assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
     assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
     assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def _control_events(graph_yaml, content):
+    a = actor.load(text=f"""
+agents:
+  chain: {{type: chain, config: {{steps: [x]}}}}
+  echo: {{type: tool, config: {{tools: [echo]}}}}
+  calc: {{type: tool, config: {{tools: [math]}}}}
+routes:
+  g:
+    type: graph
+{graph_yaml}
+  s: {{type: stream, publications: [__output__]}}
+merges: [{{sources: [__input__], target: g}}]
+""")
+    events = []
+    a.network.subscribe("__g_control__", lambda m: events.append(m))
+    result = a.send(content)
+    assert all(m.source_stream == "__g_control__" and m.metadata["graph"] == "g"
+               and m.metadata["context"] is a.context for m in events)
+    return [m.content for m in events], result
+
+
+def test_mixed_mode_control_stream_carries_run_lifecycle():
+    """§6.10 (README Interpretations): __<graph>_control__ carries each run's lifecycle --
+    started, then finished, stopped (naming the §6.8 guard) or failed -- with graph and context."""
+    events, result = _control_events("""
+    nodes: {n1: {type: agent, agent: chain}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]""", "hi")
+    assert [m.content for m in result.outputs] == ["ChainAgent processed: hi->x"]
+    assert events == [{"event": "started", "input": "hi"},
+                      {"event": "finished", "guard": None, "output": "ChainAgent processed: hi->x",
+                       "history": ["n1"]}]
+
+    events, result = _control_events("""
+    nodes: {e: {type: agent, agent: echo}}
+    edges: [{source: start, target: e}, {source: e, target: e}]""", "hi")
+    assert events[1] == {"event": "stopped", "guard": "revisit", "output": "hi", "history": ["e"]}
+
+    events, result = _control_events("""
+    nodes: {c: {type: agent, agent: calc}}
+    edges: [{source: start, target: c}, {source: c, target: end}]""", "2 +")
+    assert result.outputs == [] and len(result.errors) == 1
+    assert events[1]["event"] == "failed" and events[1]["error_type"] == "ExecutionError"
+    assert "math" in events[1]["error"] and events[1]["history"] == []
 
 
 def test_mixed_mode_node_events_carry_graph_node_count_and_context():
