@@ -299,6 +299,19 @@ def test_cli_runs_the_18_4_example_end_to_end():
     assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
 
 
+
+def test_cli_runs_the_triage_graph_example():
+    """examples/triage-graph.yaml: a message-router graph (§6.2.6) answered offline, each message
+    routed by its prefix; --diagram draws the router's edges with their conditions."""
+    example = str(HERE / "examples" / "triage-graph.yaml")
+    r = run_cli(example, "-m", "MATH: 6 * 7", "-m", "CODE: fix it", "-m", "hello")
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines() == ["42", "ChainAgent processed:  fix it->read->patch->test",
+                                     "hello"]
+    r = run_cli("--diagram", example)
+    assert r.returncode == 0
+    assert '    triage__router -->|"next_node = calculate"| triage__calculate' in r.stdout
+
 def test_readme_first_command_runs_offline():
     """The README's first command: the chat example through the fake provider, no key needed."""
     r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
