@@ -4141,8 +4141,13 @@ class StreamNetwork:
                 node.hooks.clear()
 
     def subscribe(self, name, fn):
-        """A late subscriber to a stream: hot and replay streams replay their memory (§5.3.1)."""
-        self.nodes[name].out.subscribe(fn)
+        """A late subscriber to a stream: hot and replay streams replay their memory (§5.3.1).
+        Host-side only, so it may watch the §6.10 graph-internal streams (in mixed mode)."""
+        node = self.nodes.get(name)
+        if node is None:
+            raise RoutingError(f"no stream named {name!r} to subscribe to (streams: "
+                               f"{', '.join(sorted(self.nodes))})", section="5.1")
+        node.out.subscribe(fn)
 
     # Forwarding and errors (used by operators) ---------------------------------------------
     def forward(self, source, target, msg):

@@ -3520,6 +3520,15 @@ def test_mixed_mode_control_stream_carries_run_lifecycle():
     assert "math" in events[1]["error"] and events[1]["history"] == []
 
 
+
+def test_subscribing_to_an_unknown_stream_is_a_routing_error():
+    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {m: {type: stream, publications: [__output__]}}\n"
+                        "merges: [{sources: [__input__], target: m}]\n")
+    with pytest.raises(actor.RoutingError) as info:
+        a.network.subscribe("__m_control__", print)
+    assert "no stream named '__m_control__'" in str(info.value) and "__output__" in str(info.value)
+
 def test_mixed_mode_node_events_carry_graph_node_count_and_context():
     """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
     execution, a router that matched nothing included) and the invocation context by reference."""
