@@ -10267,6 +10267,13 @@ class Actor:
             self.network.complete()
             return self._end()
 
+    def subscribe(self, stream, fn):
+        """Call fn(message) for every message on `stream` from now on (hot and replay streams first
+        replay their memory, §5.3.1). Any stream may be watched from the host, the §6.10
+        graph-internal ones (mixed mode) included; unknown names are a RoutingError."""
+        with self._turn:
+            self.network.subscribe(stream, fn)
+
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams (after the call in
         progress, if any; a timed-out agent call still running is not waited for)."""

@@ -3489,7 +3489,7 @@ routes:
 merges: [{{sources: [__input__], target: g}}]
 """)
     events = []
-    a.network.subscribe("__g_control__", lambda m: events.append(m))
+    a.subscribe("__g_control__", events.append)
     result = a.send(content)
     assert all(m.source_stream == "__g_control__" and m.metadata["graph"] == "g"
                and m.metadata["context"] is a.context for m in events)
@@ -3526,7 +3526,7 @@ def test_subscribing_to_an_unknown_stream_is_a_routing_error():
                         "routes: {m: {type: stream, publications: [__output__]}}\n"
                         "merges: [{sources: [__input__], target: m}]\n")
     with pytest.raises(actor.RoutingError) as info:
-        a.network.subscribe("__m_control__", print)
+        a.subscribe("__m_control__", print)
     assert "no stream named '__m_control__'" in str(info.value) and "__output__" in str(info.value)
 
 def test_mixed_mode_node_events_carry_graph_node_count_and_context():
