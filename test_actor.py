@@ -3240,6 +3240,93 @@ def test_graph_pure_mode_replaces_active_context():
     assert "next_node" not in rt.context                               # per-run signal
 
 
+_DIFF_AGENTS = {
+    "chain": {"type": "chain", "config": {"steps": ["x"]}},
+    "echo": {"type": "tool", "config": {"tools": ["echo"]}},
+    "calc": {"type": "tool", "config": {"tools": ["math"]}},
+    "go": {"type": "chain", "config": {"steps": ["GOTO_B"]}},
+    "tell": {"type": "chain", "config": {"steps": ["t"], "prompt": (
+        "{{ last_agent_node | default('-') }}/{{ conversation_history | length }}/{{ message }}")}},
+}
+
+
+def _random_graph(rng):
+    """A small random graph: agent, router, function and conditional nodes; edges with and
+    without conditions, cycles allowed (the §6.8 guards end every run)."""
+    names = [f"n{i}" for i in range(rng.randint(1, 5))]
+    nodes = {}
+    for name in names:
+        kind = rng.choice(["agent", "agent", "agent", "router", "function", "conditional"])
+        if kind == "agent":
+            nodes[name] = {"type": "agent", "agent": rng.choice(sorted(_DIFF_AGENTS))}
+        elif kind == "router":
+            nodes[name] = {"type": "message_router", "rules": [
+                {"match_type": rng.choice(["prefix", "contains", "regex", "exact", "suffix"]),
+                 "pattern": rng.choice(["GOTO", "x", "hi", ".*", "2"]), "target": rng.choice(names)}]}
+        elif kind == "function":
+            nodes[name] = {"type": "function",
+                           "function": rng.choice(["summarize", "route", "validate", "nope"])}
+        else:
+            nodes[name] = {"type": "conditional",
+                           "condition": {"type": "content_contains", "pattern": "x"}}
+    edges = [{"source": "start", "target": names[0]}]
+    for name in names:
+        for _ in range(rng.randint(1, 2)):
+            edge = {"source": name, "target": rng.choice(names + ["end", "end"])}
+            if rng.random() < 0.4:
+                edge["condition"] = rng.choice([
+                    {"type": "content_contains", "pattern": "x"},
+                    {"type": "context_value", "key": "next_node", "value": rng.choice(names)},
+                    {"type": "has_messages"}, {"type": "message_count", "min": 3}])
+            edges.append(edge)
+    return {"type": "graph", "nodes": nodes, "edges": edges}
+
+
+def _observe(cfg, messages, *, mixed=False, all_read_context=False):
+    """Outputs and errors per message, then the final context and state messages, as JSON."""
+    doc = {"agents": _DIFF_AGENTS, "routes": {"g": cfg},
+           "merges": [{"sources": ["__input__"], "target": "g"}]}
+    if mixed:                               # one stream route beside the graph: mixed mode
+        doc["routes"]["s"] = {"type": "stream", "publications": []}
+    a = actor.load(text=json.dumps(doc))
+    if all_read_context:
+        for agent in a.rt.agents.values():
+            agent.reads_context = True
+    seen = []
+    for content in messages:
+        result = a.send(content)
+        seen.append(([m.content for m in result.outputs], [m.content for m in result.errors]))
+    final = {k: v for k, v in a.context.items() if k != "context"}
+    return json.dumps([seen, final, a.rt.graphs["g"].state["messages"]], default=str,
+                      sort_keys=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
+    """§6.9: "externally observable semantics MUST be identical" -- 60 random graphs per seed,
+    three messages each, run in pure graph mode and beside a stream route."""
+    import random
+    rng = random.Random(seed)
+    for _ in range(60):
+        cfg = _random_graph(rng)
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        assert _observe(cfg, messages) == _observe(cfg, messages, mixed=True), cfg
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
+    """§6.2.2: handing a context-free agent an empty mapping instead of the built context is
+    unobservable -- the same random graphs give the same outputs, context and state when every
+    agent is made to get the full context (an agent wrongly taken for a non-reader, such as the
+    prompted chain agent `tell`, would answer differently)."""
+    import random
+    rng = random.Random(100 + seed)
+    for _ in range(60):
+        cfg = _random_graph(rng)
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        assert _observe(cfg, messages) == _observe(cfg, messages, all_read_context=True), cfg
+
+
 # §6.10 Graph-internal streams -------------------------------------------------------------------
 def test_graph_internal_stream_names_and_node_events():
     rt, g = make_graph(linear("a"), {"a": echo("a")})
