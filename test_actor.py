@@ -3282,8 +3282,10 @@ def _random_graph(rng):
     return {"type": "graph", "nodes": nodes, "edges": edges}
 
 
-def _observe(cfg, messages, *, mixed=False, all_read_context=False):
+def _observe(cfg, messages, *, mixed=False, all_read_context=False, parallel=None):
     """Outputs and errors per message, then the final context and state messages, as JSON."""
+    if parallel is not None:
+        cfg = {**cfg, "parallel_execution": parallel}
     doc = {"agents": _DIFF_AGENTS, "routes": {"g": cfg},
            "merges": [{"sources": ["__input__"], "target": "g"}]}
     if mixed:                               # one stream route beside the graph: mixed mode
@@ -3297,8 +3299,9 @@ def _observe(cfg, messages, *, mixed=False, all_read_context=False):
         result = a.send(content)
         seen.append(([m.content for m in result.outputs], [m.content for m in result.errors]))
     final = {k: v for k, v in a.context.items() if k != "context"}
-    return json.dumps([seen, final, a.rt.graphs["g"].state["messages"]], default=str,
-                      sort_keys=True)
+    state_messages = a.rt.graphs["g"].state["messages"]
+    a.close()
+    return json.dumps([seen, final, state_messages], default=str, sort_keys=True)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -3312,6 +3315,22 @@ def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
         messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
         assert _observe(cfg, messages) == _observe(cfg, messages, mixed=True), cfg
 
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_graph_parallel_and_sequential_execution_agree(seed):
+    """§6.7: parallel branches are joined and applied in declaration order, so a graph whose
+    nodes are marked parallel: true gives what parallel_execution: false gives (random graphs,
+    about half the nodes parallel, real worker threads)."""
+    import random
+    rng = random.Random(200 + seed)
+    for _ in range(50):
+        cfg = _random_graph(rng)
+        for node in cfg["nodes"].values():
+            node["parallel"] = rng.random() < 0.6
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        assert (_observe(cfg, messages, parallel=True)
+                == _observe(cfg, messages, parallel=False)), cfg
 
 @pytest.mark.parametrize("seed", range(3))
 def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
