@@ -16,6 +16,7 @@ Usage (command line)::
     python actor.py CONFIG... [-m TEXT]... [--unsafe] [--provider NAME] [--set K=V]... [--json]
     python actor.py --check CONFIG...        python actor.py --describe CONFIG
     python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD"]
+    python actor.py CONFIG --trace -m TEXT   (every stream message and graph step, on stderr)
 
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
@@ -85,7 +86,7 @@ __version__ = "0.1.0"
 SPEC_VERSION = "1.0.0"
 
 __all__ = [
-    "load", "render", "Actor", "Result", "Message",
+    "load", "render", "Actor", "Result", "Message", "trace_line",
     "ActorError", "ConfigurationError", "UnsafeConfigurationError", "AgentCreationError",
     "RoutingError", "TemplateError", "ExecutionError", "ApplicationError", "StreamRoutingError",
 ]
@@ -4148,6 +4149,19 @@ class StreamNetwork:
             raise RoutingError(f"no stream named {name!r} to subscribe to (streams: "
                                f"{', '.join(sorted(self.nodes))})", section="5.1")
         node.out.subscribe(fn)
+
+    def watch(self, fn):
+        """Host-side tracing: fn(stream, msg) for every message a stream carries, before the
+        stream's targets see it, and for every graph node and run event (§6.10), in pure graph
+        mode too. Adds no stream and changes no delivery."""
+        for name, node in self.nodes.items():
+            if name in self.internal_streams:       # those come straight from the graphs below
+                continue
+            stream = node.out
+            stream.observers.insert(0, lambda msg, name=name: fn(name, msg))
+            stream._rewire()
+        for graph in self.rt.graphs.values():
+            graph.observers.append(fn)
 
     # Forwarding and errors (used by operators) ---------------------------------------------
     def forward(self, source, target, msg):
@@ -10274,6 +10288,13 @@ class Actor:
         with self._turn:
             self.network.subscribe(stream, fn)
 
+    def watch(self, fn):
+        """Trace the Actor: fn(stream, message) for every message any stream carries and every
+        graph node and run event (the §6.10 streams' messages, in pure graph mode too), each
+        seen before it moves on. `python actor.py --trace` prints them (trace_line)."""
+        with self._turn:
+            self.network.watch(fn)
+
     def close(self):
         """§12.1 step 8: dispose of subscriptions, agents and streams (after the call in
         progress, if any; a timed-out agent call still running is not waited for)."""
@@ -10693,6 +10714,8 @@ def _arg_parser():
     p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
     p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
     p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
+    p.add_argument("--trace", action="store_true",
+                   help="print every stream message and graph step to stderr as it happens")
     p.add_argument("--check", action="store_true", help="load and validate only")
     p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
     p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
@@ -10715,6 +10738,33 @@ def _print_message(msg, as_json, stream):
     else:
         content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
         print(content, file=stream, flush=True)
+
+
+TRACE_PREVIEW = 120           # characters of content a trace line shows
+
+
+def trace_line(stream, msg):
+    """One line of `--trace` output for a message seen by Actor.watch."""
+    content = msg.content
+    if stream.endswith("_control__") and isinstance(content, dict) and "event" in content:
+        graph, event = msg.metadata.get("graph"), content["event"]
+        if event in ("started", "resumed"):
+            detail = repr(content.get("input"))
+        elif event == "failed":
+            detail = f"{content.get('error_type')}: {content.get('error')}"
+        else:
+            detail = " -> ".join(content.get("history") or []) or "(no node)"
+            if content.get("guard"):
+                detail += f" (stopped by the {content['guard']} guard, §6.8)"
+        text = f"graph {graph} {event}: {detail}"
+    elif "node" in msg.metadata and "graph" in msg.metadata:
+        text = (f"graph {msg.metadata['graph']} node {msg.metadata['node']} "
+                f"#{msg.metadata.get('execution_count')}: {content!r}")
+    else:
+        text = f"{stream}: {content!r}"
+    if len(text) > TRACE_PREVIEW + 40:
+        text = text[:TRACE_PREVIEW + 40] + "..."
+    return "trace: " + text
 
 
 def _print_result(result, as_json):
@@ -10774,6 +10824,8 @@ def main(argv=None):
         if args.diagram:
             sys.stdout.write(actor.diagram())
             return EXIT_OK
+        if args.trace:
+            actor.watch(lambda stream, msg: print(trace_line(stream, msg), file=sys.stderr))
         failed = False
         try:
             if args.message:

@@ -312,6 +312,52 @@ def test_cli_runs_the_triage_graph_example():
     assert r.returncode == 0
     assert '    triage__router -->|"next_node = calculate"| triage__calculate' in r.stdout
 
+
+def test_cli_trace_prints_each_stream_message_and_graph_step():
+    """--trace: every stream message and graph event on stderr, in the order they happen, while
+    stdout keeps only the answers."""
+    r = run_cli(str(HERE / "examples" / "triage-graph.yaml"), "--trace", "-m", "MATH: 6 * 7")
+    assert (r.returncode, r.stdout) == (0, "42\n")
+    assert r.stderr.splitlines() == [
+        "trace: __input__: 'MATH: 6 * 7'",
+        "trace: graph triage started: 'MATH: 6 * 7'",
+        "trace: graph triage node router #1: ' 6 * 7'",
+        "trace: graph triage node calculate #1: '42'",
+        "trace: graph triage finished: router -> calculate",
+        "trace: triage: '42'",
+        "trace: __output__: '42'"]
+
+
+def test_watch_sees_messages_before_their_targets_and_graph_events_once():
+    """Actor.watch in mixed mode: a stream's message is seen before what its targets make of
+    it, and each graph event once (the §6.10 streams are not watched twice)."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+  e: {type: tool, config: {tools: [echo]}}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+  s:
+    type: stream
+    operators: [{type: map, params: {agent: e}}]
+    publications: [__output__]
+merges: [{sources: [__input__], target: g}, {sources: [g], target: s}]
+""")
+    seen = []
+    a.watch(lambda stream, msg: seen.append(actor.trace_line(stream, msg)))
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
+    assert seen == [
+        "trace: __input__: 'hi'",
+        "trace: graph g started: 'hi'",
+        "trace: graph g node n1 #1: 'ChainAgent processed: hi->x'",
+        "trace: graph g finished: n1",
+        "trace: g: 'ChainAgent processed: hi->x'",
+        "trace: s: 'ChainAgent processed: hi->x'",
+        "trace: __output__: 'ChainAgent processed: hi->x'"]
+
 def test_readme_first_command_runs_offline():
     """The README's first command: the chat example through the fake provider, no key needed."""
     r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
