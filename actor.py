@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import contextvars
 import copy
 import datetime
@@ -183,19 +184,25 @@ def path_str(path):
 class Doc:
     """A loaded document: the merged data plus a path -> (file, line, col) map of YAML marks."""
 
-    def __init__(self, data, marks=None, files=()):
+    def __init__(self, data, marks=None, files=(), rendered=None):
         self.data = data
         self.marks = marks if marks is not None else {}
         self.files = tuple(files)
+        # file -> RenderedLines for the files that went through Phase A (§8.2): their marks
+        # count lines of the rendered text, and locate() reports the source line instead.
+        self.rendered = rendered or {}
 
     def locate(self, path):
         """The mark of the longest known prefix of `path` (file, line, col) or (file, None, None)."""
         path = tuple(path or ())
-        while path:
-            if path in self.marks:
-                return self.marks[path]
+        while path and path not in self.marks:
             path = path[:-1]
-        return self.marks.get((), (self.files[-1] if self.files else None, None, None))
+        mark = self.marks.get(path) if path else self.marks.get(
+            (), (self.files[-1] if self.files else None, None, None))
+        lines = self.rendered.get(mark[0])
+        if lines is not None and mark[1] is not None:
+            return (mark[0], *lines.origin(mark[1], mark[2]))
+        return mark
 
     def error(self, cls, path, message, section=None):
         """Build a located §20 error; callers `raise doc.error(...)`."""
@@ -6115,6 +6122,81 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
         raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
                                  file=file, line=exc.line) from exc
 
+class RenderedLines:
+    """Where the lines of a Phase A output came from in the raw document, so that errors found
+    after rendering name the line the author wrote (§8.2, §8.12).
+
+    A raw line is turned into a pattern: its text, with every {{ }}, {% %} and {# #} span
+    standing for any text; a line of tags alone produces no line of its own and gets none. Each
+    rendered line takes the matching raw line with the most literal text, then the nearest one
+    at or after the previous match, else the nearest before it (a loop body starting again).
+    The column is kept only when rendering left the line as it was. Worked out on first use.
+    """
+
+    _TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}")
+    HEAD = 16           # literal characters a pattern is filed under
+
+    def __init__(self, raw, rendered):
+        self.raw, self.rendered, self._origins = raw, rendered, None
+
+    def origin(self, line, col):
+        """(raw line, raw column or None) for a 1-based rendered line; (None, None) if unknown."""
+        if self._origins is None:
+            self._origins = self._align()
+        if not 1 <= line <= len(self._origins) or self._origins[line - 1] is None:
+            return None, None
+        raw_line, same = self._origins[line - 1]
+        return raw_line, col if same else None
+
+    def _align(self):
+        # Raw lines without tags are looked up by their text; the others become patterns, one
+        # per distinct pattern, filed under the first HEAD characters of their literal start.
+        exact, patterns = {}, {}
+        for index, text in enumerate(self.raw.split("\n")):
+            spans = list(self._TAG.finditer(text))
+            rest = self._TAG.sub("", text)
+            if not spans:
+                if "{{" in text or "{%" in text or "{#" in text:
+                    continue                        # a tag spread over several lines
+                exact.setdefault(text, []).append(index)
+            elif rest.strip() and not any(mark in rest for mark in ("{{", "{%", "{#")):
+                parts, last = [], 0
+                for span in spans:
+                    parts.append(text[last:span.start()])
+                    last = span.end()
+                parts.append(text[last:])
+                source = ".*?".join(map(re.escape, parts))
+                if source not in patterns:
+                    patterns[source] = (parts[0][:self.HEAD], re.compile(source, re.S),
+                                        len(rest), [])
+                patterns[source][3].append(index)
+        buckets = {}
+        for head, pattern, weight, indices in patterns.values():
+            buckets.setdefault(head, []).append((pattern, weight, indices))
+        origins, previous = [], 0
+        for text in self.rendered.split("\n"):
+            groups = [(len(text) + 1, exact[text], True)] if text in exact else []
+            for size in range(min(len(text), self.HEAD) + 1):
+                for pattern, weight, indices in buckets.get(text[:size], ()):
+                    if pattern.fullmatch(text):
+                        groups.append((weight, indices, False))
+            if not groups:
+                origins.append(None)
+                continue
+            best = max(weight for weight, _, _ in groups)
+            after, before = [], []            # each group's indices are in ascending order
+            for weight, indices, same in groups:
+                if weight == best:
+                    at = bisect.bisect_left(indices, previous)
+                    if at < len(indices):
+                        after.append((indices[at], same))
+                    if at:
+                        before.append((indices[at - 1], same))
+            index, same = min(after) if after else max(before)
+            origins.append((index + 1, same))
+            previous = index + 1
+        return origins
+
 # §8.3 Template variables, filters and built-ins ------------------------------------------
 MAX_RANGE = 100_000   # a template may not build a longer sequence (memory; jinja2's own cap)
 
@@ -8161,7 +8243,8 @@ def read_sources(paths, text):
 
 
 def parse_source(raw, file, render_context, engine):
-    """§3.1 and §8.2: one document's text -> (data, marks), through Phase A when it is templated."""
+    """§3.1 and §8.2: one document's text -> (data, marks, RenderedLines or None), through
+    Phase A when it is templated."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -8170,33 +8253,41 @@ def parse_source(raw, file, render_context, engine):
                                      file=file) from None
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
-        return parse_yaml(raw, file)
+        return (*parse_yaml(raw, file), None)
     try:
         rendered = render_document(raw, render_context, engine, file=file)
     except RecursionError:      # Phase A reads the YAML shape of the text to protect fields
         raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
-    data, marks = parse_yaml(rendered, file)
-    return restore_sentinels(data), marks
+    lines = RenderedLines(raw, rendered) if rendered != raw else None
+    try:
+        data, marks = parse_yaml(rendered, file)
+    except ConfigurationError as exc:       # located in the rendered text: name the raw line
+        if lines is not None and exc.line is not None:
+            exc.line, exc.col = lines.origin(exc.line, exc.col)
+        raise
+    return restore_sentinels(data), marks, lines
 
 
 def load_document(sources, render_context, engine, env, rt):
     """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
-    data, marks, files = None, {}, []
+    data, marks, files, rendered = None, {}, [], {}
     for file, raw in sources:
-        part, part_marks = parse_source(raw, file, render_context, engine)
+        part, part_marks, lines = parse_source(raw, file, render_context, engine)
         files.append(file)
+        if lines is not None:
+            rendered[file] = lines
         if not isinstance(part, dict):
             kind = "empty" if part is None else type(part).__name__
-            raise ConfigurationError(f"top-level value must be a mapping, not {kind}",
-                                     section="3.1, §11.1", file=file,
-                                     line=part_marks.get((), (None, None, None))[1])
+            raise Doc(part, part_marks, [file], rendered).error(
+                ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
+                "3.1, §11.1")
         if data is None:
             data, marks = part, dict(part_marks)
         else:
             before = copy.deepcopy(data)
             deep_merge(data, part)
             merge_marks(marks, part_marks, before, part)
-    doc = Doc(data, marks, files)
+    doc = Doc(data, marks, files, rendered)
     rt.doc = doc
     doc.data = interpolate_env(doc.data, env, doc)
     return doc

@@ -4446,6 +4446,62 @@ def test_protection_covers_plain_quoted_and_block_scalars():
     assert actor.restore_markers(out) == text
 
 
+_LOOPED = """{% set n = 2 %}
+agents:
+{% for i in range(n) %}
+  a{{ i }}:
+    type: tool
+    config: {tools: [echo], timeout: {{ 0 if i else 1 }}}
+{% endfor %}
+routes:
+  main:
+    type: graph
+    nodes:
+      x: {type: agent, agent: a0}
+    edges:
+      - {source: start, target: x}
+      - {source: x, target: fnial}
+"""
+
+
+def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
+    """§8.2/§8.12: a document rendered by Phase A is parsed as rendered text, but errors point
+    at the raw file's line: an unchanged line keeps its column, a line with an expression gets
+    none, and a line a loop produced points at the loop body."""
+    path = tmp_path / "team.yaml"
+    path.write_text(_LOOPED)
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)
+    assert (info.value.line, info.value.col) == (15, 21)        # the edge, unchanged by rendering
+    assert "fnial" in info.value.message
+    path.write_text(_LOOPED.replace("target: fnial", "target: end"))
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)                                        # a1 has timeout 0 (second pass)
+    assert info.value.path == "agents.a1.config.timeout"
+    assert (info.value.line, info.value.col) == (6, None)
+    assert str(info.value).startswith(f"{path}:6: ConfigurationError")
+
+
+def test_yaml_error_after_phase_a_names_the_raw_line():
+    text = "{% set x = 1 %}\nagents: {}\nroutes:\n  main: [unclosed\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text)
+    assert "does not parse as YAML" in info.value.message
+    assert info.value.line in (4, 5)                            # the flow sequence or the end
+
+
+def test_rendered_lines_map_each_output_line_to_its_source():
+    raw = "a: 1\n{% for i in [1, 2] %}\nb{{ i }}: x\n{% endfor %}\nc: {{ 3 }}\n"
+    rendered = actor.render_document(raw)
+    lines = actor.RenderedLines(raw, rendered)
+    out = rendered.split("\n")
+    origins = [lines.origin(n, 1)[0] for n in range(1, len(out) + 1)]
+    by_text = dict(zip(out, origins))
+    assert by_text["a: 1"] == 1 and by_text["b1: x"] == 3 and by_text["b2: x"] == 3
+    assert by_text["c: 3"] == 5
+    assert lines.origin(1, 4) == (1, 4) and lines.origin(len(out) + 5, 1) == (None, None)
+
+
 def test_protection_leaves_names_bound_at_phase_a_q47():
     text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
             "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
