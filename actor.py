@@ -7551,11 +7551,16 @@ if jinja2 is not None:
             return super().call_binop(context, operator, left, right)
 
         def _parse(self, source, name, filename):
-            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline."""
+            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline;
+            every `{% set ns.x = ... %}` stores through `sb_kept`, which bounds nesting."""
             tree = super()._parse(source, name, filename)
             for node in tree.find_all(jinja2.nodes.For):
                 node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
                                                 lineno=node.lineno)
+            for node in tree.find_all(jinja2.nodes.Assign):
+                if isinstance(node.target, jinja2.nodes.NSRef):
+                    node.node = jinja2.nodes.Filter(node.node, "sb_kept", [], [], None, None,
+                                                    lineno=node.lineno)
             return tree
 
 
@@ -7572,6 +7577,17 @@ def template_materialized(fn):
         value = fn(*args, **kwargs)
         return list(value) if isinstance(value, _GENERATOR) else value
     return run
+
+
+def template_kept(value):
+    """The `sb_kept` filter: a namespace is the one place a template carries a value from one
+    loop step to the next, so there a value may not nest deeper than SANDBOX_MAX_NESTING levels:
+    a tuple wrapped 100,000 times that way, then used as a dict key, crashed CPython 3.11."""
+    reason = _nesting_refused(value, (tuple, list, dict)) \
+        if isinstance(value, (tuple, list, dict)) else None
+    if reason is not None:
+        raise jinja2.sandbox.SecurityError(f"a namespace value that {reason} is not allowed")
+    return value
 
 
 def template_loop(iterable):
@@ -7595,6 +7611,7 @@ def jinja_environment():
     env.filters.update(FILTERS)
     env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
     env.filters["sb_loop"] = template_loop
+    env.filters["sb_kept"] = template_kept
     return env
 
 
@@ -8549,6 +8566,7 @@ def find_stream_cycle(edges):
 SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
 SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
 SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
+SANDBOX_MAX_NESTING = 1000         # levels of tuples in a value that gets hashed (key, set item)
 SANDBOX_MAX_DIVISION = 1 << 36     # bits x bits of one long division (// % round(n, -k)): ~0.1 s
 SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
 CODE_FILENAME = "<inline code>"
@@ -8780,11 +8798,48 @@ class _SandboxRewriter(ast.NodeTransformer):
         func = node.func
         if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
             func.id = "__sb_str__"
+        if isinstance(func, ast.Name) and func.id in ("set", "dict") \
+                and func.id not in self.bound and node.args \
+                and not isinstance(node.args[0], ast.Starred):
+            node.args[0] = _guard_call("__sb_keys__", node.args[0], node.args[0])
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr),
                                *node.args)
             call.keywords = node.keywords
             return call
+        return node
+
+    # Hashing sites (guard_key): subscripts, dict and set displays and comprehensions, set() and
+    # dict(); `in` goes through guard_in and the hashing methods through guard_method.
+    def visit_Subscript(self, node):
+        self.generic_visit(node)
+        if not isinstance(node.slice, (ast.Slice, ast.Constant)):
+            node.slice = _guard_call("__sb_key__", node.slice, node.slice)
+        return node
+
+    def visit_Dict(self, node):
+        self.generic_visit(node)
+        node.keys = [key if key is None or isinstance(key, ast.Constant)      # None: **mapping
+                     else _guard_call("__sb_key__", key, key) for key in node.keys]
+        return node
+
+    def visit_Set(self, node):
+        self.generic_visit(node)
+        node.elts = [
+            ast.copy_location(ast.Starred(_guard_call("__sb_keys__", e, e.value), ast.Load()), e)
+            if isinstance(e, ast.Starred) else
+            e if isinstance(e, ast.Constant) else _guard_call("__sb_key__", e, e)
+            for e in node.elts]
+        return node
+
+    def visit_DictComp(self, node):
+        self.generic_visit(node)
+        node.key = _guard_call("__sb_key__", node.key, node.key)
+        return node
+
+    def visit_SetComp(self, node):
+        self.generic_visit(node)
+        node.elt = _guard_call("__sb_key__", node.elt, node.elt)
         return node
 
     def visit_FormattedValue(self, node):
@@ -9567,6 +9622,60 @@ def _nested_weight(value):
     return _text_weight(value, {})
 
 
+def _nesting_refused(value, follow):
+    """Why `value` may not be hashed or kept, or None: more than SANDBOX_MAX_NESTING levels of
+    the `follow` container types, or more than SANDBOX_MAX_ITEMS items reached through them
+    (aliases counted each time, as hashing counts them)."""
+    memo = {}                               # id -> (levels, items) of a finished container
+    stack = [(value, 1, False)]
+    while stack:
+        item, level, done = stack.pop()
+        if done:
+            levels, items = 1, len(item) + 1
+            for child in (item.values() if isinstance(item, dict) else item):
+                if isinstance(child, follow):
+                    child_levels, child_items = memo[id(child)]
+                    levels, items = max(levels, child_levels + 1), items + child_items
+            if items > SANDBOX_MAX_ITEMS:
+                return "is too large to hash"
+            memo[id(item)] = (levels, items)
+        elif id(item) not in memo:
+            if level > SANDBOX_MAX_NESTING:
+                return f"nests deeper than {SANDBOX_MAX_NESTING} levels"
+            stack.append((item, level, True))
+            children = item.values() if isinstance(item, dict) else item
+            if not set(map(type, children)).isdisjoint(follow):     # a C-level scan first
+                stack.extend((child, level + 1, False) for child in
+                             (item.values() if isinstance(item, dict) else item)
+                             if isinstance(child, follow) and id(child) not in memo)
+    return None
+
+
+def guard_key(value):
+    """A value about to be hashed (a dict key, a set item, `in` a mapping, d.get(k)...).
+    CPython 3.11 hashes a tuple by recursing in C with no depth check: a tuple nested 100,000
+    levels deep, built by a comprehension over a long message, crashed the process when used as
+    a key. Such a tuple is refused instead; anything but a tuple passes at once."""
+    if value.__class__ is tuple:
+        reason = _nesting_refused(value, (tuple,))
+        if reason is not None:
+            raise SandboxAbort(f"a tuple that {reason} cannot be a key or set item")
+    return value
+
+
+def guard_keys(iterable):
+    """guard_key on each item of an iterable about to be hashed item by item (set(x),
+    dict(pairs), s.update(x)...); a dict or set passes as it is (its keys are hashed already),
+    anything else comes back as a list of the checked items."""
+    if isinstance(iterable, (dict, set, frozenset, str, bytes, range)):
+        return iterable
+    items = iterable if isinstance(iterable, list) else list(iterable)
+    if tuple in set(map(type, items)):
+        for item in items:
+            guard_key(item)
+    return items
+
+
 def guard_in(needle, haystack):
     """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
     needle with one item, so a container needle against a long list of aliases of one big
@@ -9577,7 +9686,7 @@ def guard_in(needle, haystack):
             and len(haystack) * _nested_weight(needle) > SANDBOX_MAX_ITEMS \
             and _nested_weight(haystack) > SANDBOX_MAX_ITEMS:
         _refuse_size("membership test")
-    return needle in haystack
+    return guard_key(needle) in haystack
 
 
 def check_rendering(value):
@@ -9663,8 +9772,23 @@ def _check_codec(args, kwargs):
                            f"(utf-8, utf-16, utf-32, ascii, latin-1 and the escapes are)")
 
 
+# Methods of dict and set that hash what they are given: one key, or every item of iterables.
+_KEY_METHODS = frozenset({"get", "pop", "setdefault", "add", "discard", "remove"})
+_KEYS_METHODS = frozenset({
+    "update", "fromkeys", "union", "intersection", "difference", "symmetric_difference",
+    "issubset", "issuperset", "isdisjoint", "intersection_update", "difference_update",
+    "symmetric_difference_update"})
+
+
 def guard_method(obj, name, *args, **kwargs):
-    """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first."""
+    """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first,
+    and what the hashing ones hash checked by guard_key."""
+    if name in _KEY_METHODS:
+        for arg in args:
+            guard_key(arg)
+        return getattr(obj, name)(*args, **kwargs)
+    if name in _KEYS_METHODS:
+        return getattr(obj, name)(*map(guard_keys, args), **kwargs)
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
     if name in ("encode", "decode"):
         _check_codec(rest, kwargs)
@@ -9677,7 +9801,8 @@ def guard_method(obj, name, *args, **kwargs):
 
 
 _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
-                              "extend", "to_bytes", "translate", "encode", "decode"})
+                              "extend", "to_bytes", "translate", "encode", "decode"}) \
+    | _KEY_METHODS | _KEYS_METHODS
 
 # Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
 _SANDBOX_GUARDS = {
@@ -9685,7 +9810,7 @@ _SANDBOX_GUARDS = {
     "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
     "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
     "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
-    "__sb_in__": guard_in,
+    "__sb_in__": guard_in, "__sb_key__": guard_key, "__sb_keys__": guard_keys,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

@@ -5201,6 +5201,86 @@ def test_sandbox_runaway_is_stopped(capsys, source):
     sandbox_still_serves()
 
 
+# Deep tuples (§13.2.3): CPython 3.11 hashes a tuple by recursing in C without a depth check, so
+# a tuple wrapped 100,000 times and then used as a key crashed the process. Each case runs in a
+# child process, so that a regression shows up as a failed test, not as a crashed test run.
+_DEEP = "t = ()\nfor i in range(100000):\n    t = (t,)\n"
+DEEP_HASH_CASES = {
+    "dict-display": _DEEP + "result = {t: 1}",
+    "set-display": _DEEP + "result = {t}",
+    "set-unpacked": _DEEP + "result = {*[t]}",
+    "subscript-store": _DEEP + "d = {}\nd[t] = 1",
+    "subscript-load": _DEEP + "d = {}\nresult = d[t]",
+    "membership": _DEEP + "result = t in {}",
+    "dict-get": _DEEP + "result = {}.get(t)",
+    "set-add": _DEEP + "s = set()\ns.add(t)",
+    "set-update": _DEEP + "s = set()\ns.update([t])",
+    "dict-fromkeys": _DEEP + "result = dict.fromkeys([t])",
+    "set-call": _DEEP + "result = set([t])",
+    "dict-call": _DEEP + "result = dict([(t, 1)])",
+    "dict-comprehension": _DEEP + "result = {k: 1 for k in [t]}",
+    "set-comprehension": _DEEP + "result = {k for k in [t]}",
+    "args-packing": "def f(*a):\n    return a\nt = ()\nfor i in range(100000):\n    t = f(t)\n"
+                    "result = {t: 1}",
+    "items-chain": "t = ()\nfor i in range(100000):\n    t = list({0: t}.items())[0]\n"
+                   "result = {t: 1}",
+}
+_DEEP_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+cases, out = json.loads(sys.stdin.read()), {}
+for name, source in cases["inline"].items():
+    try:
+        actor.run_code(actor.compile_code(source), {"input_data": "", "context": {}}, timeout=20)
+        out[name] = "ran"
+    except actor.ActorError as exc:
+        out[name] = exc.message
+expression = actor.compile_expression(
+    "lambda x: ((t := ()), [(t := (t,)) for c in x], {t: 1})[2] and 1")
+try:
+    out["expression"] = expression("a" * 200000)
+except actor.ActorError as exc:
+    out["expression"] = exc.message
+try:
+    out["template"] = actor.render(
+        "{% set ns = namespace(a=()) %}{% for i in range(100000) %}{% set ns.a = (ns.a,) %}"
+        "{% endfor %}{{ {ns.a: 1} | length }}", {})
+except actor.ActorError as exc:
+    out["template"] = exc.message
+out["control"] = actor.run_code(actor.compile_code(
+    "d = {(1, (2, 3)): 'a'}\ns = {(1, 2)}\ns.update([(3, 4)])\n"
+    "result = [d[(1, (2, 3))], d.get((1, (2, 3))), (1, 2) in s, len(s), {k: 1 for k in s}[(3, 4)],"
+    " len(dict([((1, 2), 3)])), len(set([(1, 2)]))]"), {"context": {}})["result"]
+print(json.dumps(out))
+"""
+
+
+def test_deep_tuples_cannot_crash_the_process_through_hashing():
+    """Every hashing site of the sandboxes refuses a tuple nested past SANDBOX_MAX_NESTING
+    levels (inline code, an expression building one from a long message, a template carrying
+    one through a namespace) with an ExecutionError or TemplateError; keys of ordinary depth
+    keep working."""
+    import subprocess
+    child = subprocess.run([sys.executable, "-c", _DEEP_CHILD, str(HERE)],
+                           input=json.dumps({"inline": DEEP_HASH_CASES}), capture_output=True,
+                           text=True, timeout=240)
+    assert child.returncode == 0, child.stderr[-2000:]
+    out = json.loads(child.stdout)
+    for name in DEEP_HASH_CASES:
+        assert "1000 levels" in out[name], (name, out[name])
+    assert "1000 levels" in out["expression"] and "1000 levels" in out["template"]
+    assert out["control"] == ["a", "a", True, 2, 1, 1, 1]
+
+
+def test_sandbox_refuses_taking_a_hashing_method_uncalled():
+    """d.get passed along (sorted(x, key=d.get)) would hash outside the guards: refused at load
+    with the body line, like the other guarded methods."""
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("d = {}\nresult = sorted([1, 2], key=d.get)")
+    assert "taking the method 'get' without calling it" in info.value.message
+
+
 # Controls: the spec's own inline code runs unchanged (§4.5.2, §18.4, §18.9, §18.10).
 def test_sandbox_control_route_by_prefix():   # §4.5.2, first example
     source = (
