@@ -63,6 +63,12 @@ import operator
 import os
 import random
 import re
+try:                                       # the regex parser, to spot nested repeats (§6.2.6.2)
+    import re._parser as _regex_parser
+    import re._constants as _regex_constants
+except ImportError:                        # Python 3.10
+    import sre_parse as _regex_parser
+    import sre_constants as _regex_constants
 import string
 import subprocess
 import sys
@@ -4409,9 +4415,9 @@ class GraphRoute:
         self.rt = rt
         self.path = tuple(path or ("routes", name))
         check_graph(rt.doc, name, cfg, self.path, set(rt.agents))
-        self._warn_unknown_keys()
         self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
+        self._warn_unknown_keys()
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self)                 # §6.11
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
@@ -4668,7 +4674,15 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def _warn_unknown_keys(self):
-        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1)."""
+        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1);
+        so does a router regex with nested unbounded repeats (§6.2.6.2, regex_may_backtrack)."""
+        for node in self.nodes.values():
+            for index, rule in enumerate(node.rules):
+                if rule.regex is not None and regex_may_backtrack(rule.pattern):
+                    self.rt.warn(f"regex {rule.pattern!r} repeats a repetition: a crafted "
+                                 f"message may make matching take exponential time",
+                                 section="6.2.6.2",
+                                 path=node.path + ("rules", index, "pattern"))
         for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
             known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
             for key in node_cfg:
@@ -5089,6 +5103,37 @@ class RouterRule:
         self.extract_message = bool(rule.get("extract_message", True))
         self.separator = str(rule.get("separator", ":"))
         self.set_state = rule.get("set_state")
+
+
+def regex_may_backtrack(pattern):
+    """Whether `pattern` repeats, without bound, something that itself repeats without bound
+    ((a+)+, (\\w+\\s?)*): Python's regex engine may then take exponential time on a crafted
+    message, in C, past every deadline."""
+    try:
+        parsed = _regex_parser.parse(pattern)
+    except Exception:           # checked and reported by check_node
+        return False
+    repeats = (_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT)
+    unbounded = _regex_constants.MAXREPEAT
+
+    def parts(value):           # the sub-patterns inside one parsed item's argument
+        if isinstance(value, _regex_parser.SubPattern):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from parts(item)
+
+    def repeats_inside(sub, outer_unbounded):
+        for op, arg in sub:
+            if op in repeats and arg[1] == unbounded:
+                if outer_unbounded:
+                    return True
+                if any(repeats_inside(inner, True) for inner in parts(arg[2])):
+                    return True
+            elif any(repeats_inside(inner, outer_unbounded) for inner in parts(arg)):
+                return True
+        return False
+    return repeats_inside(parsed, False)
 
 
 def compile_router_rules(cfg, path):

@@ -2996,6 +2996,25 @@ def test_graph_router_first_match_wins_and_sets_state():
     assert g.state["metadata"]["next_node"] == "one"
 
 
+def test_router_regex_with_nested_repeats_is_warned_at_load():
+    """§6.2.6.2: a regex rule repeating a repetition ((a+)+) may backtrack exponentially on a
+    crafted message, in C and past any deadline: warned at load with its location."""
+    def router(pattern):
+        return {"type": "graph", "nodes": {
+            "r": {"type": "message_router", "rules": [
+                {"match_type": "regex", "pattern": pattern, "target": "a"}]},
+            "a": {"type": "agent", "agent": "a"}},
+            "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
+                      {"source": "a", "target": "end"}]}
+    rt, g = make_graph(router("^(\\\\w+\\\\s?)*$"), {"a": echo("a")})
+    assert any("routes.main.nodes.r.rules[0].pattern" in w and "exponential" in w
+               and "§6.2.6.2" in w for w in rt.warnings)
+    rt, g = make_graph(router("^CODE:(.*)$"), {"a": echo("a")})
+    assert not any("exponential" in w for w in rt.warnings)
+    assert [actor.regex_may_backtrack(p) for p in ("(a+)+$", "(a|b)*c", "(?:a+){3}", "(x*)*")] \
+        == [True, False, False, True]
+
+
 # §6.3 Graph state ----------------------------------------------------------------------------
 def test_graph_state_messages_capped_at_50():
     rt, g = make_graph(linear("a"), {"a": echo("a")})
