@@ -2658,10 +2658,12 @@ def stream_edges(data, known, default=None):
     edges = []
     routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
     for name, cfg in routes.items():
+        if route_type(cfg) not in ("stream", "graph"):
+            continue
+        for i, target in enumerate(as_list(cfg.get("publications"))):
+            edges.append((name, target, ("routes", name, "publications", i)))
         if route_type(cfg) != "stream":
             continue
-        for i, target in enumerate(cfg.get("publications") or []):
-            edges.append((name, target, ("routes", name, "publications", i)))
         for target, path in _switch_targets(cfg.get("operators"), ("routes", name, "operators")):
             if target in known:
                 edges.append((name, target, path))
@@ -4303,10 +4305,13 @@ def default_router(rt):
 
 
 def publication_links(routes):
-    """§5.5: each publication target receives every emission of its route."""
+    """§5.5: each publication target receives every emission of its route (a graph route's
+    emissions are its runs' outputs)."""
+    # INTERPRETATION §5.5, §6.1: a graph route may declare publications too (the issue's "graph
+    # routes ... emit to their publications"); §6.1's table lists none, §5.5 speaks of streams.
     links = []
     for name, cfg in routes.items():
-        if route_type(cfg) == "stream":
+        if route_type(cfg) in ("stream", "graph"):
             for i, target in enumerate(cfg.get("publications") or []):
                 links.append((name, target, None, ("routes", name, "publications", i)))
     # Subscriptions are validated by check_streams and never wired (§5.5).
@@ -8123,7 +8128,7 @@ ROUTE_FIELDS = {
                "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
     "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
               "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
-              "template_config"),
+              "template_config", "publications"),
     "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
                "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
 }
@@ -8184,18 +8189,20 @@ def check_routes(doc, rt, agent_names):
         route["type"] = kind
         warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
                                                                    "bridge": "5.6"}[kind])
+        fields = ("subscriptions", "publications", "agents") if kind == "stream" else \
+            ("publications",) if kind == "graph" else ()
+        for field in fields:
+            value = route.get(field)
+            if value is not None and not isinstance(value, list):
+                raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
+                                "5.3" if kind == "stream" else "5.5")
+        for field in fields[:2]:
+            for i, target in enumerate(route.get(field) or []):
+                if not is_known(target, known):
+                    raise doc.error(ConfigurationError, path + (field, i),
+                                    f"'{target}' is not a known route or built-in stream",
+                                    "11.3, §5.5")
         if kind == "stream":
-            for field in ("subscriptions", "publications", "agents"):
-                value = route.get(field)
-                if value is not None and not isinstance(value, list):
-                    raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
-                                    "5.3")
-            for field in ("subscriptions", "publications"):
-                for i, target in enumerate(route.get(field) or []):
-                    if not is_known(target, known):
-                        raise doc.error(ConfigurationError, path + (field, i),
-                                        f"'{target}' is not a known route or built-in stream",
-                                        "11.3, §5.5")
             for i, agent in enumerate(route.get("agents") or []):
                 if not is_known(agent, agent_names):
                     raise doc.error(ConfigurationError, path + ("agents", i),
