@@ -6184,6 +6184,7 @@ class RenderedLines:
     """
 
     _TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}")
+    _LINE_BREAK = re.compile(r"\r\n|\r|\n")
     HEAD = 16           # literal characters a pattern is filed under
 
     def __init__(self, raw, rendered):
@@ -6202,7 +6203,7 @@ class RenderedLines:
         # Raw lines without tags are looked up by their text; the others become patterns, one
         # per distinct pattern, filed under the first HEAD characters of their literal start.
         exact, patterns = {}, {}
-        for index, text in enumerate(self.raw.split("\n")):
+        for index, text in enumerate(self._LINE_BREAK.split(self.raw)):     # as Jinja2 splits lines
             spans = list(self._TAG.finditer(text))
             rest = self._TAG.sub("", text)
             if not spans:

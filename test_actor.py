@@ -4499,6 +4499,10 @@ def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
     assert info.value.path == "agents.a1.config.timeout"
     assert (info.value.line, info.value.col) == (6, None)
     assert str(info.value).startswith(f"{path}:6: ConfigurationError")
+    path.write_bytes(_LOOPED.replace("\n", "\r\n").encode())     # Windows line ends
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)
+    assert (info.value.line, info.value.col) == (15, 21)
 
 
 def test_yaml_error_after_phase_a_names_the_raw_line():
