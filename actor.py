@@ -6199,9 +6199,26 @@ class RenderedLines:
         raw_line, same = self._origins[line - 1]
         return raw_line, col if same else None
 
+    @staticmethod
+    def _fits(parts, text):
+        """Whether `text` is parts[0] + any + parts[1] + ... + any + parts[-1]: each literal part
+        found leftmost in turn, which decides a pattern of literals and wildcards in linear time
+        (a regular expression with many .*? could backtrack for minutes)."""
+        first, last = parts[0], parts[-1]
+        if len(first) + len(last) > len(text) or not text.startswith(first) \
+                or not text.endswith(last):
+            return False
+        at, end = len(first), len(text) - len(last)
+        for part in parts[1:-1]:
+            found = text.find(part, at, end)
+            if found < 0:
+                return False
+            at = found + len(part)
+        return True
+
     def _align(self):
-        # Raw lines without tags are looked up by their text; the others become patterns, one
-        # per distinct pattern, filed under the first HEAD characters of their literal start.
+        # Raw lines without tags are looked up by their text; the others become patterns (their
+        # literal parts), one per distinct pattern, filed under the first HEAD characters.
         exact, patterns = {}, {}
         for index, text in enumerate(self._LINE_BREAK.split(self.raw)):     # as Jinja2 splits lines
             spans = list(self._TAG.finditer(text))
@@ -6216,20 +6233,17 @@ class RenderedLines:
                     parts.append(text[last:span.start()])
                     last = span.end()
                 parts.append(text[last:])
-                source = ".*?".join(map(re.escape, parts))
-                if source not in patterns:
-                    patterns[source] = (parts[0][:self.HEAD], re.compile(source, re.S),
-                                        len(rest), [])
-                patterns[source][3].append(index)
+                patterns.setdefault(tuple(parts), []).append(index)
         buckets = {}
-        for head, pattern, weight, indices in patterns.values():
-            buckets.setdefault(head, []).append((pattern, weight, indices))
+        for parts, indices in patterns.items():
+            buckets.setdefault(parts[0][:self.HEAD], []).append(
+                (parts, sum(map(len, parts)), indices))
         origins, previous = [], 0
         for text in self.rendered.split("\n"):
             groups = [(len(text) + 1, exact[text], True)] if text in exact else []
             for size in range(min(len(text), self.HEAD) + 1):
-                for pattern, weight, indices in buckets.get(text[:size], ()):
-                    if pattern.fullmatch(text):
+                for parts, weight, indices in buckets.get(text[:size], ()):
+                    if self._fits(parts, text):
                         groups.append((weight, indices, False))
             if not groups:
                 origins.append(None)
