@@ -9711,7 +9711,8 @@ def _nesting_refused(value, follow):
                 return f"nests deeper than {SANDBOX_MAX_NESTING} levels"
             stack.append((item, level, True))
             children = item.values() if isinstance(item, dict) else item
-            if not set(map(type, children)).isdisjoint(follow):     # a C-level scan first
+            kinds = set(map(type, children))                        # a C-level scan first
+            if any(issubclass(kind, follow) for kind in kinds):
                 stack.extend((child, level + 1, False) for child in
                              (item.values() if isinstance(item, dict) else item)
                              if isinstance(child, follow) and id(child) not in memo)

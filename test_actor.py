@@ -5296,6 +5296,23 @@ def test_deep_tuples_cannot_crash_the_process_through_hashing():
     assert out["control"] == ["a", "a", True, 2, 1, 1, 1]
 
 
+
+def test_nesting_check_handles_aliases_cycles_and_subclasses():
+    """The walk behind guard_key and template namespaces: an aliased tuple whose hash would walk
+    2**50 items is refused (hashing it would never end), a list holding itself is refused rather
+    than looped over, a dict subclass (a node context) is walked like a dict."""
+    t = ()
+    for _ in range(50):
+        t = (t, t)
+    assert actor._nesting_refused(t, (tuple,)) == "is too large to hash"
+    with pytest.raises(actor.SandboxAbort):
+        actor.guard_key(t)
+    loop = []
+    loop.append(loop)
+    assert "1000 levels" in actor._nesting_refused(loop, (tuple, list, dict))
+    assert actor._nesting_refused([actor.NodeContext(a=[1, (2,)])], (tuple, list, dict)) is None
+    assert actor.guard_key((1, (2, (3,)))) == (1, (2, (3,)))
+
 def test_sandbox_refuses_taking_a_hashing_method_uncalled():
     """d.get passed along (sorted(x, key=d.get)) would hash outside the guards: refused at load
     with the body line, like the other guarded methods."""
