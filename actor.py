@@ -9855,6 +9855,8 @@ def guard_method(obj, name, *args, **kwargs):
         for arg in args:
             guard_key(arg)
         return getattr(obj, name)(*args, **kwargs)
+    if name == "fromkeys" and args:         # (iterable, value): only the iterable is hashed
+        return getattr(obj, name)(guard_keys(args[0]), *args[1:], **kwargs)
     if name in _KEYS_METHODS:
         return getattr(obj, name)(*map(guard_keys, args), **kwargs)
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)

@@ -5313,6 +5313,24 @@ def test_nesting_check_handles_aliases_cycles_and_subclasses():
     assert actor._nesting_refused([actor.NodeContext(a=[1, (2,)])], (tuple, list, dict)) is None
     assert actor.guard_key((1, (2, (3,)))) == (1, (2, (3,)))
 
+
+@pytest.mark.parametrize("source, expected", [
+    ('result = dict.fromkeys(["a", "b"], 0)', {"a": 0, "b": 0}),
+    ('result = {}.fromkeys("ab", 1)', {"a": 1, "b": 1}),
+    ("s = {1}\ns.update([2], (3,))\nresult = sorted(s)", [1, 2, 3]),
+    ('d = {"a": 1}\nd.update(b=2)\nd.update({"c": 3})\nd.update([("e", 5)])\nresult = d',
+     {"a": 1, "b": 2, "c": 3, "e": 5}),
+    ("result = {1, 2}.union([3], {4})", {1, 2, 3, 4}),
+    ('result = [{1: 2}.pop(1), {1: 2}.pop(5, "x"), {1: 2}.setdefault(3, (1,)), [1, 2].pop()]',
+     [2, "x", (1,), 2]),
+    ("d = {(1, 2): 3}\nk = (1, 2)\nresult = [d[k], k in d, {k: 1}, {k}, set([k]), dict([(k, 4)])]",
+     [3, True, {(1, 2): 1}, {(1, 2)}, {(1, 2)}, {(1, 2): 4}]),
+])
+def test_hashing_guards_keep_every_meaning(source, expected):
+    """The hashing guards change no result: the methods that hash keep their signatures
+    (fromkeys's value, update's keywords, pop's default) and keys of ordinary depth pass."""
+    assert actor.run_code(actor.compile_code(source), {"context": {}})["result"] == expected
+
 def test_sandbox_refuses_taking_a_hashing_method_uncalled():
     """d.get passed along (sorted(x, key=d.get)) would hash outside the guards: refused at load
     with the body line, like the other guarded methods."""
