@@ -8866,9 +8866,9 @@ class _SandboxRewriter(ast.NodeTransformer):
         if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
             func.id = "__sb_str__"
         if isinstance(func, ast.Name) and func.id in ("set", "dict") \
-                and func.id not in self.bound and node.args \
-                and not isinstance(node.args[0], ast.Starred):
-            node.args[0] = _guard_call("__sb_keys__", node.args[0], node.args[0])
+                and func.id not in self.bound and node.args:
+            node.args.insert(0, ast.Name(func.id, ast.Load()))   # set(x) -> guard(set, x)
+            node.func = ast.copy_location(ast.Name("__sb_hashing__", ast.Load()), func)
         if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr),
                                *node.args)
@@ -9744,6 +9744,14 @@ def guard_keys(iterable):
     return items
 
 
+def guard_hashing(kind, *args, **kwargs):
+    """set(...) or dict(...) as written in the code: the items of the iterable given first
+    (starred arguments included) pass guard_keys before they are hashed."""
+    if args:
+        args = (guard_keys(args[0]),) + args[1:]
+    return kind(*args, **kwargs)
+
+
 def guard_in(needle, haystack):
     """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
     needle with one item, so a container needle against a long list of aliases of one big
@@ -9881,6 +9889,7 @@ _SANDBOX_GUARDS = {
     "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
     "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
     "__sb_in__": guard_in, "__sb_key__": guard_key, "__sb_keys__": guard_keys,
+    "__sb_hashing__": guard_hashing,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

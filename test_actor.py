@@ -5240,6 +5240,7 @@ DEEP_HASH_CASES = {
     "set-update": _DEEP + "s = set()\ns.update([t])",
     "dict-fromkeys": _DEEP + "result = dict.fromkeys([t])",
     "set-call": _DEEP + "result = set([t])",
+    "set-call-starred": _DEEP + "result = set(*[[t]])",
     "dict-call": _DEEP + "result = dict([(t, 1)])",
     "dict-comprehension": _DEEP + "result = {k: 1 for k in [t]}",
     "set-comprehension": _DEEP + "result = {k for k in [t]}",
