@@ -8806,7 +8806,8 @@ class _SandboxRewriter(ast.NodeTransformer):
         symbol = _GUARDED_OPERATORS.get(type(node.op))
         if symbol is None:
             return node
-        return _guard_call("__sb_binop__", node, ast.Constant(symbol), node.left, node.right)
+        guard = "__sb_setop__" if symbol in _SET_OPERATORS else "__sb_binop__"
+        return _guard_call(guard, node, ast.Constant(symbol), node.left, node.right)
 
     def visit_Compare(self, node):
         # INTERPRETATION §13.2.3: `in` goes through guard_in, so a chained comparison holding
@@ -9567,11 +9568,18 @@ SANDBOX_INERT_TYPES = frozenset({
 })
 
 _GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%",
-                      ast.FloorDiv: "//"}
+                      ast.FloorDiv: "//", ast.Sub: "-", ast.BitAnd: "&", ast.BitOr: "|",
+                      ast.BitXor: "^"}
 _BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
-           "%": operator.mod, "//": operator.floordiv}
+           "%": operator.mod, "//": operator.floordiv, "-": operator.sub, "&": operator.and_,
+           "|": operator.or_, "^": operator.xor}
 _INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
-            "%": operator.imod, "//": operator.ifloordiv}
+            "%": operator.imod, "//": operator.ifloordiv, "-": operator.isub, "&": operator.iand,
+            "|": operator.ior, "^": operator.ixor}
+# - & | ^ with a dict view (d.keys(), d.items()) on one side hash every item of the other side,
+# which may be any iterable: those items pass guard_keys first.
+_SET_OPERATORS = frozenset("-&|^")
+_DICT_VIEWS = (type({}.keys()), type({}.items()))
 _SIZED = (str, bytes, list, tuple)
 _WIDTH_RE = re.compile(r"\d+")
 
@@ -9641,8 +9649,26 @@ def guard_binop(symbol, left, right):
 
 
 def guard_inplace(symbol, left, right):
-    _check_operands(symbol, left, right)
+    if symbol in _SET_OPERATORS:
+        left, right = _view_operands(left, right)
+    else:
+        _check_operands(symbol, left, right)
     return _INPLACE[symbol](left, right)
+
+
+def guard_setop(symbol, left, right):
+    """a - b, a & b, a | b, a ^ b as written in the code."""
+    left, right = _view_operands(left, right)
+    return _BINARY[symbol](left, right)
+
+
+def _view_operands(left, right):
+    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys)."""
+    if isinstance(left, _DICT_VIEWS) and not isinstance(right, (set, frozenset, *_DICT_VIEWS)):
+        right = guard_keys(right)
+    elif isinstance(right, _DICT_VIEWS) and not isinstance(left, (set, frozenset, *_DICT_VIEWS)):
+        left = guard_keys(left)
+    return left, right
 
 
 def guard_aug_item(container, key, symbol, value):
@@ -9889,7 +9915,7 @@ _SANDBOX_GUARDS = {
     "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
     "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
     "__sb_in__": guard_in, "__sb_key__": guard_key, "__sb_keys__": guard_keys,
-    "__sb_hashing__": guard_hashing,
+    "__sb_hashing__": guard_hashing, "__sb_setop__": guard_setop,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

@@ -5241,6 +5241,7 @@ DEEP_HASH_CASES = {
     "dict-fromkeys": _DEEP + "result = dict.fromkeys([t])",
     "set-call": _DEEP + "result = set([t])",
     "set-call-starred": _DEEP + "result = set(*[[t]])",
+    "dict-view-operator": _DEEP + "result = {}.keys() | [t]",
     "dict-call": _DEEP + "result = dict([(t, 1)])",
     "dict-comprehension": _DEEP + "result = {k: 1 for k in [t]}",
     "set-comprehension": _DEEP + "result = {k for k in [t]}",
@@ -5322,6 +5323,9 @@ def test_nesting_check_handles_aliases_cycles_and_subclasses():
     ('d = {"a": 1}\nd.update(b=2)\nd.update({"c": 3})\nd.update([("e", 5)])\nresult = d',
      {"a": 1, "b": 2, "c": 3, "e": 5}),
     ("result = {1, 2}.union([3], {4})", {1, 2, 3, 4}),
+    ("d = {1: 2, 3: 4}\nx = 10\nx -= 3\nx |= 16\nresult = [sorted(d.keys() - [1]), "
+     "sorted(d.keys() & [3, 5]), sorted(d.keys() | [9]), sorted(d.keys() ^ [1, 7]), 5 - 3, 6 & 3, "
+     "6 | 1, 6 ^ 3, sorted({1, 2} - {2}), x]", [[3], [3], [1, 3, 9], [3, 7], 2, 2, 7, 5, [1], 23]),
     ('result = [{1: 2}.pop(1), {1: 2}.pop(5, "x"), {1: 2}.setdefault(3, (1,)), [1, 2].pop()]',
      [2, "x", (1,), 2]),
     ("d = {(1, 2): 3}\nk = (1, 2)\nresult = [d[k], k in d, {k: 1}, {k}, set([k]), dict([(k, 4)])]",
