@@ -9663,7 +9663,11 @@ def guard_setop(symbol, left, right):
 
 
 def _view_operands(left, right):
-    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys)."""
+    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys): the
+    other side's, and an items view's own (key, value) pairs."""
+    for side in (left, right):
+        if isinstance(side, _DICT_VIEWS[1]):
+            guard_keys(side)
     if isinstance(left, _DICT_VIEWS) and not isinstance(right, (set, frozenset, *_DICT_VIEWS)):
         right = guard_keys(right)
     elif isinstance(right, _DICT_VIEWS) and not isinstance(left, (set, frozenset, *_DICT_VIEWS)):
@@ -9876,6 +9880,7 @@ def _check_codec(args, kwargs):
 
 # Methods of dict and set that hash what they are given: one key, or every item of iterables.
 _KEY_METHODS = frozenset({"get", "pop", "setdefault", "add", "discard", "remove"})
+_VIEW_METHODS = frozenset({"items"})
 _KEYS_METHODS = frozenset({
     "update", "fromkeys", "union", "intersection", "difference", "symmetric_difference",
     "issubset", "issuperset", "isdisjoint", "intersection_update", "difference_update",
@@ -9889,9 +9894,19 @@ def guard_method(obj, name, *args, **kwargs):
         for arg in args:
             guard_key(arg)
         return getattr(obj, name)(*args, **kwargs)
+    if name in _VIEW_METHODS:
+        # An items view hashes (key, value) pairs when compared or combined with a set, so a
+        # value reaching it passes guard_key (a C-level scan skips dicts without tuple values).
+        target = args[0] if isinstance(obj, type) and args else obj
+        if isinstance(target, dict) and tuple in set(map(type, target.values())):
+            for value in target.values():
+                guard_key(value)
+        return getattr(obj, name)(*args, **kwargs)
     if name == "fromkeys" and args:         # (iterable, value): only the iterable is hashed
         return getattr(obj, name)(guard_keys(args[0]), *args[1:], **kwargs)
     if name in _KEYS_METHODS:
+        if isinstance(obj, _DICT_VIEWS[1]):     # d.items().isdisjoint(s) hashes its own pairs
+            guard_keys(obj)
         return getattr(obj, name)(*map(guard_keys, args), **kwargs)
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
     if name in ("encode", "decode"):
@@ -9906,7 +9921,7 @@ def guard_method(obj, name, *args, **kwargs):
 
 _GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
                               "extend", "to_bytes", "translate", "encode", "decode"}) \
-    | _KEY_METHODS | _KEYS_METHODS
+    | _KEY_METHODS | _KEYS_METHODS | _VIEW_METHODS
 
 # Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
 _SANDBOX_GUARDS = {

@@ -5242,6 +5242,8 @@ DEEP_HASH_CASES = {
     "set-call": _DEEP + "result = set([t])",
     "set-call-starred": _DEEP + "result = set(*[[t]])",
     "dict-view-operator": _DEEP + "result = {}.keys() | [t]",
+    "items-view-compared": _DEEP + "result = {0: t}.items() == {(0, 1)}",
+    "live-items-view-operator": _DEEP + "d = {}\nv = d.items()\nd[0] = t\nresult = v & {(0, 1)}",
     "dict-call": _DEEP + "result = dict([(t, 1)])",
     "dict-comprehension": _DEEP + "result = {k: 1 for k in [t]}",
     "set-comprehension": _DEEP + "result = {k for k in [t]}",
