@@ -9663,11 +9663,8 @@ def guard_setop(symbol, left, right):
 
 
 def _view_operands(left, right):
-    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys): the
-    other side's, and an items view's own (key, value) pairs."""
-    for side in (left, right):
-        if isinstance(side, _DICT_VIEWS[1]):
-            guard_keys(side)
+    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys). (An
+    items view's own pairs were checked when the code got it: see guard_method.)"""
     if isinstance(left, _DICT_VIEWS) and not isinstance(right, (set, frozenset, *_DICT_VIEWS)):
         right = guard_keys(right)
     elif isinstance(right, _DICT_VIEWS) and not isinstance(left, (set, frozenset, *_DICT_VIEWS)):
@@ -9895,18 +9892,20 @@ def guard_method(obj, name, *args, **kwargs):
             guard_key(arg)
         return getattr(obj, name)(*args, **kwargs)
     if name in _VIEW_METHODS:
-        # An items view hashes (key, value) pairs when compared or combined with a set, so a
-        # value reaching it passes guard_key (a C-level scan skips dicts without tuple values).
+        # An items view hashes (key, value) pairs when compared or combined with a set. The code
+        # gets the view of a snapshot whose values passed guard_key (a C-level scan skips dicts
+        # without tuple values): a live view would show a value stored after the check.
         target = args[0] if isinstance(obj, type) and args else obj
-        if isinstance(target, dict) and tuple in set(map(type, target.values())):
-            for value in target.values():
+        if not isinstance(target, dict) or kwargs or len(args) > (target is not obj):
+            return getattr(obj, name)(*args, **kwargs)
+        snapshot = dict(target)
+        if tuple in set(map(type, snapshot.values())):
+            for value in snapshot.values():
                 guard_key(value)
-        return getattr(obj, name)(*args, **kwargs)
+        return snapshot.items()
     if name == "fromkeys" and args:         # (iterable, value): only the iterable is hashed
         return getattr(obj, name)(guard_keys(args[0]), *args[1:], **kwargs)
     if name in _KEYS_METHODS:
-        if isinstance(obj, _DICT_VIEWS[1]):     # d.items().isdisjoint(s) hashes its own pairs
-            guard_keys(obj)
         return getattr(obj, name)(*map(guard_keys, args), **kwargs)
     receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
     if name in ("encode", "decode"):
