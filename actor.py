@@ -6290,6 +6290,11 @@ def template_enumerate(iterable, start=0):
     return builtin_enumerate(iterable, start)
 
 
+def template_dict(*args, **kwargs):
+    """§8.3 dict, the §13.2 sandbox's: the items it hashes pass guard_keys (guard_hashing)."""
+    return guard_hashing(dict, *args, **kwargs)
+
+
 def template_round(number, ndigits=None):
     """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
     return builtin_round(number, ndigits)
@@ -6300,7 +6305,7 @@ BUILTINS = {
     "range": template_range, "len": len, "enumerate": template_enumerate, "zip": template_zip,
     "min": min, "max": max,
     "sum": template_sum, "abs": abs, "round": template_round,
-    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
+    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": template_dict,
 }
 
 
@@ -7595,6 +7600,9 @@ if jinja2 is not None:
                 return obj[attribute]
             return super().getattr(obj, attribute)
 
+        def getitem(self, obj, argument):
+            return super().getitem(obj, guard_key(argument))      # d[k] hashes k
+
         def is_safe_attribute(self, obj, attr, value):
             # An unbound method takes any receiver, past every check jinja2 makes on the
             # instance: str.format(...), dict.update(context, ...), list.append(items, ...).
@@ -7609,6 +7617,10 @@ if jinja2 is not None:
             if getattr(__obj, "__name__", None) in ("encode", "decode") \
                     and isinstance(getattr(__obj, "__self__", None), (str, bytes)):
                 _check_codec(args, kwargs)   # codecs written in Python run past the deadline
+            if getattr(__obj, "__name__", None) == "items" \
+                    and isinstance(getattr(__obj, "__self__", None), dict):
+                guard_keys(__obj.__self__.values())   # an items view hashes its values when
+                #                                       compared with a keys view
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
@@ -7626,6 +7638,22 @@ if jinja2 is not None:
                 if isinstance(node.target, jinja2.nodes.NSRef):
                     node.node = jinja2.nodes.Filter(node.node, "sb_kept", [], [], None, None,
                                                     lineno=node.lineno)
+            # What a template hashes passes guard_key: dict literal keys and `x in y`'s x (a
+            # deep tuple can reach a template through the context, left there by inline code).
+            for pair in tree.find_all(jinja2.nodes.Pair):
+                if not isinstance(pair.key, jinja2.nodes.Const):
+                    pair.key = jinja2.nodes.Filter(pair.key, "sb_key", [], [], None, None,
+                                                   lineno=pair.lineno)
+            for compare in tree.find_all(jinja2.nodes.Compare):
+                for index, operand in enumerate(compare.ops):
+                    if operand.op in ("in", "notin"):
+                        if index == 0:
+                            compare.expr = jinja2.nodes.Filter(
+                                compare.expr, "sb_key", [], [], None, None, lineno=compare.lineno)
+                        else:
+                            before = compare.ops[index - 1]
+                            before.expr = jinja2.nodes.Filter(
+                                before.expr, "sb_key", [], [], None, None, lineno=compare.lineno)
             return tree
 
 
@@ -7655,6 +7683,19 @@ def template_kept(value):
     return value
 
 
+def template_hashing_filter(fn):
+    """A filter that hashes the items it is given (unique): they pass guard_keys first."""
+    @functools.wraps(fn)   # keeps jinja2's pass_environment mark
+    def run(environment, value, *args, **kwargs):
+        return fn(environment, guard_keys(value), *args, **kwargs)
+    return run
+
+
+def template_in(value, seq):
+    """The `in` test (x is in y), with x checked like a key (guard_key)."""
+    return guard_key(value) in seq
+
+
 def template_loop(iterable):
     """The `sb_loop` filter: each step of a template loop checks the render deadline."""
     for item in iterable:
@@ -7677,6 +7718,9 @@ def jinja_environment():
     env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
     env.filters["sb_loop"] = template_loop
     env.filters["sb_kept"] = template_kept
+    env.filters["sb_key"] = guard_key
+    env.filters["unique"] = template_hashing_filter(env.filters["unique"])
+    env.tests["in"] = template_in
     return env
 
 

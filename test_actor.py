@@ -5274,6 +5274,16 @@ try:
         "{% endfor %}{{ {ns.a: 1} | length }}", {})
 except actor.ActorError as exc:
     out["template"] = exc.message
+deep = ()
+for _ in range(100000):
+    deep = (deep,)
+for template in ["{{ {deep: 1} }}", "{{ deep in d }}", "{{ d[deep] }}", "{{ deep is in d }}",
+                 "{{ [deep] | unique | list }}", "{{ dict([(deep, 1)]) }}",
+                 "{{ x.items() == x.keys() }}"]:
+    try:
+        out[template] = actor.render(template, {"deep": deep, "d": {}, "x": {0: deep}})
+    except actor.ActorError as exc:
+        out[template] = exc.message
 out["live_view"] = actor.run_code(actor.compile_code(
     "t = ()\nfor i in range(100000):\n    t = (t,)\nd = {}\nv = d.items()\nd[0] = t\n"
     "result = [v == {(0, 1)}, len(v), sorted(v & {(0, 1)})]"), {"context": {}})["result"]
@@ -5300,6 +5310,8 @@ def test_deep_tuples_cannot_crash_the_process_through_hashing():
         assert "1000 levels" in out[name], (name, out[name])
     assert "1000 levels" in out["expression"] and "1000 levels" in out["template"]
     assert out["live_view"] == [False, 0, []]      # d.items() is a view of a snapshot
+    templates = [key for key in out if key.startswith("{{")]
+    assert len(templates) == 7 and all("1000 levels" in out[key] for key in templates), out
     assert out["control"] == ["a", "a", True, 2, 1, 1, 1]
 
 
