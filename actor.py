@@ -7645,6 +7645,17 @@ if jinja2 is not None:
                     pair.key = jinja2.nodes.Filter(pair.key, "sb_key", [], [], None, None,
                                                    lineno=pair.lineno)
             for compare in tree.find_all(jinja2.nodes.Compare):
+                # == < ... compare containers item by item in C: each operand is bounded
+                # (guard_compared), as in sandboxed code's chained comparisons.
+                if any(operand.op in _TEMPLATE_COMPARISONS for operand in compare.ops):
+                    if not isinstance(compare.expr, jinja2.nodes.Const):
+                        compare.expr = jinja2.nodes.Filter(compare.expr, "sb_compared", [], [],
+                                                           None, None, lineno=compare.lineno)
+                    for operand in compare.ops:
+                        if not isinstance(operand.expr, jinja2.nodes.Const):
+                            operand.expr = jinja2.nodes.Filter(
+                                operand.expr, "sb_compared", [], [], None, None,
+                                lineno=compare.lineno)
                 for index, operand in enumerate(compare.ops):
                     if operand.op in ("in", "notin"):
                         if index == 0:
@@ -7691,6 +7702,33 @@ def template_hashing_filter(fn):
     return run
 
 
+def template_ordering_filter(fn):
+    """A filter that compares the items it is given (sort, max, min, dictsort, groupby): they pass
+    _check_ordering first (a dict's values and keys)."""
+    first = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0   # the environment
+
+    @functools.wraps(fn)   # keeps jinja2's pass_environment mark
+    def run(*args, **kwargs):
+        value = args[first]
+        items = value if isinstance(value, dict) else guard_keys(value)
+        _check_ordering([*items.values(), *items] if isinstance(items, dict) else items)
+        return fn(*args[:first], items, *args[first + 1:], **kwargs)
+    return run
+
+
+def template_comparing_test(test):
+    """A comparison test (x is eq y, select('lt', 3)...), its operands bounded by guard_compared."""
+    @functools.wraps(test)
+    def run(value, *args, **kwargs):
+        return test(guard_compared(value), *map(guard_compared, args), **kwargs)
+    return run
+
+
+_TEMPLATE_COMPARISONS = frozenset({"eq", "ne", "lt", "lteq", "gt", "gteq"})
+_TEMPLATE_COMPARING_TESTS = frozenset({"==", "eq", "equalto", "!=", "ne", "<", "lt", "lessthan",
+                                       "<=", "le", ">", "gt", "greaterthan", ">=", "ge"})
+
+
 def template_in(value, seq):
     """The `in` test (x is in y), with x checked like a key (guard_key)."""
     return guard_key(value) in seq
@@ -7720,6 +7758,12 @@ def jinja_environment():
     env.filters["sb_kept"] = template_kept
     env.filters["sb_key"] = guard_key
     env.filters["unique"] = template_hashing_filter(env.filters["unique"])
+    env.filters["sb_compared"] = guard_compared
+    for name in ("sort", "max", "min", "dictsort", "groupby"):
+        env.filters[name] = template_ordering_filter(env.filters[name])
+    for name, test in list(env.tests.items()):
+        if name in _TEMPLATE_COMPARING_TESTS:
+            env.tests[name] = template_comparing_test(test)
     env.tests["in"] = template_in
     return env
 
@@ -8859,6 +8903,15 @@ class _SandboxRewriter(ast.NodeTransformer):
         self.generic_visit(node)
         tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
         if not tests:
+            symbol = _COMPARE_SYMBOLS.get(type(node.ops[0]))
+            if len(node.ops) == 1 and symbol is not None and not any(
+                    isinstance(side, ast.Constant) for side in (node.left, node.comparators[0])):
+                return _guard_call(_COMPARE_GUARDS[symbol], node, node.left, node.comparators[0])
+            if len(node.ops) > 1:           # a < b < c: each operand is checked on its own
+                node.left, *node.comparators = [
+                    side if isinstance(side, ast.Constant)
+                    else _guard_call("__sb_compared__", side, side)
+                    for side in (node.left, *node.comparators)]
             return node
         if len(node.ops) > 1:
             raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
@@ -8914,7 +8967,8 @@ class _SandboxRewriter(ast.NodeTransformer):
                 and func.id not in self.bound and node.args:
             node.args.insert(0, ast.Name(func.id, ast.Load()))   # set(x) -> guard(set, x)
             node.func = ast.copy_location(ast.Name("__sb_hashing__", ast.Load()), func)
-        if isinstance(func, ast.Attribute) and func.attr in _GUARDED_METHODS:
+        if isinstance(func, ast.Attribute) and (func.attr in _GUARDED_METHODS
+                                                or func.attr in _COMPARING_METHODS):
             call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr),
                                *node.args)
             call.keywords = node.keywords
@@ -9492,6 +9546,58 @@ def builtin_sum(iterable, /, start=0):
     return sum(iterable, start)
 
 
+def _check_ordering(values):
+    """Sorting, max or min compare the values pairwise in C: refused when two of them are
+    containers heavier than the limit (aliases counted, as check_comparison counts them)."""
+    if set(map(type, values)).isdisjoint(_COMPARED):     # a C-level scan first
+        return
+    heavy = 0
+    for value in values:
+        if value.__class__ in _COMPARED and _nested_weight(value) > SANDBOX_MAX_ITEMS:
+            heavy += 1
+            if heavy > 1:
+                _refuse_size("comparison")
+
+
+def builtin_sorted(iterable, /, *, key=None, reverse=False):
+    """§13.2.1 sorted, its comparisons bounded by _check_ordering (the keys, when a key is given:
+    each key is computed once and the items are ordered by them, stable as sorted is)."""
+    items = list(iterable)
+    if key is None:
+        _check_ordering(items)
+        return sorted(items, reverse=reverse)
+    keys = [key(item) for item in items]
+    _check_ordering(keys)
+    return [items[i] for i in sorted(range(len(items)), key=keys.__getitem__, reverse=reverse)]
+
+
+def _extreme(pick, args, key, default):
+    """max or min as Python's, its comparisons bounded by _check_ordering."""
+    name = pick.__name__
+    if not args:
+        raise TypeError(f"{name} expected at least 1 argument, got 0")
+    if default is not _NO_VALUE and len(args) > 1:
+        raise TypeError(f"Cannot specify a default for {name}() with multiple positional arguments")
+    items = list(args[0]) if len(args) == 1 else list(args)
+    if not items:
+        if default is _NO_VALUE:
+            raise ValueError(f"{name}() iterable argument is empty")
+        return default
+    keys = items if key is None else [key(item) for item in items]
+    _check_ordering(keys)
+    return items[pick(range(len(items)), key=keys.__getitem__)]
+
+
+def builtin_max(*args, key=None, default=_NO_VALUE):
+    """§13.2.1/§13.2.2 max (see _extreme)."""
+    return _extreme(max, args, key, default)
+
+
+def builtin_min(*args, key=None, default=_NO_VALUE):
+    """§13.2.1/§13.2.2 min (see _extreme)."""
+    return _extreme(min, args, key, default)
+
+
 def builtin_round(number, ndigits=None):
     """§13.2.1/§13.2.2 round: round(n, -k) on an int divides n by 10**k in C, beyond any deadline
     (round(1, -10**8) builds a 330-million-bit power first). When 10**k > 2|n| the answer is 0,
@@ -9548,9 +9654,9 @@ INLINE_CODE_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
-    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len, "max": max,
-    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
-    "sorted": sorted, "sum": builtin_sum, "zip": builtin_zip,
+    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len,
+    "max": builtin_max, "min": builtin_min, "range": builtin_range, "reversed": reversed,
+    "round": builtin_round, "sorted": builtin_sorted, "sum": builtin_sum, "zip": builtin_zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -9571,7 +9677,7 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "abs": abs, "all": all, "any": any, "len": len, "max": builtin_max, "min": builtin_min,
     "round": builtin_round, "sum": builtin_sum,
 }
 
@@ -9815,6 +9921,42 @@ def guard_keys(iterable):
     return items
 
 
+_COMPARE_SYMBOLS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
+                    ast.GtE: ">="}
+_COMPARED = frozenset({list, tuple, dict})
+
+
+def check_comparison(left, right):
+    """Two containers are compared item by item in C, with no deadline, and aliases make small
+    structures walk huge: two lists built as a = [a, a] sixty times compare in 2**60 steps.
+    Refused when both sides weigh more than the limit (aliases counted): the work is bounded by
+    the lighter side."""
+    if _nested_weight(left) > SANDBOX_MAX_ITEMS and _nested_weight(right) > SANDBOX_MAX_ITEMS:
+        _refuse_size("comparison")
+
+
+def _compare_guard(compare):
+    """The guard for one comparison operator as written in the code (a comparison with a constant
+    is left alone): check_comparison when both sides are containers, then the comparison."""
+    def guard(left, right):
+        if left.__class__ in _COMPARED and right.__class__ in _COMPARED:
+            check_comparison(left, right)
+        return compare(left, right)
+    return guard
+
+
+def guard_compared(value):
+    """An operand of a chained comparison (a < b < c): a container heavier than the limit
+    (aliases counted) is refused whatever it is compared with."""
+    if value.__class__ in _COMPARED and _nested_weight(value) > SANDBOX_MAX_ITEMS:
+        _refuse_size("comparison")
+    return value
+
+
+_COMPARE_GUARDS = {"==": "__sb_eq__", "!=": "__sb_ne__", "<": "__sb_lt__", "<=": "__sb_le__",
+                   ">": "__sb_gt__", ">=": "__sb_ge__"}
+
+
 def guard_hashing(kind, *args, **kwargs):
     """set(...) or dict(...) as written in the code: the items of the iterable given first
     (starred arguments included) pass guard_keys before they are hashed."""
@@ -9922,6 +10064,9 @@ def _check_codec(args, kwargs):
 # Methods of dict and set that hash what they are given: one key, or every item of iterables.
 _KEY_METHODS = frozenset({"get", "pop", "setdefault", "add", "discard", "remove"})
 _VIEW_METHODS = frozenset({"items"})
+# Methods of list and tuple that compare their argument with every item (guarded when called in
+# place; unlike _GUARDED_METHODS they may be passed along, as in sorted(x, key=order.index)).
+_COMPARING_METHODS = frozenset({"index", "count", "remove"})
 _KEYS_METHODS = frozenset({
     "update", "fromkeys", "union", "intersection", "difference", "symmetric_difference",
     "issubset", "issuperset", "isdisjoint", "intersection_update", "difference_update",
@@ -9931,6 +10076,9 @@ _KEYS_METHODS = frozenset({
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first,
     and what the hashing ones hash checked by guard_key."""
+    if name in _COMPARING_METHODS and isinstance(obj, (list, tuple)) and args \
+            and args[0].__class__ in _COMPARED:
+        _check_ordering([args[0], *obj])    # lst.index(x), count, remove compare x with each item
     if name in _KEY_METHODS:
         for arg in args:
             guard_key(arg)
@@ -9974,6 +10122,10 @@ _SANDBOX_GUARDS = {
     "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
     "__sb_in__": guard_in, "__sb_key__": guard_key, "__sb_keys__": guard_keys,
     "__sb_hashing__": guard_hashing, "__sb_setop__": guard_setop,
+    "__sb_eq__": _compare_guard(operator.eq), "__sb_ne__": _compare_guard(operator.ne),
+    "__sb_lt__": _compare_guard(operator.lt), "__sb_le__": _compare_guard(operator.le),
+    "__sb_gt__": _compare_guard(operator.gt), "__sb_ge__": _compare_guard(operator.ge),
+    "__sb_compared__": guard_compared,
     "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
 }
 

@@ -5361,6 +5361,94 @@ def test_sandbox_refuses_taking_a_hashing_method_uncalled():
     assert "taking the method 'get' without calling it" in info.value.message
 
 
+# Aliased structures (§13.2.3): two lists built as a = [a, a] sixty times are tiny in memory, but
+# comparing them walks 2**60 items in C, past every deadline. Run in a child process with a
+# timeout, so that a regression shows up as a failed test, not as a hung test run.
+_HEAVY = "a = [0]\nb = [0]\nfor i in range(60):\n    a = [a, a]\n    b = [b, b]\n"
+HEAVY_COMPARE_CASES = {
+    "equal": _HEAVY + "result = a == b",
+    "chained": _HEAVY + "result = a <= b <= a",
+    "sorted": _HEAVY + "result = sorted([a, b])",
+    "sorted-key": _HEAVY + "result = sorted([1, 2], key=lambda k: a if k == 1 else b)",
+    "max": _HEAVY + "result = max(a, b)",
+    "min": _HEAVY + "result = min([a, b])",
+    "index": _HEAVY + "result = [a].index(b)",
+    "count": _HEAVY + "result = [a, 1].count(b)",
+    "remove": _HEAVY + "x = [a]\nx.remove(b)",
+}
+_HEAVY_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+cases, out = json.loads(sys.stdin.read()), {}
+for name, source in cases.items():
+    try:
+        actor.run_code(actor.compile_code(source), {"context": {}}, timeout=20)
+        out[name] = "ran"
+    except actor.ActorError as exc:
+        out[name] = exc.message
+expression = actor.compile_expression(
+    "lambda x: ((a := [0]), (b := [0]), [(a := [a, a]) for c in x], [(b := [b, b]) for c in x],"
+    " a == b)[4]")
+try:
+    out["expression"] = expression("a" * 60)
+except actor.ActorError as exc:
+    out["expression"] = exc.message
+a, b = [0], [0]
+for _ in range(60):
+    a, b = [a, a], [b, b]
+for template in ["{{ a == b }}", "{% if a < b %}x{% endif %}", "{{ [a, b] | sort }}",
+                 "{{ [a, b] | max }}", "{{ a is eq b }}", "{{ [a] | select('eq', b) | list }}"]:
+    try:
+        out[template] = actor.render(template, {"a": a, "b": b})
+    except actor.ActorError as exc:
+        out[template] = exc.message
+print(json.dumps(out))
+"""
+
+
+def test_comparisons_of_aliased_structures_are_bounded():
+    """Every comparison the sandboxes can see (==, < ..., chained ones, sorted/max/min, index/
+    count/remove, and in templates the operators, sort/max/min filters and comparison tests)
+    refuses two containers heavier than the limit, aliases counted; nothing hangs."""
+    import subprocess
+    child = subprocess.run([sys.executable, "-c", _HEAVY_CHILD, str(HERE)],
+                           input=json.dumps(HEAVY_COMPARE_CASES), capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    out = json.loads(child.stdout)
+    assert len(out) == len(HEAVY_COMPARE_CASES) + 7
+    for name, message in out.items():
+        assert "comparison exceeds the sandbox size limit" in message, (name, message)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("result = [sorted([3, 1, 2]), sorted([3, 1, 2], reverse=True), sorted(['bb', 'a'], key=len)]",
+     [[1, 2, 3], [3, 2, 1], ["a", "bb"]]),
+    ("result = sorted([(1, 'b'), (1, 'a'), (0, 'c')], key=lambda p: p[0])",
+     [(0, "c"), (1, "b"), (1, "a")]),
+    ("result = [max(3, 5), max([1, 4, 2]), min([1, 4, 2], key=lambda x: -x), max([], default=7),"
+     " min('bca'), max([[1], [2]]), max([2, 3, 3], key=lambda x: x // 2)]",
+     [5, 4, 4, 7, "a", [2], 2]),
+    ("x = [1, 2, 3, 2]\nx.remove(2)\norder = ['b', 'a']\n"
+     "result = [x, x.index(3), x.count(2), 'abca'.count('a'), sorted(['a', 'b'], key=order.index),"
+     " [1, 2] == [1, 2], (1, 2) < (1, 3), 0 <= 1 < 2]",
+     [[1, 3, 2], 1, 1, 2, ["b", "a"], True, True, True]),
+])
+def test_comparison_guards_keep_every_meaning(source, expected):
+    """The comparison guards change no result: sorted's key and reverse and its stability, max
+    and min with several arguments, a key or a default, the list methods, chained comparisons."""
+    assert actor.run_code(actor.compile_code(source), {"context": {}})["result"] == expected
+
+
+def test_comparison_guards_keep_template_meanings():
+    text = actor.render(
+        "{{ [3, 1, 2] | sort }} {{ [3, 1] | max }} {{ {'b': 1, 'a': 2} | dictsort }} {{ 1 == 1 }}"
+        " {{ [1, 2, 3] | select('gt', 1) | list }} {{ 'a' is eq 'a' }} {{ 1 < 2 < 3 }}"
+        "{% for g in [{'k': 1}, {'k': 1}] | groupby('k') %} {{ g.grouper }}{% endfor %}", {})
+    assert text == "[1, 2, 3] 3 [('a', 2), ('b', 1)] True [2, 3] True True 1"
+
+
 # Controls: the spec's own inline code runs unchanged (§4.5.2, §18.4, §18.9, §18.10).
 def test_sandbox_control_route_by_prefix():   # §4.5.2, first example
     source = (
@@ -5561,7 +5649,7 @@ def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable,
 
 def test_sandbox_type_wraps_non_inert_classes():
     ns = sandbox_run("a = type(1)\nb = type(len)\nc = type(type(1))\n"
-                     "result = (a is int, str(b), b == type(max), isinstance(len, b), str(c))")
+                     "result = (a is int, str(b), b == type(abs), isinstance(len, b), str(c))")
     assert ns["result"] == (True, "<class 'builtin_function_or_method'>", True, True,
                             "<class 'type'>")
 
