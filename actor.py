@@ -9559,6 +9559,22 @@ def _check_ordering(values):
                 _refuse_size("comparison")
 
 
+def _checked_key(key):
+    """A key function for sorted/max/min: a list's own index/count/remove passed along
+    (sorted(x, key=order.index)) compares each item with the list's items, so it is checked
+    like the called method (guard_method)."""
+    owner = getattr(key, "__self__", None)
+    if not (isinstance(owner, (list, tuple))
+            and getattr(key, "__name__", None) in _COMPARING_METHODS):
+        return key
+
+    def checked(item):
+        if item.__class__ in _COMPARED:
+            _check_ordering([item, *owner])
+        return key(item)
+    return checked
+
+
 def builtin_sorted(iterable, /, *, key=None, reverse=False):
     """§13.2.1 sorted, its comparisons bounded by _check_ordering (the keys, when a key is given:
     each key is computed once and the items are ordered by them, stable as sorted is)."""
@@ -9566,6 +9582,7 @@ def builtin_sorted(iterable, /, *, key=None, reverse=False):
     if key is None:
         _check_ordering(items)
         return sorted(items, reverse=reverse)
+    key = _checked_key(key)
     keys = [key(item) for item in items]
     _check_ordering(keys)
     return [items[i] for i in sorted(range(len(items)), key=keys.__getitem__, reverse=reverse)]
@@ -9583,7 +9600,7 @@ def _extreme(pick, args, key, default):
         if default is _NO_VALUE:
             raise ValueError(f"{name}() iterable argument is empty")
         return default
-    keys = items if key is None else [key(item) for item in items]
+    keys = items if key is None else list(map(_checked_key(key), items))
     _check_ordering(keys)
     return items[pick(range(len(items)), key=keys.__getitem__)]
 

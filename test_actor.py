@@ -5375,6 +5375,7 @@ HEAVY_COMPARE_CASES = {
     "index": _HEAVY + "result = [a].index(b)",
     "count": _HEAVY + "result = [a, 1].count(b)",
     "remove": _HEAVY + "x = [a]\nx.remove(b)",
+    "key-passed-along": _HEAVY + "order = [a]\nresult = sorted([b], key=order.index)",
 }
 _HEAVY_CHILD = r"""
 import json, sys
