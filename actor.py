@@ -9982,6 +9982,20 @@ def guard_hashing(kind, *args, **kwargs):
     return kind(*args, **kwargs)
 
 
+SANDBOX_MAX_PROBE = 100 * SANDBOX_MAX_ITEMS   # characters compared by one search for a string
+
+
+def _check_string_probes(needle, items):
+    """A string searched in a list compares fully with every item of its own length: aliases of
+    one long string ([t for _ in range(10**6)]) would take minutes of C. Refused when those
+    comparisons pass SANDBOX_MAX_PROBE characters (counted only when the rough bound does)."""
+    if len(needle) * len(items) > SANDBOX_MAX_PROBE:
+        kind, size = needle.__class__, len(needle)
+        same = sum(1 for item in items if item.__class__ is kind and len(item) == size)
+        if same * size > SANDBOX_MAX_PROBE:
+            _refuse_size("string search")
+
+
 def guard_in(needle, haystack):
     """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
     needle with one item, so a container needle against a long list of aliases of one big
@@ -9992,6 +10006,8 @@ def guard_in(needle, haystack):
             and len(haystack) * _nested_weight(needle) > SANDBOX_MAX_ITEMS \
             and _nested_weight(haystack) > SANDBOX_MAX_ITEMS:
         _refuse_size("membership test")
+    if isinstance(haystack, (list, tuple)) and isinstance(needle, (str, bytes)):
+        _check_string_probes(needle, haystack)
     return guard_key(needle) in haystack
 
 
@@ -10093,9 +10109,11 @@ _KEYS_METHODS = frozenset({
 def guard_method(obj, name, *args, **kwargs):
     """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first,
     and what the hashing ones hash checked by guard_key."""
-    if name in _COMPARING_METHODS and isinstance(obj, (list, tuple)) and args \
-            and args[0].__class__ in _COMPARED:
-        _check_ordering([args[0], *obj])    # lst.index(x), count, remove compare x with each item
+    if name in _COMPARING_METHODS and isinstance(obj, (list, tuple)) and args:
+        if args[0].__class__ in _COMPARED:  # lst.index(x), count, remove compare x with each item
+            _check_ordering([args[0], *obj])
+        elif isinstance(args[0], (str, bytes)):
+            _check_string_probes(args[0], obj)
     if name in _KEY_METHODS:
         for arg in args:
             guard_key(arg)

@@ -5423,6 +5423,19 @@ def test_comparisons_of_aliased_structures_are_bounded():
         assert "comparison exceeds the sandbox size limit" in message, (name, message)
 
 
+
+@pytest.mark.parametrize("search", ["s in l", "l.count(s)", "l.index(s)"])
+def test_string_search_over_aliases_of_a_long_string_is_bounded(search):
+    """A long string searched in a list of aliases of an equally long one is compared in full with
+    each: refused past SANDBOX_MAX_PROBE characters (10**10 here); short searches are untouched."""
+    source = f"t = 'x' * 10**7\nl = [t for _ in range(1000)]\ns = 'x' * 10**7\nresult = {search}"
+    with pytest.raises(actor.ExecutionError) as info:
+        actor.run_code(actor.compile_code(source), {"context": {}}, timeout=5)
+    assert "string search exceeds the sandbox size limit" in info.value.message
+    assert actor.run_code(actor.compile_code("l = ['ab', 'cd'] * 1000\nresult = ['cd' in l, "
+                                             "l.index('cd'), l.count('ab')]"),
+                          {"context": {}})["result"] == [True, 1, 1000]
+
 @pytest.mark.parametrize("source, expected", [
     ("result = [sorted([3, 1, 2]), sorted([3, 1, 2], reverse=True), sorted(['bb', 'a'], key=len)]",
      [[1, 2, 3], [3, 2, 1], ["a", "bb"]]),
