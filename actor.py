@@ -6318,6 +6318,7 @@ def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
         str(value)  # raises the undefined-name error
+    check_rendering(value)          # aliases can make a small structure's text astronomically long
     try:
         return json.dumps(value, ensure_ascii=False, indent=indent)
     except (TypeError, ValueError) as exc:
@@ -7734,6 +7735,13 @@ def template_in(value, seq):
     return guard_key(value) in seq
 
 
+def template_printed(value):
+    """Every {{ value }} of a JINJA2 template: a structure whose text would pass the size limit
+    (aliases counted, check_rendering) is refused before str() walks it."""
+    check_rendering(value)
+    return value
+
+
 def template_loop(iterable):
     """The `sb_loop` filter: each step of a template loop checks the render deadline."""
     for item in iterable:
@@ -7750,7 +7758,8 @@ def jinja_environment():
     """
     _require_jinja2()
     env = ActorSandbox(
-        undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
+        undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False,
+        finalize=template_printed)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
     env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})

@@ -5455,6 +5455,18 @@ def test_comparison_guards_keep_every_meaning(source, expected):
     assert actor.run_code(actor.compile_code(source), {"context": {}})["result"] == expected
 
 
+
+@pytest.mark.parametrize("template", ["{{ x }}", "{{ x | tojson }}", "{{ x | yaml }}"])
+def test_template_printing_an_aliased_structure_is_refused_at_once(template):
+    """A structure whose text would be astronomically long (2**60 items through aliases, left in
+    the context by inline code) is refused before str() or json walks it (check_rendering)."""
+    a = [0]
+    for _ in range(60):
+        a = [a, a]
+    with pytest.raises(actor.TemplateError) as info:
+        actor.render(template, {"x": a})
+    assert "text of a structure exceeds the sandbox size limit" in info.value.message
+
 def test_comparison_guards_keep_template_meanings():
     text = actor.render(
         "{{ [3, 1, 2] | sort }} {{ [3, 1] | max }} {{ {'b': 1, 'a': 2} | dictsort }} {{ 1 == 1 }}"
