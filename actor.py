@@ -7913,6 +7913,7 @@ def mustache_text(value):
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
+    check_rendering(value)          # aliases can make a small structure's text astronomically long
     return str(value)
 
 
