@@ -2658,15 +2658,15 @@ def stream_edges(data, known, default=None):
     edges = []
     routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
     for name, cfg in routes.items():
-        if route_type(cfg) not in ("stream", "graph"):
-            continue
-        for i, target in enumerate(as_list(cfg.get("publications"))):
-            edges.append((name, target, ("routes", name, "publications", i)))
-        if route_type(cfg) != "stream":
-            continue
-        for target, path in _switch_targets(cfg.get("operators"), ("routes", name, "operators")):
-            if target in known:
-                edges.append((name, target, path))
+        kind = route_type(cfg)
+        if kind in ("stream", "graph"):
+            for i, target in enumerate(as_list(cfg.get("publications"))):
+                edges.append((name, target, ("routes", name, "publications", i)))
+        if kind == "stream":
+            for target, path in _switch_targets(cfg.get("operators"),
+                                                ("routes", name, "operators")):
+                if target in known:
+                    edges.append((name, target, path))
     for i, merge in enumerate(data.get("merges") or []):
         if isinstance(merge, dict) and merge.get("target") is not None:
             for j, source in enumerate(merge.get("sources") or []):
@@ -7632,40 +7632,32 @@ if jinja2 is not None:
             """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline;
             every `{% set ns.x = ... %}` stores through `sb_kept`, which bounds nesting."""
             tree = super()._parse(source, name, filename)
+
+            def through(expr, guard, lineno):          # `expr | guard`
+                return jinja2.nodes.Filter(expr, guard, [], [], None, None, lineno=lineno)
             for node in tree.find_all(jinja2.nodes.For):
-                node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
-                                                lineno=node.lineno)
+                node.iter = through(node.iter, "sb_loop", node.lineno)
             for node in tree.find_all(jinja2.nodes.Assign):
                 if isinstance(node.target, jinja2.nodes.NSRef):
-                    node.node = jinja2.nodes.Filter(node.node, "sb_kept", [], [], None, None,
-                                                    lineno=node.lineno)
+                    node.node = through(node.node, "sb_kept", node.lineno)
             # What a template hashes passes guard_key: dict literal keys and `x in y`'s x (a
             # deep tuple can reach a template through the context, left there by inline code).
             for pair in tree.find_all(jinja2.nodes.Pair):
                 if not isinstance(pair.key, jinja2.nodes.Const):
-                    pair.key = jinja2.nodes.Filter(pair.key, "sb_key", [], [], None, None,
-                                                   lineno=pair.lineno)
+                    pair.key = through(pair.key, "sb_key", pair.lineno)
             for compare in tree.find_all(jinja2.nodes.Compare):
                 # == < ... compare containers item by item in C: each operand is bounded
                 # (guard_compared), as in sandboxed code's chained comparisons.
                 if any(operand.op in _TEMPLATE_COMPARISONS for operand in compare.ops):
                     if not isinstance(compare.expr, jinja2.nodes.Const):
-                        compare.expr = jinja2.nodes.Filter(compare.expr, "sb_compared", [], [],
-                                                           None, None, lineno=compare.lineno)
+                        compare.expr = through(compare.expr, "sb_compared", compare.lineno)
                     for operand in compare.ops:
                         if not isinstance(operand.expr, jinja2.nodes.Const):
-                            operand.expr = jinja2.nodes.Filter(
-                                operand.expr, "sb_compared", [], [], None, None,
-                                lineno=compare.lineno)
+                            operand.expr = through(operand.expr, "sb_compared", compare.lineno)
                 for index, operand in enumerate(compare.ops):
-                    if operand.op in ("in", "notin"):
-                        if index == 0:
-                            compare.expr = jinja2.nodes.Filter(
-                                compare.expr, "sb_key", [], [], None, None, lineno=compare.lineno)
-                        else:
-                            before = compare.ops[index - 1]
-                            before.expr = jinja2.nodes.Filter(
-                                before.expr, "sb_key", [], [], None, None, lineno=compare.lineno)
+                    if operand.op in ("in", "notin"):       # the left side of `in` is hashed
+                        before = compare if index == 0 else compare.ops[index - 1]
+                        before.expr = through(before.expr, "sb_key", compare.lineno)
             return tree
 
 
@@ -7695,26 +7687,23 @@ def template_kept(value):
     return value
 
 
-def template_hashing_filter(fn):
-    """A filter that hashes the items it is given (unique): they pass guard_keys first."""
-    @functools.wraps(fn)   # keeps jinja2's pass_environment mark
-    def run(environment, value, *args, **kwargs):
-        return fn(environment, guard_keys(value), *args, **kwargs)
-    return run
-
-
-def template_ordering_filter(fn):
-    """A filter that compares the items it is given (sort, max, min, dictsort, groupby): they pass
-    _check_ordering first (a dict's values and keys)."""
+def template_checked_filter(fn, check):
+    """A filter whose input passes `check` first (which returns the value to filter): guard_keys
+    for the ones that hash their items (unique), _ordered for the ones that compare them."""
     first = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0   # the environment
 
     @functools.wraps(fn)   # keeps jinja2's pass_environment mark
     def run(*args, **kwargs):
-        value = args[first]
-        items = value if isinstance(value, dict) else guard_keys(value)
-        _check_ordering([*items.values(), *items] if isinstance(items, dict) else items)
-        return fn(*args[:first], items, *args[first + 1:], **kwargs)
+        return fn(*args[:first], check(args[first]), *args[first + 1:], **kwargs)
     return run
+
+
+def _ordered(value):
+    """The input of sort, max, min, dictsort, groupby, its items (a dict's keys and values)
+    passed through _check_ordering."""
+    items = value if isinstance(value, dict) else guard_keys(value)
+    _check_ordering([*items.values(), *items] if isinstance(items, dict) else items)
+    return items
 
 
 def template_comparing_test(test):
@@ -7766,10 +7755,10 @@ def jinja_environment():
     env.filters["sb_loop"] = template_loop
     env.filters["sb_kept"] = template_kept
     env.filters["sb_key"] = guard_key
-    env.filters["unique"] = template_hashing_filter(env.filters["unique"])
+    env.filters["unique"] = template_checked_filter(env.filters["unique"], guard_keys)
     env.filters["sb_compared"] = guard_compared
     for name in ("sort", "max", "min", "dictsort", "groupby"):
-        env.filters[name] = template_ordering_filter(env.filters[name])
+        env.filters[name] = template_checked_filter(env.filters[name], _ordered)
     for name, test in list(env.tests.items()):
         if name in _TEMPLATE_COMPARING_TESTS:
             env.tests[name] = template_comparing_test(test)
@@ -8302,14 +8291,16 @@ def check_routes(doc, rt, agent_names):
         route["type"] = kind
         warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
                                                                    "bridge": "5.6"}[kind])
-        fields = ("subscriptions", "publications", "agents") if kind == "stream" else \
-            ("publications",) if kind == "graph" else ()
-        for field in fields:
+        # Stream routes name other streams in subscriptions and publications, graph routes in
+        # publications (§5.5); stream routes also list agents.
+        linked = {"stream": ("subscriptions", "publications"), "graph": ("publications",)}.get(
+            kind, ())
+        for field in linked + (("agents",) if kind == "stream" else ()):
             value = route.get(field)
             if value is not None and not isinstance(value, list):
                 raise doc.error(ConfigurationError, path + (field,), "must be a sequence",
                                 "5.3" if kind == "stream" else "5.5")
-        for field in fields[:2]:
+        for field in linked:
             for i, target in enumerate(route.get(field) or []):
                 if not is_known(target, known):
                     raise doc.error(ConfigurationError, path + (field, i),
@@ -9557,8 +9548,11 @@ def builtin_sum(iterable, /, start=0):
 
 
 def _check_ordering(values):
-    """Sorting, max or min compare the values pairwise in C: refused when two of them are
-    containers heavier than the limit (aliases counted, as check_comparison counts them)."""
+    """Values about to be compared pairwise in C (==, <, sorted, max, min, index...). Containers
+    are compared item by item with no deadline, and aliases make small structures walk huge: two
+    lists built as a = [a, a] sixty times compare in 2**60 steps. The work of one comparison is
+    bounded by its lighter side, so this refuses only when two of the values are containers
+    heavier than the limit (aliases counted)."""
     if set(map(type, values)).isdisjoint(_COMPARED):     # a C-level scan first
         return
     heavy = 0
@@ -9953,21 +9947,12 @@ _COMPARE_SYMBOLS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", a
 _COMPARED = frozenset({list, tuple, dict})
 
 
-def check_comparison(left, right):
-    """Two containers are compared item by item in C, with no deadline, and aliases make small
-    structures walk huge: two lists built as a = [a, a] sixty times compare in 2**60 steps.
-    Refused when both sides weigh more than the limit (aliases counted): the work is bounded by
-    the lighter side."""
-    if _nested_weight(left) > SANDBOX_MAX_ITEMS and _nested_weight(right) > SANDBOX_MAX_ITEMS:
-        _refuse_size("comparison")
-
-
 def _compare_guard(compare):
     """The guard for one comparison operator as written in the code (a comparison with a constant
-    is left alone): check_comparison when both sides are containers, then the comparison."""
+    is left alone): _check_ordering when both sides are containers, then the comparison."""
     def guard(left, right):
         if left.__class__ in _COMPARED and right.__class__ in _COMPARED:
-            check_comparison(left, right)
+            _check_ordering((left, right))
         return compare(left, right)
     return guard
 
@@ -10132,8 +10117,9 @@ def guard_method(obj, name, *args, **kwargs):
         # An items view hashes (key, value) pairs when compared or combined with a set. The code
         # gets the view of a snapshot whose values passed guard_key (a C-level scan skips dicts
         # without tuple values): a live view would show a value stored after the check.
-        target = args[0] if isinstance(obj, type) and args else obj
-        if not isinstance(target, dict) or kwargs or len(args) > (target is not obj):
+        unbound = isinstance(obj, type) and args            # dict.items(d)
+        target, extra = (args[0], args[1:]) if unbound else (obj, args)
+        if not isinstance(target, dict) or extra or kwargs:   # let Python report the misuse
             return getattr(obj, name)(*args, **kwargs)
         snapshot = dict(target)
         if tuple in set(map(type, snapshot.values())):
