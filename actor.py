@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import collections.abc
 import contextvars
 import copy
 import datetime
@@ -396,6 +397,7 @@ class Runtime:
         self.graphs = {}                    # name -> GraphRoute (§6)
         self.prompts = {}                   # name -> template text (§10.4)
         self.warnings = []                  # every warning text, in order
+        self.sandbox = InProcessSandbox()   # §13.2: where configuration code runs (isolation)
 
     def error(self, cls, path, message, section=None):
         return self.doc.error(cls, path, message, section)
@@ -464,6 +466,32 @@ def _scalar_value(node):
     return text
 
 
+YAML_MAX_DEPTH = 1000              # nesting levels of one document (the C composer recurses)
+
+
+def check_nesting(text, file):
+    """Refuse a document nested deeper than YAML_MAX_DEPTH before the C composer sees it: it
+    recurses without a depth check, and 30,000 levels (a line of brackets, or Phase A output)
+    crashed the process. Block nesting is bounded by the longest line (each level indents
+    further) and flow nesting by twice the brackets, so most documents skip the event scan."""
+    lines = text.splitlines() or [""]
+    if 2 * (text.count("[") + text.count("{")) + max(map(len, lines)) < 5 * YAML_MAX_DEPTH:
+        return
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_YamlLoaderBase):   # an iterative parser
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > YAML_MAX_DEPTH:
+                    raise ConfigurationError(
+                        f"document nests deeper than {YAML_MAX_DEPTH} levels", section="3.1",
+                        file=file, line=event.start_mark.line + 1)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        return                                                    # parse_yaml reports it
+
+
 def parse_yaml(text, file=None):
     """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based)."""
     if isinstance(text, bytes):
@@ -471,6 +499,7 @@ def parse_yaml(text, file=None):
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+    check_nesting(text, file)
     loader = Yaml12Loader(text)
     try:
         node = loader.get_single_node()
@@ -1425,7 +1454,33 @@ MATH_OPERATORS = {
     ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
     ast.Pow: pow,
 }
-MATH_MAX_BITS = 4096          # guard: no integer beyond 4096 bits (about 1233 digits)
+MATH_MAX_BITS = 4096          # no integer, given or computed, beyond 4096 bits (about 1233 digits)
+MATH_MAX_WORK = 1 << 32       # bit operations one expression may cost (milliseconds, not more)
+
+
+class MathWork:
+    """T1 (README Security): the math tool answers any message in bounded time. Every operation
+    is priced in bit operations before it runs, on its inputs (schoolbook cost), and an
+    expression may spend at most MATH_MAX_WORK; no integer exceeds MATH_MAX_BITS."""
+
+    __slots__ = ("env", "spent")
+
+    def __init__(self, env):
+        self.env, self.spent = env, 0
+
+    def fail(self, what):
+        return self.env.fail(f"math: {what}", "4.5.1")
+
+    def number(self, value):
+        if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
+            raise self.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+        return value
+
+    def spend(self, *operands, cost=None):
+        bits = [x.bit_length() if isinstance(x, int) else 64 for x in operands]
+        self.spent += cost if cost is not None else max(1, bits[0]) * max(1, bits[-1])
+        if self.spent > MATH_MAX_WORK:
+            raise self.fail("the expression costs more work than the tool allows")
 
 
 def math_evaluate(expression, env):
@@ -1434,10 +1489,10 @@ def math_evaluate(expression, env):
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise env.fail(f"math: invalid expression ({exc.msg})", "4.5.1") from None
-    except (RecursionError, MemoryError):
-        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+    except (RecursionError, MemoryError, ValueError):
+        raise env.fail("math: expression nested too deeply or too long", "4.5.1") from None
     try:
-        value = _math_node(tree.body, env)
+        value = _math_node(tree.body, MathWork(env))
     except (ArithmeticError, ValueError, TypeError) as exc:
         raise env.fail(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
     except RecursionError:
@@ -1445,53 +1500,63 @@ def math_evaluate(expression, env):
     return str(value)
 
 
-def _math_guard(value, env):
-    if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
-        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
-    return value
+def _math_power(work, base, exponent, modulus=None):
+    """pow and **, priced on their inputs: the result's size, or exponent x modulus^2 bits."""
+    if modulus is not None:
+        work.spend(cost=max(1, abs(exponent).bit_length()) * max(1, modulus.bit_length()) ** 2
+                   if isinstance(modulus, int) and isinstance(exponent, int) else 1)
+        return work.number(pow(base, exponent, modulus))
+    if isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent > 0:
+        result_bits = exponent * (abs(base).bit_length() - 1)
+        if result_bits > MATH_MAX_BITS:
+            raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+        work.spend(cost=result_bits * result_bits)
+    return work.number(pow(base, exponent))
 
 
-def _math_power(base, exponent, modulus=None, *, env):
-    """pow and ** with the size guard checked before the work is done."""
-    if modulus is None and isinstance(base, int) and isinstance(exponent, int) \
-            and abs(base) > 1 and exponent > 0 \
-            and exponent * (abs(base).bit_length() - 1) > MATH_MAX_BITS:
-        raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
-    return pow(base, exponent) if modulus is None else pow(base, exponent, modulus)
+def _math_round(work, number, ndigits=None):
+    """round, with ndigits bounded: round(n, -k) on an int builds 10**k first."""
+    if isinstance(ndigits, int) and abs(ndigits) > MATH_MAX_BITS:
+        raise work.fail(f"round() digits beyond {MATH_MAX_BITS}")
+    work.spend(number, cost=abs(ndigits or 0) ** 2 + 1)
+    return work.number(round(number) if ndigits is None else round(number, ndigits))
 
 
-def _math_node(node, env):
+def _math_node(node, work):
     match node:
         case ast.Constant(value=value) if type(value) in (int, float):
-            return value
+            return work.number(value)
         case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
-            value = _math_node(operand, env)
+            value = _math_node(operand, work)
             if type(value) not in (int, float):
-                raise env.fail("math: operators apply to numbers only", "4.5.1")
+                raise work.fail("operators apply to numbers only")
             return -value if isinstance(op, ast.USub) else value
         case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
-            a, b = _math_node(left, env), _math_node(right, env)
+            a, b = _math_node(left, work), _math_node(right, work)
             if not all(type(x) in (int, float) for x in (a, b)):
                 # lists exist only as function arguments: `[1] * 10**9` must never allocate
-                raise env.fail("math: operators apply to numbers only", "4.5.1")
+                raise work.fail("operators apply to numbers only")
             if isinstance(op, ast.Pow):
-                return _math_guard(_math_power(a, b, env=env), env)
+                return _math_power(work, a, b)
             if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
                     and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:
-                raise env.fail(f"math: result exceeds {MATH_MAX_BITS} bits", "4.5.1")
-            return _math_guard(MATH_OPERATORS[type(op)](a, b), env)
+                raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+            work.spend(a, b)
+            return work.number(MATH_OPERATORS[type(op)](a, b))
         case ast.List(elts=items) | ast.Tuple(elts=items):
-            return [_math_node(item, env) for item in items]
+            return [_math_node(item, work) for item in items]
         case ast.Call(func=ast.Name(id=name), args=call_args, keywords=[]) \
                 if name in MATH_FUNCTIONS:
-            values = [_math_node(arg, env) for arg in call_args]
+            values = [_math_node(arg, work) for arg in call_args]
             if name == "pow" and 2 <= len(values) <= 3:
-                return _math_guard(_math_power(*values, env=env), env)
-            return _math_guard(MATH_FUNCTIONS[name](*values), env)
+                return _math_power(work, *values)
+            if name == "round" and 1 <= len(values) <= 2:
+                return _math_round(work, *values)
+            work.spend(cost=sum(len(v) if isinstance(v, list) else 1 for v in values) * 64)
+            return work.number(MATH_FUNCTIONS[name](*values))
         case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
-            raise env.fail(f"math: name '{name}' is not available", "4.5.1")
-    raise env.fail(f"math: {type(node).__name__} is not allowed in an arithmetic expression",
-                   "4.5.1")
+            raise work.fail(f"name '{name}' is not available")
+    raise work.fail(f"{type(node).__name__} is not allowed in an arithmetic expression")
 
 
 def tool_json_parse(env, args):
@@ -1672,35 +1737,25 @@ class InlineTool:
 
     def run(self, input_data, env):
         """Run the body with input_data, message, context (by reference) and result=None."""
-        view = env.view
-        before = dict(view)
-        variables = {"input_data": input_data, "message": input_data, "context": view,
-                     "result": None, INLINE_PROGRESS: progress_function(env)}
-        namespace = run_code(self.unit, variables, timeout=env.timeout)
-        returned = namespace.get("context")
-        if isinstance(returned, dict) and returned is not view:   # a sandbox that copies back
-            view.clear()
-            view.update(returned)
-        context_write_back(before, view, env.ctx)
-        result = namespace.get("result")
-        if result is None:
-            result = next((namespace[name] for name in INLINE_RESULT_FALLBACKS
-                           if namespace.get(name) is not None), "")
-        return result
+        # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
+        # invocation context (invocation wins); keys it sets or deletes land in the invocation
+        # context (the global one in streams) as they are written, so later steps see them
+        # (§4.5.7) -- unless the call was abandoned by its timeout (§5.3.4).
+        progress = progress_function(env)
+        base = env.limits.context
+        variables = {"input_data": input_data, "message": input_data, "result": None,
+                     "context": env.ctx if base is None else ContextView(env.ctx, base),
+                     INLINE_PROGRESS: progress}
+        return env.rt.sandbox.run_code(self.unit, variables, env.timeout, progress)
 
 
-def context_write_back(before, view, ctx):
-    """Carry the body's context changes from the merged view into the invocation context."""
-    # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
-    # invocation context (invocation wins); keys it sets or deletes land in the invocation
-    # context (the global one in streams), so later steps see them (§4.5.7).
-    check_not_abandoned("inline tool")      # a timed-out call writes nothing back (§5.3.4)
-    for key, value in view.items():
-        if key not in before or before[key] is not value:
-            ctx[key] = value
-    for key in before:
-        if key not in view:
-            ctx.pop(key, None)
+def inline_result(namespace):
+    """§4.5.2 item 4: `result`, else the first of output, response, answer set, else ""."""
+    result = namespace.get("result")
+    if result is None:
+        result = next((namespace[name] for name in INLINE_RESULT_FALLBACKS
+                       if namespace.get(name) is not None), "")
+    return result
 
 # §4.5.3 Tool invocation protocol -------------------------------------------------------
 INVALID_JSON_IN_TOOL_REQUEST = "Invalid JSON in tool request"     # §4.5.3 step 3, verbatim
@@ -2253,6 +2308,7 @@ class CompositeAgent:
                                      llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
+        inner.sandbox = rt.sandbox
         inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
         inner.default_router = None
         inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
@@ -2941,11 +2997,11 @@ def op_transform(site, params, down):
     if params.get("fn") is None:
         return transform_stage(site, params, down)
     unit = compile_expression(params["fn"], nparams=1, rt=site.rt, path=site.path + ("fn",))
-    net, route = site.net, site.route
+    net, route, sandbox = site.net, site.route, site.rt.sandbox
 
     def on_next(msg):
         try:
-            content = unit(msg.content)
+            content = sandbox.call(unit, (msg.content,))
         except Exception as exc:     # §12.2.3 boundary: the failure becomes an __error__ message
             net.fail(route, msg, exc)
             return
@@ -4432,7 +4488,8 @@ class GraphRoute:
         self.snapshots = []                                  # §6.6 time travel, oldest first
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
-            self.checkpoint_dir = Path(rt.workdir) / str(cfg["checkpoint_dir"])
+            self.checkpoint_dir = checkpoint_directory(rt, cfg["checkpoint_dir"],
+                                                       self.path + ("checkpoint_dir",))
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
         self._checkpoint_seq = 0
         self.observers = []                                  # §6.10 node-event listeners
@@ -4641,8 +4698,12 @@ class GraphRoute:
     # -- state, checkpoints, time travel (§6.3, §6.6) ------------------------------------
     def update_state(self, content, mode="merge"):
         """Apply `content` as one state update (the state_update operator, §5.3.2, §6.3.2)."""
+        update = state_update_from_content(content)
+        # T2 (README Security): what lands in metadata may not set a host-only key (§10.3).
+        refuse_host_keys({key: value for key, value in update.items() if key != "messages"},
+                         "a state_update message")
         with self._lock:
-            apply_state_update(self.state, state_update_from_content(content), mode)
+            apply_state_update(self.state, update, mode)
             self._updated()
 
     def checkpoint(self):
@@ -5111,15 +5172,21 @@ class RouterRule:
 
 
 def regex_may_backtrack(pattern):
-    """Whether `pattern` repeats, without bound, something that itself repeats without bound
-    ((a+)+, (\\w+\\s?)*): Python's regex engine may then take exponential time on a crafted
-    message, in C, past every deadline."""
+    """Whether `pattern` has a shape on which Python's regex engine may take exponential or
+    high polynomial time on a crafted message, in C, past every deadline (T1, README
+    Security): an unbounded repeat of something that itself repeats without bound ((a+)+,
+    (\\w+\\s?)*), an unbounded repeat of an alternation whose branches are not single
+    characters ((a|ab)*), or two unbounded repeats side by side (\\w+\\w*, .*.*)."""
     try:
         parsed = _regex_parser.parse(pattern)
     except Exception:           # checked and reported by check_node
         return False
     repeats = (_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT)
-    unbounded = _regex_constants.MAXREPEAT
+    single = (_regex_constants.LITERAL, _regex_constants.IN, _regex_constants.ANY,
+              _regex_constants.NOT_LITERAL, _regex_constants.CATEGORY)
+
+    def unbounded(item):
+        return item[0] in repeats and item[1][1] == _regex_constants.MAXREPEAT
 
     def parts(value):           # the sub-patterns inside one parsed item's argument
         if isinstance(value, _regex_parser.SubPattern):
@@ -5128,17 +5195,22 @@ def regex_may_backtrack(pattern):
             for item in value:
                 yield from parts(item)
 
-    def repeats_inside(sub, outer_unbounded):
-        for op, arg in sub:
-            if op in repeats and arg[1] == unbounded:
-                if outer_unbounded:
+    def risky(sub, under_repeat):
+        items = list(sub)
+        for before, after in zip(items, items[1:]):
+            if unbounded(before) and unbounded(after):
+                return True
+        for op, arg in items:
+            if op == _regex_constants.BRANCH and under_repeat and any(
+                    len(branch) != 1 or branch[0][0] not in single for branch in arg[1]):
+                return True
+            if unbounded((op, arg)):
+                if under_repeat or any(risky(inner, True) for inner in parts(arg[2])):
                     return True
-                if any(repeats_inside(inner, True) for inner in parts(arg[2])):
-                    return True
-            elif any(repeats_inside(inner, outer_unbounded) for inner in parts(arg)):
+            elif any(risky(inner, under_repeat) for inner in parts(arg)):
                 return True
         return False
-    return repeats_inside(parsed, False)
+    return risky(parsed, False)
 
 
 def compile_router_rules(cfg, path):
@@ -5600,6 +5672,12 @@ def replace_active_context(state, ctx):
     for key, value in metadata.items():
         if key != "context":
             merged[key] = value
+    # T2 (README Security): whatever the run left in metadata, the host-only keys (§10.3) keep
+    # the values the host gave the context.
+    for key in HOST_ONLY_CONTEXT_KEYS:
+        merged.pop(key, None)
+        if key in ctx:
+            merged[key] = ctx[key]
     ctx.clear()
     ctx.update(merged)
     metadata["context"] = ctx
@@ -5909,6 +5987,10 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
                 fail(at + ("separator",), "separator must be a string", "6.2.6")
             if "set_state" in rule and not isinstance(rule["set_state"], dict):
                 fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
+            try:     # T2 (README Security): the host-only keys are the host's (§10.3)
+                refuse_host_keys(rule.get("set_state"), "set_state")
+            except ExecutionError as exc:
+                fail(at + ("set_state",), exc.message, exc.section)
 
 
 def mermaid_id(graph_name, node_name):
@@ -6147,7 +6229,7 @@ def scan_tags(text, pos=0):
         yield start, pos, kind
 
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
-def render_document(text, render_context=None, engine="JINJA2", *, file=None):
+def render_document(text, render_context=None, engine="JINJA2", *, file=None, sandbox=None):
     """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
 
     The caller first rejects §15.5 sentinels in the raw text (check_sentinels, §15.5). This
@@ -6167,7 +6249,9 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None):
     if not has_template_syntax(text):
         return text
     try:
-        return render_jinja2(text, dict(render_context or {}))
+        if sandbox is None:
+            return render_jinja2(text, dict(render_context or {}))
+        return sandbox.render(text, dict(render_context or {}), "JINJA2", phase="A")
     except TemplateError as exc:
         raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
                                  file=file, line=exc.line) from exc
@@ -6274,38 +6358,11 @@ def template_range(*args):
     return seq
 
 
-def template_sum(iterable, start=0):
-    """§8.3 sum, the §13.2 sandbox's: concatenating sequences is quadratic C work, so it is
-    size-guarded and ticks the render deadline."""
-    return builtin_sum(iterable, start)
-
-
-def template_zip(*iterables, strict=False):
-    """§8.3 zip, the §13.2 sandbox's (nested zip objects crashed the C stack)."""
-    return builtin_zip(*iterables, strict=strict)
-
-
-def template_enumerate(iterable, start=0):
-    """§8.3 enumerate, the §13.2 sandbox's (for the same reason as template_zip)."""
-    return builtin_enumerate(iterable, start)
-
-
-def template_dict(*args, **kwargs):
-    """§8.3 dict, the §13.2 sandbox's: the items it hashes pass guard_keys (guard_hashing)."""
-    return guard_hashing(dict, *args, **kwargs)
-
-
-def template_round(number, ndigits=None):
-    """§8.3 round, the §13.2 sandbox's: round(1, -10**8) would run for minutes in C."""
-    return builtin_round(number, ndigits)
-
-
 # Table of §8.3 (1): built-in callables in every rendering namespace (Phases A, B and C).
 BUILTINS = {
-    "range": template_range, "len": len, "enumerate": template_enumerate, "zip": template_zip,
-    "min": min, "max": max,
-    "sum": template_sum, "abs": abs, "round": template_round,
-    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": template_dict,
+    "range": template_range, "len": len, "enumerate": enumerate, "zip": zip, "min": min,
+    "max": max, "sum": sum, "abs": abs, "round": round,
+    "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
 }
 
 
@@ -6318,7 +6375,6 @@ def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
         str(value)  # raises the undefined-name error
-    check_rendering(value)          # aliases can make a small structure's text astronomically long
     try:
         return json.dumps(value, ensure_ascii=False, indent=indent)
     except (TypeError, ValueError) as exc:
@@ -6354,7 +6410,7 @@ def _item_attr(item, attr):
 def filter_sum(items, attribute=None, start=0):
     """§8.3 sum(attribute): sum of a numeric list, or of one attribute over a list of mappings."""
     values = items if attribute is None else (_item_attr(it, attribute) for it in items)
-    return builtin_sum(values, start)
+    return sum(values, start)
 
 
 SELECT_OPERATORS = {
@@ -6667,9 +6723,15 @@ def mask_tags(text):
     return "".join(out)
 
 
-def node_regions(node, keys, offset, regions):
+def node_regions(node, keys, offset, regions, seen=None):
     """The runtime-field and template-section spans under one composed YAML node (see
-    document_regions); `offset` is where the composed text starts inside the document."""
+    document_regions); `offset` is where the composed text starts inside the document.
+    An aliased node is walked once, where it is defined: an alias bomb composes to a small
+    graph whose every path would take exponential time (YAML_ALIAS_BUDGET's reason)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
@@ -6680,10 +6742,10 @@ def node_regions(node, keys, offset, regions):
             elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
                 regions.append(span + ("field", key, key_node.start_mark.column))
             else:
-                node_regions(value, path, offset, regions)
+                node_regions(value, path, offset, regions, seen)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            node_regions(item, keys, offset, regions)
+            node_regions(item, keys, offset, regions, seen)
 
 
 # INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
@@ -7135,6 +7197,7 @@ class Expansion:
 
     def __init__(self, doc, rt, data, engine=None):
         self.doc, self.rt, self.data = doc, rt, data
+        self.sandbox = rt.sandbox if rt is not None else InProcessSandbox()
         self.engine = engine_name(engine or getattr(rt, "engine", None) or data_engine(data))
         self.templates = self.registry("templates", dict)
         self.strings = self.registry("template_strings", str)
@@ -7308,12 +7371,10 @@ def instantiate(ex, kind, name, params, path, scope):
     return result                                                          # step 9
 
 
-def render_at_instantiation(text, variables, engine):
-    """Phase B's render(): under SIMPLE only the {{ }} pass runs (Q60 (b): the format pass
-    belongs to Phase C)."""
-    if engine == "SIMPLE":
-        return render_simple(text, variables, format_pass=False)
-    return render(text, variables, engine)
+def render_at_instantiation(ex, text, variables):
+    """Phase B's render(), in the Actor's sandbox (§13.2 isolation): under SIMPLE only the {{ }}
+    pass runs (Q60 (b): the format pass belongs to Phase C)."""
+    return ex.sandbox.render(text, variables, ex.engine, phase="B")
 
 
 def render_phase_b(ex, text, variables, path, runtime_field):
@@ -7328,7 +7389,7 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     elif runtime_field:
         text = defer_foreign_tags(text, names, ex.engine)
     try:
-        rendered = render_at_instantiation(text, variables, ex.engine)
+        rendered = render_at_instantiation(ex, text, variables)
     except TemplateError as exc:
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
@@ -7436,10 +7497,12 @@ def template_string_parameters(doc, body, tpath):
     if has_template_syntax(text):
         raise doc.error(ConfigurationError, tpath, "the parameters block of a template_strings "
                         "body must not contain template syntax", "8.9")
-    try:
-        return (yaml.safe_load(text) or {}).get("parameters")
-    except yaml.YAMLError as exc:
-        raise doc.error(ConfigurationError, tpath, f"parameters block: {exc}", "8.9") from exc
+    try:        # parse_yaml: the loader's alias budget and nesting bound hold here too
+        parsed = parse_yaml(text)[0]
+    except ConfigurationError as exc:
+        raise doc.error(ConfigurationError, tpath, f"parameters block: {exc.message}",
+                        "8.9") from exc
+    return parsed.get("parameters") if isinstance(parsed, dict) else None
 
 
 def instantiate_string(ex, body, variables, path, tpath):
@@ -7451,15 +7514,15 @@ def instantiate_string(ex, body, variables, path, tpath):
     the last), so §18.11's `agent: legal_team` names something real.
     """
     try:
-        text = render_at_instantiation(body, variables, ex.engine)
+        text = render_at_instantiation(ex, body, variables)
     except TemplateError as exc:
         raise ex.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
                            f"failed: {exc.message}", "8.12") from exc
-    try:
-        result = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    try:        # parse_yaml: the loader's alias budget and nesting bound hold here too
+        result = parse_yaml(text)[0]
+    except ConfigurationError as exc:
         raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} does not render to "
-                           f"YAML: {exc}", "8.9") from exc
+                           f"YAML: {exc.message}", "8.9") from exc
     if not isinstance(result, dict):
         raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} must render to a "
                            "mapping", "8.9")
@@ -7518,8 +7581,8 @@ def render_runtime(rt, text, ctx, message, path=None):
     if engine != "SIMPLE" and not has_template_syntax(text):
         return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
     try:
-        return render(text, runtime_variables(ctx, message), engine,
-                      partials=getattr(rt, "prompts", None))
+        return rt.sandbox.render(text, runtime_variables(ctx, message), engine,
+                                 partials=getattr(rt, "prompts", None))
     except TemplateError as exc:
         warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
              section="8.12", path=path)
@@ -7581,160 +7644,52 @@ if jinja2 is not None:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
           configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
           `context.<key>` always means the key);
-        - unbound methods of classes (reached through the §8.3 `str`, `dict`, `list`... built-ins)
-          are refused: jinja2 checks the bound forms only, so str.format('{0.__init__.__globals__
-          [os].environ}', cycler) read the process environment and dict.update(context, {...})
-          changed the context;
-        - the §13.2 limits: + * ** % // go through the sandbox's size guards (and are never
-          folded at compile time), every call and every loop step ticks the render deadline
-          (render_bounded, TEMPLATE_TIME_LIMIT) -- a macro calling itself twice, or nested loops,
-          would otherwise run for hours.
+        - T2 (README Security): unbound methods of classes (reached through the §8.3 `str`,
+          `dict`... built-ins) are refused: jinja2 checks the bound forms only, so
+          str.format('{0.__init__.__globals__}', cycler) walked attributes and
+          dict.update(context, {...}) changed the context;
+        - T3: the §13.2 budget: every call and every loop step ticks the render's deadline, and
+          + * ** go through the size check of the sandbox's operators.
         INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
         rendering context holds the live context by reference, and a prompt that could call
         context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
 
-        intercepted_binops = frozenset({"+", "*", "**", "%", "//"})
+        intercepted_binops = frozenset({"+", "*", "**"})   # guard_op's operators
 
         def getattr(self, obj, attribute):
             if isinstance(obj, dict) and attribute in obj:
                 return obj[attribute]
             return super().getattr(obj, attribute)
 
-        def getitem(self, obj, argument):
-            return super().getitem(obj, guard_key(argument))      # d[k] hashes k
-
         def is_safe_attribute(self, obj, attr, value):
-            # An unbound method takes any receiver, past every check jinja2 makes on the
-            # instance: str.format(...), dict.update(context, ...), list.append(items, ...).
             if isinstance(obj, type) and isinstance(value, _UNBOUND_METHODS):
                 return False
             return super().is_safe_attribute(obj, attr, value)
 
         def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
-            guard_loop()
-            if __obj is str.format or __obj is str.format_map:
-                raise jinja2.sandbox.SecurityError("str.format is not allowed in templates")
-            if getattr(__obj, "__name__", None) in ("encode", "decode") \
-                    and isinstance(getattr(__obj, "__self__", None), (str, bytes)):
-                _check_codec(args, kwargs)   # codecs written in Python run past the deadline
-            if getattr(__obj, "__name__", None) == "items" \
-                    and isinstance(getattr(__obj, "__self__", None), dict):
-                guard_keys(__obj.__self__.values())   # an items view hashes its values when
-                #                                       compared with a keys view
+            tick()
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
-            _check_operands(operator, left, right)
-            return super().call_binop(context, operator, left, right)
+            return guard_op(operator, left, right)
 
         def _parse(self, source, name, filename):
-            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the deadline;
-            every `{% set ns.x = ... %}` stores through `sb_kept`, which bounds nesting."""
+            """Every `{% for %}` iterates through the `sb_loop` filter, which ticks the budget."""
             tree = super()._parse(source, name, filename)
-
-            def through(expr, guard, lineno):          # `expr | guard`
-                return jinja2.nodes.Filter(expr, guard, [], [], None, None, lineno=lineno)
             for node in tree.find_all(jinja2.nodes.For):
-                node.iter = through(node.iter, "sb_loop", node.lineno)
-            for node in tree.find_all(jinja2.nodes.Assign):
-                if isinstance(node.target, jinja2.nodes.NSRef):
-                    node.node = through(node.node, "sb_kept", node.lineno)
-            # What a template hashes passes guard_key: dict literal keys and `x in y`'s x (a
-            # deep tuple can reach a template through the context, left there by inline code).
-            for pair in tree.find_all(jinja2.nodes.Pair):
-                if not isinstance(pair.key, jinja2.nodes.Const):
-                    pair.key = through(pair.key, "sb_key", pair.lineno)
-            for compare in tree.find_all(jinja2.nodes.Compare):
-                # == < ... compare containers item by item in C: each operand is bounded
-                # (guard_compared), as in sandboxed code's chained comparisons.
-                if any(operand.op in _TEMPLATE_COMPARISONS for operand in compare.ops):
-                    if not isinstance(compare.expr, jinja2.nodes.Const):
-                        compare.expr = through(compare.expr, "sb_compared", compare.lineno)
-                    for operand in compare.ops:
-                        if not isinstance(operand.expr, jinja2.nodes.Const):
-                            operand.expr = through(operand.expr, "sb_compared", compare.lineno)
-                for index, operand in enumerate(compare.ops):
-                    if operand.op in ("in", "notin"):       # the left side of `in` is hashed
-                        before = compare if index == 0 else compare.ops[index - 1]
-                        before.expr = through(before.expr, "sb_key", compare.lineno)
+                node.iter = jinja2.nodes.Filter(node.iter, "sb_loop", [], [], None, None,
+                                                lineno=node.lineno)
             return tree
 
 
-_GENERATOR = type(item for item in ())
 _UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
 
-def template_materialized(fn):
-    """A filter whose generator result (map, select, batch...) is made a list at once: a chain
-    of 60,000 lazy filters ({% set ns.z = ns.z|batch(1)|map('first') %} in a loop) recursed in
-    C when consumed and crashed CPython 3.11."""
-    @functools.wraps(fn)   # keeps jinja2's pass_context/pass_environment marks
-    def run(*args, **kwargs):
-        value = fn(*args, **kwargs)
-        return list(value) if isinstance(value, _GENERATOR) else value
-    return run
-
-
-def template_kept(value):
-    """The `sb_kept` filter: a namespace is the one place a template carries a value from one
-    loop step to the next, so there a value may not nest deeper than SANDBOX_MAX_NESTING levels:
-    a tuple wrapped 100,000 times that way, then used as a dict key, crashed CPython 3.11."""
-    reason = _nesting_refused(value, (tuple, list, dict)) \
-        if isinstance(value, (tuple, list, dict)) else None
-    if reason is not None:
-        raise jinja2.sandbox.SecurityError(f"a namespace value that {reason} is not allowed")
-    return value
-
-
-def template_checked_filter(fn, check):
-    """A filter whose input passes `check` first (which returns the value to filter): guard_keys
-    for the ones that hash their items (unique), _ordered for the ones that compare them."""
-    first = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0   # the environment
-
-    @functools.wraps(fn)   # keeps jinja2's pass_environment mark
-    def run(*args, **kwargs):
-        return fn(*args[:first], check(args[first]), *args[first + 1:], **kwargs)
-    return run
-
-
-def _ordered(value):
-    """The input of sort, max, min, dictsort, groupby, its items (a dict's keys and values)
-    passed through _check_ordering."""
-    items = value if isinstance(value, dict) else guard_keys(value)
-    _check_ordering([*items.values(), *items] if isinstance(items, dict) else items)
-    return items
-
-
-def template_comparing_test(test):
-    """A comparison test (x is eq y, select('lt', 3)...), its operands bounded by guard_compared."""
-    @functools.wraps(test)
-    def run(value, *args, **kwargs):
-        return test(guard_compared(value), *map(guard_compared, args), **kwargs)
-    return run
-
-
-_TEMPLATE_COMPARISONS = frozenset({"eq", "ne", "lt", "lteq", "gt", "gteq"})
-_TEMPLATE_COMPARING_TESTS = frozenset({"==", "eq", "equalto", "!=", "ne", "<", "lt", "lessthan",
-                                       "<=", "le", ">", "gt", "greaterthan", ">=", "ge"})
-
-
-def template_in(value, seq):
-    """The `in` test (x is in y), with x checked like a key (guard_key)."""
-    return guard_key(value) in seq
-
-
-def template_printed(value):
-    """Every {{ value }} of a JINJA2 template: a structure whose text would pass the size limit
-    (aliases counted, check_rendering) is refused before str() walks it."""
-    check_rendering(value)
-    return value
-
-
 def template_loop(iterable):
-    """The `sb_loop` filter: each step of a template loop checks the render deadline."""
+    """The `sb_loop` filter: each step of a template loop ticks the budget."""
     for item in iterable:
-        guard_loop()
+        tick()
         yield item
 
 
@@ -7746,23 +7701,10 @@ def jinja_environment():
     Templates come from configuration files, hence the sandbox; keep_trailing_newline by Q59 (a).
     """
     _require_jinja2()
-    env = ActorSandbox(
-        undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False,
-        finalize=template_printed)
+    env = ActorSandbox(undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
-    env.filters.update({name: template_materialized(fn) for name, fn in env.filters.items()})
     env.filters["sb_loop"] = template_loop
-    env.filters["sb_kept"] = template_kept
-    env.filters["sb_key"] = guard_key
-    env.filters["unique"] = template_checked_filter(env.filters["unique"], guard_keys)
-    env.filters["sb_compared"] = guard_compared
-    for name in ("sort", "max", "min", "dictsort", "groupby"):
-        env.filters[name] = template_checked_filter(env.filters[name], _ordered)
-    for name, test in list(env.tests.items()):
-        if name in _TEMPLATE_COMPARING_TESTS:
-            env.tests[name] = template_comparing_test(test)
-    env.tests["in"] = template_in
     return env
 
 
@@ -7785,14 +7727,17 @@ def jinja_error_line(exc):
     return line
 
 
+# Every engine renders under the §13.2 budget (T3): the deadline below, the sandbox's size check.
+TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
+
+
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return render_bounded(lambda: jinja_template(text).render(variables))
+        return run_budgeted(jinja_template(text).render, (variables,), TEMPLATE_TIME_LIMIT,
+                            "JINJA2", TemplateError)
     except TemplateError:
         raise
-    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
-        raise TemplateError(f"JINJA2: {exc.message}", section="9.2") from exc
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
         err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
         err.line = jinja_error_line(exc)
@@ -7844,13 +7789,18 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
         before = text[pos:start]
         indent = ""
         if sigil and sigil in MUSTACHE_STANDALONE:
-            line_start = text.rfind("\n", 0, start) + 1
-            line_end = text.find("\n", after)
-            line_end = n if line_end < 0 else line_end
-            lead, trail = text[line_start:start], text[after:line_end]
-            if line_start >= pos and lead.strip(" \t") == "" and trail.strip(" \t\r") == "":
-                before = before[:len(before) - len(lead)]
-                indent = lead
+            # Standalone: only blanks between the line's start and the tag, and between the tag
+            # and the line's end. Scanning the blanks alone keeps parsing linear (T1).
+            line_start = start
+            while line_start > pos and text[line_start - 1] in " \t":
+                line_start -= 1
+            line_end = after
+            while line_end < n and text[line_end] in " \t\r":
+                line_end += 1
+            at_line_start = line_start == 0 or text[line_start - 1] == "\n"
+            if at_line_start and (line_end == n or text[line_end] == "\n"):
+                indent = text[line_start:start]
+                before = before[:len(before) - len(indent)]
                 after = min(n, line_end + 1)
         if before:
             nodes.append(("text", before))
@@ -7902,7 +7852,6 @@ def mustache_text(value):
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    check_rendering(value)          # aliases can make a small structure's text astronomically long
     return str(value)
 
 
@@ -7927,12 +7876,12 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
                 continue
             elif isinstance(value, (list, tuple)):
                 for item in value:
-                    guard_loop()
+                    tick()
                     mustache_render_nodes(node[3], stack + [item], partials, out, depth)
             else:
                 mustache_render_nodes(node[3], stack + [value], partials, out, depth)
         else:  # partial
-            guard_loop()   # partials recursing twice per level would take 2**100 steps
+            tick()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
                 raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
             source = (partials or {}).get(node[1])
@@ -7951,45 +7900,40 @@ def mustache_compiled(text):
 def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
-    try:
-        render_bounded(lambda: mustache_render_nodes(mustache_compiled(text), [variables], partials,
-                                                  out))
-    except ExecutionError as exc:   # a §13.2 limit: deadline, memory, recursion
-        raise TemplateError(f"MUSTACHE: {exc.message}", section="9.2") from exc
+    run_budgeted(mustache_render_nodes, (mustache_compiled(text), [variables], partials, out),
+                 TEMPLATE_TIME_LIMIT, "MUSTACHE", TemplateError)
     return "".join(out)
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-def simple_expressions(text, variables):
-    """Pass 1: each {{ expr }} is evaluated in the expression sandbox and replaced by str(value).
-
-    INTERPRETATION §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
-    its built-ins are the §13.2.2 set alone, the sandbox's guarded ones: the §8.3 callables the
-    context carries (raw sum, range, enumerate, zip) are left out.
-    """
-    names = {key: value for key, value in variables.items()
-             if not (key in BUILTINS and value is BUILTINS[key])}
-    if isinstance(names.get("context"), dict):
-        # A top-level copy: rendering a prompt must not change the live context, and above all
-        # not its host-only keys (§10.3), e.g. {{ context.update({'_unsafe_mode': True}) }}.
-        names["context"] = dict(names["context"])
-    out, pos = [], 0
+# INTERPRETATION §9.2 (T1, README Security): the format pass reads the template's own text only.
+# What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
+# message "what is {api_token}?" prints as written.
+@functools.lru_cache(maxsize=4096)
+def simple_parts(text):
+    """The template split once into (is_expression, text) parts: literal text and {{ }} bodies."""
+    parts, pos = [], 0
     while True:
         start = text.find("{{", pos)
         if start < 0:
-            out.append(text[pos:])
-            return "".join(out)
+            parts.append((False, text[pos:]))
+            return tuple(parts)
         end = text.find("}}", start + 2)
         if end < 0:
             raise TemplateError("SIMPLE: '{{' without a closing '}}'", section="9.2")
-        out.append(text[pos:start])
-        source = text[start + 2:end].strip()
-        try:
-            value = eval_expression_text(source, names)
-        except ActorError as exc:
-            raise TemplateError(f"SIMPLE: {{{{ {source} }}}}: {exc.message}", section="9.2") from exc
-        out.append("" if value is None else str(value))
+        parts += [(False, text[pos:start]), (True, text[start + 2:end].strip())]
         pos = end + 2
+
+
+def simple_names(variables):
+    """The expressions' variables: the context's data, seen through a ContextView (T2: no
+    host-only key is written); the §8.3 callables are left out.
+
+    INTERPRETATION §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
+    its built-ins are the §13.2.2 set alone."""
+    return {key: ContextView(value, None, True) if type(value) is dict else value
+            for key, value in variables.items()
+            if not (key in BUILTINS and value is BUILTINS[key])}
 
 
 def simple_field(variables, field):
@@ -8038,10 +7982,6 @@ def simple_format(text, variables):
             continue
         value = simple_field(variables, field)
         spec = simple_format(spec, variables) if spec else ""   # {x:>{width}} nests a field
-        if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
-            raise TemplateError(f"SIMPLE: {{{field}}}: format width beyond the §13.2 size limit",
-                                section="9.2")
-        check_rendering(value)   # under render_simple's render_bounded: a SandboxAbort
         if conversion == "r":
             value = repr(value)
         elif conversion in ("s", "a"):
@@ -8057,15 +7997,23 @@ def simple_format(text, variables):
 # only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
-    try:
-        return render_bounded(lambda: _render_simple(text, variables, format_pass))
-    except ExecutionError as exc:   # a §13.2 limit: deadline, size, memory, recursion
-        raise TemplateError(f"SIMPLE: {exc.message}", section="9.2") from exc
+    return run_budgeted(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
+                        "SIMPLE", TemplateError)
 
 
 def _render_simple(text, variables, format_pass):
-    text = simple_expressions(text, variables)
-    return simple_format(text, variables) if format_pass else text
+    out, names = [], None
+    for is_expression, part in simple_parts(text):
+        if not is_expression:
+            out.append(simple_format(part, variables) if format_pass else part)
+            continue
+        names = names if names is not None else simple_names(variables)
+        try:
+            value = eval_expression_text(part, names)
+        except ActorError as exc:
+            raise TemplateError(f"SIMPLE: {{{{ {part} }}}}: {exc.message}", section="9.2") from exc
+        out.append("" if value is None else str(value))
+    return "".join(out)
 
 
 ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
@@ -8415,7 +8363,7 @@ def read_sources(paths, text):
     return sources
 
 
-def parse_source(raw, file, render_context, engine):
+def parse_source(raw, file, render_context, engine, sandbox=None):
     """§3.1 and §8.2: one document's text -> (data, marks, RenderedLines or None), through
     Phase A when it is templated."""
     if isinstance(raw, bytes):
@@ -8428,7 +8376,7 @@ def parse_source(raw, file, render_context, engine):
     if not has_template_syntax(raw):
         return (*parse_yaml(raw, file), None)
     try:
-        rendered = render_document(raw, render_context, engine, file=file)
+        rendered = render_document(raw, render_context, engine, file=file, sandbox=sandbox)
     except RecursionError:      # Phase A reads the YAML shape of the text to protect fields
         raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     lines = RenderedLines(raw, rendered) if rendered != raw else None
@@ -8445,7 +8393,7 @@ def load_document(sources, render_context, engine, env, rt):
     """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
     data, marks, files, rendered = None, {}, [], {}
     for file, raw in sources:
-        part, part_marks, lines = parse_source(raw, file, render_context, engine)
+        part, part_marks, lines = parse_source(raw, file, render_context, engine, rt.sandbox)
         files.append(file)
         if lines is not None:
             rendered[file] = lines
@@ -8479,10 +8427,14 @@ def resolve_engine(doc, host_engine):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None, routing_prefixes=None):
+                context=None, routing_prefixes=None, isolation="none"):
     """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport)
+    if isolation not in ISOLATION:
+        raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "
+                                 f"{', '.join(map(repr, ISOLATION))}", section="13.2")
+    rt.sandbox = ISOLATION[isolation]()
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
@@ -8534,8 +8486,7 @@ def error_category(exc):
 # and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of the
 # invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
-TOOL_EXECUTE_PATTERN = re.compile(
-    r"\[TOOL_EXECUTE:([^\]\s]+)\]\s*(\{.*?)\s*\[/TOOL_EXECUTE\]", re.DOTALL)
+TOOL_EXECUTE_OPEN, TOOL_EXECUTE_CLOSE = "[TOOL_EXECUTE:", "[/TOOL_EXECUTE]"
 # INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
 TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
 TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
@@ -8597,20 +8548,56 @@ def process_tool_blocks(rt, text, allowed, ctx):
     its result (or a readable error) in its place, last block first."""
     if not isinstance(text, str):
         return text
-    for match in reversed(list(TOOL_EXECUTE_PATTERN.finditer(text))):
-        name, payload = match.group(1), match.group(2)
-        result = _tool_block_result(rt, name, payload, allowed, ctx)
-        text = text[:match.start()] + result + text[match.end():]
-    return text
+    blocks = tool_blocks(text)
+    results = [_tool_block_result(rt, name, payload, allowed, ctx)       # item 4: last first
+               for _, _, name, payload in reversed(blocks)][::-1]
+    out, pos = [], 0
+    for (start, end, _, _), result in zip(blocks, results):              # item 5, in one pass
+        out += [text[pos:start], result]
+        pos = end
+    return "".join(out) + text[pos:]
+
+
+def tool_blocks(text):
+    """§12.4 item 1: (start, end, name, payload) of each block, left to right, in linear time
+    (T1, README Security: an LLM reply carries user text, and a regular expression with a lazy
+    `.*?` rescanned the rest of the text for every unclosed opening). A block is the opening
+    marker, a name without blanks, `]`, blanks, a JSON payload starting with `{`, and the
+    first closing marker after it; the payload's trailing blanks are not part of it."""
+    blocks, pos = [], 0
+    while True:
+        start = text.find(TOOL_EXECUTE_OPEN, pos)
+        if start < 0:
+            return blocks
+        name_start = start + len(TOOL_EXECUTE_OPEN)
+        name_end = text.find("]", name_start)
+        name = text[name_start:name_end] if name_end >= 0 else ""
+        brace = name_end + 1
+        while brace < len(text) and text[brace].isspace():
+            brace += 1
+        if not name or any(ch.isspace() for ch in name) or not text.startswith("{", brace):
+            pos = start + 1
+            continue
+        close = text.find(TOOL_EXECUTE_CLOSE, brace)
+        if close < 0:
+            return blocks                # no later opening can find a closing marker either
+        blocks.append((start, close + len(TOOL_EXECUTE_CLOSE), name, text[brace:close].rstrip()))
+        pos = close + len(TOOL_EXECUTE_CLOSE)
 
 
 def _tool_block_result(rt, name, payload, allowed, ctx):
     if name not in allowed:
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
+    # INTERPRETATION §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run with
+    # its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
     try:
-        args = json.loads(sanitize_tool_payload(payload))
-    except json.JSONDecodeError as exc:
-        return TOOL_EXECUTE_ERROR.format(name=name, reason=f"invalid JSON payload ({exc.msg})")
+        args = json.loads(payload)
+    except json.JSONDecodeError:
+        try:
+            args = json.loads(sanitize_tool_payload(payload))
+        except json.JSONDecodeError as exc:
+            return TOOL_EXECUTE_ERROR.format(name=name,
+                                             reason=f"invalid JSON payload ({exc.msg})")
     if not isinstance(args, dict):
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
     try:
@@ -8698,49 +8685,70 @@ def find_stream_cycle(edges):
 # carries _unsafe_mode: true (build_global_context, §10.3) unless the host context says otherwise.
 
 # §13.2 Sandboxed code execution ---------------------------------------------------------
-# One restricted-exec sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2
-# (expression) built-in table. A restricted __builtins__ dict alone is escapable in many published
-# ways, so four layers hold it, and the first two run once, at load time:
-#   1. AST check (the §13.2.3 tables): no dunder names, no `_private` attributes, no attribute that
-#      leads to frames, code or tracebacks, no str.format, no imports but json, no class, global,
-#      nonlocal, yield, async, with or decorators, no attribute assignment, no prohibited
-#      facility's name
-#      -> ConfigurationError.
-#   2. AST rewrite: + * ** << % //, `in`, f-strings, slice assignment and the string methods that
-#      pad or repeat go through size guards (a repetition also by the nested size it aliases, so
-#      `[l] * 10**6` is refused); a generator expression reads its source through guard_iter; a
-#      bare `except:` catches only Exception, so the sandbox's own aborts (BaseException) pass.
-#   3. Built-ins: exactly the spec's table; type, locals, print, range, sum, round, zip,
-#      enumerate, isinstance are wrapped.
-#   4. Run-time budget: the rewrite's ticks check the wall-clock deadline at every loop step and
-#      function entry and cap the depth of calls and of lazy iterator chains; on POSIX an
-#      address-space limit backstops memory. What leaves the run (final names, an expression's
-#      value, arguments of host functions) is size-checked before the host renders it.
-# Limits hold in unsafe mode too: unsafe mode enables inline code, not the host for the code.
-# The hot path (run_code, ExprUnit.__call__) never parses or compiles.
+# One sandbox, parameterised by the §13.2.1 (inline code) or the §13.2.2 (expression) table. Each
+# guard below answers one line of the threat model written out in README "Security":
+#   T1 message senders: content is data -- never code or template source (no guard needed here:
+#      nothing in this region parses a message).
+#   T2 configuration authors on a safe host: no capability beyond the spec's tables. Answered by
+#      the ALLOWLIST, checked once at load: listed syntax nodes only (SANDBOX_SYNTAX), names from
+#      the built-in table, the caller's variables or the code's own bindings, attributes only from
+#      SANDBOX_METHODS (no type object can be walked, no class pattern can call one), and the
+#      host-only context keys refused as they are written (ContextView).
+#   T3 resource exhaustion: Python-level work is stopped by one BUDGET per call (time, ticked at
+#      every loop step and call; size, for the operators that multiply it); a single C-level
+#      operation on an attacker-built structure (hashing, comparing, printing, long division)
+#      cannot be pre-empted in-process -- only isolation="process" (the worker below) bounds it.
+# The hot path (run_code, ExprUnit.__call__) never parses or compiles, and never scans the context.
 
-SANDBOX_MAX_ITEMS = 10_000_000     # elements or characters one guarded operation may produce
-SANDBOX_MAX_INT_BITS = 1_000_000   # bits of an int one guarded operation may produce (~300k digits)
-SANDBOX_MAX_DEPTH = 200            # nested calls of sandboxed functions
-SANDBOX_MAX_NESTING = 1000         # levels of tuples in a value that gets hashed (key, set item)
-SANDBOX_MAX_DIVISION = 1 << 36     # bits x bits of one long division (// % round(n, -k)): ~0.1 s
-SANDBOX_MEMORY_HEADROOM = 1 << 28  # bytes of address space one run may add (POSIX backstop)
+SANDBOX_MAX_ITEMS = 10_000_000     # items, characters or bits one operator or range may produce
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
-SANDBOX_FILENAMES = (CODE_FILENAME, EXPRESSION_FILENAME)
+
+# The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
+# yield, await, with, except*, class patterns; see _shape_refusal for the shapes refused within.
+SANDBOX_SYNTAX = (
+    ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
+    ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
+    ast.Assert, ast.FunctionDef, ast.Return, ast.Delete, ast.Import, ast.ImportFrom, ast.alias,
+    ast.Match, ast.match_case, ast.MatchValue, ast.MatchSingleton, ast.MatchSequence,
+    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr,
+    ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Lambda, ast.IfExp, ast.Dict, ast.Set, ast.ListComp,
+    ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare, ast.Call, ast.FormattedValue,
+    ast.JoinedStr, ast.Constant, ast.Attribute, ast.Subscript, ast.Starred, ast.Name, ast.List,
+    ast.Tuple, ast.Slice, ast.NamedExpr, ast.keyword, ast.arguments, ast.arg, ast.comprehension,
+    ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop,
+)
+
+# The allowlist of attributes (T2): methods of the built-in value types and of the json facility,
+# read (never assigned). No str.format/format_map (a format string walks attributes the AST never
+# shows), no encode/decode (codecs), nothing that yields a type, frame, code or module.
+SANDBOX_METHODS = {
+    "str": "capitalize casefold center count endswith expandtabs find index isalnum isalpha "
+           "isascii isdecimal isdigit isidentifier islower isnumeric isprintable isspace istitle "
+           "isupper join ljust lower lstrip partition removeprefix removesuffix replace rfind "
+           "rindex rjust rpartition rsplit rstrip split splitlines startswith strip swapcase "
+           "title upper zfill",
+    "list": "append clear copy count extend index insert pop remove reverse sort",
+    "dict": "clear copy fromkeys get items keys pop popitem setdefault update values",
+    "set": "add clear copy difference difference_update discard intersection "
+           "intersection_update isdisjoint issubset issuperset pop remove symmetric_difference "
+           "symmetric_difference_update union update",
+    "tuple": "count index",
+    "int, float": "bit_length is_integer",
+    "json facility (§4.5.2)": "loads dumps JSONDecodeError",
+    "exceptions": "args",
+}
+SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
+JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
 
-class SandboxAbort(BaseException):
-    """A limit or a run-time refusal inside the sandbox. BaseException, and bare `except:` is
-    rewritten to `except Exception:`, so sandboxed code can never catch it."""
-
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
+class Exhausted(BaseException):
+    """The budget ran out (T3). A BaseException, and a bare `except:` is rewritten to catch
+    Exception only, so sandboxed code can never catch it."""
 
 
 class _Rejected(Exception):
-    """A construct refused by the AST check: (line inside the code body, what)."""
+    """A construct outside the allowlist: (line inside the code body, what)."""
 
     def __init__(self, line, what):
         super().__init__(what)
@@ -8753,287 +8761,115 @@ def _bound_names(tree):
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             bound.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.arg)):
+            bound.add(node.name if isinstance(node, ast.FunctionDef) else node.arg)
         elif isinstance(node, ast.alias):
-            bound.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.asname or node.name)
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
             bound.add(node.name)
         elif isinstance(node, ast.MatchMapping) and node.rest:
             bound.add(node.rest)
     return bound
 
 
-def _is_dunder(name):
-    return name.startswith("__")
-
-
-def _attribute_refusal(attr):
-    """Why an attribute name is refused (None when it is fine). Names arrive NFKC-normalised."""
-    if attr.startswith("_"):
-        return f"access to the private or special attribute '{attr}'"
-    if attr in SANDBOX_FORBIDDEN_ATTRIBUTES \
-            or attr.startswith(SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES):
-        return f"access to the attribute '{attr}'"
-    return None
-
-
-def _construct_refusal(node, prohibited):
-    """§13.2.3: why one AST node is refused (None when it is fine)."""
-    # INTERPRETATION §13.2.3: class (metaclass hooks), global/nonlocal, yield (generator frames),
-    # async, with and decorators are refused at load: each has a published escape or no use here.
+def _shape_refusal(node, names):
+    """Why an allowed node is refused for its shape or its name (None when it is fine)."""
     match node:
-        case ast.Import(names=names):
-            bad = [a.name for a in names if a.name != "json"]
-            return f"import of '{bad[0]}' (only json may be imported)" if bad else None
-        case ast.ImportFrom(module=module, level=level, names=names):
-            if module != "json" or level:
-                return f"import from '{'.' * level}{module or ''}' (only json may be imported)"
-            bad = [a.name for a in names if a.name not in ("loads", "dumps", "JSONDecodeError")]
-            return f"import of 'json.{bad[0]}'" if bad else None
-        case ast.ClassDef():
-            return "a class definition (class creation hooks lead out of the sandbox)"
-        case ast.Global() | ast.Nonlocal():
-            return "a global or nonlocal statement"
-        case ast.Yield() | ast.YieldFrom():
-            return "a generator function (yield)"
-        case ast.AsyncFunctionDef() | ast.Await() | ast.AsyncFor() | ast.AsyncWith():
-            return "asynchronous code"
-        case ast.With():
-            return "a with statement"
-        case ast.FunctionDef(decorator_list=decorators) if decorators:
-            return "a decorator"
-        case ast.FunctionDef(name=name) if _is_dunder(name):
-            return f"the special name '{name}'"
-        case ast.Name(id=name) if _is_dunder(name):
-            return f"the special name '{name}'"
-        case ast.Name(id=name, ctx=ast.Load()) if name in prohibited:
-            return f"the prohibited facility '{name}' ({prohibited[name]})"
+        case ast.Name(id=name) if name.startswith("__"):
+            return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        case ast.Name(id=name, ctx=ast.Load()) if names is not None and name not in names:
+            return f"the name '{name}' (not a built-in of this sandbox, an input or a variable " \
+                   f"the code sets)"
         case ast.Attribute(ctx=ast.Store() | ast.Del()):
-            # INTERPRETATION §13.2.3: attribute assignment is refused: the only objects that take
-            # it are functions, and the built-ins' (print.x = context) are shared by every run.
-            return "assigning or deleting an attribute (shared by every run)"
-        case ast.Attribute(attr=attr):
-            return _attribute_refusal(attr)
-        case ast.arg(arg=name) | ast.ExceptHandler(name=name) | ast.alias(asname=name) \
-                | ast.MatchAs(name=name) | ast.MatchStar(name=name) if name and _is_dunder(name):
-            return f"the special name '{name}'"
-        case ast.MatchClass(kwd_attrs=attrs):
-            return next(filter(None, map(_attribute_refusal, attrs)), None)
-        case ast.MatchMapping(rest=rest) if rest and _is_dunder(rest):
-            return f"the special name '{rest}'"
-        case ast.keyword(arg=name) if name and _is_dunder(name):
-            return f"the special keyword '{name}'"
+            return "assigning or deleting an attribute"
+        case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
+            return f"the attribute '{attr}' (not a method of the built-in value types)"
+        case ast.FunctionDef(decorator_list=[_, *_]):
+            return "a decorator"
+        case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
+                | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
+                | ast.keyword(arg=name) if name and name.startswith("__"):
+            return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        case ast.Import(names=aliases) if any(a.name != "json" for a in aliases):
+            return "an import of anything but json"
+        case ast.ImportFrom(module=module, level=level, names=aliases) \
+                if module != "json" or level or any(a.name not in JSON_NAMES for a in aliases):
+            return "an import of anything but json's loads, dumps and JSONDecodeError"
     return None
 
 
-def _check_tree(tree, table):
-    """Layer 1: refuse the first forbidden construct, with its line inside the code body."""
-    prohibited = {name: capability for capability, names in SANDBOX_PROHIBITED_CAPABILITIES.items()
-                  for name in names if name not in table}
-    # INTERPRETATION §13.2.3: a name the code binds itself (`id = payload["id"]`) is a variable,
-    # not the prohibited facility, so only unbound uses are refused.
-    for name in prohibited.keys() & _bound_names(tree):
-        del prohibited[name]
+def _check_tree(tree, names):
+    """The allowlist (T2): the first construct it does not list, with its line in the body."""
     for node in ast.walk(tree):
-        reason = _construct_refusal(node, prohibited)
+        reason = None if isinstance(node, SANDBOX_SYNTAX) \
+            else f"the construct '{type(node).__name__}'"
+        reason = reason or _shape_refusal(node, names)
         if reason:
             raise _Rejected(getattr(node, "lineno", 1), reason)
 
 
-def _guard_call(name, node, *args):
+def _call(name, node, *args):
     return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
 
 
-def _tick(name, node):
-    return ast.copy_location(ast.Expr(_guard_call(name, node)), node)
+_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<"}
 
 
-class _SandboxRewriter(ast.NodeTransformer):
-    """Layer 2: deadline ticks in loops and calls; size-sensitive operations through the guards."""
+class _Ticks(ast.NodeTransformer):
+    """The budget's hooks (T3): a tick at each loop step, comprehension step and call; the
+    size-multiplying operators through guard_op; a bare `except:` catches Exception only."""
 
-    def __init__(self, bound):
-        self.bound = bound   # names the code binds itself: `str` rebound is not the built-in
-
-    def visit_While(self, node):
+    def _tick_first(self, node):
         self.generic_visit(node)
-        node.body.insert(0, _tick("__sb_loop__", node))
+        node.body.insert(0, ast.copy_location(ast.Expr(_call("__sb_tick__", node)), node))
         return node
 
-    visit_For = visit_While
+    visit_For = visit_While = visit_FunctionDef = _tick_first
 
     def visit_comprehension(self, node):
         self.generic_visit(node)
-        node.ifs.insert(0, _guard_call("__sb_loop__", node.iter))
-        return node
-
-    def visit_FunctionDef(self, node):
-        self.generic_visit(node)
-        node.body.insert(0, _tick("__sb_enter__", node))
-        return node
-
-    def visit_GeneratorExp(self, node):
-        """A lazy generator expression reads its source through guard_iter, which counts the
-        chain of generators on the stack (z = (x for x in z), 60,000 times, crashed CPython)."""
-        self.generic_visit(node)
-        first = node.generators[0]
-        first.iter = _guard_call("__sb_iter__", first.iter, first.iter)
+        node.ifs.insert(0, _call("__sb_tick__", node.iter))
         return node
 
     def visit_Lambda(self, node):
         self.generic_visit(node)
-        node.body = ast.copy_location(
-            ast.BoolOp(ast.And(), [_guard_call("__sb_enter__", node.body), node.body]), node.body)
+        node.body = ast.copy_location(ast.BoolOp(ast.And(), [_call("__sb_tick__", node.body),
+                                                             node.body]), node.body)
         return node
 
     def visit_BinOp(self, node):
+        # A constant operand grows a value additively (bounded by the time ticks); two variables
+        # can double it on each step, and * ** << multiply it.
         self.generic_visit(node)
-        symbol = _GUARDED_OPERATORS.get(type(node.op))
-        if symbol is None:
+        symbol = _SIZED_OPERATORS.get(type(node.op))
+        constants = isinstance(node.left, ast.Constant) + isinstance(node.right, ast.Constant)
+        if symbol is None or constants == 2 or symbol == "+" and constants:
             return node
-        guard = "__sb_setop__" if symbol in _SET_OPERATORS else "__sb_binop__"
-        return _guard_call(guard, node, ast.Constant(symbol), node.left, node.right)
-
-    def visit_Compare(self, node):
-        # INTERPRETATION §13.2.3: `in` goes through guard_in, so a chained comparison holding
-        # `in` (a in b in c) is refused at load rather than left unguarded.
-        self.generic_visit(node)
-        tests = [op for op in node.ops if isinstance(op, (ast.In, ast.NotIn))]
-        if not tests:
-            symbol = _COMPARE_SYMBOLS.get(type(node.ops[0]))
-            if len(node.ops) == 1 and symbol is not None and not any(
-                    isinstance(side, ast.Constant) for side in (node.left, node.comparators[0])):
-                return _guard_call(_COMPARE_GUARDS[symbol], node, node.left, node.comparators[0])
-            if len(node.ops) > 1:           # a < b < c: each operand is checked on its own
-                node.left, *node.comparators = [
-                    side if isinstance(side, ast.Constant)
-                    else _guard_call("__sb_compared__", side, side)
-                    for side in (node.left, *node.comparators)]
-            return node
-        if len(node.ops) > 1:
-            raise _Rejected(node.lineno, "a chained comparison with `in` (write it as two tests)")
-        call = _guard_call("__sb_in__", node, node.left, node.comparators[0])
-        if isinstance(tests[0], ast.NotIn):
-            call = ast.copy_location(ast.UnaryOp(ast.Not(), call), node)
-        return call
+        return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
 
     def visit_AugAssign(self, node):
         self.generic_visit(node)
-        symbol = _GUARDED_OPERATORS.get(type(node.op))
-        if symbol is None:
+        symbol = _SIZED_OPERATORS.get(type(node.op))
+        if symbol is None or symbol == "+" and isinstance(node.value, ast.Constant):
             return node
-        target = node.target
-        if isinstance(target, ast.Name):
-            value = _guard_call("__sb_inplace__", node, ast.Constant(symbol),
-                                ast.Name(target.id, ast.Load()), node.value)
-            return ast.copy_location(ast.Assign([target], value), node)
-        if not isinstance(target, ast.Subscript):   # an attribute target: refused by layer 1
-            raise _Rejected(node.lineno, "assigning or deleting an attribute (shared by every run)")
-        key = target.slice
-        if isinstance(key, ast.Slice):
-            key = _guard_call("__sb_slice__", key, *(part or ast.Constant(None) for part in
-                                                     (key.lower, key.upper, key.step)))
-        call = _guard_call("__sb_aug_item__", node, target.value, key, ast.Constant(symbol),
-                           node.value)
-        return ast.copy_location(ast.Expr(call), node)
-
-    def visit_Attribute(self, node):
-        self.generic_visit(node)
-        if node.attr in _GUARDED_METHODS and not getattr(node, "sb_called", False):
-            raise _Rejected(node.lineno, f"taking the method '{node.attr}' without calling it")
-        return node
-
-    def visit_Assign(self, node):
-        self.generic_visit(node)
-        match node.targets:
-            case [ast.Subscript(value=container, slice=ast.Slice() as part)]:
-                key = _guard_call("__sb_slice__", part, *(p or ast.Constant(None) for p in
-                                                          (part.lower, part.upper, part.step)))
-                call = _guard_call("__sb_set_slice__", node, container, key, node.value)
-                return ast.copy_location(ast.Expr(call), node)
-        return node
-
-    def visit_Call(self, node):
-        if isinstance(node.func, ast.Attribute):
-            node.func.sb_called = True   # a guarded method called in place is routed below
-        self.generic_visit(node)
-        func = node.func
-        if isinstance(func, ast.Name) and func.id == "str" and "str" not in self.bound:
-            func.id = "__sb_str__"
-        if isinstance(func, ast.Name) and func.id in ("set", "dict") \
-                and func.id not in self.bound and node.args:
-            node.args.insert(0, ast.Name(func.id, ast.Load()))   # set(x) -> guard(set, x)
-            node.func = ast.copy_location(ast.Name("__sb_hashing__", ast.Load()), func)
-        if isinstance(func, ast.Attribute) and (func.attr in _GUARDED_METHODS
-                                                or func.attr in _COMPARING_METHODS):
-            call = _guard_call("__sb_method__", node, func.value, ast.Constant(func.attr),
-                               *node.args)
-            call.keywords = node.keywords
-            return call
-        return node
-
-    # Hashing sites (guard_key): subscripts, dict and set displays and comprehensions, set() and
-    # dict(); `in` goes through guard_in and the hashing methods through guard_method.
-    def visit_Subscript(self, node):
-        self.generic_visit(node)
-        if not isinstance(node.slice, (ast.Slice, ast.Constant)):
-            node.slice = _guard_call("__sb_key__", node.slice, node.slice)
-        return node
-
-    def visit_Dict(self, node):
-        self.generic_visit(node)
-        node.keys = [key if key is None or isinstance(key, ast.Constant)      # None: **mapping
-                     else _guard_call("__sb_key__", key, key) for key in node.keys]
-        return node
-
-    def visit_Set(self, node):
-        self.generic_visit(node)
-        node.elts = [
-            ast.copy_location(ast.Starred(_guard_call("__sb_keys__", e, e.value), ast.Load()), e)
-            if isinstance(e, ast.Starred) else
-            e if isinstance(e, ast.Constant) else _guard_call("__sb_key__", e, e)
-            for e in node.elts]
-        return node
-
-    def visit_DictComp(self, node):
-        self.generic_visit(node)
-        node.key = _guard_call("__sb_key__", node.key, node.key)
-        return node
-
-    def visit_SetComp(self, node):
-        self.generic_visit(node)
-        node.elt = _guard_call("__sb_key__", node.elt, node.elt)
-        return node
-
-    def visit_FormattedValue(self, node):
-        self.generic_visit(node)
-        node.value = _guard_call("__sb_format__", node, node.value, ast.Constant(node.conversion),
-                                 node.format_spec or ast.Constant(""))
-        node.conversion, node.format_spec = -1, None
-        return node
-
-    def visit_JoinedStr(self, node):
-        """f"{x}{x}...": each field is checked alone, so the whole string is joined by a guard."""
-        self.generic_visit(node)
-        parts = [part.value if isinstance(part, ast.FormattedValue) else part
-                 for part in node.values]
-        return _guard_call("__sb_join__", node, *parts)
+        if isinstance(node.target, ast.Name):       # x += y keeps in-place semantics (iadd)
+            value = _call("__sb_iop__", node, ast.Constant(symbol),
+                          ast.Name(node.target.id, ast.Load()), node.value)
+            return ast.copy_location(ast.Assign([node.target], value), node)
+        target = node.target                        # d[k] += y
+        return ast.copy_location(ast.Expr(_call("__sb_iop_item__", node, target.value,
+                                                target.slice, ast.Constant(symbol),
+                                                node.value)), node)
 
     def visit_ExceptHandler(self, node):
-        # INTERPRETATION §13.2: a bare `except:` catches Exception only; no limit is swallowed.
         self.generic_visit(node)
         if node.type is None:
             node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
         return node
 
     def visit_Import(self, node):
-        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import ...`
-        # bind the §4.5.2 facility, because the spec's example needs it; no import machinery is
-        # exposed.
+        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
+        # ...` bind the §4.5.2 facility; no import machinery is exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
                 for a in node.names]
@@ -9045,14 +8881,22 @@ class _SandboxRewriter(ast.NodeTransformer):
             for a in node.names]
 
 
-def _sandbox_compile(source, mode, table, filename):
-    """Parse, check (layer 1), rewrite (layer 2) and compile; raises SyntaxError or _Rejected."""
+def _sandbox_compile(source, mode, names, filename):
+    """Parse, check against the allowlist and add the budget's hooks; SyntaxError or _Rejected.
+    `names`: the names code may read (None: any name without a double underscore)."""
     if not isinstance(source, str):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
-    _check_tree(tree, table)
-    tree = ast.fix_missing_locations(_SandboxRewriter(_bound_names(tree)).visit(tree))
+    if names is not None:
+        names = names | _bound_names(tree)
+    _check_tree(tree, names)
+    tree = ast.fix_missing_locations(_Ticks().visit(tree))
     return tree, compile(tree, filename, mode, dont_inherit=True)
+
+
+def _ticks(tree):
+    """Whether the rewritten code can loop or call code of its own (else it needs no deadline)."""
+    return any(isinstance(node, ast.Name) and node.id == "__sb_tick__" for node in ast.walk(tree))
 
 
 def _configuration_refusal(exc, rt, path, section, what):
@@ -9070,582 +8914,276 @@ def _configuration_refusal(exc, rt, path, section, what):
     return err
 
 
-# Layer 4: the run-time budget ---------------------------------------------------------------
-# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well (unsafe mode enables
-# inline code; it does not hand the code the host). They are ticks, not a trace function: CPython
-# 3.11 sends no `line` event for `while True: pass`, and an exception raised from a trace function
-# switches tracing off while `finally` blocks still run. So the rewrite (layer 2) puts a deadline
-# check at the top of every loop body, comprehension step and function body, and the
-# function-entry check also caps the depth of nested sandboxed calls.
-class _Budget:
-    """Wall-clock deadline of one sandboxed call."""
+# The budget (T3) ------------------------------------------------------------------------------
+# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well: unsafe mode enables
+# inline code, it does not hand the code the host. Ticks, not a trace function: CPython sends no
+# `line` event for `while True: pass`.
+class Budget:
+    """The one budget of a sandboxed call or render: a deadline and a size limit. Nested runs
+    (a SIMPLE {{ }} inside a render) keep the nearer deadline."""
 
     __slots__ = ("timeout", "deadline")
 
     def __init__(self, timeout, outer=None):
         self.timeout = 1.0 if timeout is None else float(timeout)
         self.deadline = time.monotonic() + self.timeout
-        if outer is not None and outer.deadline < self.deadline:   # a nested run (a SIMPLE
-            self.timeout, self.deadline = outer.timeout, outer.deadline   # {{ }} in a render)
+        if outer is not None and outer.deadline < self.deadline:
+            self.timeout, self.deadline = outer.timeout, outer.deadline
 
 
-# Which budget the running sandboxed call has, per thread (scratch for one call, not Actor state).
-_SANDBOX_LOCAL = threading.local()
-# The address-space cap is process-wide, so sandboxed runs take turns (a process resource).
-_SANDBOX_TURN = threading.RLock()
+# Which budget the running call has, per thread (scratch for one call, not Actor state).
+_BUDGET = threading.local()
 
 
-def guard_loop():
-    """Inserted at every loop step: refuse to go on past the deadline. True (a comprehension if)."""
-    budget = getattr(_SANDBOX_LOCAL, "budget", None)
-    if budget is None:   # a sandbox-made function called by the host outside any sandboxed run
-        raise ExecutionError("sandboxed code called outside its sandbox", section="13.2")
+def tick():
+    """At every loop step, comprehension step and sandboxed call: stop past the deadline."""
+    budget = getattr(_BUDGET, "budget", None)
+    if budget is None:   # a sandbox-made function called by the host outside any run
+        raise Exhausted("sandboxed code called outside its run")
     if time.monotonic() > budget.deadline:
-        raise SandboxAbort(f"time limit of {budget.timeout:g} s exceeded")
+        raise Exhausted(f"time limit of {budget.timeout:g} s")
     return True
 
 
-def guard_enter():
-    """Inserted at every function and lambda entry: the deadline, then the sandboxed call depth."""
-    guard_loop()
-    frame, depth = sys._getframe(1), 0
-    while frame is not None and depth <= SANDBOX_MAX_DEPTH:
-        code = frame.f_code
-        if code.co_filename in SANDBOX_FILENAMES or code is _SANDBOX_ITER_CODE:
-            depth += 1
-        frame = frame.f_back
-    if depth > SANDBOX_MAX_DEPTH:
-        raise SandboxAbort(f"call or generator depth exceeds {SANDBOX_MAX_DEPTH}")
-    return True
+def spend(size, what):
+    """Stop before an operator or range produces more than SANDBOX_MAX_ITEMS."""
+    if size > SANDBOX_MAX_ITEMS:
+        raise Exhausted(f"{what} larger than {SANDBOX_MAX_ITEMS} items")
 
 
-# INTERPRETATION §13.2.3: lazy iterators chained in a loop (z = (x for x in z), zip(z),
-# enumerate(z)) recurse in C when consumed, and CPython 3.11 has no depth check there: 60,000
-# layers overflowed the C stack (a crash of the host). Each such layer reads its source through
-# _sandbox_iter, whose frame guard_enter counts like a call, so a chain stops at
-# SANDBOX_MAX_DEPTH layers.
-def _sandbox_iter(iterator):
-    guard_enter()
-    yield from iterator
+def _result_size(symbol, left, right):
+    """Items, characters or bits that `left symbol right` would produce (0: not a growth case)."""
+    ints = type(left) in (int, bool) and type(right) in (int, bool)
+    if symbol == "+":
+        return len(left) + len(right) if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
+            else 0
+    if symbol == "*":
+        if ints:
+            return left.bit_length() + right.bit_length()
+        seq, count = (left, right) if isinstance(right, int) else (right, left)
+        return len(seq) * count if isinstance(seq, _SIZED) and isinstance(count, int) else 0
+    if symbol == "**":
+        return max(abs(left).bit_length() - 1, 0) * right if ints and right > 0 else 0
+    return left.bit_length() + right if ints and left and right > 0 else 0      # <<
 
 
-_SANDBOX_ITER_CODE = _sandbox_iter.__code__
+_SIZED = (str, list, tuple)
+_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
+_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift}
 
 
-def guard_iter(iterable):
-    """A generator expression's source (evaluated at once, as Python does), read lazily."""
-    return _sandbox_iter(iter(iterable))
+def guard_op(symbol, left, right):
+    spend(_result_size(symbol, left, right), f"the result of {symbol}")
+    return _OPERATORS[symbol](left, right)
 
 
-class _AddressSpace:
-    """This process's virtual size in bytes, from /proc/self/statm read through one descriptor
-    kept open (a process resource, like _SANDBOX_TURN): opening the file cost about 10 us a
-    call, a pread of the open descriptor about 1 us, and the number is read fresh every time.
-    A forked child reopens it (/proc/self named the parent). None where /proc is missing."""
-
-    __slots__ = ("pid", "fd")
-
-    def __init__(self):
-        self.pid, self.fd = None, None
-
-    def read(self):
-        pid = os.getpid()
-        if pid != self.pid:          # first use, or a forked child; runs under _SANDBOX_TURN
-            self.pid, self.fd = pid, None
-            try:
-                self.fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-            except OSError:
-                return None
-        if self.fd is None:
-            return None
-        try:
-            return int(os.pread(self.fd, 64, 0).split()[0]) * _PAGE_SIZE
-        except (OSError, ValueError, IndexError):
-            return None
+def guard_iop(symbol, left, right):
+    spend(_result_size(symbol, left, right), f"the result of {symbol}=")
+    return _IN_PLACE[symbol](left, right)
 
 
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_ADDRESS_SPACE = _AddressSpace()
+def guard_iop_item(container, key, symbol, value):
+    container[key] = guard_iop(symbol, container[key], value)
 
 
-class _MemoryCap:
-    """POSIX backstop: RLIMIT_AS = current size + headroom while sandboxed code runs."""
-
-    def __enter__(self):
-        self.saved = None
-        if resource is None:
-            return self
-        current = _ADDRESS_SPACE.read()
-        if current is None:
-            return self
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        limit = current + SANDBOX_MEMORY_HEADROOM
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
-        if soft != resource.RLIM_INFINITY and soft <= limit:
-            return self   # already capped (nested run, or a stricter host limit)
-        try:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-        except (ValueError, OSError):
-            return self
-        self.saved = (soft, hard)
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved:
-            soft, hard = self.saved
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        return False
+def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
+    """fn(*args) under a fresh budget (timeout None: straight-line code, which has no tick to
+    read one). Exhaustion is one error kind, "<label>: resource exhausted: <what>", like the
+    WebAssembly reference interpreter's single Exhaustion; with code=True the code's own
+    exception becomes an ExecutionError naming its line (§12.2.3: never fatal to the Actor)."""
+    if timeout is not None:
+        previous = getattr(_BUDGET, "budget", None)
+        _BUDGET.budget = Budget(timeout, previous)
+    try:
+        return fn(*args)
+    except Exhausted as exc:
+        failure = f"resource exhausted: {exc}"
+    except (MemoryError, RecursionError) as exc:
+        failure = f"resource exhausted: {type(exc).__name__}"
+    except ActorError:
+        raise
+    except Exception as exc:
+        if not code:
+            raise
+        line = _sandbox_line(exc.__traceback__)
+        failure = f"{f'line {line}: ' if line else ''}{type(exc).__name__}: {_exception_text(exc)}"
+    finally:
+        if timeout is not None:
+            _BUDGET.budget = previous
+    raise error(f"{label}: {failure}", section="13.2")
 
 
-def _sandbox_line(tb, filename):
+def _exception_text(exc):
+    """The code's exception as text: only its text and number arguments are printed (the host's
+    str() of an attacker-built structure would run in C past the deadline, T3)."""
+    if all(type(arg) in (str, int, float, bool) for arg in exc.args):
+        return str(exc)[:500]
+    return "(an exception whose arguments are not text)"
+
+
+def _sandbox_line(tb):
     line = None
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename == filename:
+        if tb.tb_frame.f_code.co_filename in (CODE_FILENAME, EXPRESSION_FILENAME):
             line = tb.tb_lineno
         tb = tb.tb_next
     return line
 
 
-def _error_text(exc):
-    """The code's own exception as text, at most 500 characters, never a rendering bomb."""
-    try:
-        for arg in exc.args:
-            check_rendering(arg)
-        return str(exc)[:500]
-    except (SandboxAbort, RecursionError, MemoryError):
-        return "(message too large to show)"
+# Host-only context keys (T2) -------------------------------------------------------------------
+# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
+# table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
+# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
+# mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
+# and §6.9 say), and a written value is checked whole; a mapping that sits in a list is never
+# lifted to a context's top level, so lists are handed out raw.
+class ContextView(collections.abc.MutableMapping):
+    """A context seen from sandboxed code: reads fall back to `base` (an agent's own context,
+    Q79), writes land in `data` (the invocation context) as they happen, host-only keys refused,
+    and no write once the call was abandoned (§5.3.4). Cost: independent of the context's size."""
+
+    __slots__ = ("data", "base", "read_only")
+
+    def __init__(self, data, base=None, read_only=False):
+        self.data, self.base, self.read_only = data, base, read_only
+
+    def __getitem__(self, key):
+        value = self.data[key] if key in self.data or not self.base else self.base[key]
+        return ContextView(value, None, self.read_only) if type(value) is dict else value
+
+    def __setitem__(self, key, value):
+        value = plain(value)
+        _check_write(self, key, value)
+        self.data[key] = value
+
+    def __delitem__(self, key):
+        _check_write(self, key)
+        del self.data[key]
+
+    def __iter__(self):
+        yield from self.data
+        yield from (key for key in self.base or () if key not in self.data)
+
+    def __len__(self):
+        return len(self.data) + sum(key not in self.data for key in self.base or ())
+
+    def __contains__(self, key):
+        return key in self.data or bool(self.base) and key in self.base
+
+    def __eq__(self, other):
+        return plain(self) == plain(other)
+
+    def __repr__(self):
+        return repr(plain(self))
+
+    def copy(self):
+        return {key: self[key] for key in self}
 
 
-def _run_sandboxed(thunk, timeout, label, filename):
-    """Run `thunk` under a fresh budget; every failure becomes one ExecutionError (§12.2.3)."""
-    with _SANDBOX_TURN, _MemoryCap():
-        previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(timeout, previous)
-        try:
-            return thunk()
-        except SandboxAbort as abort:
-            failure, section = abort.reason, "13.2.3"
-        except MemoryError:
-            failure, section = "memory limit exceeded", "13.2.3"
-        except RecursionError:
-            failure, section = "recursion limit exceeded", "13.2.3"
-        except Exception as exc:   # the code's own error: reported, never fatal to the Actor
-            line = _sandbox_line(exc.__traceback__, filename)
-            where = f"line {line}: " if line else ""
-            failure, section = f"{where}{type(exc).__name__}: {_error_text(exc)}", "13.2"
-        finally:
-            _SANDBOX_LOCAL.budget = previous
-    raise ExecutionError(f"{label}: {failure}", section=section)
+def _check_write(view, key, value=None):
+    if view.read_only:       # INTERPRETATION §8.11 (new: templates are read-only)
+        raise ExecutionError("a template may not change the context", section="8.11")
+    refuse_host_keys({key: value}, "configuration code")
+    check_not_abandoned("inline code")
 
 
-# Entry points (§13.2) ------------------------------------------------------------------------
-class CodeUnit:
-    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
-
-    __slots__ = ("source", "code", "label", "builtins")
-
-    def __init__(self, source, code, label):
-        self.source, self.code, self.label = source, code, label
-        self.builtins = {**INLINE_CODE_BUILTINS, **_SANDBOX_GUARDS}
-
-
-class ExprUnit:
-    """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
-
-    __slots__ = ("source", "fn", "label", "nparams")
-
-    def __init__(self, source, fn, label, nparams):
-        self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
-
-    def __call__(self, *args, timeout=1.0):
-        return _run_sandboxed(lambda: _checked_result(self.fn(*args)), timeout, self.label,
-                              EXPRESSION_FILENAME)
-
-
-def compile_code(source, *, rt=None, path=None):
-    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
-
-    A refused construct or a syntax error is a located ConfigurationError naming the line inside
-    the body (also kept as `err.code_line`).
-    """
-    label = f"inline code {path_str(path)}" if path else "inline code"
-    try:
-        _, code = _sandbox_compile(source, "exec", INLINE_CODE_BUILTINS, CODE_FILENAME)
-    except (SyntaxError, _Rejected) as exc:
-        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
-    return CodeUnit(source, code, label)
-
-
-def run_code(unit, variables, *, timeout=1.0):
-    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; return the final one.
-
-    `variables` usually holds input_data, message, context (by reference) and result=None. Any
-    violation, error, timeout or resource limit raises ExecutionError; the next run is unaffected.
-    """
-    namespace = {key: _host_function(value) if hasattr(value, "__code__") else value
-                 for key, value in variables.items()}
-    namespace["__builtins__"] = unit.builtins
-    context = variables.get("context")
-    host_keys = _host_only_state(context)
-
-    def thunk():
-        try:
-            exec(unit.code, namespace)
-        finally:   # also after a limit or an error: the host's values are put back
-            touched = _host_only_changed(host_keys, context, namespace.get("context"))
-        if touched:
-            raise SandboxAbort(f"inline code may not set the host-only context keys "
-                               f"({', '.join(HOST_ONLY_CONTEXT_KEYS)}, §10.3)")
-        for key in SANDBOX_RENDERED_NAMES:   # what the host turns into text or keeps
-            _checked_result(namespace.get(key))
-    _run_sandboxed(thunk, timeout, unit.label, CODE_FILENAME)
-    return {key: value for key, value in namespace.items() if key != "__builtins__"}
-
-
-# INTERPRETATION §13.2.2: an inline expression is a lambda taking the caller's number of positional
-# arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
-# function"; anything else fails the load.
-def _lambda_accepts(node, nparams):
-    args = node.args
-    positional = len(args.posonlyargs) + len(args.args)
-    required = positional - len(args.defaults)
-    return required <= nparams and (nparams <= positional or args.vararg is not None) \
-        and all(default is not None for default in args.kw_defaults)
-
-
-def compile_expression(source, *, nparams=1, rt=None, path=None):
-    """§13.2.2: check and compile `lambda ...: expr` once; an ExprUnit, called as unit(*args).
-
-    The lambda must accept `nparams` positional arguments (transform fn: 1, custom_predicate: 2).
-    """
-    label = f"inline expression {path_str(path)}" if path else "inline expression"
-    try:
-        text = source.strip() if isinstance(source, str) else source
-        tree, code = _sandbox_compile(text, "eval", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)
-        if not isinstance(tree.body, ast.Lambda) or not _lambda_accepts(tree.body, nparams):
-            raise _Rejected(1, f"anything but a lambda of {nparams} parameter(s)")
-    except (SyntaxError, _Rejected) as exc:
-        raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
-    namespace = {"__builtins__": {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}}
-    try:   # evaluates the lambda's defaults, if any, under the budget
-        fn = _run_sandboxed(lambda: eval(code, namespace), 1.0, label, EXPRESSION_FILENAME)
-    except ExecutionError as exc:
-        if rt is not None and path is not None:
-            raise rt.error(ConfigurationError, path, exc.message, "13.2.2") from None
-        raise ConfigurationError(exc.message, path=path_str(path) if path else None,
-                                 section="13.2.2") from None
-    return ExprUnit(source, fn, label, nparams)
-
-
-@functools.lru_cache(maxsize=512)   # a pure cache of compiled text; no Actor state lives here
-def _compile_expression_text(source):
-    return _sandbox_compile(source.strip(), "eval", EXPRESSION_BUILTINS, EXPRESSION_FILENAME)[1]
-
-
-def eval_expression_text(source, names, timeout=1.0):
-    """§9.2 SIMPLE pre-pass: a bare expression in the §13.2.2 sandbox, `names` as its variables.
-
-    Refused constructs raise ConfigurationError, run-time failures ExecutionError.
-    """
-    try:
-        if not isinstance(source, str):
-            raise _Rejected(1, f"an expression of type {type(source).__name__}")
-        code = _compile_expression_text(source)
-    except (SyntaxError, _Rejected) as exc:
-        raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
-    namespace = {key: value for key, value in names.items() if not _is_dunder(str(key))}
-    namespace["__builtins__"] = {**EXPRESSION_BUILTINS, **_SANDBOX_GUARDS}
-    return _run_sandboxed(lambda: _checked_result(eval(code, namespace)), timeout,
-                          "inline expression", EXPRESSION_FILENAME)
-
-
-# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the table
-# says the host sets (_unsafe_mode, _temperature_override) stay the host's: a body that sets,
-# changes or deletes one fails, so it cannot lift the file_write gate of §4.5.4 for later calls.
-# Nested mappings count too: in a graph node the context holds the live global context and the
-# state's metadata (later nodes' invocation context) by reference.
-def _host_only_values(mapping):
-    return [mapping.get(key, _SAME) for key in HOST_ONLY_CONTEXT_KEYS]   # _SAME: absent
-
-
-def _host_only_state(root):
-    """id -> (mapping, its host-only values) for every dict reachable from `root` holding one."""
-    found, seen, stack = {}, set(), [root]
-    while stack:
-        value = stack.pop()
-        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, dict):
-            if any(key in value for key in HOST_ONLY_CONTEXT_KEYS):
-                found[id(value)] = (value, _host_only_values(value))
-            stack.extend(value.values())
-        else:
-            stack.extend(value)
-    return found
-
-
-def _host_only_changed(before, root, new_root):
-    """True when a mapping that held host-only keys holds other values now, or a mapping gained
-    some (unless it is a copy of the context the body was given: same values, same objects), or
-    the body rebound `context` to a mapping without the given values. The host's values are
-    then put back, since the checks run after the body and nested mappings are live."""
-    def same(values, expected):
-        return all(a is b for a, b in zip(values, expected))
-    given = before.get(id(root), (None, [_SAME] * len(HOST_ONLY_CONTEXT_KEYS)))[1]
-    changed = [(mapping, values) for mapping, values in before.values()
-               if not same(_host_only_values(mapping), values)]
-    gained = [(mapping, [_SAME] * len(values))
-              for key, (mapping, values) in _host_only_state(new_root).items()
-              if key not in before and not same(values, given)]
-    rebound = new_root is not root and isinstance(new_root, dict) \
-        and not same(_host_only_values(new_root), given)
-    for mapping, values in changed + gained:
-        for key, value in zip(HOST_ONLY_CONTEXT_KEYS, values):
-            if value is _SAME:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = value
-    return bool(changed or gained or rebound)
-
-
-# The final names the host reads (§4.5.2, §4.5.7): the result, its fallbacks, the context.
-SANDBOX_RENDERED_NAMES = ("result", *INLINE_RESULT_FALLBACKS, "context")
-
-
-def _host_function(fn):
-    """A host function handed to the body (progress_bar, §4.5.6): its arguments are checked like
-    any value the host turns into text, because the host's str() runs in C past the deadline
-    (progress_bar(stage=[x] * n) with x long, built by a loop, took seconds)."""
-    if fn.__code__.co_filename in SANDBOX_FILENAMES:
-        return fn
-
-    def checked(*args, **kwargs):
-        for value in itertools.chain(args, kwargs.values()):
-            check_rendering(value)
-        return fn(*args, **kwargs)
-    return checked
-
-
-def _checked_result(value):
-    """A value leaving the sandbox, checked while the budget and the memory cap still hold: the
-    host turns it into text (§4.5.7, message content) with no limit of its own, so an aliased
-    bomb ([x] * n built by a loop) or a structure nested too deep for str() is refused here."""
-    check_rendering(value)
+def plain(value, memo=None):
+    """`value` with every ContextView replaced by a plain dict (the host never sees a view)."""
+    if type(value) is ContextView:
+        if not value.base:
+            return value.data
+        return {**value.base, **value.data}
+    if type(value) not in (list, tuple, dict):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value
+    if type(value) is dict:
+        items = [(key, plain(item, memo)) for key, item in value.items()]
+        if any(item is not value[key] for key, item in items):
+            memo[id(value)] = value = dict(items)
+        return value
+    items = [plain(item, memo) for item in value]
+    if any(new is not old for new, old in zip(items, value)):
+        memo[id(value)] = value = type(value)(items)
     return value
 
 
-# The same limits for the template engines (§9.2): Jinja2, Mustache and SIMPLE text comes from
-# configuration files too, so a render runs under a deadline and the memory cap, and the engines
-# tick guard_loop() at loops, calls and sections (see the §9.2 region).
-TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
-
-
-def render_bounded(thunk, timeout=None):
-    """Run `thunk` under a fresh deadline and the memory cap. A limit (SandboxAbort, MemoryError,
-    RecursionError) becomes ExecutionError; any other exception passes through unchanged."""
-    with _SANDBOX_TURN, _MemoryCap():
-        previous = getattr(_SANDBOX_LOCAL, "budget", None)
-        _SANDBOX_LOCAL.budget = _Budget(TEMPLATE_TIME_LIMIT if timeout is None else timeout,
-                                        previous)
-        try:
-            return thunk()
-        except SandboxAbort as abort:
-            failure = abort.reason
-        except MemoryError:
-            failure = "memory limit exceeded"
-        except RecursionError:
-            failure = "recursion limit exceeded"
-        finally:
-            _SANDBOX_LOCAL.budget = previous
-    raise ExecutionError(failure, section="13.2.3")
+def refuse_host_keys(mapping, where):
+    """The same rule for every other writer of context or graph metadata (set_state,
+    state_update, §6.9's write-back): the host-only keys are the host's (T2)."""
+    stack, seen = [mapping], set()
+    while stack:
+        value = stack.pop()
+        if type(value) not in (dict, list, tuple) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if type(value) is dict:
+            bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
+            if bad:
+                raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
+                                     section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+            stack.extend(value.values())
+        else:
+            stack.extend(value)
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
-class SandboxType:
-    """What the sandbox's type() returns for a class outside SANDBOX_INERT_TYPES: it compares and
-    prints like the class, and works in isinstance(), but cannot be called or walked."""
-
-    __slots__ = ("_cls",)
-
-    def __init__(self, cls):
-        self._cls = cls
-
-    def __eq__(self, other):
-        return isinstance(other, SandboxType) and other._cls is self._cls
-
-    def __hash__(self):
-        return hash(self._cls)
-
-    def __repr__(self):
-        return f"<class '{self._cls.__name__}'>"
-
-
-def _unwrap_classinfo(spec):
-    if isinstance(spec, SandboxType):
-        return spec._cls
-    if isinstance(spec, tuple):
-        return tuple(_unwrap_classinfo(item) for item in spec)
-    return spec
+# The wrapped ones: type and isinstance see a ContextView as the dict it stands for; type() hands
+# out only the classes the tables already expose (T2: no type object can be reached otherwise).
+SANDBOX_TYPES = {cls: cls for cls in (bool, int, float, str, list, tuple, dict, set, type(None),
+                                      ValueError, IndexError, KeyError, TypeError,
+                                      json.JSONDecodeError)}
 
 
 def builtin_type(*args):
-    """§13.2.1 type: the one-argument form only; three arguments would create a class."""
-    # INTERPRETATION §13.2.1: type() inspects; classes not in SANDBOX_INERT_TYPES come back opaque.
+    """§13.2.1 type: the one-argument form, for the classes in SANDBOX_TYPES."""
+    # INTERPRETATION §13.2.1: type() inspects; it never creates (three arguments) and never hands
+    # out a class the tables do not already expose.
     if len(args) != 1:
-        raise SandboxAbort("type() with three arguments (class creation) is refused")
-    cls = type(args[0])
-    return cls if cls in SANDBOX_INERT_TYPES else SandboxType(cls)
+        raise TypeError("type() takes exactly one argument in the sandbox")
+    cls = dict if type(args[0]) is ContextView else type(args[0])
+    if cls not in SANDBOX_TYPES:
+        raise TypeError(f"type() of a {cls.__name__} is not available in the sandbox")
+    return SANDBOX_TYPES[cls]
 
 
 def builtin_isinstance(obj, classinfo):
-    """§13.2.1 isinstance, accepting what the sandbox's type() returns."""
-    return isinstance(obj, _unwrap_classinfo(classinfo))
+    """§13.2.1 isinstance; a context view is a dict."""
+    return isinstance(plain(obj) if type(obj) is ContextView else obj, classinfo)
 
 
 def builtin_locals():
-    """§13.2.1 locals: a copy of the caller's variables, without __builtins__ or guard names."""
-    # INTERPRETATION §13.2.1: a copy, so the built-in table and the guards stay out of reach.
+    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names."""
     frame = sys._getframe(1)
-    if frame.f_code.co_filename not in SANDBOX_FILENAMES:
-        return {}
-    return {key: value for key, value in frame.f_locals.items() if not _is_dunder(key)}
+    return {key: value for key, value in frame.f_locals.items() if not key.startswith("__")}
 
 
 def builtin_print(*values, sep=" ", end="\n", **_ignored):
-    """§13.2.1 print: diagnostic output goes to stderr, never to stdout or the Actor's output."""
-    # INTERPRETATION §13.2.1: "diagnostic output" is the host's stderr (file= is ignored).
+    """§13.2.1 print: diagnostic output to the host's stderr (file= is ignored); a worker
+    forwards it to its parent."""
+    # INTERPRETATION §13.2.1: "diagnostic output" is stderr, never the Actor's output.
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
-    for value in values:
-        check_rendering(value)
-    sys.stderr.write(sep.join(str(value) for value in values) + end)
+    (getattr(_BUDGET, "printed", None) or sys.stderr).write(sep.join(map(str, values)) + end)
 
 
-def builtin_range(*args):
-    """§13.2.1 range, refusing more than SANDBOX_MAX_ITEMS steps: C-level consumers such as
-    sum(range(10**12)) never reach the line budget."""
+def builtin_range(*args):       # (SANDBOX_TYPES gets its row below)
+    """§13.2.1 range, at most SANDBOX_MAX_ITEMS steps: C-level consumers (sum, list) of a long
+    range would never reach a tick (T3)."""
     span = range(*args)
     try:
-        size = len(span)
+        spend(len(span), "range")
     except OverflowError:
-        size = SANDBOX_MAX_ITEMS + 1
-    if size > SANDBOX_MAX_ITEMS:
-        raise SandboxAbort(f"range of more than {SANDBOX_MAX_ITEMS} items")
+        spend(sys.maxsize, "range")
     return span
 
 
-def builtin_sum(iterable, /, start=0):
-    """§13.2.1/§13.2.2 sum; sequence concatenation goes through the size guard, and each step
-    checks the deadline: sum([[0] * 1000] ..., []) is quadratic copying in C."""
-    if isinstance(start, (str, bytes, list, tuple)):
-        total = start
-        for item in iterable:
-            guard_loop()
-            total = guard_binop("+", total, item)
-        return total
-    return sum(iterable, start)
-
-
-def _check_ordering(values):
-    """Values about to be compared pairwise in C (==, <, sorted, max, min, index...). Containers
-    are compared item by item with no deadline, and aliases make small structures walk huge: two
-    lists built as a = [a, a] sixty times compare in 2**60 steps. The work of one comparison is
-    bounded by its lighter side, so this refuses only when two of the values are containers
-    heavier than the limit (aliases counted)."""
-    if set(map(type, values)).isdisjoint(_COMPARED):     # a C-level scan first
-        return
-    heavy = 0
-    for value in values:
-        if value.__class__ in _COMPARED and _nested_weight(value) > SANDBOX_MAX_ITEMS:
-            heavy += 1
-            if heavy > 1:
-                _refuse_size("comparison")
-
-
-def _checked_key(key):
-    """A key function for sorted/max/min: a list's own index/count/remove passed along
-    (sorted(x, key=order.index)) compares each item with the list's items, so it is checked
-    like the called method (guard_method)."""
-    owner = getattr(key, "__self__", None)
-    if not (isinstance(owner, (list, tuple))
-            and getattr(key, "__name__", None) in _COMPARING_METHODS):
-        return key
-
-    def checked(item):
-        if item.__class__ in _COMPARED:
-            _check_ordering([item, *owner])
-        return key(item)
-    return checked
-
-
-def builtin_sorted(iterable, /, *, key=None, reverse=False):
-    """§13.2.1 sorted, its comparisons bounded by _check_ordering (the keys, when a key is given:
-    each key is computed once and the items are ordered by them, stable as sorted is)."""
-    items = list(iterable)
-    if key is None:
-        _check_ordering(items)
-        return sorted(items, reverse=reverse)
-    key = _checked_key(key)
-    keys = [key(item) for item in items]
-    _check_ordering(keys)
-    return [items[i] for i in sorted(range(len(items)), key=keys.__getitem__, reverse=reverse)]
-
-
-def _extreme(pick, args, key, default):
-    """max or min as Python's, its comparisons bounded by _check_ordering."""
-    name = pick.__name__
-    if not args:
-        raise TypeError(f"{name} expected at least 1 argument, got 0")
-    if default is not _NO_VALUE and len(args) > 1:
-        raise TypeError(f"Cannot specify a default for {name}() with multiple positional arguments")
-    items = list(args[0]) if len(args) == 1 else list(args)
-    if not items:
-        if default is _NO_VALUE:
-            raise ValueError(f"{name}() iterable argument is empty")
-        return default
-    keys = items if key is None else list(map(_checked_key(key), items))
-    _check_ordering(keys)
-    return items[pick(range(len(items)), key=keys.__getitem__)]
-
-
-def builtin_max(*args, key=None, default=_NO_VALUE):
-    """§13.2.1/§13.2.2 max (see _extreme)."""
-    return _extreme(max, args, key, default)
-
-
-def builtin_min(*args, key=None, default=_NO_VALUE):
-    """§13.2.1/§13.2.2 min (see _extreme)."""
-    return _extreme(min, args, key, default)
-
-
-def builtin_round(number, ndigits=None):
-    """§13.2.1/§13.2.2 round: round(n, -k) on an int divides n by 10**k in C, beyond any deadline
-    (round(1, -10**8) builds a 330-million-bit power first). When 10**k > 2|n| the answer is 0,
-    so that power is never built; a long division past SANDBOX_MAX_DIVISION is refused."""
-    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < 0:
-        bits = number.bit_length()
-        if -ndigits > bits // 3 + 1:
-            return 0
-        _check_division(bits, -ndigits * 10 // 3 + 1)
-    return round(number, ndigits)
-
-
-def builtin_zip(*iterables, strict=False):
-    """§13.2.1 zip through _sandbox_iter: zip(zip(...)) 10**5 deep crashed the C stack."""
-    return _sandbox_iter(zip(*iterables, strict=strict))
-
-
-def builtin_enumerate(iterable, start=0):
-    """§13.2.1 enumerate through _sandbox_iter, for the reason given at builtin_zip."""
-    return _sandbox_iter(enumerate(iterable, start))
+SANDBOX_TYPES[range] = builtin_range
 
 
 class JsonFacility:
-    """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else.
-
-    Not the json module, whose attributes (decoder, scanner, codecs...) lead elsewhere.
-    """
+    """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else."""
 
     __slots__ = ()
     JSONDecodeError = json.JSONDecodeError
@@ -9656,12 +9194,13 @@ class JsonFacility:
 
     @staticmethod
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
-        if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64 \
-                or separators is not None and sum(len(str(part)) for part in separators) > 64:
-            raise SandboxAbort("json.dumps indent or separators longer than 64")
-        check_rendering(value)
-        return json.dumps(value, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
-                          separators=separators)
+        if not (indent is None or isinstance(indent, int) and indent <= 64):
+            raise ValueError("json.dumps indent must be a number up to 64 in the sandbox")
+        if not (separators is None or isinstance(separators, (list, tuple))
+                and all(isinstance(s, str) and len(s) <= 8 for s in separators)):
+            raise ValueError("json.dumps separators must be two short strings in the sandbox")
+        return json.dumps(plain(value), indent=indent, sort_keys=sort_keys,
+                          ensure_ascii=ensure_ascii, separators=separators)
 
     def __repr__(self):
         return "<json facility: loads, dumps, JSONDecodeError>"
@@ -9675,9 +9214,9 @@ INLINE_CODE_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Iteration / aggregation
-    "abs": abs, "all": all, "any": any, "enumerate": builtin_enumerate, "len": len,
-    "max": builtin_max, "min": builtin_min, "range": builtin_range, "reversed": reversed,
-    "round": builtin_round, "sorted": builtin_sorted, "sum": builtin_sum, "zip": builtin_zip,
+    "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
+    "sum": sum, "zip": zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -9698,467 +9237,370 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": builtin_max, "min": builtin_min,
-    "round": builtin_round, "sum": builtin_sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
+    "sum": sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
-# INTERPRETATION §13.2.3 (Q71): refused in both places -- what the AST shows is refused at load
-# (ConfigurationError with the body line); limits and type() with three arguments at invocation
+# No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
+# reach because nothing in the allowlists above leads to them.
+# INTERPRETATION §13.2.3 (Q71): what the allowlist does not list is refused at load
+# (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
-# The §13.2.3 table: prohibited capability -> the names that would reach it. A name here is refused
-# at load unless the sandbox's own table lists it (print, type, locals in inline code) or the code
-# binds that name itself (`id = 3`).
-SANDBOX_PROHIBITED_CAPABILITIES = {
-    "arbitrary I/O": ("open", "input", "print", "breakpoint", "help", "exit", "quit", "memoryview"),
-    "dynamic evaluation or compilation": ("eval", "exec", "compile"),
-    "introspection": ("globals", "locals", "vars", "dir", "type", "getattr", "setattr", "delattr",
-                      "hasattr", "id", "object", "super", "classmethod", "staticmethod",
-                      "property"),
-    "dynamic import": ("importlib",),
-    "subprocess spawning or signaling": ("os", "sys", "subprocess", "signal"),
-}
 
-# Attributes that lead to frames, code objects, tracebacks, class hierarchies or format-string
-# attribute walks ("{0.__class__}".format(x)). Any `_x` attribute is refused as well.
-# INTERPRETATION §13.2.3: str.format and format_map are refused outright (f-strings remain, and
-# their fields are checked like any other expression), because a format string is data and can walk
-# attributes the AST never shows.
-SANDBOX_FORBIDDEN_ATTRIBUTES = frozenset({
-    "format", "format_map", "mro", "with_traceback", "gi_frame", "gi_code", "cr_frame", "ag_frame",
-    "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame", "tb_next", "co_code",
-    "func_globals", "func_code", "obj",   # AttributeError.obj: whatever object a lookup failed on
-})
-SANDBOX_FORBIDDEN_ATTRIBUTE_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_", "func_", "im_")
+# The names the rewritten code calls; double-underscore names, so sandboxed source never spells them.
+_HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
+          "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
+          "__sb_json__": SANDBOX_JSON}
+_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, **_HOOKS}
+_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, **_HOOKS}
 
-# Classes the sandbox's type() hands out as themselves; any other class comes back as SandboxType,
-# so type(type(0)) cannot create classes and type(range(1)) cannot dodge the range limit.
-SANDBOX_INERT_TYPES = frozenset({
-    bool, int, float, complex, str, list, tuple, dict, set, frozenset, type(None),
-    ValueError, IndexError, KeyError, TypeError, json.JSONDecodeError,
-})
+# Entry points (§13.2) ------------------------------------------------------------------------
+class CodeUnit:
+    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
 
-_GUARDED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%",
-                      ast.FloorDiv: "//", ast.Sub: "-", ast.BitAnd: "&", ast.BitOr: "|",
-                      ast.BitXor: "^"}
-_BINARY = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
-           "%": operator.mod, "//": operator.floordiv, "-": operator.sub, "&": operator.and_,
-           "|": operator.or_, "^": operator.xor}
-_INPLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
-            "%": operator.imod, "//": operator.ifloordiv, "-": operator.isub, "&": operator.iand,
-            "|": operator.ior, "^": operator.ixor}
-# - & | ^ with a dict view (d.keys(), d.items()) on one side hash every item of the other side,
-# which may be any iterable: those items pass guard_keys first.
-_SET_OPERATORS = frozenset("-&|^")
-_DICT_VIEWS = (type({}.keys()), type({}.items()))
-_SIZED = (str, bytes, list, tuple)
-_WIDTH_RE = re.compile(r"\d+")
+    __slots__ = ("source", "code", "label", "ticks", "reaches_context")
+
+    def __init__(self, source, code, label, ticks=True, reaches_context=True):
+        self.source, self.code, self.label = source, code, label
+        self.ticks, self.reaches_context = ticks, reaches_context
 
 
-def _refuse_size(what):
-    raise SandboxAbort(f"{what} exceeds the sandbox size limit")
+class ExprUnit:
+    """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
+
+    __slots__ = ("source", "fn", "label", "nparams")
+
+    def __init__(self, source, fn, label, nparams):
+        self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
+
+    def __call__(self, *args, timeout=1.0):
+        return run_budgeted(self.fn, args, timeout, self.label, code=True)
 
 
-def _check_operands(symbol, left, right):
-    """Refuse + * ** << % whose result would pass SANDBOX_MAX_ITEMS / SANDBOX_MAX_INT_BITS."""
-    ints = isinstance(left, int) and isinstance(right, int)
-    if symbol == "+":
-        if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
-                and len(left) + len(right) > SANDBOX_MAX_ITEMS:
-            _refuse_size("concatenation")
-    elif symbol == "*":
-        if ints:
-            if left.bit_length() + right.bit_length() > SANDBOX_MAX_INT_BITS:
-                _refuse_size("integer product")
-        else:
-            seq, count = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, _SIZED) and isinstance(count, int) \
-                    and len(seq) * max(count, 0) > SANDBOX_MAX_ITEMS:
-                _refuse_size("repetition")
-            if isinstance(seq, (list, tuple)) and isinstance(count, int) and count > 1 \
-                    and _nested_weight(seq) * count > SANDBOX_MAX_ITEMS:
-                _refuse_size("repetition of a nested structure")
-    elif symbol == "**":
-        if ints and right > 0 and abs(left) > 1 \
-                and (left.bit_length() - 1) * right > SANDBOX_MAX_INT_BITS:
-            _refuse_size("power")
-    elif symbol == "<<":
-        if ints and left and right > 0 and left.bit_length() + right > SANDBOX_MAX_INT_BITS:
-            _refuse_size("shift")
-    elif symbol == "%" and isinstance(left, str):
-        _check_printf(left, right)
-        check_rendering(right)
-    if symbol in ("%", "//") and ints:
-        _check_division(left.bit_length(), right.bit_length())
+# The variables §4.5.2 item 3 hands to a body, and the names its result falls back to.
+CODE_INPUTS = frozenset({"input_data", "message", "context", "result", INLINE_PROGRESS,
+                         *INLINE_RESULT_FALLBACKS})
 
 
-def _check_division(dividend_bits, divisor_bits):
-    """Schoolbook long division costs about (dividend - divisor) x divisor bits of work in C:
-    int('f' * 10**7, 16) // (that >> 2 * 10**7) would run for minutes."""
-    if max(dividend_bits - divisor_bits, 0) * divisor_bits > SANDBOX_MAX_DIVISION:
-        _refuse_size("integer division")
+def compile_code(source, *, rt=None, path=None):
+    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
+
+    A construct outside the allowlist or a syntax error is a located ConfigurationError naming the
+    line inside the body (also kept as `err.code_line`).
+    """
+    label = f"inline code {path_str(path)}" if path else "inline code"
+    try:
+        tree, code = _sandbox_compile(source, "exec", INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
+                                      CODE_FILENAME)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
+    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return CodeUnit(source, code, label, _ticks(tree), bool(loaded & {"context", "locals"}))
 
 
-def _check_printf(fmt, args):
-    """'%*d' % (10**10, 1) and '%9999999999d' % 1 pad without bound."""
-    widths = [int(digits) for digits in _WIDTH_RE.findall(fmt)]
-    if "*" in fmt:
-        values = args if isinstance(args, tuple) else (args,)
-        widths += [value for value in values if isinstance(value, int)]
-    if any(width > SANDBOX_MAX_ITEMS for width in widths):
-        _refuse_size("%-format width")
-    if isinstance(args, dict):   # '%(a)s' * 1000 % {'a': long}: each field prints the same value
-        biggest = max((_text_weight(value, {}) for value in args.values()
-                       if isinstance(value, _CONTAINERS)), default=0)
-        if fmt.count("%") * biggest > SANDBOX_MAX_ITEMS:
-            _refuse_size("%-format")
+def run_code(unit, variables, *, timeout=1.0):
+    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; return the final one.
+
+    `variables` usually holds input_data, message, context (by reference: a dict is seen through
+    a ContextView) and result=None. Any error or exhaustion raises ExecutionError."""
+    namespace = {"__builtins__": _CODE_BUILTINS, **variables}
+    if unit.reaches_context and type(namespace.get("context")) is dict:
+        namespace["context"] = ContextView(namespace["context"])
+    run_budgeted(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label,
+                 code=True)
+    return namespace
 
 
-def guard_binop(symbol, left, right):
-    _check_operands(symbol, left, right)
-    return _BINARY[symbol](left, right)
-
-
-def guard_inplace(symbol, left, right):
-    if symbol in _SET_OPERATORS:
-        left, right = _view_operands(left, right)
-    else:
-        _check_operands(symbol, left, right)
-    return _INPLACE[symbol](left, right)
-
-
-def guard_setop(symbol, left, right):
-    """a - b, a & b, a | b, a ^ b as written in the code."""
-    left, right = _view_operands(left, right)
-    return _BINARY[symbol](left, right)
-
-
-def _view_operands(left, right):
-    """The operands of - & | ^, with the items a dict view would hash checked (guard_keys). (An
-    items view's own pairs were checked when the code got it: see guard_method.)"""
-    if isinstance(left, _DICT_VIEWS) and not isinstance(right, (set, frozenset, *_DICT_VIEWS)):
-        right = guard_keys(right)
-    elif isinstance(right, _DICT_VIEWS) and not isinstance(left, (set, frozenset, *_DICT_VIEWS)):
-        left = guard_keys(left)
-    return left, right
-
-
-def guard_aug_item(container, key, symbol, value):
-    container[key] = guard_inplace(symbol, container[key], value)
-
-
-def guard_set_slice(container, part, value):
-    """a[i:j] = v: refuse growth past the limit (l[len(l):] = l doubles a list)."""
-    if isinstance(container, list) and isinstance(value, _SIZED) \
-            and len(container) + len(value) > SANDBOX_MAX_ITEMS:
-        _refuse_size("slice assignment")
-    container[part] = value
-
-
-_CONTAINERS = (str, bytes, list, tuple, dict, set, frozenset)
-
-
-def _text_weight(value, memo):
-    """Roughly how many characters str(value) has: a container counts its items plus the weight of
-    each child, shared children computed once (memo by id), cycles counted once."""
-    key = id(value)
-    if key in memo:
-        return memo[key]
-    if isinstance(value, (str, bytes)):
-        return len(value)
-    memo[key] = 1
-    weight = len(value) + 1
-    children = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
-    for child in children:
-        if isinstance(child, _CONTAINERS):
-            weight += _text_weight(child, memo)
-            if weight > SANDBOX_MAX_ITEMS:
-                break
-    memo[key] = weight
-    return weight
-
-
-def _nested_weight(value):
-    """_text_weight of a container, or just its length when no item is a container (found by a
-    C-level scan, so a long flat list costs no Python loop)."""
-    items = itertools.chain(value.keys(), value.values()) if isinstance(value, dict) else value
-    if set(map(type, items)).isdisjoint(_CONTAINERS):
-        return len(value)
-    return _text_weight(value, {})
-
-
-def _nesting_refused(value, follow):
-    """Why `value` may not be hashed or kept, or None: more than SANDBOX_MAX_NESTING levels of
-    the `follow` container types, or more than SANDBOX_MAX_ITEMS items reached through them
-    (aliases counted each time, as hashing counts them)."""
-    memo = {}                               # id -> (levels, items) of a finished container
-    stack = [(value, 1, False)]
-    while stack:
-        item, level, done = stack.pop()
-        if done:
-            levels, items = 1, len(item) + 1
-            for child in (item.values() if isinstance(item, dict) else item):
-                if isinstance(child, follow):
-                    child_levels, child_items = memo[id(child)]
-                    levels, items = max(levels, child_levels + 1), items + child_items
-            if items > SANDBOX_MAX_ITEMS:
-                return "is too large to hash"
-            memo[id(item)] = (levels, items)
-        elif id(item) not in memo:
-            if level > SANDBOX_MAX_NESTING:
-                return f"nests deeper than {SANDBOX_MAX_NESTING} levels"
-            stack.append((item, level, True))
-            children = item.values() if isinstance(item, dict) else item
-            kinds = set(map(type, children))                        # a C-level scan first
-            if any(issubclass(kind, follow) for kind in kinds):
-                stack.extend((child, level + 1, False) for child in
-                             (item.values() if isinstance(item, dict) else item)
-                             if isinstance(child, follow) and id(child) not in memo)
+# INTERPRETATION §13.2.2: an inline expression is a lambda taking the caller's number of positional
+# arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
+# function", with no default values (they would run at load, outside any worker).
+def _lambda_refusal(tree, nparams):
+    node = tree.body
+    if not isinstance(node, ast.Lambda):
+        return f"anything but a lambda of {nparams} parameter(s)"
+    args = node.args
+    if args.defaults or args.kw_defaults or args.kwonlyargs or args.kwarg \
+            or len(args.posonlyargs) + len(args.args) != nparams and args.vararg is None:
+        return f"a lambda that is not of exactly {nparams} plain parameter(s)"
     return None
 
 
-def guard_key(value):
-    """A value about to be hashed (a dict key, a set item, `in` a mapping, d.get(k)...).
-    CPython 3.11 hashes a tuple by recursing in C with no depth check: a tuple nested 100,000
-    levels deep, built by a comprehension over a long message, crashed the process when used as
-    a key. Such a tuple is refused instead; anything but a tuple passes at once."""
-    if value.__class__ is tuple:
-        reason = _nesting_refused(value, (tuple,))
-        if reason is not None:
-            raise SandboxAbort(f"a tuple that {reason} cannot be a key or set item")
-    return value
+def compile_expression(source, *, nparams=1, rt=None, path=None):
+    """§13.2.2: check and compile `lambda ...: expr` once; an ExprUnit, called as unit(*args)."""
+    label = f"inline expression {path_str(path)}" if path else "inline expression"
+    try:
+        text = source.strip() if isinstance(source, str) else source
+        tree, code = _sandbox_compile(text, "eval", set(EXPRESSION_BUILTINS), EXPRESSION_FILENAME)
+        reason = _lambda_refusal(tree, nparams)
+        if reason:
+            raise _Rejected(1, reason)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
+    fn = eval(code, {"__builtins__": _EXPRESSION_BUILTINS})   # makes the lambda only
+    return ExprUnit(source, fn, label, nparams)
 
 
-def guard_keys(iterable):
-    """guard_key on each item of an iterable about to be hashed item by item (set(x),
-    dict(pairs), s.update(x)...); a dict or set passes as it is (its keys are hashed already),
-    anything else comes back as a list of the checked items."""
-    if isinstance(iterable, (dict, set, frozenset, str, bytes, range)):
-        return iterable
-    items = iterable if isinstance(iterable, list) else list(iterable)
-    if tuple in set(map(type, items)):
-        for item in items:
-            guard_key(item)
-    return items
+@functools.lru_cache(maxsize=512)   # a pure cache of compiled text; no Actor state lives here
+def _compile_expression_text(source):
+    return _sandbox_compile(source.strip(), "eval", None, EXPRESSION_FILENAME)[1]
 
 
-_COMPARE_SYMBOLS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
-                    ast.GtE: ">="}
-_COMPARED = frozenset({list, tuple, dict})
+def eval_expression_text(source, names, timeout=1.0):
+    """§9.2 SIMPLE pre-pass: a bare expression in the §13.2.2 sandbox, `names` as its variables.
+
+    Refused constructs raise ConfigurationError, run-time failures ExecutionError."""
+    try:
+        code = _compile_expression_text(source)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
+    namespace = {key: value for key, value in names.items() if not str(key).startswith("__")}
+    namespace["__builtins__"] = _EXPRESSION_BUILTINS
+    return run_budgeted(eval, (code, namespace), timeout, "inline expression", code=True)
 
 
-def _compare_guard(compare):
-    """The guard for one comparison operator as written in the code (a comparison with a constant
-    is left alone): _check_ordering when both sides are containers, then the comparison."""
-    def guard(left, right):
-        if left.__class__ in _COMPARED and right.__class__ in _COMPARED:
-            _check_ordering((left, right))
-        return compare(left, right)
-    return guard
+# Process isolation (T3) -----------------------------------------------------------------------
+# load(..., isolation="process"): configuration code, expressions and templates run in a worker
+# process under OS limits (address space, CPU time, no file writes, only its two pipes). The
+# parent enforces each deadline by killing the worker, which works whatever the worker's GIL is
+# doing; a crashed or killed worker becomes an ExecutionError and the next call gets a fresh one.
+# Values cross as JSON with tuples, sets and non-text keys tagged; the reply is decoded into plain
+# data only. INTERPRETATION §13.2 (new: isolation): print output and progress_bar calls made by
+# the code are forwarded to the parent as they happen.
+WORKER_MEMORY = 1 << 30           # bytes of address space a worker may add to its start-up size
+WORKER_GRACE = 0.5                # seconds past a call's own deadline before the parent kills
+WORKER_START = 60.0               # seconds a new worker may take to start (a busy machine)
 
 
-def guard_compared(value):
-    """An operand of a chained comparison (a < b < c): a container heavier than the limit
-    (aliases counted) is refused whatever it is compared with."""
-    if value.__class__ in _COMPARED and _nested_weight(value) > SANDBOX_MAX_ITEMS:
-        _refuse_size("comparison")
-    return value
+def wire(value):
+    """A value as JSON-ready data, tuples, sets and non-text keys tagged (both directions)."""
+    value = plain(value)
+    if isinstance(value, dict):
+        if all(type(key) is str for key in value):
+            return {key: wire(item) for key, item in value.items()}
+        return {"\0map": [[wire(key), wire(item)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [wire(item) for item in value]
+        return items if type(value) is list else {"\0" + type(value).__name__[:3]: items}
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
 
 
-_COMPARE_GUARDS = {"==": "__sb_eq__", "!=": "__sb_ne__", "<": "__sb_lt__", "<=": "__sb_le__",
-                   ">": "__sb_gt__", ">=": "__sb_ge__"}
+def unwire(data):
+    """Inverse of wire; builds only dict, list, tuple, set, str, int, float, bool and None."""
+    if isinstance(data, list):
+        return [unwire(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) == 1 and next(iter(data)).startswith("\0"):
+        tag, items = next(iter(data.items()))
+        if tag == "\0map":
+            return {unwire(key): unwire(item) for key, item in items}
+        return {"\0tup": tuple, "\0set": set, "\0fro": frozenset}[tag](map(unwire, items))
+    return {key: unwire(item) for key, item in data.items()}
 
 
-def guard_hashing(kind, *args, **kwargs):
-    """set(...) or dict(...) as written in the code: the items of the iterable given first
-    (starred arguments included) pass guard_keys before they are hashed."""
-    if args:
-        args = (guard_keys(args[0]),) + args[1:]
-    return kind(*args, **kwargs)
+class Worker:
+    """One worker process and its pipes (POSIX)."""
+
+    def __init__(self):
+        boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+                f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            close_fds=True, env={}, cwd="/")
+        self.pending = b""
+        if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
+            raise OSError("the worker process did not start")
+
+    def line(self, deadline, what):
+        """The worker's next line; past the deadline the worker is killed (Exhausted)."""
+        import select                        # POSIX only, as is isolation="process"
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.kill()
+                raise Exhausted(f"{what} (worker process killed)")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise Exhausted(f"the worker process died (status {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line
+
+    def send(self, obj):
+        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def ask(self, request, timeout, on_event):
+        """Send one request, answer its events (print, progress_bar), return the reply."""
+        self.send(request)
+        deadline = time.monotonic() + timeout + WORKER_GRACE
+        while True:
+            reply = json.loads(self.line(deadline, f"time limit of {timeout:g} s"))
+            if "event" not in reply:
+                return reply
+            self.send({"answer": on_event(reply)})
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
 
 
-SANDBOX_MAX_PROBE = 100 * SANDBOX_MAX_ITEMS   # characters compared by one search for a string
+class ProcessSandbox:
+    """isolation="process": a pool of workers, one per concurrent call."""
+
+    def __init__(self):
+        if os.name != "posix":
+            raise ConfigurationError("isolation='process' needs a POSIX host", section="13.2")
+        self.idle, self.lock = [], threading.Lock()
+
+    def ask(self, request, timeout, label, on_event=None, error=ExecutionError):
+        with self.lock:
+            worker = self.idle.pop() if self.idle else None
+        try:
+            worker = worker or Worker()
+            reply = worker.ask(request, timeout, on_event or (lambda event: None))
+            value = unwire(reply["value"]) if "value" in reply else None
+        except Exhausted as exc:
+            raise error(f"{label}: resource exhausted: {exc}", section="13.2") from None
+        except Exception as exc:   # a broken pipe, a value that cannot cross, a malformed reply
+            if worker is not None:
+                worker.kill()
+            raise error(f"{label}: the worker process failed: {type(exc).__name__}: "
+                                 f"{exc}", section="13.2") from None
+        with self.lock:
+            self.idle.append(worker)
+        if "error" in reply:
+            kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
+            raise kind(str(reply["error"]), section=reply.get("section"))
+        return value
+
+    def run_code(self, unit, variables, timeout, on_progress):
+        """The worker runs the body; context changes come back and land in the parent's view."""
+        view = variables["context"]
+        request = {"op": "code", "source": unit.source, "timeout": timeout,
+                   "input": variables["input_data"], "context": wire(view)}
+
+        def on_event(event):
+            if event["event"] == "print":
+                sys.stderr.write(event["text"])
+                return None
+            return on_progress(**unwire(event["kwargs"]))
+        value = self.ask(request, timeout, unit.label, on_event)
+        new = value["context"]
+        for key in [key for key in view if key not in new]:   # §4.5.2: changes propagate back
+            _check_write(view, key)
+            view.data.pop(key, None)
+        for key, item in new.items():
+            if key not in view or plain(view[key]) != item:
+                view[key] = item                               # host-only keys refused here too
+        return value["result"]
+
+    def call(self, unit, args, timeout=1.0):
+        return self.ask({"op": "expr", "source": unit.source, "nparams": unit.nparams,
+                         "args": wire(list(args)), "timeout": timeout}, timeout, unit.label)
+
+    def render(self, text, variables, engine, partials=None, phase="C"):
+        data = {key: value for key, value in variables.items()
+                if not (key in BUILTINS and value is BUILTINS[key])}
+        return self.ask({"op": "render", "text": text, "variables": wire(data), "engine": engine,
+                         "partials": partials, "phase": phase}, TEMPLATE_TIME_LIMIT,
+                        engine_name(engine), error=TemplateError)
+
+    def close(self):
+        with self.lock:
+            workers, self.idle = self.idle, []
+        for worker in workers:
+            worker.kill()
 
 
-def _check_string_probes(needle, items):
-    """A string searched in a list compares fully with every item of its own length: aliases of
-    one long string ([t for _ in range(10**6)]) would take minutes of C. Refused when those
-    comparisons pass SANDBOX_MAX_PROBE characters (counted only when the rough bound does)."""
-    if len(needle) * len(items) > SANDBOX_MAX_PROBE:
-        kind, size = needle.__class__, len(needle)
-        same = sum(1 for item in items if item.__class__ is kind and len(item) == size)
-        if same * size > SANDBOX_MAX_PROBE:
-            _refuse_size("string search")
+def worker_main():
+    """The worker's loop: limits first, then one request per line until stdin closes."""
+    import resource
+    size = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") \
+        if os.path.exists("/proc/self/statm") else 0
+    for limit, value in ((resource.RLIMIT_AS, size + WORKER_MEMORY if size else None),
+                         (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_NOFILE, 16)):
+        if value is not None:
+            resource.setrlimit(limit, (value, value))
+    units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(b"ready\n")
+    stdout.flush()
+
+    def send(obj):
+        stdout.write(json.dumps(obj).encode() + b"\n")
+        stdout.flush()
+
+    def event(name, **fields):
+        send({"event": name, **fields})
+        return json.loads(stdin.readline())["answer"]
+
+    class Printed:
+        def write(self, text):
+            event("print", text=text)
+    _BUDGET.printed = Printed()
+    for line in stdin:
+        request = json.loads(line)
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        resource.setrlimit(resource.RLIMIT_CPU, (int(used + request.get("timeout", 2)) + 2,
+                                                 resource.RLIM_INFINITY))
+        try:
+            send({"value": wire(_worker_answer(request, units, event))})
+        except ActorError as exc:
+            send({"error": exc.message, "kind": type(exc).__name__, "section": exc.section})
+        except Exception as exc:   # a value that cannot cross, for one
+            send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
+                  "section": "13.2"})
 
 
-def guard_in(needle, haystack):
-    """`needle in haystack` as written in the code. Each probe of a list or tuple compares the
-    needle with one item, so a container needle against a long list of aliases of one big
-    structure is quadratic C-level work: m in [l] * 10**6, with l built by a comprehension.
-    Refused when both bounds of that work pass the limit: items x needle size, and the text
-    weight of the haystack (aliases counted every time)."""
-    if isinstance(haystack, (list, tuple)) and isinstance(needle, _CONTAINERS[2:]) \
-            and len(haystack) * _nested_weight(needle) > SANDBOX_MAX_ITEMS \
-            and _nested_weight(haystack) > SANDBOX_MAX_ITEMS:
-        _refuse_size("membership test")
-    if isinstance(haystack, (list, tuple)) and isinstance(needle, (str, bytes)):
-        _check_string_probes(needle, haystack)
-    return guard_key(needle) in haystack
+def _worker_answer(request, units, event):
+    op, source = request["op"], request.get("source")
+    if op == "render":
+        variables = unwire(request["variables"])
+        if request["phase"] == "B" and engine_name(request["engine"]) == "SIMPLE":
+            return render_simple(request["text"], variables, format_pass=False)
+        return render(request["text"], {**BUILTINS, **variables}, request["engine"],
+                      request["partials"])
+    key = (op, source, request.get("nparams"))
+    if key not in units:
+        units[key] = compile_code(source) if op == "code" \
+            else compile_expression(source, nparams=request["nparams"])
+    unit = units[key]
+    if op == "expr":
+        return unit(*unwire(request["args"]), timeout=request["timeout"])
+    context = unwire(request["context"])
+    namespace = run_code(unit, {
+        "input_data": request["input"], "message": request["input"], "context": context,
+        "result": None, INLINE_PROGRESS: lambda **kwargs: event("progress", kwargs=wire(kwargs))},
+        timeout=request["timeout"])
+    return {"result": tool_output(inline_result(namespace)), "context": context}
 
 
-def check_rendering(value):
-    """Refuse to turn into text a structure whose text would pass the limit. Aliasing makes tiny
-    structures print huge: x = [0] * 10**6; str([x] * 10**6) is 10**12 characters."""
-    if isinstance(value, _CONTAINERS[2:]) and _text_weight(value, {}) > SANDBOX_MAX_ITEMS:
-        _refuse_size("text of a structure")
+class InProcessSandbox:
+    """The default: everything in this process, bounded by the budget alone (T3 says what that
+    leaves open)."""
+
+    def run_code(self, unit, variables, timeout, on_progress=None):
+        return inline_result(run_code(unit, variables, timeout=timeout))
+
+    def call(self, unit, args, timeout=1.0):
+        return unit(*args, timeout=timeout)
+
+    def render(self, text, variables, engine, partials=None, phase="C"):
+        if phase == "B" and engine_name(engine) == "SIMPLE":
+            return render_simple(text, variables, format_pass=False)
+        return render(text, variables, engine, partials)
+
+    def close(self):
+        pass
 
 
-def guard_str(*args, **kwargs):
-    """str(x) as written in the code: the rendering check first."""
-    if args:
-        check_rendering(args[0])
-    return str(*args, **kwargs)
-
-
-def guard_join(*parts):
-    """An f-string's pieces (each already text), joined once their total size is known."""
-    if sum(map(len, parts)) > SANDBOX_MAX_ITEMS:
-        _refuse_size("f-string")
-    return "".join(parts)
-
-
-def guard_format(value, conversion, spec):
-    """f"{x!r:>{n}}": refuse pad widths and structures past the limit, then format as usual."""
-    check_rendering(value)
-    if conversion == ord("r"):
-        value = repr(value)
-    elif conversion == ord("s"):
-        value = str(value)
-    elif conversion == ord("a"):
-        value = ascii(value)
-    if any(int(digits) > SANDBOX_MAX_ITEMS for digits in _WIDTH_RE.findall(spec)):
-        _refuse_size("format width")
-    return format(value, spec)
-
-
-def _method_growth(obj, name, args, kwargs):
-    """Size estimate of what a padding/repeating method would build, or 0 when not applicable."""
-    if name in ("ljust", "rjust", "center", "zfill"):
-        width = args[0] if args else kwargs.get("width", 0)
-        return width if isinstance(width, int) else 0
-    if name == "expandtabs" and isinstance(obj, (str, bytes)):
-        size = args[0] if args else kwargs.get("tabsize", 8)
-        return len(obj) + obj.count("\t" if isinstance(obj, str) else b"\t") * size \
-            if isinstance(size, int) else 0
-    if name == "replace" and isinstance(obj, (str, bytes)) and len(args) >= 2 \
-            and isinstance(args[0], type(obj)) and isinstance(args[1], type(obj)):
-        hits = obj.count(args[0]) if args[0] else len(obj) + 1
-        return len(obj) + hits * max(len(args[1]) - len(args[0]), 0)
-    if name == "join" and isinstance(obj, (str, bytes)) and args \
-            and isinstance(args[0], (list, tuple)):
-        items = args[0]
-        return len(obj) * max(len(items) - 1, 0) \
-            + sum(len(x) for x in items if isinstance(x, _SIZED))
-    if name == "extend" and isinstance(obj, list) and args and isinstance(args[0], _SIZED):
-        return len(obj) + len(args[0])
-    if name == "to_bytes" and isinstance(obj, int):
-        length = args[0] if args else kwargs.get("length", 1)
-        return length if isinstance(length, int) else 0
-    if name == "translate" and isinstance(obj, str) and args and isinstance(args[0], dict):
-        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
-        return len(obj) * longest
-    return 0
-
-
-# Codecs written in C, which run in time linear in their input. Any other name would import a
-# module of the encodings package, and some of those are Python code with quadratic loops
-# (punycode of 10,000 distinct characters took 14 s, beyond any deadline).
-SANDBOX_CODECS = frozenset({
-    "utf-8", "utf8", "u8", "utf", "ascii", "us-ascii", "646", "latin-1", "latin1", "iso-8859-1",
-    "iso8859-1", "8859", "l1", "utf-16", "utf16", "utf-16-le", "utf-16le", "utf-16-be",
-    "utf-16be", "utf-32", "utf32", "utf-32-le", "utf-32le", "utf-32-be", "utf-32be",
-    "unicode-escape", "raw-unicode-escape",
-})
-
-
-def _check_codec(args, kwargs):
-    encoding = args[0] if args else kwargs.get("encoding", "utf-8")
-    if not isinstance(encoding, str) \
-            or encoding.strip().lower().replace("_", "-") not in SANDBOX_CODECS:
-        raise SandboxAbort(f"the codec {encoding!r} is not allowed in the sandbox "
-                           f"(utf-8, utf-16, utf-32, ascii, latin-1 and the escapes are)")
-
-
-# Methods of dict and set that hash what they are given: one key, or every item of iterables.
-_KEY_METHODS = frozenset({"get", "pop", "setdefault", "add", "discard", "remove"})
-_VIEW_METHODS = frozenset({"items"})
-# Methods of list and tuple that compare their argument with every item (guarded when called in
-# place; unlike _GUARDED_METHODS they may be passed along, as in sorted(x, key=order.index)).
-_COMPARING_METHODS = frozenset({"index", "count", "remove"})
-_KEYS_METHODS = frozenset({
-    "update", "fromkeys", "union", "intersection", "difference", "symmetric_difference",
-    "issubset", "issuperset", "isdisjoint", "intersection_update", "difference_update",
-    "symmetric_difference_update"})
-
-
-def guard_method(obj, name, *args, **kwargs):
-    """obj.name(*args): the methods in _GUARDED_METHODS, with their output size checked first,
-    and what the hashing ones hash checked by guard_key."""
-    if name in _COMPARING_METHODS and isinstance(obj, (list, tuple)) and args:
-        if args[0].__class__ in _COMPARED:  # lst.index(x), count, remove compare x with each item
-            _check_ordering([args[0], *obj])
-        elif isinstance(args[0], (str, bytes)):
-            _check_string_probes(args[0], obj)
-    if name in _KEY_METHODS:
-        for arg in args:
-            guard_key(arg)
-        return getattr(obj, name)(*args, **kwargs)
-    if name in _VIEW_METHODS:
-        # An items view hashes (key, value) pairs when compared or combined with a set. The code
-        # gets the view of a snapshot whose values passed guard_key (a C-level scan skips dicts
-        # without tuple values): a live view would show a value stored after the check.
-        unbound = isinstance(obj, type) and args            # dict.items(d)
-        target, extra = (args[0], args[1:]) if unbound else (obj, args)
-        if not isinstance(target, dict) or extra or kwargs:   # let Python report the misuse
-            return getattr(obj, name)(*args, **kwargs)
-        snapshot = dict(target)
-        if tuple in set(map(type, snapshot.values())):
-            for value in snapshot.values():
-                guard_key(value)
-        return snapshot.items()
-    if name == "fromkeys" and args:         # (iterable, value): only the iterable is hashed
-        return getattr(obj, name)(guard_keys(args[0]), *args[1:], **kwargs)
-    if name in _KEYS_METHODS:
-        return getattr(obj, name)(*map(guard_keys, args), **kwargs)
-    receiver, rest = (args[0], args[1:]) if isinstance(obj, type) and args else (obj, args)
-    if name in ("encode", "decode"):
-        _check_codec(rest, kwargs)
-    if name == "join" and rest and not isinstance(rest[0], (list, tuple, str)):
-        rest = (list(rest[0]),) + rest[1:]   # materialise a generator once, under the budget
-        args = (receiver,) + rest if receiver is not obj else rest
-    if _method_growth(receiver, name, rest, kwargs) > SANDBOX_MAX_ITEMS:
-        _refuse_size(f"{name}() result")
-    return getattr(obj, name)(*args, **kwargs)   # `name` passed the layer-1 attribute check
-
-
-_GUARDED_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "replace", "join",
-                              "extend", "to_bytes", "translate", "encode", "decode"}) \
-    | _KEY_METHODS | _KEYS_METHODS | _VIEW_METHODS
-
-# Names the rewritten code calls; dunder names, so sandboxed source can never spell them.
-_SANDBOX_GUARDS = {
-    "__sb_loop__": guard_loop, "__sb_enter__": guard_enter, "__sb_binop__": guard_binop,
-    "__sb_inplace__": guard_inplace, "__sb_aug_item__": guard_aug_item,
-    "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": guard_str,
-    "__sb_join__": guard_join, "__sb_iter__": guard_iter, "__sb_set_slice__": guard_set_slice,
-    "__sb_in__": guard_in, "__sb_key__": guard_key, "__sb_keys__": guard_keys,
-    "__sb_hashing__": guard_hashing, "__sb_setop__": guard_setop,
-    "__sb_eq__": _compare_guard(operator.eq), "__sb_ne__": _compare_guard(operator.ne),
-    "__sb_lt__": _compare_guard(operator.lt), "__sb_le__": _compare_guard(operator.le),
-    "__sb_gt__": _compare_guard(operator.gt), "__sb_ge__": _compare_guard(operator.ge),
-    "__sb_compared__": guard_compared,
-    "__sb_slice__": slice, "__sb_Exception__": Exception, "__sb_json__": SANDBOX_JSON,
-}
+ISOLATION = {"none": InProcessSandbox, "process": ProcessSandbox}
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
 def host_refusal(env, given, op):
@@ -10206,6 +9648,24 @@ def tool_path(env, given, op):
         raise env.fail(f"file_read rejects paths resolving outside the working directory: "
                        f"{given}", "13.3")
     return resolved
+
+def checkpoint_directory(rt, given, path):
+    """§6.6 checkpoints are files the host writes for the configuration, so §13.3's boundaries
+    hold for them as for file_write (T2, README Security): no `~` or `..`, and on a safe host
+    no absolute path and nothing that resolves outside the working directory."""
+    # INTERPRETATION §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
+    # with the host's mode alone deciding (a checkpoint has no invocation context).
+    absolute, traversal, tilde = path_facts(given)
+    base = Path(rt.workdir).resolve()
+    target = (Path(given) if absolute else base / given).resolve()
+    reason = ("`~` (no home-directory expansion)" if tilde else "`..` traversal" if traversal
+              else "an absolute path on a safe host" if absolute and not rt.unsafe
+              else "a path resolving outside the working directory on a safe host"
+              if not rt.unsafe and not target.is_relative_to(base) else None)
+    if reason is not None:
+        raise rt.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
+                       "6.6, §13.3")
+    return target
 
 # §13.5 Shell execution --------------------------------------------------------------------
 def tool_shell(env, args):
@@ -10862,6 +10322,7 @@ class Actor:
         progress, if any; a timed-out agent call still running is not waited for)."""
         with self._turn:
             self.network.close()
+            self.rt.sandbox.close()
             for graph in self.rt.graphs.values():
                 graph.close()
             for agent in self.rt.agents.values():
@@ -10919,20 +10380,21 @@ class Actor:
 
 def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
          default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None,
-         routing_prefixes=None):
+         routing_prefixes=None, isolation="none"):
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
     the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
     routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or "X_" for a
-    family X_<NAME>:).
+    family X_<NAME>:). isolation: "none" (default) or "process" -- configuration code, expressions
+    and templates then run in worker processes under OS limits (§13.2, README Security).
     """
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
         template_engine=template_engine, default_router=default_router, provider=provider,
         workdir=workdir, clock=clock or VirtualClock(),
         llm_transport=FakeTransport(llm) if llm is not None else None, context=context,
-        routing_prefixes=routing_prefixes)
+        routing_prefixes=routing_prefixes, isolation=isolation)
 
 
 def jsonable(value):
@@ -10968,8 +10430,8 @@ def jsonable(value):
 
 VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
                "load_error", "steps")
-HOST_KEYS = ("unsafe", "env", "render_context", "template_engine", "default_router", "context",
-             "files", "llm", "provider")
+HOST_KEYS = ("unsafe", "isolation", "env", "render_context", "template_engine", "default_router",
+             "context", "files", "llm", "provider")
 STEP_ACTIONS = ("send", "advance", "complete")
 STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
                "files")
@@ -11015,7 +10477,7 @@ def observe_vector(vector):
                 template_engine=host.get("template_engine"),
                 default_router=host.get("default_router"), provider=host.get("provider"),
                 workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
-                context=host.get("context"))
+                context=host.get("context"), isolation=host.get("isolation", "none"))
         except ActorError as exc:
             return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
         actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report

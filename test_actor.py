@@ -4906,6 +4906,9 @@ def test_render_runtime_in_mustache_and_simple():
 # §13.2 Sandboxes (sandbox)
 # =====================================================================================
 # §13.2 Sandboxed code execution --------------------------------------------------------------
+# The threat model (README Security) has three attackers; the tests below are grouped by them:
+# T1 message senders, T2 configuration authors on a safe host (capabilities), T3 resource
+# exhaustion (the budget in-process, the worker with isolation="process").
 import builtins as _py_builtins   # noqa: E402
 import json as _py_json           # noqa: E402
 try:
@@ -4913,6 +4916,10 @@ try:
 except ImportError:
     _resource = None
 import time as _time              # noqa: E402
+
+# Slack on top of a limit before a stopped runaway counts as late: generous, because CI runs on a
+# busy 2-core machine (the point is "stopped", not "fast").
+SLACK = 5.0
 
 
 def sandbox_vars(**extra):
@@ -4930,9 +4937,30 @@ def sandbox_still_serves():
     assert ns["result"] == '{"up": "HELLO"}'
 
 
-# Escapes publicly known for Python sandboxes. MARKER is a file each payload tries to create; the
-# context carries a sentinel each one tries to change. Every attempt must be refused at load
-# (ConfigurationError) or fail when run (ExecutionError), without effect.
+@pytest.fixture(scope="module")
+def workers():
+    """One ProcessSandbox (isolation="process") shared by this region's worker tests."""
+    sandbox = actor.ProcessSandbox()
+    yield sandbox
+    sandbox.close()
+
+
+def worker_run(workers, source, *, timeout=1.0, context=None, input_data="hello"):
+    """Run a body in a worker as an inline tool would; returns the §4.5.7 text."""
+    context = {} if context is None else context
+    variables = sandbox_vars(input_data=input_data, message=input_data,
+                             context=actor.ContextView(context))
+    return workers.run_code(actor.compile_code(source), variables, timeout, lambda **k: "bar")
+
+
+def worker_still_serves(workers):
+    assert worker_run(workers, "result = input_data.upper() + '!'") == "HELLO!"
+
+
+# T2 -- capability escapes publicly known for Python sandboxes. MARKER is a file each payload
+# tries to create; the context carries a sentinel each one tries to change. Every attempt is
+# refused at load (ConfigurationError) or fails when run (ExecutionError), without effect, in both
+# modes.
 SANDBOX_ESCAPES = {
     "subclasses-walk-tuple":
         "for c in ().__class__.__bases__[0].__subclasses__():\n"
@@ -5037,7 +5065,6 @@ SANDBOX_ESCAPES = {
     "enumerate-new": "x = enumerate.__new__",
     "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
     "dunder-variable": "__builtins__ = {'open': 1}",
-    "aliased-method-dodges-size-guard": "f = 'a'.ljust\nx = f(10**10)",
     "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
     "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
     # Round 3: attributes set on the shared built-in functions outlived the call (a channel
@@ -5048,8 +5075,26 @@ SANDBOX_ESCAPES = {
     "builtin-attribute-delete": "del range.x",
     "attribute-loop-target": "for type.x in [context]:\n    pass",
     "json-error-class-attribute-store": "json.JSONDecodeError.msg = 'poisoned'",
+    # Round 4 (issue 11): what the allowlist refuses by not listing it.
+    "type-of-function-builds-functions": "def f():\n    pass\nF = type(f)",
+    "type-of-json-facility": "x = type(json)()",
+    "class-pattern-calls-a-type": "match input_data:\n    case str(x):\n        pass",
+    "exception-name-not-listed": "try:\n    pass\nexcept Exception:\n    pass",
+    "base-exception-name": "try:\n    pass\nexcept BaseException:\n    pass",
+    "codec-through-encode": "x = 'a'.encode('punycode')",
+    "to-bytes-method": "x = (1).to_bytes(4, 'big')",
+    "from-bytes-classmethod": "x = int.from_bytes(b'a', 'big')",
+    "maketrans-through-str-type": "x = str.maketrans('a', 'b')",
+    "sandbox-hook-rebound": "__sb_tick__ = lambda: True\nwhile True:\n    pass",
+    "sandbox-hook-called": "__sb_op__('*', 'a', 10**10)",
+    "dict-unbound-update-on-context": "dict.update(context, {'_unsafe_mode': True})",
+    "context-host-key-through-update": "context.update({'_unsafe_mode': True})",
+    "context-host-key-through-setdefault": "context.setdefault('_unsafe_mode', True)",
+    "context-host-key-nested-in-a-list": "context['rows'] = [{'_unsafe_mode': True}]",
+    "locals-of-context-view": "x = context.data",
+    "walrus-builtins": "(b := __builtins__)",
+    "starred-dunder-call": "x = [*locals()['__builtins__']]",
 }
-
 
 def _sandbox_intact():
     """What an escape would change: the real builtins, the json module, the sandbox tables."""
@@ -5058,14 +5103,13 @@ def _sandbox_intact():
 
 
 def test_sandbox_escape_corpus_is_large_enough():
-    assert len(SANDBOX_ESCAPES) >= 50
+    assert len(SANDBOX_ESCAPES) >= 100
     assert len(set(SANDBOX_ESCAPES.values())) == len(SANDBOX_ESCAPES)
 
 
 @pytest.mark.parametrize("source", list(SANDBOX_ESCAPES.values()), ids=list(SANDBOX_ESCAPES))
 def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
     monkeypatch.chdir(tmp_path)
-    marker = tmp_path / "MARKER"
     before = _sandbox_intact()
     context = {"sentinel": "intact"}
     try:
@@ -5074,23 +5118,52 @@ def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
         assert exc.code_line >= 1
     else:
         with pytest.raises(actor.ExecutionError):
-            actor.run_code(unit, sandbox_vars(context=context))
-    assert not marker.exists()
+            actor.run_code(unit, sandbox_vars(context=context), timeout=0.5)
+    assert not (tmp_path / "MARKER").exists()
     assert context == {"sentinel": "intact"}
     assert _sandbox_intact() == before
     sandbox_still_serves()
+
+
+_RUNNABLE_ESCAPES = {}
+for _name, _source in SANDBOX_ESCAPES.items():
+    try:
+        actor.compile_code(_source)
+    except actor.ConfigurationError:
+        continue
+    _RUNNABLE_ESCAPES[_name] = _source
+
+
+def test_sandbox_most_escapes_are_refused_at_load():
+    """Refusals follow from the allowlist: almost every published escape never runs at all."""
+    assert len(_RUNNABLE_ESCAPES) <= len(SANDBOX_ESCAPES) // 5, sorted(_RUNNABLE_ESCAPES)
+
+
+@pytest.mark.parametrize("source", list(_RUNNABLE_ESCAPES.values()), ids=list(_RUNNABLE_ESCAPES))
+def test_sandbox_escape_fails_in_a_worker(workers, source):
+    """The escapes that load fail in a worker too (isolation="process"), without effect."""
+    context = {"sentinel": "intact"}
+    with pytest.raises(actor.ExecutionError):
+        worker_run(workers, source, context=context, timeout=0.5)
+    assert context == {"sentinel": "intact"} and not os.path.exists("/MARKER")
+    worker_still_serves(workers)
 
 
 @pytest.mark.parametrize("source", [
     "open('MARKER', 'w')", "__import__('os').system('touch MARKER')", "eval('1')",
     "import os\nos.system('touch MARKER')", "__builtins__['open']('MARKER', 'w')",
     "while True:\n    pass"])
-def test_sandbox_layers_hold_without_the_ast_check(tmp_path, monkeypatch, source):
-    """Defence in depth: with layer 1 switched off, the built-in table and the ticks still hold."""
+def test_sandbox_layers_hold_without_the_allowlist_check(tmp_path, monkeypatch, source):
+    """Defence in depth: with the load-time allowlist switched off, the built-in table, the
+    ticks and the absent import machinery still hold."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(actor, "_check_tree", lambda tree, table: None)
+    monkeypatch.setattr(actor, "_check_tree", lambda tree, names: None)
+    try:
+        unit = actor.compile_code(source)
+    except actor.ConfigurationError:   # `import os` has no json to bind to: refused anyway
+        return
     with pytest.raises(actor.ExecutionError):
-        sandbox_run(source, timeout=0.2)
+        actor.run_code(unit, sandbox_vars(), timeout=0.2)
     assert not (tmp_path / "MARKER").exists()
 
 
@@ -5108,10 +5181,9 @@ SANDBOX_EXPRESSION_ESCAPES = {
     "walrus-builtins": "lambda x: (b := __builtins__)",
     "default-argument-walk": "lambda x, y=().__class__: y",
     "default-argument-bomb": "lambda x, y=10**10**10: y",
-    "round-long-division": "lambda x: round(int('f' * 10**7, 16), -10**6)",
-    "long-modulo": "lambda x: int('f' * 10**7, 16) % int('f' * 10**6, 16)",
-    "aliased-return": "lambda x: [l for l in [[0] * 10**6] for _ in [0] * 10**5]",
-    "fstring-many-fields": "lambda x: (lambda s: f'{s}{s}{s}{s}{s}{s}{s}{s}{s}{s}')('a' * 10**7)",
+    "default-argument-runs-at-load": "lambda x, y=[0 for a in range(10**9)]: y",
+    "class-pattern": "lambda x: [y for y in [x] if (y := str(y))]",
+    "keyword-only-argument": "lambda x, *, y: y",
 }
 
 
@@ -5128,7 +5200,8 @@ def test_sandbox_expression_escape_fails(source):
     assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
 
 
-# Runaway bodies: each stops within its timeout (plus slack) and without a large allocation.
+# T3 in-process -- Python-level runaways: each stops within its timeout (plus SLACK) through the
+# budget's ticks or its size check, without a large allocation, and the next call is served.
 SANDBOX_RUNAWAYS = {
     "while-true": "while True:\n    pass",
     "while-true-one-line": "while True: pass",
@@ -5136,25 +5209,20 @@ SANDBOX_RUNAWAYS = {
     "long-range-loop": "n = 0\nfor i in range(10**7):\n    n += 1",
     "c-level-sum-of-range": "x = sum(range(10**12))",
     "power-tower": "x = 10**10**10",
+    "power-by-variables": "a = 10\nb = 10**9\nx = a ** b",
     "int-product-growth": "x = 3\nwhile True:\n    x = x * x",
     "shift-bomb": "x = 1 << 10**10",
     "string-repeat": "x = 'a' * 10**10",
+    "string-repeat-by-variable": "n = 10**10\nx = 'a' * n",
     "list-repeat": "x = [0] * 10**10",
     "string-doubling": "x = 'a'\nfor i in range(64):\n    x += x",
-    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
-    "ljust-pad": "x = 'a'.ljust(10**10)",
-    "fstring-width": "x = f'{1:>{10**10}}'",
-    "printf-width": "x = '%*d' % (10**10, 1)",
-    "to-bytes": "x = (1).to_bytes(10**10, 'big')",
-    "unbound-ljust": "x = str.ljust('a', 10**10)",
+    "string-doubling-by-addition": "x = 'a'\nfor i in range(64):\n    x = x + x",
+    "list-doubling-in-place": "x = [0]\nfor i in range(64):\n    x += x",
+    "item-doubling": "d = {'s': 'a'}\nfor i in range(64):\n    d['s'] += d['s']",
+    "repeat-in-place": "x = 'ab'\nx *= 10**10",
     "json-separators": "x = json.dumps([0] * 10**6, separators=(' ' * 10**6, ':'))",
-    "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
+    "json-indent": "x = json.dumps([[0]] * 10**6, indent=10**6)",
     "nested-text-recursion": "a = []\nfor i in range(10**5):\n    a = [a]\nb = str(a)",
-    "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
-    "replace-growth": "x = ('a' * 10**6).replace('', 'bbbbbbbbbbbbbbbb')",
-    "aliasing-str": "x = [0] * 10**6\ny = [x for i in range(10**6)]\nz = str(y)",
-    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
-    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
     "deep-recursion": "def f(n):\n    return f(n + 1)\nf(0)",
     "lambda-recursion": "f = lambda n: f(n + 1)\nf(0)",
     "exponential-recursion-with-except":
@@ -5170,41 +5238,8 @@ SANDBOX_RUNAWAYS = {
         "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
     "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
-    "aliased-membership-by-repetition":
-        "l = list(range(10**5))\nm = l[:-1] + [0]\nx = m in [l] * 10**5",
-    "aliased-membership-by-comprehension":
-        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m in y",
-    "aliased-non-membership":
-        "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l for _ in range(10**5)]\nx = m not in y",
-    "nested-repetition": "l = [0] * 10**4\nx = [[l] * 10**3] * 10**3",
-    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
-    # Round 3 red team: single C-level operations that ran far past the deadline, and values
-    # that stayed small inside the sandbox but exploded when the host turned them into text.
-    "round-huge-int-negative-digits": "x = int('f' * 10**7, 16)\ny = round(x, -10**6)",
-    "long-floor-division": "x = int('f' * 10**7, 16)\ny = x // (x >> 20000000)",
-    "long-modulo": "x = int('f' * 10**7, 16)\ny = x % (x >> 20000000)",
-    "long-division-augmented": "x = int('f' * 10**7, 16)\nx //= x >> 20000000",
-    "long-division-from-bytes": "x = int.from_bytes(b'\\xff' * 10**7, 'big')\ny = x % (x >> 4 * 10**7)",
-    "aliased-result": "x = [0] * 10**6\nresult = [x for _ in range(10**5)]",
-    "aliased-fallback-name": "x = [0] * 10**6\noutput = [x for _ in range(10**5)]",
-    "aliased-context-write": "x = [0] * 10**6\ncontext['x'] = [x for _ in range(10**5)]",
-    "deep-result": "a = []\nfor i in range(10**5):\n    a = [a]\nresult = a",
-    "fstring-many-fields": "x = 'a' * 10**7\ny = f'{x}{x}{x}{x}{x}{x}{x}{x}{x}{x}'",
-    "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
-    # Codecs written in Python: punycode is quadratic (10,000 distinct characters took 14 s).
-    "punycode-codec":
-        "s = json.loads('\"' + ''.join(['\\\\u%04x' % (0x4e00 + i) for i in range(20000)]) + '\"')\n"
-        "x = s.encode('punycode')",
-    "idna-codec-unbound": "x = str.encode('a' * 10**6, 'idna')",
-    "codec-by-keyword": "x = b'abc'.decode(encoding='punycode')",
-    # Lazy iterators chained 60,000 deep recursed in C without a depth check: a segfault.
-    "generator-expression-chain": "z = [1]\nfor i in range(60000):\n    z = (x for x in z)\nresult = list(z)",
-    "generator-inner-clause-chain":
-        "z = [1]\nfor i in range(60000):\n    z = (y for w in [z] for y in w)\nresult = sum(z)",
-    "zip-chain": "z = [1]\nfor i in range(60000):\n    z = zip(z)\nresult = list(z)",
-    "enumerate-chain": "z = [1]\nfor i in range(60000):\n    z = enumerate(z)\nresult = max(z)",
-    "mixed-iterator-chain":
-        "z = [1]\nfor i in range(30000):\n    z = (x for x in enumerate(zip(z)))\nresult = list(z)",
+    "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
+    "match-in-a-loop": "while True:\n    match input_data:\n        case 'never':\n            pass",
 }
 
 
@@ -5218,263 +5253,501 @@ def test_sandbox_runaway_is_stopped(capsys, source):
     start = _time.monotonic()
     with pytest.raises(actor.ExecutionError):
         sandbox_run(source, timeout=timeout)
-    assert _time.monotonic() - start < timeout + 1.5
+    assert _time.monotonic() - start < timeout + SLACK
     assert peak_kib() - rss_before < 400 * 1024
     assert capsys.readouterr().out == ""
     sandbox_still_serves()
 
 
-# Deep tuples (§13.2.3): CPython 3.11 hashes a tuple by recursing in C without a depth check, so
-# a tuple wrapped 100,000 times and then used as a key crashed the process. Each case runs in a
-# child process, so that a regression shows up as a failed test, not as a crashed test run.
-_DEEP = "t = ()\nfor i in range(100000):\n    t = (t,)\n"
-DEEP_HASH_CASES = {
-    "dict-display": _DEEP + "result = {t: 1}",
-    "set-display": _DEEP + "result = {t}",
-    "set-unpacked": _DEEP + "result = {*[t]}",
-    "subscript-store": _DEEP + "d = {}\nd[t] = 1",
-    "subscript-load": _DEEP + "d = {}\nresult = d[t]",
-    "membership": _DEEP + "result = t in {}",
-    "dict-get": _DEEP + "result = {}.get(t)",
-    "set-add": _DEEP + "s = set()\ns.add(t)",
-    "set-update": _DEEP + "s = set()\ns.update([t])",
-    "dict-fromkeys": _DEEP + "result = dict.fromkeys([t])",
-    "set-call": _DEEP + "result = set([t])",
-    "set-call-starred": _DEEP + "result = set(*[[t]])",
-    "dict-view-operator": _DEEP + "result = {}.keys() | [t]",
-    "items-view-compared": _DEEP + "result = {0: t}.items() == {(0, 1)}",
-    "dict-call": _DEEP + "result = dict([(t, 1)])",
-    "dict-comprehension": _DEEP + "result = {k: 1 for k in [t]}",
-    "set-comprehension": _DEEP + "result = {k for k in [t]}",
-    "args-packing": "def f(*a):\n    return a\nt = ()\nfor i in range(100000):\n    t = f(t)\n"
-                    "result = {t: 1}",
-    "items-chain": "t = ()\nfor i in range(100000):\n    t = list({0: t}.items())[0]\n"
-                   "result = {t: 1}",
-}
-_DEEP_CHILD = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import actor
-cases, out = json.loads(sys.stdin.read()), {}
-for name, source in cases["inline"].items():
-    try:
-        actor.run_code(actor.compile_code(source), {"input_data": "", "context": {}}, timeout=20)
-        out[name] = "ran"
-    except actor.ActorError as exc:
-        out[name] = exc.message
-expression = actor.compile_expression(
-    "lambda x: ((t := ()), [(t := (t,)) for c in x], {t: 1})[2] and 1")
-try:
-    out["expression"] = expression("a" * 200000)
-except actor.ActorError as exc:
-    out["expression"] = exc.message
-try:
-    out["template"] = actor.render(
-        "{% set ns = namespace(a=()) %}{% for i in range(100000) %}{% set ns.a = (ns.a,) %}"
-        "{% endfor %}{{ {ns.a: 1} | length }}", {})
-except actor.ActorError as exc:
-    out["template"] = exc.message
-deep = ()
-for _ in range(100000):
-    deep = (deep,)
-for template in ["{{ {deep: 1} }}", "{{ deep in d }}", "{{ d[deep] }}", "{{ deep is in d }}",
-                 "{{ [deep] | unique | list }}", "{{ dict([(deep, 1)]) }}",
-                 "{{ x.items() == x.keys() }}"]:
-    try:
-        out[template] = actor.render(template, {"deep": deep, "d": {}, "x": {0: deep}})
-    except actor.ActorError as exc:
-        out[template] = exc.message
-out["live_view"] = actor.run_code(actor.compile_code(
-    "t = ()\nfor i in range(100000):\n    t = (t,)\nd = {}\nv = d.items()\nd[0] = t\n"
-    "result = [v == {(0, 1)}, len(v), sorted(v & {(0, 1)})]"), {"context": {}})["result"]
-out["control"] = actor.run_code(actor.compile_code(
-    "d = {(1, (2, 3)): 'a'}\ns = {(1, 2)}\ns.update([(3, 4)])\n"
-    "result = [d[(1, (2, 3))], d.get((1, (2, 3))), (1, 2) in s, len(s), {k: 1 for k in s}[(3, 4)],"
-    " len(dict([((1, 2), 3)])), len(set([(1, 2)]))]"), {"context": {}})["result"]
-print(json.dumps(out))
-"""
+def test_sandbox_exhaustion_is_one_error_kind():
+    """One ExecutionError kind when the budget runs out: "resource exhausted: <what>"."""
+    for source in ("while True:\n    pass", "x = 'a' * 10**10", "def f():\n    f()\nf()"):
+        with pytest.raises(actor.ExecutionError, match="resource exhausted: "):
+            sandbox_run(source, timeout=0.2)
 
 
-def test_deep_tuples_cannot_crash_the_process_through_hashing():
-    """Every hashing site of the sandboxes refuses a tuple nested past SANDBOX_MAX_NESTING
-    levels (inline code, an expression building one from a long message, a template carrying
-    one through a namespace) with an ExecutionError or TemplateError; keys of ordinary depth
-    keep working."""
-    import subprocess
-    child = subprocess.run([sys.executable, "-c", _DEEP_CHILD, str(HERE)],
-                           input=json.dumps({"inline": DEEP_HASH_CASES}), capture_output=True,
-                           text=True, timeout=240)
-    assert child.returncode == 0, child.stderr[-2000:]
-    out = json.loads(child.stdout)
-    for name in DEEP_HASH_CASES:
-        assert "1000 levels" in out[name], (name, out[name])
-    assert "1000 levels" in out["expression"] and "1000 levels" in out["template"]
-    assert out["live_view"] == [False, 0, []]      # d.items() is a view of a snapshot
-    templates = [key for key in out if key.startswith("{{")]
-    assert len(templates) == 7 and all("1000 levels" in out[key] for key in templates), out
-    assert out["control"] == ["a", "a", True, 2, 1, 1, 1]
-
-
-
-def test_nesting_check_handles_aliases_cycles_and_subclasses():
-    """The walk behind guard_key and template namespaces: an aliased tuple whose hash would walk
-    2**50 items is refused (hashing it would never end), a list holding itself is refused rather
-    than looped over, a dict subclass (a node context) is walked like a dict."""
-    t = ()
-    for _ in range(50):
-        t = (t, t)
-    assert actor._nesting_refused(t, (tuple,)) == "is too large to hash"
-    with pytest.raises(actor.SandboxAbort):
-        actor.guard_key(t)
-    loop = []
-    loop.append(loop)
-    assert "1000 levels" in actor._nesting_refused(loop, (tuple, list, dict))
-    assert actor._nesting_refused([actor.NodeContext(a=[1, (2,)])], (tuple, list, dict)) is None
-    assert actor.guard_key((1, (2, (3,)))) == (1, (2, (3,)))
-
-
-@pytest.mark.parametrize("source, expected", [
-    ('result = dict.fromkeys(["a", "b"], 0)', {"a": 0, "b": 0}),
-    ('result = {}.fromkeys("ab", 1)', {"a": 1, "b": 1}),
-    ("s = {1}\ns.update([2], (3,))\nresult = sorted(s)", [1, 2, 3]),
-    ('d = {"a": 1}\nd.update(b=2)\nd.update({"c": 3})\nd.update([("e", 5)])\nresult = d',
-     {"a": 1, "b": 2, "c": 3, "e": 5}),
-    ("result = {1, 2}.union([3], {4})", {1, 2, 3, 4}),
-    ("d = {1: 2, 3: 4}\nx = 10\nx -= 3\nx |= 16\nresult = [sorted(d.keys() - [1]), "
-     "sorted(d.keys() & [3, 5]), sorted(d.keys() | [9]), sorted(d.keys() ^ [1, 7]), 5 - 3, 6 & 3, "
-     "6 | 1, 6 ^ 3, sorted({1, 2} - {2}), x]", [[3], [3], [1, 3, 9], [3, 7], 2, 2, 7, 5, [1], 23]),
-    ('result = [{1: 2}.pop(1), {1: 2}.pop(5, "x"), {1: 2}.setdefault(3, (1,)), [1, 2].pop()]',
-     [2, "x", (1,), 2]),
-    ("d = {(1, 2): 3}\nk = (1, 2)\nresult = [d[k], k in d, {k: 1}, {k}, set([k]), dict([(k, 4)])]",
-     [3, True, {(1, 2): 1}, {(1, 2)}, {(1, 2)}, {(1, 2): 4}]),
-])
-def test_hashing_guards_keep_every_meaning(source, expected):
-    """The hashing guards change no result: the methods that hash keep their signatures
-    (fromkeys's value, update's keywords, pop's default) and keys of ordinary depth pass."""
-    assert actor.run_code(actor.compile_code(source), {"context": {}})["result"] == expected
-
-def test_sandbox_refuses_taking_a_hashing_method_uncalled():
-    """d.get passed along (sorted(x, key=d.get)) would hash outside the guards: refused at load
-    with the body line, like the other guarded methods."""
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.compile_code("d = {}\nresult = sorted([1, 2], key=d.get)")
-    assert "taking the method 'get' without calling it" in info.value.message
-
-
-# Aliased structures (§13.2.3): two lists built as a = [a, a] sixty times are tiny in memory, but
-# comparing them walks 2**60 items in C, past every deadline. Run in a child process with a
-# timeout, so that a regression shows up as a failed test, not as a hung test run.
+# T3 with isolation="process" -- single C-level operations on attacker-built structures, which no
+# in-process budget can pre-empt (hashing, comparing, printing, long division, allocation,
+# iterator chains that recurse in C): in a worker each ends as an ExecutionError (the worker
+# killed at the deadline, dead of a crash, or out of its address space) and the next call is
+# served by a fresh worker.
+_DEEP = "t = ()\nfor i in range(10**6):\n    t = (t,)\n"
 _HEAVY = "a = [0]\nb = [0]\nfor i in range(60):\n    a = [a, a]\n    b = [b, b]\n"
-HEAVY_COMPARE_CASES = {
-    "equal": _HEAVY + "result = a == b",
-    "chained": _HEAVY + "result = a <= b <= a",
-    "sorted": _HEAVY + "result = sorted([a, b])",
-    "sorted-key": _HEAVY + "result = sorted([1, 2], key=lambda k: a if k == 1 else b)",
-    "max": _HEAVY + "result = max(a, b)",
-    "min": _HEAVY + "result = min([a, b])",
-    "index": _HEAVY + "result = [a].index(b)",
-    "count": _HEAVY + "result = [a, 1].count(b)",
-    "remove": _HEAVY + "x = [a]\nx.remove(b)",
-    "key-passed-along": _HEAVY + "order = [a]\nresult = sorted([b], key=order.index)",
+_BIG = "x = int('f' * 10**7, 16)\n"
+ISOLATED_RUNAWAYS = {
+    # hashing a deep tuple (CPython 3.11 recurses in C: a crash), through every path
+    "deep-tuple-dict-key": _DEEP + "d = {t: 1}",
+    "deep-tuple-set-alias": _DEEP + "s = set\nx = s([t])",
+    "deep-tuple-type-of-dict": _DEEP + "x = type({})([(t, 1)])",
+    "deep-tuple-sorted-key-set": _DEEP + "x = sorted([(t,)], key=set)",
+    "deep-tuple-mapping-pattern":
+        _DEEP + "match {t: 1}:\n    case {'k': 1}:\n        pass\nx = {t: 1}",
+    "deep-tuple-in-set-literal": _DEEP + "x = {t}",
+    "deep-tuple-membership": _DEEP + "x = t in {1: 2}",
+    # comparing aliased structures (2**60 steps in C)
+    "aliased-equality": _HEAVY + "x = a == b",
+    "aliased-sort": _HEAVY + "x = sorted([a, b])",
+    "aliased-max": _HEAVY + "x = max(a, b)",
+    "aliased-index": _HEAVY + "x = [a].index(b)",
+    "aliased-match-value": _HEAVY + "match [a]:\n    case [[0]]:\n        pass\nx = a < b",
+    "aliased-membership": "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l] * 10**5\nx = m in y",
+    # printing aliased or deep structures
+    "aliasing-str": "x = [0] * 10**6\ny = [x] * 10**6\nz = str(y)",
+    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
+    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
+    "aliased-result": "x = [0] * 10**6\nresult = [x] * 10**6",
+    "aliased-fallback-name": "x = [0] * 10**6\noutput = [x] * 10**6",
+    "aliased-context-write": "x = [0] * 10**6\ncontext['x'] = [x] * 10**6",
+    "deep-result": "a = []\nfor i in range(10**6):\n    a = [a]\nresult = a",
+    # long integer division and rounding
+    "round-huge-int-negative-digits": _BIG + "y = round(x, -10**6)",
+    "round-small-int-huge-digits": "y = round(1, -30000000)",
+    "long-floor-division": _BIG + "y = x // (x >> 20000000)",
+    "long-modulo": _BIG + "y = x % (x >> 20000000)",
+    "long-division-augmented": _BIG + "x //= x >> 20000000",
+    # allocations the operators' size check does not see
+    "ljust-pad": "x = 'a'.ljust(10**10)",
+    "unbound-ljust": "x = str.ljust('a', 10**10)",
+    "fstring-width": "x = f'{1:>{10**10}}'",
+    "printf-width": "x = '%*d' % (10**10, 1)",
+    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
+    "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
+    "replace-growth": "x = ('a' * 10**7).replace('', 'b' * 1000)",
+    "join-growth": "x = 'a' * 10**6\ny = ''.join([x] * 10**6)",
+    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
+    "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # lazy iterators chained deep (recursion in C when consumed: a crash)
+    "generator-expression-chain":
+        "z = [1]\nfor i in range(10**6):\n    z = (x for x in z)\nresult = list(z)",
+    "zip-chain": "z = [1]\nfor i in range(10**6):\n    z = zip(z)\nresult = list(z)",
+    "enumerate-chain": "z = [1]\nfor i in range(10**6):\n    z = enumerate(z)\nresult = max(z)",
 }
-_HEAVY_CHILD = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import actor
-cases, out = json.loads(sys.stdin.read()), {}
-for name, source in cases.items():
-    try:
-        actor.run_code(actor.compile_code(source), {"context": {}}, timeout=20)
-        out[name] = "ran"
-    except actor.ActorError as exc:
-        out[name] = exc.message
-expression = actor.compile_expression(
-    "lambda x: ((a := [0]), (b := [0]), [(a := [a, a]) for c in x], [(b := [b, b]) for c in x],"
-    " a == b)[4]")
-try:
-    out["expression"] = expression("a" * 60)
-except actor.ActorError as exc:
-    out["expression"] = exc.message
-a, b = [0], [0]
-for _ in range(60):
-    a, b = [a, a], [b, b]
-for template in ["{{ a == b }}", "{% if a < b %}x{% endif %}", "{{ [a, b] | sort }}",
-                 "{{ [a, b] | max }}", "{{ a is eq b }}", "{{ [a] | select('eq', b) | list }}"]:
-    try:
-        out[template] = actor.render(template, {"a": a, "b": b})
-    except actor.ActorError as exc:
-        out[template] = exc.message
-print(json.dumps(out))
+
+
+@pytest.mark.parametrize("source", list(ISOLATED_RUNAWAYS.values()), ids=list(ISOLATED_RUNAWAYS))
+def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkeypatch, source):
+    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
+    timeout = 0.3
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError):
+        worker_run(workers, source, timeout=timeout)
+    assert _time.monotonic() - start < timeout + actor.WORKER_GRACE + SLACK
+    worker_still_serves(workers)
+
+
+def test_isolation_end_to_end(capsys):
+    """load(isolation="process"): inline code, its context writes, print and progress_bar, a
+    transform fn and a Phase C prompt all run in workers; a crash is an error on __error__ and
+    the next message is answered."""
+    text = """
+agents:
+  t:
+    type: tool
+    config:
+      timeout: 1
+      tools:
+        - name: body
+          code: |
+            if input_data == 'crash':
+                t = ()
+                for i in range(10**6):
+                    t = (t,)
+                d = {t: 1}
+            context['seen'] = context.get('seen', 0) + 1
+            print('diag', input_data)
+            result = progress_bar(current=1, total=2, stage='s') + '|' + input_data
+  chat:
+    type: llm
+    config: {provider: openai, api_key: k, system_prompt: "Topic {{ context.topic }}."}
+routes:
+  main:
+    type: stream
+    operators:
+      - {type: transform, params: {fn: "lambda x: x.strip().lower()"}}
+      - {type: map, params: {agent: t}}
+      - {type: map, params: {agent: chat}}
+    publications: [__output__]
+context:
+  global: {topic: bees}
+merges: [{sources: [__input__], target: main}]
 """
+    a = actor.load(text=text, unsafe=True, provider="fake", isolation="process")
+    try:
+        a.rt.progress = actor.ProgressFacility(stream=_io.StringIO())
+        first = a.send("  HELLO ")
+        assert [m.content for m in first.outputs] == ["████████████░░░░░░░░░░░░ 50.0% (1/2) s|hello"]
+        assert a.context["seen"] == 1
+        assert a.rt.llm_log[-1]["system"] == "Topic bees."
+        assert "diag hello" in capsys.readouterr().err
+        crashed = a.send("crash")
+        assert [m.metadata["error_type"] for m in crashed.errors] == ["ExecutionError"]
+        assert "worker process died" in crashed.errors[0].content
+        assert [m.content for m in a.send("again").outputs][0].endswith("|again")
+        assert a.context["seen"] == 2
+    finally:
+        a.close()
 
 
-def test_comparisons_of_aliased_structures_are_bounded():
-    """Every comparison the sandboxes can see (==, < ..., chained ones, sorted/max/min, index/
-    count/remove, and in templates the operators, sort/max/min filters and comparison tests)
-    refuses two containers heavier than the limit, aliases counted; nothing hangs."""
-    import subprocess
-    child = subprocess.run([sys.executable, "-c", _HEAVY_CHILD, str(HERE)],
-                           input=json.dumps(HEAVY_COMPARE_CASES), capture_output=True, text=True,
-                           timeout=120)
-    assert child.returncode == 0, child.stderr[-2000:]
-    out = json.loads(child.stdout)
-    assert len(out) == len(HEAVY_COMPARE_CASES) + 7
-    for name, message in out.items():
-        assert "comparison exceeds the sandbox size limit" in message, (name, message)
+def test_isolation_phase_a_and_b_render_in_a_worker():
+    tail = ("routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: a}}]\n"
+            "    publications: [__output__]\nmerges: [{sources: [__input__], target: main}]\n")
+    phase_a = "agents:\n  a: {type: chain, config: {steps: [\"{{ n * 21 }}\"]}}\n" + tail
+    phase_b = ("templates:\n  agents:\n    c:\n      parameters:\n        label: {type: string}\n"
+               "      type: chain\n      config:\n        steps: [\"{{ label }}-{{ label|upper }}\"]\n"
+               "agents:\n  a:\n    template: c\n    params: {label: x}\n" + tail)
+    for text, context, expected in ((phase_a, {"n": 2}, "42"), (phase_b, None, "x-X")):
+        a = actor.load(text=text, render_context=context, isolation="process")
+        try:
+            assert [m.content for m in a.send("m").outputs] == [f"ChainAgent processed: m->{expected}"]
+        finally:
+            a.close()
+    with pytest.raises(actor.ConfigurationError, match="resource exhausted"):
+        actor.load(text="{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}"
+                        "{% endfor %}" + phase_a, render_context={"n": 1}, isolation="process")
 
 
-
-@pytest.mark.parametrize("search", ["s in l", "l.count(s)", "l.index(s)"])
-def test_string_search_over_aliases_of_a_long_string_is_bounded(search):
-    """A long string searched in a list of aliases of an equally long one is compared in full with
-    each: refused past SANDBOX_MAX_PROBE characters (10**10 here); short searches are untouched."""
-    source = f"t = 'x' * 10**7\nl = [t for _ in range(1000)]\ns = 'x' * 10**7\nresult = {search}"
-    with pytest.raises(actor.ExecutionError) as info:
-        actor.run_code(actor.compile_code(source), {"context": {}}, timeout=5)
-    assert "string search exceeds the sandbox size limit" in info.value.message
-    assert actor.run_code(actor.compile_code("l = ['ab', 'cd'] * 1000\nresult = ['cd' in l, "
-                                             "l.index('cd'), l.count('ab')]"),
-                          {"context": {}})["result"] == [True, 1, 1000]
-
-@pytest.mark.parametrize("source, expected", [
-    ("result = [sorted([3, 1, 2]), sorted([3, 1, 2], reverse=True), sorted(['bb', 'a'], key=len)]",
-     [[1, 2, 3], [3, 2, 1], ["a", "bb"]]),
-    ("result = sorted([(1, 'b'), (1, 'a'), (0, 'c')], key=lambda p: p[0])",
-     [(0, "c"), (1, "b"), (1, "a")]),
-    ("result = [max(3, 5), max([1, 4, 2]), min([1, 4, 2], key=lambda x: -x), max([], default=7),"
-     " min('bca'), max([[1], [2]]), max([2, 3, 3], key=lambda x: x // 2)]",
-     [5, 4, 4, 7, "a", [2], 2]),
-    ("x = [1, 2, 3, 2]\nx.remove(2)\norder = ['b', 'a']\n"
-     "result = [x, x.index(3), x.count(2), 'abca'.count('a'), sorted(['a', 'b'], key=order.index),"
-     " [1, 2] == [1, 2], (1, 2) < (1, 3), 0 <= 1 < 2]",
-     [[1, 3, 2], 1, 1, 2, ["b", "a"], True, True, True]),
-])
-def test_comparison_guards_keep_every_meaning(source, expected):
-    """The comparison guards change no result: sorted's key and reverse and its stability, max
-    and min with several arguments, a key or a default, the list methods, chained comparisons."""
-    assert actor.run_code(actor.compile_code(source), {"context": {}})["result"] == expected
+def test_isolation_values_cross_as_tagged_json():
+    value = {"a": (1, [2, {3}]), 4: None, "s": frozenset({"x"}), "f": 1.5, "b": True}
+    assert actor.unwire(_py_json.loads(_py_json.dumps(actor.wire(value)))) == value
+    with pytest.raises(TypeError):
+        actor.wire(object())
 
 
+def test_isolation_unknown_value_is_a_configuration_error():
+    with pytest.raises(actor.ConfigurationError, match="isolation"):
+        actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {main: {type: stream, operators: [{type: map, params: "
+                        "{agent: e}}], publications: [__output__]}}\n", isolation="thread")
 
-@pytest.mark.parametrize("template, engine", [
-    ("{{ x }}", "JINJA2"), ("{{ x | tojson }}", "JINJA2"), ("{{ x | yaml }}", "JINJA2"),
-    ("{{x}}", "MUSTACHE"), ("{x}", "SIMPLE"), ("{{ x }}", "SIMPLE")])
-def test_template_printing_an_aliased_structure_is_refused_at_once(template, engine):
-    """A structure whose text would be astronomically long (2**60 items through aliases, left in
-    the context by inline code) is refused before str() or json walks it (check_rendering)."""
-    a = [0]
-    for _ in range(60):
-        a = [a, a]
-    with pytest.raises(actor.TemplateError) as info:
-        actor.render(template, {"x": a}, engine=engine)
-    assert "text of a structure exceeds the sandbox size limit" in info.value.message
 
-def test_comparison_guards_keep_template_meanings():
-    text = actor.render(
-        "{{ [3, 1, 2] | sort }} {{ [3, 1] | max }} {{ {'b': 1, 'a': 2} | dictsort }} {{ 1 == 1 }}"
-        " {{ [1, 2, 3] | select('gt', 1) | list }} {{ 'a' is eq 'a' }} {{ 1 < 2 < 3 }}"
-        "{% for g in [{'k': 1}, {'k': 1}] | groupby('k') %} {{ g.grouper }}{% endfor %}", {})
-    assert text == "[1, 2, 3] 3 [('a', 2), ('b', 1)] True [2, 3] True True 1"
+# T2 -- the host-only context keys (§10.3): refused as they are written, whatever writes them.
+def test_context_view_reads_writes_and_overlay():
+    base, data = {"a": 1, "shared": "base"}, {"shared": "call", "nested": {"k": 1}}
+    view = actor.ContextView(data, base)
+    assert view["a"] == 1 and view["shared"] == "call" and sorted(view) == ["a", "nested", "shared"]
+    assert len(view) == 3 and "a" in view and view.get("missing") is None
+    view["b"] = 2
+    view["nested"]["k"] = 5
+    del view["shared"]
+    assert data == {"nested": {"k": 5}, "b": 2} and base == {"a": 1, "shared": "base"}
+    view["copy"] = view["nested"]          # a view never lands in the host's data
+    assert type(data["copy"]) is dict and data["copy"] is data["nested"]
+    assert view == {"a": 1, "shared": "base", "nested": {"k": 5}, "b": 2, "copy": {"k": 5}}
+    assert actor.run_code(actor.compile_code(
+        "result = (isinstance(context, dict), type(context) is dict, json.dumps(context),"
+        " dict(context))"), sandbox_vars(context={"x": {"y": 1}}))["result"] == (
+        True, True, '{"x": {"y": 1}}', {"x": {"y": 1}})
+
+
+@pytest.mark.parametrize("source", [
+    "context['context']['_unsafe_mode'] = True",
+    "context['graph_state']['metadata']['_unsafe_mode'] = True",
+    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
+    "del context['context']['_unsafe_mode']",
+    "context['items'] = [{'_temperature_override': 9}]",
+    "context['context'].update(_unsafe_mode=True)",
+    "context['_unsafe_mode'] = True", "del context['_temperature_override']",
+    "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)"])
+def test_host_only_keys_are_refused_when_written(source):
+    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
+    context = {"_unsafe_mode": False, "_temperature_override": 0.5, "context": glob,
+               "graph_state": {"metadata": metadata}}
+    with pytest.raises(actor.ExecutionError, match="host"):
+        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
+    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
+    assert context["_unsafe_mode"] is False and context["_temperature_override"] == 0.5
+    assert "items" not in context
+
+
+def test_host_only_keys_rebinding_context_changes_nothing():
+    """Rebinding the name `context` is harmless: the host reads the context it handed over."""
+    context = {"_unsafe_mode": False}
+    ns = sandbox_run("context = {'_unsafe_mode': True}\nresult = 'ran'", context=context)
+    assert ns["result"] == "ran" and context == {"_unsafe_mode": False}
+
+
+def test_context_call_cost_does_not_depend_on_the_context_size(monkeypatch):
+    """No scan of the context per call: a body that reads one key never walks the others."""
+    class Exploding(dict):
+        def items(self):
+            raise AssertionError("the context was scanned")
+        values = keys = __iter__ = items
+    context = Exploding(("k%d" % i, i) for i in range(10_000))
+    ns = sandbox_run("result = context['k5'] + 1", context=context)
+    assert ns["result"] == 6
+
+
+# T1 -- message senders: content is data in every engine and every built-in tool.
+def test_simple_never_reparses_what_an_expression_produced():
+    variables = actor.runtime_variables({"api_token": "s3cret"}, "what is {api_token}?")
+    assert actor.render("Request: {{ message }}", variables, "SIMPLE") == \
+        "Request: what is {api_token}?"
+    bomb = actor.runtime_variables({}, "{message:>9000000}")
+    assert actor.render("Request: {{ message }}", bomb, "SIMPLE") == "Request: {message:>9000000}"
+    assert actor.render("{{ 1 + 1 }} {api_token}", variables, "SIMPLE") == "2 s3cret"
+
+
+def test_mustache_parsing_is_linear_in_the_number_of_tags():
+    """A template of many standalone-looking tags on one long line parses in linear time (T1:
+    prompts may be long): counted in characters the scanner reads, not in seconds."""
+    scanned = {"n": 0}
+
+    class Counting(str):
+        def find(self, sub, start=0, end=None):
+            found = str.find(self, sub, start, len(self) if end is None else end)
+            scanned["n"] += (len(self) if found < 0 else found) - start
+            return found
+
+        def rfind(self, sub, start=0, end=None):
+            end = len(self) if end is None else end
+            found = str.rfind(self, sub, start, end)
+            scanned["n"] += end - max(found, start)
+            return found
+    text = "{{#a}}x{{/a}}" * 5000
+    actor.mustache_parse(Counting(text))
+    assert scanned["n"] <= 3 * len(text)
+
+
+# The two tables, exactly.
+def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
+    assert set(actor.INLINE_CODE_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
+        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
+        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
+    ns = sandbox_run(
+        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
+        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
+        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
+        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
+        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
+        "          json.loads('[1]'), json.dumps([1])]\n"
+        "x = 1\n")
+    assert ns["result"][-2:] == [[1], "[1]"]
+
+
+@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
+                                  "callable", "pow", "repr", "format", "bytes", "Exception",
+                                  "open", "getattr", "vars", "globals", "object", "id"])
+def test_sandbox_other_builtins_are_refused_at_load(name):   # §13.2.1 "no other facilities"
+    with pytest.raises(actor.ConfigurationError, match=f"the name '{name}'"):
+        actor.compile_code(f"x = {name}")
+
+
+def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
+    assert set(actor.EXPRESSION_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "len", "max", "min", "round", "sum"}
+    unit = actor.compile_expression(
+        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
+        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
+    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
+                          1, True, True, 2, "b", "a", 2, 3]
+    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
+                 "ValueError"):
+        with pytest.raises(actor.ConfigurationError, match="the name"):
+            actor.compile_expression(f"lambda x: {name}")
+
+
+def test_sandbox_attribute_allowlist_is_methods_of_value_types():
+    """Every allowed attribute is a method of a built-in value type or of the json facility."""
+    owners = (str, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
+    for attr in actor.SANDBOX_ATTRIBUTES:
+        assert any(hasattr(owner, attr) for owner in owners), attr
+    for refused in ("format", "format_map", "encode", "mro", "gi_frame", "args_", "__class__"):
+        assert refused not in actor.SANDBOX_ATTRIBUTES
+
+
+def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
+    for source, what in (("x = 1\nclass A:\n    pass", "ClassDef"),
+                         ("x = 1\nwith y:\n    pass", "With"),
+                         ("def f():\n    yield 1", "Yield"),
+                         ("def f():\n    global g", "Global"),
+                         ("match 1:\n    case int():\n        pass", "MatchClass"),
+                         ("async def f():\n    pass", "AsyncFunctionDef")):
+        with pytest.raises(actor.ConfigurationError, match=what) as info:
+            actor.compile_code(source)
+        assert info.value.code_line >= 1
+    assert sandbox_run("match [1, {'k': 2}]:\n    case [1, {'k': v}]:\n        result = v\n"
+                       "    case _:\n        result = 0")["result"] == 2
+
+
+def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
+    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
+    assert public == {"loads", "dumps", "JSONDecodeError"}
+    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
+                     "    result = 'bad: ' + str(e.args[0][:5])")
+    assert ns["result"] == "bad: Expec"
+    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
+                     "sort_keys=True, indent=2)")
+    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
+
+
+def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
+    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
+    with pytest.raises(actor.ConfigurationError):
+        actor.compile_code("import json, os")
+
+
+# Load-time refusal: located, with the line inside the body (Q71 (c)).
+def test_sandbox_refusal_names_the_body_line():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
+    assert info.value.code_line == 3 and "line 3" in str(info.value)
+    assert info.value.path == "agents.t.code"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\nif x\n")
+    assert info.value.code_line == 2
+
+
+def test_sandbox_refusal_is_located_in_the_document():
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
+            "          code: |\n            x = 1\n            y = ().__class__\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text, unsafe=True)
+    assert info.value.code_line == 2 and info.value.line is not None
+
+
+def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
+    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
+
+
+def test_sandbox_type_hands_out_only_exposed_classes():
+    ns = sandbox_run("result = (type(1) is int, type('a') is str, type(range(2)) is range,"
+                     " type(None)(), type(ValueError('v')) is ValueError)")
+    assert ns["result"] == (True, True, True, None, True)
+    for source in ("x = type(len)", "x = type(type(1))", "def f():\n    pass\nx = type(f)",
+                   "x = type('X', (), {})", "x = type(json)", "x = type(reversed([]))"):
+        with pytest.raises(actor.ExecutionError, match="TypeError"):
+            sandbox_run(source)
+
+
+def test_sandbox_locals_is_a_copy_without_builtins():
+    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
+                     "result = (sorted(x), sorted(locals()))")
+    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
+
+
+def test_sandbox_functions_reach_only_the_sandbox_namespace():
+    unit = actor.compile_code("def f():\n    return 1\nresult = f")
+    fn = actor.run_code(unit, sandbox_vars())["result"]
+    assert fn.__globals__["__builtins__"] is actor._CODE_BUILTINS
+    assert set(actor._CODE_BUILTINS) - set(actor.INLINE_CODE_BUILTINS) == set(actor._HOOKS)
+    assert all(name.startswith("__sb_") for name in actor._HOOKS)
+    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
+    with pytest.raises(actor.Exhausted):   # the host calling it outside a sandboxed run
+        fn()
+
+
+def test_sandbox_print_goes_to_stderr(capsys):
+    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "diag-1\n"
+
+
+def test_sandbox_context_by_reference_and_aug_assign_in_place():
+    context = {"items": [1]}
+    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
+                "context['n'] = 1\ncontext['n'] *= 5", context=context)
+    assert context == {"items": [1, 2, 3], "n": 5}
+
+
+def test_sandbox_bare_except_does_not_catch_a_limit():
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
+    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
+
+
+def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
+    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
+        sandbox_run("x = {}\ny = x['missing']")
+
+
+def test_sandbox_limits_hold_in_unsafe_mode():
+    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
+            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
+            "                while True:\n                    pass\n"
+            "            result = 'ok:' + input_data\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    a = actor.load(text=text, unsafe=True)
+    first = a.send("spin")
+    assert len(first.errors) == 1
+    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
+    assert "resource exhausted" in first.errors[0].content
+    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
+
+
+def test_sandbox_operators_keep_their_meaning():
+    """The size check changes no result: repetition, concatenation, powers, in-place forms."""
+    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\nn = 3\ns = 'ab'\n"
+                      "l = [1]\nalias = l\nl += [2]\nl *= 2\ns *= n\n"
+                      "result = ('a' in words, 1 in [1] in [[1]], len(rows), 2 ** 10, n ** n,"
+                      " 1 << n, s + s, l, alias is l, 'x' * -1, 3 * 'y')")
+    assert out["result"] == (True, True, 1000, 1024, 27, 8, "abababababab", [1, 2, 1, 2],
+                             True, "", "yyy")
+
+
+def test_sandbox_compiles_once(monkeypatch):
+    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
+    unit = actor.compile_code("result = input_data[::-1]")
+    expr = actor.compile_expression("lambda x: x * 2")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("parsed or compiled on the hot path")
+    monkeypatch.setattr(actor.ast, "parse", refuse)
+    monkeypatch.setattr(_py_builtins, "compile", refuse)
+    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
+    assert expr("ab") == "abab"
+
+
+def test_sandbox_expression_arity_and_shape():
+    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
+    assert actor.compile_expression("lambda *a: len(a)", nparams=2)(1, 2) == 2
+    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
+                            ("lambda a: a", 2), ("lambda a:", 1), ("lambda a, b=1: a", 1)):
+        with pytest.raises(actor.ConfigurationError):
+            actor.compile_expression(source, nparams=nparams)
+
+
+def test_sandbox_expression_runaway_and_size():
+    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
+    start = _time.monotonic()
+    with pytest.raises(actor.ExecutionError, match="time limit"):
+        unit(list(range(1000)), timeout=0.2)
+    assert _time.monotonic() - start < 0.2 + SLACK
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.compile_expression("lambda x: x * 10**10")("ab")
+    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
+
+
+def test_simple_expressions_use_the_sandbox_builtins_not_the_template_ones():
+    """§9.2 SIMPLE: the §8.3 callables in the rendering context are not the expression's."""
+    variables = actor.runtime_variables({"n": 2}, "m")
+    assert actor.render("{{ sum([n, 3]) }}", variables, "SIMPLE") == "5"
+    with pytest.raises(actor.TemplateError, match="NameError"):
+        actor.render("{{ range(3) }}", variables, "SIMPLE")
+
+
+def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
+    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
+    assert actor.eval_expression_text("name.upper()", names) == "ADA"
+    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("__import__('os')", names)
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("name.__class__", names)
+    for source in ("open('x')", "chr(1)"):
+        with pytest.raises(actor.ExecutionError, match="NameError"):
+            actor.eval_expression_text(source, names)
+
 
 
 # Controls: the spec's own inline code runs unchanged (§4.5.2, §18.4, §18.9, §18.10).
@@ -5591,397 +5864,10 @@ def test_sandbox_control_triage():   # §18.10
         assert actor.run_code(unit, sandbox_vars(input_data=text))["result"] == expected
 
 
-# The two tables, exactly.
-def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
-    assert set(actor.INLINE_CODE_BUILTINS) == {
-        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
-        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
-        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
-        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
-    ns = sandbox_run(
-        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
-        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
-        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
-        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
-        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
-        "          json.loads('[1]'), json.dumps([1])]\n"
-        "x = 1\n")
-    assert ns["result"][-2:] == [[1], "[1]"]
-
-
-@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
-                                  "callable", "pow", "repr", "format", "bytes", "Exception"])
-def test_sandbox_other_builtins_are_absent(name):   # §13.2.1 "no other built-in facilities"
-    with pytest.raises(actor.ExecutionError, match="NameError"):
-        sandbox_run(f"x = {name}")
-
-
-def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
-    assert set(actor.EXPRESSION_BUILTINS) == {
-        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
-        "abs", "all", "any", "len", "max", "min", "round", "sum"}
-    unit = actor.compile_expression(
-        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
-        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
-    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
-                          1, True, True, 2, "b", "a", 2, 3]
-    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
-                 "ValueError"):
-        with pytest.raises(actor.ExecutionError, match="NameError"):
-            actor.compile_expression(f"lambda x: {name}")("a")
-
-
-def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
-    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
-    assert public == {"loads", "dumps", "JSONDecodeError"}
-    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
-                     "    result = 'bad: ' + str(e.pos)")
-    assert ns["result"] == "bad: 1"
-    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
-                     "sort_keys=True, indent=2)")
-    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
-
-
-def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
-    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
-    with pytest.raises(actor.ConfigurationError):
-        actor.compile_code("import json, os")
-
-
-# Load-time refusal: located, with the line inside the body (Q71 (c)).
-def test_sandbox_refusal_names_the_body_line():
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
-    assert info.value.code_line == 3 and "line 3" in str(info.value)
-    assert info.value.path == "agents.t.code"
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.compile_code("x = 1\nif x\n")
-    assert info.value.code_line == 2
-
-
-def test_sandbox_refusal_is_located_in_the_document():
-    text = ("context:\n  global:\n    unsafe: true\n"
-            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
-            "          code: |\n            x = 1\n            y = ().__class__\n"
-            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
-            "        params: {agent: t}\n    publications: [__output__]\n"
-            "merges:\n  - sources: [__input__]\n    target: main\n")
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(text=text, unsafe=True)
-    assert info.value.code_line == 2 and info.value.line is not None
-
-
-def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
-    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
-
-
-def test_sandbox_type_wraps_non_inert_classes():
-    ns = sandbox_run("a = type(1)\nb = type(len)\nc = type(type(1))\n"
-                     "result = (a is int, str(b), b == type(abs), isinstance(len, b), str(c))")
-    assert ns["result"] == (True, "<class 'builtin_function_or_method'>", True, True,
-                            "<class 'type'>")
-
-
-def test_sandbox_locals_is_a_copy_without_builtins():
-    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
-                     "result = (sorted(x), sorted(locals()))")
-    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
-
-
-def test_sandbox_functions_reach_only_the_sandbox_namespace():
-    unit = actor.compile_code("def f():\n    return 1\nresult = f")
-    fn = actor.run_code(unit, sandbox_vars())["result"]
-    assert fn.__globals__["__builtins__"] is unit.builtins
-    assert set(unit.builtins) == set(actor.INLINE_CODE_BUILTINS) | set(actor._SANDBOX_GUARDS)
-    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
-    with pytest.raises(actor.ExecutionError):   # the host calling it outside a sandboxed run
-        fn()
-
-
-def test_sandbox_print_goes_to_stderr(capsys):
-    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
-    out, err = capsys.readouterr()
-    assert out == "" and err == "diag-1\n"
-
-
-def test_sandbox_context_by_reference_and_aug_assign_in_place():
-    context = {"items": [1]}
-    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
-                "context['n'] = 1\ncontext['n'] *= 5", context=context)
-    assert context == {"items": [1, 2, 3], "n": 5}
-
-
-def test_sandbox_bare_except_does_not_catch_a_limit():
-    with pytest.raises(actor.ExecutionError, match="size limit"):
-        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
-    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
-
-
-def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
-    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
-        sandbox_run("x = {}\ny = x['missing']")
-
-
-def test_sandbox_limits_hold_in_unsafe_mode():
-    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
-    text = ("context:\n  global:\n    unsafe: true\n"
-            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
-            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
-            "                while True:\n                    pass\n"
-            "            result = 'ok:' + input_data\n"
-            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
-            "        params: {agent: t}\n    publications: [__output__]\n"
-            "merges:\n  - sources: [__input__]\n    target: main\n")
-    a = actor.load(text=text, unsafe=True)
-    start = _time.monotonic()
-    first = a.send("spin")
-    assert _time.monotonic() - start < 1.5
-    assert len(first.errors) == 1
-    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
-    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
-
-
-def test_sandbox_membership_and_repetition_controls():
-    """Ordinary membership tests and repetitions of small or flat structures are unaffected."""
-    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\n"
-                      "result = ('a' in words, [1] in [[1], [2]], 3 not in (1, 2), 'x' in 'xyz',"
-                      " 'k' in {'k': 1}, len(rows), [0, 0, 0] in rows)")
-    assert out["result"] == (True, True, True, True, True, 1000, True)
-    with pytest.raises(actor.ConfigurationError, match="chained comparison"):
-        actor.compile_code("result = 1 in [1] in [[1]]")
-
-
-def test_sandbox_compiles_once(monkeypatch):
-    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
-    unit = actor.compile_code("result = input_data[::-1]")
-    expr = actor.compile_expression("lambda x: x * 2")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("parsed or compiled on the hot path")
-    monkeypatch.setattr(actor.ast, "parse", refuse)
-    monkeypatch.setattr(_py_builtins, "compile", refuse)
-    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
-    assert expr("ab") == "abab"
-
-
-def test_sandbox_expression_arity_and_shape():
-    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
-    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
-                            ("lambda a: a", 2), ("lambda a:", 1)):
-        with pytest.raises(actor.ConfigurationError):
-            actor.compile_expression(source, nparams=nparams)
-
-
-def test_sandbox_expression_runaway_and_size():
-    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
-    start = _time.monotonic()
-    with pytest.raises(actor.ExecutionError, match="time limit"):
-        unit(list(range(1000)), timeout=0.2)
-    assert _time.monotonic() - start < 1.5
-    with pytest.raises(actor.ExecutionError, match="size limit"):
-        actor.compile_expression("lambda x: x * 10**10")("ab")
-    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
-
-
-def test_simple_expressions_use_the_sandbox_builtins_not_the_template_ones():
-    """§9.2 SIMPLE: the §8.3 callables in the rendering context do not shadow the guarded
-    §13.2.2 built-ins (a raw sum would copy quadratically with no deadline check)."""
-    variables = actor.runtime_variables({"n": 2}, "m")
-    assert actor.render("{{ sum([n, 3]) }}", variables, "SIMPLE") == "5"
-    with pytest.raises(actor.TemplateError, match="time limit"):
-        actor.render("{{ sum([[0] * 1000 for _ in [0] * 10**4], []) }}", variables, "SIMPLE")
-    with pytest.raises(actor.TemplateError, match="NameError"):
-        actor.render("{{ range(3) }}", variables, "SIMPLE")
-
-
-def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
-    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
-    assert actor.eval_expression_text("name.upper()", names) == "ADA"
-    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
-    with pytest.raises(actor.ConfigurationError):
-        actor.eval_expression_text("__import__('os')", names)
-    with pytest.raises(actor.ConfigurationError):
-        actor.eval_expression_text("open('x')", names)
-    with pytest.raises(actor.ExecutionError, match="NameError"):
-        actor.eval_expression_text("chr(1)", names)
-
-
-@pytest.mark.skipif(_resource is None or not os.path.exists("/proc/self/statm"),
-                    reason="needs POSIX resource limits and /proc")
-def test_sandbox_memory_cap_reads_fresh_size_through_one_descriptor():
-    """The cap reads /proc/self/statm anew on every call, through one kept descriptor (reopened
-    in a forked child), and sets RLIMIT_AS to that size + headroom only while the code runs."""
-    space = actor._AddressSpace()
-    first = space.read()
-    fd = space.fd
-    with open("/proc/self/statm") as fh:
-        fresh = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    assert abs(first - fresh) < 64 << 20
-    block = bytearray(96 << 20)      # the process grows: the next reading sees it
-    assert space.read() >= first + (64 << 20) and space.fd == fd
-    del block
-    space.pid = -1                   # as in a forked child: the descriptor is reopened
-    assert space.read() is not None and space.pid == os.getpid()
-    os.close(fd)
-    os.close(space.fd)
-    before = _resource.getrlimit(_resource.RLIMIT_AS)
-    seen = actor.run_code(actor.compile_code("result = 1"), sandbox_vars())
-    assert seen["result"] == 1 and _resource.getrlimit(_resource.RLIMIT_AS) == before
-    with actor._MemoryCap():
-        soft = _resource.getrlimit(_resource.RLIMIT_AS)[0]
-        assert soft != _resource.RLIM_INFINITY
-        assert soft <= actor._ADDRESS_SPACE.read() + actor.SANDBOX_MEMORY_HEADROOM
-    assert _resource.getrlimit(_resource.RLIMIT_AS) == before
-
-
-@pytest.mark.bench
-def test_sandbox_bench_overhead_per_inline_tool_call():
-    """Per-call cost of run_code against a bare exec of the same body (printed, README Security)."""
-    source = 'result = "PREFIX: " + str(input_data)\n'
-    unit = actor.compile_code(source)
-    plain = compile(source, "<plain>", "exec")
-    n = 20000
-
-    def clock(fn):   # best of five rounds: the figure of an unloaded machine
-        best = float("inf")
-        for _ in range(5):
-            start = _time.perf_counter()
-            for _ in range(n // 5):
-                fn()
-            best = min(best, (_time.perf_counter() - start) / (n // 5) * 1e6)
-        return best
-    sandboxed = clock(lambda: actor.run_code(unit, sandbox_vars()))
-    bare = clock(lambda: exec(plain, sandbox_vars()))
-    loop_unit = actor.compile_code("n = 0\nfor i in range(100000):\n    n += i\nresult = n")
-    loop_plain = compile("n = 0\nfor i in range(100000):\n    n += i\nresult = n", "<p>", "exec")
-    start = _time.perf_counter()
-    actor.run_code(loop_unit, sandbox_vars())
-    loop_sandboxed = _time.perf_counter() - start
-    start = _time.perf_counter()
-    exec(loop_plain, sandbox_vars())
-    loop_bare = _time.perf_counter() - start
-
-    def cap():
-        with actor._MemoryCap():
-            pass
-    capped = clock(cap)
-    statm = "/proc/self/statm"
-    if os.path.exists(statm):       # the cap's size reading: before (open per call) and now
-
-        def open_per_call():
-            with open(statm, "rb") as fh:
-                return int(fh.read().split()[0])
-        print(f"\naddress-space reading: open per call {clock(open_per_call):.1f} us, "
-              f"kept descriptor {clock(actor._ADDRESS_SPACE.read):.1f} us")
-    print(f"\ninline-tool call: sandboxed {sandboxed:.1f} us, bare exec {bare:.1f} us, "
-          f"overhead {sandboxed - bare:.1f} us, of which the address-space cap {capped:.1f} us; "
-          f"100k-step loop: {loop_sandboxed * 1e3:.1f} ms vs "
-          f"{loop_bare * 1e3:.1f} ms ({loop_sandboxed / loop_bare:.1f}x)")
-
-
-# Round 3 red team: what the host puts beside the body, and the template engines ---------------
-def test_sandbox_round_and_division_controls():
-    """round(n, -k) keeps Python's answers; ordinary divisions are untouched."""
-    ns = sandbox_run("result = (round(1234, -2), round(1250, -2), round(-1251, -2), round(5, -1),\n"
-                     "          round(123, -10**9), round(2.675, 2), 10**40 // 7 % 1000, 7 // 2,\n"
-                     "          -7 % 3, 2**100 // 2**99)")
-    assert ns["result"] == (1200, 1200, -1300, 0, 0, 2.67, 428, 3, 2, 2)
-    assert actor.compile_expression("lambda x: round(x, -3)")(123456) == 123000
-
-
-def test_sandbox_lazy_iterator_controls():
-    """Generator expressions keep Python's semantics (source evaluated at once, read lazily)."""
-    ns = sandbox_run("l = [1, 2]\ng = (x * 2 for x in l)\nl = [9]\n"
-                     "z = [0]\nfor i in range(90):\n    z = (x + 1 for x in z)\n"
-                     "try:\n    bad = (x for x in 5)\nexcept TypeError:\n    bad = 'eager'\n"
-                     "result = (list(g), list(zip('ab', [1, 2])), list(enumerate('ab', 1)),\n"
-                     "          sum(x for x in range(5)), dict(zip('ab', 'cd')), list(z), bad)")
-    assert ns["result"] == ([2, 4], [("a", 1), ("b", 2)], [(1, "a"), (2, "b")], 10,
-                            {"a": "c", "b": "d"}, [90], "eager")
-    assert actor.compile_expression("lambda x: sum(c.isupper() for c in x)")("aBcD") == 2
-
-
-def test_sandbox_codec_controls():
-    ns = sandbox_run("big = [0] * 10**6\nlines = ('ab' * 5000000).split('a')\n"
-                     "result = ('\u00e9'.encode(), '\u00e9'.encode('UTF_8'), b'a'.decode(encoding='ascii'),\n"
-                     "          'a'.encode('latin-1', 'strict'), b'a'.decode(), '\u00e9'.encode('utf-16-le'))")
-    assert ns["result"] == (b"\xc3\xa9", b"\xc3\xa9", "a", b"a", "a", b"\xe9\x00")
-    with pytest.raises(actor.ConfigurationError):   # a guarded method taken without calling it
-        actor.compile_code("f = 'a'.encode")
-
-
-def test_sandbox_fstring_and_printf_controls():
-    ns = sandbox_run("n = 3\nresult = (f'a{n!r:>{n}}b{n:{n}d}', f'', '%(a)s-%(a)s' % {'a': 'x'})")
-    assert ns["result"] == ("a  3b  3", "", "x-x")
-
-
-def _tool_actor(code, *, timeout=0.3, host_context=None):
-    text = ("agents:\n  t:\n    type: tool\n    config:\n      timeout: " + str(timeout) + "\n"
-            "      tools:\n        - name: t\n          code: |\n"
-            + "".join("            " + line + "\n" for line in code.split("\n"))
-            + "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
-            "        params: {agent: t}\n    publications: [__output__]\n"
-            "merges:\n  - sources: [__input__]\n    target: main\n")
-    return actor.load(text=text, unsafe=True, context=host_context)
-
-
-def test_sandbox_progress_bar_arguments_are_size_checked(capsys):
-    """progress_bar is a host function: the host's str() of an aliased bomb ran seconds in C."""
-    a = _tool_actor("if input_data == 'bomb':\n    x = [0] * 10**6\n"
-                    "    progress_bar(stage=[x for _ in range(10**5)])\n"
-                    "result = progress_bar(current=1, total=2, stage='s')")
-    start = _time.monotonic()
-    first = a.send("bomb")
-    assert _time.monotonic() - start < 1.5
-    assert [m.metadata.get("error_type") for m in first.errors] == ["ExecutionError"]
-    assert [m.content for m in a.send("next").outputs] == [
-        "████████████░░░░░░░░░░░░ 50.0% (1/2) s"]
-    capsys.readouterr()
-
-
-@pytest.mark.parametrize("source", [
-    "context['context']['_unsafe_mode'] = True",
-    "context['graph_state']['metadata']['_unsafe_mode'] = True",
-    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
-    "context['context']['_unsafe_mode'] = True\nx = 1 // 0",
-    "del context['context']['_unsafe_mode']",
-    "context['items'] = [{'_temperature_override': 9}]"])
-def test_sandbox_host_only_keys_of_nested_contexts_are_restored(source):
-    """In a graph node the context holds the live global context and the state's metadata (the
-    next nodes' invocation context): host-only keys there are the host's too, and are put back
-    even when the body fails for another reason first."""
-    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
-    context = {"_unsafe_mode": False, "context": glob, "graph_state": {"metadata": metadata}}
-    with pytest.raises(actor.ExecutionError):
-        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
-    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
-    assert "items" not in context or context["items"] == [{}]
-    copy = actor.run_code(actor.compile_code("context['copy'] = dict(context['context'])\n"
-                                             "result = 1"), sandbox_vars(context=context))
-    assert copy["result"] == 1
-
-
-@pytest.mark.parametrize("source", [
-    "context['_unsafe_mode'] = True", "del context['_temperature_override']",
-    "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)",
-    "context = {'_unsafe_mode': True}", "context.clear()"])
-def test_sandbox_host_only_context_keys_stay_the_hosts(source):
-    """§10.3: _unsafe_mode and _temperature_override are set by the host; a body that touches
-    them fails, and the live context keeps the host's values."""
-    a = _tool_actor(source + "\nresult = 'ran'",
-                    host_context={"_unsafe_mode": False, "_temperature_override": 0.5})
-    out = a.send("x")
-    assert [m.metadata.get("error_type") for m in out.errors] == ["ExecutionError"]
-    assert a.context["_unsafe_mode"] is False and a.context["_temperature_override"] == 0.5
-    ok = _tool_actor("context['mine'] = 1\nresult = str(context.get('_unsafe_mode'))",
-                     host_context={"_unsafe_mode": False})
-    assert [m.content for m in ok.send("x").outputs] == ["False"]
-    assert ok.context["mine"] == 1
-
 
 # Jinja2 server-side template injection payloads (published SSTI corpora), through the §8.3
 # rendering namespace: each must fail as a TemplateError, leave the context as it was, and the
-# next render must work.
+# next render must work (T2 for templates; the size ones are T3).
 JINJA_SSTI = {
     "unbound-str-format-environ": "{{ str.format('{0.__init__.__globals__[os].environ}', cycler) }}",
     "unbound-str-format-builtins":
@@ -6013,10 +5899,6 @@ JINJA_SSTI = {
     "unbound-method-attr-filter": "{{ (dict|attr('pop'))(context, 'sentinel') }}",
     "power-tower": "{{ 10 ** 100000000 }}",
     "string-repetition": "{{ 'a' * 10**10 }}",
-    "round-long-division": "{{ round(int('f' * 10**7, 16), -10**6) }}",
-    "sum-concatenation": "{{ sum([[0] * 1000] * 10000, []) }}",
-    "sum-filter-concatenation": "{{ ([[0] * 1000] * 10000)|sum(start=[]) }}",
-    "python-codec": "{{ 'abc'.encode('punycode') }}",
 }
 
 
@@ -6031,13 +5913,14 @@ def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
     start = _time.monotonic()
     with pytest.raises(actor.TemplateError):
         actor.render(source, actor.runtime_variables(context, "m"), "JINJA2")
-    assert _time.monotonic() - start < 1.5
+    assert _time.monotonic() - start < 0.2 + SLACK
     assert context == _ssti_context()
     assert actor.render("{{ context.sentinel }} {{ '{}-{}'.format(1, 2) }} {{ 2 ** 10 }}",
                         actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
 
 
-# Template runaways: each stops at the render deadline (TEMPLATE_TIME_LIMIT, lowered here).
+# T3 for templates: Python-level runaways stop at the render deadline (TEMPLATE_TIME_LIMIT,
+# lowered here); the C-level ones (ISOLATED_TEMPLATE_RUNAWAYS) need a worker.
 TEMPLATE_RUNAWAYS = {
     ("JINJA2", "macro-calls-itself-twice"):
         "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
@@ -6048,18 +5931,27 @@ TEMPLATE_RUNAWAYS = {
         "{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}{% endfor %}{% endfor %}",
     ("JINJA2", "recursive-loop"):
         "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
-    ("JINJA2", "lazy-filter-chain"):   # 60,000 nested generators crashed CPython 3.11
-        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
-        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}"
-        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    ("JINJA2", "zip-chain"):
-        "{% set ns = namespace(z=[1]) %}{% for i in range(300) %}{% for j in range(200) %}"
-        "{% set ns.z = zip(ns.z) %}{% endfor %}{% endfor %}{{ ns.z|list }}",
+    ("JINJA2", "string-repetition"): "{{ 'a' * 10**10 }}",
     ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
-    ("SIMPLE", "format-width"): "{message:>9999999999}",
-    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
     ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
 }
+ISOLATED_TEMPLATE_RUNAWAYS = {
+    ("JINJA2", "lazy-filter-chain"):
+        "{% set ns = namespace(z=[1]) %}{% for i in range(1000) %}{% for j in range(1000) %}"
+        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}",
+    ("JINJA2", "round-long-division"): "{{ round(int('f' * 10**7, 16), -10**6) }}",
+    ("JINJA2", "sum-concatenation"): "{{ sum([[0] * 1000] * 10000, []) }}",
+    ("JINJA2", "aliased-printing"): "{% set x = [0] * 10**5 %}{{ [x] * 10**5 }}",
+    ("SIMPLE", "format-width"): "{message:>9999999999}",
+    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
+}
+
+
+def _template_variables():
+    nested = {"a": False}
+    for _ in range(40):
+        nested = {"a": nested}
+    return {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
 
 
 @pytest.mark.parametrize("engine,name", list(TEMPLATE_RUNAWAYS), ids=[
@@ -6067,17 +5959,25 @@ TEMPLATE_RUNAWAYS = {
 def test_template_runaway_is_stopped(monkeypatch, engine, name):
     monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
     source = TEMPLATE_RUNAWAYS[(engine, name)]
-    nested = {"a": False}
-    for _ in range(40):
-        nested = {"a": nested}
-    variables = {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
     partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
     start = _time.monotonic()
     with pytest.raises(actor.TemplateError):
-        actor.render(source, variables, engine, partials=partials)
-    assert _time.monotonic() - start < 1.5
-    assert actor.render("{{ message }}", {"message": "ok"},
-                        "SIMPLE" if engine == "SIMPLE" else engine) == "ok"
+        actor.render(source, _template_variables(), engine, partials=partials)
+    assert _time.monotonic() - start < 0.2 + SLACK
+    assert actor.render("{{ message }}", {"message": "ok"}, engine) == "ok"
+
+
+@pytest.mark.parametrize("engine,name", list(ISOLATED_TEMPLATE_RUNAWAYS), ids=[
+    f"{engine}-{name}" for engine, name in ISOLATED_TEMPLATE_RUNAWAYS])
+def test_isolated_template_runaway_is_stopped(workers, monkeypatch, engine, name):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.3)
+    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
+    source = ISOLATED_TEMPLATE_RUNAWAYS[(engine, name)]
+    start = _time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        workers.render(source, _template_variables(), engine)
+    assert _time.monotonic() - start < 0.6 + SLACK
+    assert workers.render("{{ message }}", {"message": "ok"}, engine) == "ok"
 
 
 def test_template_limits_leave_ordinary_templates_alone():
@@ -6096,15 +5996,83 @@ def test_template_limits_leave_ordinary_templates_alone():
 
 
 def test_simple_expression_cannot_change_the_live_context():
-    context = {"mode": "safe"}
-    out = actor.render("{{ context.update({'mode': 'x', '_unsafe_mode': True}) }}{{ mode }}",
-                       actor.runtime_variables(context, "m"), "SIMPLE")
-    assert out == "safe" and context == {"mode": "safe"}
+    """INTERPRETATION §8.11 (templates are read-only) holds for SIMPLE's expressions too."""
+    context = {"mode": "safe", "inner": {"k": 1}}
+    for source in ("{{ context.update({'mode': 'x'}) }}", "{{ inner.update({'k': 2}) }}",
+                   "{{ context['inner'].pop('k') }}", "{{ context.update({'_unsafe_mode': 1}) }}"):
+        with pytest.raises(actor.TemplateError, match="may not change the context"):
+            actor.render(source, actor.runtime_variables(context, "m"), "SIMPLE")
+    assert context == {"mode": "safe", "inner": {"k": 1}}
 
 
-def test_template_limits_do_not_leak_the_memory_cap_or_the_budget():
-    before = _resource.getrlimit(_resource.RLIMIT_AS) if _resource else None
+def test_budget_does_not_leak_out_of_a_render():
     with pytest.raises(actor.TemplateError):
         actor.render("{{ 'a' * 10**10 }}", {}, "JINJA2")
-    assert (_resource.getrlimit(_resource.RLIMIT_AS) if _resource else None) == before
-    assert getattr(actor._SANDBOX_LOCAL, "budget", None) is None
+    assert getattr(actor._BUDGET, "budget", None) is None
+
+
+# Benchmarks (issue 11): printed side by side in one run, never asserted ----------------------
+def _best_us(fn, n):
+    """Best of five rounds of n // 5 calls, in microseconds per call (an unloaded machine's)."""
+    best = float("inf")
+    for _ in range(5):
+        start = _time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        best = min(best, (_time.perf_counter() - start) / (n // 5) * 1e6)
+    return best
+
+
+@pytest.mark.bench
+def test_sandbox_bench_per_call_against_restrictedpython_and_bare_exec():
+    """One body, three runners: bare exec, RestrictedPython (the `bench` extra) and run_code;
+    then run_code with contexts of 0 to 10,000 keys, and one call through isolation="process"."""
+    source = 'result = str(input_data).upper() + "!"\n'
+    unit = actor.compile_code(source)
+    plain = compile(source, "<plain>", "exec")
+    empty = {}
+    rows = [("bare exec", _best_us(lambda: exec(plain, sandbox_vars(context=empty)), 50000))]
+    try:
+        from RestrictedPython import compile_restricted, safe_globals
+        from RestrictedPython.Eval import default_guarded_getattr
+        restricted = compile_restricted(source, "<restricted>", "exec")
+        glb = {**safe_globals, "_getattr_": default_guarded_getattr}
+        rows.append(("RestrictedPython", _best_us(
+            lambda: exec(restricted, {**glb, **sandbox_vars(context=empty)}), 50000)))
+    except ImportError:
+        rows.append(("RestrictedPython", float("nan")))
+    for keys in (0, 100, 1000, 10000):
+        context = {f"k{i}": i for i in range(keys)}
+        rows.append((f"actor.py run_code, context of {keys} keys", _best_us(
+            lambda: actor.run_code(unit, sandbox_vars(context=context)), 50000)))
+    workers = actor.ProcessSandbox()
+    try:
+        variables = sandbox_vars(context=actor.ContextView({}))
+        workers.run_code(unit, variables, 1.0, None)
+        rows.append(('actor.py isolation="process"', _best_us(
+            lambda: workers.run_code(unit, variables, 1.0, None), 2000)))
+    finally:
+        workers.close()
+    print("\n[sandbox bench] one call of " + source.strip())
+    for label, us in rows:
+        print(f"  {label:<44} {us:8.2f} us")
+
+
+@pytest.mark.bench
+def test_sandbox_bench_graph_node_inline_tool_against_echo():
+    """A 10-node linear graph whose nodes are inline-tool agents vs echo-tool agents."""
+    names = [f"n{i}" for i in range(10)]
+    edges = [{"source": a, "target": b} for a, b in zip(["start", *names], [*names, "end"])]
+    results = {}
+    for label, tool in (("echo tool", "echo"),
+                        ("inline tool", {"name": "t", "code": "result = input_data"})):
+        data = {"agents": {"a": {"type": "tool", "config": {"tools": [tool]}}},
+                "routes": {"main": {"type": "graph", "edges": edges,
+                                    "nodes": {n: {"type": "agent", "agent": "a"} for n in names}}}}
+        a = actor.load(text=yaml.safe_dump(data), unsafe=True, default_router="main")
+        graph = a.rt.graphs["main"]
+        graph.run("echo hi", a.rt.context, pure=True)
+        results[label] = _best_us(lambda: graph.run("echo hi", a.rt.context, pure=True), 2000) / 10
+    print(f"\n[sandbox bench] graph node: echo tool {results['echo tool']:.2f} us/node, "
+          f"inline tool {results['inline tool']:.2f} us/node "
+          f"({results['inline tool'] / results['echo tool']:.2f}x)")
