@@ -10730,6 +10730,8 @@ def _arg_parser():
     p.add_argument("-m", "--message", action="append", metavar="TEXT",
                    help="a message to send (repeatable); default: one message per stdin line")
     p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
+    p.add_argument("--isolate", action="store_true", help="run configuration code, expressions and "
+                   "templates in worker processes (§13.2, README Security)")
     p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
                    "(e.g. fake: offline, no key)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
@@ -10820,7 +10822,8 @@ def main(argv=None):
         actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
                      unsafe=args.unsafe, template_engine=args.engine,
                      default_router=args.default_router, provider=args.provider,
-                     clock=RealClock(), context=_parse_set(args.context, "--context") or None)
+                     clock=RealClock(), context=_parse_set(args.context, "--context") or None,
+                     isolation="process" if args.isolate else "none")
     except ActorError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG

@@ -3015,6 +3015,15 @@ def test_router_regex_with_nested_repeats_is_warned_at_load():
         == [True, False, False, True]
 
 
+def test_router_regex_backtracking_shapes_are_warned():
+    """Issue 11: alternation under a repeat and adjacent unbounded repeats are warned too; the
+    usual routing patterns are not."""
+    risky = ("(a|ab)*c", "(foo|bar)+x", r"\w+\w*!", ".*.*x", r"^(\d+)+$")
+    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!")
+    assert [actor.regex_may_backtrack(p) for p in risky] == [True] * len(risky)
+    assert [actor.regex_may_backtrack(p) for p in plain] == [False] * len(plain)
+
+
 # §6.3 Graph state ----------------------------------------------------------------------------
 def test_graph_state_messages_capped_at_50():
     rt, g = make_graph(linear("a"), {"a": echo("a")})
@@ -5404,6 +5413,27 @@ def test_isolation_phase_a_and_b_render_in_a_worker():
     with pytest.raises(actor.ConfigurationError, match="resource exhausted"):
         actor.load(text="{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}"
                         "{% endfor %}" + phase_a, render_context={"n": 1}, isolation="process")
+
+
+def test_cli_isolate_keeps_serving_after_a_worker_crash(tmp_path):
+    """`python actor.py --isolate`: a body that crashes its worker costs one message only."""
+    import subprocess
+    config = tmp_path / "c.yaml"
+    config.write_text("agents:\n  t:\n    type: tool\n    config:\n      tools:\n"
+                      "        - name: shout\n          code: |\n"
+                      "            if input_data == 'crash':\n"
+                      "                t = ()\n                for i in range(10**6):\n"
+                      "                    t = (t,)\n                d = {t: 1}\n"
+                      "            result = str(input_data).upper() + '!'\n"
+                      "routes:\n  main:\n    type: stream\n"
+                      "    operators: [{type: map, params: {agent: t}}]\n"
+                      "    publications: [__output__]\n"
+                      "merges: [{sources: [__input__], target: main}]\n")
+    done = subprocess.run([sys.executable, actor.__file__, str(config), "--unsafe", "--isolate",
+                           "-m", "hello", "-m", "crash", "-m", "again"],
+                          capture_output=True, text=True, timeout=300)
+    assert "HELLO!" in done.stdout and "AGAIN!" in done.stdout
+    assert "worker process died" in done.stdout + done.stderr
 
 
 def test_isolation_values_cross_as_tagged_json():
