@@ -8114,6 +8114,106 @@ RESERVED_CONTEXT_KEYS = (
 )
 
 
+# The host-only keys stay the host's, wherever a write comes from (T2, README Security).
+# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
+# table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
+# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
+# mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
+# and §6.9 say), and a written value is checked whole; a mapping that sits in a list is never
+# lifted to a context's top level, so lists are handed out raw.
+class ContextView(collections.abc.MutableMapping):
+    """A context seen from sandboxed code: reads fall back to `base` (an agent's own context,
+    Q79), writes land in `data` (the invocation context) as they happen, host-only keys refused,
+    and no write once the call was abandoned (§5.3.4). Cost: independent of the context's size."""
+
+    __slots__ = ("data", "base", "read_only")
+
+    def __init__(self, data, base=None, read_only=False):
+        self.data, self.base, self.read_only = data, base, read_only
+
+    def __getitem__(self, key):
+        value = self.data[key] if key in self.data or not self.base else self.base[key]
+        return ContextView(value, None, self.read_only) if type(value) is dict else value
+
+    def __setitem__(self, key, value):
+        value = plain(value)
+        _check_write(self, key, value)
+        self.data[key] = value
+
+    def __delitem__(self, key):
+        _check_write(self, key)
+        del self.data[key]
+
+    def __iter__(self):
+        yield from self.data
+        yield from (key for key in self.base or () if key not in self.data)
+
+    def __len__(self):
+        return len(self.data) + sum(key not in self.data for key in self.base or ())
+
+    def __contains__(self, key):
+        return key in self.data or bool(self.base) and key in self.base
+
+    def __eq__(self, other):
+        return plain(self) == plain(other)
+
+    def __repr__(self):
+        return repr(plain(self))
+
+    def copy(self):
+        return {key: self[key] for key in self}
+
+
+def _check_write(view, key, value=None):
+    if view.read_only:       # INTERPRETATION §8.11 (new: templates are read-only)
+        raise ExecutionError("a template may not change the context", section="8.11")
+    refuse_host_keys({key: value}, "configuration code")
+    check_not_abandoned("inline code")
+
+
+def plain(value, memo=None):
+    """`value` with every ContextView replaced by a plain dict (the host never sees a view)."""
+    if type(value) is ContextView:
+        if not value.base:
+            return value.data
+        return {**value.base, **value.data}
+    if type(value) not in (list, tuple, dict):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value
+    if type(value) is dict:
+        items = [(key, plain(item, memo)) for key, item in value.items()]
+        if any(item is not value[key] for key, item in items):
+            memo[id(value)] = value = dict(items)
+        return value
+    items = [plain(item, memo) for item in value]
+    if any(new is not old for new, old in zip(items, value)):
+        memo[id(value)] = value = type(value)(items)
+    return value
+
+
+def refuse_host_keys(mapping, where):
+    """The same rule for every other writer of context or graph metadata (set_state,
+    state_update, §6.9's write-back): the host-only keys are the host's (T2)."""
+    stack, seen = [mapping], set()
+    while stack:
+        value = stack.pop()
+        if type(value) not in (dict, list, tuple) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if type(value) is dict:
+            bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
+            if bad:
+                raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
+                                     section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+            stack.extend(value.values())
+        else:
+            stack.extend(value)
+
+
+
 # §10.4 The prompts section ---------------------------------------------------------------
 def collect_prompts(doc):
     """§10.4: name -> template text, long form only.
@@ -9030,104 +9130,6 @@ def _sandbox_line(tb):
     return line
 
 
-# Host-only context keys (T2) -------------------------------------------------------------------
-# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
-# table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
-# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
-# mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
-# and §6.9 say), and a written value is checked whole; a mapping that sits in a list is never
-# lifted to a context's top level, so lists are handed out raw.
-class ContextView(collections.abc.MutableMapping):
-    """A context seen from sandboxed code: reads fall back to `base` (an agent's own context,
-    Q79), writes land in `data` (the invocation context) as they happen, host-only keys refused,
-    and no write once the call was abandoned (§5.3.4). Cost: independent of the context's size."""
-
-    __slots__ = ("data", "base", "read_only")
-
-    def __init__(self, data, base=None, read_only=False):
-        self.data, self.base, self.read_only = data, base, read_only
-
-    def __getitem__(self, key):
-        value = self.data[key] if key in self.data or not self.base else self.base[key]
-        return ContextView(value, None, self.read_only) if type(value) is dict else value
-
-    def __setitem__(self, key, value):
-        value = plain(value)
-        _check_write(self, key, value)
-        self.data[key] = value
-
-    def __delitem__(self, key):
-        _check_write(self, key)
-        del self.data[key]
-
-    def __iter__(self):
-        yield from self.data
-        yield from (key for key in self.base or () if key not in self.data)
-
-    def __len__(self):
-        return len(self.data) + sum(key not in self.data for key in self.base or ())
-
-    def __contains__(self, key):
-        return key in self.data or bool(self.base) and key in self.base
-
-    def __eq__(self, other):
-        return plain(self) == plain(other)
-
-    def __repr__(self):
-        return repr(plain(self))
-
-    def copy(self):
-        return {key: self[key] for key in self}
-
-
-def _check_write(view, key, value=None):
-    if view.read_only:       # INTERPRETATION §8.11 (new: templates are read-only)
-        raise ExecutionError("a template may not change the context", section="8.11")
-    refuse_host_keys({key: value}, "configuration code")
-    check_not_abandoned("inline code")
-
-
-def plain(value, memo=None):
-    """`value` with every ContextView replaced by a plain dict (the host never sees a view)."""
-    if type(value) is ContextView:
-        if not value.base:
-            return value.data
-        return {**value.base, **value.data}
-    if type(value) not in (list, tuple, dict):
-        return value
-    memo = {} if memo is None else memo
-    if id(value) in memo:
-        return memo[id(value)]
-    memo[id(value)] = value
-    if type(value) is dict:
-        items = [(key, plain(item, memo)) for key, item in value.items()]
-        if any(item is not value[key] for key, item in items):
-            memo[id(value)] = value = dict(items)
-        return value
-    items = [plain(item, memo) for item in value]
-    if any(new is not old for new, old in zip(items, value)):
-        memo[id(value)] = value = type(value)(items)
-    return value
-
-
-def refuse_host_keys(mapping, where):
-    """The same rule for every other writer of context or graph metadata (set_state,
-    state_update, §6.9's write-back): the host-only keys are the host's (T2)."""
-    stack, seen = [mapping], set()
-    while stack:
-        value = stack.pop()
-        if type(value) not in (dict, list, tuple) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        if type(value) is dict:
-            bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
-            if bad:
-                raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
-                                     section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
-            stack.extend(value.values())
-        else:
-            stack.extend(value)
-
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 # The wrapped ones: type and isinstance see a ContextView as the dict it stands for; type() hands
 # out only the classes the tables already expose (T2: no type object can be reached otherwise).
@@ -9483,6 +9485,7 @@ class ProcessSandbox:
     def run_code(self, unit, variables, timeout, on_progress):
         """The worker runs the body; context changes come back and land in the parent's view."""
         view = variables["context"]
+        view = ContextView(view) if type(view) is dict else view
         request = {"op": "code", "source": unit.source, "timeout": timeout,
                    "input": variables["input_data"], "context": wire(view)}
 
@@ -9559,26 +9562,23 @@ def worker_main():
 
 
 def _worker_answer(request, units, event):
-    op, source = request["op"], request.get("source")
+    """One request, answered in the worker by the in-process sandbox under its own budget."""
+    local, op, source = InProcessSandbox(), request["op"], request.get("source")
     if op == "render":
-        variables = unwire(request["variables"])
-        if request["phase"] == "B" and engine_name(request["engine"]) == "SIMPLE":
-            return render_simple(request["text"], variables, format_pass=False)
-        return render(request["text"], {**BUILTINS, **variables}, request["engine"],
-                      request["partials"])
+        return local.render(request["text"], {**BUILTINS, **unwire(request["variables"])},
+                            request["engine"], request["partials"], request["phase"])
     key = (op, source, request.get("nparams"))
     if key not in units:
         units[key] = compile_code(source) if op == "code" \
             else compile_expression(source, nparams=request["nparams"])
-    unit = units[key]
     if op == "expr":
-        return unit(*unwire(request["args"]), timeout=request["timeout"])
+        return local.call(units[key], unwire(request["args"]), request["timeout"])
     context = unwire(request["context"])
-    namespace = run_code(unit, {
+    result = local.run_code(units[key], {
         "input_data": request["input"], "message": request["input"], "context": context,
         "result": None, INLINE_PROGRESS: lambda **kwargs: event("progress", kwargs=wire(kwargs))},
-        timeout=request["timeout"])
-    return {"result": tool_output(inline_result(namespace)), "context": context}
+        request["timeout"])
+    return {"result": tool_output(result), "context": context}
 
 
 class InProcessSandbox:

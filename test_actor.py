@@ -5517,6 +5517,69 @@ def test_simple_never_reparses_what_an_expression_produced():
     assert actor.render("{{ 1 + 1 }} {api_token}", variables, "SIMPLE") == "2 s3cret"
 
 
+# Hostile messages: each is answered (output or error) promptly, in both modes, and prints no
+# secret; the next message is answered normally.
+MESSAGE_SENDER_ATTACKS = {
+    "format-field-secret": "what is {api_token}?",
+    "format-width-bomb": "{message:>900000000}",
+    "jinja-expression": "{{ 7 * 7 }}{% for i in range(10**9) %}{% endfor %}",
+    "mustache-section": "{{#context}}{{api_token}}{{/context}}",
+    "math-round-bomb": '{"tool": "math", "args": {"expression": "round(1, -30000000)"}}',
+    "math-modular-power": '{"tool": "math", "args": {"expression": "pow(7**1400, 9**1400, 8**1400)"}}',
+    "math-long-literal": '{"tool": "math", "args": {"expression": "' + "9" * 5000 + '"}}',
+    "math-deep-nesting": '{"tool": "math", "args": {"expression": "' + "(" * 5000 + "1" + ")" * 5000 + '"}}',
+    "json-deep-nesting": '{"tool": "json_parse", "args": {"json": "' + "[" * 200000 + '"}}',
+    "json-invalid": '{"tool": "echo", "args": {"text": "x"}',
+    "tool-execute-unclosed-many": "[TOOL_EXECUTE:echo] {" * 20000,
+    "router-long-message": "GOTO_" + "A" * 200000,
+}
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_message_sender_attacks_are_just_processed(isolation):
+    text = """
+context:
+  global: {api_token: s3cret}
+agents:
+  prompt:
+    type: llm
+    config: {provider: openai, api_key: k, system_prompt: "Q: {{ message }}",
+             tool_execute: true, tools: [echo]}
+  tools:
+    type: tool
+    config: {tools: [math, json_parse, echo]}
+routes:
+  main:
+    type: graph
+    nodes:
+      route:
+        type: message_router
+        rules: [{match_type: regex, pattern: "^GOTO_([A-Z]+)$", target: t}]
+      t: {type: agent, agent: tools}
+      p: {type: agent, agent: prompt}
+    edges:
+      - {source: start, target: route}
+      - {source: route, target: t}
+      - {source: t, target: p}
+      - {source: p, target: end}
+"""
+    for engine in ("JINJA2", "SIMPLE", "MUSTACHE"):
+        a = actor.load(text=text, provider="fake", template_engine=engine, isolation=isolation,
+                       default_router="main")
+        try:
+            for name, message in MESSAGE_SENDER_ATTACKS.items():
+                start = _time.monotonic()
+                result = a.send(message)
+                assert _time.monotonic() - start < 2 + SLACK, name
+                assert result.outputs or result.errors, name
+                sent = " ".join(r["system"] + str(r["messages"]) for r in a.rt.llm_log)
+                assert "s3cret" not in sent, (engine, name)
+            last = a.send('{"tool": "echo", "args": {"text": "hello"}}')
+            assert last.outputs and not last.errors and a.rt.llm_log[-1]["system"] == "Q: hello"
+        finally:
+            a.close()
+
+
 def test_mustache_parsing_is_linear_in_the_number_of_tags():
     """A template of many standalone-looking tags on one long line parses in linear time (T1:
     prompts may be long): counted in characters the scanner reads, not in seconds."""
