@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """actor.py -- the reference interpreter for the Actor Configuration Standard 1.0.0.
 
 Clarity over speed: one module that pins down what the standard means, laid out in the

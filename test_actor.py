@@ -451,6 +451,14 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     assert not crashes, "\n".join(crashes[:10])
 
 
+def test_licence_travels_with_the_module():
+    """A vendored copy of actor.py carries its licence: the SPDX line near the top, and the MIT
+    text beside it."""
+    head = (HERE / "actor.py").read_text(encoding="utf-8").splitlines()[:5]
+    assert "# SPDX-License-Identifier: MIT" in head
+    assert (HERE / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
