@@ -50,10 +50,13 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import contextlib
 import contextvars
 import copy
 import datetime
+import difflib
 import email.utils
+import fnmatch
 import functools
 import heapq
 import io
@@ -10968,14 +10971,19 @@ def jsonable(value):
 # actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
 
 VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
-               "load_error", "steps")
+               "load_error", "warnings", "steps")
 HOST_KEYS = ("unsafe", "env", "render_context", "template_engine", "default_router", "context",
-             "files", "llm", "provider")
-STEP_ACTIONS = ("send", "advance", "complete")
+             "files", "llm", "provider", "single_shot")
+STEP_ACTIONS = ("send", "advance", "complete", "rewind", "restore")
 STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
-               "files")
-STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at",)
+               "files", "files_matching", "warnings", "describe", "raises")
+STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at", "target")
+# Format extensions an implementation may leave out: it lists the ones it supports under
+# `extensions` in its report, and a vector using any other one is reported SKIP, not FAIL.
+VECTOR_EXTENSIONS = ("warnings", "describe", "target", "raises", "files_matching", "rewind",
+                     "restore", "single_shot")
 VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
+_WARNING_SECTION = re.compile(r"\(§([^()]*)\)\s*$")
 
 
 def vector_sources(vector):
@@ -10985,6 +10993,19 @@ def vector_sources(vector):
     if "configs" in vector:
         return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
     return [("config.yaml", json.dumps(vector.get("config")))]
+
+
+def vector_extensions(vector):
+    """The format extensions `vector` uses, in VECTOR_EXTENSIONS order."""
+    used = set()
+    if "warnings" in vector:
+        used.add("warnings")
+    if "single_shot" in (vector.get("host") or {}):
+        used.add("single_shot")
+    for step in vector.get("steps") or []:
+        if isinstance(step, dict):
+            used.update(key for key in VECTOR_EXTENSIONS if key in step)
+    return [name for name in VECTOR_EXTENSIONS if name in used]
 
 
 def read_tree(root):
@@ -10999,9 +11020,44 @@ def read_tree(root):
     return files
 
 
+def warning_record(text):
+    """A warning as the protocol reports it: {message, section} (section: '5.4', '6.1, 6.6' or
+    None), read from the `(§x.y)` that ends the text warn() wrote."""
+    found = _WARNING_SECTION.search(text)
+    section = found.group(1).replace("§", "").strip() if found else None
+    return {"message": text, "section": section}
+
+
+def _vector_step(actor, step):
+    """Perform one step's action; the Result of everything it emitted."""
+    if "send" in step:
+        return actor.send(step["send"], at=step.get("at"), target=step.get("target"))
+    results = []
+    if step.get("at") is not None:      # move the clock first; what falls due belongs here
+        results.append(actor.advance(max(0.0, step["at"] - actor.rt.clock.now())))
+    if "advance" in step:
+        results.append(actor.advance(step["advance"]))
+    elif "complete" in step:
+        results.append(actor.complete())
+    elif "rewind" in step:
+        actor.rewind(step["rewind"]["graph"], step["rewind"].get("steps", 1))
+    elif "restore" in step:
+        actor.restore(step["restore"]["graph"])
+    return Result([m for r in results for m in r.outputs], [m for r in results for m in r.errors])
+
+
 def observe_vector(vector):
-    """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
-    context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
+    """Run one vector and report what happened: {load_error, warnings, extensions, stderr, steps:
+    [{outputs, metadata, errors, context, llm_requests, files, warnings, raised, describe?}]}.
+    Reports only; judging is judge_vector's job. What inline code prints goes to `stderr`."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        report = _observe(vector)
+    report["stderr"] = printed.getvalue()
+    return report
+
+
+def _observe(vector):
     host = vector.get("host") or {}
     with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
         for rel, content in (host.get("files") or {}).items():
@@ -11009,6 +11065,8 @@ def observe_vector(vector):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content, encoding="utf-8")
         llm = (host.get("llm") or {}).get("responses") or {}
+        report = {"load_error": None, "warnings": [], "extensions": list(VECTOR_EXTENSIONS),
+                  "steps": []}
         try:
             actor = start_actor(
                 vector_sources(vector), render_context=host.get("render_context"),
@@ -11018,21 +11076,21 @@ def observe_vector(vector):
                 workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
                 context=host.get("context"))
         except ActorError as exc:
-            return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+            report["load_error"] = {"category": exc.category, "message": str(exc)}
+            return report
         actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
-        observed = []
+        actor.rt.single_shot = bool(host.get("single_shot", False))
+        warned = len(actor.rt.warnings)
+        report["warnings"] = [warning_record(w) for w in actor.rt.warnings]
         try:
             for step in vector.get("steps") or []:
                 logged = len(actor.rt.llm_log)
-                if "send" in step:
-                    result = actor.send(step["send"], at=step.get("at"))
-                elif "advance" in step:
-                    if step.get("at") is not None:
-                        actor.rt.clock.set_time(step["at"])
-                    result = actor.advance(step["advance"])
-                else:
-                    result = actor.complete()
-                observed.append({
+                raised = None
+                try:
+                    result = _vector_step(actor, step)
+                except ActorError as exc:
+                    raised, result = {"category": exc.category, "message": str(exc)}, Result()
+                seen = {
                     "outputs": [jsonable(m.content) for m in result.outputs],
                     "metadata": [jsonable(m.metadata) for m in result.outputs],
                     "errors": [{"content": jsonable(m.content),
@@ -11041,10 +11099,16 @@ def observe_vector(vector):
                     "context": jsonable(actor.context),
                     "llm_requests": jsonable(actor.rt.llm_log[logged:]),
                     "files": read_tree(tmp),
-                })
+                    "warnings": [warning_record(w) for w in actor.rt.warnings[warned:]],
+                    "raised": raised,
+                }
+                if "describe" in step:
+                    seen["describe"] = jsonable(actor.describe())
+                warned = len(actor.rt.warnings)
+                report["steps"].append(seen)
         finally:
             actor.close()
-        return {"load_error": None, "steps": observed, "warnings": list(actor.rt.warnings)}
+        return report
 
 
 def same(expect, got):
@@ -11084,9 +11148,65 @@ def _error_matches(expect, got):
     return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
 
 
+def _warning_matches(expect, got):
+    message = got.get("message") if isinstance(got, dict) else got
+    if not isinstance(message, str):
+        return False
+    if "contains" in expect and str(expect["contains"]) not in message:
+        return False
+    if "section" in expect:
+        cited = got.get("section") if isinstance(got, dict) else None
+        if str(expect["section"]) not in [s.strip() for s in str(cited or "").split(",")]:
+            return False
+    return True
+
+
+def warnings_match(expect, got):
+    """Each expected {contains, section} matches a different reported warning, in any order, and
+    others may be present; an empty list means no warning at all."""
+    if not isinstance(got, list):
+        return False
+    if not expect:
+        return not got
+    rest = list(got)
+    for item in expect:
+        match = next((i for i, g in enumerate(rest) if _warning_matches(item, g)), None)
+        if match is None:
+            return False
+        rest.pop(match)
+    return True
+
+
+def describe_matches(expect, got):
+    """Deep subset of the §4.11 description, where `capabilities` lists compare as sets."""
+    if isinstance(expect, dict) and isinstance(got, dict):
+        for key, value in expect.items():
+            if key not in got:
+                return False
+            if key == "capabilities" and isinstance(value, list) and isinstance(got[key], list):
+                if sorted(map(str, value)) != sorted(map(str, got[key])):
+                    return False
+            elif not describe_matches(value, got[key]):
+                return False
+        return True
+    return subset(expect, got)
+
+
+def files_matching(files, pattern):
+    """How many reported files match a glob (fnmatch on relative POSIX paths; * crosses /)."""
+    return sum(1 for rel in files if fnmatch.fnmatchcase(rel, pattern))
+
+
 def judge_step(step, seen):
     """[(field, expect, got)] for every check of `step` that `seen` fails."""
     failures = []
+    raised = seen.get("raised")
+    if "raises" in step:
+        got = raised["category"] if raised else "no error"
+        if got != step["raises"]:
+            failures.append(("raises", step["raises"], raised["message"] if raised else got))
+    elif raised:
+        failures.append(("raised", None, raised["message"]))
     if "outputs" in step and not same(step["outputs"], seen["outputs"]):
         failures.append(("outputs", step["outputs"], seen["outputs"]))
     if "outputs_unordered" in step:
@@ -11113,7 +11233,22 @@ def judge_step(step, seen):
             got = seen["files"].get(rel)
             if not same(content, got):
                 failures.append((f"files[{rel}]", content, got))
+    for pattern, count in (step.get("files_matching") or {}).items():
+        got = files_matching(seen.get("files") or {}, pattern)
+        if not same(count, got):
+            failures.append((f"files_matching[{pattern}]", count, got))
+    if "warnings" in step and not warnings_match(step["warnings"], seen.get("warnings")):
+        failures.append(("warnings", step["warnings"], seen.get("warnings")))
+    if "describe" in step and not describe_matches(step["describe"], seen.get("describe")):
+        failures.append(("describe", step["describe"], seen.get("describe")))
     return failures
+
+
+def unsupported_extensions(vector, observed):
+    """The extensions `vector` uses that the report does not list as supported."""
+    supported = observed.get("extensions") if isinstance(observed, dict) else None
+    supported = supported if isinstance(supported, list) else []
+    return [name for name in vector_extensions(vector) if name not in supported]
 
 
 def judge_vector(vector, observed):
@@ -11128,14 +11263,46 @@ def judge_vector(vector, observed):
         return failures
     if load_error:
         return [(None, "load", "load_error", None, load_error["message"])]
+    if "warnings" in vector and not warnings_match(vector["warnings"], observed.get("warnings")):
+        failures.append((None, "load", "warnings", vector["warnings"], observed.get("warnings")))
     steps, seen = vector.get("steps") or [], observed.get("steps") or []
     if len(seen) != len(steps):
-        return [(None, "steps", "steps", f"{len(steps)} steps", f"{len(seen)} observed")]
+        return failures + [(None, "steps", "steps", f"{len(steps)} steps",
+                            f"{len(seen)} observed")]
     for i, (step, got) in enumerate(zip(steps, seen)):
         action = next((a for a in STEP_ACTIONS if a in step), "?")
         for field, expect, value in judge_step(step, got):
             failures.append((i + 1, action, field, expect, value))
     return failures
+
+
+def _lint_step(i, step, errors):
+    if sum(a in step for a in STEP_ACTIONS) != 1:
+        errors.append(f"steps[{i}] has not exactly one of {', '.join(STEP_ACTIONS)}")
+    if "target" in step and ("send" not in step or not isinstance(step["target"], str)):
+        errors.append(f"steps[{i}]: target is a route name on a send step")
+    rewind = step.get("rewind", {"graph": "", "steps": 1})
+    if not (isinstance(rewind, dict) and isinstance(rewind.get("graph"), str)
+            and type(rewind.get("steps", 1)) is int):
+        errors.append(f"steps[{i}]: rewind is {{graph: NAME, steps: N}}")
+    restore = step.get("restore", {"graph": ""})
+    if not (isinstance(restore, dict) and isinstance(restore.get("graph"), str)):
+        errors.append(f"steps[{i}]: restore is {{graph: NAME}}")
+    if "raises" in step and step["raises"] not in ERROR_CATEGORIES:
+        errors.append(f"steps[{i}]: raises '{step['raises']}' is not a §20 category")
+    matching = step.get("files_matching", {})
+    if not (isinstance(matching, dict) and all(type(n) is int for n in matching.values())):
+        errors.append(f"steps[{i}]: files_matching maps a glob to a count")
+    _lint_warnings(f"steps[{i}].warnings", step.get("warnings", []), errors)
+
+
+def _lint_warnings(where, entries, errors):
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and set(e) <= {"contains", "section"} for e in entries):
+        errors.append(f"{where} is a list of {{contains, section}}")
+        return
+    if any("section" in e and not isinstance(e["section"], str) for e in entries):
+        errors.append(f"{where}: a section is a string ('5.4', quoted in YAML)")
 
 
 def lint_vector(vector, stem=None):
@@ -11153,20 +11320,27 @@ def lint_vector(vector, stem=None):
             errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
         if vector.get("steps"):
             errors.append("a load_error vector has no steps")
+        if "warnings" in vector:
+            errors.append("a load_error vector has no warnings check")
     elif not vector.get("steps"):
         errors.append("no steps and no load_error")
+    if "warnings" in vector:
+        _lint_warnings("warnings", vector["warnings"], errors)
     for key in vector:
         if key not in VECTOR_KEYS:
             warnings_.append(f"unknown key '{key}'")
-    for key in vector.get("host") or {}:
+    host = vector.get("host") or {}
+    for key in host if isinstance(host, dict) else ():
         if key not in HOST_KEYS:
             warnings_.append(f"unknown host key '{key}'")
-    for i, step in enumerate(vector.get("steps") or []):
+    if isinstance(host, dict) and not isinstance(host.get("single_shot", False), bool):
+        errors.append("host.single_shot is true or false")
+    steps = vector.get("steps") or []
+    for i, step in enumerate(steps if isinstance(steps, list) else []):
         if not isinstance(step, dict):
             errors.append(f"steps[{i}] is not a mapping")
             continue
-        if sum(a in step for a in STEP_ACTIONS) != 1:
-            errors.append(f"steps[{i}] has not exactly one of send/advance/complete")
+        _lint_step(i, step, errors)
         for key in step:
             if key not in STEP_KEYS:
                 warnings_.append(f"steps[{i}]: unknown key '{key}'")
@@ -11176,11 +11350,34 @@ def lint_vector(vector, stem=None):
 
 
 def collect_vector_files(paths):
+    """The vector files under `paths` (files, or folders searched for *.yaml), sorted per path.
+    A path that holds no vector is a ValueError (the CLI's exit 2)."""
     files = []
     for p in paths:
         p = Path(p)
-        files.extend(sorted(p.rglob("*.yaml")) if p.is_dir() else [p])
-    return [f for f in files if f.name != "README.md"]
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*.yaml") if f.is_file())
+        elif p.is_file():
+            found = [p]
+        else:
+            raise ValueError(f"{p}: no such file or folder")
+        if not found:
+            raise ValueError(f"{p}: holds no vector (*.yaml)")
+        files.extend(found)
+    return files
+
+
+def select_vectors(files, only=(), skip=()):
+    """Filter by glob patterns: one without '/' matches the vector's name (the file stem), one
+    with '/' the end of its path (`06-graph/*`); --only keeps matches, --skip drops them."""
+    def hit(path, pattern):
+        posix = path.as_posix()
+        if "/" not in pattern:
+            return fnmatch.fnmatchcase(path.stem, pattern)
+        return any(fnmatch.fnmatchcase(text, pattern) or fnmatch.fnmatchcase(text, "*/" + pattern)
+                   for text in (posix, posix[:-len(path.suffix)] if path.suffix else posix))
+    return [f for f in files if (not only or any(hit(f, p) for p in only))
+            and not any(hit(f, p) for p in skip)]
 
 
 def read_vector(path):
@@ -11189,12 +11386,27 @@ def read_vector(path):
 
 
 def observe_with(impl, vector, timeout):
-    """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
-    proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0 and not proc.stdout.strip():
-        raise RuntimeError(f"implementation exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout)
+    """Run another implementation on one vector (the --impl protocol) and parse its JSON report.
+    Its stderr lands in the report's `stderr`; a run past `timeout` is killed with its children."""
+    proc = subprocess.Popen(impl, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps(vector), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode != 0 and not out.strip():
+        raise RuntimeError(f"implementation exited {proc.returncode}: {err.strip()[-500:]}")
+    report = json.loads(out)
+    if not isinstance(report, dict):
+        raise ValueError("the implementation's report is not a JSON object")
+    own = report.get("stderr")
+    report["stderr"] = (own if isinstance(own, str) else "") + err
+    return report
 
 
 def _show(value):
@@ -11202,41 +11414,116 @@ def _show(value):
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None):
-    """Run vector files/folders; print PASS/FAIL/ERROR lines and `N passed, N failed`."""
+def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT):
+    """Read, lint, run and judge one vector file: a record {path, name, sections, verdict (pass,
+    fail, error, skip), failures, message, expected, observed, lint warnings}."""
+    record = {"path": str(path), "name": Path(path).stem, "sections": [], "verdict": "error",
+              "failures": [], "message": None, "expected": None, "observed": None,
+              "lint": []}
+    try:
+        vector = read_vector(path)
+        errors, record["lint"] = lint_vector(vector, Path(path).stem)
+        if isinstance(vector, dict):
+            record["name"] = vector.get("name", record["name"])
+            record["sections"] = [str(s) for s in vector.get("spec") or []]
+            record["expected"] = {k: vector[k] for k in ("load_error", "warnings", "steps")
+                                  if k in vector}
+        if errors:
+            raise ValueError("; ".join(errors))
+        observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
+        record["observed"] = observed
+        missing = unsupported_extensions(vector, observed)
+        if missing:
+            record["verdict"] = "skip"
+            record["message"] = "extensions not supported: " + ", ".join(missing)
+            return record
+        failures = judge_vector(vector, observed)
+    except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
+        timed_out = isinstance(exc, subprocess.TimeoutExpired)
+        kind = "timeout" if timed_out else "vector"
+        hint = f" (raise the limit with --timeout, now {timeout} s)" if timed_out else ""
+        record["message"] = f"{kind}: {type(exc).__name__}: {exc}{hint}"
+        return record
+    record["failures"] = [{"step": s, "action": a, "field": f, "expect": e, "got": g}
+                          for s, a, f, e, g in failures]
+    record["verdict"] = "fail" if failures else "pass"
+    return record
+
+
+def print_vector_record(record, out):
+    """The text report's lines for one vector (STYLE §10)."""
+    path, verdict = record["path"], record["verdict"]
+    if verdict == "pass":
+        print(f"PASS  {path}", file=out)
+    elif verdict == "skip":
+        print(f"SKIP  {path}  {record['message']}", file=out)
+    elif verdict == "error":
+        print(f"ERROR {path}  {record['message']}", file=out)
+    else:
+        sections = ", ".join("§" + s for s in record["sections"])
+        first = record["failures"][0]
+        where = "load" if first["step"] is None else f"step {first['step']} ({first['action']})"
+        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        for failure in record["failures"]:
+            step, field = failure["step"], failure["field"]
+            label = field if step is None or step == first["step"] else f"step {step} {field}"
+            print(f"      {label}  expect: {_show(failure['expect'])}", file=out)
+            print(f"      {' ' * len(label)}  got:    {_show(failure['got'])}", file=out)
+    printed = (record.get("observed") or {}).get("stderr") if isinstance(
+        record.get("observed"), dict) else None
+    if verdict in ("fail", "error") and printed:
+        print(f"      stderr: {_show(printed)}", file=out)
+
+
+def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None, *, jobs=1, only=(),
+                skip=(), as_json=False):
+    """Run vector files/folders; print PASS/FAIL/ERROR/SKIP lines and `N passed, N failed` (plus
+    `, N skipped` when any), or with as_json one JSON report. Returns (passed, failed).
+
+    With `impl`, up to `jobs` implementation processes run at once; the report keeps file order.
+    """
     out = out or sys.stdout
-    passed = failed = 0
-    for path in collect_vector_files(paths):
+    files = select_vectors(collect_vector_files(paths), only, skip)
+    counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
+    records = []
+
+    def report(record):
+        for w in record["lint"]:
+            print(f"warning: {record['path']}: {w}", file=sys.stderr)
+        counts[record["verdict"]] += 1
+        records.append(record)
+        if not as_json:
+            print_vector_record(record, out)
+
+    if impl and jobs > 1 and len(files) > 1:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="vector") as pool:
+            for future in [pool.submit(run_one_vector, f, impl, timeout) for f in files]:
+                report(future.result())
+    else:
+        for f in files:
+            report(run_one_vector(f, impl, timeout))
+    passed, failed = counts["pass"], counts["fail"] + counts["error"]
+    if as_json:
+        json.dump({"passed": passed, "failed": failed, "skipped": counts["skip"],
+                   "vectors": [{k: jsonable(v) for k, v in r.items() if k != "lint"}
+                               for r in records]}, out, indent=1)
+        out.write("\n")
+    else:
+        skipped = f", {counts['skip']} skipped" if counts["skip"] else ""
+        print(f"{passed} passed, {failed} failed{skipped}", file=out)
+    return passed, failed
+
+
+def list_vectors(paths, out=None, *, only=(), skip=()):
+    """--list: one line per selected vector: its path and the sections it cites."""
+    out = out or sys.stdout
+    for path in select_vectors(collect_vector_files(paths), only, skip):
         try:
             vector = read_vector(path)
-            errors, warnings_ = lint_vector(vector, path.stem)
-            for w in warnings_:
-                print(f"warning: {path}: {w}", file=sys.stderr)
-            if errors:
-                raise ValueError("; ".join(errors))
-            observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
-            failures = judge_vector(vector, observed)
-        except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
-            failed += 1
-            kind = "timeout" if type(exc).__name__ == "TimeoutExpired" else "vector"
-            hint = f" (raise the limit with --timeout, now {timeout} s)" if kind == "timeout" else ""
-            print(f"ERROR {path}  {kind}: {type(exc).__name__}: {exc}{hint}", file=out)
-            continue
-        if not failures:
-            passed += 1
-            print(f"PASS  {path}", file=out)
-            continue
-        failed += 1
-        sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
-        first = failures[0]
-        where = "load" if first[0] is None else f"step {first[0]} ({first[1]})"
-        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
-        for step, action, field, expect, got in failures:
-            label = f"{field}" if step is None or step == first[0] else f"step {step} {field}"
-            print(f"      {label}  expect: {_show(expect)}", file=out)
-            print(f"      {' ' * len(label)}  got:    {_show(got)}", file=out)
-    print(f"{passed} passed, {failed} failed", file=out)
-    return passed, failed
+            sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+        except (ActorError, AttributeError) as exc:
+            sections = f"(unreadable: {exc})"
+        print(f"{path}  [{sections}]", file=out)
 
 
 # =====================================================================================
@@ -11286,6 +11573,15 @@ def _arg_parser():
     p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
     p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
                    help="with --impl: seconds per vector")
+    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="with --impl: vectors run at once (default: the number of cores)")
+    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                   help="with --vectors: run only vectors whose name (or, with '/', path) "
+                   "matches this glob (repeatable)")
+    p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                   help="with --vectors: leave out vectors matching this glob (repeatable)")
+    p.add_argument("--list", action="store_true",
+                   help="with --vectors: list the selected vectors and their sections, run none")
     p.add_argument("--run-vector", action="store_true",
                    help="read one vector as JSON on stdin, print observations as JSON")
     p.add_argument("--version", action="version",
@@ -11349,7 +11645,16 @@ def main(argv=None):
         print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
         return EXIT_OK
     if args.vectors:
-        _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout)
+        try:
+            if args.list:
+                list_vectors(args.vectors, only=args.only, skip=args.skip)
+                return EXIT_OK
+            _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout,
+                                    jobs=max(1, args.jobs), only=args.only, skip=args.skip,
+                                    as_json=args.json)
+        except ValueError as exc:       # a path that holds no vector
+            print(f"actor: error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         return EXIT_RUNTIME if failed else EXIT_OK
     if not args.configs:
         _arg_parser().print_usage(sys.stderr)
