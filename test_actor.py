@@ -103,6 +103,194 @@ def test_harness_reports_failures_and_summary(tmp_path):
     assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
 
 
+def _extension_vectors():
+    """Our vectors that use each format extension (vectors/README.md)."""
+    found = {}
+    for path in VECTOR_FILES:
+        for name in actor.vector_extensions(actor.read_vector(path)):
+            found.setdefault(name, []).append(path)
+    return found
+
+
+def test_every_format_extension_has_a_vector():
+    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
+
+
+def _mutated(vector, step, key, value):
+    import copy
+    vector = copy.deepcopy(vector)
+    if step is None:
+        vector[key] = value
+    else:
+        vector["steps"][step][key] = value
+    return vector
+
+
+@pytest.mark.parametrize("stem, step, key, value", [
+    ("warn-unknown-top-level-section", None, "warnings", [{"section": "3.3"}]),
+    ("warn-unknown-top-level-section", 0, "warnings", [{"section": "3.2"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", [{"section": "6.8"}, {"section": "6.8"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", []),
+    ("describe-tool-agent-metadata", 0, "describe", {"agents": {"calc": {"type": "llm"}}}),
+    ("describe-tool-agent-metadata", 0, "describe",
+     {"agents": {"calc": {"capabilities": ["tool-execution"]}}}),
+    ("send-target-enters-named-route", 1, "target", "via_input"),
+    ("send-after-input-completes-raises", 2, "raises", "ExecutionError"),
+    ("send-after-input-completes-raises", 1, "raises", "StreamRoutingError"),
+    ("checkpoint-written-every-ten-state-updates", 8, "files_matching",
+     {"ck/checkpoint_*.json": 1}),
+    ("graph-rewind-returns-earlier-state", 2, "rewind", {"graph": "main", "steps": 1}),
+    ("graph-restore-returns-checkpointed-state", 2, "advance", 0),
+    ("debounce-capped-in-single-shot-run", None, "host", {"single_shot": False}),
+])
+def test_each_format_extension_can_fail(stem, step, key, value):
+    """Each extension is judged: the vector passes as written, and fails once the expectation (or
+    the action) is changed."""
+    path = next(p for p in VECTOR_FILES if p.stem == stem)
+    vector = actor.read_vector(path)
+    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
+    bad = _mutated(vector, step, key, value)
+    if key == "advance":
+        del bad["steps"][step]["restore"]
+    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
+
+
+def test_describe_capabilities_compare_as_sets():
+    got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
+    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"b": {}}}, got)
+
+
+def test_lint_rejects_malformed_extensions():
+    base = {"name": "n", "spec": ["5.1"], "description": "d", "config": {}}
+    bad_steps = [
+        {"send": "x", "target": 3, "outputs": []},
+        {"advance": 1, "target": "r", "outputs": []},
+        {"rewind": {"graph": "g", "steps": "2"}, "outputs": []},
+        {"rewind": "g", "outputs": []},
+        {"restore": {}, "outputs": []},
+        {"send": "x", "raises": "Oops"},
+        {"send": "x", "files_matching": {"*": "1"}},
+        {"send": "x", "warnings": [{"section": 3.2}]},
+        {"send": "x", "warnings": [{"text": "y"}]},
+        {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
+    ]
+    for step in bad_steps:
+        errors, _ = actor.lint_vector({**base, "steps": [step]})
+        assert errors, step
+    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
+        {"send": "x", "outputs": []}]})
+    assert errors
+    good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
+        {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
+        {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
+        {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
+    assert actor.lint_vector(good) == ([], [])
+
+
+def _write_impl_without_extensions(tmp_path):
+    """An --impl that reports like actor.py but lists no extension (an older implementation)."""
+    script = tmp_path / "older_impl.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import actor\n"
+        "report = actor.observe_vector(json.load(sys.stdin))\n"
+        "report.pop('extensions')\n"
+        "print(json.dumps(report))\n")
+    return f'"{sys.executable}" "{script}"'
+
+
+def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
+    import io
+    found = _extension_vectors()
+    sample = [found["rewind"][0], found["single_shot"][0],
+              VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
+    out = io.StringIO()
+    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
+                             out=out) == (1, 0)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("SKIP") and "rewind" in lines[0]
+    assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
+    assert lines[2].startswith("PASS") and lines[-1] == "1 passed, 0 failed, 2 skipped"
+
+
+def _vector_folder(tmp_path):
+    """A folder of three vectors: two pass, one fails, one of them prints from inline code."""
+    folder = tmp_path / "vs"
+    folder.mkdir()
+    good = (VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
+    (folder / "minimal-valid-actor.yaml").write_text(good)
+    (folder / "bad-expectation.yaml").write_text(
+        good.replace("name: minimal-valid-actor", "name: bad-expectation")
+        .replace("ChainAgent processed: hi->tagged", "something else"))
+    (folder / "inline-print.yaml").write_text("""name: inline-print
+spec: ['4.5.2']
+description: Inline code prints while answering.
+host: {unsafe: true}
+config:
+  agents:
+    t: {type: tool, config: {tools: [{name: run, code: "print('NOISE-42')\\nresult = input_data"}]}}
+  routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}}
+  merges: [{sources: [__input__], target: main}]
+steps:
+- send: hi
+  outputs: [hi]
+""")
+    return folder
+
+
+def test_cli_vectors_json_report_in_parallel(tmp_path):
+    """--impl with -j 3 and --json: one object per vector in file order, verdicts, what was
+    expected and observed; inline print output lands in the report, not on the runner's stderr."""
+    import json
+    folder = _vector_folder(tmp_path)
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    r = run_cli("--vectors", str(folder), "--impl", impl, "-j", "3", "--json")
+    assert r.returncode == 1 and "NOISE-42" not in r.stderr and "Traceback" not in r.stderr
+    report = json.loads(r.stdout)
+    assert (report["passed"], report["failed"], report["skipped"]) == (2, 1, 0)
+    by_name = {v["name"]: v for v in report["vectors"]}
+    assert [v["name"] for v in report["vectors"]] == [
+        "bad-expectation", "inline-print", "minimal-valid-actor"]
+    bad = by_name["bad-expectation"]
+    assert bad["verdict"] == "fail" and bad["sections"] == ["3.3", "5.3.4", "7.1"]
+    assert bad["expected"]["steps"][0]["outputs"] == ["something else"]
+    assert bad["observed"]["steps"][0]["outputs"] == ["ChainAgent processed: hi->tagged"]
+    assert bad["failures"][0]["field"] == "outputs"
+    assert "NOISE-42" in by_name["inline-print"]["observed"]["stderr"]
+    assert by_name["minimal-valid-actor"]["verdict"] == "pass"
+
+
+def test_cli_vectors_in_process_capture_print_output(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder / "inline-print.yaml"))
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines()[-1] == "1 passed, 0 failed"
+
+
+def test_cli_vectors_list_only_skip(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder), "--list")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
+    assert "minimal-valid-actor.yaml  [§3.3, §5.3.4, §7.1]" in r.stdout
+    r = run_cli("--vectors", str(folder), "--list", "--only", "*-print", "--only", "minimal-*")
+    assert [Path(line.split()[0]).stem for line in r.stdout.splitlines()] == [
+        "inline-print", "minimal-valid-actor"]
+    r = run_cli("--vectors", str(folder), "--skip", "bad-*")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed"
+    r = run_cli("--vectors", str(tmp_path), "--only", "vs/bad-*")
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "0 passed, 1 failed"
+
+
+def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        r = run_cli("--vectors", str(path))
+        assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
+
+
 # =====================================================================================
 # §3 DOCUMENT STRUCTURE, §11, §14, §15, §16 (foundation)
 # =====================================================================================
