@@ -348,16 +348,66 @@ class VirtualClock:
 
 
 class RealClock(VirtualClock):
-    """Wall-clock seconds since creation; advance() really waits."""
+    """Wall-clock seconds since creation; advance() really waits. start(turn) fires timers on a
+    background thread as real time passes (the CLI's one running Actor); stop() ends that."""
 
     real = True
 
     def __init__(self):
         super().__init__()
         self._t0 = time.monotonic()
+        self._wake = threading.Condition(self._lock)
+        self._driver = None
+        self._stopping = False
 
     def now(self):
         return time.monotonic() - self._t0
+
+    @property
+    def driven(self):
+        """True while the background thread fires timers (callers then never wait them out)."""
+        return self._driver is not None
+
+    def call_at(self, when, fn):
+        timer = super().call_at(when, fn)
+        with self._lock:
+            self._wake.notify_all()
+        return timer
+
+    def start(self, turn):
+        """Fire each timer when it falls due, on a daemon thread, inside `turn` (the Actor's lock,
+        so that a timer never runs in the middle of a host call)."""
+        def drive():
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    due = self.next_due()
+                    wait = None if due is None else due - self.now()
+                    if wait is None or wait > 0:
+                        self._wake.wait(wait)
+                        continue
+                with turn:
+                    timer = self._pop_due(self.now())
+                    if timer is not None:
+                        try:
+                            timer.fn()
+                        except Exception as exc:  # boundary: logged, and the clock runs on
+                            log.error("actor: a timer failed: %s: %s", type(exc).__name__, exc)
+        self._stopping = False
+        self._driver = threading.Thread(target=drive, name="actor-clock", daemon=True)
+        self._driver.start()
+
+    def stop(self):
+        """End the background thread (timers still pending stay queued for advance())."""
+        driver = self._driver
+        if driver is None:
+            return
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        driver.join()
+        self._driver = None
 
     def advance(self, seconds):
         target = self.now() + max(0.0, seconds)
@@ -857,17 +907,21 @@ class LLMAgent:
             "messages": history + [{"role": "user", "content": user}],
             "response_format": self.response_format,
         }
-        rt.llm_log.append(copy.deepcopy(request))
+        call = copy.deepcopy(request)       # the log entry; the provider adds usage, retries
+        rt.llm_log.append(call)
+        started = time.monotonic()
         try:
             if rt.llm_transport is not None:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
                     request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
-                    jitter=self.jitter)
+                    jitter=self.jitter, record=call)
         except ExecutionError as exc:
+            note_llm_call(rt, call, started, scrub_key(exc.message, self._api_key))
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
+        note_llm_call(rt, call, started)
         # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
         # tools (§4.4.4 item 4 records successful invocations only).
         check_not_abandoned(f"agent '{self.name}' (llm)")
@@ -10458,9 +10512,10 @@ class ProviderAdapter:
         return None
 
     def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
-                 jitter=random.random):
+                 jitter=random.random, record=None):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
-        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
+        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed).
+        `record` (a dict) receives `retries` and the vendor's token `usage`."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
         if not re.match(r"https?://", base_url or ""):
             raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
@@ -10483,7 +10538,7 @@ class ProviderAdapter:
                     failure = f"connection error: {reason}"
             else:
                 if 200 <= status < 300:
-                    return self._parse_reply(raw, key)
+                    return self._parse_reply(raw, key, record)
                 try:
                     data = json.loads(raw.decode("utf-8", "replace"))
                 except ValueError:
@@ -10504,8 +10559,14 @@ class ProviderAdapter:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
             sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
+            if record is not None:
+                record["retries"] = attempt
 
-    def _parse_reply(self, raw, key):
+    def usage(self, data):
+        """The vendor's token counts as {input_tokens, output_tokens}, or None."""
+        return None
+
+    def _parse_reply(self, raw, key, record=None):
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -10517,6 +10578,13 @@ class ProviderAdapter:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
                                  section="4.4") from None
+        if record is not None:
+            try:
+                usage = self.usage(data)
+            except (KeyError, TypeError, AttributeError):
+                usage = None
+            if usage:
+                record["usage"] = usage
         return text
 
 
@@ -10563,6 +10631,11 @@ class OpenAIAdapter(ProviderAdapter):
             return "", "", True
         code = err.get("code") or err.get("type") or ""
         return str(code), str(err.get("message", "")), code not in LLM_NO_RETRY_CODES
+
+    def usage(self, data):
+        u = data.get("usage")
+        return {"input_tokens": u.get("prompt_tokens"),
+                "output_tokens": u.get("completion_tokens")} if isinstance(u, dict) else None
 
     def fallback(self, body, code, message, used):
         swap = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
@@ -10628,6 +10701,11 @@ class AnthropicAdapter(ProviderAdapter):
             if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
                 return json.dumps(block.get("input"), ensure_ascii=False)
         raise ValueError("the reply has no text content")
+
+    def usage(self, data):
+        u = data.get("usage")
+        return {"input_tokens": u.get("input_tokens"),
+                "output_tokens": u.get("output_tokens")} if isinstance(u, dict) else None
 
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
@@ -10702,6 +10780,11 @@ class GoogleAdapter(ProviderAdapter):
             raise ValueError("the reply has no text parts")
         return "".join(parts)
 
+    def usage(self, data):
+        u = data.get("usageMetadata")
+        return {"input_tokens": u.get("promptTokenCount"),
+                "output_tokens": u.get("candidatesTokenCount")} if isinstance(u, dict) else None
+
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
         if not isinstance(err, dict):
@@ -10726,8 +10809,16 @@ class FakeAdapter(ProviderAdapter):
     structured = frozenset({"json_schema", "json_object", "text"})
 
     def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
-                 jitter=random.random):
+                 jitter=random.random, record=None):
         return request["messages"][-1]["content"]
+
+
+def note_llm_call(rt, call, started, error=None):
+    """After one LLM call: the log entry gets no timing (vectors compare it), the host's
+    `rt.llm_observer` (--trace) gets the entry plus latency and outcome."""
+    observer = getattr(rt, "llm_observer", None)
+    if observer is not None:
+        observer({**call, "latency": time.monotonic() - started, "error": error})
 
 
 class FakeTransport:
@@ -10803,7 +10894,7 @@ class Actor:
         del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
     def _end(self):
-        if self.rt.clock.real:
+        if self.rt.clock.real and not self.rt.clock.driven:
             self.network.settle()
         outputs, errors = self._outputs, self._errors
         result = Result(outputs[:], errors[:])
@@ -10826,7 +10917,7 @@ class Actor:
             if at is not None:
                 self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
             self.network.send(content, target=target)
-            if self.rt.clock.real:
+            if self.rt.clock.real and not self.rt.clock.driven:
                 self.network.settle()
             result = Result(outputs.copy(), errors.copy())
             outputs.clear()
@@ -11529,7 +11620,15 @@ def list_vectors(paths, out=None, *, only=(), skip=()):
 # =====================================================================================
 # HOST -- command line
 # =====================================================================================
+# One clock model: the CLI runs one Actor on a RealClock whose timers fire on a background thread
+# as real time passes; -m messages and stdin lines flow into it as they come, and the end of input
+# completes __input__ (buffers flush, reduce emits) before exit -- the API's outputs for the same
+# timed input. Outputs print as they are emitted, wherever they come from (a send, a timer).
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # the shells' 128 + SIGINT / SIGPIPE
+CLI_STACK_BYTES = 256 * 1024 * 1024     # the CLI's worker thread: 400 chained routes or 1,000
+CLI_RECURSION_LIMIT = 20_000            # operators in one route nest that many Python frames
+MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
 
 
 def _parse_set(items, option):
@@ -11558,15 +11657,23 @@ def _arg_parser():
     p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
     p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
                    "(e.g. fake: offline, no key)")
+    p.add_argument("--reply", action="append", metavar="TEXT",
+                   help="with --provider fake: the model's next reply (repeatable, used in order; "
+                   "then it echoes)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
     p.add_argument("--context", action="append", metavar="KEY=VALUE",
                    help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
     p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
     p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
-    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
-    p.add_argument("--trace", action="store_true",
-                   help="print every stream message and graph step to stderr as it happens")
-    p.add_argument("--check", action="store_true", help="load and validate only")
+    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata "
+                   "(errors too, on stdout); with --vectors: one JSON report")
+    p.add_argument("--trace", action="store_true", help="print every stream message, graph step "
+                   "and LLM call to stderr as it happens")
+    p.add_argument("-v", "--verbose", action="store_true", help="log details (DEBUG level)")
+    p.add_argument("-q", "--quiet", action="store_true", help="log errors only (no warnings)")
+    p.add_argument("--check", action="store_true",
+                   help="load and validate only (several CONFIGs: their merged document)")
+    p.add_argument("--strict", action="store_true", help="warnings are errors (exit status 2)")
     p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
     p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
     p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
@@ -11589,14 +11696,182 @@ def _arg_parser():
     return p
 
 
-def _print_message(msg, as_json, stream):
-    if as_json:
-        meta = {k: v for k, v in msg.metadata.items() if k != "context"}
-        print(json.dumps({"content": jsonable(msg.content), "metadata": jsonable(meta),
-                          "source_stream": msg.source_stream}), file=stream, flush=True)
-    else:
-        content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
-        print(content, file=stream, flush=True)
+# "Did you mean" ---------------------------------------------------------------------------
+SUGGEST_LIST_MAX = 8        # name every valid choice when there are at most this many
+
+
+def did_you_mean(name, candidates):
+    """' (did you mean 'x'?)' for the closest candidate, and the valid names when few; or ''."""
+    names = sorted({str(c) for c in candidates if str(c) != str(name)})
+    if not names:
+        return ""
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    parts = [f"did you mean '{close[0]}'?"] if close else []
+    if len(names) <= SUGGEST_LIST_MAX:
+        parts.append("valid: " + ", ".join(names))
+    return f" ({' '.join(parts)})" if parts else ""
+
+
+def _names_in(data):
+    """Agents, routes, graph nodes and stream names declared by a (merged) document."""
+    data = data if isinstance(data, dict) else {}
+    agents = list(data["agents"]) if isinstance(data.get("agents"), dict) else []
+    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    nodes = {name: ["start", "end"] + list(route.get("nodes") or {})
+             for name, route in routes.items()
+             if isinstance(route, dict) and isinstance(route.get("nodes"), dict)}
+    streams = list(routes) + list(BUILTIN_STREAMS)
+    links = [link for key in ("merges", "splits") if isinstance(data.get(key), list)
+             for link in data[key]]
+    for link in links:
+        if isinstance(link, dict) and isinstance(link.get("target"), str):
+            streams.append(link["target"])
+        if isinstance(link, dict) and isinstance(link.get("targets"), dict):
+            streams.extend(str(t) for t in link["targets"])
+    return agents, list(routes), nodes, streams
+
+
+def _field_names(path_text):
+    """The field table a `path: unknown ... field` warning refers to, by the start of its path."""
+    head = path_text.split(".")[0].split("[")[0]
+    return {"merges": MERGE_FIELDS, "splits": SPLIT_FIELDS, "agents": AGENT_FIELDS}.get(head, ())
+
+
+# (pattern over an error or warning text, candidates(data, match)) -- our own wording, so the
+# hints follow it; a message no pattern knows gets no hint.
+NAME_HINTS = (
+    (r"unknown agent '([^']*)'", lambda d, m: _names_in(d)[0]),
+    (r"unknown agent type '([^']*)'", lambda d, m: AGENT_TYPES),
+    (r"unknown operator '([^']*)'", lambda d, m: OPERATORS),
+    (r"unknown param '([^']*)' of operator '([^']*)'",
+     lambda d, m: OPERATORS[m.group(2)][1] if m.group(2) in OPERATORS else ()),
+    (r"unknown node type '([^']*)'", lambda d, m: NODE_TYPES),
+    (r"'([^']*)' is not a node of graph '([^']*)'", lambda d, m: _names_in(d)[2].get(m.group(2), ())),
+    (r"'([^']*)' is not a known route or (?:built-in )?stream", lambda d, m: _names_in(d)[3]),
+    (r"unknown built-in tool '([^']*)'", lambda d, m: BUILTIN_TOOLS),
+    (r"unknown match_type '([^']*)'", lambda d, m: MATCH_TYPES),
+    (r"condition type '([^']*)' is not honoured", lambda d, m: CONDITIONS),
+    (r"unknown top-level section '([^']*)'",
+     lambda d, m: list(TOP_LEVEL_SECTIONS) + list(HOST_PARAMETER_SECTIONS)),
+    (r"unknown llm field '([^']*)'", lambda d, m: list(LLM_FIELDS) + list(LLM_EXTRA_FIELDS)),
+    (r"unknown tool field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
+    (r"(\S+): unknown field '([^']*)'", lambda d, m: _field_names(m.group(1))),
+)
+
+
+def name_hint(text, data=None):
+    """The "did you mean" hint for an error or warning text about an unknown name, or ''."""
+    for pattern, candidates in NAME_HINTS:
+        found = re.search(pattern, text)
+        if found:
+            name = found.group(2) if pattern.startswith(r"(\S+)") else found.group(1)
+            try:
+                return did_you_mean(name, candidates(data, found))
+            except (TypeError, KeyError, AttributeError):     # a document of the wrong shape
+                return ""
+    return ""
+
+
+def with_hint(text, data=None):
+    """`text` with its hint inserted before the closing `(§x.y)`, or appended."""
+    hint = name_hint(text, data)
+    if not hint:
+        return text
+    found = _WARNING_SECTION.search(text)
+    return text[:found.start()] + hint.strip() + " " + text[found.start():] if found \
+        else text + hint
+
+
+class _HintFilter(logging.Filter):
+    """Adds "did you mean" to the warnings the Actor logs (the texts in rt.warnings stay as
+    they are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = None
+
+    def filter(self, record):
+        if record.levelno == logging.WARNING and isinstance(record.msg, str) and not record.args:
+            record.msg = with_hint(record.msg, self.data)
+        return True
+
+
+def _document_data(sources, args):
+    """The merged document for hints after a failed load, or None when even that fails."""
+    try:
+        rt = Runtime(Doc(None), env={})
+        return load_document(sources, _parse_set(args.set, "--set") or None,
+                             str(args.engine or "JINJA2").upper(), {}, rt).data
+    except ActorError:
+        return None
+
+
+def unconsumed_target_warnings(actor):
+    """A merge or split target that is no route, that nothing reads, and whose name is close to
+    a known stream: most likely a typo (the messages go nowhere)."""
+    data = actor.rt.doc.data
+    routes = list(data.get("routes") or {})
+    known = routes + list(BUILTIN_STREAMS)
+    read = {s for m in data.get("merges") or [] if isinstance(m, dict)
+            for s in (m.get("sources") or []) if isinstance(s, str)}
+    read |= {s.get("source") for s in data.get("splits") or [] if isinstance(s, dict)}
+    texts = []
+    places = [(("merges", i, "target"), m.get("target")) for i, m in
+              enumerate(data.get("merges") or []) if isinstance(m, dict)]
+    places += [(("splits", i, "targets", t), t) for i, s in enumerate(data.get("splits") or [])
+               if isinstance(s, dict) and isinstance(s.get("targets"), dict) for t in s["targets"]]
+    for path, target in places:
+        if not isinstance(target, str) or target in known or target in read:
+            continue
+        if difflib.get_close_matches(target, known, n=1, cutoff=0.75):
+            texts.append(actor.rt.warn(f"'{target}' is no route and nothing reads it; its "
+                                       f"messages go nowhere{did_you_mean(target, known)}",
+                                       section="7", path=path))
+    return texts
+
+
+# Printing -----------------------------------------------------------------------------------
+class Console:
+    """Prints what the Actor emits, as it is emitted: plain text, or JSON lines with --json.
+
+    Plain: __output__ answers on stdout; an __output__ message whose metadata says error: true
+    (the §5.3.4 "Error: ..." reply) and __error__ messages on stderr, each text once.
+    --json: everything on stdout, one object per message with its stream and metadata.
+    """
+
+    def __init__(self, as_json, out=None, err=None):
+        self.as_json = as_json
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.failed = False                 # anything reached __error__ (exit status 1)
+        self._lock = threading.Lock()
+        self._recent = []                   # (stream, text) shown on stderr, awaiting a twin
+
+    def output(self, msg):
+        self._show(OUTPUT, msg)
+
+    def error(self, msg):
+        self.failed = True
+        self._show(ERROR, msg)
+
+    def _show(self, stream, msg):
+        with self._lock:
+            if self.as_json:
+                meta = {k: v for k, v in msg.metadata.items() if k != "context"}
+                print(json.dumps({"stream": stream, "content": jsonable(msg.content),
+                                  "metadata": jsonable(meta), "source_stream": msg.source_stream}),
+                      file=self.out, flush=True)
+                return
+            text = msg.content if isinstance(msg.content, str) else \
+                json.dumps(jsonable(msg.content))
+            if stream == OUTPUT and msg.metadata.get("error") is not True:
+                print(text, file=self.out, flush=True)
+                return
+            twin = (ERROR if stream == OUTPUT else OUTPUT, text)
+            if twin in self._recent:        # the same failure on both streams: shown once
+                self._recent.remove(twin)
+                return
+            self._recent = self._recent[-63:] + [(stream, text)]
+            print(text, file=self.err, flush=True)
 
 
 TRACE_PREVIEW = 120           # characters of content a trace line shows
@@ -11626,19 +11901,150 @@ def trace_line(stream, msg):
     return "trace: " + text
 
 
-def _print_result(result, as_json):
-    """Print one call's emissions; True when anything reached __error__."""
-    for msg in result.outputs:
-        _print_message(msg, as_json, sys.stdout)
-    for msg in result.errors:
-        _print_message(msg, as_json, sys.stderr)
-    return bool(result.errors)
+def trace_llm_line(call):
+    """One line of `--trace` output for an LLM call (see note_llm_call)."""
+    usage = call.get("usage") or {}
+    tokens = (f", tokens {usage.get('input_tokens')} in / {usage.get('output_tokens')} out"
+              if usage else "")
+    retries = f", {call['retries']} retries" if call.get("retries") else ""
+    outcome = f"failed: {call['error']}" if call.get("error") else "ok"
+    return (f"trace: llm {call.get('agent')} -> {call.get('provider')}/{call.get('model')}: "
+            f"{outcome} in {call.get('latency', 0.0):.3f} s{retries}{tokens}")
 
 
-def main(argv=None):
-    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
-    args = _arg_parser().parse_args(argv)
-    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+# Running -----------------------------------------------------------------------------------
+def _load_for_cli(args, check_only):
+    """Load the CONFIGs as the command line asks. With --check, a missing API key is a warning
+    (a run would stop there, §4.4.1) and the rest of the document is still checked.
+    Returns (actor, host warning texts)."""
+    sources = read_sources(args.configs, None)
+    env = dict(os.environ)
+    replies = args.reply or []
+    host_warnings = []
+    for _ in range(len(PROVIDER_KEY_VARS) + 1):
+        try:
+            actor = start_actor(
+                sources, render_context=_parse_set(args.set, "--set") or None,
+                unsafe=args.unsafe, env=env, template_engine=args.engine,
+                default_router=args.default_router, provider=args.provider, clock=RealClock(),
+                context=_parse_set(args.context, "--context") or None,
+                llm_transport=ScriptedReplies(replies) if replies else None)
+            return actor, host_warnings
+        except ConfigurationError as exc:
+            missing = re.match(r"no API key for provider '(\w+)'", exc.message or "")
+            if not (check_only and missing and PROVIDER_KEY_VARS.get(missing.group(1))):
+                raise
+            env[PROVIDER_KEY_VARS[missing.group(1)][0]] = MISSING_KEY_PLACEHOLDER
+            where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
+            text = (f"{where}: warning: {exc.path}: {exc.message}; a run stops here "
+                    f"(use --provider fake to run offline) (§4.4.1)")
+            log.warning(text)
+            host_warnings.append(text)
+    raise AssertionError("every provider's key was filled in")
+
+
+class ScriptedReplies:
+    """`--provider fake --reply TEXT...`: the replies in order, whichever agent asks; then the
+    user message is echoed, as the fake provider does."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self._lock = threading.Lock()
+
+    def complete(self, request):
+        with self._lock:
+            if self.replies:
+                return self.replies.pop(0)
+        return request["messages"][-1]["content"]
+
+
+def _describe(actor, as_json):
+    info = actor.describe()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for name, agent in info["agents"].items():
+        print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+        for key, value in agent["metadata"].items():
+            if key not in ("name", "type", "capabilities"):
+                print(f"    {key}: {json.dumps(value)}")
+    for name, kind in info["routes"].items():
+        mark = "  [default router]" if name == info["default_router"] else ""
+        print(f"route {name} ({kind}){mark}")
+
+
+def reset_actor(actor):
+    """Interactive /reset: forget every agent's conversation memory (§4.4.4) and every graph's
+    state and history (§6.3, §6.6); the global context stays."""
+    with actor._turn:
+        for agent in actor.rt.agents.values():
+            memory = getattr(agent, "memory", None)
+            if isinstance(memory, ConversationMemory):
+                with memory._lock:
+                    memory.entries.clear()
+        for graph in actor.rt.graphs.values():
+            graph.state = new_graph_state(resolve_state_class(graph))
+            graph.snapshots.clear()
+
+
+def _lines(interactive, prompt):
+    """The messages typed or piped in, one per line; interactive: readline editing and history,
+    blank lines skipped, /quit ends, /reset is passed through."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+        return
+    try:
+        import readline  # noqa: F401 -- line editing and history for input()
+    except ImportError:
+        pass
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        yield line
+
+
+def run_cli_actor(actor, args, console):
+    """Feed the messages into the running Actor, then complete __input__ and wait out what is
+    still pending (bounded by the §12.2.4 soft timeout)."""
+    clock = actor.rt.clock
+    interactive = not args.message and sys.stdin.isatty()
+    name = actor.rt.doc.data.get("name") or Path(args.configs[-1]).stem
+    if interactive:
+        print(f"{name}: one message per line; /reset forgets memory and graph state, /quit "
+              "ends (or Ctrl-D)", file=sys.stderr)
+    clock.start(actor._turn)
+    try:
+        messages = args.message if args.message else _lines(interactive, f"{name}> ")
+        for text in messages:
+            if interactive and text.strip() == "/reset":
+                reset_actor(actor)
+                print("(memory and graph state cleared)", file=sys.stderr)
+                continue
+            actor.send(text)
+            if not args.message:
+                actor.rt.llm_log.clear()        # a long session keeps no request history
+    finally:
+        clock.stop()
+    actor.complete()
+
+
+def _cli(args):
+    """Everything main() does, on a thread with a deep stack; returns the exit status."""
+    if args.verbose and args.quiet:
+        print("actor: error: -v and -q exclude each other", file=sys.stderr)
+        return EXIT_CONFIG
+    level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
+    log.setLevel(level)
     if args.run_vector or args.vectors:
         log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
     if args.run_vector:
@@ -11660,62 +12066,106 @@ def main(argv=None):
         _arg_parser().print_usage(sys.stderr)
         print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
         return EXIT_CONFIG
-    try:
-        actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
-                     unsafe=args.unsafe, template_engine=args.engine,
-                     default_router=args.default_router, provider=args.provider,
-                     clock=RealClock(), context=_parse_set(args.context, "--context") or None)
-    except ActorError as exc:
-        print(str(exc), file=sys.stderr)
+    if args.reply and args.provider != "fake":
+        print("actor: error: --reply scripts the fake model: add --provider fake", file=sys.stderr)
         return EXIT_CONFIG
-    # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped input)
-    # is single-shot; an interactive prompt is not.
-    actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
-    with actor:
-        if args.check:
-            print("ok")
-            return EXIT_OK
-        if args.describe:
-            info = actor.describe()
-            if args.json:
-                print(json.dumps(info, indent=2))
-            else:
-                for name, agent in info["agents"].items():
-                    print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
-                    for key, value in agent["metadata"].items():
-                        if key not in ("name", "type", "capabilities"):
-                            print(f"    {key}: {json.dumps(value)}")
-                for name, kind in info["routes"].items():
-                    mark = "  [default router]" if name == info["default_router"] else ""
-                    print(f"route {name} ({kind}){mark}")
-            return EXIT_OK
-        if args.diagram:
-            sys.stdout.write(actor.diagram())
-            return EXIT_OK
-        if args.trace:
-            actor.watch(lambda stream, msg: print(trace_line(stream, msg), file=sys.stderr))
-        failed = False
+    hints = _HintFilter()
+    log.addFilter(hints)
+    try:
         try:
-            if args.message:
-                for text in args.message:
-                    failed |= _print_result(actor.send(text), args.json)
-            else:
-                interactive = sys.stdin.isatty()
-                while True:
-                    if interactive:
-                        print("> ", end="", file=sys.stderr, flush=True)
-                    line = sys.stdin.readline()
-                    if not line:
-                        break
-                    failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
-                    actor.rt.llm_log.clear()    # a long session keeps no request history
-            failed |= _print_result(actor.complete(), args.json)
-        except KeyboardInterrupt:
-            return EXIT_RUNTIME
+            actor, host_warnings = _load_for_cli(args, args.check)
         except ActorError as exc:
-            print(str(exc), file=sys.stderr)
-            return EXIT_RUNTIME
-        return EXIT_RUNTIME if failed else EXIT_OK
+            data = _document_data(read_sources(args.configs, None), args) \
+                if isinstance(exc, (ConfigurationError, StreamRoutingError)) else None
+            text = with_hint(str(exc), data)
+            if re.search(r"no API key for provider '\w+'", exc.message or ""):
+                text += "\n(to try it offline, without a key: --provider fake)"
+            print(text, file=sys.stderr)
+            return EXIT_CONFIG
+        hints.data = actor.rt.doc.data
+        # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
+        # input) is single-shot; an interactive prompt is not.
+        actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
+        with actor:
+            unconsumed_target_warnings(actor)
+            warned = len(actor.rt.warnings) + len(host_warnings)
+            if args.strict and warned:
+                print(f"actor: error: {warned} warning(s), and --strict makes them errors",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            if args.check:
+                merged = "" if len(args.configs) == 1 else \
+                    f" ({len(args.configs)} files checked as one merged document, §3.1)"
+                print("ok" + merged)
+                return EXIT_OK
+            if args.describe:
+                _describe(actor, args.json)
+                return EXIT_OK
+            if args.diagram:
+                sys.stdout.write(actor.diagram())
+                return EXIT_OK
+            console = Console(args.json)
+            actor.subscribe(OUTPUT, console.output)
+            actor.subscribe(ERROR, console.error)
+            if args.trace:
+                actor.watch(lambda stream, msg: print(trace_line(stream, msg), file=sys.stderr))
+                actor.rt.llm_observer = lambda call: print(trace_llm_line(call), file=sys.stderr)
+            try:
+                run_cli_actor(actor, args, console)
+            except ActorError as exc:
+                print(str(exc), file=sys.stderr)
+                return EXIT_RUNTIME
+            if args.strict and len(actor.rt.warnings) > warned - len(host_warnings):
+                print("actor: error: warnings during the run, and --strict makes them errors",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            return EXIT_RUNTIME if console.failed else EXIT_OK
+    finally:
+        log.removeFilter(hints)
+
+
+def main(argv=None):
+    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error; 130 after Ctrl-C and 141 on a
+    closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_STACK_BYTES)."""
+    args = _arg_parser().parse_args(argv)
+    status = [EXIT_RUNTIME]
+
+    def work():
+        try:
+            status[0] = _cli(args)
+        except BrokenPipeError:
+            status[0] = EXIT_BROKEN_PIPE
+        except KeyboardInterrupt:
+            status[0] = EXIT_INTERRUPTED
+
+    previous_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(previous_limit, CLI_RECURSION_LIMIT))
+    previous_stack = threading.stack_size(CLI_STACK_BYTES)
+    try:
+        worker = threading.Thread(target=work, name="actor-cli", daemon=True)
+        worker.start()
+    finally:
+        threading.stack_size(previous_stack)
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        status[0] = EXIT_INTERRUPTED
+    finally:
+        sys.setrecursionlimit(previous_limit)
+    if status[0] == EXIT_BROKEN_PIPE or status[0] == EXIT_INTERRUPTED:
+        _quiet_exit_streams()
+    return status[0]
+
+
+def _quiet_exit_streams():
+    """After a closed pipe or Ctrl-C: point stdout at /dev/null so that the interpreter's last
+    flush cannot fail with a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
