@@ -639,6 +639,231 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     assert not crashes, "\n".join(crashes[:10])
 
 
+_CHAIN_ROUTE = ("agents: {a: {type: chain}}\n"
+                "merges: [{sources: [__input__], target: main}]\n"
+                "routes:\n  main:\n    type: stream\n    publications: [__output__]\n")
+
+
+def _cli_config(tmp_path, operators, name="c.yaml", extra=""):
+    cfg = tmp_path / name
+    cfg.write_text(_CHAIN_ROUTE + f"    operators: {operators}\n" + extra)
+    return cfg
+
+
+def test_cli_one_clock_same_outputs_as_the_api(tmp_path):
+    """-m messages flow into one running Actor; the end of input completes __input__, so a
+    30-second time buffer flushes at once with everything it holds, as through the API."""
+    cfg = _cli_config(tmp_path, "[{type: buffer, params: {time: 30}}, "
+                                "{type: scan, params: {accumulator: {type: concat}}}]")
+    api = actor.load(cfg)
+    expected = [m.content for call in (api.send("a"), api.send("b"), api.send("c"),
+                                       api.complete()) for m in call.outputs]
+    assert expected          # the buffer held everything until completion
+    r = run_cli(str(cfg), "-m", "a", "-m", "b", "-m", "c")
+    assert (r.returncode, r.stderr, r.stdout.splitlines()) == (0, "", expected)
+    r = run_cli(str(cfg), stdin="a\nb\nc\n")
+    assert (r.returncode, r.stdout.splitlines()) == (0, expected)
+
+
+def test_cli_timers_fire_while_input_stays_open(tmp_path):
+    """A delayed message appears on stdout while stdin is still open: the timer fires as real
+    time passes, not when the input ends."""
+    import subprocess
+    cfg = _cli_config(tmp_path, "[{type: delay, params: {duration: 0.2}}]")
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("late\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "late\n"     # stdin is still open here
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+
+
+def test_cli_error_reply_goes_to_stderr_once(tmp_path):
+    """The §5.3.4 "Error: ..." reply (error: true) is no answer: plain output puts it on stderr,
+    once, though it is on __output__ and __error__; --json keeps both on stdout."""
+    import json
+    cfg = tmp_path / "math.yaml"
+    cfg.write_text("agents: {t: {type: tool, config: {tools: [math]}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli(str(cfg), "-m", "1/0", "-m", "2+2")
+    assert (r.returncode, r.stdout) == (1, "4\n")
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "ZeroDivisionError" in lines[0]
+    r = run_cli(str(cfg), "-m", "1/0", "--json")
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 1 and r.stderr == ""
+    assert sorted(line["stream"] for line in lines) == ["__error__", "__output__"]
+    assert all(line["metadata"]["error"] is True for line in lines)
+
+
+def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
+    import signal
+    import subprocess
+    cfg = _cli_config(tmp_path, "[]")
+    err = tmp_path / "err.txt"
+    r = subprocess.run(f'seq 1 200000 | "{sys.executable}" "{HERE / "actor.py"}" "{cfg}" '
+                       f'2>"{err}" | head -n 1', shell=True, capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout == "1\n" and "Traceback" not in err.read_text() and "Error" not in \
+        err.read_text()
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "hello\n"      # running, and waiting for more input
+    proc.send_signal(signal.SIGINT)
+    out, errors = proc.communicate(timeout=60)
+    proc.stdin.close() if not proc.stdin.closed else None
+    assert proc.returncode == 130 and "Traceback" not in errors
+
+
+def test_cli_check_needs_no_api_key(tmp_path):
+    """--check reports a missing key as a warning with the --provider fake hint and checks the
+    rest; a run still fails at load (§4.4.1); --strict makes the warning an error."""
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    import subprocess
+
+    def cli(*args):
+        return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], env=env,
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = cli("--check", str(cfg))
+    assert (r.returncode, r.stdout) == (0, "ok\n")
+    assert "warning" in r.stderr and "OPENAI_API_KEY" in r.stderr and "--provider fake" in r.stderr
+    r = cli("--check", "--strict", str(cfg))
+    assert r.returncode == 2 and "--strict" in r.stderr
+    r = cli(str(cfg), "-m", "hi")
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "--provider fake" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("agent: talk", "agent: ghost"))
+    r = cli("--check", str(bad))
+    assert r.returncode == 2 and "unknown agent 'ghost'" in r.stderr   # the rest is checked
+    r = cli(str(cfg), "--provider", "fake", "-m", "hi")
+    assert (r.returncode, r.stdout) == (0, "hi\n")
+
+
+@pytest.mark.parametrize("replace, expect", [
+    (("agent: talk", "agent: tallk"), "did you mean 'talk'?"),
+    (("type: map", "type: mapp"), "did you mean 'map'?"),
+    (("publications: [__output__]", "publications: [__outptu__]"), "did you mean '__output__'?"),
+    (("tools: [math]", "tools: [mth]"), "did you mean 'math'?"),
+    (("type: tool", "type: tol"), "did you mean 'tool'?"),
+    (("target: n}, {source: n", "target: nn}, {source: n"), "did you mean 'n'?"),
+    (("{type: agent, agent: talk}", "{type: agnt, agent: talk}"), "did you mean 'agent'?"),
+])
+def test_cli_did_you_mean_for_unknown_names(tmp_path, replace, expect):
+    text = ("agents: {talk: {type: chain}, calc: {type: tool, config: {tools: [math]}}}\n"
+            "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+            "publications: [__output__]}\n"
+            "  g: {type: graph, nodes: {n: {type: agent, agent: talk}}, "
+            "edges: [{source: start, target: n}, {source: n, target: end}]}\n"
+            "merges: [{sources: [__input__], target: main}]\n")
+    assert replace[0] in text
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text(text.replace(replace[0], replace[1], 1))
+    r = run_cli("--check", str(cfg))
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
+    cfg.write_text(text)
+    assert run_cli("--check", str(cfg)).returncode == 0
+
+
+def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
+    """Unknown top-level sections and merge targets nothing reads, near a known name, are warned
+    with a hint; --strict turns warnings into exit 2; several files are checked merged."""
+    cfg = _cli_config(tmp_path, "[]", extra="  logs: {type: stream}\n")
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("merge: [{sources: [main], target: logs}]\n"
+                     "merges: [{sources: [main], target: log}]\n")
+    r = run_cli("--check", str(cfg), str(extra))
+    assert r.returncode == 0
+    assert r.stdout == "ok (2 files checked as one merged document, §3.1)\n"
+    assert "unknown top-level section 'merge'" in r.stderr and "did you mean 'merges'?" in r.stderr
+    assert "'log' is no route" in r.stderr and "did you mean 'logs'?" in r.stderr
+    r = run_cli("--check", "--strict", str(cfg), str(extra))
+    assert r.returncode == 2 and "--strict" in r.stderr
+    r = run_cli("--check", "--strict", str(cfg))
+    assert (r.returncode, r.stdout) == (0, "ok\n")
+    r = run_cli("--check", "-q", str(cfg), str(extra))
+    assert (r.returncode, r.stderr) == (0, "")
+    assert run_cli("-q", "-v", "--check", str(cfg)).returncode == 2
+
+
+def test_did_you_mean_lists_valid_names_when_few():
+    assert actor.did_you_mean("wrtier", ["writer", "reader"]) == \
+        " (did you mean 'writer'? valid: reader, writer)"
+    assert actor.did_you_mean("zzz", ["writer"]) == " (valid: writer)"
+    many = [f"name{i}" for i in range(20)]
+    assert actor.did_you_mean("nmae3", many) == " (did you mean 'name3'?)"
+    assert actor.did_you_mean("qqqq", many) == ""
+
+
+def test_cli_runs_400_chained_routes_and_1000_operators(tmp_path):
+    n = 400
+    routes = "\n".join(f"  r{i}: {{type: stream, publications: "
+                       f"[{'r' + str(i + 1) if i + 1 < n else '__output__'}]}}" for i in range(n))
+    chain = tmp_path / "chain.yaml"
+    chain.write_text(f"agents: {{a: {{type: chain}}}}\nroutes:\n{routes}\n"
+                     "merges: [{sources: [__input__], target: r0}]\n")
+    ops = _cli_config(tmp_path, "[" + ", ".join(
+        ["{type: map, params: {transform: {type: identity}}}"] * 1000) + "]", name="ops.yaml")
+    for cfg in (chain, ops):
+        r = run_cli(str(cfg), "-m", "hi", "-m", "there")
+        assert (r.returncode, r.stdout, r.stderr) == (0, "hi\nthere\n", "")
+
+
+def test_cli_trace_shows_llm_calls_and_reply_scripts_the_fake_model(tmp_path):
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai, model: m1}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli(str(cfg), "--provider", "fake", "--reply", "one", "--reply", "two",
+                "-m", "a", "-m", "b", "-m", "c", "--trace")
+    assert (r.returncode, r.stdout) == (0, "one\ntwo\nc\n")
+    calls = [line for line in r.stderr.splitlines() if line.startswith("trace: llm ")]
+    assert len(calls) == 3 and all(line.startswith("trace: llm talk -> fake/m1: ok in ")
+                                   for line in calls)
+    r = run_cli(str(cfg), "--reply", "one", "-m", "a")
+    assert r.returncode == 2 and "--provider fake" in r.stderr
+
+
+@pytest.mark.parametrize("provider, env, base, reply, expected", [
+    ("openai", "OPENAI_API_KEY", "/v1",
+     {"choices": [{"message": {"role": "assistant", "content": "pong"}}],
+      "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}}, (11, 3)),
+    ("anthropic", "ANTHROPIC_API_KEY", "/v1",
+     {"content": [{"type": "text", "text": "pong"}], "stop_reason": "end_turn",
+      "usage": {"input_tokens": 12, "output_tokens": 4}}, (12, 4)),
+    ("google", "GOOGLE_API_KEY", "",
+     {"candidates": [{"content": {"parts": [{"text": "pong"}]}, "finishReason": "STOP"}],
+      "usageMetadata": {"promptTokenCount": 13, "candidatesTokenCount": 5}}, (13, 5)),
+])
+def test_token_usage_reported_by_the_vendor_is_kept(llm_server, llm_render, provider, env, base,
+                                                    reply, expected):
+    """The vendor's token counts land in rt.llm_log (and the --trace line) as input/output."""
+    llm_server.replies.append((200, {}, reply))
+    rt = _llm_rt({env: LLM_KEY})
+    seen = []
+    rt.llm_observer = seen.append
+    agent = _llm_agent({"provider": provider, "base_url": llm_server.url + base, "model": "m"}, rt)
+    assert agent.invoke("ping", {}) == "pong"
+    usage = {"input_tokens": expected[0], "output_tokens": expected[1]}
+    assert rt.llm_log[-1]["usage"] == usage and seen[-1]["usage"] == usage
+    assert f"tokens {expected[0]} in / {expected[1]} out" in actor.trace_llm_line(seen[-1])
+
+
 def test_licence_travels_with_the_module():
     """A vendored copy of actor.py carries its licence: the SPDX line near the top, and the MIT
     text beside it."""
