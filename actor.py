@@ -4279,21 +4279,21 @@ class StreamNetwork:
     # §18 --diagram ------------------------------------------------------------------------
     def mermaid(self):
         """Mermaid flowchart lines (no header) for routes with operators, links and conditions."""
-        ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
+        ids = {name: mermaid_stream_id(name) for name in self.nodes}
         lines = []
         for name, node in self.nodes.items():
             if name in self.internal_streams:      # §6.10 plumbing: drawn by the graph itself
                 continue
-            label = node.describe().replace('"', "'")
+            label = mermaid_text(node.describe())
             shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
             lines.append(f"{ids[name]}{shape}")
         for (source, target), conds in self.edges.items():
             if any(cond is None for cond, _path in conds):
                 lines.append(f"{ids[source]} --> {ids[target]}")
             else:
-                label = " or ".join(describe_condition(c) or "always"
-                                    for c, _p in conds).replace('"', "'")
-                lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
+                label = mermaid_text(" or ".join(describe_condition(c) or "always"
+                                                 for c, _p in conds))
+                lines.append(f'{ids[source]} -->|"{label}"| {ids[target]}')
         for name, node in self.nodes.items():
             for target, _path in _switch_targets(getattr(node, "ops", None), ()):
                 if target in ids:
@@ -5969,12 +5969,40 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
                 fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
 
 
+def mermaid_name(name):
+    """A name as Mermaid id characters, one to one: letters and digits stay, '_' is '__', any
+    other character is '_<lower-case hex code point>_' (so x-y and x_y stay apart)."""
+    return "".join(c if c.isascii() and c.isalnum() else "__" if c == "_" else f"_{ord(c):x}_"
+                   for c in str(name))
+
+
 def mermaid_id(graph_name, node_name):
-    return re.sub(r"[^A-Za-z0-9_]", "_", f"{graph_name}__{node_name}")
+    """A graph node's id: g_<graph>_S_<node>. The prefixes keep every id clear of Mermaid's
+    keywords (end, graph, style, class, click, subgraph ...), and '_S' / '_E' never occur
+    inside mermaid_name, so no two (graph, node) pairs share an id."""
+    return f"g_{mermaid_name(graph_name)}_S_{mermaid_name(node_name)}"
+
+
+def mermaid_entry_id(graph_name):
+    return f"g_{mermaid_name(graph_name)}_E"
+
+
+def mermaid_subgraph_id(graph_name):
+    return f"G_{mermaid_name(graph_name)}"
+
+
+def mermaid_stream_id(name):
+    return f"s_{mermaid_name(name)}"
+
+
+MERMAID_ENTITIES = {"#": "#35;", '"': "#quot;", "&": "#amp;", "<": "#lt;", ">": "#gt;",
+                    "`": "#96;"}
 
 
 def mermaid_text(text):
-    return str(text).replace('"', "#quot;")
+    """Text for a quoted Mermaid label: '#' and the characters a quoted string or its HTML would
+    read are entity codes; line breaks become spaces."""
+    return "".join(MERMAID_ENTITIES.get(c, " " if c in "\r\n" else c) for c in str(text))
 
 
 # Node shapes in the diagram, by node type.
@@ -5987,7 +6015,7 @@ MERMAID_SHAPES = {
 
 def mermaid_graph(graph):
     """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
-    gid = mermaid_id("graph", graph.name)
+    gid = mermaid_subgraph_id(graph.name)
     lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
     for name, node in graph.nodes.items():
         label = name
@@ -5999,7 +6027,7 @@ def mermaid_graph(graph):
             label = f"{name}: {node.type}"
         shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
         lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
-    entry = mermaid_id(graph.name, "__entry")
+    entry = mermaid_entry_id(graph.name)
     lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
     for edge in graph.edges:
         arrow = "-->"
@@ -11009,6 +11037,9 @@ class Actor:
         lines += ["  " + line for line in self.network.mermaid()]
         for graph in self.rt.graphs.values():
             lines += ["  " + line for line in graph.mermaid()]
+        for name in self.rt.graphs:         # each graph route's node runs the graph's body
+            if name in self.network.nodes:
+                lines.append(f"  {mermaid_stream_id(name)} -. runs .-> {mermaid_entry_id(name)}")
         return "\n".join(lines) + "\n"
 
 

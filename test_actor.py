@@ -498,7 +498,7 @@ def test_cli_runs_the_triage_graph_example():
                                      "hello"]
     r = run_cli("--diagram", example)
     assert r.returncode == 0
-    assert '    triage__router -->|"next_node = calculate"| triage__calculate' in r.stdout
+    assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
 
 
 def test_cli_trace_prints_each_stream_message_and_graph_step():
@@ -862,6 +862,104 @@ def test_token_usage_reported_by_the_vendor_is_kept(llm_server, llm_render, prov
     usage = {"input_tokens": expected[0], "output_tokens": expected[1]}
     assert rt.llm_log[-1]["usage"] == usage and seen[-1]["usage"] == usage
     assert f"tokens {expected[0]} in / {expected[1]} out" in actor.trace_llm_line(seen[-1])
+
+
+# Mermaid flowchart grammar (mermaid-js flow.jison), the part --diagram emits: statements are
+# `ID SHAPE`, `ID ARROW ID`, `subgraph ID["text"]` and `end`; an id is a run of [A-Za-z0-9_] that
+# is no keyword; a quoted string holds no '"', and '#name;' / '#123;' are entity codes in it.
+MERMAID_KEYWORDS = {"end", "graph", "flowchart", "subgraph", "style", "class", "classdef",
+                    "click", "linkstyle", "interpolate", "call", "href", "default", "direction"}
+MERMAID_ID = r"[A-Za-z][A-Za-z0-9_]*"
+MERMAID_STR = r'"[^"\n`<>]*"'
+MERMAID_SHAPE = (rf'(?:\[{MERMAID_STR}\]|\(\({MERMAID_STR}\)\)|\(\[{MERMAID_STR}\]\)|'
+                 rf'\[\[{MERMAID_STR}\]\]|\{{{MERMAID_STR}\}}|\(\(entry\)\))')
+MERMAID_ARROW = rf'(?:-->|-->\|{MERMAID_STR}\||-\. [a-z]+ \.->)'
+
+
+def _mermaid_statements(text):
+    """Parse --diagram output with the grammar above: (kind, ids, quoted strings) per line."""
+    import re
+    lines = text.splitlines()
+    assert lines[0] == "flowchart LR"
+    parsed, depth = [], 0
+    for line in lines[1:]:
+        stmt = line.strip()
+        if stmt == "end":
+            depth -= 1
+            assert depth >= 0, line
+            continue
+        m = (re.fullmatch(rf"subgraph ({MERMAID_ID})({MERMAID_SHAPE})", stmt)
+             or re.fullmatch(rf"({MERMAID_ID})({MERMAID_SHAPE})(?: --> ({MERMAID_ID}))?", stmt)
+             or re.fullmatch(rf"({MERMAID_ID}) ({MERMAID_ARROW}) ({MERMAID_ID})", stmt))
+        assert m, f"not Mermaid flowchart syntax: {line!r}"
+        depth += stmt.startswith("subgraph ")
+        ids = [g for g in m.groups() if g and re.fullmatch(MERMAID_ID, g)]
+        for node_id in ids:
+            assert node_id.lower() not in MERMAID_KEYWORDS, line
+        for quoted in re.findall(r'"([^"]*)"', stmt):
+            assert re.fullmatch(r"(?:[^#]|#(?:quot|amp|lt|gt|\d+);)*", quoted), line
+        parsed.append((stmt.split()[0] if stmt.startswith("subgraph") else "node", ids,
+                       re.findall(r'"([^"]*)"', stmt)))
+    assert depth == 0
+    return parsed
+
+
+def _mermaid_unescape(text):
+    import html
+    import re
+    return html.unescape(re.sub(r"#(quot|amp|lt|gt|\d+);",
+                                lambda m: f"&{m.group(1)};" if not m.group(1).isdigit()
+                                else f"&#{m.group(1)};", text))
+
+
+MERMAID_HARD_NAMES = ["end", "graph", "style", "class", "click", "subgraph", "flowchart",
+                      "default", "x-y", "x_y", "x__y", "x_2d_y", "a b", 'q"uote', "é", "#35;",
+                      "o", "x", "1st", "A--B", "pipe|bar", "<b>", "`tick`", "semi;colon",
+                      "amp&lt;", "dot.name", "S", "E", "_S_", "g_S_x"]
+
+
+def test_diagram_parses_for_every_legal_name_and_keeps_names_apart(tmp_path):
+    """--diagram: with routes and graph nodes named after Mermaid keywords and with - _ # " < `
+    in them, every line follows the flowchart grammar, each name gets its own id, and each
+    label reads back as the name."""
+    import json
+    routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
+    nodes = [n for n in MERMAID_HARD_NAMES if n.lower() not in ("end", "start")]
+    routes["g-1"] = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in nodes},
+                     "edges": [{"source": "start", "target": nodes[0]}]
+                     + [{"source": a, "target": b, "condition": {
+                         "type": "content_contains", "text": f'"{a}" <&>'}}
+                        for a, b in zip(nodes, nodes[1:])] + [{"source": nodes[-1],
+                                                                "target": "end"}]}
+    routes["x_y"]["operators"] = [{"type": "filter", "params": {"condition": {
+        "type": "content_contains", "text": "a\"b#c"}}}]
+    cfg = tmp_path / "names.yaml"
+    cfg.write_text(json.dumps({"agents": {"a": {"type": "chain"}}, "routes": routes, "merges": [
+        {"sources": ["__input__"], "target": n} for n in MERMAID_HARD_NAMES + ["g-1"]]}))
+    r = run_cli("--diagram", str(cfg))
+    assert r.returncode == 0, r.stderr
+    parsed = _mermaid_statements(r.stdout)
+    declared = {}
+    for kind, ids, strings in parsed:
+        if len(ids) == 1 and strings and kind == "node":
+            assert ids[0] not in declared, f"two nodes share the id {ids[0]}"
+            declared[ids[0]] = _mermaid_unescape(strings[0])
+    for name in MERMAID_HARD_NAMES:             # stream side: label = name (plus details)
+        assert declared[actor.mermaid_stream_id(name)].split(":")[0] == name.split(":")[0]
+    for name in nodes:                          # graph side
+        assert declared[actor.mermaid_id("g-1", name)].startswith(f"{name}: agent a")
+    assert len({actor.mermaid_name(n) for n in MERMAID_HARD_NAMES}) == len(MERMAID_HARD_NAMES)
+    edge_labels = [_mermaid_unescape(s[0]) for kind, ids, s in parsed if len(ids) == 2 and s]
+    assert f'content_contains \'"{nodes[0]}" <&>\'' in edge_labels
+    assert "  s_g_2d_1 -. runs .-> g_g_2d_1_E" in r.stdout.splitlines()
+
+
+def test_mermaid_escaping_rules():
+    assert actor.mermaid_name("x-y") != actor.mermaid_name("x_y")
+    assert actor.mermaid_name("x_2d_y") != actor.mermaid_name("x-y")
+    assert actor.mermaid_id("a_S", "b") != actor.mermaid_id("a", "S_b")
+    assert actor.mermaid_text('a"b') == "a#quot;b" and actor.mermaid_text("#") == "#35;"
+    assert actor.mermaid_text("<i>&") == "#lt;i#gt;#amp;" and actor.mermaid_text("a\nb") == "a b"
 
 
 def test_licence_travels_with_the_module():
@@ -2874,9 +2972,9 @@ def test_mermaid_lines_show_routes_links_and_conditions():
          "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
         splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
     lines = net.mermaid()
-    assert 'main["main: map(a)"]' in lines and "__input__ --> main" in lines
-    assert "main --> __output__" in lines
-    assert "main -- \"content_contains 'x'\" --> lane" in lines
+    assert 's_main["main: map(a)"]' in lines and "s_____input____ --> s_main" in lines
+    assert "s_main --> s_____output____" in lines
+    assert "s_main -->|\"content_contains 'x'\"| s_lane" in lines
 
 
 def test_close_disposes_subscriptions():
@@ -3881,21 +3979,21 @@ def test_graph_mermaid_pins_18_3():
         + [{"source": t, "target": "end"} for t in ("code", "research", "default")]}
     rt, g = make_graph(cfg, {a: echo(a) for a in ("code_agent", "research_agent", "default_agent")})
     assert g.mermaid() == [
-        'subgraph graph__main["graph main"]',
-        '  main__start(["start"])',
-        '  main__router{"router: message_router"}',
-        '  main__code["code: agent code_agent"]',
-        '  main__research["research: agent research_agent"]',
-        '  main__default["default: agent default_agent"]',
-        '  main__end(["end"])',
-        '  main____entry((entry)) --> main__start',
-        '  main__start --> main__router',
-        '  main__router -->|"next_node = code"| main__code',
-        '  main__router -->|"next_node = research"| main__research',
-        '  main__router -->|"next_node = default"| main__default',
-        '  main__code --> main__end',
-        '  main__research --> main__end',
-        '  main__default --> main__end',
+        'subgraph G_main["graph main"]',
+        '  g_main_S_start(["start"])',
+        '  g_main_S_router{"router: message_router"}',
+        '  g_main_S_code["code: agent code_agent"]',
+        '  g_main_S_research["research: agent research_agent"]',
+        '  g_main_S_default["default: agent default_agent"]',
+        '  g_main_S_end(["end"])',
+        '  g_main_E((entry)) --> g_main_S_start',
+        '  g_main_S_start --> g_main_S_router',
+        '  g_main_S_router -->|"next_node = code"| g_main_S_code',
+        '  g_main_S_router -->|"next_node = research"| g_main_S_research',
+        '  g_main_S_router -->|"next_node = default"| g_main_S_default',
+        '  g_main_S_code --> g_main_S_end',
+        '  g_main_S_research --> g_main_S_end',
+        '  g_main_S_default --> g_main_S_end',
         'end']
 
 
@@ -3910,11 +4008,12 @@ def test_graph_actor_diagram_shows_18_3_graph():
     text = a.diagram()
     assert text.startswith("flowchart LR\n")
     lines = text.splitlines()
-    block = lines.index('  subgraph graph__main["graph main"]')
-    assert lines[block + 1:block + 4] == ['    main__start(["start"])',
-                                          '    main__router{"router: message_router"}',
-                                          '    main__code["code: agent code_agent"]']
-    assert '    main__router -->|"next_node = research"| main__research' in lines
+    block = lines.index('  subgraph G_main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    g_main_S_start(["start"])',
+                                          '    g_main_S_router{"router: message_router"}',
+                                          '    g_main_S_code["code: agent code_agent"]']
+    assert '    g_main_S_router -->|"next_node = research"| g_main_S_research' in lines
+    assert '  s_main -. runs .-> g_main_E' in lines        # the route node runs the body
 
 
 def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
