@@ -954,6 +954,44 @@ def test_diagram_parses_for_every_legal_name_and_keeps_names_apart(tmp_path):
     assert "  s_g_2d_1 -. runs .-> g_g_2d_1_E" in r.stdout.splitlines()
 
 
+MERMAID_JS = os.environ.get("ACTOR_MERMAID_MODULES")     # a node_modules with mermaid and jsdom
+
+
+@pytest.mark.skipif(not MERMAID_JS, reason="opt-in: set ACTOR_MERMAID_MODULES to a node_modules "
+                    "folder holding mermaid and jsdom (npm install mermaid jsdom)")
+def test_diagram_parses_with_mermaid_js(tmp_path):
+    """The real parser (mermaid.parse under jsdom) accepts --diagram for the hard names and the
+    examples."""
+    import json
+    import subprocess
+    routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
+    cfg = tmp_path / "names.yaml"
+    cfg.write_text(json.dumps({"agents": {"a": {"type": "chain"}}, "routes": routes, "merges": [
+        {"sources": ["__input__"], "target": n} for n in MERMAID_HARD_NAMES]}))
+    diagrams = []
+    for i, config in enumerate([cfg] + sorted((HERE / "examples").glob("*.yaml"))):
+        r = run_cli("--diagram", "--unsafe", "--provider", "fake", str(config))
+        assert r.returncode == 0, r.stderr
+        diagrams.append(tmp_path / f"d{i}.mmd")
+        diagrams[-1].write_text(r.stdout)
+    script = tmp_path / "parse.mjs"
+    script.write_text(
+        'import { JSDOM } from "jsdom"; import fs from "fs";\n'
+        'const dom = new JSDOM("<!DOCTYPE html><body></body>");\n'
+        "globalThis.window = dom.window; globalThis.document = dom.window.document;\n"
+        "globalThis.DOMParser = dom.window.DOMParser; globalThis.Element = dom.window.Element;\n"
+        'const mermaid = (await import("mermaid")).default;\n'
+        "mermaid.initialize({ startOnLoad: false }); let bad = 0;\n"
+        "for (const f of process.argv.slice(2)) {\n"
+        '  try { await mermaid.parse(fs.readFileSync(f, "utf8")); }\n'
+        '  catch (e) { bad++; console.log("FAIL", f, String(e.message || e)); } }\n'
+        "process.exit(bad ? 1 : 0);\n")
+    (tmp_path / "node_modules").symlink_to(Path(MERMAID_JS).resolve())
+    r = subprocess.run(["node", str(script), *map(str, diagrams)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_mermaid_escaping_rules():
     assert actor.mermaid_name("x-y") != actor.mermaid_name("x_y")
     assert actor.mermaid_name("x_2d_y") != actor.mermaid_name("x-y")
