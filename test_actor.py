@@ -1000,6 +1000,62 @@ def test_mermaid_escaping_rules():
     assert actor.mermaid_text("<i>&") == "#lt;i#gt;#amp;" and actor.mermaid_text("a\nb") == "a b"
 
 
+def test_cli_interactive_prompt_blank_lines_reset_and_quit(tmp_path):
+    """On a terminal: the prompt shows the Actor's name, a blank line is not sent, /reset says
+    what it cleared, /quit ends with status 0."""
+    pty = pytest.importorskip("pty")
+    import select
+    import subprocess
+    import time
+    cfg = tmp_path / "mem.yaml"
+    cfg.write_text("name: helper\nagents: {talk: {type: llm, config: {provider: fake, "
+                   "memory_enabled: true}}}\nroutes: {main: {type: stream, operators: [{type: "
+                   "map, params: {agent: talk}}], publications: [__output__]}}\n"
+                   "merges: [{sources: [__input__], target: main}]\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg), "--json"],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+
+    def read_until(token, seconds=60):
+        text, deadline = "", time.monotonic() + seconds
+        while token not in text and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    text += os.read(master, 4096).decode("utf-8", "replace")
+                except OSError:
+                    break
+        return text
+    try:
+        assert read_until("helper> ").endswith("helper> ")
+        os.write(master, b"hello\n")
+        assert '"content": "hello"' in read_until("helper> ")
+        os.write(master, b"   \n/reset\n")
+        seen = read_until("cleared")
+        assert "(memory and graph state cleared)" in seen and '"content"' not in seen
+        os.write(master, b"/quit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+def test_reset_forgets_memory_and_graph_state():
+    a = actor.load(text="agents: {talk: {type: llm, config: {provider: fake, memory_enabled: "
+                        "true}}}\nroutes:\n  g: {type: graph, enable_time_travel: true, nodes: "
+                        "{n: {type: agent, agent: talk}}, edges: [{source: start, target: n}, "
+                        "{source: n, target: end}]}\nmerges: [{sources: [__input__], target: g}]\n")
+    a.send("one")
+    graph, talk = a.rt.graphs["g"], a.rt.agents["talk"]
+    assert talk.history and graph.state["messages"] and graph.snapshots
+    a.context["kept"] = True
+    actor.reset_actor(a)
+    assert talk.history == [] and graph.state["messages"] == [] and graph.snapshots == []
+    assert a.context["kept"] is True
+    assert [m.content for m in a.send("two").outputs] == ["two"]
+
+
 def test_licence_travels_with_the_module():
     """A vendored copy of actor.py carries its licence: the SPDX line near the top, and the MIT
     text beside it."""
