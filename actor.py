@@ -16,8 +16,9 @@ Usage (command line)::
 
     python actor.py CONFIG... [-m TEXT]... [--unsafe] [--provider NAME] [--set K=V]... [--json]
     python actor.py --check CONFIG...        python actor.py --describe CONFIG
-    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD"]
-    python actor.py CONFIG --trace -m TEXT   (every stream message and graph step, on stderr)
+    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD" -j N]
+    python actor.py CONFIG --trace -m TEXT   (every stream message, graph step and LLM call)
+    python actor.py --check --strict CONFIG  (warnings are errors)
 
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.

@@ -801,6 +801,13 @@ def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
     assert run_cli("-q", "-v", "--check", str(cfg)).returncode == 2
 
 
+def test_cli_unknown_condition_type_warning_has_a_hint(tmp_path):
+    cfg = _cli_config(tmp_path, "[{type: filter, params: {condition: {type: content_contans, "
+                                "text: x}}}]")
+    r = run_cli(str(cfg), "-m", "x")
+    assert r.returncode == 0 and "did you mean 'content_contains'?" in r.stderr
+
+
 def test_did_you_mean_lists_valid_names_when_few():
     assert actor.did_you_mean("wrtier", ["writer", "reader"]) == \
         " (did you mean 'writer'? valid: reader, writer)"
