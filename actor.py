@@ -11828,11 +11828,12 @@ class _HintFilter(logging.Filter):
         return True
 
 
-def _document_data(sources, args):
+def _document_data(args):
     """The merged document for hints after a failed load, or None when even that fails."""
     try:
         rt = Runtime(Doc(None), env={})
-        return load_document(sources, _parse_set(args.set, "--set") or None,
+        return load_document(read_sources(args.configs, None),
+                             _parse_set(args.set, "--set") or None,
                              str(args.engine or "JINJA2").upper(), {}, rt).data
     except ActorError:
         return None
@@ -12107,7 +12108,7 @@ def _cli(args):
         try:
             actor, host_warnings = _load_for_cli(args, args.check)
         except ActorError as exc:
-            data = _document_data(read_sources(args.configs, None), args) \
+            data = _document_data(args) \
                 if isinstance(exc, (ConfigurationError, StreamRoutingError)) else None
             text = with_hint(str(exc), data)
             if re.search(r"no API key for provider '\w+'", exc.message or ""):

@@ -799,6 +799,8 @@ def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
     r = run_cli("--check", "-q", str(cfg), str(extra))
     assert (r.returncode, r.stderr) == (0, "")
     assert run_cli("-q", "-v", "--check", str(cfg)).returncode == 2
+    r = run_cli("--check", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_unknown_condition_type_warning_has_a_hint(tmp_path):
