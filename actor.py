@@ -11708,6 +11708,8 @@ def _arg_parser():
     p.add_argument("--strict", action="store_true", help="warnings are errors (exit status 2)")
     p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
     p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
+    p.add_argument("--schema", action="store_true",
+                   help="print a JSON Schema (draft 2020-12) of the configuration format")
     p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
     p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
     p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
@@ -11861,6 +11863,159 @@ def unconsumed_target_warnings(actor):
                                        f"messages go nowhere{did_you_mean(target, known)}",
                                        section="7", path=path))
     return texts
+
+
+# JSON Schema (--schema) -----------------------------------------------------------------------
+# Generated from the tables the validator reads (TOP_LEVEL_SECTIONS, AGENT_TYPES, LLM_FIELDS,
+# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_FIELDS, CONDITIONS, ...), for
+# editors: completion, and the structural rejections (a field of the wrong type, a required field
+# missing). Unknown keys stay allowed, as the validator only warns about them; a scalar may also be
+# a ${VAR} reference (§14), which becomes its value at load.
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+_ENV_REFERENCE = {"type": "string", "pattern": r"\$\{"}
+_JSON_TYPES = ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"))
+
+
+def _schema_for_types(types):
+    """A Python type tuple from a field table as a schema fragment."""
+    names = [name for kind, name in _JSON_TYPES if kind in types]
+    if float in types:
+        names.append("number")
+    elif int in types:
+        names.append("integer")
+    fragment = {"type": names[0] if len(names) == 1 else names}
+    return fragment if names == ["string"] else {"anyOf": [fragment, _ENV_REFERENCE]}
+
+
+def _schema_fields(table):
+    """{field: (types, default)} -> JSON Schema properties, with defaults where they are JSON."""
+    properties = {}
+    for field, (types, default) in table.items():
+        fragment = dict(_schema_for_types(types))
+        if default is not None and not isinstance(default, (dict, list)):
+            fragment["default"] = default
+        properties[field] = fragment
+    return properties
+
+
+def _any_case(words):
+    """A pattern matching any of `words` in any letter case (route and node types)."""
+    return "^(?:" + "|".join("".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c)
+                                     for c in word) for word in words) + ")$"
+
+
+# One schema per kind of operator parameter check (the second element of each OPERATORS row).
+_CHECKER_SCHEMAS = {
+    "seconds": {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    "count": {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
+    "text": {"type": "string"}, "agent": {"type": "string"}, "graph": {"type": "string"},
+    "function": {"type": "string"}, "target": {"type": "string"},
+    "condition": {"$ref": "#/$defs/condition"}, "transform": {"type": "object",
+                                                              "required": ["type"]},
+    "accumulator": {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
+                    "required": ["type"]},
+    "cases": {"type": "array", "items": {"type": "object"}},
+    "operator_list": {"type": "array", "items": {"$ref": "#/$defs/operator"}},
+    "route_conditions": {"type": "object",
+                         "additionalProperties": {"$ref": "#/$defs/condition"}},
+}
+
+
+def config_schema():
+    """The configuration format as a JSON Schema (draft 2020-12) object."""
+    names = {"type": "array", "items": {"type": "string"}}
+    condition = {"type": "object", "properties": {"type": {
+        "anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]}}}
+    operators = []
+    for kind, (_handler, spec) in OPERATORS.items():
+        params = {key: _CHECKER_SCHEMAS.get(check.__name__, {}) for key, (check, _d) in
+                  spec.items()}
+        required = [key for key, (_c, default) in spec.items() if default is REQUIRED]
+        params_schema = {"type": "object", "properties": params}
+        if required:
+            params_schema["required"] = required
+        operators.append({"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
+                          "then": {"properties": {"params": params_schema},
+                                   **({"required": ["params"]} if required else {})}})
+    operator = {"type": "object", "required": ["type"],
+                "properties": {"type": {"enum": list(OPERATORS)}, "params": {"type": "object"}},
+                "allOf": operators}
+    node_types = list(NODE_FIELDS)
+    node = {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "pattern": _any_case(node_types)},
+        "metadata": {"type": "object"}, "parallel": {"type": "boolean"},
+        "description": {"type": "string"}, "agent": {"type": "string"},
+        "function": {"type": "string"}, "tools": {"type": "array"},
+        "condition": {"$ref": "#/$defs/condition"}, "graph": {"type": "string"},
+        "params": {"type": "object"}, "rules": {"type": "array", "items": {
+            "type": "object", "properties": {"match_type": {"enum": list(MATCH_TYPES)},
+                                             "pattern": {"type": "string"},
+                                             "target": {"type": "string"}}}}},
+        "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+                   "then": {"required": list(fields[:1])}}
+                  for kind, fields in NODE_FIELDS.items() if kind in ("agent", "subgraph")]}
+    edge = {"type": "object", "required": ["source", "target"], "properties": {
+        "source": {"type": "string"}, "target": {"type": "string"},
+        "condition": {"$ref": "#/$defs/condition"}, "metadata": {"type": "object"},
+        "description": {"type": "string"}}}
+    graph_props = {
+        "nodes": {"type": "object", "minProperties": 1, "additionalProperties": node},
+        "edges": {"type": "array", "items": edge}, "entry_point": {"type": "string"},
+        "checkpoint_dir": {"type": "string"}, "state_class": {"type": "string"},
+        "metadata": {"type": "object"}, "publications": names}
+    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
+        graph_props[flag] = {"anyOf": [{"type": "boolean"}, _ENV_REFERENCE],
+                             "default": GRAPH_FIELDS[flag]}
+    stream_props = {"operators": {"type": "array", "items": operator}, "publications": names,
+                    "subscriptions": names, "metadata": {"type": "object"}}
+    route_kinds = {"stream": stream_props, "graph": graph_props, "bridge": {}}
+    route = {"type": "object",      # a route from a §8.7 template names it alone
+             "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
+             "properties": {"type": {"type": "string", "pattern": _any_case(ROUTE_FIELDS)},
+                            "template_config": {"type": "object"}},
+             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+                        "then": {"properties": props,
+                                 **({"required": [f for f, v in GRAPH_FIELDS.items()
+                                                  if v == "required"]}
+                                    if kind == "graph" else {})}}
+                       for kind, props in route_kinds.items()]}
+    agent_types = list(AGENT_TYPES) + ["template_instance"]
+    configs = {"llm": _schema_fields({**LLM_FIELDS, **LLM_EXTRA_FIELDS}),
+               "tool": _schema_fields(TOOL_AGENT_FIELDS)}
+    agent = {"type": "object",      # a §4.8 template instance may name its template alone
+             "anyOf": [{"required": ["type"]}, {"required": ["template"]},
+                       {"required": ["agent_template"]}],
+             "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
+                            "template": {"type": "string"}, "agent_template": {"type": "string"},
+                            "params": {"type": "object"}},
+             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
+                        "then": {"properties": {"config": {"type": "object",
+                                                           "properties": props}}}}
+                       for kind, props in configs.items()]}
+    merge = {"type": "object", "required": list(MERGE_FIELDS),
+             "properties": {"sources": names, "target": {"type": "string"}}}
+    split = {"type": "object", "required": list(SPLIT_FIELDS),
+             "properties": {"source": {"type": "string"}, "targets": {
+                 "type": "object", "additionalProperties": {
+                     "anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]}}}}
+    sections = {
+        "name": {"type": "string"}, "agents": {"type": "object", "minProperties": 1,
+                                               "additionalProperties": agent},
+        "routes": {"type": "object", "minProperties": 1, "additionalProperties": route},
+        "merges": {"type": "array", "items": merge}, "splits": {"type": "array", "items": split},
+        "context": {"type": "object"}, "prompts": {"type": "object"},
+        "templates": {"type": "object"}, "instances": {"type": "object"},
+        "pipelines": {"type": ["object", "array"]}, "template_strings": {"type": "object"},
+        "template_engine": {"type": "string"}, "default_router": {"type": "string"},
+        "cleveragents": {"type": "object"}, "version": {"type": ["string", "number"]}}
+    for key in FORBIDDEN_TOP_LEVEL:
+        sections[key] = False           # §16.1
+    assert set(sections) >= set(TOP_LEVEL_SECTIONS) | HOST_PARAMETER_SECTIONS
+    return {"$schema": SCHEMA_DIALECT,
+            "title": f"Actor Configuration Standard {SPEC_VERSION} configuration",
+            "type": "object", "properties": sections,
+            "required": [key for key, required in TOP_LEVEL_SECTIONS.items() if required],
+            "$defs": {"condition": condition, "operator": operator}}
 
 
 # Printing -----------------------------------------------------------------------------------
@@ -12095,6 +12250,9 @@ def _cli(args):
             print(f"actor: error: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         return EXIT_RUNTIME if failed else EXIT_OK
+    if args.schema:
+        print(json.dumps(config_schema(), indent=1))
+        return EXIT_OK
     if not args.configs:
         _arg_parser().print_usage(sys.stderr)
         print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)

@@ -1065,6 +1065,81 @@ def test_reset_forgets_memory_and_graph_state():
     assert [m.content for m in a.send("two").outputs] == ["two"]
 
 
+def _vector_documents():
+    """(name, document) for every vector that loads, several configs merged (§3.1); documents
+    templated at Phase A are left out (their text is no YAML until rendered)."""
+    import copy
+    for path in VECTOR_FILES:
+        vector = actor.read_vector(path)
+        if "load_error" in vector:
+            continue
+        if "configs" in vector:
+            doc = copy.deepcopy(vector["configs"][0])
+            for more in vector["configs"][1:]:
+                actor.deep_merge(doc, copy.deepcopy(more))
+        elif "config" in vector:
+            doc = vector["config"]
+        elif actor.has_template_syntax(vector["config_text"]):
+            continue
+        else:
+            doc = actor.parse_yaml(vector["config_text"])[0]
+        yield path.stem, doc
+
+
+def test_schema_accepts_every_valid_configuration_in_the_vectors():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = actor.config_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    checked, failures = 0, []
+    for name, doc in _vector_documents():
+        checked += 1
+        failures += [f"{name}: {list(e.absolute_path)}: {e.message}"
+                     for e in validator.iter_errors(doc)]
+    assert checked > 500 and not failures, "\n".join(failures[:10])
+
+
+# load_error vectors whose fault is structural (a wrong type, a required field missing).
+SCHEMA_REJECTS = [
+    "reject-empty-agents", "reject-missing-agents", "reject-missing-routes",
+    "reject-list-form-routes", "reject-top-level-graphs", "reject-top-level-streams",
+    "reject-llm-max-tokens-not-integer", "reject-llm-response-format-not-mapping",
+    "reject-buffer-count-not-integer", "reject-debounce-without-duration",
+    "reject-operator-bad-duration", "reject-take-negative-count", "reject-unknown-operator",
+    "reject-agent-node-without-agent", "reject-checkpoint-dir-not-a-string", "reject-empty-nodes",
+    "reject-missing-edges", "reject-unknown-node-type", "reject-agent-without-type",
+    "reject-merge-without-target", "reject-route-without-type", "reject-split-without-source",
+    "reject-unknown-agent-type", "reject-unknown-route-type", "reject-agent-config-not-a-mapping",
+]
+
+
+def test_schema_rejects_structural_faults():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(actor.config_schema())
+    by_name = {p.stem: p for p in VECTOR_FILES}
+    for name in SCHEMA_REJECTS:
+        vector = actor.read_vector(by_name[name])
+        assert not validator.is_valid(vector["config"]), name
+        assert actor.observe_vector(vector)["load_error"], name     # and the loader agrees
+    good = {"agents": {"a": {"type": "llm", "config": {"temperature": 0.3}}},
+            "routes": {"m": {"type": "Stream", "publications": ["__output__"]}}}
+    assert validator.is_valid(good)
+    assert validator.is_valid({**good, "agents": {"a": {"type": "llm", "config": {
+        "temperature": "${TEMP}"}}}})                   # §14: a reference, coerced at load
+    assert not validator.is_valid({**good, "agents": {"a": {"type": "llm", "config": {
+        "temperature": "hot"}}}})
+    assert not validator.is_valid({**good, "merges": [{"sources": ["__input__"]}]})
+
+
+def test_cli_schema_prints_json_schema():
+    import json
+    r = run_cli("--schema")
+    schema = json.loads(r.stdout)
+    assert r.returncode == 0 and schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["required"] == ["agents", "routes"]
+    assert set(schema["$defs"]["operator"]["properties"]["type"]["enum"]) == set(actor.OPERATORS)
+
+
 def test_licence_travels_with_the_module():
     """A vendored copy of actor.py carries its licence: the SPDX line near the top, and the MIT
     text beside it."""
