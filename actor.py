@@ -859,6 +859,7 @@ class LLMAgent:
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
+        self.last_usage = None              # token counts of the latest call, when reported
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
         if adapter.structured:
@@ -923,6 +924,7 @@ class LLMAgent:
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
         note_llm_call(rt, call, started)
+        self.last_usage = call.get("usage")     # the vendor's token counts, for the reply's map
         # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
         # tools (§4.4.4 item 4 records successful invocations only).
         check_not_abandoned(f"agent '{self.name}' (llm)")
@@ -3765,6 +3767,8 @@ def agent_mapper(site, name, down):
             out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
+            if getattr(agent, "last_usage", None):      # HOST: the vendor's token counts
+                out.metadata["usage"] = agent.last_usage
             down.next(out)
             return
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream

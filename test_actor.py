@@ -871,6 +871,15 @@ def test_token_usage_reported_by_the_vendor_is_kept(llm_server, llm_render, prov
     usage = {"input_tokens": expected[0], "output_tokens": expected[1]}
     assert rt.llm_log[-1]["usage"] == usage and seen[-1]["usage"] == usage
     assert f"tokens {expected[0]} in / {expected[1]} out" in actor.trace_llm_line(seen[-1])
+    llm_server.replies.append((200, {}, reply))     # and in the reply's metadata (§5.3.4 map)
+    a = actor.load(text=json.dumps({
+        "agents": {"talk": {"type": "llm", "config": {
+            "provider": provider, "model": "m", "base_url": llm_server.url + base}}},
+        "routes": {"main": {"type": "stream", "publications": ["__output__"],
+                            "operators": [{"type": "map", "params": {"agent": "talk"}}]}},
+        "merges": [{"sources": ["__input__"], "target": "main"}]}), env={env: LLM_KEY})
+    [out] = a.send("ping").outputs
+    assert (out.content, out.metadata["usage"]) == ("pong", usage)
 
 
 # Mermaid flowchart grammar (mermaid-js flow.jison), the part --diagram emits: statements are
