@@ -11662,8 +11662,12 @@ def list_vectors(paths, out=None, *, only=(), skip=()):
 # timed input. Outputs print as they are emitted, wherever they come from (a send, a timer).
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # the shells' 128 + SIGINT / SIGPIPE
-CLI_STACK_BYTES = 256 * 1024 * 1024     # the CLI's worker thread: 400 chained routes or 1,000
-CLI_RECURSION_LIMIT = 20_000            # operators in one route nest that many Python frames
+# A run's messages pass through a chain of routes, and through one route's operators, as nested
+# calls: 400 chained routes or 1,000 operators need more frames than Python's default limit. The
+# CLI raises the limit after loading (so that loading refuses what the API refuses, e.g. a
+# document nested 3,000 deep) and runs on a thread whose stack holds that many frames.
+CLI_STACK_BYTES = 256 * 1024 * 1024
+CLI_RECURSION_LIMIT = 20_000
 MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
 
 
@@ -12278,6 +12282,7 @@ def _cli(args):
             print(text, file=sys.stderr)
             return EXIT_CONFIG
         hints.data = actor.rt.doc.data
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), CLI_RECURSION_LIMIT))
         # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
         # input) is single-shot; an interactive prompt is not.
         actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
@@ -12321,7 +12326,7 @@ def _cli(args):
 
 def main(argv=None):
     """The CLI: exit 0 ok, 2 configuration error, 1 runtime error; 130 after Ctrl-C and 141 on a
-    closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_STACK_BYTES)."""
+    closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_RECURSION_LIMIT)."""
     args = _arg_parser().parse_args(argv)
     status = [EXIT_RUNTIME]
 
@@ -12334,7 +12339,6 @@ def main(argv=None):
             status[0] = EXIT_INTERRUPTED
 
     previous_limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(previous_limit, CLI_RECURSION_LIMIT))
     previous_stack = threading.stack_size(CLI_STACK_BYTES)
     try:
         worker = threading.Thread(target=work, name="actor-cli", daemon=True)

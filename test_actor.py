@@ -284,6 +284,22 @@ def test_cli_vectors_list_only_skip(tmp_path):
     assert r.returncode == 1 and r.stdout.splitlines()[-1] == "0 passed, 1 failed"
 
 
+def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
+    """The command line raises the recursion limit only to run (long route chains), never to load:
+    through --run-vector and --check a document nested 3,000 deep is refused as by the API."""
+    import io
+    sample = [p for p in VECTOR_FILES if p.stem.startswith("reject-too-deep-nesting")]
+    assert len(sample) == 2
+    out = io.StringIO()
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
+                    "routes: {m: {type: stream}}\n")
+    r = run_cli("--check", str(deep))
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
     (tmp_path / "empty").mkdir()
     for path in (tmp_path / "empty", tmp_path / "missing"):
