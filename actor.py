@@ -11869,7 +11869,8 @@ def unconsumed_target_warnings(actor):
         if difflib.get_close_matches(target, known, n=1, cutoff=0.75):
             texts.append(actor.rt.warn(f"'{target}' is no route and nothing reads it; its "
                                        f"messages go nowhere{did_you_mean(target, known)}",
-                                       section="7", path=path))
+                                       section="7.1" if path[0] == "merges" else "7.2",
+                                       path=path))
     return texts
 
 
