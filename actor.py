@@ -11709,7 +11709,8 @@ def _arg_parser():
                    "(errors too, on stdout); with --vectors: one JSON report")
     p.add_argument("--trace", action="store_true", help="print every stream message, graph step "
                    "and LLM call to stderr as it happens")
-    p.add_argument("-v", "--verbose", action="store_true", help="log details (DEBUG level)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log details: what was loaded, each LLM call (DEBUG level)")
     p.add_argument("-q", "--quiet", action="store_true", help="log errors only (no warnings)")
     p.add_argument("--check", action="store_true",
                    help="load and validate only (several CONFIGs: their merged document)")
@@ -12287,6 +12288,12 @@ def _cli(args):
         # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
         # input) is single-shot; an interactive prompt is not.
         actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
+        log.info("actor: loaded %s: %d agents, %d routes, default router %s, engine %s%s",
+                 " + ".join(args.configs), len(actor.rt.agents), len(actor.describe()["routes"]),
+                 actor.default_router, actor.rt.engine,
+                 ", single-shot" if actor.rt.single_shot else "")
+        if log.isEnabledFor(logging.INFO) and not args.trace:
+            actor.rt.llm_observer = lambda call: log.info(trace_llm_line(call)[len("trace: "):])
         with actor:
             unconsumed_target_warnings(actor)
             warned = len(actor.rt.warnings) + len(host_warnings)

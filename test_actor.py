@@ -862,6 +862,10 @@ def test_cli_trace_shows_llm_calls_and_reply_scripts_the_fake_model(tmp_path):
                                    for line in calls)
     r = run_cli(str(cfg), "--reply", "one", "-m", "a")
     assert r.returncode == 2 and "--provider fake" in r.stderr
+    r = run_cli(str(cfg), "--provider", "fake", "-v", "-m", "a")
+    assert (r.returncode, r.stdout) == (0, "a\n")
+    assert "1 agents, 1 routes" in r.stderr and "llm talk -> fake/m1: ok in " in r.stderr
+    assert run_cli(str(cfg), "--provider", "fake", "-m", "a").stderr == ""
 
 
 @pytest.mark.parametrize("provider, env, base, reply, expected", [
