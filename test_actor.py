@@ -738,8 +738,7 @@ def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
     proc.stdin.flush()
     assert proc.stdout.readline() == "hello\n"      # running, and waiting for more input
     proc.send_signal(signal.SIGINT)
-    out, errors = proc.communicate(timeout=60)
-    proc.stdin.close() if not proc.stdin.closed else None
+    _, errors = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in errors
 
 
