@@ -12112,8 +12112,8 @@ def trace_llm_line(call):
 
 # Running -----------------------------------------------------------------------------------
 def _load_for_cli(args, check_only):
-    """Load the CONFIGs as the command line asks. With --check, a missing API key is a warning
-    (a run would stop there, §4.4.1) and the rest of the document is still checked.
+    """Load the CONFIGs as the command line asks. When nothing will be sent (check_only), a
+    missing API key is a warning (a run would stop there, §4.4.1) and the rest is still loaded.
     Returns (actor, host warning texts)."""
     sources = read_sources(args.configs, None)
     env = dict(os.environ)
@@ -12274,7 +12274,9 @@ def _cli(args):
     log.addFilter(hints)
     try:
         try:
-            actor, host_warnings = _load_for_cli(args, args.check)
+            # nothing is sent with --check, --describe or --diagram: no key is needed
+            actor, host_warnings = _load_for_cli(args, args.check or args.describe or
+                                                 args.diagram)
         except ActorError as exc:
             data = _document_data(args) \
                 if isinstance(exc, (ConfigurationError, StreamRoutingError)) else None

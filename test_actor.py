@@ -768,6 +768,9 @@ def test_cli_check_needs_no_api_key(tmp_path):
     assert r.returncode == 2 and "unknown agent 'ghost'" in r.stderr   # the rest is checked
     r = cli(str(cfg), "--provider", "fake", "-m", "hi")
     assert (r.returncode, r.stdout) == (0, "hi\n")
+    for option in ("--describe", "--diagram"):          # nothing is sent: no key needed
+        r = cli(option, str(cfg))
+        assert r.returncode == 0 and "talk" in r.stdout and "--provider fake" in r.stderr
 
 
 @pytest.mark.parametrize("replace, expect", [
