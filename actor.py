@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """actor.py -- the reference interpreter for the Actor Configuration Standard 1.0.0.
 
 Clarity over speed: one module that pins down what the standard means, laid out in the
@@ -15,8 +16,9 @@ Usage (command line)::
 
     python actor.py CONFIG... [-m TEXT]... [--unsafe] [--provider NAME] [--set K=V]... [--json]
     python actor.py --check CONFIG...        python actor.py --describe CONFIG
-    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD"]
-    python actor.py CONFIG --trace -m TEXT   (every stream message and graph step, on stderr)
+    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD" -j N]
+    python actor.py CONFIG --trace -m TEXT   (every stream message, graph step and LLM call)
+    python actor.py --check --strict CONFIG  (warnings are errors)
 
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
@@ -50,10 +52,13 @@ import argparse
 import ast
 import bisect
 import collections.abc
+import contextlib
 import contextvars
 import copy
 import datetime
+import difflib
 import email.utils
+import fnmatch
 import functools
 import heapq
 import io
@@ -345,16 +350,66 @@ class VirtualClock:
 
 
 class RealClock(VirtualClock):
-    """Wall-clock seconds since creation; advance() really waits."""
+    """Wall-clock seconds since creation; advance() really waits. start(turn) fires timers on a
+    background thread as real time passes (the CLI's one running Actor); stop() ends that."""
 
     real = True
 
     def __init__(self):
         super().__init__()
         self._t0 = time.monotonic()
+        self._wake = threading.Condition(self._lock)
+        self._driver = None
+        self._stopping = False
 
     def now(self):
         return time.monotonic() - self._t0
+
+    @property
+    def driven(self):
+        """True while the background thread fires timers (callers then never wait them out)."""
+        return self._driver is not None
+
+    def call_at(self, when, fn):
+        timer = super().call_at(when, fn)
+        with self._lock:
+            self._wake.notify_all()
+        return timer
+
+    def start(self, turn):
+        """Fire each timer when it falls due, on a daemon thread, inside `turn` (the Actor's lock,
+        so that a timer never runs in the middle of a host call)."""
+        def drive():
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    due = self.next_due()
+                    wait = None if due is None else due - self.now()
+                    if wait is None or wait > 0:
+                        self._wake.wait(wait)
+                        continue
+                with turn:
+                    timer = self._pop_due(self.now())
+                    if timer is not None:
+                        try:
+                            timer.fn()
+                        except Exception as exc:  # boundary: logged, and the clock runs on
+                            log.error("actor: a timer failed: %s: %s", type(exc).__name__, exc)
+        self._stopping = False
+        self._driver = threading.Thread(target=drive, name="actor-clock", daemon=True)
+        self._driver.start()
+
+    def stop(self):
+        """End the background thread (timers still pending stay queued for advance())."""
+        driver = self._driver
+        if driver is None:
+            return
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        driver.join()
+        self._driver = None
 
     def advance(self, seconds):
         target = self.now() + max(0.0, seconds)
@@ -833,6 +888,7 @@ class LLMAgent:
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
+        self.last_usage = None              # token counts of the latest call, when reported
         adapter = PROVIDERS[self.provider]
         self.capabilities = list(LLM_CAPABILITIES)
         if adapter.structured:
@@ -882,17 +938,22 @@ class LLMAgent:
             "messages": history + [{"role": "user", "content": user}],
             "response_format": self.response_format,
         }
-        rt.llm_log.append(copy.deepcopy(request))
+        call = copy.deepcopy(request)       # the log entry; the provider adds usage, retries
+        rt.llm_log.append(call)
+        started = time.monotonic()
         try:
             if rt.llm_transport is not None:
                 reply = rt.llm_transport.complete(request)
             else:
                 reply = PROVIDERS[self.provider].complete(
                     request, key=self._api_key, base_url=self._base_url(), sleep=self.sleep,
-                    jitter=self.jitter)
+                    jitter=self.jitter, record=call)
         except ExecutionError as exc:
+            note_llm_call(rt, call, started, scrub_key(exc.message, self._api_key))
             raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
                                  section=exc.section or "4.4") from None
+        note_llm_call(rt, call, started)
+        self.last_usage = call.get("usage")     # the vendor's token counts, for the reply's map
         # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
         # tools (§4.4.4 item 4 records successful invocations only).
         check_not_abandoned(f"agent '{self.name}' (llm)")
@@ -3762,6 +3823,8 @@ def agent_mapper(site, name, down):
             out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
             out.metadata["processed_by"] = name
             out.metadata["context"] = ctx
+            if getattr(agent, "last_usage", None):      # HOST: the vendor's token counts
+                out.metadata["usage"] = agent.last_usage
             down.next(out)
             return
         # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
@@ -4277,21 +4340,21 @@ class StreamNetwork:
     # §18 --diagram ------------------------------------------------------------------------
     def mermaid(self):
         """Mermaid flowchart lines (no header) for routes with operators, links and conditions."""
-        ids = {name: re.sub(r"\W", "_", name) for name in self.nodes}
+        ids = {name: mermaid_stream_id(name) for name in self.nodes}
         lines = []
         for name, node in self.nodes.items():
             if name in self.internal_streams:      # §6.10 plumbing: drawn by the graph itself
                 continue
-            label = node.describe().replace('"', "'")
+            label = mermaid_text(node.describe())
             shape = f'(("{label}"))' if name in BUILTIN_STREAMS else f'["{label}"]'
             lines.append(f"{ids[name]}{shape}")
         for (source, target), conds in self.edges.items():
             if any(cond is None for cond, _path in conds):
                 lines.append(f"{ids[source]} --> {ids[target]}")
             else:
-                label = " or ".join(describe_condition(c) or "always"
-                                    for c, _p in conds).replace('"', "'")
-                lines.append(f'{ids[source]} -- "{label}" --> {ids[target]}')
+                label = mermaid_text(" or ".join(describe_condition(c) or "always"
+                                                 for c, _p in conds))
+                lines.append(f'{ids[source]} -->|"{label}"| {ids[target]}')
         for name, node in self.nodes.items():
             for target, _path in _switch_targets(getattr(node, "ops", None), ()):
                 if target in ids:
@@ -5993,12 +6056,40 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
                 fail(at + ("set_state",), exc.message, exc.section)
 
 
+def mermaid_name(name):
+    """A name as Mermaid id characters, one to one: letters and digits stay, '_' is '__', any
+    other character is '_<lower-case hex code point>_' (so x-y and x_y stay apart)."""
+    return "".join(c if c.isascii() and c.isalnum() else "__" if c == "_" else f"_{ord(c):x}_"
+                   for c in str(name))
+
+
 def mermaid_id(graph_name, node_name):
-    return re.sub(r"[^A-Za-z0-9_]", "_", f"{graph_name}__{node_name}")
+    """A graph node's id: g_<graph>_S_<node>. The prefixes keep every id clear of Mermaid's
+    keywords (end, graph, style, class, click, subgraph ...), and '_S' / '_E' never occur
+    inside mermaid_name, so no two (graph, node) pairs share an id."""
+    return f"g_{mermaid_name(graph_name)}_S_{mermaid_name(node_name)}"
+
+
+def mermaid_entry_id(graph_name):
+    return f"g_{mermaid_name(graph_name)}_E"
+
+
+def mermaid_subgraph_id(graph_name):
+    return f"G_{mermaid_name(graph_name)}"
+
+
+def mermaid_stream_id(name):
+    return f"s_{mermaid_name(name)}"
+
+
+MERMAID_ENTITIES = {"#": "#35;", '"': "#quot;", "&": "#amp;", "<": "#lt;", ">": "#gt;",
+                    "`": "#96;"}
 
 
 def mermaid_text(text):
-    return str(text).replace('"', "#quot;")
+    """Text for a quoted Mermaid label: '#' and the characters a quoted string or its HTML would
+    read are entity codes; line breaks become spaces."""
+    return "".join(MERMAID_ENTITIES.get(c, " " if c in "\r\n" else c) for c in str(text))
 
 
 # Node shapes in the diagram, by node type.
@@ -6011,7 +6102,7 @@ MERMAID_SHAPES = {
 
 def mermaid_graph(graph):
     """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
-    gid = mermaid_id("graph", graph.name)
+    gid = mermaid_subgraph_id(graph.name)
     lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
     for name, node in graph.nodes.items():
         label = name
@@ -6023,7 +6114,7 @@ def mermaid_graph(graph):
             label = f"{name}: {node.type}"
         shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
         lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
-    entry = mermaid_id(graph.name, "__entry")
+    entry = mermaid_entry_id(graph.name)
     lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
     for edge in graph.edges:
         arrow = "-->"
@@ -9914,9 +10005,10 @@ class ProviderAdapter:
         return None
 
     def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
-                 jitter=random.random):
+                 jitter=random.random, record=None):
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
-        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed)."""
+        LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed).
+        `record` (a dict) receives `retries` and the vendor's token `usage`."""
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
         if not re.match(r"https?://", base_url or ""):
             raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
@@ -9939,7 +10031,7 @@ class ProviderAdapter:
                     failure = f"connection error: {reason}"
             else:
                 if 200 <= status < 300:
-                    return self._parse_reply(raw, key)
+                    return self._parse_reply(raw, key, record)
                 try:
                     data = json.loads(raw.decode("utf-8", "replace"))
                 except ValueError:
@@ -9960,8 +10052,14 @@ class ProviderAdapter:
                 raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
             sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
+            if record is not None:
+                record["retries"] = attempt
 
-    def _parse_reply(self, raw, key):
+    def usage(self, data):
+        """The vendor's token counts as {input_tokens, output_tokens}, or None."""
+        return None
+
+    def _parse_reply(self, raw, key, record=None):
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -9973,6 +10071,13 @@ class ProviderAdapter:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
                                  section="4.4") from None
+        if record is not None:
+            try:
+                usage = self.usage(data)
+            except (KeyError, TypeError, AttributeError):
+                usage = None
+            if usage:
+                record["usage"] = usage
         return text
 
 
@@ -10019,6 +10124,11 @@ class OpenAIAdapter(ProviderAdapter):
             return "", "", True
         code = err.get("code") or err.get("type") or ""
         return str(code), str(err.get("message", "")), code not in LLM_NO_RETRY_CODES
+
+    def usage(self, data):
+        u = data.get("usage")
+        return {"input_tokens": u.get("prompt_tokens"),
+                "output_tokens": u.get("completion_tokens")} if isinstance(u, dict) else None
 
     def fallback(self, body, code, message, used):
         swap = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
@@ -10084,6 +10194,11 @@ class AnthropicAdapter(ProviderAdapter):
             if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
                 return json.dumps(block.get("input"), ensure_ascii=False)
         raise ValueError("the reply has no text content")
+
+    def usage(self, data):
+        u = data.get("usage")
+        return {"input_tokens": u.get("input_tokens"),
+                "output_tokens": u.get("output_tokens")} if isinstance(u, dict) else None
 
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
@@ -10158,6 +10273,11 @@ class GoogleAdapter(ProviderAdapter):
             raise ValueError("the reply has no text parts")
         return "".join(parts)
 
+    def usage(self, data):
+        u = data.get("usageMetadata")
+        return {"input_tokens": u.get("promptTokenCount"),
+                "output_tokens": u.get("candidatesTokenCount")} if isinstance(u, dict) else None
+
     def vendor_error(self, data):
         err = data.get("error") if isinstance(data, dict) else None
         if not isinstance(err, dict):
@@ -10182,8 +10302,16 @@ class FakeAdapter(ProviderAdapter):
     structured = frozenset({"json_schema", "json_object", "text"})
 
     def complete(self, request, *, key, base_url, sleep=time.sleep, timeout=None,
-                 jitter=random.random):
+                 jitter=random.random, record=None):
         return request["messages"][-1]["content"]
+
+
+def note_llm_call(rt, call, started, error=None):
+    """After one LLM call: the log entry gets no timing (vectors compare it), the host's
+    `rt.llm_observer` (--trace) gets the entry plus latency and outcome."""
+    observer = getattr(rt, "llm_observer", None)
+    if observer is not None:
+        observer({**call, "latency": time.monotonic() - started, "error": error})
 
 
 class FakeTransport:
@@ -10259,7 +10387,7 @@ class Actor:
         del self._outputs[:], self._errors[:]       # emissions between calls belong to no call
 
     def _end(self):
-        if self.rt.clock.real:
+        if self.rt.clock.real and not self.rt.clock.driven:
             self.network.settle()
         outputs, errors = self._outputs, self._errors
         result = Result(outputs[:], errors[:])
@@ -10282,7 +10410,7 @@ class Actor:
             if at is not None:
                 self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
             self.network.send(content, target=target)
-            if self.rt.clock.real:
+            if self.rt.clock.real and not self.rt.clock.driven:
                 self.network.settle()
             result = Result(outputs.copy(), errors.copy())
             outputs.clear()
@@ -10375,6 +10503,9 @@ class Actor:
         lines += ["  " + line for line in self.network.mermaid()]
         for graph in self.rt.graphs.values():
             lines += ["  " + line for line in graph.mermaid()]
+        for name in self.rt.graphs:         # each graph route's node runs the graph's body
+            if name in self.network.nodes:
+                lines.append(f"  {mermaid_stream_id(name)} -. runs .-> {mermaid_entry_id(name)}")
         return "\n".join(lines) + "\n"
 
 
@@ -10429,14 +10560,19 @@ def jsonable(value):
 # actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
 
 VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
-               "load_error", "steps")
+               "load_error", "warnings", "steps")
 HOST_KEYS = ("unsafe", "isolation", "env", "render_context", "template_engine", "default_router",
-             "context", "files", "llm", "provider")
-STEP_ACTIONS = ("send", "advance", "complete")
+             "context", "files", "llm", "provider", "single_shot")
+STEP_ACTIONS = ("send", "advance", "complete", "rewind", "restore")
 STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
-               "files")
-STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at",)
+               "files", "files_matching", "warnings", "describe", "raises")
+STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at", "target")
+# Format extensions an implementation may leave out: it lists the ones it supports under
+# `extensions` in its report, and a vector using any other one is reported SKIP, not FAIL.
+VECTOR_EXTENSIONS = ("warnings", "describe", "target", "raises", "files_matching", "rewind",
+                     "restore", "single_shot", "isolation")
 VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
+_WARNING_SECTION = re.compile(r"\(§([^()]*)\)\s*$")
 
 
 def vector_sources(vector):
@@ -10446,6 +10582,20 @@ def vector_sources(vector):
     if "configs" in vector:
         return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
     return [("config.yaml", json.dumps(vector.get("config")))]
+
+
+def vector_extensions(vector):
+    """The format extensions `vector` uses, in VECTOR_EXTENSIONS order."""
+    used = set()
+    if "warnings" in vector:
+        used.add("warnings")
+    for key in ("single_shot", "isolation"):
+        if key in (vector.get("host") or {}):
+            used.add(key)
+    for step in vector.get("steps") or []:
+        if isinstance(step, dict):
+            used.update(key for key in VECTOR_EXTENSIONS if key in step)
+    return [name for name in VECTOR_EXTENSIONS if name in used]
 
 
 def read_tree(root):
@@ -10460,9 +10610,44 @@ def read_tree(root):
     return files
 
 
+def warning_record(text):
+    """A warning as the protocol reports it: {message, section} (section: '5.4', '6.1, 6.6' or
+    None), read from the `(§x.y)` that ends the text warn() wrote."""
+    found = _WARNING_SECTION.search(text)
+    section = found.group(1).replace("§", "").strip() if found else None
+    return {"message": text, "section": section}
+
+
+def _vector_step(actor, step):
+    """Perform one step's action; the Result of everything it emitted."""
+    if "send" in step:
+        return actor.send(step["send"], at=step.get("at"), target=step.get("target"))
+    results = []
+    if step.get("at") is not None:      # move the clock first; what falls due belongs here
+        results.append(actor.advance(max(0.0, step["at"] - actor.rt.clock.now())))
+    if "advance" in step:
+        results.append(actor.advance(step["advance"]))
+    elif "complete" in step:
+        results.append(actor.complete())
+    elif "rewind" in step:
+        actor.rewind(step["rewind"]["graph"], step["rewind"].get("steps", 1))
+    elif "restore" in step:
+        actor.restore(step["restore"]["graph"])
+    return Result([m for r in results for m in r.outputs], [m for r in results for m in r.errors])
+
+
 def observe_vector(vector):
-    """Run one vector and report what happened: {load_error, steps: [{outputs, metadata, errors,
-    context, llm_requests, files}]}. Reports only; judging is judge_vector's job."""
+    """Run one vector and report what happened: {load_error, warnings, extensions, stderr, steps:
+    [{outputs, metadata, errors, context, llm_requests, files, warnings, raised, describe?}]}.
+    Reports only; judging is judge_vector's job. What inline code prints goes to `stderr`."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        report = _observe(vector)
+    report["stderr"] = printed.getvalue()
+    return report
+
+
+def _observe(vector):
     host = vector.get("host") or {}
     with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
         for rel, content in (host.get("files") or {}).items():
@@ -10470,6 +10655,8 @@ def observe_vector(vector):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content, encoding="utf-8")
         llm = (host.get("llm") or {}).get("responses") or {}
+        report = {"load_error": None, "warnings": [], "extensions": list(VECTOR_EXTENSIONS),
+                  "steps": []}
         try:
             actor = start_actor(
                 vector_sources(vector), render_context=host.get("render_context"),
@@ -10479,21 +10666,21 @@ def observe_vector(vector):
                 workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
                 context=host.get("context"), isolation=host.get("isolation", "none"))
         except ActorError as exc:
-            return {"load_error": {"category": exc.category, "message": str(exc)}, "steps": []}
+            report["load_error"] = {"category": exc.category, "message": str(exc)}
+            return report
         actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
-        observed = []
+        actor.rt.single_shot = bool(host.get("single_shot", False))
+        warned = len(actor.rt.warnings)
+        report["warnings"] = [warning_record(w) for w in actor.rt.warnings]
         try:
             for step in vector.get("steps") or []:
                 logged = len(actor.rt.llm_log)
-                if "send" in step:
-                    result = actor.send(step["send"], at=step.get("at"))
-                elif "advance" in step:
-                    if step.get("at") is not None:
-                        actor.rt.clock.set_time(step["at"])
-                    result = actor.advance(step["advance"])
-                else:
-                    result = actor.complete()
-                observed.append({
+                raised = None
+                try:
+                    result = _vector_step(actor, step)
+                except ActorError as exc:
+                    raised, result = {"category": exc.category, "message": str(exc)}, Result()
+                seen = {
                     "outputs": [jsonable(m.content) for m in result.outputs],
                     "metadata": [jsonable(m.metadata) for m in result.outputs],
                     "errors": [{"content": jsonable(m.content),
@@ -10502,10 +10689,16 @@ def observe_vector(vector):
                     "context": jsonable(actor.context),
                     "llm_requests": jsonable(actor.rt.llm_log[logged:]),
                     "files": read_tree(tmp),
-                })
+                    "warnings": [warning_record(w) for w in actor.rt.warnings[warned:]],
+                    "raised": raised,
+                }
+                if "describe" in step:
+                    seen["describe"] = jsonable(actor.describe())
+                warned = len(actor.rt.warnings)
+                report["steps"].append(seen)
         finally:
             actor.close()
-        return {"load_error": None, "steps": observed, "warnings": list(actor.rt.warnings)}
+        return report
 
 
 def same(expect, got):
@@ -10545,9 +10738,65 @@ def _error_matches(expect, got):
     return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
 
 
+def _warning_matches(expect, got):
+    message = got.get("message") if isinstance(got, dict) else got
+    if not isinstance(message, str):
+        return False
+    if "contains" in expect and str(expect["contains"]) not in message:
+        return False
+    if "section" in expect:
+        cited = got.get("section") if isinstance(got, dict) else None
+        if str(expect["section"]) not in [s.strip() for s in str(cited or "").split(",")]:
+            return False
+    return True
+
+
+def warnings_match(expect, got):
+    """Each expected {contains, section} matches a different reported warning, in any order, and
+    others may be present; an empty list means no warning at all."""
+    if not isinstance(got, list):
+        return False
+    if not expect:
+        return not got
+    rest = list(got)
+    for item in expect:
+        match = next((i for i, g in enumerate(rest) if _warning_matches(item, g)), None)
+        if match is None:
+            return False
+        rest.pop(match)
+    return True
+
+
+def describe_matches(expect, got):
+    """Deep subset of the §4.11 description, where `capabilities` lists compare as sets."""
+    if isinstance(expect, dict) and isinstance(got, dict):
+        for key, value in expect.items():
+            if key not in got:
+                return False
+            if key == "capabilities" and isinstance(value, list) and isinstance(got[key], list):
+                if sorted(map(str, value)) != sorted(map(str, got[key])):
+                    return False
+            elif not describe_matches(value, got[key]):
+                return False
+        return True
+    return subset(expect, got)
+
+
+def files_matching(files, pattern):
+    """How many reported files match a glob (fnmatch on relative POSIX paths; * crosses /)."""
+    return sum(1 for rel in files if fnmatch.fnmatchcase(rel, pattern))
+
+
 def judge_step(step, seen):
     """[(field, expect, got)] for every check of `step` that `seen` fails."""
     failures = []
+    raised = seen.get("raised")
+    if "raises" in step:
+        got = raised["category"] if raised else "no error"
+        if got != step["raises"]:
+            failures.append(("raises", step["raises"], raised["message"] if raised else got))
+    elif raised:
+        failures.append(("raised", None, raised["message"]))
     if "outputs" in step and not same(step["outputs"], seen["outputs"]):
         failures.append(("outputs", step["outputs"], seen["outputs"]))
     if "outputs_unordered" in step:
@@ -10574,7 +10823,22 @@ def judge_step(step, seen):
             got = seen["files"].get(rel)
             if not same(content, got):
                 failures.append((f"files[{rel}]", content, got))
+    for pattern, count in (step.get("files_matching") or {}).items():
+        got = files_matching(seen.get("files") or {}, pattern)
+        if not same(count, got):
+            failures.append((f"files_matching[{pattern}]", count, got))
+    if "warnings" in step and not warnings_match(step["warnings"], seen.get("warnings")):
+        failures.append(("warnings", step["warnings"], seen.get("warnings")))
+    if "describe" in step and not describe_matches(step["describe"], seen.get("describe")):
+        failures.append(("describe", step["describe"], seen.get("describe")))
     return failures
+
+
+def unsupported_extensions(vector, observed):
+    """The extensions `vector` uses that the report does not list as supported."""
+    supported = observed.get("extensions") if isinstance(observed, dict) else None
+    supported = supported if isinstance(supported, list) else []
+    return [name for name in vector_extensions(vector) if name not in supported]
 
 
 def judge_vector(vector, observed):
@@ -10589,14 +10853,46 @@ def judge_vector(vector, observed):
         return failures
     if load_error:
         return [(None, "load", "load_error", None, load_error["message"])]
+    if "warnings" in vector and not warnings_match(vector["warnings"], observed.get("warnings")):
+        failures.append((None, "load", "warnings", vector["warnings"], observed.get("warnings")))
     steps, seen = vector.get("steps") or [], observed.get("steps") or []
     if len(seen) != len(steps):
-        return [(None, "steps", "steps", f"{len(steps)} steps", f"{len(seen)} observed")]
+        return failures + [(None, "steps", "steps", f"{len(steps)} steps",
+                            f"{len(seen)} observed")]
     for i, (step, got) in enumerate(zip(steps, seen)):
         action = next((a for a in STEP_ACTIONS if a in step), "?")
         for field, expect, value in judge_step(step, got):
             failures.append((i + 1, action, field, expect, value))
     return failures
+
+
+def _lint_step(i, step, errors):
+    if sum(a in step for a in STEP_ACTIONS) != 1:
+        errors.append(f"steps[{i}] has not exactly one of {', '.join(STEP_ACTIONS)}")
+    if "target" in step and ("send" not in step or not isinstance(step["target"], str)):
+        errors.append(f"steps[{i}]: target is a route name on a send step")
+    rewind = step.get("rewind", {"graph": "", "steps": 1})
+    if not (isinstance(rewind, dict) and isinstance(rewind.get("graph"), str)
+            and type(rewind.get("steps", 1)) is int):
+        errors.append(f"steps[{i}]: rewind is {{graph: NAME, steps: N}}")
+    restore = step.get("restore", {"graph": ""})
+    if not (isinstance(restore, dict) and isinstance(restore.get("graph"), str)):
+        errors.append(f"steps[{i}]: restore is {{graph: NAME}}")
+    if "raises" in step and step["raises"] not in ERROR_CATEGORIES:
+        errors.append(f"steps[{i}]: raises '{step['raises']}' is not a §20 category")
+    matching = step.get("files_matching", {})
+    if not (isinstance(matching, dict) and all(type(n) is int for n in matching.values())):
+        errors.append(f"steps[{i}]: files_matching maps a glob to a count")
+    _lint_warnings(f"steps[{i}].warnings", step.get("warnings", []), errors)
+
+
+def _lint_warnings(where, entries, errors):
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and set(e) <= {"contains", "section"} for e in entries):
+        errors.append(f"{where} is a list of {{contains, section}}")
+        return
+    if any("section" in e and not isinstance(e["section"], str) for e in entries):
+        errors.append(f"{where}: a section is a string ('5.4', quoted in YAML)")
 
 
 def lint_vector(vector, stem=None):
@@ -10614,20 +10910,27 @@ def lint_vector(vector, stem=None):
             errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
         if vector.get("steps"):
             errors.append("a load_error vector has no steps")
+        if "warnings" in vector:
+            errors.append("a load_error vector has no warnings check")
     elif not vector.get("steps"):
         errors.append("no steps and no load_error")
+    if "warnings" in vector:
+        _lint_warnings("warnings", vector["warnings"], errors)
     for key in vector:
         if key not in VECTOR_KEYS:
             warnings_.append(f"unknown key '{key}'")
-    for key in vector.get("host") or {}:
+    host = vector.get("host") or {}
+    for key in host if isinstance(host, dict) else ():
         if key not in HOST_KEYS:
             warnings_.append(f"unknown host key '{key}'")
-    for i, step in enumerate(vector.get("steps") or []):
+    if isinstance(host, dict) and not isinstance(host.get("single_shot", False), bool):
+        errors.append("host.single_shot is true or false")
+    steps = vector.get("steps") or []
+    for i, step in enumerate(steps if isinstance(steps, list) else []):
         if not isinstance(step, dict):
             errors.append(f"steps[{i}] is not a mapping")
             continue
-        if sum(a in step for a in STEP_ACTIONS) != 1:
-            errors.append(f"steps[{i}] has not exactly one of send/advance/complete")
+        _lint_step(i, step, errors)
         for key in step:
             if key not in STEP_KEYS:
                 warnings_.append(f"steps[{i}]: unknown key '{key}'")
@@ -10637,11 +10940,34 @@ def lint_vector(vector, stem=None):
 
 
 def collect_vector_files(paths):
+    """The vector files under `paths` (files, or folders searched for *.yaml), sorted per path.
+    A path that holds no vector is a ValueError (the CLI's exit 2)."""
     files = []
     for p in paths:
         p = Path(p)
-        files.extend(sorted(p.rglob("*.yaml")) if p.is_dir() else [p])
-    return [f for f in files if f.name != "README.md"]
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*.yaml") if f.is_file())
+        elif p.is_file():
+            found = [p]
+        else:
+            raise ValueError(f"{p}: no such file or folder")
+        if not found:
+            raise ValueError(f"{p}: holds no vector (*.yaml)")
+        files.extend(found)
+    return files
+
+
+def select_vectors(files, only=(), skip=()):
+    """Filter by glob patterns: one without '/' matches the vector's name (the file stem), one
+    with '/' the end of its path (`06-graph/*`); --only keeps matches, --skip drops them."""
+    def hit(path, pattern):
+        posix = path.as_posix()
+        if "/" not in pattern:
+            return fnmatch.fnmatchcase(path.stem, pattern)
+        return any(fnmatch.fnmatchcase(text, pattern) or fnmatch.fnmatchcase(text, "*/" + pattern)
+                   for text in (posix, posix[:-len(path.suffix)] if path.suffix else posix))
+    return [f for f in files if (not only or any(hit(f, p) for p in only))
+            and not any(hit(f, p) for p in skip)]
 
 
 def read_vector(path):
@@ -10650,12 +10976,27 @@ def read_vector(path):
 
 
 def observe_with(impl, vector, timeout):
-    """Run another implementation on one vector (the --impl protocol) and parse its JSON report."""
-    proc = subprocess.run(impl, shell=True, input=json.dumps(vector), capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0 and not proc.stdout.strip():
-        raise RuntimeError(f"implementation exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout)
+    """Run another implementation on one vector (the --impl protocol) and parse its JSON report.
+    Its stderr lands in the report's `stderr`; a run past `timeout` is killed with its children."""
+    proc = subprocess.Popen(impl, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps(vector), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode != 0 and not out.strip():
+        raise RuntimeError(f"implementation exited {proc.returncode}: {err.strip()[-500:]}")
+    report = json.loads(out)
+    if not isinstance(report, dict):
+        raise ValueError("the implementation's report is not a JSON object")
+    own = report.get("stderr")
+    report["stderr"] = (own if isinstance(own, str) else "") + err
+    return report
 
 
 def _show(value):
@@ -10663,47 +11004,134 @@ def _show(value):
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None):
-    """Run vector files/folders; print PASS/FAIL/ERROR lines and `N passed, N failed`."""
+def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT):
+    """Read, lint, run and judge one vector file: a record {path, name, sections, verdict (pass,
+    fail, error, skip), failures, message, expected, observed, lint warnings}."""
+    record = {"path": str(path), "name": Path(path).stem, "sections": [], "verdict": "error",
+              "failures": [], "message": None, "expected": None, "observed": None,
+              "lint": []}
+    try:
+        vector = read_vector(path)
+        errors, record["lint"] = lint_vector(vector, Path(path).stem)
+        if isinstance(vector, dict):
+            record["name"] = vector.get("name", record["name"])
+            record["sections"] = [str(s) for s in vector.get("spec") or []]
+            record["expected"] = {k: vector[k] for k in ("load_error", "warnings", "steps")
+                                  if k in vector}
+        if errors:
+            raise ValueError("; ".join(errors))
+        observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
+        record["observed"] = observed
+        missing = unsupported_extensions(vector, observed)
+        if missing:
+            record["verdict"] = "skip"
+            record["message"] = "extensions not supported: " + ", ".join(missing)
+            return record
+        failures = judge_vector(vector, observed)
+    except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
+        timed_out = isinstance(exc, subprocess.TimeoutExpired)
+        kind = "timeout" if timed_out else "vector"
+        hint = f" (raise the limit with --timeout, now {timeout} s)" if timed_out else ""
+        record["message"] = f"{kind}: {type(exc).__name__}: {exc}{hint}"
+        return record
+    record["failures"] = [{"step": s, "action": a, "field": f, "expect": e, "got": g}
+                          for s, a, f, e, g in failures]
+    record["verdict"] = "fail" if failures else "pass"
+    return record
+
+
+def print_vector_record(record, out):
+    """The text report's lines for one vector (STYLE §10)."""
+    path, verdict = record["path"], record["verdict"]
+    if verdict == "pass":
+        print(f"PASS  {path}", file=out)
+    elif verdict == "skip":
+        print(f"SKIP  {path}  {record['message']}", file=out)
+    elif verdict == "error":
+        print(f"ERROR {path}  {record['message']}", file=out)
+    else:
+        sections = ", ".join("§" + s for s in record["sections"])
+        first = record["failures"][0]
+        where = "load" if first["step"] is None else f"step {first['step']} ({first['action']})"
+        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        for failure in record["failures"]:
+            step, field = failure["step"], failure["field"]
+            label = field if step is None or step == first["step"] else f"step {step} {field}"
+            print(f"      {label}  expect: {_show(failure['expect'])}", file=out)
+            print(f"      {' ' * len(label)}  got:    {_show(failure['got'])}", file=out)
+    printed = (record.get("observed") or {}).get("stderr") if isinstance(
+        record.get("observed"), dict) else None
+    if verdict in ("fail", "error") and printed:
+        print(f"      stderr: {_show(printed)}", file=out)
+
+
+def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None, *, jobs=1, only=(),
+                skip=(), as_json=False):
+    """Run vector files/folders; print PASS/FAIL/ERROR/SKIP lines and `N passed, N failed` (plus
+    `, N skipped` when any), or with as_json one JSON report. Returns (passed, failed).
+
+    With `impl`, up to `jobs` implementation processes run at once; the report keeps file order.
+    """
     out = out or sys.stdout
-    passed = failed = 0
-    for path in collect_vector_files(paths):
+    files = select_vectors(collect_vector_files(paths), only, skip)
+    counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
+    records = []
+
+    def report(record):
+        for w in record["lint"]:
+            print(f"warning: {record['path']}: {w}", file=sys.stderr)
+        counts[record["verdict"]] += 1
+        records.append(record)
+        if not as_json:
+            print_vector_record(record, out)
+
+    if impl and jobs > 1 and len(files) > 1:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="vector") as pool:
+            for future in [pool.submit(run_one_vector, f, impl, timeout) for f in files]:
+                report(future.result())
+    else:
+        for f in files:
+            report(run_one_vector(f, impl, timeout))
+    passed, failed = counts["pass"], counts["fail"] + counts["error"]
+    if as_json:
+        json.dump({"passed": passed, "failed": failed, "skipped": counts["skip"],
+                   "vectors": [{k: jsonable(v) for k, v in r.items() if k != "lint"}
+                               for r in records]}, out, indent=1)
+        out.write("\n")
+    else:
+        skipped = f", {counts['skip']} skipped" if counts["skip"] else ""
+        print(f"{passed} passed, {failed} failed{skipped}", file=out)
+    return passed, failed
+
+
+def list_vectors(paths, out=None, *, only=(), skip=()):
+    """--list: one line per selected vector: its path and the sections it cites."""
+    out = out or sys.stdout
+    for path in select_vectors(collect_vector_files(paths), only, skip):
         try:
             vector = read_vector(path)
-            errors, warnings_ = lint_vector(vector, path.stem)
-            for w in warnings_:
-                print(f"warning: {path}: {w}", file=sys.stderr)
-            if errors:
-                raise ValueError("; ".join(errors))
-            observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
-            failures = judge_vector(vector, observed)
-        except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
-            failed += 1
-            kind = "timeout" if type(exc).__name__ == "TimeoutExpired" else "vector"
-            hint = f" (raise the limit with --timeout, now {timeout} s)" if kind == "timeout" else ""
-            print(f"ERROR {path}  {kind}: {type(exc).__name__}: {exc}{hint}", file=out)
-            continue
-        if not failures:
-            passed += 1
-            print(f"PASS  {path}", file=out)
-            continue
-        failed += 1
-        sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
-        first = failures[0]
-        where = "load" if first[0] is None else f"step {first[0]} ({first[1]})"
-        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
-        for step, action, field, expect, got in failures:
-            label = f"{field}" if step is None or step == first[0] else f"step {step} {field}"
-            print(f"      {label}  expect: {_show(expect)}", file=out)
-            print(f"      {' ' * len(label)}  got:    {_show(got)}", file=out)
-    print(f"{passed} passed, {failed} failed", file=out)
-    return passed, failed
+            sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+        except (ActorError, AttributeError) as exc:
+            sections = f"(unreadable: {exc})"
+        print(f"{path}  [{sections}]", file=out)
 
 
 # =====================================================================================
 # HOST -- command line
 # =====================================================================================
+# One clock model: the CLI runs one Actor on a RealClock whose timers fire on a background thread
+# as real time passes; -m messages and stdin lines flow into it as they come, and the end of input
+# completes __input__ (buffers flush, reduce emits) before exit -- the API's outputs for the same
+# timed input. Outputs print as they are emitted, wherever they come from (a send, a timer).
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # the shells' 128 + SIGINT / SIGPIPE
+# A run's messages pass through a chain of routes, and through one route's operators, as nested
+# calls: 400 chained routes or 1,000 operators need more frames than Python's default limit. The
+# CLI raises the limit after loading (so that loading refuses what the API refuses, e.g. a
+# document nested 3,000 deep) and runs on a thread whose stack holds that many frames.
+CLI_STACK_BYTES = 256 * 1024 * 1024
+CLI_RECURSION_LIMIT = 20_000
+MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
 
 
 def _parse_set(items, option):
@@ -10734,21 +11162,41 @@ def _arg_parser():
                    "templates in worker processes (§13.2, README Security)")
     p.add_argument("--provider", metavar="NAME", help="use this provider for every llm agent "
                    "(e.g. fake: offline, no key)")
+    p.add_argument("--reply", action="append", metavar="TEXT",
+                   help="with --provider fake: the model's next reply (repeatable, used in order; "
+                   "then it echoes)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
     p.add_argument("--context", action="append", metavar="KEY=VALUE",
                    help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
     p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
     p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
-    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata")
-    p.add_argument("--trace", action="store_true",
-                   help="print every stream message and graph step to stderr as it happens")
-    p.add_argument("--check", action="store_true", help="load and validate only")
+    p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata "
+                   "(errors too, on stdout); with --vectors: one JSON report")
+    p.add_argument("--trace", action="store_true", help="print every stream message, graph step "
+                   "and LLM call to stderr as it happens")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log details: what was loaded, each LLM call (DEBUG level)")
+    p.add_argument("-q", "--quiet", action="store_true", help="log errors only (no warnings)")
+    p.add_argument("--check", action="store_true",
+                   help="load and validate only (several CONFIGs: their merged document)")
+    p.add_argument("--strict", action="store_true", help="warnings are errors (exit status 2)")
     p.add_argument("--describe", action="store_true", help="print agents and routes (§4.11)")
     p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
+    p.add_argument("--schema", action="store_true",
+                   help="print a JSON Schema (draft 2020-12) of the configuration format")
     p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
     p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
     p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
                    help="with --impl: seconds per vector")
+    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="with --impl: vectors run at once (default: the number of cores)")
+    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                   help="with --vectors: run only vectors whose name (or, with '/', path) "
+                   "matches this glob (repeatable)")
+    p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                   help="with --vectors: leave out vectors matching this glob (repeatable)")
+    p.add_argument("--list", action="store_true",
+                   help="with --vectors: list the selected vectors and their sections, run none")
     p.add_argument("--run-vector", action="store_true",
                    help="read one vector as JSON on stdin, print observations as JSON")
     p.add_argument("--version", action="version",
@@ -10756,14 +11204,337 @@ def _arg_parser():
     return p
 
 
-def _print_message(msg, as_json, stream):
-    if as_json:
-        meta = {k: v for k, v in msg.metadata.items() if k != "context"}
-        print(json.dumps({"content": jsonable(msg.content), "metadata": jsonable(meta),
-                          "source_stream": msg.source_stream}), file=stream, flush=True)
-    else:
-        content = msg.content if isinstance(msg.content, str) else json.dumps(jsonable(msg.content))
-        print(content, file=stream, flush=True)
+# "Did you mean" ---------------------------------------------------------------------------
+SUGGEST_LIST_MAX = 8        # name every valid choice when there are at most this many
+
+
+def did_you_mean(name, candidates):
+    """' (did you mean 'x'?)' for the closest candidate, and the valid names when few; or ''."""
+    names = sorted({str(c) for c in candidates if str(c) != str(name)})
+    if not names:
+        return ""
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    parts = [f"did you mean '{close[0]}'?"] if close else []
+    if len(names) <= SUGGEST_LIST_MAX:
+        parts.append("valid: " + ", ".join(names))
+    return f" ({' '.join(parts)})" if parts else ""
+
+
+def _names_in(data):
+    """Agents, routes, graph nodes and stream names declared by a (merged) document."""
+    data = data if isinstance(data, dict) else {}
+    agents = list(data["agents"]) if isinstance(data.get("agents"), dict) else []
+    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    nodes = {name: ["start", "end"] + list(route.get("nodes") or {})
+             for name, route in routes.items()
+             if isinstance(route, dict) and isinstance(route.get("nodes"), dict)}
+    streams = list(routes) + list(BUILTIN_STREAMS)
+    links = [link for key in ("merges", "splits") if isinstance(data.get(key), list)
+             for link in data[key]]
+    for link in links:
+        if isinstance(link, dict) and isinstance(link.get("target"), str):
+            streams.append(link["target"])
+        if isinstance(link, dict) and isinstance(link.get("targets"), dict):
+            streams.extend(str(t) for t in link["targets"])
+    return agents, list(routes), nodes, streams
+
+
+def _field_names(path_text):
+    """The field table a `path: unknown ... field` warning refers to, by the start of its path."""
+    head = path_text.split(".")[0].split("[")[0]
+    return {"merges": MERGE_FIELDS, "splits": SPLIT_FIELDS, "agents": AGENT_FIELDS}.get(head, ())
+
+
+# (pattern over an error or warning text, candidates(data, match)) -- our own wording, so the
+# hints follow it; a message no pattern knows gets no hint.
+NAME_HINTS = (
+    (r"unknown agent '([^']*)'", lambda d, m: _names_in(d)[0]),
+    (r"unknown agent type '([^']*)'", lambda d, m: AGENT_TYPES),
+    (r"unknown operator '([^']*)'", lambda d, m: OPERATORS),
+    (r"unknown param '([^']*)' of operator '([^']*)'",
+     lambda d, m: OPERATORS[m.group(2)][1] if m.group(2) in OPERATORS else ()),
+    (r"unknown node type '([^']*)'", lambda d, m: NODE_TYPES),
+    (r"'([^']*)' is not a node of graph '([^']*)'", lambda d, m: _names_in(d)[2].get(m.group(2), ())),
+    (r"'([^']*)' is not a known route or (?:built-in )?stream", lambda d, m: _names_in(d)[3]),
+    (r"unknown built-in tool '([^']*)'", lambda d, m: BUILTIN_TOOLS),
+    (r"unknown match_type '([^']*)'", lambda d, m: MATCH_TYPES),
+    (r"condition type '([^']*)' is not honoured", lambda d, m: CONDITIONS),
+    (r"unknown top-level section '([^']*)'",
+     lambda d, m: list(TOP_LEVEL_SECTIONS) + list(HOST_PARAMETER_SECTIONS)),
+    (r"unknown llm field '([^']*)'", lambda d, m: list(LLM_FIELDS) + list(LLM_EXTRA_FIELDS)),
+    (r"unknown tool field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
+    (r"(\S+): unknown field '([^']*)'", lambda d, m: _field_names(m.group(1))),
+)
+
+
+def name_hint(text, data=None):
+    """The "did you mean" hint for an error or warning text about an unknown name, or ''."""
+    for pattern, candidates in NAME_HINTS:
+        found = re.search(pattern, text)
+        if found:
+            name = found.group(2) if pattern.startswith(r"(\S+)") else found.group(1)
+            try:
+                return did_you_mean(name, candidates(data, found))
+            except (TypeError, KeyError, AttributeError):     # a document of the wrong shape
+                return ""
+    return ""
+
+
+def with_hint(text, data=None):
+    """`text` with its hint inserted before the closing `(§x.y)`, or appended."""
+    hint = name_hint(text, data)
+    if not hint:
+        return text
+    found = _WARNING_SECTION.search(text)
+    return text[:found.start()] + hint.strip() + " " + text[found.start():] if found \
+        else text + hint
+
+
+class _HintFilter(logging.Filter):
+    """Adds "did you mean" to the warnings the Actor logs (the texts in rt.warnings stay as
+    they are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = None
+
+    def filter(self, record):
+        if record.levelno == logging.WARNING and isinstance(record.msg, str) and not record.args:
+            record.msg = with_hint(record.msg, self.data)
+        return True
+
+
+def _document_data(args):
+    """The merged document for hints after a failed load, or None when even that fails."""
+    try:
+        rt = Runtime(Doc(None), env={})
+        return load_document(read_sources(args.configs, None),
+                             _parse_set(args.set, "--set") or None,
+                             str(args.engine or "JINJA2").upper(), {}, rt).data
+    except ActorError:
+        return None
+
+
+def unconsumed_target_warnings(actor):
+    """A merge or split target that is no route, that nothing reads, and whose name is close to
+    a known stream: most likely a typo (the messages go nowhere)."""
+    data = actor.rt.doc.data
+    routes = list(data.get("routes") or {})
+    known = routes + list(BUILTIN_STREAMS)
+    read = {s for m in data.get("merges") or [] if isinstance(m, dict)
+            for s in (m.get("sources") or []) if isinstance(s, str)}
+    read |= {s.get("source") for s in data.get("splits") or [] if isinstance(s, dict)}
+    texts = []
+    places = [(("merges", i, "target"), m.get("target")) for i, m in
+              enumerate(data.get("merges") or []) if isinstance(m, dict)]
+    places += [(("splits", i, "targets", t), t) for i, s in enumerate(data.get("splits") or [])
+               if isinstance(s, dict) and isinstance(s.get("targets"), dict) for t in s["targets"]]
+    for path, target in places:
+        if not isinstance(target, str) or target in known or target in read:
+            continue
+        if difflib.get_close_matches(target, known, n=1, cutoff=0.75):
+            texts.append(actor.rt.warn(f"'{target}' is no route and nothing reads it; its "
+                                       f"messages go nowhere{did_you_mean(target, known)}",
+                                       section="7.1" if path[0] == "merges" else "7.2",
+                                       path=path))
+    return texts
+
+
+# JSON Schema (--schema) -----------------------------------------------------------------------
+# Generated from the tables the validator reads (TOP_LEVEL_SECTIONS, AGENT_TYPES, LLM_FIELDS,
+# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_FIELDS, CONDITIONS, ...), for
+# editors: completion, and the structural rejections (a field of the wrong type, a required field
+# missing). Unknown keys stay allowed, as the validator only warns about them; a scalar may also be
+# a ${VAR} reference (§14), which becomes its value at load.
+SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+_ENV_REFERENCE = {"type": "string", "pattern": r"\$\{"}
+_JSON_TYPES = ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"))
+
+
+def _schema_for_types(types):
+    """A Python type tuple from a field table as a schema fragment."""
+    names = [name for kind, name in _JSON_TYPES if kind in types]
+    if float in types:
+        names.append("number")
+    elif int in types:
+        names.append("integer")
+    fragment = {"type": names[0] if len(names) == 1 else names}
+    return fragment if names == ["string"] else {"anyOf": [fragment, _ENV_REFERENCE]}
+
+
+def _schema_fields(table):
+    """{field: (types, default)} -> JSON Schema properties, with defaults where they are JSON."""
+    properties = {}
+    for field, (types, default) in table.items():
+        fragment = dict(_schema_for_types(types))
+        if default is not None and not isinstance(default, (dict, list)):
+            fragment["default"] = default
+        properties[field] = fragment
+    return properties
+
+
+def _any_case(words):
+    """A pattern matching any of `words` in any letter case (route and node types)."""
+    return "^(?:" + "|".join("".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c)
+                                     for c in word) for word in words) + ")$"
+
+
+# One schema per kind of operator parameter check (the second element of each OPERATORS row).
+_CHECKER_SCHEMAS = {
+    "seconds": {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    "count": {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
+    "text": {"type": "string"}, "agent": {"type": "string"}, "graph": {"type": "string"},
+    "function": {"type": "string"}, "target": {"type": "string"},
+    "condition": {"$ref": "#/$defs/condition"}, "transform": {"type": "object",
+                                                              "required": ["type"]},
+    "accumulator": {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
+                    "required": ["type"]},
+    "cases": {"type": "array", "items": {"type": "object"}},
+    "operator_list": {"type": "array", "items": {"$ref": "#/$defs/operator"}},
+    "route_conditions": {"type": "object",
+                         "additionalProperties": {"$ref": "#/$defs/condition"}},
+}
+
+
+def config_schema():
+    """The configuration format as a JSON Schema (draft 2020-12) object."""
+    names = {"type": "array", "items": {"type": "string"}}
+    condition = {"type": "object", "properties": {"type": {
+        "anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]}}}
+    operators = []
+    for kind, (_handler, spec) in OPERATORS.items():
+        params = {key: _CHECKER_SCHEMAS.get(check.__name__, {}) for key, (check, _d) in
+                  spec.items()}
+        required = [key for key, (_c, default) in spec.items() if default is REQUIRED]
+        params_schema = {"type": "object", "properties": params}
+        if required:
+            params_schema["required"] = required
+        operators.append({"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
+                          "then": {"properties": {"params": params_schema},
+                                   **({"required": ["params"]} if required else {})}})
+    operator = {"type": "object", "required": ["type"],
+                "properties": {"type": {"enum": list(OPERATORS)}, "params": {"type": "object"}},
+                "allOf": operators}
+    node_types = list(NODE_FIELDS)
+    node = {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "pattern": _any_case(node_types)},
+        "metadata": {"type": "object"}, "parallel": {"type": "boolean"},
+        "description": {"type": "string"}, "agent": {"type": "string"},
+        "function": {"type": "string"}, "tools": {"type": "array"},
+        "condition": {"$ref": "#/$defs/condition"}, "graph": {"type": "string"},
+        "params": {"type": "object"}, "rules": {"type": "array", "items": {
+            "type": "object", "properties": {"match_type": {"enum": list(MATCH_TYPES)},
+                                             "pattern": {"type": "string"},
+                                             "target": {"type": "string"}}}}},
+        "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+                   "then": {"required": list(fields[:1])}}
+                  for kind, fields in NODE_FIELDS.items() if kind in ("agent", "subgraph")]}
+    edge = {"type": "object", "required": ["source", "target"], "properties": {
+        "source": {"type": "string"}, "target": {"type": "string"},
+        "condition": {"$ref": "#/$defs/condition"}, "metadata": {"type": "object"},
+        "description": {"type": "string"}}}
+    graph_props = {
+        "nodes": {"type": "object", "minProperties": 1, "additionalProperties": node},
+        "edges": {"type": "array", "items": edge}, "entry_point": {"type": "string"},
+        "checkpoint_dir": {"type": "string"}, "state_class": {"type": "string"},
+        "metadata": {"type": "object"}, "publications": names}
+    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
+        graph_props[flag] = {"anyOf": [{"type": "boolean"}, _ENV_REFERENCE],
+                             "default": GRAPH_FIELDS[flag]}
+    stream_props = {"operators": {"type": "array", "items": operator}, "publications": names,
+                    "subscriptions": names, "metadata": {"type": "object"}}
+    route_kinds = {"stream": stream_props, "graph": graph_props, "bridge": {}}
+    route = {"type": "object",      # a route from a §8.7 template names it alone
+             "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
+             "properties": {"type": {"type": "string", "pattern": _any_case(ROUTE_FIELDS)},
+                            "template_config": {"type": "object"}},
+             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+                        "then": {"properties": props,
+                                 **({"required": [f for f, v in GRAPH_FIELDS.items()
+                                                  if v == "required"]}
+                                    if kind == "graph" else {})}}
+                       for kind, props in route_kinds.items()]}
+    agent_types = list(AGENT_TYPES) + ["template_instance"]
+    configs = {"llm": _schema_fields({**LLM_FIELDS, **LLM_EXTRA_FIELDS}),
+               "tool": _schema_fields(TOOL_AGENT_FIELDS)}
+    agent = {"type": "object",      # a §4.8 template instance may name its template alone
+             "anyOf": [{"required": ["type"]}, {"required": ["template"]},
+                       {"required": ["agent_template"]}],
+             "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
+                            "template": {"type": "string"}, "agent_template": {"type": "string"},
+                            "params": {"type": "object"}},
+             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
+                        "then": {"properties": {"config": {"type": "object",
+                                                           "properties": props}}}}
+                       for kind, props in configs.items()]}
+    merge = {"type": "object", "required": list(MERGE_FIELDS),
+             "properties": {"sources": names, "target": {"type": "string"}}}
+    split = {"type": "object", "required": list(SPLIT_FIELDS),
+             "properties": {"source": {"type": "string"}, "targets": {
+                 "type": "object", "additionalProperties": {
+                     "anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]}}}}
+    sections = {
+        "name": {"type": "string"}, "agents": {"type": "object", "minProperties": 1,
+                                               "additionalProperties": agent},
+        "routes": {"type": "object", "minProperties": 1, "additionalProperties": route},
+        "merges": {"type": "array", "items": merge}, "splits": {"type": "array", "items": split},
+        "context": {"type": "object"}, "prompts": {"type": "object"},
+        "templates": {"type": "object"}, "instances": {"type": "object"},
+        "pipelines": {"type": ["object", "array"]}, "template_strings": {"type": "object"},
+        "template_engine": {"type": "string"}, "default_router": {"type": "string"},
+        "cleveragents": {"type": "object"}, "version": {"type": ["string", "number"]}}
+    for key in FORBIDDEN_TOP_LEVEL:
+        sections[key] = False           # §16.1
+    assert set(sections) >= set(TOP_LEVEL_SECTIONS) | HOST_PARAMETER_SECTIONS
+    return {"$schema": SCHEMA_DIALECT,
+            "title": f"Actor Configuration Standard {SPEC_VERSION} configuration",
+            "type": "object", "properties": sections,
+            "required": [key for key, required in TOP_LEVEL_SECTIONS.items() if required],
+            "$defs": {"condition": condition, "operator": operator}}
+
+
+# Printing -----------------------------------------------------------------------------------
+class Console:
+    """Prints what the Actor emits, as it is emitted: plain text, or JSON lines with --json.
+
+    Plain: __output__ answers on stdout; an __output__ message whose metadata says error: true
+    (the §5.3.4 "Error: ..." reply) and __error__ messages on stderr, each text once.
+    --json: everything on stdout, one object per message with its stream and metadata.
+    """
+
+    def __init__(self, as_json, out=None, err=None):
+        self.as_json = as_json
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.failed = False                 # anything reached __error__ (exit status 1)
+        self._lock = threading.Lock()
+        self._recent = []                   # (stream, text) shown on stderr, awaiting a twin
+
+    def output(self, msg):
+        self._show(OUTPUT, msg)
+
+    def error(self, msg):
+        self.failed = True
+        self._show(ERROR, msg)
+
+    def _show(self, stream, msg):
+        with self._lock:
+            if self.as_json:
+                meta = {k: v for k, v in msg.metadata.items() if k != "context"}
+                print(json.dumps({"stream": stream, "content": jsonable(msg.content),
+                                  "metadata": jsonable(meta), "source_stream": msg.source_stream}),
+                      file=self.out, flush=True)
+                return
+            text = msg.content if isinstance(msg.content, str) else \
+                json.dumps(jsonable(msg.content))
+            if stream == OUTPUT and msg.metadata.get("error") is not True:
+                print(text, file=self.out, flush=True)
+                return
+            twin = (ERROR if stream == OUTPUT else OUTPUT, text)
+            if twin in self._recent:        # the same failure on both streams: shown once
+                self._recent.remove(twin)
+                return
+            self._recent = self._recent[-63:] + [(stream, text)]
+            print(text, file=self.err, flush=True)
 
 
 TRACE_PREVIEW = 120           # characters of content a trace line shows
@@ -10793,88 +11564,283 @@ def trace_line(stream, msg):
     return "trace: " + text
 
 
-def _print_result(result, as_json):
-    """Print one call's emissions; True when anything reached __error__."""
-    for msg in result.outputs:
-        _print_message(msg, as_json, sys.stdout)
-    for msg in result.errors:
-        _print_message(msg, as_json, sys.stderr)
-    return bool(result.errors)
+def trace_llm_line(call):
+    """One line of `--trace` output for an LLM call (see note_llm_call)."""
+    usage = call.get("usage") or {}
+    tokens = (f", tokens {usage.get('input_tokens')} in / {usage.get('output_tokens')} out"
+              if usage else "")
+    retries = f", {call['retries']} retries" if call.get("retries") else ""
+    outcome = f"failed: {call['error']}" if call.get("error") else "ok"
+    return (f"trace: llm {call.get('agent')} -> {call.get('provider')}/{call.get('model')}: "
+            f"{outcome} in {call.get('latency', 0.0):.3f} s{retries}{tokens}")
 
 
-def main(argv=None):
-    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error."""
-    args = _arg_parser().parse_args(argv)
-    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+# Running -----------------------------------------------------------------------------------
+def _load_for_cli(args, check_only):
+    """Load the CONFIGs as the command line asks. When nothing will be sent (check_only), a
+    missing API key is a warning (a run would stop there, §4.4.1) and the rest is still loaded.
+    Returns (actor, host warning texts)."""
+    sources = read_sources(args.configs, None)
+    env = dict(os.environ)
+    replies = args.reply or []
+    host_warnings = []
+    for _ in range(len(PROVIDER_KEY_VARS) + 1):
+        try:
+            actor = start_actor(
+                sources, render_context=_parse_set(args.set, "--set") or None,
+                unsafe=args.unsafe, env=env, template_engine=args.engine,
+                default_router=args.default_router, provider=args.provider, clock=RealClock(),
+                context=_parse_set(args.context, "--context") or None,
+                llm_transport=ScriptedReplies(replies) if replies else None,
+                isolation="process" if args.isolate else "none")
+            return actor, host_warnings
+        except ConfigurationError as exc:
+            missing = re.match(r"no API key for provider '(\w+)'", exc.message or "")
+            if not (check_only and missing and PROVIDER_KEY_VARS.get(missing.group(1))):
+                raise
+            env[PROVIDER_KEY_VARS[missing.group(1)][0]] = MISSING_KEY_PLACEHOLDER
+            where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
+            text = (f"{where}: warning: {exc.path}: {exc.message}; a run stops here "
+                    f"(use --provider fake to run offline) (§4.4.1)")
+            log.warning(text)
+            host_warnings.append(text)
+    raise AssertionError("every provider's key was filled in")
+
+
+class ScriptedReplies:
+    """`--provider fake --reply TEXT...`: the replies in order, whichever agent asks; then the
+    user message is echoed, as the fake provider does."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self._lock = threading.Lock()
+
+    def complete(self, request):
+        with self._lock:
+            if self.replies:
+                return self.replies.pop(0)
+        return request["messages"][-1]["content"]
+
+
+def _describe(actor, as_json):
+    info = actor.describe()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for name, agent in info["agents"].items():
+        print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
+        for key, value in agent["metadata"].items():
+            if key not in ("name", "type", "capabilities"):
+                print(f"    {key}: {json.dumps(value)}")
+    for name, kind in info["routes"].items():
+        mark = "  [default router]" if name == info["default_router"] else ""
+        print(f"route {name} ({kind}){mark}")
+
+
+def reset_actor(actor):
+    """Interactive /reset: forget every agent's conversation memory (§4.4.4) and every graph's
+    state and history (§6.3, §6.6); the global context stays."""
+    with actor._turn:
+        for agent in actor.rt.agents.values():
+            memory = getattr(agent, "memory", None)
+            if isinstance(memory, ConversationMemory):
+                with memory._lock:
+                    memory.entries.clear()
+        for graph in actor.rt.graphs.values():
+            graph.state = new_graph_state(resolve_state_class(graph))
+            graph.snapshots.clear()
+
+
+def _lines(interactive, prompt):
+    """The messages typed or piped in, one per line; interactive: readline editing and history,
+    blank lines skipped, /quit ends, /reset is passed through."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+        return
+    try:
+        import readline  # noqa: F401 -- line editing and history for input()
+    except ImportError:
+        pass
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        yield line
+
+
+def run_cli_actor(actor, args, console):
+    """Feed the messages into the running Actor, then complete __input__ and wait out what is
+    still pending (bounded by the §12.2.4 soft timeout)."""
+    clock = actor.rt.clock
+    interactive = not args.message and sys.stdin.isatty()
+    name = actor.rt.doc.data.get("name") or Path(args.configs[-1]).stem
+    if interactive:
+        print(f"{name}: one message per line; /reset forgets memory and graph state, /quit "
+              "ends (or Ctrl-D)", file=sys.stderr)
+    clock.start(actor._turn)
+    try:
+        messages = args.message if args.message else _lines(interactive, f"{name}> ")
+        for text in messages:
+            if interactive and text.strip() == "/reset":
+                reset_actor(actor)
+                print("(memory and graph state cleared)", file=sys.stderr)
+                continue
+            actor.send(text)
+            if not args.message:
+                actor.rt.llm_log.clear()        # a long session keeps no request history
+    finally:
+        clock.stop()
+    actor.complete()
+
+
+def _cli(args):
+    """Everything main() does, on a thread with a deep stack; returns the exit status."""
+    if args.verbose and args.quiet:
+        print("actor: error: -v and -q exclude each other", file=sys.stderr)
+        return EXIT_CONFIG
+    level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
+    log.setLevel(level)
     if args.run_vector or args.vectors:
         log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
     if args.run_vector:
         print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
         return EXIT_OK
     if args.vectors:
-        _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout)
+        try:
+            if args.list:
+                list_vectors(args.vectors, only=args.only, skip=args.skip)
+                return EXIT_OK
+            _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout,
+                                    jobs=max(1, args.jobs), only=args.only, skip=args.skip,
+                                    as_json=args.json)
+        except ValueError as exc:       # a path that holds no vector
+            print(f"actor: error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         return EXIT_RUNTIME if failed else EXIT_OK
+    if args.schema:
+        print(json.dumps(config_schema(), indent=1))
+        return EXIT_OK
     if not args.configs:
         _arg_parser().print_usage(sys.stderr)
         print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
         return EXIT_CONFIG
-    try:
-        actor = load(*args.configs, render_context=_parse_set(args.set, "--set") or None,
-                     unsafe=args.unsafe, template_engine=args.engine,
-                     default_router=args.default_router, provider=args.provider,
-                     clock=RealClock(), context=_parse_set(args.context, "--context") or None,
-                     isolation="process" if args.isolate else "none")
-    except ActorError as exc:
-        print(str(exc), file=sys.stderr)
+    if args.reply and args.provider != "fake":
+        print("actor: error: --reply scripts the fake model: add --provider fake", file=sys.stderr)
         return EXIT_CONFIG
-    # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped input)
-    # is single-shot; an interactive prompt is not.
-    actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
-    with actor:
-        if args.check:
-            print("ok")
-            return EXIT_OK
-        if args.describe:
-            info = actor.describe()
-            if args.json:
-                print(json.dumps(info, indent=2))
-            else:
-                for name, agent in info["agents"].items():
-                    print(f"agent {name} ({agent['type']}): {', '.join(agent['capabilities'])}")
-                    for key, value in agent["metadata"].items():
-                        if key not in ("name", "type", "capabilities"):
-                            print(f"    {key}: {json.dumps(value)}")
-                for name, kind in info["routes"].items():
-                    mark = "  [default router]" if name == info["default_router"] else ""
-                    print(f"route {name} ({kind}){mark}")
-            return EXIT_OK
-        if args.diagram:
-            sys.stdout.write(actor.diagram())
-            return EXIT_OK
-        if args.trace:
-            actor.watch(lambda stream, msg: print(trace_line(stream, msg), file=sys.stderr))
-        failed = False
+    hints = _HintFilter()
+    log.addFilter(hints)
+    try:
         try:
-            if args.message:
-                for text in args.message:
-                    failed |= _print_result(actor.send(text), args.json)
-            else:
-                interactive = sys.stdin.isatty()
-                while True:
-                    if interactive:
-                        print("> ", end="", file=sys.stderr, flush=True)
-                    line = sys.stdin.readline()
-                    if not line:
-                        break
-                    failed |= _print_result(actor.send(line.rstrip("\n")), args.json)
-                    actor.rt.llm_log.clear()    # a long session keeps no request history
-            failed |= _print_result(actor.complete(), args.json)
-        except KeyboardInterrupt:
-            return EXIT_RUNTIME
+            # nothing is sent with --check, --describe or --diagram: no key is needed
+            actor, host_warnings = _load_for_cli(args, args.check or args.describe or
+                                                 args.diagram)
         except ActorError as exc:
-            print(str(exc), file=sys.stderr)
-            return EXIT_RUNTIME
-        return EXIT_RUNTIME if failed else EXIT_OK
+            data = _document_data(args) \
+                if isinstance(exc, (ConfigurationError, StreamRoutingError)) else None
+            text = with_hint(str(exc), data)
+            if re.search(r"no API key for provider '\w+'", exc.message or ""):
+                text += "\n(to try it offline, without a key: --provider fake)"
+            print(text, file=sys.stderr)
+            return EXIT_CONFIG
+        hints.data = actor.rt.doc.data
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), CLI_RECURSION_LIMIT))
+        # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
+        # input) is single-shot; an interactive prompt is not.
+        actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
+        log.info("actor: loaded %s: %d agents, %d routes, default router %s, engine %s%s",
+                 " + ".join(args.configs), len(actor.rt.agents), len(actor.describe()["routes"]),
+                 actor.default_router, actor.rt.engine,
+                 ", single-shot" if actor.rt.single_shot else "")
+        if log.isEnabledFor(logging.INFO) and not args.trace:
+            actor.rt.llm_observer = lambda call: log.info(trace_llm_line(call)[len("trace: "):])
+        with actor:
+            unconsumed_target_warnings(actor)
+            warned = len(actor.rt.warnings) + len(host_warnings)
+            if args.strict and warned:
+                print(f"actor: error: {warned} warning(s), and --strict makes them errors",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            if args.check:
+                merged = "" if len(args.configs) == 1 else \
+                    f" ({len(args.configs)} files checked as one merged document, §3.1)"
+                print("ok" + merged)
+                return EXIT_OK
+            if args.describe:
+                _describe(actor, args.json)
+                return EXIT_OK
+            if args.diagram:
+                sys.stdout.write(actor.diagram())
+                return EXIT_OK
+            console = Console(args.json)
+            actor.subscribe(OUTPUT, console.output)
+            actor.subscribe(ERROR, console.error)
+            if args.trace:
+                actor.watch(lambda stream, msg: print(trace_line(stream, msg), file=sys.stderr))
+                actor.rt.llm_observer = lambda call: print(trace_llm_line(call), file=sys.stderr)
+            try:
+                run_cli_actor(actor, args, console)
+            except ActorError as exc:
+                print(str(exc), file=sys.stderr)
+                return EXIT_RUNTIME
+            if args.strict and len(actor.rt.warnings) > warned - len(host_warnings):
+                print("actor: error: warnings during the run, and --strict makes them errors",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            return EXIT_RUNTIME if console.failed else EXIT_OK
+    finally:
+        log.removeFilter(hints)
+
+
+def main(argv=None):
+    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error; 130 after Ctrl-C and 141 on a
+    closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_RECURSION_LIMIT)."""
+    args = _arg_parser().parse_args(argv)
+    status = [EXIT_RUNTIME]
+
+    def work():
+        try:
+            status[0] = _cli(args)
+        except BrokenPipeError:
+            status[0] = EXIT_BROKEN_PIPE
+        except KeyboardInterrupt:
+            status[0] = EXIT_INTERRUPTED
+
+    previous_limit = sys.getrecursionlimit()
+    previous_stack = threading.stack_size(CLI_STACK_BYTES)
+    try:
+        worker = threading.Thread(target=work, name="actor-cli", daemon=True)
+        worker.start()
+    finally:
+        threading.stack_size(previous_stack)
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        status[0] = EXIT_INTERRUPTED
+    finally:
+        sys.setrecursionlimit(previous_limit)
+    if status[0] == EXIT_BROKEN_PIPE or status[0] == EXIT_INTERRUPTED:
+        _quiet_exit_streams()
+    return status[0]
+
+
+def _quiet_exit_streams():
+    """After a closed pipe or Ctrl-C: point stdout at /dev/null so that the interpreter's last
+    flush cannot fail with a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

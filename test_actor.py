@@ -103,6 +103,210 @@ def test_harness_reports_failures_and_summary(tmp_path):
     assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
 
 
+def _extension_vectors():
+    """Our vectors that use each format extension (vectors/README.md)."""
+    found = {}
+    for path in VECTOR_FILES:
+        for name in actor.vector_extensions(actor.read_vector(path)):
+            found.setdefault(name, []).append(path)
+    return found
+
+
+def test_every_format_extension_has_a_vector():
+    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
+
+
+def _mutated(vector, step, key, value):
+    import copy
+    vector = copy.deepcopy(vector)
+    if step is None:
+        vector[key] = value
+    else:
+        vector["steps"][step][key] = value
+    return vector
+
+
+@pytest.mark.parametrize("stem, step, key, value", [
+    ("warn-unknown-top-level-section", None, "warnings", [{"section": "3.3"}]),
+    ("warn-unknown-top-level-section", 0, "warnings", [{"section": "3.2"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", [{"section": "6.8"}, {"section": "6.8"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", []),
+    ("describe-tool-agent-metadata", 0, "describe", {"agents": {"calc": {"type": "llm"}}}),
+    ("describe-tool-agent-metadata", 0, "describe",
+     {"agents": {"calc": {"capabilities": ["tool-execution"]}}}),
+    ("send-target-enters-named-route", 1, "target", "via_input"),
+    ("send-after-input-completes-raises", 2, "raises", "ExecutionError"),
+    ("send-after-input-completes-raises", 1, "raises", "StreamRoutingError"),
+    ("checkpoint-written-every-ten-state-updates", 8, "files_matching",
+     {"ck/checkpoint_*.json": 1}),
+    ("graph-rewind-returns-earlier-state", 2, "rewind", {"graph": "main", "steps": 1}),
+    ("graph-restore-returns-checkpointed-state", 2, "advance", 0),
+    ("debounce-capped-in-single-shot-run", None, "host", {"single_shot": False}),
+])
+def test_each_format_extension_can_fail(stem, step, key, value):
+    """Each extension is judged: the vector passes as written, and fails once the expectation (or
+    the action) is changed."""
+    path = next(p for p in VECTOR_FILES if p.stem == stem)
+    vector = actor.read_vector(path)
+    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
+    bad = _mutated(vector, step, key, value)
+    if key == "advance":
+        del bad["steps"][step]["restore"]
+    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
+
+
+def test_describe_capabilities_compare_as_sets():
+    got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
+    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"b": {}}}, got)
+
+
+def test_lint_rejects_malformed_extensions():
+    base = {"name": "n", "spec": ["5.1"], "description": "d", "config": {}}
+    bad_steps = [
+        {"send": "x", "target": 3, "outputs": []},
+        {"advance": 1, "target": "r", "outputs": []},
+        {"rewind": {"graph": "g", "steps": "2"}, "outputs": []},
+        {"rewind": "g", "outputs": []},
+        {"restore": {}, "outputs": []},
+        {"send": "x", "raises": "Oops"},
+        {"send": "x", "files_matching": {"*": "1"}},
+        {"send": "x", "warnings": [{"section": 3.2}]},
+        {"send": "x", "warnings": [{"text": "y"}]},
+        {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
+    ]
+    for step in bad_steps:
+        errors, _ = actor.lint_vector({**base, "steps": [step]})
+        assert errors, step
+    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
+        {"send": "x", "outputs": []}]})
+    assert errors
+    good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
+        {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
+        {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
+        {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
+    assert actor.lint_vector(good) == ([], [])
+
+
+def _write_impl_without_extensions(tmp_path):
+    """An --impl that reports like actor.py but lists no extension (an older implementation)."""
+    script = tmp_path / "older_impl.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import actor\n"
+        "report = actor.observe_vector(json.load(sys.stdin))\n"
+        "report.pop('extensions')\n"
+        "print(json.dumps(report))\n")
+    return f'"{sys.executable}" "{script}"'
+
+
+def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
+    import io
+    found = _extension_vectors()
+    sample = [found["rewind"][0], found["single_shot"][0],
+              VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
+    out = io.StringIO()
+    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
+                             out=out) == (1, 0)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("SKIP") and "rewind" in lines[0]
+    assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
+    assert lines[2].startswith("PASS") and lines[-1] == "1 passed, 0 failed, 2 skipped"
+
+
+def _vector_folder(tmp_path):
+    """A folder of three vectors: two pass, one fails, one of them prints from inline code."""
+    folder = tmp_path / "vs"
+    folder.mkdir()
+    good = (VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
+    (folder / "minimal-valid-actor.yaml").write_text(good)
+    (folder / "bad-expectation.yaml").write_text(
+        good.replace("name: minimal-valid-actor", "name: bad-expectation")
+        .replace("ChainAgent processed: hi->tagged", "something else"))
+    (folder / "inline-print.yaml").write_text("""name: inline-print
+spec: ['4.5.2']
+description: Inline code prints while answering.
+host: {unsafe: true}
+config:
+  agents:
+    t: {type: tool, config: {tools: [{name: run, code: "print('NOISE-42')\\nresult = input_data"}]}}
+  routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}}
+  merges: [{sources: [__input__], target: main}]
+steps:
+- send: hi
+  outputs: [hi]
+""")
+    return folder
+
+
+def test_cli_vectors_json_report_in_parallel(tmp_path):
+    """--impl with -j 3 and --json: one object per vector in file order, verdicts, what was
+    expected and observed; inline print output lands in the report, not on the runner's stderr."""
+    import json
+    folder = _vector_folder(tmp_path)
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    r = run_cli("--vectors", str(folder), "--impl", impl, "-j", "3", "--json")
+    assert r.returncode == 1 and "NOISE-42" not in r.stderr and "Traceback" not in r.stderr
+    report = json.loads(r.stdout)
+    assert (report["passed"], report["failed"], report["skipped"]) == (2, 1, 0)
+    by_name = {v["name"]: v for v in report["vectors"]}
+    assert [v["name"] for v in report["vectors"]] == [
+        "bad-expectation", "inline-print", "minimal-valid-actor"]
+    bad = by_name["bad-expectation"]
+    assert bad["verdict"] == "fail" and bad["sections"] == ["3.3", "5.3.4", "7.1"]
+    assert bad["expected"]["steps"][0]["outputs"] == ["something else"]
+    assert bad["observed"]["steps"][0]["outputs"] == ["ChainAgent processed: hi->tagged"]
+    assert bad["failures"][0]["field"] == "outputs"
+    assert "NOISE-42" in by_name["inline-print"]["observed"]["stderr"]
+    assert by_name["minimal-valid-actor"]["verdict"] == "pass"
+
+
+def test_cli_vectors_in_process_capture_print_output(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder / "inline-print.yaml"))
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines()[-1] == "1 passed, 0 failed"
+
+
+def test_cli_vectors_list_only_skip(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder), "--list")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
+    assert "minimal-valid-actor.yaml  [§3.3, §5.3.4, §7.1]" in r.stdout
+    r = run_cli("--vectors", str(folder), "--list", "--only", "*-print", "--only", "minimal-*")
+    assert [Path(line.split()[0]).stem for line in r.stdout.splitlines()] == [
+        "inline-print", "minimal-valid-actor"]
+    r = run_cli("--vectors", str(folder), "--skip", "bad-*")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed"
+    r = run_cli("--vectors", str(tmp_path), "--only", "vs/bad-*")
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "0 passed, 1 failed"
+
+
+def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
+    """The command line raises the recursion limit only to run (long route chains), never to load:
+    through --run-vector and --check a document nested 3,000 deep is refused as by the API."""
+    import io
+    sample = [p for p in VECTOR_FILES if p.stem.startswith("reject-too-deep-nesting")]
+    assert len(sample) == 2
+    out = io.StringIO()
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
+                    "routes: {m: {type: stream}}\n")
+    r = run_cli("--check", str(deep))
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        r = run_cli("--vectors", str(path))
+        assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
+
+
 # =====================================================================================
 # §3 DOCUMENT STRUCTURE, §11, §14, §15, §16 (foundation)
 # =====================================================================================
@@ -310,7 +514,7 @@ def test_cli_runs_the_triage_graph_example():
                                      "hello"]
     r = run_cli("--diagram", example)
     assert r.returncode == 0
-    assert '    triage__router -->|"next_node = calculate"| triage__calculate' in r.stdout
+    assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
 
 
 def test_cli_trace_prints_each_stream_message_and_graph_step():
@@ -449,6 +653,530 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
         except Exception as exc:  # the bug this test exists to catch
             crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {json.dumps(cfg)[:200]}")
     assert not crashes, "\n".join(crashes[:10])
+
+
+_CHAIN_ROUTE = ("agents: {a: {type: chain}}\n"
+                "merges: [{sources: [__input__], target: main}]\n"
+                "routes:\n  main:\n    type: stream\n    publications: [__output__]\n")
+
+
+def _cli_config(tmp_path, operators, name="c.yaml", extra=""):
+    cfg = tmp_path / name
+    cfg.write_text(_CHAIN_ROUTE + f"    operators: {operators}\n" + extra)
+    return cfg
+
+
+def test_cli_one_clock_same_outputs_as_the_api(tmp_path):
+    """-m messages flow into one running Actor; the end of input completes __input__, so a
+    30-second time buffer flushes at once with everything it holds, as through the API."""
+    cfg = _cli_config(tmp_path, "[{type: buffer, params: {time: 30}}, "
+                                "{type: scan, params: {accumulator: {type: concat}}}]")
+    api = actor.load(cfg)
+    expected = [m.content for call in (api.send("a"), api.send("b"), api.send("c"),
+                                       api.complete()) for m in call.outputs]
+    assert expected          # the buffer held everything until completion
+    r = run_cli(str(cfg), "-m", "a", "-m", "b", "-m", "c")
+    assert (r.returncode, r.stderr, r.stdout.splitlines()) == (0, "", expected)
+    r = run_cli(str(cfg), stdin="a\nb\nc\n")
+    assert (r.returncode, r.stdout.splitlines()) == (0, expected)
+
+
+def test_cli_timers_fire_while_input_stays_open(tmp_path):
+    """A delayed message appears on stdout while stdin is still open: the timer fires as real
+    time passes, not when the input ends."""
+    import subprocess
+    cfg = _cli_config(tmp_path, "[{type: delay, params: {duration: 0.2}}]")
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("late\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "late\n"     # stdin is still open here
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+
+
+def test_cli_error_reply_goes_to_stderr_once(tmp_path):
+    """The §5.3.4 "Error: ..." reply (error: true) is no answer: plain output puts it on stderr,
+    once, though it is on __output__ and __error__; --json keeps both on stdout."""
+    import json
+    cfg = tmp_path / "math.yaml"
+    cfg.write_text("agents: {t: {type: tool, config: {tools: [math]}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli(str(cfg), "-m", "1/0", "-m", "2+2")
+    assert (r.returncode, r.stdout) == (1, "4\n")
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "ZeroDivisionError" in lines[0]
+    r = run_cli(str(cfg), "-m", "1/0", "--json")
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 1 and r.stderr == ""
+    assert sorted(line["stream"] for line in lines) == ["__error__", "__output__"]
+    assert all(line["metadata"]["error"] is True for line in lines)
+
+
+def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
+    import signal
+    import subprocess
+    cfg = _cli_config(tmp_path, "[]")
+    err = tmp_path / "err.txt"
+    r = subprocess.run(f'seq 1 200000 | "{sys.executable}" "{HERE / "actor.py"}" "{cfg}" '
+                       f'2>"{err}" | head -n 1', shell=True, capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout == "1\n" and "Traceback" not in err.read_text() and "Error" not in \
+        err.read_text()
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write("hello\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "hello\n"      # running, and waiting for more input
+    proc.send_signal(signal.SIGINT)
+    _, errors = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in errors
+
+
+def test_cli_check_needs_no_api_key(tmp_path):
+    """--check reports a missing key as a warning with the --provider fake hint and checks the
+    rest; a run still fails at load (§4.4.1); --strict makes the warning an error."""
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    import subprocess
+
+    def cli(*args):
+        return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], env=env,
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = cli("--check", str(cfg))
+    assert (r.returncode, r.stdout) == (0, "ok\n")
+    assert "warning" in r.stderr and "OPENAI_API_KEY" in r.stderr and "--provider fake" in r.stderr
+    r = cli("--check", "--strict", str(cfg))
+    assert r.returncode == 2 and "--strict" in r.stderr
+    r = cli(str(cfg), "-m", "hi")
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "--provider fake" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("agent: talk", "agent: ghost"))
+    r = cli("--check", str(bad))
+    assert r.returncode == 2 and "unknown agent 'ghost'" in r.stderr   # the rest is checked
+    r = cli(str(cfg), "--provider", "fake", "-m", "hi")
+    assert (r.returncode, r.stdout) == (0, "hi\n")
+    for option in ("--describe", "--diagram"):          # nothing is sent: no key needed
+        r = cli(option, str(cfg))
+        assert r.returncode == 0 and "talk" in r.stdout and "--provider fake" in r.stderr
+
+
+@pytest.mark.parametrize("replace, expect", [
+    (("agent: talk", "agent: tallk"), "did you mean 'talk'?"),
+    (("type: map", "type: mapp"), "did you mean 'map'?"),
+    (("publications: [__output__]", "publications: [__outptu__]"), "did you mean '__output__'?"),
+    (("tools: [math]", "tools: [mth]"), "did you mean 'math'?"),
+    (("type: tool", "type: tol"), "did you mean 'tool'?"),
+    (("target: n}, {source: n", "target: nn}, {source: n"), "did you mean 'n'?"),
+    (("{type: agent, agent: talk}", "{type: agnt, agent: talk}"), "did you mean 'agent'?"),
+])
+def test_cli_did_you_mean_for_unknown_names(tmp_path, replace, expect):
+    text = ("agents: {talk: {type: chain}, calc: {type: tool, config: {tools: [math]}}}\n"
+            "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+            "publications: [__output__]}\n"
+            "  g: {type: graph, nodes: {n: {type: agent, agent: talk}}, "
+            "edges: [{source: start, target: n}, {source: n, target: end}]}\n"
+            "merges: [{sources: [__input__], target: main}]\n")
+    assert replace[0] in text
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text(text.replace(replace[0], replace[1], 1))
+    r = run_cli("--check", str(cfg))
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
+    cfg.write_text(text)
+    assert run_cli("--check", str(cfg)).returncode == 0
+
+
+def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
+    """Unknown top-level sections and merge targets nothing reads, near a known name, are warned
+    with a hint; --strict turns warnings into exit 2; several files are checked merged."""
+    cfg = _cli_config(tmp_path, "[]", extra="  logs: {type: stream}\n")
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("merge: [{sources: [main], target: logs}]\n"
+                     "merges: [{sources: [main], target: log}]\n")
+    r = run_cli("--check", str(cfg), str(extra))
+    assert r.returncode == 0
+    assert r.stdout == "ok (2 files checked as one merged document, §3.1)\n"
+    assert "unknown top-level section 'merge'" in r.stderr and "did you mean 'merges'?" in r.stderr
+    assert "'log' is no route" in r.stderr and "did you mean 'logs'?" in r.stderr
+    r = run_cli("--check", "--strict", str(cfg), str(extra))
+    assert r.returncode == 2 and "--strict" in r.stderr
+    r = run_cli("--check", "--strict", str(cfg))
+    assert (r.returncode, r.stdout) == (0, "ok\n")
+    r = run_cli("--check", "-q", str(cfg), str(extra))
+    assert (r.returncode, r.stderr) == (0, "")
+    assert run_cli("-q", "-v", "--check", str(cfg)).returncode == 2
+    r = run_cli("--check", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_unknown_condition_type_warning_has_a_hint(tmp_path):
+    cfg = _cli_config(tmp_path, "[{type: filter, params: {condition: {type: content_contans, "
+                                "text: x}}}]")
+    r = run_cli(str(cfg), "-m", "x")
+    assert r.returncode == 0 and "did you mean 'content_contains'?" in r.stderr
+
+
+def test_did_you_mean_lists_valid_names_when_few():
+    assert actor.did_you_mean("wrtier", ["writer", "reader"]) == \
+        " (did you mean 'writer'? valid: reader, writer)"
+    assert actor.did_you_mean("zzz", ["writer"]) == " (valid: writer)"
+    many = [f"name{i}" for i in range(20)]
+    assert actor.did_you_mean("nmae3", many) == " (did you mean 'name3'?)"
+    assert actor.did_you_mean("qqqq", many) == ""
+
+
+def test_cli_runs_400_chained_routes_and_1000_operators(tmp_path):
+    n = 400
+    routes = "\n".join(f"  r{i}: {{type: stream, publications: "
+                       f"[{'r' + str(i + 1) if i + 1 < n else '__output__'}]}}" for i in range(n))
+    chain = tmp_path / "chain.yaml"
+    chain.write_text(f"agents: {{a: {{type: chain}}}}\nroutes:\n{routes}\n"
+                     "merges: [{sources: [__input__], target: r0}]\n")
+    ops = _cli_config(tmp_path, "[" + ", ".join(
+        ["{type: map, params: {transform: {type: identity}}}"] * 1000) + "]", name="ops.yaml")
+    for cfg in (chain, ops):
+        r = run_cli(str(cfg), "-m", "hi", "-m", "there")
+        assert (r.returncode, r.stdout, r.stderr) == (0, "hi\nthere\n", "")
+
+
+def test_cli_trace_shows_llm_calls_and_reply_scripts_the_fake_model(tmp_path):
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai, model: m1}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli(str(cfg), "--provider", "fake", "--reply", "one", "--reply", "two",
+                "-m", "a", "-m", "b", "-m", "c", "--trace")
+    assert (r.returncode, r.stdout) == (0, "one\ntwo\nc\n")
+    calls = [line for line in r.stderr.splitlines() if line.startswith("trace: llm ")]
+    assert len(calls) == 3 and all(line.startswith("trace: llm talk -> fake/m1: ok in ")
+                                   for line in calls)
+    r = run_cli(str(cfg), "--reply", "one", "-m", "a")
+    assert r.returncode == 2 and "--provider fake" in r.stderr
+    r = run_cli(str(cfg), "--provider", "fake", "-v", "-m", "a")
+    assert (r.returncode, r.stdout) == (0, "a\n")
+    assert "1 agents, 1 routes" in r.stderr and "llm talk -> fake/m1: ok in " in r.stderr
+    assert run_cli(str(cfg), "--provider", "fake", "-m", "a").stderr == ""
+
+
+@pytest.mark.parametrize("provider, env, base, reply, expected", [
+    ("openai", "OPENAI_API_KEY", "/v1",
+     {"choices": [{"message": {"role": "assistant", "content": "pong"}}],
+      "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}}, (11, 3)),
+    ("anthropic", "ANTHROPIC_API_KEY", "/v1",
+     {"content": [{"type": "text", "text": "pong"}], "stop_reason": "end_turn",
+      "usage": {"input_tokens": 12, "output_tokens": 4}}, (12, 4)),
+    ("google", "GOOGLE_API_KEY", "",
+     {"candidates": [{"content": {"parts": [{"text": "pong"}]}, "finishReason": "STOP"}],
+      "usageMetadata": {"promptTokenCount": 13, "candidatesTokenCount": 5}}, (13, 5)),
+])
+def test_token_usage_reported_by_the_vendor_is_kept(llm_server, llm_render, provider, env, base,
+                                                    reply, expected):
+    """The vendor's token counts land in rt.llm_log (and the --trace line) as input/output."""
+    llm_server.replies.append((200, {}, reply))
+    rt = _llm_rt({env: LLM_KEY})
+    seen = []
+    rt.llm_observer = seen.append
+    agent = _llm_agent({"provider": provider, "base_url": llm_server.url + base, "model": "m"}, rt)
+    assert agent.invoke("ping", {}) == "pong"
+    usage = {"input_tokens": expected[0], "output_tokens": expected[1]}
+    assert rt.llm_log[-1]["usage"] == usage and seen[-1]["usage"] == usage
+    assert f"tokens {expected[0]} in / {expected[1]} out" in actor.trace_llm_line(seen[-1])
+    llm_server.replies.append((200, {}, reply))     # and in the reply's metadata (§5.3.4 map)
+    a = actor.load(text=json.dumps({
+        "agents": {"talk": {"type": "llm", "config": {
+            "provider": provider, "model": "m", "base_url": llm_server.url + base}}},
+        "routes": {"main": {"type": "stream", "publications": ["__output__"],
+                            "operators": [{"type": "map", "params": {"agent": "talk"}}]}},
+        "merges": [{"sources": ["__input__"], "target": "main"}]}), env={env: LLM_KEY})
+    [out] = a.send("ping").outputs
+    assert (out.content, out.metadata["usage"]) == ("pong", usage)
+
+
+# Mermaid flowchart grammar (mermaid-js flow.jison), the part --diagram emits: statements are
+# `ID SHAPE`, `ID ARROW ID`, `subgraph ID["text"]` and `end`; an id is a run of [A-Za-z0-9_] that
+# is no keyword; a quoted string holds no '"', and '#name;' / '#123;' are entity codes in it.
+MERMAID_KEYWORDS = {"end", "graph", "flowchart", "subgraph", "style", "class", "classdef",
+                    "click", "linkstyle", "interpolate", "call", "href", "default", "direction"}
+MERMAID_ID = r"[A-Za-z][A-Za-z0-9_]*"
+MERMAID_STR = r'"[^"\n`<>]*"'
+MERMAID_SHAPE = (rf'(?:\[{MERMAID_STR}\]|\(\({MERMAID_STR}\)\)|\(\[{MERMAID_STR}\]\)|'
+                 rf'\[\[{MERMAID_STR}\]\]|\{{{MERMAID_STR}\}}|\(\(entry\)\))')
+MERMAID_ARROW = rf'(?:-->|-->\|{MERMAID_STR}\||-\. [a-z]+ \.->)'
+
+
+def _mermaid_statements(text):
+    """Parse --diagram output with the grammar above: (kind, ids, quoted strings) per line."""
+    import re
+    lines = text.splitlines()
+    assert lines[0] == "flowchart LR"
+    parsed, depth = [], 0
+    for line in lines[1:]:
+        stmt = line.strip()
+        if stmt == "end":
+            depth -= 1
+            assert depth >= 0, line
+            continue
+        m = (re.fullmatch(rf"subgraph ({MERMAID_ID})({MERMAID_SHAPE})", stmt)
+             or re.fullmatch(rf"({MERMAID_ID})({MERMAID_SHAPE})(?: --> ({MERMAID_ID}))?", stmt)
+             or re.fullmatch(rf"({MERMAID_ID}) ({MERMAID_ARROW}) ({MERMAID_ID})", stmt))
+        assert m, f"not Mermaid flowchart syntax: {line!r}"
+        depth += stmt.startswith("subgraph ")
+        ids = [g for g in m.groups() if g and re.fullmatch(MERMAID_ID, g)]
+        for node_id in ids:
+            assert node_id.lower() not in MERMAID_KEYWORDS, line
+        for quoted in re.findall(r'"([^"]*)"', stmt):
+            assert re.fullmatch(r"(?:[^#]|#(?:quot|amp|lt|gt|\d+);)*", quoted), line
+        parsed.append((stmt.split()[0] if stmt.startswith("subgraph") else "node", ids,
+                       re.findall(r'"([^"]*)"', stmt)))
+    assert depth == 0
+    return parsed
+
+
+def _mermaid_unescape(text):
+    import html
+    import re
+    return html.unescape(re.sub(r"#(quot|amp|lt|gt|\d+);",
+                                lambda m: f"&{m.group(1)};" if not m.group(1).isdigit()
+                                else f"&#{m.group(1)};", text))
+
+
+MERMAID_HARD_NAMES = ["end", "graph", "style", "class", "click", "subgraph", "flowchart",
+                      "default", "x-y", "x_y", "x__y", "x_2d_y", "a b", 'q"uote', "é", "#35;",
+                      "o", "x", "1st", "A--B", "pipe|bar", "<b>", "`tick`", "semi;colon",
+                      "amp&lt;", "dot.name", "S", "E", "_S_", "g_S_x"]
+
+
+def test_diagram_parses_for_every_legal_name_and_keeps_names_apart(tmp_path):
+    """--diagram: with routes and graph nodes named after Mermaid keywords and with - _ # " < `
+    in them, every line follows the flowchart grammar, each name gets its own id, and each
+    label reads back as the name."""
+    import json
+    routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
+    nodes = [n for n in MERMAID_HARD_NAMES if n.lower() not in ("end", "start")]
+    routes["g-1"] = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in nodes},
+                     "edges": [{"source": "start", "target": nodes[0]}]
+                     + [{"source": a, "target": b, "condition": {
+                         "type": "content_contains", "text": f'"{a}" <&>'}}
+                        for a, b in zip(nodes, nodes[1:])] + [{"source": nodes[-1],
+                                                                "target": "end"}]}
+    routes["x_y"]["operators"] = [{"type": "filter", "params": {"condition": {
+        "type": "content_contains", "text": "a\"b#c"}}}]
+    cfg = tmp_path / "names.yaml"
+    cfg.write_text(json.dumps({"agents": {"a": {"type": "chain"}}, "routes": routes, "merges": [
+        {"sources": ["__input__"], "target": n} for n in MERMAID_HARD_NAMES + ["g-1"]]}))
+    r = run_cli("--diagram", str(cfg))
+    assert r.returncode == 0, r.stderr
+    parsed = _mermaid_statements(r.stdout)
+    declared = {}
+    for kind, ids, strings in parsed:
+        if len(ids) == 1 and strings and kind == "node":
+            assert ids[0] not in declared, f"two nodes share the id {ids[0]}"
+            declared[ids[0]] = _mermaid_unescape(strings[0])
+    for name in MERMAID_HARD_NAMES:             # stream side: label = name (plus details)
+        assert declared[actor.mermaid_stream_id(name)].split(":")[0] == name.split(":")[0]
+    for name in nodes:                          # graph side
+        assert declared[actor.mermaid_id("g-1", name)].startswith(f"{name}: agent a")
+    assert len({actor.mermaid_name(n) for n in MERMAID_HARD_NAMES}) == len(MERMAID_HARD_NAMES)
+    edge_labels = [_mermaid_unescape(s[0]) for kind, ids, s in parsed if len(ids) == 2 and s]
+    assert f'content_contains \'"{nodes[0]}" <&>\'' in edge_labels
+    assert "  s_g_2d_1 -. runs .-> g_g_2d_1_E" in r.stdout.splitlines()
+
+
+MERMAID_JS = os.environ.get("ACTOR_MERMAID_MODULES")     # a node_modules with mermaid and jsdom
+
+
+@pytest.mark.skipif(not MERMAID_JS, reason="opt-in: set ACTOR_MERMAID_MODULES to a node_modules "
+                    "folder holding mermaid and jsdom (npm install mermaid jsdom)")
+def test_diagram_parses_with_mermaid_js(tmp_path):
+    """The real parser (mermaid.parse under jsdom) accepts --diagram for the hard names and the
+    examples."""
+    import json
+    import subprocess
+    routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
+    cfg = tmp_path / "names.yaml"
+    cfg.write_text(json.dumps({"agents": {"a": {"type": "chain"}}, "routes": routes, "merges": [
+        {"sources": ["__input__"], "target": n} for n in MERMAID_HARD_NAMES]}))
+    diagrams = []
+    for i, config in enumerate([cfg] + sorted((HERE / "examples").glob("*.yaml"))):
+        r = run_cli("--diagram", "--unsafe", "--provider", "fake", str(config))
+        assert r.returncode == 0, r.stderr
+        diagrams.append(tmp_path / f"d{i}.mmd")
+        diagrams[-1].write_text(r.stdout)
+    script = tmp_path / "parse.mjs"
+    script.write_text(
+        'import { JSDOM } from "jsdom"; import fs from "fs";\n'
+        'const dom = new JSDOM("<!DOCTYPE html><body></body>");\n'
+        "globalThis.window = dom.window; globalThis.document = dom.window.document;\n"
+        "globalThis.DOMParser = dom.window.DOMParser; globalThis.Element = dom.window.Element;\n"
+        'const mermaid = (await import("mermaid")).default;\n'
+        "mermaid.initialize({ startOnLoad: false }); let bad = 0;\n"
+        "for (const f of process.argv.slice(2)) {\n"
+        '  try { await mermaid.parse(fs.readFileSync(f, "utf8")); }\n'
+        '  catch (e) { bad++; console.log("FAIL", f, String(e.message || e)); } }\n'
+        "process.exit(bad ? 1 : 0);\n")
+    (tmp_path / "node_modules").symlink_to(Path(MERMAID_JS).resolve())
+    r = subprocess.run(["node", str(script), *map(str, diagrams)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mermaid_escaping_rules():
+    assert actor.mermaid_name("x-y") != actor.mermaid_name("x_y")
+    assert actor.mermaid_name("x_2d_y") != actor.mermaid_name("x-y")
+    assert actor.mermaid_id("a_S", "b") != actor.mermaid_id("a", "S_b")
+    assert actor.mermaid_text('a"b') == "a#quot;b" and actor.mermaid_text("#") == "#35;"
+    assert actor.mermaid_text("<i>&") == "#lt;i#gt;#amp;" and actor.mermaid_text("a\nb") == "a b"
+
+
+def test_cli_interactive_prompt_blank_lines_reset_and_quit(tmp_path):
+    """On a terminal: the prompt shows the Actor's name, a blank line is not sent, /reset says
+    what it cleared, /quit ends with status 0."""
+    pty = pytest.importorskip("pty")
+    import select
+    import subprocess
+    import time
+    cfg = tmp_path / "mem.yaml"
+    cfg.write_text("name: helper\nagents: {talk: {type: llm, config: {provider: fake, "
+                   "memory_enabled: true}}}\nroutes: {main: {type: stream, operators: [{type: "
+                   "map, params: {agent: talk}}], publications: [__output__]}}\n"
+                   "merges: [{sources: [__input__], target: main}]\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg), "--json"],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+
+    def read_until(token, seconds=60):
+        text, deadline = "", time.monotonic() + seconds
+        while token not in text and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    text += os.read(master, 4096).decode("utf-8", "replace")
+                except OSError:
+                    break
+        return text
+    try:
+        assert read_until("helper> ").endswith("helper> ")
+        os.write(master, b"hello\n")
+        assert '"content": "hello"' in read_until("helper> ")
+        os.write(master, b"   \n/reset\n")
+        seen = read_until("cleared")
+        assert "(memory and graph state cleared)" in seen and '"content"' not in seen
+        os.write(master, b"/quit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+def test_reset_forgets_memory_and_graph_state():
+    a = actor.load(text="agents: {talk: {type: llm, config: {provider: fake, memory_enabled: "
+                        "true}}}\nroutes:\n  g: {type: graph, enable_time_travel: true, nodes: "
+                        "{n: {type: agent, agent: talk}}, edges: [{source: start, target: n}, "
+                        "{source: n, target: end}]}\nmerges: [{sources: [__input__], target: g}]\n")
+    a.send("one")
+    graph, talk = a.rt.graphs["g"], a.rt.agents["talk"]
+    assert talk.history and graph.state["messages"] and graph.snapshots
+    a.context["kept"] = True
+    actor.reset_actor(a)
+    assert talk.history == [] and graph.state["messages"] == [] and graph.snapshots == []
+    assert a.context["kept"] is True
+    assert [m.content for m in a.send("two").outputs] == ["two"]
+
+
+def _vector_documents():
+    """(name, document) for every vector that loads, several configs merged (§3.1); documents
+    templated at Phase A are left out (their text is no YAML until rendered)."""
+    import copy
+    for path in VECTOR_FILES:
+        vector = actor.read_vector(path)
+        if "load_error" in vector:
+            continue
+        if "configs" in vector:
+            doc = copy.deepcopy(vector["configs"][0])
+            for more in vector["configs"][1:]:
+                actor.deep_merge(doc, copy.deepcopy(more))
+        elif "config" in vector:
+            doc = vector["config"]
+        elif actor.has_template_syntax(vector["config_text"]):
+            continue
+        else:
+            doc = actor.parse_yaml(vector["config_text"])[0]
+        yield path.stem, doc
+
+
+def test_schema_accepts_every_valid_configuration_in_the_vectors():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = actor.config_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    checked, failures = 0, []
+    for name, doc in _vector_documents():
+        checked += 1
+        failures += [f"{name}: {list(e.absolute_path)}: {e.message}"
+                     for e in validator.iter_errors(doc)]
+    assert checked > 500 and not failures, "\n".join(failures[:10])
+
+
+# load_error vectors whose fault is structural (a wrong type, a required field missing).
+SCHEMA_REJECTS = [
+    "reject-empty-agents", "reject-missing-agents", "reject-missing-routes",
+    "reject-list-form-routes", "reject-top-level-graphs", "reject-top-level-streams",
+    "reject-llm-max-tokens-not-integer", "reject-llm-response-format-not-mapping",
+    "reject-buffer-count-not-integer", "reject-debounce-without-duration",
+    "reject-operator-bad-duration", "reject-take-negative-count", "reject-unknown-operator",
+    "reject-agent-node-without-agent", "reject-checkpoint-dir-not-a-string", "reject-empty-nodes",
+    "reject-missing-edges", "reject-unknown-node-type", "reject-agent-without-type",
+    "reject-merge-without-target", "reject-route-without-type", "reject-split-without-source",
+    "reject-unknown-agent-type", "reject-unknown-route-type", "reject-agent-config-not-a-mapping",
+]
+
+
+def test_schema_rejects_structural_faults():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(actor.config_schema())
+    by_name = {p.stem: p for p in VECTOR_FILES}
+    for name in SCHEMA_REJECTS:
+        vector = actor.read_vector(by_name[name])
+        assert not validator.is_valid(vector["config"]), name
+        assert actor.observe_vector(vector)["load_error"], name     # and the loader agrees
+    good = {"agents": {"a": {"type": "llm", "config": {"temperature": 0.3}}},
+            "routes": {"m": {"type": "Stream", "publications": ["__output__"]}}}
+    assert validator.is_valid(good)
+    assert validator.is_valid({**good, "agents": {"a": {"type": "llm", "config": {
+        "temperature": "${TEMP}"}}}})                   # §14: a reference, coerced at load
+    assert not validator.is_valid({**good, "agents": {"a": {"type": "llm", "config": {
+        "temperature": "hot"}}}})
+    assert not validator.is_valid({**good, "merges": [{"sources": ["__input__"]}]})
+
+
+def test_cli_schema_prints_json_schema():
+    import json
+    r = run_cli("--schema")
+    schema = json.loads(r.stdout)
+    assert r.returncode == 0 and schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["required"] == ["agents", "routes"]
+    assert set(schema["$defs"]["operator"]["properties"]["type"]["enum"]) == set(actor.OPERATORS)
+
+
+def test_licence_travels_with_the_module():
+    """A vendored copy of actor.py carries its licence: the SPDX line near the top, and the MIT
+    text beside it."""
+    head = (HERE / "actor.py").read_text(encoding="utf-8").splitlines()[:5]
+    assert "# SPDX-License-Identifier: MIT" in head
+    assert (HERE / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
 
 
 def test_cli_version_and_help():
@@ -2453,9 +3181,9 @@ def test_mermaid_lines_show_routes_links_and_conditions():
          "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
         splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
     lines = net.mermaid()
-    assert 'main["main: map(a)"]' in lines and "__input__ --> main" in lines
-    assert "main --> __output__" in lines
-    assert "main -- \"content_contains 'x'\" --> lane" in lines
+    assert 's_main["main: map(a)"]' in lines and "s_____input____ --> s_main" in lines
+    assert "s_main --> s_____output____" in lines
+    assert "s_main -->|\"content_contains 'x'\"| s_lane" in lines
 
 
 def test_close_disposes_subscriptions():
@@ -3469,21 +4197,21 @@ def test_graph_mermaid_pins_18_3():
         + [{"source": t, "target": "end"} for t in ("code", "research", "default")]}
     rt, g = make_graph(cfg, {a: echo(a) for a in ("code_agent", "research_agent", "default_agent")})
     assert g.mermaid() == [
-        'subgraph graph__main["graph main"]',
-        '  main__start(["start"])',
-        '  main__router{"router: message_router"}',
-        '  main__code["code: agent code_agent"]',
-        '  main__research["research: agent research_agent"]',
-        '  main__default["default: agent default_agent"]',
-        '  main__end(["end"])',
-        '  main____entry((entry)) --> main__start',
-        '  main__start --> main__router',
-        '  main__router -->|"next_node = code"| main__code',
-        '  main__router -->|"next_node = research"| main__research',
-        '  main__router -->|"next_node = default"| main__default',
-        '  main__code --> main__end',
-        '  main__research --> main__end',
-        '  main__default --> main__end',
+        'subgraph G_main["graph main"]',
+        '  g_main_S_start(["start"])',
+        '  g_main_S_router{"router: message_router"}',
+        '  g_main_S_code["code: agent code_agent"]',
+        '  g_main_S_research["research: agent research_agent"]',
+        '  g_main_S_default["default: agent default_agent"]',
+        '  g_main_S_end(["end"])',
+        '  g_main_E((entry)) --> g_main_S_start',
+        '  g_main_S_start --> g_main_S_router',
+        '  g_main_S_router -->|"next_node = code"| g_main_S_code',
+        '  g_main_S_router -->|"next_node = research"| g_main_S_research',
+        '  g_main_S_router -->|"next_node = default"| g_main_S_default',
+        '  g_main_S_code --> g_main_S_end',
+        '  g_main_S_research --> g_main_S_end',
+        '  g_main_S_default --> g_main_S_end',
         'end']
 
 
@@ -3498,11 +4226,12 @@ def test_graph_actor_diagram_shows_18_3_graph():
     text = a.diagram()
     assert text.startswith("flowchart LR\n")
     lines = text.splitlines()
-    block = lines.index('  subgraph graph__main["graph main"]')
-    assert lines[block + 1:block + 4] == ['    main__start(["start"])',
-                                          '    main__router{"router: message_router"}',
-                                          '    main__code["code: agent code_agent"]']
-    assert '    main__router -->|"next_node = research"| main__research' in lines
+    block = lines.index('  subgraph G_main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    g_main_S_start(["start"])',
+                                          '    g_main_S_router{"router: message_router"}',
+                                          '    g_main_S_code["code: agent code_agent"]']
+    assert '    g_main_S_router -->|"next_node = research"| g_main_S_research' in lines
+    assert '  s_main -. runs .-> g_main_E' in lines        # the route node runs the body
 
 
 def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
