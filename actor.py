@@ -81,9 +81,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -1645,6 +1643,7 @@ def tool_http_request(env, args):
 
     {tool: http_request, args: {url: <u>, method: GET, headers: {..}, data: {..}}}
     """
+    import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
     url = tool_argument(args, "url", 0)
     method = tool_argument(args, "method", 1) or "GET"
     headers = args.get("headers") or {}
@@ -1681,6 +1680,7 @@ def tool_http_request(env, args):
 
 def http_proxies(rt, url):
     """Proxies from the Actor's environment (rt.env, never os.environ), honouring no_proxy."""
+    import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
     env = getattr(rt, "env", None) or {}
     proxies = {key[:-6].lower(): value for key, value in env.items()
                if key.lower().endswith("_proxy") and value}
@@ -6458,6 +6458,7 @@ BUILTINS = {
 
 
 def _undefined(value):
+    jinja2 = sys.modules.get("jinja2")       # not imported: no value can be one of its Undefined
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
@@ -6647,7 +6648,8 @@ def tag_free_names(kind, inner, word):
     else:
         source = "{% " + inner + " %}"
     try:
-        return frozenset(jinja2.meta.find_undeclared_variables(jinja_environment().parse(source)))
+        return frozenset(jinja2_module().meta.find_undeclared_variables(
+            jinja_environment().parse(source)))
     except Exception:  # a syntax error: leave the tag to the phase that renders it
         return None
 
@@ -7694,24 +7696,26 @@ RENDER_FAILURE = {
 
 # §9.2 template_engine ---------------------------------------------------------------------
 # The three dialects share one entry point, render(); Phases A, B and C all go through it.
-try:  # the one place jinja2 is imported; without it only configs that need JINJA2 fail
-    import jinja2
-    import jinja2.meta
-    import jinja2.sandbox
-except ImportError:  # pragma: no cover - exercised only on hosts without jinja2
-    jinja2 = None
-
 JINJA2_MISSING = "the JINJA2 template engine needs the jinja2 package: python3 -m pip install jinja2"
 
 
-def _require_jinja2():
-    if jinja2 is None:
-        raise TemplateError(JINJA2_MISSING, section="9.2")
+def jinja2_module():
+    """The one place jinja2 is imported, the first time a document or prompt needs JINJA2 (a
+    start-up pays only for what the document needs, issue 15); without it only those fail."""
+    try:
+        import jinja2
+        import jinja2.meta
+        import jinja2.sandbox
+    except ImportError:
+        raise TemplateError(JINJA2_MISSING, section="9.2") from None
+    return jinja2
 
 
-# INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced and
-# are false in conditions; the seed context is the §8.3 built-ins plus any render context.
-if jinja2 is not None:
+def _jinja_classes(jinja2):
+    """The two classes the JINJA2 environment is built from (they subclass jinja2's own)."""
+
+    # INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced
+    # and are false in conditions; the seed context is the §8.3 built-ins plus any render context.
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
         but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x %}`)."""
@@ -7728,8 +7732,6 @@ if jinja2 is not None:
         def __iter__(self):
             return iter(())
 
-
-if jinja2 is not None:
     class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         """Jinja2's immutable sandbox, with these changes:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
@@ -7773,6 +7775,8 @@ if jinja2 is not None:
                                                 lineno=node.lineno)
             return tree
 
+    return RuntimeUndefined, ActorSandbox
+
 
 _UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
@@ -7791,8 +7795,8 @@ def jinja_environment():
 
     Templates come from configuration files, hence the sandbox; keep_trailing_newline by Q59 (a).
     """
-    _require_jinja2()
-    env = ActorSandbox(undefined=RuntimeUndefined, keep_trailing_newline=True, autoescape=False)
+    undefined, sandbox = _jinja_classes(jinja2_module())
+    env = sandbox(undefined=undefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
     env.filters.update(FILTERS)
     env.filters["sb_loop"] = template_loop
@@ -9976,6 +9980,7 @@ def _retry_delay(headers, data, attempt, jitter=random.random):
 
 def _http_post(url, headers, body, timeout):
     """One POST; returns (status, lower-cased headers, raw body). Network failures raise OSError."""
+    import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
     request = urllib.request.Request(url, data=body, method="POST",
                                      headers={"Content-Type": "application/json", **headers})
     try:
@@ -10009,6 +10014,7 @@ class ProviderAdapter:
         """Send `request`; retry 408/409/429/5xx/529, timeouts and connection errors at most
         LLM_MAX_RETRIES times; return the reply text or raise ExecutionError (key scrubbed).
         `record` (a dict) receives `retries` and the vendor's token `usage`."""
+        import urllib.error                  # on first use: start-up pays for none (issue 15)
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
         if not re.match(r"https?://", base_url or ""):
             raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
