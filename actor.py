@@ -415,6 +415,10 @@ class Runtime:
 
 _YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+# The one nesting bound: every later pass (§14 interpolation, Phase B, validation, copies) walks
+# the document recursively, so a document deeper than this is refused here, located, instead of
+# each walker guarding its own recursion. No configuration the standard describes comes near it.
+YAML_MAX_DEPTH = 100
 
 _CORE_TAGS = {
     "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
@@ -442,8 +446,19 @@ for _tag, _regex, _first in (
     Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
 
 
+_CORE_SCALAR_FORMS = {
+    "tag:yaml.org,2002:null": _Y12_NULL, "tag:yaml.org,2002:bool": _Y12_BOOL,
+    "tag:yaml.org,2002:int": _Y12_INT, "tag:yaml.org,2002:float": _Y12_FLOAT,
+}
+
+
 def _scalar_value(node):
+    """A scalar node's value. ValueError(type name) when an explicit core tag (`!!int 0x_`)
+    names a type whose YAML 1.2 core form the text does not have; the caller locates it."""
     tag, text = node.tag, node.value
+    form = _CORE_SCALAR_FORMS.get(tag)
+    if form is not None and not form.fullmatch(text):
+        raise ValueError(tag.rsplit(":", 1)[-1])
     if tag == "tag:yaml.org,2002:null":
         return None
     if tag == "tag:yaml.org,2002:bool":
@@ -491,6 +506,10 @@ def parse_yaml(text, file=None):
         return (file, n.start_mark.line + 1, n.start_mark.column + 1)
 
     def build(n, path):
+        if len(path) > YAML_MAX_DEPTH:
+            raise ConfigurationError(f"document nests deeper than {YAML_MAX_DEPTH} levels",
+                                     path=path_str(path[:3]) + " ...", section="3.1", file=file,
+                                     line=at(n)[1], col=at(n)[2])
         budget[0] -= 1
         if budget[0] < 0:
             raise ConfigurationError(
@@ -501,7 +520,12 @@ def parse_yaml(text, file=None):
                                      path=path_str(path), section="3.1", file=file,
                                      line=at(n)[1], col=at(n)[2])
         if isinstance(n, yaml.ScalarNode):
-            return _scalar_value(n)
+            try:
+                return _scalar_value(n)
+            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
+                raise ConfigurationError(
+                    f"'{n.value}' is not a YAML 1.2 core-schema {exc}", path=path_str(path),
+                    section="3.1", file=file, line=at(n)[1], col=at(n)[2]) from None
         if isinstance(n, yaml.SequenceNode):
             items = []
             for i, item in enumerate(n.value):
@@ -4433,7 +4457,11 @@ class GraphRoute:
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
             self.checkpoint_dir = Path(rt.workdir) / str(cfg["checkpoint_dir"])
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+            try:
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+            except (OSError, ValueError) as exc:    # unwritable, a file, a NUL byte
+                raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
+                                   f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
@@ -4548,16 +4576,19 @@ class GraphRoute:
             if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
-        results = []
-        for (node, message), (result, error) in zip(admitted,
-                                                    run_next_node_set(self, admitted, state)):
+        results = [None] * len(admitted)
+
+        def settle(i, result, error):
+            """Apply node i's outcome at once; True when a guard stopped the run."""
             if error is not None:
                 self._fail(error)
+            node, message = admitted[i]
             output, stopped = self._finish(node, message, result, trace, relaxed)
-            results.append((node, output))
-            if stopped:
-                break
-        return results
+            results[i] = (node, output)
+            return stopped
+
+        run_next_node_set(self, admitted, state, settle)
+        return [done for done in results if done is not None]
 
     def _fail(self, error):
         """A node failed: the run stops with state.error set (§6.3.1) and the §20 error raised."""
@@ -5397,6 +5428,14 @@ def write_checkpoint(graph, state):
     """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json."""
     # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
     # sequence continues past the newest file already there, so names stay unique and sortable.
+    try:
+        return _write_checkpoint_file(graph, state)
+    except (OSError, ValueError) as exc:        # the directory went away or became unwritable
+        raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
+                             path=path_str(graph.path), section="6.6") from None
+
+
+def _write_checkpoint_file(graph, state):
     directory = graph.checkpoint_dir
     directory.mkdir(parents=True, exist_ok=True)
     existing = graph.checkpoints()
@@ -5471,20 +5510,22 @@ def rewind_state(graph, steps):
     graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
-def run_next_node_set(graph, admitted, state):
-    """§6.7: the parallel:true nodes of the set run together on threads and are joined, then the
-    others run one after another; every node reads the state as it was before the set, and the
-    outcomes come back in the set's order as (NodeResult|None, error|None)."""
-    # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
-    # declaration (edge) order after all of them finished, and a node reached by several
-    # edges of the same step runs once. Items 3-4 in their order: the parallel subset first,
-    # joined, so that no node without parallel: true ever overlaps another.
+def run_next_node_set(graph, admitted, state, settle):
+    """§6.7: the parallel:true nodes of the set run together on threads, reading the state as it
+    was before the set, and are joined; their outcomes are settled in the set's order. The others
+    then run one after another, each settled before the next starts, so a sequential node sees
+    every write made before it (§12.3 item 4). settle(i, NodeResult|None, error|None) applies
+    outcome i and returns True when a guard stopped the run; nothing more runs after that."""
+    # INTERPRETATION §6.7, §12.3 (Q41): a next-node set is one step. Items 3-4 in their order:
+    # the parallel subset first, joined, so that no node without parallel: true ever overlaps
+    # another; only the truly concurrent nodes share the state from before the set. A node
+    # reached by several edges of the same step runs once (GraphRoute._next_nodes).
     parallel = []
     if graph.parallel_execution and len(admitted) > 1:
         parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
     if len(parallel) < 2:
         parallel = []
-    outcomes = [None] * len(admitted)
+    outcomes = {}
     if parallel:
         pool = graph._pool
         if pool is None:
@@ -5502,15 +5543,22 @@ def run_next_node_set(graph, admitted, state):
                                                *admitted[i], state)))
         except RuntimeError:
             # No thread to be had (the pool was closed, or the sandbox's address-space cap,
-            # §13.2, left no room for a stack): the rest run below, one after another. Every
-            # branch already submitted is still joined, so none outlives its step.
+            # §13.2, left no room for a stack): the rest of the subset runs here, one after
+            # another, still reading the state from before the set, so the outcome is the
+            # one threads give. Every branch already submitted is still joined.
             pass
+        submitted = {i for i, _ in futures}
+        for i in parallel:
+            if i not in submitted:
+                outcomes[i] = call_node(graph, *admitted[i], state)
         for i, future in futures:
             outcomes[i] = future.result()
+        for i in parallel:
+            if settle(i, *outcomes[i]):
+                return
     for i, (node, message) in enumerate(admitted):
-        if outcomes[i] is None:
-            outcomes[i] = call_node(graph, node, message, state)
-    return outcomes
+        if i not in outcomes and settle(i, *call_node(graph, node, message, state)):
+            return
 
 
 def call_node(graph, node, message, state):
@@ -8408,6 +8456,9 @@ def read_sources(paths, text):
         except OSError as exc:
             raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
                                      section="3.1", file=str(p)) from None
+        except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
+            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
+                                     file=repr(p)) from None
     if text is not None:
         sources.append(("<text>", text))
     if not sources:
@@ -8424,6 +8475,17 @@ def parse_source(raw, file, render_context, engine):
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
                                      file=file) from None
+    if not isinstance(raw, str):
+        raise ConfigurationError(f"document text must be a string, not {type(raw).__name__}",
+                                 section="3.1", file=file)
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError as exc:       # a lone surrogate ("\ud800") is no Unicode text
+        line = raw.count("\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind("\n", 0, exc.start) + 1) + 1
+        raise ConfigurationError("document is not Unicode text: a lone surrogate "
+                                 f"U+{ord(raw[exc.start]):04X}", section="3.1", file=file,
+                                 line=line, col=col) from None
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return (*parse_yaml(raw, file), None)
@@ -8466,15 +8528,32 @@ def load_document(sources, render_context, engine, env, rt):
     return doc
 
 
+TEMPLATE_ENGINES = ("JINJA2", "MUSTACHE", "SIMPLE")       # §9.2
+
+
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
     value, path = host_parameter(doc, "template_engine", host_engine)
     value = "JINJA2" if value is None else value
     engine = str(value).upper()
-    if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
+    if engine not in TEMPLATE_ENGINES:
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
+
+
+def check_host_parameters(render_context, template_engine, context):
+    """What the host hands load() is checked before anything is read: the §8.2 rendering context
+    and the §10.3 invocation context are mappings, and a host template_engine is one of §9.2's
+    three (the document's own choice is checked by resolve_engine)."""
+    for value, what, section in ((render_context, "render_context", "8.2"),
+                                 (context, "context", "10.3")):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigurationError(f"the host's {what} must be a mapping, not "
+                                     f"{type(value).__name__}", section=section)
+    if template_engine is not None and str(template_engine).upper() not in TEMPLATE_ENGINES:
+        raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
+                                 f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
 
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
@@ -8484,6 +8563,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport)
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
+    check_host_parameters(render_context, template_engine, context)
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
     check_top_level(doc, rt)

@@ -3222,7 +3222,8 @@ def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
            + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
     rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
     run = g.run("x")
-    assert run.history == ["s", "p", "q"]                       # results in edge order
+    # Applied as they finish: the joined subset in edge order, then s, which sees their writes.
+    assert run.history == ["p", "q", "s"]
     assert spans["p"][0] < spans["q"][1] and spans["q"][0] < spans["p"][1]     # overlapped
     assert spans["s"][0] >= max(spans["p"][1], spans["q"][1])   # s alone, after the join
 
@@ -3383,19 +3384,34 @@ def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_graph_parallel_and_sequential_execution_agree(seed):
-    """§6.7: parallel branches are joined and applied in declaration order, so a graph whose
-    nodes are marked parallel: true gives what parallel_execution: false gives (random graphs,
-    about half the nodes parallel, real worker threads)."""
+def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
+    """§6.7, §12.3: parallel branches are joined and applied in declaration order, each reading the
+    state from before its step, so real worker threads give what the same subset run one by one
+    on the calling thread gives (the no-thread fallback); random graphs, about half the nodes
+    parallel."""
     import random
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("no thread")
+
+        def shutdown(self, *args, **kwargs):
+            pass
+
     rng = random.Random(200 + seed)
+    cases = []
     for _ in range(50):
         cfg = _random_graph(rng)
         for node in cfg["nodes"].values():
             node["parallel"] = rng.random() < 0.6
         messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
-        assert (_observe(cfg, messages, parallel=True)
-                == _observe(cfg, messages, parallel=False)), cfg
+        cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
+    monkeypatch.setattr(actor, "ThreadPoolExecutor", NoThreads)
+    for cfg, messages, threaded in cases:
+        assert threaded == _observe(cfg, messages, parallel=True), cfg
 
 @pytest.mark.parametrize("seed", range(3))
 def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
