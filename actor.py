@@ -59,6 +59,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import operator
 import os
 import random
@@ -287,6 +288,14 @@ class Timer:
 
     def __lt__(self, other):
         return (self.when, self.seq) < (other.when, other.seq)
+
+
+def is_seconds(value, positive=False):
+    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
+    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
 
 
 class VirtualClock:
@@ -632,6 +641,9 @@ def check_top_level(doc, rt):
                             f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
         if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
             rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    if doc.data.get("name") is not None and not isinstance(doc.data["name"], str):
+        raise doc.error(ConfigurationError, ("name",), "the Actor's name must be a string, not "
+                        f"{type(doc.data['name']).__name__}", "3.2")
     if "agents" not in doc.data:
         raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
     if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
@@ -927,6 +939,9 @@ def check_config_fields(rt, config, fields, cpath, section, kind):
             names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
             raise rt.error(ConfigurationError, cpath + (field,),
                            f"'{field}' must be a {names}, not {type(value).__name__}", section)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise rt.error(ConfigurationError, cpath + (field,),
+                           f"'{field}' must be a finite number, not {value}", section)
         values[field] = value
     for field in config:
         if field not in fields:
@@ -2556,6 +2571,9 @@ class _Checker:
         size = cfg.get("buffer_size", 1)
         if not _is_count(size) or size < 1:
             self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        for field in ("metadata", "bridge"):
+            if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+                self.fail(path + (field,), f"{field} must be a mapping", "5.3")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -2598,8 +2616,8 @@ class _Checker:
 
     # One check per parameter kind (the second element of each OPERATORS spec row) -----
     def seconds(self, value, path):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            self.fail(path, "must be a non-negative number of seconds")
+        if not is_seconds(value):
+            self.fail(path, "must be a finite, non-negative number of seconds")
 
     def count(self, value, path):
         if not _is_count(value):
@@ -2720,7 +2738,7 @@ def _switch_targets(ops, path):
         if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
             continue
         here = path + (i, "params")
-        for j, case in enumerate(params.get("cases") or []):
+        for j, case in enumerate(as_list(params.get("cases"))):
             if isinstance(case, dict):
                 if isinstance(case.get("target"), str):
                     yield case["target"], here + ("cases", j, "target")
@@ -5838,6 +5856,8 @@ def check_graph(doc, name, cfg, path, agent_names):
                  "16.2")
         if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
+        if node_name in RESERVED_STREAM_NAMES:
+            fail(where, f"node name '{node_name}' is a reserved stream name", "15.1")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
         # their own type; any other node under these names is rejected.
@@ -5865,6 +5885,8 @@ def check_graph(doc, name, cfg, path, agent_names):
                      "6.4, 11.3")
         if "condition" in edge and not isinstance(edge["condition"], dict):
             fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
+        if edge.get("metadata") is not None and not isinstance(edge["metadata"], dict):
+            fail(where + ("metadata",), "edge metadata must be a mapping", "6.4")
     entry = normalize_node_name(cfg.get("entry_point", "start"))
     if not is_known(entry, known):
         fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
@@ -5902,13 +5924,13 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
             if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
                 fail(where + ("retry_policy", "max_retries"),
                      "max_retries must be a non-negative integer", "6.2.2")
-            if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-                fail(where + ("retry_policy", "delay"), "delay must be a non-negative number",
-                     "6.2.2")
+            if not is_seconds(delay):
+                fail(where + ("retry_policy", "delay"),
+                     "delay must be a finite, non-negative number", "6.2.2")
         timeout = node_cfg.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float)) or timeout <= 0):
-            fail(where + ("timeout",), "timeout must be a positive number of seconds", "6.2.2")
+        if timeout is not None and not is_seconds(timeout, positive=True):
+            fail(where + ("timeout",), "timeout must be a finite, positive number of seconds",
+                 "6.2.2")
     elif node_type == "function":
         if not isinstance(node_cfg.get("function"), str):
             fail(where + ("function",), f"function node '{node_name}' needs a function name",
@@ -8256,6 +8278,7 @@ def validate_document(doc, rt, host_default_router=None):
     check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
+    check_reserved_stream_references(doc)
     known = check_routes(doc, rt, agent_names)
     check_merges_and_splits(doc, rt, known)
     check_pipelines(doc, rt)
@@ -8382,7 +8405,10 @@ def check_merges_and_splits(doc, rt, known):
         if not isinstance(merge["target"], str):
             raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
                             "7.1")
-        sources = merge.get("sources") or []
+        if merge.get("sources") is None:
+            raise doc.error(ConfigurationError, path, "merge has no sources (a sequence of "
+                            "stream names; an empty one is ignored)", "7.1")
+        sources = merge["sources"]
         if not isinstance(sources, list):
             raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
                             "7.1")
@@ -8405,6 +8431,11 @@ def check_merges_and_splits(doc, rt, known):
         if targets is not None and not isinstance(targets, dict):
             raise doc.error(ConfigurationError, path + ("targets",),
                             "targets must be a mapping of target name to condition", "7.2")
+        for target, cond in (targets or {}).items():
+            if cond is not None and not isinstance(cond, dict):
+                raise doc.error(ConfigurationError, path + ("targets", target),
+                                "a split target's condition must be a mapping with a `type` "
+                                "(or empty)", "7.2, §5.4")
 
 
 # §11.5 Pipeline validation --------------------------------------------------------------
@@ -10413,7 +10444,38 @@ def check_sentinels(text, file):
                                      section="15.5", file=file, line=line, col=col)
 
 # §15.6 Internal stream name patterns -----------------------------------------------------
-# Names starting with __ are never known streams (§11.3), so references to them fail at load.
+# A user document may name, as a stream, a route, a merge or split target, or one of the
+# three streams of §15.1; every other name starting with __ (§15.4) -- the §6.10 per-graph
+# streams above all -- is refused wherever a stream is written: subscriptions, publications,
+# merge sources and targets, split sources and targets, switch and bridge-router targets.
+def check_reserved_stream_references(doc):
+    """§15.4, §15.6: no user reference to a reserved (`__`) stream other than §15.1's."""
+    data = doc.data
+
+    def check(name, path):
+        if isinstance(name, str) and name.startswith("__") and name not in RESERVED_STREAM_NAMES:
+            raise doc.error(ConfigurationError, path, f"'{name}' is a reserved internal stream "
+                            "name; user configuration must not reference it", "15.6, §15.4")
+
+    for name, route in data["routes"].items():
+        if not isinstance(route, dict):
+            continue
+        for field in ("subscriptions", "publications"):
+            for i, target in enumerate(as_list(route.get(field))):
+                check(target, ("routes", name, field, i))
+        for target, path in _switch_targets(route.get("operators"), ("routes", name, "operators")):
+            check(target, path)
+    for i, merge in enumerate(as_list(data.get("merges"))):
+        if isinstance(merge, dict):
+            check(merge.get("target"), ("merges", i, "target"))
+            for j, source in enumerate(as_list(merge.get("sources"))):
+                check(source, ("merges", i, "sources", j))
+    for i, split in enumerate(as_list(data.get("splits"))):
+        if isinstance(split, dict):
+            check(split.get("source"), ("splits", i, "source"))
+            targets = split.get("targets")
+            for target in targets if isinstance(targets, dict) else ():
+                check(target, ("splits", i, "targets", target))
 
 
 # =====================================================================================
