@@ -719,6 +719,10 @@ def check_agent(doc, name, cfg, path, agent_types):
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
+    if kind == "composite" and "strategy" in cfg:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
     if cfg.get("config") is None:
         cfg["config"] = {}
     if not isinstance(cfg["config"], dict):
@@ -726,6 +730,9 @@ def check_agent(doc, name, cfg, path, agent_types):
                         "11.1")
     own = cfg["config"].get("context")
     for key in own if isinstance(own, dict) else ():
+        if str(key).startswith("__"):           # §10.3: in every user context, not only global
+            raise doc.error(ConfigurationError, path + ("config", "context", key),
+                            f"context key '{key}' is reserved (keys starting with __)", "10.3")
         # INTERPRETATION §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
         # context as in context.global: an Actor never declares them.
         if key in HOST_ONLY_CONTEXT_KEYS:
@@ -2200,6 +2207,56 @@ def check_agent_ref(doc, local, cfg, path, scope, siblings):
                         "8.7.1")
 
 
+def check_composite_self_reference(doc):
+    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
+    not stand for the composite it sits in, an enclosing one, or -- through other composites'
+    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
+    # INTERPRETATION §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
+    # that maps the composite again may be bounded by its own conditions, so it is left alone.
+    top = doc.data["agents"]
+    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
+
+    def walk(owner, cfg, path, chain):
+        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
+        first (the Actor's agents, then each enclosing composite's locals)."""
+        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
+            return
+        components = (cfg.get("config") or {}).get("components")
+        local = components.get("agents") if isinstance(components, dict) else None
+        if not isinstance(local, dict):
+            return
+        for lname, sub in local.items():
+            lpath = path + ("config", "components", "agents", lname)
+            if not is_agent_ref(sub):
+                walk(owner, sub, lpath, chain + [(local, lname)])
+                continue
+            target = sub["ref"]
+            scopes = [(local, None)] + list(reversed(chain))
+            for depth, (scope, on_path) in enumerate(scopes):
+                if isinstance(target, str) and target in scope:
+                    if target == on_path:
+                        raise doc.error(ConfigurationError, lpath + ("ref",),
+                                        f"ref '{target}' names a composite that contains it, "
+                                        "so invoking it would never end", "4.6, §8.7.1")
+                    if depth == len(scopes) - 1:            # an agent of the Actor
+                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
+                    break
+
+    for name, cfg in top.items():
+        walk(name, cfg, ("agents", name), [(top, name)])
+    for start in edges:                     # a ref cycle through several composites
+        seen, todo = {start}, [start]
+        while todo:
+            for target, where in edges.get(todo.pop(), []):
+                if target == start:
+                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
+                                    f"composite '{start}' through other composites' refs, so "
+                                    "invoking it would never end", "4.6, §8.7.1")
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+
+
 class AgentRef:
     """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
     looked up when used (it may be declared after the composite)."""
@@ -2308,6 +2365,14 @@ class CompositeAgent:
                                           self.path + ("config", "components", "agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
+        for key in self.routing:
+            if key == "strategy":       # §4.6.3 forbids it beside config; here it only misleads
+                rt.warn("routing.strategy has no meaning (the routing is input and output); "
+                        "it is ignored", section="4.6.3, §16.1",
+                        path=tuple(path) + ("config", "routing", key))
+            elif key not in ("input", "output"):
+                rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
+                        path=tuple(path) + ("config", "routing", key))
         self.expose_params = dict(config.get("expose_params") or {})
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
@@ -8275,6 +8340,7 @@ def validate_document(doc, rt, host_default_router=None):
         check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
         check_agent_name_style(rt, name, ("agents", name))
         warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
+    check_composite_self_reference(doc)
     check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)

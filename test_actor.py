@@ -2069,6 +2069,36 @@ def test_composite_components_are_wired_once_and_serve_concurrent_calls():
     finally:
         team.close()
 
+
+def test_composite_routing_strategy_is_warned_and_ignored():
+    """§4.6.3, §16.1: strategy beside config is refused; inside routing it is warned about, located
+    at the key, and the composite still answers."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {agents: {inner: {type: tool, config: {tools: [echo]}}}}
+      routing:
+        input: {type: agent, name: inner}
+        output: {type: agent, name: inner}
+        strategy: sequential
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+"""
+    team = actor.load(text=text)
+    try:
+        warned = [w for w in team.rt.warnings if "routing.strategy" in w]
+        assert len(warned) == 1 and warned[0].startswith("<text>:9: ") and "§4.6.3" in warned[0]
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+    finally:
+        team.close()
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("        strategy: sequential\n", "").replace(
+            "    type: composite\n", "    type: composite\n    strategy: sequential\n"))
+    assert caught.value.path == "agents.c.strategy" and caught.value.line == 4
+
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
