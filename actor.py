@@ -6460,15 +6460,18 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
-# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
-def filter_indent(value, width=4, first=False, blank=False):
-    """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
-    blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
+# INTERPRETATION §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
+# blank ones included, as §8.3 says; Jinja2's own arguments (first=false, blank=false) still opt
+# out. The empty tail after a final newline is no line and stays empty.
+def filter_indent(value, width=4, first=True, blank=True):
+    """§8.3 indent(n): every line of the value gets n spaces (a string width is used as the pad).
+    `{{ x | indent(2) }}` with x = "a\nb" gives "  a\n  b"."""
     pad = " " * width if isinstance(width, int) else str(width)
     lines = str(value).split("\n")
     out = []
     for i, line in enumerate(lines):
-        if (i > 0 or first) and (line or blank):
+        tail = i == len(lines) - 1 and not line       # after the final newline, or empty value
+        if not tail and (i > 0 or first) and (line or blank):
             line = pad + line
         out.append(line)
     return "\n".join(out)
@@ -7103,8 +7106,9 @@ def param_float(value):
     raise ValueError(f"{value!r} is not a number")
 
 
-# INTERPRETATION §8.6.2 vs §8.8 (Q51 (b)): "false", "no", "0", "off" (any case) are false as
-# well, matching step 6's coercion of a rendered "false"; other values go by truthiness.
+# INTERPRETATION §8.6.2 vs §8.8 (Q51, decided; a deviation from §8.6.2's literal text, which
+# makes every non-empty string true): "false", "no", "0", "off" (any case) are false as well,
+# matching step 6's coercion of a rendered "false"; other values go by truthiness.
 BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "on": True,
                  "false": False, "no": False, "0": False, "off": False}
 
@@ -8230,19 +8234,24 @@ def render(text, variables, engine="JINJA2", partials=None):
 # See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
-# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words (BOOLEAN_WORDS); "false", "no" and
-# other strings do not count.
-def is_declared_true(value):
+# INTERPRETATION §9.4 (Q91, decided): a declaration fails closed. Only an explicit false -- false,
+# 0, null, an empty value, or the words false/no/off/0 in any case -- leaves unsafe undeclared;
+# any other value (`unsafe: enabled`, `unsafe: [x]`) says the Actor needs unsafe mode.
+UNSAFE_FALSE_WORDS = ("false", "no", "off", "0", "")
+
+
+def declares_unsafe(value):
     if isinstance(value, str):
-        return BOOLEAN_WORDS.get(value.strip().lower()) is True
-    return bool(value) and isinstance(value, (bool, int, float))
+        return value.strip().lower() not in UNSAFE_FALSE_WORDS
+    if isinstance(value, (bool, int, float)):
+        return bool(value)
+    return value is not None and not (isinstance(value, (list, dict)) and not value)
 
 
 def check_unsafe(doc, host_unsafe):
     """§9.4, §13.1: an Actor that declares unsafe is refused on a safe host."""
     glob = (doc.data.get("context") or {}).get("global") or {}
-    if is_declared_true(glob.get("unsafe")) and not host_unsafe:
+    if declares_unsafe(glob.get("unsafe")) and not host_unsafe:
         raise doc.error(UnsafeConfigurationError, ("context", "global", "unsafe"),
                         "this Actor requires unsafe mode and the host is in safe mode "
                         "(run with --unsafe / load(unsafe=True))", "9.4, §13.1")

@@ -4409,9 +4409,11 @@ def test_filter_tojson_is_single_line_plain_json_q58():
     assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
 
 
-def test_filter_indent_leaves_first_line_q57():
-    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "a\n  b\n\n  c"
-    assert actor.render("{{ t | indent(2, true) }}", {"t": "a\nb"}) == "  a\n  b"
+def test_filter_indent_indents_every_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "  a\n  b\n  \n  c"
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n"}) == "  a\n  b\n"
+    assert actor.render("{{ t | indent(2, false, false) }}", {"t": "a\n\nb"}) == "a\n\n  b"
+    assert actor.filter_indent("x", "> ") == "> x"
 
 
 def test_filter_sum_attribute_and_selectattr_operators():
