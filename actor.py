@@ -7159,9 +7159,10 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
-    instance parameter is passed through with a warning (bind_parameters). The sequence form
-    is forbidden (§16.2).
+    A templates entry without the block was refused at registration (Q83); a template_strings
+    body may omit it (None: no parameters). INTERPRETATION §8.6.1 (new): an undeclared instance
+    parameter is passed through with a warning (bind_parameters). The sequence form is
+    forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -7296,6 +7297,13 @@ class Expansion:
                     what = "a mapping" if body_type is dict else "a string (the raw body)"
                     raise self.doc.error(ConfigurationError, (section, kind, name),
                                          f"a {section} entry must be {what}", "8.6, 8.9")
+                # INTERPRETATION §8.6.1 (Q83, decided): "MUST declare" -- a templates entry
+                # without a parameters block is refused, instantiated or not (`parameters: {}`
+                # declares none). template_strings bodies (§8.9) keep theirs optional.
+                if body_type is dict and "parameters" not in body:
+                    raise self.doc.error(ConfigurationError, (section, kind, name),
+                                         f"template {name!r} declares no parameters block "
+                                         "(write `parameters: {}` for none)", "8.6.1")
         return table
 
     def move_instances(self, instances):
