@@ -10444,9 +10444,10 @@ EXTENSION_TOOLS = {
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# INTERPRETATION §14.1 (Q89): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as literal text;
-# mapping keys are not interpolated; `${X:-3}` defaults to "-3"; `$${` writes a literal `${`.
-_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
+# INTERPRETATION §14.1 (Q89, decided): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as
+# literal text; mapping keys are not interpolated; `${X:-3}` defaults to "-3". There is no escape:
+# `$${NAME}` is a `$` followed by the reference `${NAME}` (§14 defines none).
+_ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
 
 
 def interpolate_env(data, env, doc, path=()):
@@ -10460,8 +10461,6 @@ def interpolate_env(data, env, doc, path=()):
     refs = []
 
     def substitute(match):
-        if match.group(0) == "$${":
-            return "${"
         name, default = match.group(1), match.group(2)
         refs.append(name)
         if name in env:
@@ -10472,8 +10471,7 @@ def interpolate_env(data, env, doc, path=()):
                         f"required environment variable '{name}' is not set", "14.2, §11.6")
 
     result = _ENV_REF.sub(substitute, data)
-    whole = _ENV_REF.fullmatch(data)
-    if whole and whole.group(0) != "$${":
+    if _ENV_REF.fullmatch(data):
         return coerce_env_value(result)
     return result
 
