@@ -2608,7 +2608,9 @@ def check_streams(doc, agent_names, graph_names, rt=None):
     default = getattr(rt, "default_router", None) if rt is not None else None
     if default is None and isinstance(data.get("cleveragents"), dict):
         default = data["cleveragents"].get("default_router")
-    cycle = find_stream_cycle(stream_edges(data, known, default))
+    edges = [edge for edge in stream_edges(data, known, default)
+             if not bounded_by_take(routes, edge[0], edge[2])]
+    cycle = find_stream_cycle(edges)
     if cycle:
         raise doc.error(StreamRoutingError, cycle[1],
                         "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
@@ -4226,7 +4228,20 @@ class StreamNetwork:
         meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        push(Message(content, meta, INPUT, rt.clock.now()))
+        self._deliver(push, Message(content, meta, INPUT, rt.clock.now()))
+
+    def _deliver(self, fn, *args):
+        """Run one synchronous delivery. Messages are pushed hop by hop on the Python stack, so a
+        flow deeper than the stack allows (a very long chain of routes, a take-bounded cycle
+        with a large count, §12.6) stops there: a StreamRoutingError on __error__, and the
+        call returns what was emitted so far."""
+        try:
+            fn(*args)
+        except RecursionError:
+            self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
+                                "allows (a long chain of routes or a take-bounded cycle)",
+                                {"error": True, "error_type": "StreamRoutingError"}, INPUT,
+                                self.rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -4234,7 +4249,7 @@ class StreamNetwork:
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
-            self.nodes[name].finish()
+            self._deliver(self.nodes[name].finish)
 
     def settle(self, timeout=None):
         """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
@@ -8848,11 +8863,28 @@ def strip_routing_prefix(text, extra=None):
     return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# INTERPRETATION §12.6 (Q25): every cycle of static links (publications, merges, splits, the
-# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError,
-# limiting operators or not: each message is pushed synchronously, so a cycle is unbounded
-# recursion unless an operator happens to stop it. Feedback through __error__ (an error handler
-# that fails) is cut at run time by the __error__ sink (see _Sink.push).
+# INTERPRETATION §12.6 (Q25, decided): a cycle of static links (publications, merges, splits, the
+# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError
+# unless a `take` bounds it: some link of the cycle leaves a stream route after a top-level take
+# of that route (bounded_by_take). Such a cycle loads, and a message goes round at most `count`
+# times, since the take passes `count` messages in all. Other operators (filters, switches) are
+# not proof of a bound. Feedback through __error__ (an error handler that fails) is cut at run
+# time by the __error__ sink (see _Sink.push).
+
+def bounded_by_take(routes, source, path):
+    """True when every message leaving stream route `source` by the link declared at `path` has
+    passed a top-level `take` of that route first (§5.3.2): a publication after a take anywhere
+    in the operators, a switch or bridge-router target after a take that precedes it."""
+    cfg = routes.get(source) if isinstance(source, str) else None
+    if route_type(cfg) != "stream" or not isinstance(cfg.get("operators"), list):
+        return False
+    ops = cfg["operators"]
+    if path[:3] == ("routes", source, "operators") and len(path) > 3:
+        ops = ops[:path[3]]
+    elif path[:3] != ("routes", source, "publications"):
+        return False
+    return any(isinstance(op, dict) and op.get("type") == "take" for op in ops)
+
 
 def find_stream_cycle(edges):
     """First cycle among (source, target, path) links: ([names...], path of the closing link)."""

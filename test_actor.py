@@ -2275,6 +2275,23 @@ def test_error_feedback_loop_is_cut():
     assert any("feedback loop" in w for w in rt.warnings)
 
 
+def test_flow_deeper_than_the_stack_is_one_stream_routing_error():
+    """§12.6 (Q25): a take-bounded cycle loads; one whose count outruns the Python stack stops with
+    a single StreamRoutingError on __error__ instead of a RecursionError out of send()."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  a: {type: stream, operators: [{type: take, params: {count: %d}}], publications: [b, __output__]}
+  b: {type: stream, operators: [{type: map, params: {agent: e}}], publications: [a]}
+merges: [{sources: [__input__], target: a}]
+"""
+    with actor.load(text=text % 4) as team:
+        assert [m.content for m in team.send("x").outputs] == ["x"] * 4
+    with actor.load(text=text % 100000) as team:
+        result = team.send("x")
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
+
+
 def test_hot_and_replay_streams_replay_to_late_subscribers():
     """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
     net, _, _, _ = _stream_net(
