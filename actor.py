@@ -7482,9 +7482,11 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C.
+    expression whose names are not all parameters or built-ins survives to Phase C. A parameter
+    named `message` or `context` is a parameter like any other (§8.8 step 5): `variables` holds
+    those names only when the instance binds them, and then they render here.
     """
-    names = set(variables) - RUNTIME_NAMES
+    names = set(variables)
     if runtime_field and ex.engine == "JINJA2":
         text = walk_tags(text, TagScope(names), defer=True)
     elif runtime_field:
