@@ -6595,11 +6595,15 @@ BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
 
 
 def is_runtime_field(keys):
-    """keys: the mapping keys from the document root down to a scalar."""
-    last = keys[-1] if keys else None
-    if last == "content":
-        return len(keys) == 3 and keys[0] == "prompts"
-    return last in ("system_prompt", "prompt")
+    """keys: the mapping keys from the document root down to a scalar. True only for the §8.4
+    fields: an agent's config.system_prompt / config.prompt (agents.<name>.config.<field>, also
+    a composite's components.agents.<name>.config.<field>) and prompts.<name>.content."""
+    # INTERPRETATION §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
+    # value, a template instance's params) is ordinary data and renders at Phase A.
+    if len(keys) == 3 and keys[0] == "prompts" and keys[2] == "content":
+        return True
+    return (len(keys) >= 4 and keys[-1] in ("system_prompt", "prompt")
+            and keys[-2] == "config" and keys[-4] == "agents")
 
 
 def protect_markers(text):
@@ -6979,6 +6983,8 @@ def document_regions_by_lines(text, masked=None, file=None):
         flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
+            if body.lstrip(" ").startswith("{%"):   # `{% if x %}b: ...`: the key sits where
+                key_col = indent                     # the statement starts, structurally
             key = match.group(2).strip("\"'")
             while keys and keys[-1][0] >= key_col:
                 keys.pop()

@@ -4602,16 +4602,17 @@ def test_protection_leaves_names_bound_at_phase_a_q47():
 
 
 def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
-    text = ("a:\n  system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
+    text = ("agents:\n  a:\n    config:\n      system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
             "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
             "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
     out = actor.restore_markers(actor.render_document(text))
     assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
     assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
     # a statement reading a load-time name stays at Phase A (Phase C could not run it either)
-    text = "a:\n  system_prompt: \"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
+    head = "agents:\n  a:\n    config:\n      system_prompt: "
+    text = head + "\"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
     out = actor.restore_markers(actor.render_document(text, {"ms": ["p", "q"]}))
-    assert out == "a:\n  system_prompt: \"{{ context[x] }}{{ context[x] }}\"\n"
+    assert out == head + "\"{{ context[x] }}{{ context[x] }}\"\n"
 
 
 def test_protection_keeps_template_bodies_whole_q49():
@@ -4632,7 +4633,7 @@ def test_mask_tags_keeps_offsets_and_lines():
 
 def test_protection_finds_flow_mappings_and_list_items():
     text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
-            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    system_prompt: {{ message }}\n")
+            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    config:\n      system_prompt: {{ message }}\n")
     out = actor.protect_runtime_fields(text)
     assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
     assert "system_prompt: <<<TEMPLATE_START>>> message" in out
@@ -4640,18 +4641,20 @@ def test_protection_finds_flow_mappings_and_list_items():
     text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
             "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
             "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
-            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n"
-            "    - - [{prompt: \"{{ message }}\"}]\n")
+            "  l:\n    config: {components: {agents: {m: {config: {prompt: \"{{ context.d }}\"}}}}}\n"
+            "  n:\n    params: {system_prompt: \"{{ e }}\"}\n")
     with pytest.raises(yaml.YAMLError):
         yaml.compose(actor.mask_tags(text))
     out = actor.protect_runtime_fields(text)
-    assert out.count(actor.TEMPLATE_START) == 5 and "{% if e %}" in out
+    # four §8.4 fields; a template instance's params.system_prompt is ordinary data (Phase A)
+    assert out.count(actor.TEMPLATE_START) == 4 and "{% if e %}" in out
+    assert 'params: {system_prompt: "{{ e }}"}' in out
     assert actor.restore_markers(out) == text
 
 
 def test_region_stops_at_a_statement_line_left_of_its_key():
-    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    system_prompt: |\n"
-            "      {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
+    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    config:\n      system_prompt: |\n"
+            "        {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
     out = actor.protect_runtime_fields(text, {"ms": [1]})
     assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
     rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
