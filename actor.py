@@ -3436,8 +3436,9 @@ def op_graph_execute(site, params, down):
             net.fail(route, msg, exc)
             return
         state = run.state if isinstance(run.state, dict) else {}
-        replies = [m for m in state.get("messages") or []
-                   if isinstance(m, dict) and m.get("role") == "assistant"]
+        # §6.1 (Q34): this run's last assistant reply; a run that added none (only function
+        # nodes, a router) forwards its final state, never an earlier run's reply.
+        replies = run.replies
         out = msg.copy(content=replies[-1].get("content") if replies else state,
                        source_stream=route)
         out.metadata.update(graph=name, execution_history=list(run.history), final_state=state,
@@ -4504,13 +4505,15 @@ class GraphRun:
 
     `output` is the consumer-facing result (the run's latest output, §6.8/Q28), `state` a snapshot
     of the graph state at the end (messages list and metadata copied one level deep), `history`
-    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None).
+    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None),
+    `replies` the assistant messages this run added to the state (never an earlier run's, Q34).
     """
 
-    __slots__ = ("output", "state", "history", "stopped")
+    __slots__ = ("output", "state", "history", "stopped", "replies")
 
-    def __init__(self, output, state, history, stopped=None):
+    def __init__(self, output, state, history, stopped=None, replies=()):
         self.output, self.state, self.history, self.stopped = output, state, history, stopped
+        self.replies = list(replies)
 
     def __repr__(self):
         return (f"GraphRun(output={self.output!r}, history={self.history!r}, "
@@ -4520,14 +4523,22 @@ class GraphRun:
 class _RunTrace:
     """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
 
-    __slots__ = ("history", "seen", "depth", "output", "stopped")
+    __slots__ = ("history", "seen", "depth", "output", "stopped", "earlier")
 
-    def __init__(self, output):
+    def __init__(self, output, messages=()):
         self.history = []
         self.seen = set()
         self.depth = 0
         self.output = output
         self.stopped = None
+        # The state messages from before this run, held so that their ids stay theirs even
+        # once the 50-message cap drops them from the state.
+        self.earlier = {id(m): m for m in messages}
+
+    def replies(self, messages):
+        """The assistant messages of `messages` that this run added (§6.3.1, Q34)."""
+        return [m for m in messages if id(m) not in self.earlier
+                and isinstance(m, dict) and m.get("role") == "assistant"]
 
 
 class GraphRoute:
@@ -4578,8 +4589,8 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
+            trace = _RunTrace(content, self.state["messages"])
             begin_run(self.state, content, target_ctx)
-            trace = _RunTrace(content)
             if self.observers:
                 notify_control(self, {"event": "started", "input": content})
             entry = self.nodes[self.entry]
@@ -4601,7 +4612,8 @@ class GraphRoute:
             done = node is None or node.type == END_NODE
             if self.observers:
                 notify_control(self, {"event": "resumed", "node": name, "input": output})
-            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+            return self._continue([] if done else [(node, output)],
+                                  _RunTrace(output, self.state["messages"]), target_ctx)
 
     def _continue(self, results, trace, target_ctx, first=None):
         """Step from `results` (node, output) -- or from running the node set `first` -- until
@@ -4638,7 +4650,8 @@ class GraphRoute:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
                                   "history": list(trace.history)})
-        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped,
+                        trace.replies(self.state["messages"]))
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
