@@ -2121,6 +2121,8 @@ class _FakeAgent:
 class _FakeRun:
     def __init__(self, output, state, history):
         self.output, self.state, self.history = output, state, history
+        # every message of these fake states is new with the run (GraphRun.replies, Q34)
+        self.replies = [m for m in state.get("messages", []) if m.get("role") == "assistant"]
 
 
 class _FakeGraph:
