@@ -4229,15 +4229,22 @@ class StreamNetwork:
         meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        self._deliver(push, Message(content, meta, INPUT, rt.clock.now()))
+        self._drive(push, Message(content, meta, INPUT, rt.clock.now()))
 
-    def _deliver(self, fn, *args):
-        """Run one synchronous delivery. Messages are pushed hop by hop on the Python stack, so a
-        flow deeper than the stack allows (a very long chain of routes, a take-bounded cycle
-        with a large count, §12.6) stops there: a StreamRoutingError on __error__, and the
-        call returns what was emitted so far."""
+    def _drive(self, fn, *args):
+        """Run one synchronous delivery, then the timers it set for the current virtual time.
+
+        Messages are pushed hop by hop on the Python stack, so a flow deeper than the stack
+        allows (a very long chain of routes, a take-bounded cycle with a large count, §12.6)
+        stops there: a StreamRoutingError on __error__, and the call returns what was emitted
+        so far."""
+        # §5.3.2: a zero-duration delay or debounce (or any timer set for "now") emits within
+        # the step that caused it, on the virtual clock as settle() does on the real one.
+        clock = self.rt.clock
         try:
             fn(*args)
+            if not clock.real:
+                clock.advance(0)
         except RecursionError:
             self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
                                 "allows (a long chain of routes or a take-bounded cycle)",
@@ -4250,7 +4257,7 @@ class StreamNetwork:
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
-            self._deliver(self.nodes[name].finish)
+            self._drive(self.nodes[name].finish)
 
     def settle(self, timeout=None):
         """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
