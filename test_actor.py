@@ -451,6 +451,126 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     assert not crashes, "\n".join(crashes[:10])
 
 
+# Raw text spliced in where a marker value sits: shapes no JSON value can spell.
+_FUZZ_TEXT = {
+    "@int-tag@": "!!int 0x_", "@octal-tag@": "!!int 0o", "@float-tag@": "!!float .x",
+    "@bool-tag@": "!!bool maybe", "@deep-seq@": "[" * 500 + "]" * 500,
+    "@deep-map@": "{a: " * 500 + "1" + "}" * 500, "@deep-env@": "[" * 500 + '"${FUZZ}"' + "]" * 500,
+    "@nan@": ".nan", "@inf@": ".inf", "@unknown-tag@": "!python/object x",
+}
+_FUZZ_VALUES = [
+    float("nan"), float("inf"), float("-inf"), -1, 0, 10 ** 40, True, None, "", [], {}, "\0",
+    "a\0b", "\ud800", "x\udfff", "__output__", "__input__", "__g_node_n__", "__x", "${FUZZ_UNSET}",
+    "$${FUZZ_UNSET}", "${FUZZ}", "{{ message }}", "{{ undefined_name }}", "{% if %}", "{{",
+    "<<<TEMPLATE_START>>>", "0x_", ".nan", {"type": None}, [{"type": "take"}], {"ref": "x"},
+    {"template": "t"}, {"__k": 1}, ["a", ["b", ["c"]]], {"system_prompt": "{{ message }}"},
+] + list(_FUZZ_TEXT)
+
+
+_FUZZ_MESSAGES = ["GOTO_x \ud800", "a\0b", "", "{{ message }}", "${FUZZ}", "x" * 100_000,
+                  '[TOOL_EXECUTE]{"tool": "echo", "args": ["\\ud800"]}[/TOOL_EXECUTE]',
+                  "CODE:1", "A:first", "2 + 2", "URGENT"]
+
+
+def _fuzz_places(node, prefix=()):
+    """Every path into a config (the root excluded), mapping keys and list items alike."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield prefix + (key,)
+            yield from _fuzz_places(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield prefix + (i,)
+            yield from _fuzz_places(value, prefix + (i,))
+
+
+def _fuzz_text(cfg):
+    """The config as JSON text (lone surrogates and NULs kept raw), markers spliced as YAML."""
+    import json
+    text = json.dumps(cfg, ensure_ascii=False, allow_nan=False, default=str) \
+        if not _has_non_finite(cfg) else _json_with_non_finite(cfg)
+    for marker, raw in _FUZZ_TEXT.items():
+        text = text.replace(json.dumps(marker), raw)
+    return text
+
+
+def _has_non_finite(node):
+    if isinstance(node, float):
+        return node != node or node in (float("inf"), float("-inf"))
+    if isinstance(node, dict):
+        return any(_has_non_finite(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_non_finite(v) for v in node)
+    return False
+
+
+def _json_with_non_finite(cfg):
+    import json
+    return json.dumps(cfg, ensure_ascii=False, default=str).replace(
+        "-Infinity", "-.inf").replace("Infinity", ".inf").replace("NaN", ".nan")
+
+
+def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
+    """§1.3, §20: grown from every vector configuration -- odd YAML scalars behind explicit
+    tags, NaN and infinities, NUL bytes, lone surrogates, 500-deep flow collections (one
+    under a ${VAR}), reserved and internal names, unset ${VARs}, template syntax, dangling refs,
+    moved, dropped or duplicated keys -- whatever load(), send(), advance() and complete() do,
+    only an ActorError escapes. Seeded (derandomized), a few seconds."""
+    import copy
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    crashes = []
+
+    @hypothesis.settings(max_examples=250, derandomize=True, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.data())
+    def grow(data):
+        vector = data.draw(st.sampled_from(vectors), label="vector")
+        cfg = copy.deepcopy(vector["config"])
+        for _ in range(data.draw(st.integers(0, 2), label="mutations")):
+            # a new top-level section (ignored with a warning) carries a shape to every pass
+            # that walks the whole document; any other place tests the checks of that field
+            places = [("fuzz_extra",)] + list(_fuzz_places(cfg))
+            where = data.draw(st.sampled_from(places), label="where")
+            parent = cfg
+            for part in where[:-1]:
+                parent = parent[part]
+            key = where[-1]
+            action = data.draw(st.sampled_from(["set", "set", "set", "drop", "wrap", "key"]))
+            value = data.draw(st.sampled_from(_FUZZ_VALUES), label="value")
+            if key not in parent if isinstance(parent, dict) else False:
+                parent[key] = copy.deepcopy(value)
+            elif action == "drop" and isinstance(parent, dict):
+                del parent[key]
+            elif action == "wrap":
+                parent[key] = [parent[key]] if data.draw(st.booleans()) else {"x": parent[key]}
+            elif action == "key" and isinstance(parent, dict) and isinstance(value, str):
+                parent[value] = parent.pop(key)
+            else:
+                parent[key] = copy.deepcopy(value)
+        host = vector.get("host") or {}
+        text = _fuzz_text(cfg)
+        try:
+            team = actor.load(text=text, unsafe=bool(host.get("unsafe")), provider="fake",
+                              env={**(host.get("env") or {}), "FUZZ": "1"}, workdir=tmp_path,
+                              render_context=host.get("render_context"), llm={})
+            try:
+                team.send("hello")
+                team.send(data.draw(st.sampled_from(_FUZZ_MESSAGES), label="message"))
+                team.advance(1)
+                team.complete()
+            finally:
+                team.close()
+        except actor.ActorError:
+            pass
+        except Exception as exc:  # the bug this test exists to catch
+            crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {text[:300]}")
+
+    grow()
+    assert not crashes, "\n".join(crashes[:10])
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
