@@ -385,6 +385,77 @@ class RealClock(VirtualClock):
         pass
 
 
+class ComponentClock:
+    """The Actor's clock as a composite's components see it (§4.6): the same time and timer
+    queue, plus a note of the timers they set that have neither fired nor been cancelled, so
+    that the composite knows whether its output component may still emit (§4.6.2 item 4)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.real = clock.real
+        self._live = set()
+
+    def now(self):
+        return self.clock.now()
+
+    def call_at(self, when, fn):
+        def fire():
+            self._live.discard(timer)
+            fn()
+        timer = self.clock.call_at(when, fire)
+        self._live.add(timer)
+        return timer
+
+    def call_later(self, delay, fn):
+        return self.call_at(self.now() + max(0.0, delay), fn)
+
+    def next_due(self):
+        return self.clock.next_due()
+
+    def advance(self, seconds):
+        self.clock.advance(seconds)
+
+    def set_time(self, at):
+        self.clock.set_time(at)
+
+    def waiting(self):
+        """True while a timer set by the components is still due to fire."""
+        self._live = {timer for timer in self._live if not timer.cancelled}
+        return bool(self._live)
+
+
+class PendingReply:
+    """An agent's answer that comes later (§4.6.2: a composite whose output stream emits after
+    the call returned). The caller registers then(on_value, on_error); exactly one of
+    resolve(value) / fail(error) happens, once, and reaches it."""
+
+    __slots__ = ("done", "value", "error", "callbacks")
+
+    def __init__(self):
+        self.done, self.value, self.error, self.callbacks = False, None, None, None
+
+    def then(self, on_value, on_error):
+        if self.done:
+            (on_value(self.value) if self.error is None else on_error(self.error))
+        else:
+            self.callbacks = (on_value, on_error)
+
+    def resolve(self, value):
+        self._settle(value, None)
+
+    def fail(self, error):
+        self._settle(None, error)
+
+    def _settle(self, value, error):
+        if self.done:
+            return
+        self.done, self.value, self.error = True, value, error
+        if self.callbacks is not None:
+            on_value, on_error = self.callbacks
+            self.callbacks = None
+            on_value(value) if error is None else on_error(error)
+
+
 # Runtime: what agents, routes and operators may reach (one per Actor) ---------------------
 class Runtime:
     """Registries and host settings shared by one Actor's parts (§12.1)."""
@@ -2312,6 +2383,9 @@ def check_component_routes(doc, config, path):
     check_streams(sub_doc, agent_names, graphs)
 
 
+COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
+
+
 class CompositeAgent:
     """§4.6: nested agents, graphs and streams behind one agent interface.
 
@@ -2344,8 +2418,9 @@ class CompositeAgent:
         self.routes = component_routes(components)
         sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
                                 "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.clock = ComponentClock(rt.clock)      # notes the timers the components set
         self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     workdir=rt.workdir, clock=self.clock, provider=rt.provider,
                                      llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
@@ -2377,6 +2452,13 @@ class CompositeAgent:
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
+        # §4.6.2 item 4: calls whose output stream emits later ([request id, PendingReply,
+        # timeout timer], oldest first), the request in synchronous dispatch, and whether a
+        # stream component holds messages until completion (reduce) rather than a timer.
+        self._pending, self._seq, self._current = [], itertools.count(1), None
+        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
+                          for route in self.routes.values() if route.get("type") == "stream"
+                          for op in as_list(route.get("operators")))
         self._components = {kind: sorted(components.get(kind) or {})
                             for kind in ("agents", "graphs", "streams")}
 
@@ -2415,6 +2497,9 @@ class CompositeAgent:
                 for local, seen in self._emitted.items():
                     self.network.subscribe(local, seen.append)
                 self.network.on_error(self._errors.append)
+                last = self.routing["output"]
+                if last["type"] == "stream":
+                    self.network.subscribe(last["name"], self._on_output)
             self._built = True
 
     def _dispatch(self, spec, content, ctx):
@@ -2424,11 +2509,35 @@ class CompositeAgent:
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
         ctx = self.rt.context if ctx is None else ctx
-        self.network.send(content, target=name, metadata={"context": ctx})
+        self.network.send(content, target=name,
+                          metadata={"context": ctx, COMPOSITE_REQUEST: (id(self), self._current)})
         return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
-        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        """§4.6.2: dispatch to the input component, collect the output component's response.
+
+        A caller that cannot take a PendingReply gets the later output by waiting for it on the
+        real clock (bounded by the §5.3.4 hard timeout); the virtual clock cannot pass inside a
+        call, so there the answer is the empty string (what a silent stream answers)."""
+        reply = self.invoke_later(content, ctx)
+        if not isinstance(reply, PendingReply):
+            return reply
+        clock = self.rt.clock
+        if clock.real:
+            deadline = clock.now() + AGENT_HARD_TIMEOUT
+            while not reply.done and (due := clock.next_due()) is not None and due <= deadline:
+                clock.advance(max(0.0, due - clock.now()))
+        if not reply.done:
+            self._settle_request(reply, "")
+        if reply.error is not None:
+            raise ExecutionError(f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
+                                 section="4.6.2, §5.3.4")
+        return reply.value
+
+    def invoke_later(self, content, ctx):
+        """invoke(), except that an output stream which emits after the call returned (a delay,
+        debounce, sample, timed buffer or reduce inside) gives a PendingReply, settled with
+        what it emits, or failed by the §5.3.4 hard timeout (the stream map takes these)."""
         # Entered again by a parallel branch of its own request: an error, not a deadlock (§6.7).
         held = hold_in_chain(self, f"agent '{self.name}' (composite)")
         try:
@@ -2440,25 +2549,97 @@ class CompositeAgent:
         self._build()
         first, last = self.routing["input"], self.routing["output"]
         with self._lock:                          # one request at a time through the wiring
-            marks = {local: len(seen) for local, seen in self._emitted.items()}
-            errors = len(self._errors)
-            result = self._dispatch(first, content, ctx)
-            if first["type"] == "stream":
-                result = self._stream_reply(first["name"], marks)
-            if (last["type"], last["name"]) != (first["type"], first["name"]):
-                reached = last["type"] == "stream" and \
-                    len(self._emitted[last["name"]]) > marks[last["name"]]
-                if not reached:
-                    marks = {local: len(seen) for local, seen in self._emitted.items()}
-                    result = self._dispatch(last, result, ctx)
-                if last["type"] == "stream":
-                    result = self._stream_reply(last["name"], marks)
-            failed = self._errors[errors:]
+            outer, self._current = self._current, next(self._seq)
+            try:
+                marks = {local: len(seen) for local, seen in self._emitted.items()}
+                errors = len(self._errors)
+                result = self._dispatch(first, content, ctx)
+                if first["type"] == "stream":
+                    result = self._stream_reply(first["name"], marks)
+                if (last["type"], last["name"]) != (first["type"], first["name"]):
+                    reached = last["type"] == "stream" and \
+                        len(self._emitted[last["name"]]) > marks[last["name"]]
+                    if not reached:
+                        marks = {local: len(seen) for local, seen in self._emitted.items()}
+                        result = self._dispatch(last, result, ctx)
+                    if last["type"] == "stream":
+                        result = self._stream_reply(last["name"], marks)
+                failed = self._errors[errors:]
+                if (not failed and last["type"] == "stream"
+                        and len(self._emitted[last["name"]]) == marks[last["name"]]
+                        and (self.clock.waiting() or self._holds)):
+                    result = self._wait_for_output(self._current)
+            finally:
+                self._current = outer
         # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
         if failed:
             raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
                                  section="4.6.2")
         return result
+
+    # -- output that comes later (§4.6.2 item 4) ------------------------------------------
+    # INTERPRETATION §4.6.2 (new): when the output stream emitted nothing for a request but
+    # still may (a timer of the components is pending, or a reduce holds messages), the call
+    # completes when it does: the emission carrying the request's mark answers it, and calls
+    # waiting from before it, which the stream passed over (a debounce dropped them), answer
+    # "". An unmarked emission (a reduce's total at completion) answers the oldest waiting
+    # call. Unanswered after the §5.3.4 hard timeout: "Processing timed out". When the Actor
+    # completes, the components complete first, so buffered output still reaches its call.
+    def _wait_for_output(self, request):
+        reply = PendingReply()
+        entry = [request, reply, None]
+        entry[2] = self.rt.clock.call_later(AGENT_HARD_TIMEOUT,
+                                            lambda: self._expire(entry))
+        self._pending.append(entry)
+        return reply
+
+    def _on_output(self, msg):
+        """A message on the output stream: answer the waiting call it belongs to."""
+        with self._lock:
+            mark = msg.metadata.get(COMPOSITE_REQUEST)
+            mine = isinstance(mark, tuple) and len(mark) == 2 and mark[0] == id(self)
+            if mine and mark[1] == self._current:
+                return                          # the call in progress reads it itself
+            if not mine and self._current is not None:
+                return
+            ids = [entry[0] for entry in self._pending]
+            if mine and mark[1] in ids:
+                cut = ids.index(mark[1])
+            elif not mine and ids:
+                cut = 0
+            else:
+                self.rt.warn(f"composite '{self.name}': its output stream emitted after the "
+                             "call it answers had completed; the message has no caller",
+                             section="4.6.2")
+                return
+            passed, entry = self._pending[:cut], self._pending[cut]
+            for older in passed:
+                self._settle_request(older[1], "")
+            self._settle_request(entry[1], msg.content)
+
+    def _settle_request(self, reply, value, error=None):
+        for entry in self._pending:
+            if entry[1] is reply:
+                self._pending.remove(entry)
+                entry[2].cancel()
+                break
+        reply.fail(error) if error is not None else reply.resolve(value)
+
+    def _expire(self, entry):
+        with self._lock:
+            if entry in self._pending:
+                self._settle_request(entry[1], None, _AgentTimedOut())
+
+    def finish_pending(self):
+        """The Actor's input completed (§5.5): complete the components, so that a reduce or a
+        buffer hands its output to the calls waiting for it; calls still waiting answer ""."""
+        with self._lock:
+            if not self._pending:
+                return
+            if self.network is not None:
+                self.network.complete()
+            for entry in list(self._pending):
+                self._settle_request(entry[1], "")
 
     def close(self):
         """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
@@ -3752,7 +3933,7 @@ def resolve_context(msg, rt):
     return ctx if isinstance(ctx, dict) else {}
 
 
-def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
+def invoke_agent(rt, agent, content, ctx, *, single_shot=False, method=None):
     """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
@@ -3760,10 +3941,11 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run;
     the abandoned call then makes no further effect (call_abandoned).
     """
+    method = agent.invoke if method is None else method
     if not rt.clock.real:
-        return agent.invoke(content, ctx)
+        return method(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
+    finished, reply = run_bounded(lambda: method(content, ctx),
                                   SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
                                   f"agent-{agent.name}")
     if not finished:
@@ -3781,8 +3963,11 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    call = agent.invoke if not rt.clock.real else (     # virtual time: a direct call
-        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot))
+    # A composite may answer later (§4.6.2 item 4): its invoke_later gives a PendingReply.
+    method = getattr(agent, "invoke_later", None) or agent.invoke
+    call = method if not rt.clock.real else (     # virtual time: a direct call
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot,
+                                          method=method))
     retries = retry_count(site)
 
     def with_retries(content, ctx):
@@ -3797,32 +3982,49 @@ def agent_mapper(site, name, down):
         return call(content, ctx)
     attempt = with_retries if retries else call
 
+    def succeed(msg, ctx, reply):
+        # msg.copy(content=reply, source_stream=route), without keywords
+        out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
+        out.metadata["processed_by"] = name
+        out.metadata["context"] = ctx
+        down.next(out)
+
+    def failed(msg, exc):
+        if isinstance(exc, _AgentTimedOut):
+            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
+            out = msg.copy(content=SOFT_TIMEOUT_TEXT if exc.soft else PROCESSING_TIMED_OUT,
+                           source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        else:                           # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
+        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
+        net.report(out)
+        down.next(out)
+
     def on_next(msg):
         ctx = msg.metadata.get("context")
         if not isinstance(ctx, dict):       # the usual case, a context dict, needs no call
             ctx = resolve_context(msg, rt)
         try:
             reply = attempt(msg.content, ctx)
-        except _AgentTimedOut as timed_out:
-            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
-            out = msg.copy(content=SOFT_TIMEOUT_TEXT if timed_out.soft else PROCESSING_TIMED_OUT,
-                           source_stream=route)
-            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                processed_by=name)
-        except Exception as exc:        # §12.2.3 boundary: agent invocation
-            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
-        else:               # msg.copy(content=reply, source_stream=route), without keywords
-            out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
-            out.metadata["processed_by"] = name
-            out.metadata["context"] = ctx
-            down.next(out)
+        except Exception as exc:        # _AgentTimedOut, or the §12.2.3 agent boundary
+            failed(msg, exc)
             return
-        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
-        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
-        net.report(out)
-        down.next(out)
-    return Stage(on_next, down.complete)
+        if type(reply) is PendingReply:     # the composite answers later (§4.6.2)
+            reply.then(lambda value: succeed(msg, ctx, value), lambda exc: failed(msg, exc))
+        else:
+            succeed(msg, ctx, reply)
+
+    finish = getattr(agent, "finish_pending", None)
+
+    def on_complete():
+        if finish is not None:          # waiting composite calls answer before completion
+            finish()
+        down.complete()
+    return Stage(on_next, on_complete)
 
 # §5.3.5 Transform types ---------------------------------------------------------------
 def tf_extract(content, params):

@@ -2190,6 +2190,34 @@ def test_composite_components_are_wired_once_and_serve_concurrent_calls():
         team.close()
 
 
+def test_composite_late_output_on_the_real_clock_and_inside_a_graph():
+    """§4.6.2 item 4: on the real clock the call completes when the delayed output emits, in a
+    stream map and inside a graph node alike; on the virtual clock a graph node cannot wait, so
+    it gets "" and the late message is warned about, never raised."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {streams: {s: {operators: [{type: delay, params: {duration: 0.05}}]}}}
+      routing: {input: {type: stream, name: s}, output: {type: stream, name: s}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+  g:
+    type: graph
+    nodes: {n: {type: agent, agent: c}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+merges: [{sources: [__input__], target: main}]
+"""
+    with actor.load(text=text, clock=actor.RealClock()) as team:
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+        assert [m.content for m in team.send("node", target="g").outputs] == ["node"]
+    with actor.load(text=text) as team:
+        assert [m.content for m in team.send("node", target="g").outputs] == [""]
+        assert team.advance(1).outputs == []
+        assert any("no caller" in w for w in team.rt.warnings)
+
+
 def test_composite_routing_strategy_is_warned_and_ignored():
     """§4.6.3, §16.1: strategy beside config is refused; inside routing it is warned about, located
     at the key, and the composite still answers."""
