@@ -2378,6 +2378,18 @@ def check_component_routes(doc, config, path):
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
     graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    known = set(routes) | set(RESERVED_STREAM_NAMES)
+    for local, route in routes.items():         # §5.5 inside the composite, as check_routes
+        for field in ("subscriptions", "publications"):
+            value = route.get(field)
+            if value is not None and not isinstance(value, list):
+                raise sub_doc.error(ConfigurationError, ("routes", local, field),
+                                    "must be a sequence", "5.5")
+            for i, target in enumerate(value or []):
+                if not is_known(target, known):
+                    raise sub_doc.error(ConfigurationError, ("routes", local, field, i),
+                                        f"'{target}' is not a component of the composite or a "
+                                        "built-in stream", "4.6.1, §5.5")
     for local in sorted(graphs, key=list(routes).index):
         check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
     check_streams(sub_doc, agent_names, graphs)
@@ -2790,7 +2802,8 @@ def check_streams(doc, agent_names, graph_names, rt=None):
     if default is None and isinstance(data.get("cleveragents"), dict):
         default = data["cleveragents"].get("default_router")
     edges = [edge for edge in stream_edges(data, known, default)
-             if not bounded_by_take(routes, edge[0], edge[2])]
+             if isinstance(edge[0], str) and isinstance(edge[1], str)
+             and not bounded_by_take(routes, edge[0], edge[2])]
     cycle = find_stream_cycle(edges)
     if cycle:
         raise doc.error(StreamRoutingError, cycle[1],
