@@ -2891,6 +2891,9 @@ class _Checker:
     def condition(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+        wrong = condition_shape_error(value)
+        if wrong is not None:
+            self.fail(path + (wrong[0],), wrong[1], "5.4")
 
     def mapping(self, value, path):
         if not isinstance(value, dict):
@@ -4261,6 +4264,20 @@ CONDITIONS = {
     "message_pattern":      (cond_message_pattern,      {"edge"}),
     "custom":               (cond_custom,               {"node"}),
 }
+
+# What each field of a condition mapping must be (§5.4): names are strings, texts scalars.
+CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "operator": (str,),
+                         "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
+
+
+def condition_shape_error(cond):
+    """None, or (field, message) for the first field of `cond` with the wrong shape (§1.3)."""
+    for field, kinds in CONDITION_FIELD_KINDS.items():
+        value = cond.get(field)
+        if value is not None and not isinstance(value, kinds):
+            what = "a string" if kinds == (str,) else "a string or a number"
+            return field, f"condition {field} must be {what}, not {type(value).__name__}"
+    return None
 
 # §5.4.1 Subsystem-specific behavior ---------------------------------------------------
 # subsystem -> (result for an unknown or unhonoured type, result when `type` is absent, warn?)
@@ -6200,6 +6217,9 @@ def check_graph(doc, name, cfg, path, agent_names):
                      "6.4, 11.3")
         if "condition" in edge and not isinstance(edge["condition"], dict):
             fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
+        wrong = condition_shape_error(edge["condition"]) if "condition" in edge else None
+        if wrong is not None:
+            fail(where + ("condition", wrong[0]), wrong[1], "6.5, §5.4")
         if edge.get("metadata") is not None and not isinstance(edge["metadata"], dict):
             fail(where + ("metadata",), "edge metadata must be a mapping", "6.4")
     entry = normalize_node_name(cfg.get("entry_point", "start"))
@@ -6260,6 +6280,9 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
         if not isinstance(node_cfg.get("condition"), dict):
             fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
                  "mapping", "6.2.4")
+        wrong = condition_shape_error(node_cfg["condition"])
+        if wrong is not None:
+            fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")
     elif node_type == "subgraph":
         graph = node_cfg.get("graph")
         routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
@@ -8777,6 +8800,10 @@ def check_merges_and_splits(doc, rt, known):
                 raise doc.error(ConfigurationError, path + ("targets", target),
                                 "a split target's condition must be a mapping with a `type` "
                                 "(or empty)", "7.2, §5.4")
+            wrong = condition_shape_error(cond) if cond is not None else None
+            if wrong is not None:
+                raise doc.error(ConfigurationError, path + ("targets", target, wrong[0]),
+                                wrong[1], "7.2, §5.4")
 
 
 # §11.5 Pipeline validation --------------------------------------------------------------
