@@ -65,6 +65,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import operator
 import os
 import random
@@ -293,6 +294,14 @@ class Timer:
         return (self.when, self.seq) < (other.when, other.seq)
 
 
+def is_seconds(value, positive=False):
+    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
+    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
 class VirtualClock:
     """Time that moves only when told: advance(s) fires due timers in (time, sequence) order."""
 
@@ -430,6 +439,77 @@ class RealClock(VirtualClock):
         pass
 
 
+class ComponentClock:
+    """The Actor's clock as a composite's components see it (§4.6): the same time and timer
+    queue, plus a note of the timers they set that have neither fired nor been cancelled, so
+    that the composite knows whether its output component may still emit (§4.6.2 item 4)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.real = clock.real
+        self._live = set()
+
+    def now(self):
+        return self.clock.now()
+
+    def call_at(self, when, fn):
+        def fire():
+            self._live.discard(timer)
+            fn()
+        timer = self.clock.call_at(when, fire)
+        self._live.add(timer)
+        return timer
+
+    def call_later(self, delay, fn):
+        return self.call_at(self.now() + max(0.0, delay), fn)
+
+    def next_due(self):
+        return self.clock.next_due()
+
+    def advance(self, seconds):
+        self.clock.advance(seconds)
+
+    def set_time(self, at):
+        self.clock.set_time(at)
+
+    def waiting(self):
+        """True while a timer set by the components is still due to fire."""
+        self._live = {timer for timer in self._live if not timer.cancelled}
+        return bool(self._live)
+
+
+class PendingReply:
+    """An agent's answer that comes later (§4.6.2: a composite whose output stream emits after
+    the call returned). The caller registers then(on_value, on_error); exactly one of
+    resolve(value) / fail(error) happens, once, and reaches it."""
+
+    __slots__ = ("done", "value", "error", "callbacks")
+
+    def __init__(self):
+        self.done, self.value, self.error, self.callbacks = False, None, None, None
+
+    def then(self, on_value, on_error):
+        if self.done:
+            (on_value(self.value) if self.error is None else on_error(self.error))
+        else:
+            self.callbacks = (on_value, on_error)
+
+    def resolve(self, value):
+        self._settle(value, None)
+
+    def fail(self, error):
+        self._settle(None, error)
+
+    def _settle(self, value, error):
+        if self.done:
+            return
+        self.done, self.value, self.error = True, value, error
+        if self.callbacks is not None:
+            on_value, on_error = self.callbacks
+            self.callbacks = None
+            on_value(value) if error is None else on_error(error)
+
+
 # Runtime: what agents, routes and operators may reach (one per Actor) ---------------------
 class Runtime:
     """Registries and host settings shared by one Actor's parts (§12.1)."""
@@ -470,6 +550,10 @@ class Runtime:
 
 _YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+# The one nesting bound: every later pass (§14 interpolation, Phase B, validation, copies) walks
+# the document recursively, so a document deeper than this is refused here, located, instead of
+# each walker guarding its own recursion. No configuration the standard describes comes near it.
+YAML_MAX_DEPTH = 100
 
 _CORE_TAGS = {
     "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
@@ -497,8 +581,19 @@ for _tag, _regex, _first in (
     Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
 
 
+_CORE_SCALAR_FORMS = {
+    "tag:yaml.org,2002:null": _Y12_NULL, "tag:yaml.org,2002:bool": _Y12_BOOL,
+    "tag:yaml.org,2002:int": _Y12_INT, "tag:yaml.org,2002:float": _Y12_FLOAT,
+}
+
+
 def _scalar_value(node):
+    """A scalar node's value. ValueError(type name) when an explicit core tag (`!!int 0x_`)
+    names a type whose YAML 1.2 core form the text does not have; the caller locates it."""
     tag, text = node.tag, node.value
+    form = _CORE_SCALAR_FORMS.get(tag)
+    if form is not None and not form.fullmatch(text):
+        raise ValueError(tag.rsplit(":", 1)[-1])
     if tag == "tag:yaml.org,2002:null":
         return None
     if tag == "tag:yaml.org,2002:bool":
@@ -519,25 +614,26 @@ def _scalar_value(node):
     return text
 
 
-YAML_MAX_DEPTH = 1000              # nesting levels of one document (the C composer recurses)
+YAML_COMPOSER_DEPTH = 1000         # nesting levels the C composer is handed (it recurses)
 
 
 def check_nesting(text, file):
-    """Refuse a document nested deeper than YAML_MAX_DEPTH before the C composer sees it: it
+    """Refuse a document nested deeper than YAML_COMPOSER_DEPTH before the C composer sees it: it
     recurses without a depth check, and 30,000 levels (a line of brackets, or Phase A output)
     crashed the process. Block nesting is bounded by the longest line (each level indents
     further) and flow nesting by twice the brackets, so most documents skip the event scan."""
     lines = text.splitlines() or [""]
-    if 2 * (text.count("[") + text.count("{")) + max(map(len, lines)) < 5 * YAML_MAX_DEPTH:
+    if 2 * (text.count("[") + text.count("{")) + max(map(len, lines)) < 5 * YAML_COMPOSER_DEPTH:
         return
     depth = 0
     try:
         for event in yaml.parse(text, Loader=_YamlLoaderBase):   # an iterative parser
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
-                if depth > YAML_MAX_DEPTH:
+                if depth > YAML_COMPOSER_DEPTH:
                     raise ConfigurationError(
-                        f"document nests deeper than {YAML_MAX_DEPTH} levels", section="3.1",
+                        f"document nests deeper than {YAML_COMPOSER_DEPTH} levels",
+                        section="3.1",
                         file=file, line=event.start_mark.line + 1)
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
@@ -573,6 +669,10 @@ def parse_yaml(text, file=None):
         return (file, n.start_mark.line + 1, n.start_mark.column + 1)
 
     def build(n, path):
+        if len(path) > YAML_MAX_DEPTH:
+            raise ConfigurationError(f"document nests deeper than {YAML_MAX_DEPTH} levels",
+                                     path=path_str(path[:3]) + " ...", section="3.1", file=file,
+                                     line=at(n)[1], col=at(n)[2])
         budget[0] -= 1
         if budget[0] < 0:
             raise ConfigurationError(
@@ -583,7 +683,12 @@ def parse_yaml(text, file=None):
                                      path=path_str(path), section="3.1", file=file,
                                      line=at(n)[1], col=at(n)[2])
         if isinstance(n, yaml.ScalarNode):
-            return _scalar_value(n)
+            try:
+                return _scalar_value(n)
+            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
+                raise ConfigurationError(
+                    f"'{n.value}' is not a YAML 1.2 core-schema {exc}", path=path_str(path),
+                    section="3.1", file=file, line=at(n)[1], col=at(n)[2]) from None
         if isinstance(n, yaml.SequenceNode):
             items = []
             for i, item in enumerate(n.value):
@@ -690,6 +795,9 @@ def check_top_level(doc, rt):
                             f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
         if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
             rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    if doc.data.get("name") is not None and not isinstance(doc.data["name"], str):
+        raise doc.error(ConfigurationError, ("name",), "the Actor's name must be a string, not "
+                        f"{type(doc.data['name']).__name__}", "3.2")
     if "agents" not in doc.data:
         raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
     if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
@@ -765,6 +873,10 @@ def check_agent(doc, name, cfg, path, agent_types):
         known = ", ".join(sorted(agent_types))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
+    if kind == "composite" and "strategy" in cfg:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
     if cfg.get("config") is None:
         cfg["config"] = {}
     if not isinstance(cfg["config"], dict):
@@ -772,6 +884,9 @@ def check_agent(doc, name, cfg, path, agent_types):
                         "11.1")
     own = cfg["config"].get("context")
     for key in own if isinstance(own, dict) else ():
+        if str(key).startswith("__"):           # §10.3: in every user context, not only global
+            raise doc.error(ConfigurationError, path + ("config", "context", key),
+                            f"context key '{key}' is reserved (keys starting with __)", "10.3")
         # INTERPRETATION §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
         # context as in context.global: an Actor never declares them.
         if key in HOST_ONLY_CONTEXT_KEYS:
@@ -991,6 +1106,9 @@ def check_config_fields(rt, config, fields, cpath, section, kind):
             names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
             raise rt.error(ConfigurationError, cpath + (field,),
                            f"'{field}' must be a {names}, not {type(value).__name__}", section)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise rt.error(ConfigurationError, cpath + (field,),
+                           f"'{field}' must be a finite number, not {value}", section)
         values[field] = value
     for field in config:
         if field not in fields:
@@ -2277,6 +2395,56 @@ def check_agent_ref(doc, local, cfg, path, scope, siblings):
                         "8.7.1")
 
 
+def check_composite_self_reference(doc):
+    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
+    not stand for the composite it sits in, an enclosing one, or -- through other composites'
+    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
+    # INTERPRETATION §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
+    # that maps the composite again may be bounded by its own conditions, so it is left alone.
+    top = doc.data["agents"]
+    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
+
+    def walk(owner, cfg, path, chain):
+        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
+        first (the Actor's agents, then each enclosing composite's locals)."""
+        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
+            return
+        components = (cfg.get("config") or {}).get("components")
+        local = components.get("agents") if isinstance(components, dict) else None
+        if not isinstance(local, dict):
+            return
+        for lname, sub in local.items():
+            lpath = path + ("config", "components", "agents", lname)
+            if not is_agent_ref(sub):
+                walk(owner, sub, lpath, chain + [(local, lname)])
+                continue
+            target = sub["ref"]
+            scopes = [(local, None)] + list(reversed(chain))
+            for depth, (scope, on_path) in enumerate(scopes):
+                if isinstance(target, str) and target in scope:
+                    if target == on_path:
+                        raise doc.error(ConfigurationError, lpath + ("ref",),
+                                        f"ref '{target}' names a composite that contains it, "
+                                        "so invoking it would never end", "4.6, §8.7.1")
+                    if depth == len(scopes) - 1:            # an agent of the Actor
+                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
+                    break
+
+    for name, cfg in top.items():
+        walk(name, cfg, ("agents", name), [(top, name)])
+    for start in edges:                     # a ref cycle through several composites
+        seen, todo = {start}, [start]
+        while todo:
+            for target, where in edges.get(todo.pop(), []):
+                if target == start:
+                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
+                                    f"composite '{start}' through other composites' refs, so "
+                                    "invoking it would never end", "4.6, §8.7.1")
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+
+
 class AgentRef:
     """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
     looked up when used (it may be declared after the composite)."""
@@ -2327,9 +2495,24 @@ def check_component_routes(doc, config, path):
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
     graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    known = set(routes) | set(RESERVED_STREAM_NAMES)
+    for local, route in routes.items():         # §5.5 inside the composite, as check_routes
+        for field in ("subscriptions", "publications"):
+            value = route.get(field)
+            if value is not None and not isinstance(value, list):
+                raise sub_doc.error(ConfigurationError, ("routes", local, field),
+                                    "must be a sequence", "5.5")
+            for i, target in enumerate(value or []):
+                if not is_known(target, known):
+                    raise sub_doc.error(ConfigurationError, ("routes", local, field, i),
+                                        f"'{target}' is not a component of the composite or a "
+                                        "built-in stream", "4.6.1, §5.5")
     for local in sorted(graphs, key=list(routes).index):
         check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
     check_streams(sub_doc, agent_names, graphs)
+
+
+COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
 
 
 class CompositeAgent:
@@ -2364,8 +2547,9 @@ class CompositeAgent:
         self.routes = component_routes(components)
         sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
                                 "routes": self.routes}, outer_doc, self.path + ("config",))
+        self.clock = ComponentClock(rt.clock)      # notes the timers the components set
         self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                                     workdir=rt.workdir, clock=rt.clock, provider=rt.provider,
+                                     workdir=rt.workdir, clock=self.clock, provider=rt.provider,
                                      llm_transport=rt.llm_transport)
         inner.llm_log, inner.warnings, inner.context, inner.prompts = (
             rt.llm_log, rt.warnings, rt.context, rt.prompts)
@@ -2386,10 +2570,25 @@ class CompositeAgent:
                                           self.path + ("config", "components", "agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
+        for key in self.routing:
+            if key == "strategy":       # §4.6.3 forbids it beside config; here it only misleads
+                rt.warn("routing.strategy has no meaning (the routing is input and output); "
+                        "it is ignored", section="4.6.3, §16.1",
+                        path=tuple(path) + ("config", "routing", key))
+            elif key not in ("input", "output"):
+                rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
+                        path=tuple(path) + ("config", "routing", key))
         self.expose_params = dict(config.get("expose_params") or {})
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
+        # §4.6.2 item 4: calls whose output stream emits later ([request id, PendingReply,
+        # timeout timer], oldest first), the request in synchronous dispatch, and whether a
+        # stream component holds messages until completion (reduce) rather than a timer.
+        self._pending, self._seq, self._current = [], itertools.count(1), None
+        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
+                          for route in self.routes.values() if route.get("type") == "stream"
+                          for op in as_list(route.get("operators")))
         self._components = {kind: sorted(components.get(kind) or {})
                             for kind in ("agents", "graphs", "streams")}
 
@@ -2428,6 +2627,9 @@ class CompositeAgent:
                 for local, seen in self._emitted.items():
                     self.network.subscribe(local, seen.append)
                 self.network.on_error(self._errors.append)
+                last = self.routing["output"]
+                if last["type"] == "stream":
+                    self.network.subscribe(last["name"], self._on_output)
             self._built = True
 
     def _dispatch(self, spec, content, ctx):
@@ -2437,11 +2639,35 @@ class CompositeAgent:
         if kind == "graph":
             return self.inner.graphs[name].run(content, ctx).output
         ctx = self.rt.context if ctx is None else ctx
-        self.network.send(content, target=name, metadata={"context": ctx})
+        self.network.send(content, target=name,
+                          metadata={"context": ctx, COMPOSITE_REQUEST: (id(self), self._current)})
         return None      # stream results are read from self._emitted
 
     def invoke(self, content, ctx):
-        """§4.6.2: dispatch to the input component, collect the output component's response."""
+        """§4.6.2: dispatch to the input component, collect the output component's response.
+
+        A caller that cannot take a PendingReply gets the later output by waiting for it on the
+        real clock (bounded by the §5.3.4 hard timeout); the virtual clock cannot pass inside a
+        call, so there the answer is the empty string (what a silent stream answers)."""
+        reply = self.invoke_later(content, ctx)
+        if not isinstance(reply, PendingReply):
+            return reply
+        clock = self.rt.clock
+        if clock.real:
+            deadline = clock.now() + AGENT_HARD_TIMEOUT
+            while not reply.done and (due := clock.next_due()) is not None and due <= deadline:
+                clock.advance(max(0.0, due - clock.now()))
+        if not reply.done:
+            self._settle_request(reply, "")
+        if reply.error is not None:
+            raise ExecutionError(f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
+                                 section="4.6.2, §5.3.4")
+        return reply.value
+
+    def invoke_later(self, content, ctx):
+        """invoke(), except that an output stream which emits after the call returned (a delay,
+        debounce, sample, timed buffer or reduce inside) gives a PendingReply, settled with
+        what it emits, or failed by the §5.3.4 hard timeout (the stream map takes these)."""
         # Entered again by a parallel branch of its own request: an error, not a deadlock (§6.7).
         held = hold_in_chain(self, f"agent '{self.name}' (composite)")
         try:
@@ -2453,25 +2679,97 @@ class CompositeAgent:
         self._build()
         first, last = self.routing["input"], self.routing["output"]
         with self._lock:                          # one request at a time through the wiring
-            marks = {local: len(seen) for local, seen in self._emitted.items()}
-            errors = len(self._errors)
-            result = self._dispatch(first, content, ctx)
-            if first["type"] == "stream":
-                result = self._stream_reply(first["name"], marks)
-            if (last["type"], last["name"]) != (first["type"], first["name"]):
-                reached = last["type"] == "stream" and \
-                    len(self._emitted[last["name"]]) > marks[last["name"]]
-                if not reached:
-                    marks = {local: len(seen) for local, seen in self._emitted.items()}
-                    result = self._dispatch(last, result, ctx)
-                if last["type"] == "stream":
-                    result = self._stream_reply(last["name"], marks)
-            failed = self._errors[errors:]
+            outer, self._current = self._current, next(self._seq)
+            try:
+                marks = {local: len(seen) for local, seen in self._emitted.items()}
+                errors = len(self._errors)
+                result = self._dispatch(first, content, ctx)
+                if first["type"] == "stream":
+                    result = self._stream_reply(first["name"], marks)
+                if (last["type"], last["name"]) != (first["type"], first["name"]):
+                    reached = last["type"] == "stream" and \
+                        len(self._emitted[last["name"]]) > marks[last["name"]]
+                    if not reached:
+                        marks = {local: len(seen) for local, seen in self._emitted.items()}
+                        result = self._dispatch(last, result, ctx)
+                    if last["type"] == "stream":
+                        result = self._stream_reply(last["name"], marks)
+                failed = self._errors[errors:]
+                if (not failed and last["type"] == "stream"
+                        and len(self._emitted[last["name"]]) == marks[last["name"]]
+                        and (self.clock.waiting() or self._holds)):
+                    result = self._wait_for_output(self._current)
+            finally:
+                self._current = outer
         # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
         if failed:
             raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
                                  section="4.6.2")
         return result
+
+    # -- output that comes later (§4.6.2 item 4) ------------------------------------------
+    # INTERPRETATION §4.6.2 (new): when the output stream emitted nothing for a request but
+    # still may (a timer of the components is pending, or a reduce holds messages), the call
+    # completes when it does: the emission carrying the request's mark answers it, and calls
+    # waiting from before it, which the stream passed over (a debounce dropped them), answer
+    # "". An unmarked emission (a reduce's total at completion) answers the oldest waiting
+    # call. Unanswered after the §5.3.4 hard timeout: "Processing timed out". When the Actor
+    # completes, the components complete first, so buffered output still reaches its call.
+    def _wait_for_output(self, request):
+        reply = PendingReply()
+        entry = [request, reply, None]
+        entry[2] = self.rt.clock.call_later(AGENT_HARD_TIMEOUT,
+                                            lambda: self._expire(entry))
+        self._pending.append(entry)
+        return reply
+
+    def _on_output(self, msg):
+        """A message on the output stream: answer the waiting call it belongs to."""
+        with self._lock:
+            mark = msg.metadata.get(COMPOSITE_REQUEST)
+            mine = isinstance(mark, tuple) and len(mark) == 2 and mark[0] == id(self)
+            if mine and mark[1] == self._current:
+                return                          # the call in progress reads it itself
+            if not mine and self._current is not None:
+                return
+            ids = [entry[0] for entry in self._pending]
+            if mine and mark[1] in ids:
+                cut = ids.index(mark[1])
+            elif not mine and ids:
+                cut = 0
+            else:
+                self.rt.warn(f"composite '{self.name}': its output stream emitted after the "
+                             "call it answers had completed; the message has no caller",
+                             section="4.6.2")
+                return
+            passed, entry = self._pending[:cut], self._pending[cut]
+            for older in passed:
+                self._settle_request(older[1], "")
+            self._settle_request(entry[1], msg.content)
+
+    def _settle_request(self, reply, value, error=None):
+        for entry in self._pending:
+            if entry[1] is reply:
+                self._pending.remove(entry)
+                entry[2].cancel()
+                break
+        reply.fail(error) if error is not None else reply.resolve(value)
+
+    def _expire(self, entry):
+        with self._lock:
+            if entry in self._pending:
+                self._settle_request(entry[1], None, _AgentTimedOut())
+
+    def finish_pending(self):
+        """The Actor's input completed (§5.5): complete the components, so that a reduce or a
+        buffer hands its output to the calls waiting for it; calls still waiting answer ""."""
+        with self._lock:
+            if not self._pending:
+                return
+            if self.network is not None:
+                self.network.complete()
+            for entry in list(self._pending):
+                self._settle_request(entry[1], "")
 
     def close(self):
         """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
@@ -2621,7 +2919,10 @@ def check_streams(doc, agent_names, graph_names, rt=None):
     default = getattr(rt, "default_router", None) if rt is not None else None
     if default is None and isinstance(data.get("cleveragents"), dict):
         default = data["cleveragents"].get("default_router")
-    cycle = find_stream_cycle(stream_edges(data, known, default))
+    edges = [edge for edge in stream_edges(data, known, default)
+             if isinstance(edge[0], str) and isinstance(edge[1], str)
+             and not bounded_by_take(routes, edge[0], edge[2])]
+    cycle = find_stream_cycle(edges)
     if cycle:
         raise doc.error(StreamRoutingError, cycle[1],
                         "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
@@ -2649,6 +2950,9 @@ class _Checker:
         size = cfg.get("buffer_size", 1)
         if not _is_count(size) or size < 1:
             self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        for field in ("metadata", "bridge"):
+            if cfg.get(field) is not None and not isinstance(cfg[field], dict):
+                self.fail(path + (field,), f"{field} must be a mapping", "5.3")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -2691,8 +2995,8 @@ class _Checker:
 
     # One check per parameter kind (the second element of each OPERATORS spec row) -----
     def seconds(self, value, path):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            self.fail(path, "must be a non-negative number of seconds")
+        if not is_seconds(value):
+            self.fail(path, "must be a finite, non-negative number of seconds")
 
     def count(self, value, path):
         if not _is_count(value):
@@ -2705,6 +3009,9 @@ class _Checker:
     def condition(self, value, path):
         if not isinstance(value, dict):
             self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+        wrong = condition_shape_error(value)
+        if wrong is not None:
+            self.fail(path + (wrong[0],), wrong[1], "5.4")
 
     def mapping(self, value, path):
         if not isinstance(value, dict):
@@ -2813,7 +3120,7 @@ def _switch_targets(ops, path):
         if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
             continue
         here = path + (i, "params")
-        for j, case in enumerate(params.get("cases") or []):
+        for j, case in enumerate(as_list(params.get("cases"))):
             if isinstance(case, dict):
                 if isinstance(case.get("target"), str):
                     yield case["target"], here + ("cases", j, "target")
@@ -3444,8 +3751,9 @@ def op_graph_execute(site, params, down):
             net.fail(route, msg, exc)
             return
         state = run.state if isinstance(run.state, dict) else {}
-        replies = [m for m in state.get("messages") or []
-                   if isinstance(m, dict) and m.get("role") == "assistant"]
+        # §6.1 (Q34): this run's last assistant reply; a run that added none (only function
+        # nodes, a router) forwards its final state, never an earlier run's reply.
+        replies = run.replies
         out = msg.copy(content=replies[-1].get("content") if replies else state,
                        source_stream=route)
         out.metadata.update(graph=name, execution_history=list(run.history), final_state=state,
@@ -3759,7 +4067,7 @@ def resolve_context(msg, rt):
     return ctx if isinstance(ctx, dict) else {}
 
 
-def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
+def invoke_agent(rt, agent, content, ctx, *, single_shot=False, method=None):
     """Call agent.invoke, bounded by the §5.3.4 hard timeout when time is real.
 
     Under the virtual clock no wall time may pass, so the call is direct (the fast path). Under
@@ -3767,10 +4075,11 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False):
     AGENT_HARD_TIMEOUT seconds, or after the shorter §12.2.4 SOFT_TIMEOUT in a single-shot run;
     the abandoned call then makes no further effect (call_abandoned).
     """
+    method = agent.invoke if method is None else method
     if not rt.clock.real:
-        return agent.invoke(content, ctx)
+        return method(content, ctx)
     soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT
-    finished, reply = run_bounded(lambda: agent.invoke(content, ctx),
+    finished, reply = run_bounded(lambda: method(content, ctx),
                                   SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
                                   f"agent-{agent.name}")
     if not finished:
@@ -3788,8 +4097,11 @@ def agent_mapper(site, name, down):
     """
     net, rt, route = site.net, site.rt, site.route
     agent = rt.agents[name]
-    call = agent.invoke if not rt.clock.real else (     # virtual time: a direct call
-        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot))
+    # A composite may answer later (§4.6.2 item 4): its invoke_later gives a PendingReply.
+    method = getattr(agent, "invoke_later", None) or agent.invoke
+    call = method if not rt.clock.real else (     # virtual time: a direct call
+        lambda content, ctx: invoke_agent(rt, agent, content, ctx, single_shot=net.single_shot,
+                                          method=method))
     retries = retry_count(site)
 
     def with_retries(content, ctx):
@@ -3804,34 +4116,51 @@ def agent_mapper(site, name, down):
         return call(content, ctx)
     attempt = with_retries if retries else call
 
+    def succeed(msg, ctx, reply):
+        # msg.copy(content=reply, source_stream=route), without keywords
+        out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
+        out.metadata["processed_by"] = name
+        out.metadata["context"] = ctx
+        if getattr(agent, "last_usage", None):      # HOST: the vendor's token counts
+            out.metadata["usage"] = agent.last_usage
+        down.next(out)
+
+    def failed(msg, exc):
+        if isinstance(exc, _AgentTimedOut):
+            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
+            out = msg.copy(content=SOFT_TIMEOUT_TEXT if exc.soft else PROCESSING_TIMED_OUT,
+                           source_stream=route)
+            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
+                                processed_by=name)
+        else:                           # §12.2.3 boundary: agent invocation
+            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
+            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
+        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
+        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
+        net.report(out)
+        down.next(out)
+
     def on_next(msg):
         ctx = msg.metadata.get("context")
         if not isinstance(ctx, dict):       # the usual case, a context dict, needs no call
             ctx = resolve_context(msg, rt)
         try:
             reply = attempt(msg.content, ctx)
-        except _AgentTimedOut as timed_out:
-            # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
-            out = msg.copy(content=SOFT_TIMEOUT_TEXT if timed_out.soft else PROCESSING_TIMED_OUT,
-                           source_stream=route)
-            out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
-                                processed_by=name)
-        except Exception as exc:        # §12.2.3 boundary: agent invocation
-            out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
-            out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
-        else:               # msg.copy(content=reply, source_stream=route), without keywords
-            out = Message(reply, copy_metadata(msg.metadata), route, msg.timestamp)
-            out.metadata["processed_by"] = name
-            out.metadata["context"] = ctx
-            if getattr(agent, "last_usage", None):      # HOST: the vendor's token counts
-                out.metadata["usage"] = agent.last_usage
-            down.next(out)
+        except Exception as exc:        # _AgentTimedOut, or the §12.2.3 agent boundary
+            failed(msg, exc)
             return
-        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
-        # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
-        net.report(out)
-        down.next(out)
-    return Stage(on_next, down.complete)
+        if type(reply) is PendingReply:     # the composite answers later (§4.6.2)
+            reply.then(lambda value: succeed(msg, ctx, value), lambda exc: failed(msg, exc))
+        else:
+            succeed(msg, ctx, reply)
+
+    finish = getattr(agent, "finish_pending", None)
+
+    def on_complete():
+        if finish is not None:          # waiting composite calls answer before completion
+            finish()
+        down.complete()
+    return Stage(on_next, on_complete)
 
 # §5.3.5 Transform types ---------------------------------------------------------------
 def tf_extract(content, params):
@@ -4056,6 +4385,20 @@ CONDITIONS = {
     "custom":               (cond_custom,               {"node"}),
 }
 
+# What each field of a condition mapping must be (§5.4): names are strings, texts scalars.
+CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "operator": (str,),
+                         "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
+
+
+def condition_shape_error(cond):
+    """None, or (field, message) for the first field of `cond` with the wrong shape (§1.3)."""
+    for field, kinds in CONDITION_FIELD_KINDS.items():
+        value = cond.get(field)
+        if value is not None and not isinstance(value, kinds):
+            what = "a string" if kinds == (str,) else "a string or a number"
+            return field, f"condition {field} must be {what}, not {type(value).__name__}"
+    return None
+
 # §5.4.1 Subsystem-specific behavior ---------------------------------------------------
 # subsystem -> (result for an unknown or unhonoured type, result when `type` is absent, warn?)
 CONDITION_DEFAULTS = {
@@ -4238,7 +4581,27 @@ class StreamNetwork:
         meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        push(Message(content, meta, INPUT, rt.clock.now()))
+        self._drive(push, Message(content, meta, INPUT, rt.clock.now()))
+
+    def _drive(self, fn, *args):
+        """Run one synchronous delivery, then the timers it set for the current virtual time.
+
+        Messages are pushed hop by hop on the Python stack, so a flow deeper than the stack
+        allows (a very long chain of routes, a take-bounded cycle with a large count, §12.6)
+        stops there: a StreamRoutingError on __error__, and the call returns what was emitted
+        so far."""
+        # §5.3.2: a zero-duration delay or debounce (or any timer set for "now") emits within
+        # the step that caused it, on the virtual clock as settle() does on the real one.
+        clock = self.rt.clock
+        try:
+            fn(*args)
+            if not clock.real:
+                clock.advance(0)
+        except RecursionError:
+            self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
+                                "allows (a long chain of routes or a take-bounded cycle)",
+                                {"error": True, "error_type": "StreamRoutingError"}, INPUT,
+                                self.rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
@@ -4246,7 +4609,7 @@ class StreamNetwork:
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
-            self.nodes[name].finish()
+            self._drive(self.nodes[name].finish)
 
     def settle(self, timeout=None):
         """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
@@ -4501,13 +4864,15 @@ class GraphRun:
 
     `output` is the consumer-facing result (the run's latest output, §6.8/Q28), `state` a snapshot
     of the graph state at the end (messages list and metadata copied one level deep), `history`
-    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None).
+    the executed node names in order, `stopped` the §6.8 guard that ended the run (or None),
+    `replies` the assistant messages this run added to the state (never an earlier run's, Q34).
     """
 
-    __slots__ = ("output", "state", "history", "stopped")
+    __slots__ = ("output", "state", "history", "stopped", "replies")
 
-    def __init__(self, output, state, history, stopped=None):
+    def __init__(self, output, state, history, stopped=None, replies=()):
         self.output, self.state, self.history, self.stopped = output, state, history, stopped
+        self.replies = list(replies)
 
     def __repr__(self):
         return (f"GraphRun(output={self.output!r}, history={self.history!r}, "
@@ -4517,14 +4882,22 @@ class GraphRun:
 class _RunTrace:
     """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
 
-    __slots__ = ("history", "seen", "depth", "output", "stopped")
+    __slots__ = ("history", "seen", "depth", "output", "stopped", "earlier")
 
-    def __init__(self, output):
+    def __init__(self, output, messages=()):
         self.history = []
         self.seen = set()
         self.depth = 0
         self.output = output
         self.stopped = None
+        # The state messages from before this run, held so that their ids stay theirs even
+        # once the 50-message cap drops them from the state.
+        self.earlier = {id(m): m for m in messages}
+
+    def replies(self, messages):
+        """The assistant messages of `messages` that this run added (§6.3.1, Q34)."""
+        return [m for m in messages if id(m) not in self.earlier
+                and isinstance(m, dict) and m.get("role") == "assistant"]
 
 
 class GraphRoute:
@@ -4553,7 +4926,11 @@ class GraphRoute:
         if cfg.get("checkpointing"):
             self.checkpoint_dir = checkpoint_directory(rt, cfg["checkpoint_dir"],
                                                        self.path + ("checkpoint_dir",))
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+            try:
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
+            except (OSError, ValueError) as exc:    # unwritable, a file, a NUL byte
+                raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
+                                   f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
@@ -4572,8 +4949,8 @@ class GraphRoute:
         """
         target_ctx = self.rt.context if (pure or ctx is None) else ctx
         with self._lock:
+            trace = _RunTrace(content, self.state["messages"])
             begin_run(self.state, content, target_ctx)
-            trace = _RunTrace(content)
             if self.observers:
                 notify_control(self, {"event": "started", "input": content})
             entry = self.nodes[self.entry]
@@ -4595,7 +4972,8 @@ class GraphRoute:
             done = node is None or node.type == END_NODE
             if self.observers:
                 notify_control(self, {"event": "resumed", "node": name, "input": output})
-            return self._continue([] if done else [(node, output)], _RunTrace(output), target_ctx)
+            return self._continue([] if done else [(node, output)],
+                                  _RunTrace(output, self.state["messages"]), target_ctx)
 
     def _continue(self, results, trace, target_ctx, first=None):
         """Step from `results` (node, output) -- or from running the node set `first` -- until
@@ -4632,7 +5010,8 @@ class GraphRoute:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
                                   "history": list(trace.history)})
-        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped)
+        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped,
+                        trace.replies(self.state["messages"]))
 
     def run_node(self, node_name, content, ctx=None):
         """Execute one node on `content` and apply its result (the graph_node operator, §5.3.2)."""
@@ -4668,16 +5047,19 @@ class GraphRoute:
             if guard_before_node(self, node, message, trace, relaxed):
                 break
             admitted.append((node, message))
-        results = []
-        for (node, message), (result, error) in zip(admitted,
-                                                    run_next_node_set(self, admitted, state)):
+        results = [None] * len(admitted)
+
+        def settle(i, result, error):
+            """Apply node i's outcome at once; True when a guard stopped the run."""
             if error is not None:
                 self._fail(error)
+            node, message = admitted[i]
             output, stopped = self._finish(node, message, result, trace, relaxed)
-            results.append((node, output))
-            if stopped:
-                break
-        return results
+            results[i] = (node, output)
+            return stopped
+
+        run_next_node_set(self, admitted, state, settle)
+        return [done for done in results if done is not None]
 
     def _fail(self, error):
         """A node failed: the run stops with state.error set (§6.3.1) and the §20 error raised."""
@@ -5532,6 +5914,14 @@ def write_checkpoint(graph, state):
     """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json."""
     # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
     # sequence continues past the newest file already there, so names stay unique and sortable.
+    try:
+        return _write_checkpoint_file(graph, state)
+    except (OSError, ValueError) as exc:        # the directory went away or became unwritable
+        raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
+                             path=path_str(graph.path), section="6.6") from None
+
+
+def _write_checkpoint_file(graph, state):
     directory = graph.checkpoint_dir
     directory.mkdir(parents=True, exist_ok=True)
     existing = graph.checkpoints()
@@ -5606,20 +5996,22 @@ def rewind_state(graph, steps):
     graph.state = state
 
 # §6.7 Parallel execution ----------------------------------------------------------------
-def run_next_node_set(graph, admitted, state):
-    """§6.7: the parallel:true nodes of the set run together on threads and are joined, then the
-    others run one after another; every node reads the state as it was before the set, and the
-    outcomes come back in the set's order as (NodeResult|None, error|None)."""
-    # INTERPRETATION §6.7 (Q41): a next-node set is one step; its results are applied in
-    # declaration (edge) order after all of them finished, and a node reached by several
-    # edges of the same step runs once. Items 3-4 in their order: the parallel subset first,
-    # joined, so that no node without parallel: true ever overlaps another.
+def run_next_node_set(graph, admitted, state, settle):
+    """§6.7: the parallel:true nodes of the set run together on threads, reading the state as it
+    was before the set, and are joined; their outcomes are settled in the set's order. The others
+    then run one after another, each settled before the next starts, so a sequential node sees
+    every write made before it (§12.3 item 4). settle(i, NodeResult|None, error|None) applies
+    outcome i and returns True when a guard stopped the run; nothing more runs after that."""
+    # INTERPRETATION §6.7, §12.3 (Q41): a next-node set is one step. Items 3-4 in their order:
+    # the parallel subset first, joined, so that no node without parallel: true ever overlaps
+    # another; only the truly concurrent nodes share the state from before the set. A node
+    # reached by several edges of the same step runs once (GraphRoute._next_nodes).
     parallel = []
     if graph.parallel_execution and len(admitted) > 1:
         parallel = [i for i, (node, _) in enumerate(admitted) if node.parallel]
     if len(parallel) < 2:
         parallel = []
-    outcomes = [None] * len(admitted)
+    outcomes = {}
     if parallel:
         pool = graph._pool
         if pool is None:
@@ -5637,15 +6029,22 @@ def run_next_node_set(graph, admitted, state):
                                                *admitted[i], state)))
         except RuntimeError:
             # No thread to be had (the pool was closed, or the sandbox's address-space cap,
-            # §13.2, left no room for a stack): the rest run below, one after another. Every
-            # branch already submitted is still joined, so none outlives its step.
+            # §13.2, left no room for a stack): the rest of the subset runs here, one after
+            # another, still reading the state from before the set, so the outcome is the
+            # one threads give. Every branch already submitted is still joined.
             pass
+        submitted = {i for i, _ in futures}
+        for i in parallel:
+            if i not in submitted:
+                outcomes[i] = call_node(graph, *admitted[i], state)
         for i, future in futures:
             outcomes[i] = future.result()
+        for i in parallel:
+            if settle(i, *outcomes[i]):
+                return
     for i, (node, message) in enumerate(admitted):
-        if outcomes[i] is None:
-            outcomes[i] = call_node(graph, node, message, state)
-    return outcomes
+        if i not in outcomes and settle(i, *call_node(graph, node, message, state)):
+            return
 
 
 def call_node(graph, node, message, state):
@@ -5931,6 +6330,8 @@ def check_graph(doc, name, cfg, path, agent_names):
                  "16.2")
         if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
+        if node_name in RESERVED_STREAM_NAMES:
+            fail(where, f"node name '{node_name}' is a reserved stream name", "15.1")
         canonical = normalize_node_name(node_name)
         # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
         # their own type; any other node under these names is rejected.
@@ -5958,6 +6359,11 @@ def check_graph(doc, name, cfg, path, agent_names):
                      "6.4, 11.3")
         if "condition" in edge and not isinstance(edge["condition"], dict):
             fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
+        wrong = condition_shape_error(edge["condition"]) if "condition" in edge else None
+        if wrong is not None:
+            fail(where + ("condition", wrong[0]), wrong[1], "6.5, §5.4")
+        if edge.get("metadata") is not None and not isinstance(edge["metadata"], dict):
+            fail(where + ("metadata",), "edge metadata must be a mapping", "6.4")
     entry = normalize_node_name(cfg.get("entry_point", "start"))
     if not is_known(entry, known):
         fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
@@ -5995,13 +6401,13 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
             if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
                 fail(where + ("retry_policy", "max_retries"),
                      "max_retries must be a non-negative integer", "6.2.2")
-            if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-                fail(where + ("retry_policy", "delay"), "delay must be a non-negative number",
-                     "6.2.2")
+            if not is_seconds(delay):
+                fail(where + ("retry_policy", "delay"),
+                     "delay must be a finite, non-negative number", "6.2.2")
         timeout = node_cfg.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float)) or timeout <= 0):
-            fail(where + ("timeout",), "timeout must be a positive number of seconds", "6.2.2")
+        if timeout is not None and not is_seconds(timeout, positive=True):
+            fail(where + ("timeout",), "timeout must be a finite, positive number of seconds",
+                 "6.2.2")
     elif node_type == "function":
         if not isinstance(node_cfg.get("function"), str):
             fail(where + ("function",), f"function node '{node_name}' needs a function name",
@@ -6016,6 +6422,9 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
         if not isinstance(node_cfg.get("condition"), dict):
             fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
                  "mapping", "6.2.4")
+        wrong = condition_shape_error(node_cfg["condition"])
+        if wrong is not None:
+            fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")
     elif node_type == "subgraph":
         graph = node_cfg.get("graph")
         routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
@@ -6473,15 +6882,18 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
-# INTERPRETATION §8.3 (Q57 (b)): indent(n) follows Jinja2 and leaves the first line alone.
-def filter_indent(value, width=4, first=False, blank=False):
-    """§8.3 indent(n): Q57 (b) as Jinja2 does -- every line but the first (first=True adds it),
-    blank lines untouched unless blank=True -- the form that fits a YAML block scalar."""
+# INTERPRETATION §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
+# blank ones included, as §8.3 says; Jinja2's own arguments (first=false, blank=false) still opt
+# out. The empty tail after a final newline is no line and stays empty.
+def filter_indent(value, width=4, first=True, blank=True):
+    """§8.3 indent(n): every line of the value gets n spaces (a string width is used as the pad).
+    `{{ x | indent(2) }}` with x = "a\nb" gives "  a\n  b"."""
     pad = " " * width if isinstance(width, int) else str(width)
     lines = str(value).split("\n")
     out = []
     for i, line in enumerate(lines):
-        if (i > 0 or first) and (line or blank):
+        tail = i == len(lines) - 1 and not line       # after the final newline, or empty value
+        if not tail and (i > 0 or first) and (line or blank):
             line = pad + line
         out.append(line)
     return "\n".join(out)
@@ -6590,11 +7002,15 @@ BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
 
 
 def is_runtime_field(keys):
-    """keys: the mapping keys from the document root down to a scalar."""
-    last = keys[-1] if keys else None
-    if last == "content":
-        return len(keys) == 3 and keys[0] == "prompts"
-    return last in ("system_prompt", "prompt")
+    """keys: the mapping keys from the document root down to a scalar. True only for the §8.4
+    fields: an agent's config.system_prompt / config.prompt (agents.<name>.config.<field>, also
+    a composite's components.agents.<name>.config.<field>) and prompts.<name>.content."""
+    # INTERPRETATION §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
+    # value, a template instance's params) is ordinary data and renders at Phase A.
+    if len(keys) == 3 and keys[0] == "prompts" and keys[2] == "content":
+        return True
+    return (len(keys) >= 4 and keys[-1] in ("system_prompt", "prompt")
+            and keys[-2] == "config" and keys[-4] == "agents")
 
 
 def protect_markers(text):
@@ -6981,6 +7397,8 @@ def document_regions_by_lines(text, masked=None, file=None):
         flow_at, path = None, [k for _, k in keys]
         if match:
             key_col = match.start(2)
+            if body.lstrip(" ").startswith("{%"):   # `{% if x %}b: ...`: the key sits where
+                key_col = indent                     # the statement starts, structurally
             key = match.group(2).strip("\"'")
             while keys and keys[-1][0] >= key_col:
                 keys.pop()
@@ -7123,8 +7541,9 @@ def param_float(value):
     raise ValueError(f"{value!r} is not a number")
 
 
-# INTERPRETATION §8.6.2 vs §8.8 (Q51 (b)): "false", "no", "0", "off" (any case) are false as
-# well, matching step 6's coercion of a rendered "false"; other values go by truthiness.
+# INTERPRETATION §8.6.2 vs §8.8 (Q51, decided; a deviation from §8.6.2's literal text, which
+# makes every non-empty string true): "false", "no", "0", "off" (any case) are false as well,
+# matching step 6's coercion of a rendered "false"; other values go by truthiness.
 BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "on": True,
                  "false": False, "no": False, "0": False, "off": False}
 
@@ -7175,9 +7594,10 @@ PARAMETER_KEYS = ("type", "default", "required", "values", "description")
 def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
-    INTERPRETATION §8.6.1 (new): a missing block means no parameters, and an undeclared
-    instance parameter is passed through with a warning (bind_parameters). The sequence form
-    is forbidden (§16.2).
+    A templates entry without the block was refused at registration (Q83); a template_strings
+    body may omit it (None: no parameters). INTERPRETATION §8.6.1 (new): an undeclared instance
+    parameter is passed through with a warning (bind_parameters). The sequence form is
+    forbidden (§16.2).
     """
     if decls is None:
         return {}
@@ -7313,6 +7733,13 @@ class Expansion:
                     what = "a mapping" if body_type is dict else "a string (the raw body)"
                     raise self.doc.error(ConfigurationError, (section, kind, name),
                                          f"a {section} entry must be {what}", "8.6, 8.9")
+                # INTERPRETATION §8.6.1 (Q83, decided): "MUST declare" -- a templates entry
+                # without a parameters block is refused, instantiated or not (`parameters: {}`
+                # declares none). template_strings bodies (§8.9) keep theirs optional.
+                if body_type is dict and "parameters" not in body:
+                    raise self.doc.error(ConfigurationError, (section, kind, name),
+                                         f"template {name!r} declares no parameters block "
+                                         "(write `parameters: {}` for none)", "8.6.1")
         return table
 
     def move_instances(self, instances):
@@ -7474,9 +7901,11 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
-    expression whose names are not all parameters or built-ins survives to Phase C.
+    expression whose names are not all parameters or built-ins survives to Phase C. A parameter
+    named `message` or `context` is a parameter like any other (§8.8 step 5): `variables` holds
+    those names only when the instance binds them, and then they render here.
     """
-    names = set(variables) - RUNTIME_NAMES
+    names = set(variables)
     if runtime_field and ex.engine == "JINJA2":
         text = walk_tags(text, TagScope(names), defer=True)
     elif runtime_field:
@@ -8138,19 +8567,24 @@ def render(text, variables, engine="JINJA2", partials=None):
 # See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# INTERPRETATION §9.4 (Q91): a declaration counts when it is true, a non-zero number, or one of the
-# strings true/yes/on/1 (any case) -- the §8.6.2 boolean words (BOOLEAN_WORDS); "false", "no" and
-# other strings do not count.
-def is_declared_true(value):
+# INTERPRETATION §9.4 (Q91, decided): a declaration fails closed. Only an explicit false -- false,
+# 0, null, an empty value, or the words false/no/off/0 in any case -- leaves unsafe undeclared;
+# any other value (`unsafe: enabled`, `unsafe: [x]`) says the Actor needs unsafe mode.
+UNSAFE_FALSE_WORDS = ("false", "no", "off", "0", "")
+
+
+def declares_unsafe(value):
     if isinstance(value, str):
-        return BOOLEAN_WORDS.get(value.strip().lower()) is True
-    return bool(value) and isinstance(value, (bool, int, float))
+        return value.strip().lower() not in UNSAFE_FALSE_WORDS
+    if isinstance(value, (bool, int, float)):
+        return bool(value)
+    return value is not None and not (isinstance(value, (list, dict)) and not value)
 
 
 def check_unsafe(doc, host_unsafe):
     """§9.4, §13.1: an Actor that declares unsafe is refused on a safe host."""
     glob = (doc.data.get("context") or {}).get("global") or {}
-    if is_declared_true(glob.get("unsafe")) and not host_unsafe:
+    if declares_unsafe(glob.get("unsafe")) and not host_unsafe:
         raise doc.error(UnsafeConfigurationError, ("context", "global", "unsafe"),
                         "this Actor requires unsafe mode and the host is in safe mode "
                         "(run with --unsafe / load(unsafe=True))", "9.4, §13.1")
@@ -8348,9 +8782,11 @@ def validate_document(doc, rt, host_default_router=None):
         check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
         check_agent_name_style(rt, name, ("agents", name))
         warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
+    check_composite_self_reference(doc)
     check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
+    check_reserved_stream_references(doc)
     known = check_routes(doc, rt, agent_names)
     check_merges_and_splits(doc, rt, known)
     check_pipelines(doc, rt)
@@ -8477,7 +8913,10 @@ def check_merges_and_splits(doc, rt, known):
         if not isinstance(merge["target"], str):
             raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
                             "7.1")
-        sources = merge.get("sources") or []
+        if merge.get("sources") is None:
+            raise doc.error(ConfigurationError, path, "merge has no sources (a sequence of "
+                            "stream names; an empty one is ignored)", "7.1")
+        sources = merge["sources"]
         if not isinstance(sources, list):
             raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
                             "7.1")
@@ -8500,6 +8939,15 @@ def check_merges_and_splits(doc, rt, known):
         if targets is not None and not isinstance(targets, dict):
             raise doc.error(ConfigurationError, path + ("targets",),
                             "targets must be a mapping of target name to condition", "7.2")
+        for target, cond in (targets or {}).items():
+            if cond is not None and not isinstance(cond, dict):
+                raise doc.error(ConfigurationError, path + ("targets", target),
+                                "a split target's condition must be a mapping with a `type` "
+                                "(or empty)", "7.2, §5.4")
+            wrong = condition_shape_error(cond) if cond is not None else None
+            if wrong is not None:
+                raise doc.error(ConfigurationError, path + ("targets", target, wrong[0]),
+                                wrong[1], "7.2, §5.4")
 
 
 # §11.5 Pipeline validation --------------------------------------------------------------
@@ -8551,6 +8999,9 @@ def read_sources(paths, text):
         except OSError as exc:
             raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
                                      section="3.1", file=str(p)) from None
+        except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
+            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
+                                     file=repr(p)) from None
     if text is not None:
         sources.append(("<text>", text))
     if not sources:
@@ -8567,6 +9018,17 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
                                      file=file) from None
+    if not isinstance(raw, str):
+        raise ConfigurationError(f"document text must be a string, not {type(raw).__name__}",
+                                 section="3.1", file=file)
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError as exc:       # a lone surrogate ("\ud800") is no Unicode text
+        line = raw.count("\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind("\n", 0, exc.start) + 1) + 1
+        raise ConfigurationError("document is not Unicode text: a lone surrogate "
+                                 f"U+{ord(raw[exc.start]):04X}", section="3.1", file=file,
+                                 line=line, col=col) from None
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return (*parse_yaml(raw, file), None)
@@ -8609,15 +9071,32 @@ def load_document(sources, render_context, engine, env, rt):
     return doc
 
 
+TEMPLATE_ENGINES = ("JINJA2", "MUSTACHE", "SIMPLE")       # §9.2
+
+
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
     value, path = host_parameter(doc, "template_engine", host_engine)
     value = "JINJA2" if value is None else value
     engine = str(value).upper()
-    if engine not in ("JINJA2", "MUSTACHE", "SIMPLE"):
+    if engine not in TEMPLATE_ENGINES:
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
+
+
+def check_host_parameters(render_context, template_engine, context):
+    """What the host hands load() is checked before anything is read: the §8.2 rendering context
+    and the §10.3 invocation context are mappings, and a host template_engine is one of §9.2's
+    three (the document's own choice is checked by resolve_engine)."""
+    for value, what, section in ((render_context, "render_context", "8.2"),
+                                 (context, "context", "10.3")):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigurationError(f"the host's {what} must be a mapping, not "
+                                     f"{type(value).__name__}", section=section)
+    if template_engine is not None and str(template_engine).upper() not in TEMPLATE_ENGINES:
+        raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
+                                 f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
 
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
@@ -8631,6 +9110,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
                                  f"{', '.join(map(repr, ISOLATION))}", section="13.2")
     rt.sandbox = ISOLATION[isolation]()
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
+    check_host_parameters(render_context, template_engine, context)
     phase_a_engine = str(template_engine or "JINJA2").upper()
     doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
     check_top_level(doc, rt)
@@ -8836,11 +9316,28 @@ def strip_routing_prefix(text, extra=None):
     return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# INTERPRETATION §12.6 (Q25): every cycle of static links (publications, merges, splits, the
-# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError,
-# limiting operators or not: each message is pushed synchronously, so a cycle is unbounded
-# recursion unless an operator happens to stop it. Feedback through __error__ (an error handler
-# that fails) is cut at run time by the __error__ sink (see _Sink.push).
+# INTERPRETATION §12.6 (Q25, decided): a cycle of static links (publications, merges, splits, the
+# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError
+# unless a `take` bounds it: some link of the cycle leaves a stream route after a top-level take
+# of that route (bounded_by_take). Such a cycle loads, and a message goes round at most `count`
+# times, since the take passes `count` messages in all. Other operators (filters, switches) are
+# not proof of a bound. Feedback through __error__ (an error handler that fails) is cut at run
+# time by the __error__ sink (see _Sink.push).
+
+def bounded_by_take(routes, source, path):
+    """True when every message leaving stream route `source` by the link declared at `path` has
+    passed a top-level `take` of that route first (§5.3.2): a publication after a take anywhere
+    in the operators, a switch or bridge-router target after a take that precedes it."""
+    cfg = routes.get(source) if isinstance(source, str) else None
+    if route_type(cfg) != "stream" or not isinstance(cfg.get("operators"), list):
+        return False
+    ops = cfg["operators"]
+    if path[:3] == ("routes", source, "operators") and len(path) > 3:
+        ops = ops[:path[3]]
+    elif path[:3] != ("routes", source, "publications"):
+        return False
+    return any(isinstance(op, dict) and op.get("type") == "take" for op in ops)
+
 
 def find_stream_cycle(edges):
     """First cycle among (source, target, path) links: ([names...], path of the closing link)."""
@@ -9805,9 +10302,10 @@ EXTENSION_TOOLS = {
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# INTERPRETATION §14.1 (Q89): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as literal text;
-# mapping keys are not interpolated; `${X:-3}` defaults to "-3"; `$${` writes a literal `${`.
-_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
+# INTERPRETATION §14.1 (Q89, decided): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as
+# literal text; mapping keys are not interpolated; `${X:-3}` defaults to "-3". There is no escape:
+# `$${NAME}` is a `$` followed by the reference `${NAME}` (§14 defines none).
+_ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
 
 
 def interpolate_env(data, env, doc, path=()):
@@ -9821,8 +10319,6 @@ def interpolate_env(data, env, doc, path=()):
     refs = []
 
     def substitute(match):
-        if match.group(0) == "$${":
-            return "${"
         name, default = match.group(1), match.group(2)
         refs.append(name)
         if name in env:
@@ -9833,8 +10329,7 @@ def interpolate_env(data, env, doc, path=()):
                         f"required environment variable '{name}' is not set", "14.2, §11.6")
 
     result = _ENV_REF.sub(substitute, data)
-    whole = _ENV_REF.fullmatch(data)
-    if whole and whole.group(0) != "$${":
+    if _ENV_REF.fullmatch(data):
         return coerce_env_value(result)
     return result
 
@@ -9888,7 +10383,38 @@ def check_sentinels(text, file):
                                      section="15.5", file=file, line=line, col=col)
 
 # §15.6 Internal stream name patterns -----------------------------------------------------
-# Names starting with __ are never known streams (§11.3), so references to them fail at load.
+# A user document may name, as a stream, a route, a merge or split target, or one of the
+# three streams of §15.1; every other name starting with __ (§15.4) -- the §6.10 per-graph
+# streams above all -- is refused wherever a stream is written: subscriptions, publications,
+# merge sources and targets, split sources and targets, switch and bridge-router targets.
+def check_reserved_stream_references(doc):
+    """§15.4, §15.6: no user reference to a reserved (`__`) stream other than §15.1's."""
+    data = doc.data
+
+    def check(name, path):
+        if isinstance(name, str) and name.startswith("__") and name not in RESERVED_STREAM_NAMES:
+            raise doc.error(ConfigurationError, path, f"'{name}' is a reserved internal stream "
+                            "name; user configuration must not reference it", "15.6, §15.4")
+
+    for name, route in data["routes"].items():
+        if not isinstance(route, dict):
+            continue
+        for field in ("subscriptions", "publications"):
+            for i, target in enumerate(as_list(route.get(field))):
+                check(target, ("routes", name, field, i))
+        for target, path in _switch_targets(route.get("operators"), ("routes", name, "operators")):
+            check(target, path)
+    for i, merge in enumerate(as_list(data.get("merges"))):
+        if isinstance(merge, dict):
+            check(merge.get("target"), ("merges", i, "target"))
+            for j, source in enumerate(as_list(merge.get("sources"))):
+                check(source, ("merges", i, "sources", j))
+    for i, split in enumerate(as_list(data.get("splits"))):
+        if isinstance(split, dict):
+            check(split.get("source"), ("splits", i, "source"))
+            targets = split.get("targets")
+            for target in targets if isinstance(targets, dict) else ():
+                check(target, ("splits", i, "targets", target))
 
 
 # =====================================================================================
@@ -11262,6 +11788,7 @@ NAME_HINTS = (
     (r"unknown node type '([^']*)'", lambda d, m: NODE_TYPES),
     (r"'([^']*)' is not a node of graph '([^']*)'", lambda d, m: _names_in(d)[2].get(m.group(2), ())),
     (r"'([^']*)' is not a known route or (?:built-in )?stream", lambda d, m: _names_in(d)[3]),
+    (r"'([^']*)' is a reserved internal stream name", lambda d, m: BUILTIN_STREAMS),
     (r"unknown built-in tool '([^']*)'", lambda d, m: BUILTIN_TOOLS),
     (r"unknown match_type '([^']*)'", lambda d, m: MATCH_TYPES),
     (r"condition type '([^']*)' is not honoured", lambda d, m: CONDITIONS),

@@ -1179,6 +1179,126 @@ def test_licence_travels_with_the_module():
     assert (HERE / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
 
 
+# Raw text spliced in where a marker value sits: shapes no JSON value can spell.
+_FUZZ_TEXT = {
+    "@int-tag@": "!!int 0x_", "@octal-tag@": "!!int 0o", "@float-tag@": "!!float .x",
+    "@bool-tag@": "!!bool maybe", "@deep-seq@": "[" * 500 + "]" * 500,
+    "@deep-map@": "{a: " * 500 + "1" + "}" * 500, "@deep-env@": "[" * 500 + '"${FUZZ}"' + "]" * 500,
+    "@nan@": ".nan", "@inf@": ".inf", "@unknown-tag@": "!python/object x",
+}
+_FUZZ_VALUES = [
+    float("nan"), float("inf"), float("-inf"), -1, 0, 10 ** 40, True, None, "", [], {}, "\0",
+    "a\0b", "\ud800", "x\udfff", "__output__", "__input__", "__g_node_n__", "__x", "${FUZZ_UNSET}",
+    "$${FUZZ_UNSET}", "${FUZZ}", "{{ message }}", "{{ undefined_name }}", "{% if %}", "{{",
+    "<<<TEMPLATE_START>>>", "0x_", ".nan", {"type": None}, [{"type": "take"}], {"ref": "x"},
+    {"template": "t"}, {"__k": 1}, ["a", ["b", ["c"]]], {"system_prompt": "{{ message }}"},
+] + list(_FUZZ_TEXT)
+
+
+_FUZZ_MESSAGES = ["GOTO_x \ud800", "a\0b", "", "{{ message }}", "${FUZZ}", "x" * 100_000,
+                  '[TOOL_EXECUTE]{"tool": "echo", "args": ["\\ud800"]}[/TOOL_EXECUTE]',
+                  "CODE:1", "A:first", "2 + 2", "URGENT"]
+
+
+def _fuzz_places(node, prefix=()):
+    """Every path into a config (the root excluded), mapping keys and list items alike."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield prefix + (key,)
+            yield from _fuzz_places(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield prefix + (i,)
+            yield from _fuzz_places(value, prefix + (i,))
+
+
+def _fuzz_text(cfg):
+    """The config as JSON text (lone surrogates and NULs kept raw), markers spliced as YAML."""
+    import json
+    text = json.dumps(cfg, ensure_ascii=False, allow_nan=False, default=str) \
+        if not _has_non_finite(cfg) else _json_with_non_finite(cfg)
+    for marker, raw in _FUZZ_TEXT.items():
+        text = text.replace(json.dumps(marker), raw)
+    return text
+
+
+def _has_non_finite(node):
+    if isinstance(node, float):
+        return node != node or node in (float("inf"), float("-inf"))
+    if isinstance(node, dict):
+        return any(_has_non_finite(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_non_finite(v) for v in node)
+    return False
+
+
+def _json_with_non_finite(cfg):
+    import json
+    return json.dumps(cfg, ensure_ascii=False, default=str).replace(
+        "-Infinity", "-.inf").replace("Infinity", ".inf").replace("NaN", ".nan")
+
+
+def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
+    """§1.3, §20: grown from every vector configuration -- odd YAML scalars behind explicit
+    tags, NaN and infinities, NUL bytes, lone surrogates, 500-deep flow collections (one
+    under a ${VAR}), reserved and internal names, unset ${VARs}, template syntax, dangling refs,
+    moved, dropped or duplicated keys -- whatever load(), send(), advance() and complete() do,
+    only an ActorError escapes. Seeded (derandomized), a few seconds."""
+    import copy
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    crashes = []
+
+    @hypothesis.settings(max_examples=250, derandomize=True, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.data())
+    def grow(data):
+        vector = data.draw(st.sampled_from(vectors), label="vector")
+        cfg = copy.deepcopy(vector["config"])
+        for _ in range(data.draw(st.integers(0, 2), label="mutations")):
+            # a new top-level section (ignored with a warning) carries a shape to every pass
+            # that walks the whole document; any other place tests the checks of that field
+            places = [("fuzz_extra",)] + list(_fuzz_places(cfg))
+            where = data.draw(st.sampled_from(places), label="where")
+            parent = cfg
+            for part in where[:-1]:
+                parent = parent[part]
+            key = where[-1]
+            action = data.draw(st.sampled_from(["set", "set", "set", "drop", "wrap", "key"]))
+            value = data.draw(st.sampled_from(_FUZZ_VALUES), label="value")
+            if key not in parent if isinstance(parent, dict) else False:
+                parent[key] = copy.deepcopy(value)
+            elif action == "drop" and isinstance(parent, dict):
+                del parent[key]
+            elif action == "wrap":
+                parent[key] = [parent[key]] if data.draw(st.booleans()) else {"x": parent[key]}
+            elif action == "key" and isinstance(parent, dict) and isinstance(value, str):
+                parent[value] = parent.pop(key)
+            else:
+                parent[key] = copy.deepcopy(value)
+        host = vector.get("host") or {}
+        text = _fuzz_text(cfg)
+        try:
+            team = actor.load(text=text, unsafe=bool(host.get("unsafe")), provider="fake",
+                              env={**(host.get("env") or {}), "FUZZ": "1"}, workdir=tmp_path,
+                              render_context=host.get("render_context"), llm={})
+            try:
+                team.send("hello")
+                team.send(data.draw(st.sampled_from(_FUZZ_MESSAGES), label="message"))
+                team.advance(1)
+                team.complete()
+            finally:
+                team.close()
+        except actor.ActorError:
+            pass
+        except Exception as exc:  # the bug this test exists to catch
+            crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {text[:300]}")
+
+    grow()
+    assert not crashes, "\n".join(crashes[:10])
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
@@ -2797,6 +2917,64 @@ def test_composite_components_are_wired_once_and_serve_concurrent_calls():
     finally:
         team.close()
 
+
+def test_composite_late_output_on_the_real_clock_and_inside_a_graph():
+    """§4.6.2 item 4: on the real clock the call completes when the delayed output emits, in a
+    stream map and inside a graph node alike; on the virtual clock a graph node cannot wait, so
+    it gets "" and the late message is warned about, never raised."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {streams: {s: {operators: [{type: delay, params: {duration: 0.05}}]}}}
+      routing: {input: {type: stream, name: s}, output: {type: stream, name: s}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+  g:
+    type: graph
+    nodes: {n: {type: agent, agent: c}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+merges: [{sources: [__input__], target: main}]
+"""
+    with actor.load(text=text, clock=actor.RealClock()) as team:
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+        assert [m.content for m in team.send("node", target="g").outputs] == ["node"]
+    with actor.load(text=text) as team:
+        assert [m.content for m in team.send("node", target="g").outputs] == [""]
+        assert team.advance(1).outputs == []
+        assert any("no caller" in w for w in team.rt.warnings)
+
+
+def test_composite_routing_strategy_is_warned_and_ignored():
+    """§4.6.3, §16.1: strategy beside config is refused; inside routing it is warned about, located
+    at the key, and the composite still answers."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {agents: {inner: {type: tool, config: {tools: [echo]}}}}
+      routing:
+        input: {type: agent, name: inner}
+        output: {type: agent, name: inner}
+        strategy: sequential
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+"""
+    team = actor.load(text=text)
+    try:
+        warned = [w for w in team.rt.warnings if "routing.strategy" in w]
+        assert len(warned) == 1 and warned[0].startswith("<text>:9: ") and "§4.6.3" in warned[0]
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+    finally:
+        team.close()
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("        strategy: sequential\n", "").replace(
+            "    type: composite\n", "    type: composite\n    strategy: sequential\n"))
+    assert caught.value.path == "agents.c.strategy" and caught.value.line == 4
+
 # =====================================================================================
 # §5, §7, §12.2 Streams (streams)
 # =====================================================================================
@@ -2819,6 +2997,8 @@ class _FakeAgent:
 class _FakeRun:
     def __init__(self, output, state, history):
         self.output, self.state, self.history = output, state, history
+        # every message of these fake states is new with the run (GraphRun.replies, Q34)
+        self.replies = [m for m in state.get("messages", []) if m.get("role") == "assistant"]
 
 
 class _FakeGraph:
@@ -2971,6 +3151,23 @@ def test_error_feedback_loop_is_cut():
     net.send("x")
     assert [m.content for m in errors] == ["Error: again", "Error: again"]
     assert any("feedback loop" in w for w in rt.warnings)
+
+
+def test_flow_deeper_than_the_stack_is_one_stream_routing_error():
+    """§12.6 (Q25): a take-bounded cycle loads; one whose count outruns the Python stack stops with
+    a single StreamRoutingError on __error__ instead of a RecursionError out of send()."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  a: {type: stream, operators: [{type: take, params: {count: %d}}], publications: [b, __output__]}
+  b: {type: stream, operators: [{type: map, params: {agent: e}}], publications: [a]}
+merges: [{sources: [__input__], target: a}]
+"""
+    with actor.load(text=text % 4) as team:
+        assert [m.content for m in team.send("x").outputs] == ["x"] * 4
+    with actor.load(text=text % 100000) as team:
+        result = team.send("x")
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
 
 
 def test_hot_and_replay_streams_replay_to_late_subscribers():
@@ -3986,7 +4183,8 @@ def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
            + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
     rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
     run = g.run("x")
-    assert run.history == ["s", "p", "q"]                       # results in edge order
+    # Applied as they finish: the joined subset in edge order, then s, which sees their writes.
+    assert run.history == ["p", "q", "s"]
     assert spans["p"][0] < spans["q"][1] and spans["q"][0] < spans["p"][1]     # overlapped
     assert spans["s"][0] >= max(spans["p"][1], spans["q"][1])   # s alone, after the join
 
@@ -4147,19 +4345,34 @@ def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_graph_parallel_and_sequential_execution_agree(seed):
-    """§6.7: parallel branches are joined and applied in declaration order, so a graph whose
-    nodes are marked parallel: true gives what parallel_execution: false gives (random graphs,
-    about half the nodes parallel, real worker threads)."""
+def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
+    """§6.7, §12.3: parallel branches are joined and applied in declaration order, each reading the
+    state from before its step, so real worker threads give what the same subset run one by one
+    on the calling thread gives (the no-thread fallback); random graphs, about half the nodes
+    parallel."""
     import random
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("no thread")
+
+        def shutdown(self, *args, **kwargs):
+            pass
+
     rng = random.Random(200 + seed)
+    cases = []
     for _ in range(50):
         cfg = _random_graph(rng)
         for node in cfg["nodes"].values():
             node["parallel"] = rng.random() < 0.6
         messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
-        assert (_observe(cfg, messages, parallel=True)
-                == _observe(cfg, messages, parallel=False)), cfg
+        cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
+    monkeypatch.setattr(actor, "ThreadPoolExecutor", NoThreads)
+    for cfg, messages, threaded in cases:
+        assert threaded == _observe(cfg, messages, parallel=True), cfg
 
 @pytest.mark.parametrize("seed", range(3))
 def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
@@ -5128,9 +5341,11 @@ def test_filter_tojson_is_single_line_plain_json_q58():
     assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
 
 
-def test_filter_indent_leaves_first_line_q57():
-    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "a\n  b\n\n  c"
-    assert actor.render("{{ t | indent(2, true) }}", {"t": "a\nb"}) == "  a\n  b"
+def test_filter_indent_indents_every_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "  a\n  b\n  \n  c"
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n"}) == "  a\n  b\n"
+    assert actor.render("{{ t | indent(2, false, false) }}", {"t": "a\n\nb"}) == "a\n\n  b"
+    assert actor.filter_indent("x", "> ") == "> x"
 
 
 def test_filter_sum_attribute_and_selectattr_operators():
@@ -5302,16 +5517,17 @@ def test_protection_leaves_names_bound_at_phase_a_q47():
 
 
 def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
-    text = ("a:\n  system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
+    text = ("agents:\n  a:\n    config:\n      system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
             "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
             "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
     out = actor.restore_markers(actor.render_document(text))
     assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
     assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
     # a statement reading a load-time name stays at Phase A (Phase C could not run it either)
-    text = "a:\n  system_prompt: \"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
+    head = "agents:\n  a:\n    config:\n      system_prompt: "
+    text = head + "\"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
     out = actor.restore_markers(actor.render_document(text, {"ms": ["p", "q"]}))
-    assert out == "a:\n  system_prompt: \"{{ context[x] }}{{ context[x] }}\"\n"
+    assert out == head + "\"{{ context[x] }}{{ context[x] }}\"\n"
 
 
 def test_protection_keeps_template_bodies_whole_q49():
@@ -5332,7 +5548,7 @@ def test_mask_tags_keeps_offsets_and_lines():
 
 def test_protection_finds_flow_mappings_and_list_items():
     text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
-            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    system_prompt: {{ message }}\n")
+            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    config:\n      system_prompt: {{ message }}\n")
     out = actor.protect_runtime_fields(text)
     assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
     assert "system_prompt: <<<TEMPLATE_START>>> message" in out
@@ -5340,18 +5556,20 @@ def test_protection_finds_flow_mappings_and_list_items():
     text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
             "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
             "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
-            "  l:\n    - {system_prompt: \"{{ context.d }}\"}\n"
-            "    - - [{prompt: \"{{ message }}\"}]\n")
+            "  l:\n    config: {components: {agents: {m: {config: {prompt: \"{{ context.d }}\"}}}}}\n"
+            "  n:\n    params: {system_prompt: \"{{ e }}\"}\n")
     with pytest.raises(yaml.YAMLError):
         yaml.compose(actor.mask_tags(text))
     out = actor.protect_runtime_fields(text)
-    assert out.count(actor.TEMPLATE_START) == 5 and "{% if e %}" in out
+    # four §8.4 fields; a template instance's params.system_prompt is ordinary data (Phase A)
+    assert out.count(actor.TEMPLATE_START) == 4 and "{% if e %}" in out
+    assert 'params: {system_prompt: "{{ e }}"}' in out
     assert actor.restore_markers(out) == text
 
 
 def test_region_stops_at_a_statement_line_left_of_its_key():
-    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    system_prompt: |\n"
-            "      {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
+    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    config:\n      system_prompt: |\n"
+            "        {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
     out = actor.protect_runtime_fields(text, {"ms": [1]})
     assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
     rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
