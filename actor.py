@@ -6671,12 +6671,26 @@ class _PipelineEntry(_Node):
 # =====================================================================================
 
 # §8.1 Document-level templating (Phase A) ------------------------------------------------
-# Phase A is always the Jinja2 dialect, whatever template_engine says:
-# INTERPRETATION §9.2 vs §8.1 (Q61): Phase A uses JINJA2 for every engine; template_engine
-# governs Phases B and C, because every Phase A construct §8.1 defines (for, if, set, raw,
-# filters, {# #}) is Jinja syntax with no Mustache or format-string counterpart.
+# INTERPRETATION §9.2 vs §8.1 (Q61, decided in issue 12): template_engine governs Phase A too
+# ("all three template phases"): under MUSTACHE the document renders as Mustache (sections,
+# inverted sections, comments, substitution), under SIMPLE only the {{ }} expression pass runs (a
+# format pass over YAML would break on every brace); runtime fields are protected as always.
+# The engine is the host's, else the one the document itself declares (phase_a_engine).
 
 TEMPLATE_MARKERS = ("{{", "{%", "{#")
+
+
+def phase_a_engine(raw, host_engine):
+    """Q61: the engine of a document's Phase A: the host's, else the one the document declares
+    at its top level (`template_engine: X`, or inside a `cleveragents:` block), read from the
+    raw lines since the text is not YAML yet, else JINJA2."""
+    if host_engine is not None or not has_template_syntax(raw):
+        return str(host_engine or "JINJA2").upper()
+    block = re.search(r"^cleveragents:[ \t]*(\{[^}\n]*\}|(?:\n[ \t]+.*)*)", raw, re.M)
+    found = re.search(r"^template_engine:[ \t]*[\"']?(\w+)", raw, re.M) or (block and re.search(
+        r"template_engine:[ \t]*[\"']?(\w+)", block.group(1)))
+    engine = found.group(1).upper() if found else "JINJA2"
+    return engine if engine in ENGINES else "JINJA2"
 
 
 def has_template_syntax(text):
@@ -6736,11 +6750,10 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None, sa
     returns text without template syntax unchanged (step 1), protects runtime fields and
     template bodies (§8.4; text already protected is first restored, so the render context
     is taken into account whoever protected it), then renders
-    the rest with the JINJA2 dialect (Q61) against the §8.3 built-ins plus `render_context`
-    (Q50 (d)/(e)). Comments are dropped and {% raw %} honoured by the dialect itself. A render
-    failure is a ConfigurationError located at the template line (§8.12). After parsing, call
-    restore_sentinels() on the data (§8.2 step 4). `engine` (the host's template_engine) only
-    decides how runtime fields are protected.
+    the rest in `engine`'s dialect (Q61) against the §8.3 built-ins plus `render_context`
+    (Q50 (d)/(e)). Comments are dropped by the dialect itself. A render failure is a
+    ConfigurationError located at the template line (§8.12). After parsing, call
+    restore_sentinels() on the data (§8.2 step 4).
     """
     text = restore_markers(text)     # text protected by an earlier call: start from the raw form
     if not has_template_syntax(text):
@@ -6749,9 +6762,8 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None, sa
     if not has_template_syntax(text):
         return text
     try:
-        if sandbox is None:
-            return render_jinja2(text, dict(render_context or {}))
-        return sandbox.render(text, dict(render_context or {}), "JINJA2", phase="A")
+        return (sandbox or InProcessSandbox()).render(text, dict(render_context or {}), engine,
+                                                      phase="A")
     except TemplateError as exc:
         raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
                                  file=file, line=exc.line) from exc
@@ -9050,7 +9062,8 @@ def load_document(sources, render_context, engine, env, rt):
     """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
     data, marks, files, rendered = None, {}, [], {}
     for file, raw in sources:
-        part, part_marks, lines = parse_source(raw, file, render_context, engine, rt.sandbox)
+        part, part_marks, lines = parse_source(raw, file, render_context,
+                                               phase_a_engine(raw, engine), rt.sandbox)
         files.append(file)
         if lines is not None:
             rendered[file] = lines
@@ -9111,8 +9124,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     rt.sandbox = ISOLATION[isolation]()
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     check_host_parameters(render_context, template_engine, context)
-    phase_a_engine = str(template_engine or "JINJA2").upper()
-    doc = load_document(sources, render_context, phase_a_engine, rt.env, rt)
+    doc = load_document(sources, render_context, template_engine, rt.env, rt)
     check_top_level(doc, rt)
     rt.engine = resolve_engine(doc, template_engine)
     # Step 2: register templates (Phase B instantiates every template instance, §8.6-§8.10).
@@ -10184,7 +10196,7 @@ class InProcessSandbox:
         return unit(*args, timeout=timeout)
 
     def render(self, text, variables, engine, partials=None, phase="C"):
-        if phase == "B" and engine_name(engine) == "SIMPLE":
+        if phase in ("A", "B") and engine_name(engine) == "SIMPLE":   # Q60 (b), Q61
             return render_simple(text, variables, format_pass=False)
         return render(text, variables, engine, partials)
 
@@ -11843,7 +11855,7 @@ def _document_data(args):
         rt = Runtime(Doc(None), env={})
         return load_document(read_sources(args.configs, None),
                              _parse_set(args.set, "--set") or None,
-                             str(args.engine or "JINJA2").upper(), {}, rt).data
+                             args.engine, {}, rt).data
     except ActorError:
         return None
 

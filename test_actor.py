@@ -5640,12 +5640,15 @@ def test_protection_in_flow_and_json_documents():
 
 
 def test_phase_a_under_mustache_protects_runtime_fields():
-    text = ("{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n"
+    """Q61: under MUSTACHE, Phase A renders Mustache; a runtime field keeps its Phase C tags and
+    renders only the tags that read Phase A names."""
+    text = ("agents:\n  a:\n    config:\n      model: \"{{who}}\"\n"
             "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
-    out = actor.render_document(text, None, "MUSTACHE")
-    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in actor.restore_markers(out)
-    out = actor.render_document(text, None, "JINJA2")
-    assert "{{ 1 + 1 }}" not in actor.restore_markers(out)
+    out = actor.restore_markers(actor.render_document(text, {"who": "Ada"}, "MUSTACHE"))
+    assert 'model: "Ada"' in out
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in out
+    text = "{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n      system_prompt: \"{{ 1 + 1 }}\"\n"
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(actor.render_document(text, None, "JINJA2"))
 
 
 # §8.6-§8.10 Phase B --------------------------------------------------------------------------
