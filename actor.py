@@ -68,6 +68,7 @@ import logging
 import math
 import operator
 import os
+import queue
 import random
 import re
 try:                                       # the regex parser, to spot nested repeats (§6.2.6.2)
@@ -4932,6 +4933,8 @@ class GraphRoute:
                 raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
                                    f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
+        self._checkpoint_last = None                         # newest checkpoint name (§6.6)
+        self._writer = None                                  # §6.6 CheckpointWriter, on demand
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
         self._lock = threading.RLock()                       # one run or update at a time
@@ -5138,7 +5141,7 @@ class GraphRoute:
             if len(self.snapshots) > MAX_SNAPSHOTS:
                 del self.snapshots[0]                 # §6.6: first in, first out
         if self.checkpoint_dir is not None and state["execution_count"] % CHECKPOINT_EVERY == 0:
-            self.checkpoint()
+            write_checkpoint(self, state, wait=False)
 
     # -- state, checkpoints, time travel (§6.3, §6.6) ------------------------------------
     def update_state(self, content, mode="merge"):
@@ -5163,7 +5166,27 @@ class GraphRoute:
         """Checkpoint files of this graph, oldest first; the last is the latest (§6.6 item 3)."""
         if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
             return []
+        self.flush_checkpoints()
         return sorted(self.checkpoint_dir.glob(CHECKPOINT_GLOB))
+
+    def checkpoint_writer(self):
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        return self._writer
+
+    def wait_for_checkpoints(self):
+        """Wait until every queued checkpoint is on disk (§6.6, CHECKPOINT_QUEUE)."""
+        if self._writer is not None:
+            self._writer.queue.join()
+
+    def flush_checkpoints(self):
+        """wait_for_checkpoints, then report a write that failed meanwhile (ExecutionError)."""
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            except (OSError, ValueError) as exc:
+                raise ExecutionError(f"graph '{self.name}' cannot write a checkpoint: {exc}",
+                                     path=path_str(self.path), section="6.6") from None
 
     def restore(self, path=None):
         """Replace the state by a checkpoint file's (default: the latest); return the path used."""
@@ -5207,7 +5230,8 @@ class GraphRoute:
                                  path=self.path + ("edges", index, key))
 
     def close(self):
-        """Stop the worker threads (§12.1 cleanup)."""
+        """Write the queued checkpoints; stop the worker threads (§12.1 cleanup)."""
+        self.wait_for_checkpoints()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -5910,38 +5934,87 @@ def checkpoint_sequence(path):
     return int(match.group(1)) if match else 0
 
 
-def write_checkpoint(graph, state):
-    """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json."""
+# INTERPRETATION §6.6 (issue 15): "every ten state updates ... MUST be persisted" -- the state
+# is serialised at the tenth update, on the calling thread, and written by a writer thread (the
+# file I/O off the hot path, LangGraph's "async durability"). A process crash may lose the
+# checkpoints still queued (at most CHECKPOINT_QUEUE); each file is whole or absent (a temporary
+# file renamed); a file is fsynced at most once a second, so an OS crash may lose the files of
+# the last second. Listing, restoring, an explicit checkpoint and close wait for the writer.
+CHECKPOINT_QUEUE = 8
+CHECKPOINT_FSYNC_EVERY = 1.0    # seconds between two fsyncs of checkpoint files
+
+
+def write_checkpoint(graph, state, wait=True):
+    """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json;
+    wait=False queues the write for the graph's writer thread. Returns the path."""
     # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
     # sequence continues past the newest file already there, so names stay unique and sortable.
     try:
-        return _write_checkpoint_file(graph, state)
+        final = checkpoint_name(graph)
+        text = json.dumps(state, default=str, ensure_ascii=False)   # the C encoder: no indent
+        graph.checkpoint_writer().put(final, text)
+        if wait:
+            graph.checkpoint_writer().flush()
+        return final
     except (OSError, ValueError) as exc:        # the directory went away or became unwritable
         raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
                              path=path_str(graph.path), section="6.6") from None
 
 
-def _write_checkpoint_file(graph, state):
-    directory = graph.checkpoint_dir
-    directory.mkdir(parents=True, exist_ok=True)
-    existing = graph.checkpoints()
-    if existing:
-        graph._checkpoint_seq = max(graph._checkpoint_seq, checkpoint_sequence(existing[-1]))
+def checkpoint_name(graph):
+    """The next checkpoint path: the sequence continues past the newest file (read once), and
+    the timestamp never sorts before the previous one (the clock may go back)."""
+    if graph._checkpoint_last is None:
+        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
+        graph._checkpoint_last = existing[-1].name if existing else ""
+        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
     graph._checkpoint_seq += 1
-    stamp = checkpoint_timestamp(graph.rt)
-    name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
-    if existing and name <= existing[-1].name:         # the clock went back: keep the order
-        stamp = existing[-1].name[len("checkpoint_"):-len("-000000.json")]
+    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
+    if name <= graph._checkpoint_last:
+        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
         name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
-    final = directory / name
-    text = json.dumps(state, default=str, ensure_ascii=False, indent=1)
-    temp = directory / f".{final.name}.tmp"
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, final)
-    return final
+    graph._checkpoint_last = name
+    return graph.checkpoint_dir / name
+
+
+class CheckpointWriter:
+    """One graph's writer thread: (path, text) pairs written whole, in order."""
+
+    def __init__(self):
+        self.queue = queue.Queue(maxsize=CHECKPOINT_QUEUE)
+        self.failure, self.durable_at = None, 0.0
+        threading.Thread(target=self.run, daemon=True, name="actor-checkpoints").start()
+
+    def put(self, path, text):
+        self.raise_failure()
+        self.queue.put((path, text))
+
+    def flush(self):
+        self.queue.join()
+        self.raise_failure()
+
+    def raise_failure(self):
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+
+    def run(self):
+        while True:
+            path, text = self.queue.get()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temp = path.parent / f".{path.name}.tmp"
+                with open(temp, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+                    handle.flush()
+                    if time.monotonic() >= self.durable_at:    # at most once a second
+                        os.fsync(handle.fileno())
+                        self.durable_at = time.monotonic() + CHECKPOINT_FSYNC_EVERY
+                os.replace(temp, path)
+            except (OSError, ValueError) as exc:    # reported at the next checkpoint or flush
+                self.failure = exc
+            finally:
+                self.queue.task_done()
 
 
 def restore_checkpoint(graph, path=None):
@@ -11224,6 +11297,8 @@ def _observe(vector):
                     result = _vector_step(actor, step)
                 except ActorError as exc:
                     raised, result = {"category": exc.category, "message": str(exc)}, Result()
+                for graph in actor.rt.graphs.values():     # §6.6: queued checkpoints on disk
+                    graph.wait_for_checkpoints()
                 seen = {
                     "outputs": [jsonable(m.content) for m in result.outputs],
                     "metadata": [jsonable(m.metadata) for m in result.outputs],

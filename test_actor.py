@@ -4052,6 +4052,23 @@ def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
     assert g.checkpoint().name > g.checkpoints()[-2].name
 
 
+def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path, monkeypatch):
+    """Issue 15: the tenth update queues its checkpoint and the run goes on; the writer thread
+    writes it whole (a temporary file renamed), and listing the checkpoints waits for it."""
+    gate, real_fsync = threading.Event(), os.fsync
+    monkeypatch.setattr(actor.os, "fsync", lambda fd: gate.wait(30) and real_fsync(fd))
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
+    for i in range(10):
+        g.run(str(i))                      # returns although the writer is held at fsync
+    assert g.state["execution_count"] >= 10
+    assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
+    gate.set()
+    found = g.checkpoints()
+    assert len(found) >= 1 and json.loads(found[0].read_text())["execution_count"] == 10
+
+
 def test_graph_time_travel_rewinds_and_evicts_fifo():
     cfg = linear("a")
     cfg["enable_time_travel"] = True
@@ -4080,6 +4097,7 @@ class Agent:
     def __init__(self, name): self.name, self.type, self.capabilities, self.metadata = name, "tool", [], {}
     def invoke(self, content, ctx):
         if self.name == "n14" and sys.argv[3] == "kill":
+            graph.wait_for_checkpoints()     # the update-10 checkpoint is on disk: now crash
             os.kill(os.getpid(), signal.SIGKILL)
         return content + "+" + self.name
 names = [f"n{i}" for i in range(20)]
@@ -4547,6 +4565,30 @@ def test_graph_bench_linear_ten_nodes(reads_context):
     print(f"\n[graphs bench] ToolAgent(echo) x10 ({kind}): floor {best['floor']:.2f} us/node, "
           f"graph {best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
           f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x)")
+
+
+@pytest.mark.bench
+def test_graph_bench_checkpointing_cost(tmp_path):
+    """Issue 15: a two-node echo graph with checkpointing (every ten updates, atomic write) against
+    the same graph without it, over 10,000 updates."""
+    import time as _time
+
+    def graph(checkpointing):
+        cfg = linear("a", "b")
+        if checkpointing:
+            cfg.update(checkpointing=True, checkpoint_dir="ck")
+        return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path)[1]
+    figures = {}
+    for label in ("off", "on"):
+        g = graph(label == "on")
+        runs = 10_000 // max(1, len(g.nodes) - 2 or 2)
+        started = _time.perf_counter()
+        for i in range(runs):
+            g.run("x")
+        g.flush_checkpoints()
+        figures[label] = (_time.perf_counter() - started) / runs * 1e6
+    print(f"\n[graphs bench] two-node echo graph: {figures['off']:.1f} us/run without "
+          f"checkpointing, {figures['on']:.1f} us/run with it ({figures['on'] / figures['off']:.2f}x)")
 
 
 @pytest.mark.bench
