@@ -8827,6 +8827,10 @@ def check_pipelines(doc, rt):
                 raise doc.error(ConfigurationError, path,
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
+            for field in ("name", "graph"):             # names, when given, are strings
+                if stage.get(field) is not None and not isinstance(stage[field], str):
+                    raise doc.error(ConfigurationError, path + (field,),
+                                    f"a stage's {field} must be a string", "7.3")
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
