@@ -3368,6 +3368,35 @@ def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
     assert history == ",".join(f"n{i}" for i in range(10, 20))
 
 
+def test_checkpoint_dir_that_cannot_be_written_is_an_actor_error(tmp_path):
+    """§6.6 item 1: a checkpoint_dir that cannot be created is a located ConfigurationError at
+    load; one that stops being writable later fails that run with an ExecutionError on __error__."""
+    import shutil
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  g:
+    type: graph
+    checkpointing: true
+    checkpoint_dir: cp
+    nodes: {n: {type: agent, agent: e}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+    publications: [__output__]
+merges: [{sources: [__input__], target: g}]
+"""
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("checkpoint_dir: cp", "checkpoint_dir: taken/cp"),
+                   workdir=tmp_path)
+    assert caught.value.path == "routes.g.checkpoint_dir" and caught.value.line == 6
+    with actor.load(text=text, workdir=tmp_path) as team:
+        shutil.rmtree(tmp_path / "cp")
+        (tmp_path / "cp").write_text("in the way")
+        errors = [m for i in range(actor.CHECKPOINT_EVERY) for m in team.send(f"m{i}").errors]
+        assert [m.metadata["error_type"] for m in errors] == ["ExecutionError"]
+        assert "cannot write a checkpoint" in errors[0].content
+
+
 # §6.7 Parallel execution -----------------------------------------------------------------------
 def _fan_out(parallel_execution, parallel=True):
     import time as _time
