@@ -522,7 +522,7 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
     crashes = []
 
-    @hypothesis.settings(max_examples=250, derandomize=True, deadline=None, database=None,
+    @hypothesis.settings(max_examples=400, derandomize=True, deadline=None, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(st.data())
     def grow(data):
