@@ -2530,7 +2530,8 @@ class CompositeAgent:
 
         A caller that cannot take a PendingReply gets the later output by waiting for it on the
         real clock (bounded by the §5.3.4 hard timeout); the virtual clock cannot pass inside a
-        call, so there the answer is the empty string (what a silent stream answers)."""
+        call, so there only what is due now (a zero delay) still answers, else the empty string
+        (what a silent stream answers)."""
         reply = self.invoke_later(content, ctx)
         if not isinstance(reply, PendingReply):
             return reply
@@ -2539,6 +2540,8 @@ class CompositeAgent:
             deadline = clock.now() + AGENT_HARD_TIMEOUT
             while not reply.done and (due := clock.next_due()) is not None and due <= deadline:
                 clock.advance(max(0.0, due - clock.now()))
+        else:
+            clock.advance(0)            # what is due now (a zero delay) still answers this call
         if not reply.done:
             self._settle_request(reply, "")
         if reply.error is not None:
@@ -4471,11 +4474,13 @@ class StreamNetwork:
         stops there: a StreamRoutingError on __error__, and the call returns what was emitted
         so far."""
         # §5.3.2: a zero-duration delay or debounce (or any timer set for "now") emits within
-        # the step that caused it, on the virtual clock as settle() does on the real one.
+        # the step that caused it, on the virtual clock as settle() does on the real one. Only
+        # the Actor's own network moves the clock: a composite's components (ComponentClock)
+        # leave it to the outer step, so no outer timer fires in the middle of a call.
         clock = self.rt.clock
         try:
             fn(*args)
-            if not clock.real:
+            if not clock.real and not isinstance(clock, ComponentClock):
                 clock.advance(0)
         except RecursionError:
             self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
