@@ -2413,7 +2413,9 @@ class CompositeAgent:
     handed to the output component -- unless the output component is a stream that the input's
     flow already reached, whose emission is then the response.
     INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
-    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
+    request; one that emits nothing and holds nothing (a filter said no) answers the empty
+    string (§4.5.7's rule); one that may still emit (a timer or a reduce) answers when it does
+    (invoke_later, the late-output methods below).
     """
 
     type = "composite"
