@@ -435,10 +435,9 @@ class PendingReply:
         self.done, self.value, self.error, self.callbacks = False, None, None, None
 
     def then(self, on_value, on_error):
+        self.callbacks = (on_value, on_error)
         if self.done:
-            (on_value(self.value) if self.error is None else on_error(self.error))
-        else:
-            self.callbacks = (on_value, on_error)
+            self._notify()
 
     def resolve(self, value):
         self._settle(value, None)
@@ -450,10 +449,17 @@ class PendingReply:
         if self.done:
             return
         self.done, self.value, self.error = True, value, error
-        if self.callbacks is not None:
-            on_value, on_error = self.callbacks
-            self.callbacks = None
-            on_value(value) if error is None else on_error(error)
+        self._notify()
+
+    def _notify(self):
+        if self.callbacks is None:
+            return
+        on_value, on_error = self.callbacks
+        self.callbacks = None
+        if self.error is None:
+            on_value(self.value)
+        else:
+            on_error(self.error)
 
 
 # Runtime: what agents, routes and operators may reach (one per Actor) ---------------------
@@ -2640,7 +2646,10 @@ class CompositeAgent:
                 self._pending.remove(entry)
                 entry[2].cancel()
                 break
-        reply.fail(error) if error is not None else reply.resolve(value)
+        if error is not None:
+            reply.fail(error)
+        else:
+            reply.resolve(value)
 
     def _expire(self, entry):
         with self._lock:
