@@ -4447,15 +4447,21 @@ class StreamNetwork:
                     after[name].append(target)
             after[name].extend(getattr(node, "feeds", ()))
         order, seen = [], set()
-
-        def visit(name):
-            if name not in seen:
-                seen.add(name)
-                for target in after[name]:
-                    visit(target)
-                order.append(name)
-        for name in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
-            visit(name)
+        for root in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
+            if root in seen:
+                continue
+            seen.add(root)
+            stack = [(root, iter(after[root]))]     # post-order without recursion
+            while stack:
+                name, targets = stack[-1]
+                for target in targets:
+                    if target not in seen:
+                        seen.add(target)
+                        stack.append((target, iter(after[target])))
+                        break
+                else:
+                    order.append(name)
+                    stack.pop()
         order.reverse()
         return [n for n in order if n not in (OUTPUT, ERROR)] + [OUTPUT, ERROR]
 
@@ -4475,9 +4481,9 @@ class StreamNetwork:
         meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        self._drive(push, Message(content, meta, INPUT, rt.clock.now()))
+        self.deliver(push, Message(content, meta, INPUT, rt.clock.now()))
 
-    def _drive(self, fn, *args):
+    def deliver(self, fn, *args):
         """Run one synchronous delivery, then the timers it set for the current virtual time.
 
         Messages are pushed hop by hop on the Python stack, so a flow deeper than the stack
@@ -4505,7 +4511,7 @@ class StreamNetwork:
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
-            self._drive(self.nodes[name].finish)
+            self.deliver(self.nodes[name].finish)
 
     def settle(self, timeout=None):
         """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
@@ -9182,25 +9188,27 @@ def find_stream_cycle(edges):
     for source, target, path in edges:
         after.setdefault(source, []).append((target, path))
     state = {}      # name -> 1 while on the DFS stack, 2 when done
-
-    def visit(name, trail):
-        state[name] = 1
-        for target, path in after.get(name, ()):
-            if state.get(target) == 1:
-                names = [n for n, _p in trail] + [name]
-                return names[names.index(target):] + [target], path
-            if target not in state:
-                found = visit(target, trail + [(name, path)])
-                if found:
-                    return found
-        state[name] = 2
-        return None
-
-    for name in list(after):
-        if name not in state:
-            found = visit(name, [])
-            if found:
-                return found
+    for root in list(after):
+        if root in state:
+            continue
+        # An explicit stack (a document may chain thousands of routes): frames of
+        # (name, iterator over its links); `trail` holds the names on the stack, in order.
+        state[root] = 1
+        stack, trail = [(root, iter(after.get(root, ())))], [root]
+        while stack:
+            name, links = stack[-1]
+            for target, path in links:
+                if state.get(target) == 1:
+                    return trail[trail.index(target):] + [target], path
+                if target not in state:
+                    state[target] = 1
+                    stack.append((target, iter(after.get(target, ()))))
+                    trail.append(target)
+                    break
+            else:
+                state[name] = 2
+                stack.pop()
+                trail.pop()
     return None
 
 
@@ -11364,8 +11372,8 @@ class Actor:
             outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
             outputs.clear()                                     # send() is the hot path
             errors.clear()
-            if at is not None:
-                self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
+            if at is not None:              # timers falling due on the way belong to this call
+                self.network.deliver(self.rt.clock.set_time, at)
             self.network.send(content, target=target)
             if self.rt.clock.real:
                 self.network.settle()
@@ -11378,7 +11386,7 @@ class Actor:
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
         with self._turn:
             self._begin()
-            self.rt.clock.advance(seconds)
+            self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries
             return self._end()
 
     def complete(self):

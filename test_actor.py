@@ -2440,6 +2440,20 @@ merges: [{sources: [__input__], target: a}]
     with actor.load(text=text % 100000) as team:
         result = team.send("x")
         assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
+    # a chain of 3000 routes loads (the cycle check and the completion order use no recursion);
+    # a timer that feeds it reports the same way from advance()
+    chain = "\n".join(f"  r{i}: {{type: stream, publications: [r{i + 1}]}}" for i in range(1, 3000))
+    with actor.load(text=f"""\
+agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
+routes:
+  r0: {{type: stream, operators: [{{type: delay, params: {{duration: 1}}}}], publications: [r1]}}
+{chain}
+  r3000: {{type: stream, publications: [__output__]}}
+merges: [{{sources: [__input__], target: r0}}]
+""") as team:
+        assert team.send("x").errors == []
+        result = team.advance(1)
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
 
 
 def test_hot_and_replay_streams_replay_to_late_subscribers():
