@@ -490,10 +490,9 @@ class PendingReply:
         self.done, self.value, self.error, self.callbacks = False, None, None, None
 
     def then(self, on_value, on_error):
+        self.callbacks = (on_value, on_error)
         if self.done:
-            (on_value(self.value) if self.error is None else on_error(self.error))
-        else:
-            self.callbacks = (on_value, on_error)
+            self._notify()
 
     def resolve(self, value):
         self._settle(value, None)
@@ -505,10 +504,17 @@ class PendingReply:
         if self.done:
             return
         self.done, self.value, self.error = True, value, error
-        if self.callbacks is not None:
-            on_value, on_error = self.callbacks
-            self.callbacks = None
-            on_value(value) if error is None else on_error(error)
+        self._notify()
+
+    def _notify(self):
+        if self.callbacks is None:
+            return
+        on_value, on_error = self.callbacks
+        self.callbacks = None
+        if self.error is None:
+            on_value(self.value)
+        else:
+            on_error(self.error)
 
 
 # Runtime: what agents, routes and operators may reach (one per Actor) ---------------------
@@ -2531,7 +2537,9 @@ class CompositeAgent:
     handed to the output component -- unless the output component is a stream that the input's
     flow already reached, whose emission is then the response.
     INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
-    request; one that emits nothing (a filter said no) answers the empty string (§4.5.7's rule).
+    request; one that emits nothing and holds nothing (a filter said no) answers the empty
+    string (§4.5.7's rule); one that may still emit (a timer or a reduce) answers when it does
+    (invoke_later, the late-output methods below).
     """
 
     type = "composite"
@@ -2649,7 +2657,8 @@ class CompositeAgent:
 
         A caller that cannot take a PendingReply gets the later output by waiting for it on the
         real clock (bounded by the §5.3.4 hard timeout); the virtual clock cannot pass inside a
-        call, so there the answer is the empty string (what a silent stream answers)."""
+        call, so there only what is due now (a zero delay) still answers, else the empty string
+        (what a silent stream answers)."""
         reply = self.invoke_later(content, ctx)
         if not isinstance(reply, PendingReply):
             return reply
@@ -2658,6 +2667,8 @@ class CompositeAgent:
             deadline = clock.now() + AGENT_HARD_TIMEOUT
             while not reply.done and (due := clock.next_due()) is not None and due <= deadline:
                 clock.advance(max(0.0, due - clock.now()))
+        else:
+            clock.advance(0)            # what is due now (a zero delay) still answers this call
         if not reply.done:
             self._settle_request(reply, "")
         if reply.error is not None:
@@ -2754,7 +2765,10 @@ class CompositeAgent:
                 self._pending.remove(entry)
                 entry[2].cancel()
                 break
-        reply.fail(error) if error is not None else reply.resolve(value)
+        if error is not None:
+            reply.fail(error)
+        else:
+            reply.resolve(value)
 
     def _expire(self, entry):
         with self._lock:
@@ -4554,15 +4568,21 @@ class StreamNetwork:
                     after[name].append(target)
             after[name].extend(getattr(node, "feeds", ()))
         order, seen = [], set()
-
-        def visit(name):
-            if name not in seen:
-                seen.add(name)
-                for target in after[name]:
-                    visit(target)
-                order.append(name)
-        for name in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
-            visit(name)
+        for root in [INPUT] + [n for n in self.nodes if n not in (INPUT, OUTPUT, ERROR)]:
+            if root in seen:
+                continue
+            seen.add(root)
+            stack = [(root, iter(after[root]))]     # post-order without recursion
+            while stack:
+                name, targets = stack[-1]
+                for target in targets:
+                    if target not in seen:
+                        seen.add(target)
+                        stack.append((target, iter(after[target])))
+                        break
+                else:
+                    order.append(name)
+                    stack.pop()
         order.reverse()
         return [n for n in order if n not in (OUTPUT, ERROR)] + [OUTPUT, ERROR]
 
@@ -4582,9 +4602,9 @@ class StreamNetwork:
         meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        self._drive(push, Message(content, meta, INPUT, rt.clock.now()))
+        self.deliver(push, Message(content, meta, INPUT, rt.clock.now()))
 
-    def _drive(self, fn, *args):
+    def deliver(self, fn, *args):
         """Run one synchronous delivery, then the timers it set for the current virtual time.
 
         Messages are pushed hop by hop on the Python stack, so a flow deeper than the stack
@@ -4592,11 +4612,13 @@ class StreamNetwork:
         stops there: a StreamRoutingError on __error__, and the call returns what was emitted
         so far."""
         # §5.3.2: a zero-duration delay or debounce (or any timer set for "now") emits within
-        # the step that caused it, on the virtual clock as settle() does on the real one.
+        # the step that caused it, on the virtual clock as settle() does on the real one. Only
+        # the Actor's own network moves the clock: a composite's components (ComponentClock)
+        # leave it to the outer step, so no outer timer fires in the middle of a call.
         clock = self.rt.clock
         try:
             fn(*args)
-            if not clock.real:
+            if not clock.real and not isinstance(clock, ComponentClock):
                 clock.advance(0)
         except RecursionError:
             self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
@@ -4610,7 +4632,7 @@ class StreamNetwork:
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
-            self._drive(self.nodes[name].finish)
+            self.deliver(self.nodes[name].finish)
 
     def settle(self, timeout=None):
         """Real clock: wait for pending timers, bounded by the §12.2.4 soft timeout."""
@@ -9056,6 +9078,10 @@ def check_pipelines(doc, rt):
                 raise doc.error(ConfigurationError, path,
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
+            for field in ("name", "graph"):             # names, when given, are strings
+                if stage.get(field) is not None and not isinstance(stage[field], str):
+                    raise doc.error(ConfigurationError, path + (field,),
+                                    f"a stage's {field} must be a string", "7.3")
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
@@ -9430,25 +9456,27 @@ def find_stream_cycle(edges):
     for source, target, path in edges:
         after.setdefault(source, []).append((target, path))
     state = {}      # name -> 1 while on the DFS stack, 2 when done
-
-    def visit(name, trail):
-        state[name] = 1
-        for target, path in after.get(name, ()):
-            if state.get(target) == 1:
-                names = [n for n, _p in trail] + [name]
-                return names[names.index(target):] + [target], path
-            if target not in state:
-                found = visit(target, trail + [(name, path)])
-                if found:
-                    return found
-        state[name] = 2
-        return None
-
-    for name in list(after):
-        if name not in state:
-            found = visit(name, [])
-            if found:
-                return found
+    for root in list(after):
+        if root in state:
+            continue
+        # An explicit stack (a document may chain thousands of routes): frames of
+        # (name, iterator over its links); `trail` holds the names on the stack, in order.
+        state[root] = 1
+        stack, trail = [(root, iter(after.get(root, ())))], [root]
+        while stack:
+            name, links = stack[-1]
+            for target, path in links:
+                if state.get(target) == 1:
+                    return trail[trail.index(target):] + [target], path
+                if target not in state:
+                    state[target] = 1
+                    stack.append((target, iter(after.get(target, ()))))
+                    trail.append(target)
+                    break
+            else:
+                state[name] = 2
+                stack.pop()
+                trail.pop()
     return None
 
 
@@ -11024,8 +11052,8 @@ class Actor:
             outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
             outputs.clear()                                     # send() is the hot path
             errors.clear()
-            if at is not None:
-                self.rt.clock.set_time(at)  # timers falling due on the way belong to this call
+            if at is not None:              # timers falling due on the way belong to this call
+                self.network.deliver(self.rt.clock.set_time, at)
             self.network.send(content, target=target)
             if self.rt.clock.real and not self.rt.clock.driven:
                 self.network.settle()
@@ -11038,7 +11066,7 @@ class Actor:
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
         with self._turn:
             self._begin()
-            self.rt.clock.advance(seconds)
+            self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries
             return self._end()
 
     def complete(self):

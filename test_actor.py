@@ -1250,7 +1250,7 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
     crashes = []
 
-    @hypothesis.settings(max_examples=250, derandomize=True, deadline=None, database=None,
+    @hypothesis.settings(max_examples=400, derandomize=True, deadline=None, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(st.data())
     def grow(data):
@@ -3168,6 +3168,20 @@ merges: [{sources: [__input__], target: a}]
     with actor.load(text=text % 100000) as team:
         result = team.send("x")
         assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
+    # a chain of 3000 routes loads (the cycle check and the completion order use no recursion);
+    # a timer that feeds it reports the same way from advance()
+    chain = "\n".join(f"  r{i}: {{type: stream, publications: [r{i + 1}]}}" for i in range(1, 3000))
+    with actor.load(text=f"""\
+agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
+routes:
+  r0: {{type: stream, operators: [{{type: delay, params: {{duration: 1}}}}], publications: [r1]}}
+{chain}
+  r3000: {{type: stream, publications: [__output__]}}
+merges: [{{sources: [__input__], target: r0}}]
+""") as team:
+        assert team.send("x").errors == []
+        result = team.advance(1)
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
 
 
 def test_hot_and_replay_streams_replay_to_late_subscribers():
@@ -4135,6 +4149,35 @@ def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
     assert first.endswith(" 10 n9")
     assert output == "go" + "".join(f"+n{i}" for i in range(20))
     assert history == ",".join(f"n{i}" for i in range(10, 20))
+
+
+def test_checkpoint_dir_that_cannot_be_written_is_an_actor_error(tmp_path):
+    """§6.6 item 1: a checkpoint_dir that cannot be created is a located ConfigurationError at
+    load; one that stops being writable later fails that run with an ExecutionError on __error__."""
+    import shutil
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  g:
+    type: graph
+    checkpointing: true
+    checkpoint_dir: cp
+    nodes: {n: {type: agent, agent: e}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+    publications: [__output__]
+merges: [{sources: [__input__], target: g}]
+"""
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("checkpoint_dir: cp", "checkpoint_dir: taken/cp"),
+                   workdir=tmp_path)
+    assert caught.value.path == "routes.g.checkpoint_dir" and caught.value.line == 6
+    with actor.load(text=text, workdir=tmp_path) as team:
+        shutil.rmtree(tmp_path / "cp")
+        (tmp_path / "cp").write_text("in the way")
+        errors = [m for i in range(actor.CHECKPOINT_EVERY) for m in team.send(f"m{i}").errors]
+        assert [m.metadata["error_type"] for m in errors] == ["ExecutionError"]
+        assert "cannot write a checkpoint" in errors[0].content
 
 
 # §6.7 Parallel execution -----------------------------------------------------------------------
