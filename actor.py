@@ -5958,11 +5958,12 @@ def checkpoint_sequence(path):
 
 # INTERPRETATION §6.6 (issue 15): "every ten state updates ... MUST be persisted" -- the state
 # is serialised at the tenth update, on the calling thread, and written by a writer thread (the
-# file I/O off the hot path, LangGraph's "async durability"). A process crash may lose the
-# checkpoints still queued (at most CHECKPOINT_QUEUE); each file is whole or absent (a temporary
-# file renamed); a file is fsynced at most once a second, so an OS crash may lose the files of
-# the last second. Listing, restoring, an explicit checkpoint and close wait for the writer.
-CHECKPOINT_QUEUE = 8
+# file I/O off the hot path, LangGraph's "async durability"): it overlaps the next ten updates.
+# A process crash may lose the one checkpoint being written; each file is whole or absent (a
+# temporary file renamed); a file is fsynced at most once a second, so an OS crash may lose the
+# files of the last second. A failed write is reported by the next checkpoint; listing,
+# restoring, an explicit checkpoint and close wait for the writer.
+CHECKPOINT_QUEUE = 1
 CHECKPOINT_FSYNC_EVERY = 1.0    # seconds between two fsyncs of checkpoint files
 
 
@@ -6008,7 +6009,7 @@ class CheckpointWriter:
         threading.Thread(target=self.run, daemon=True, name="actor-checkpoints").start()
 
     def put(self, path, text):
-        self.raise_failure()
+        self.flush()            # the previous write is done (or its failure reported) first
         self.queue.put((path, text))
 
     def flush(self):

@@ -4153,7 +4153,8 @@ def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
 
 def test_checkpoint_dir_that_cannot_be_written_is_an_actor_error(tmp_path):
     """§6.6 item 1: a checkpoint_dir that cannot be created is a located ConfigurationError at
-    load; one that stops being writable later fails that run with an ExecutionError on __error__."""
+    load; one that stops being writable later fails the run that checkpoints next (the writer
+    thread reports its failure there, issue 15) with an ExecutionError on __error__."""
     import shutil
     text = """\
 agents: {e: {type: tool, config: {tools: [echo]}}}
@@ -4175,7 +4176,8 @@ merges: [{sources: [__input__], target: g}]
     with actor.load(text=text, workdir=tmp_path) as team:
         shutil.rmtree(tmp_path / "cp")
         (tmp_path / "cp").write_text("in the way")
-        errors = [m for i in range(actor.CHECKPOINT_EVERY) for m in team.send(f"m{i}").errors]
+        errors = [m for i in range(2 * actor.CHECKPOINT_EVERY)
+                  for m in team.send(f"m{i}").errors]
         assert [m.metadata["error_type"] for m in errors] == ["ExecutionError"]
         assert "cannot write a checkpoint" in errors[0].content
 
