@@ -11132,8 +11132,11 @@ def jsonable(value):
 # The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
 # actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
 
-VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
-               "load_error", "warnings", "steps")
+VECTOR_KEYS = ("name", "spec", "description", "interpretation", "host", "config", "config_text",
+               "configs", "load_error", "warnings", "steps")
+# `interpretation` (optional, documentation only): the id, or list of ids, of the entries of
+# vectors/INTERPRETATIONS.md that the vector pins. Nothing is judged by it.
+READING_ID = re.compile(r"I-[0-9]{3}")
 HOST_KEYS = ("unsafe", "isolation", "env", "render_context", "template_engine", "default_router",
              "context", "files", "llm", "provider", "single_shot")
 STEP_ACTIONS = ("send", "advance", "complete", "rewind", "restore")
@@ -11489,6 +11492,12 @@ def lint_vector(vector, stem=None):
         errors.append("no steps and no load_error")
     if "warnings" in vector:
         _lint_warnings("warnings", vector["warnings"], errors)
+    if "interpretation" in vector:
+        ids = vector["interpretation"]
+        ids = [ids] if isinstance(ids, str) else ids
+        if not (isinstance(ids, list) and ids and all(
+                isinstance(i, str) and READING_ID.fullmatch(i) for i in ids)):
+            errors.append("interpretation is an id such as I-042, or a list of them")
     for key in vector:
         if key not in VECTOR_KEYS:
             warnings_.append(f"unknown key '{key}'")

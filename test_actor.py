@@ -360,22 +360,62 @@ def test_no_module_level_name_is_defined_twice():
     assert [name for name, count in names.items() if count > 1] == []
 
 
-def test_readme_interpretations_cite_existing_vectors():
-    """Every vector the README's Interpretations table names exists, and every INTERPRETATION tag
-    in actor.py cites its § (the table is the user-facing index of the readings)."""
+def _interpretation_entries():
+    """vectors/INTERPRETATIONS.md as {id: (heading, pinned-by text)}."""
     import re
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Interpretations"):readme.index("\n## ", readme.index(
-        "## Interpretations") + 5)]
-    refs = set(re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", table))
-    assert len(refs) > 100
-    missing = [r for r in sorted(refs) if not (VECTOR_DIR / f"{r}.yaml").exists()
-               and not (VECTOR_DIR / r).is_dir()]
-    assert not missing, missing
+    text = (VECTOR_DIR / "INTERPRETATIONS.md").read_text(encoding="utf-8")
+    entries = {}
+    for m in re.finditer(r"^### (I-\d{3})\b([^\n]*)\n(.*?)(?=^#{2,3} |\Z)", text, re.S | re.M):
+        iid, heading, body = m.groups()
+        assert iid not in entries, f"{iid} twice"
+        pinned = re.search(r"^- \*\*Pinned by:\*\* (.*)$", body, re.M)
+        assert pinned, f"{iid} has no 'Pinned by' line"
+        entries[iid] = (heading, pinned.group(1))
+    return entries
+
+
+def test_interpretations_are_linked():
+    """STYLE §11: each decision has one id, shared by vectors/INTERPRETATIONS.md, the code's
+    INTERPRETATION tag and the vectors that pin it. Every id in the code has an entry, every entry
+    is used by a code tag and names at least one existing vector or test function, each vector
+    an entry names carries its id, and every vector's `interpretation` id exists."""
+    import re
+    entries = _interpretation_entries()
+    assert len(entries) > 150
+    ids = sorted(entries)
+    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
-    untagged = [line for line in src.splitlines() if "INTERPRETATION" in line
-                and line.lstrip().startswith("#") and "§" not in line]
-    assert not untagged, untagged
+    untagged = [line.strip() for line in src.splitlines()
+                if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
+    assert not untagged, f"INTERPRETATION without an id: {untagged}"
+    tagged = re.findall(r"INTERPRETATION (I-\d{3}(?:, I-\d{3})*) §", src)
+    assert len(tagged) == len(re.findall(r"\bINTERPRETATION\b", src)), \
+        "every tag is `INTERPRETATION I-nnn §x.y`"
+    in_code = {i for group in tagged for i in group.split(", ")}
+    assert sorted(in_code - set(entries)) == [], "ids in actor.py with no entry"
+    assert sorted(set(entries) - in_code) == [], "entries no INTERPRETATION tag uses"
+    test_names = set(re.findall(r"^def (test_\w+)", (HERE / "test_actor.py").read_text(
+        encoding="utf-8"), re.M))
+    carried = {}
+    for path in VECTOR_DIR.rglob("*.yaml"):
+        value = actor.parse_yaml(path.read_text(encoding="utf-8"), str(path))[0].get(
+            "interpretation")
+        carried[path.relative_to(VECTOR_DIR).with_suffix("").as_posix()] = (
+            [] if value is None else [value] if isinstance(value, str) else value)
+    unknown = {v: i for v, i in carried.items() if set(i) - set(entries)}
+    assert not unknown, f"vectors naming no entry: {unknown}"
+    problems = []
+    for iid, (heading, pinned) in entries.items():
+        vectors = re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", pinned)
+        tests = re.findall(r"\b(test_[\w*]+)", pinned)
+        if not vectors and not tests:
+            problems.append(f"{iid}: pinned by nothing")
+        problems += [f"{iid}: no vector {v}" for v in vectors if v not in carried]
+        problems += [f"{iid}: {v} lacks `interpretation: {iid}`" for v in vectors
+                     if v in carried and iid not in carried[v]]
+        problems += [f"{iid}: no test {t}" for t in tests
+                     if not any(re.fullmatch(t.replace("*", r"\w*"), n) for n in test_names)]
+    assert not problems, problems
 
 
 def test_every_cited_section_exists():
