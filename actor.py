@@ -10474,7 +10474,7 @@ FORBIDDEN_FORMS = {
     # §16.2
     "dynamic_router node": "check_graph (§6)",
     "list-form routes": "check_top_level (§3.2)",
-    "top-level pipelines:": "accepted: see README Interpretations (Q1)",
+    "top-level pipelines:": "accepted: I-065 in vectors/INTERPRETATIONS.md (Q1)",
     "inline expression in map function": "check_streams (§5.3.3)",
     "agent_template instances": "expand_templates (§8.7)",
     "sequence-form template parameters": "expand_templates (§8.6.1)",

@@ -603,9 +603,39 @@ merges: [{sources: [__input__], target: g}, {sources: [g], target: s}]
         "trace: __output__: 'ChainAgent processed: hi->x'"]
 
 def test_readme_first_command_runs_offline():
-    """The README's first command: the chat example through the fake provider, no key needed."""
-    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
-    assert (r.returncode, r.stdout) == (0, "hello\n")
+    """The README's first command, as written after its install step: the chat example through
+    the fake provider, no key needed, run from the repository's root."""
+    import shlex
+    import subprocess
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("```sh\n") + 6:readme.index("```", readme.index("```sh\n") + 6)]
+    first, second = block.strip().splitlines()
+    install, run = first.split(" && ")
+    assert install == "python3 -m pip install pyyaml jinja2"
+    argv = shlex.split(run)
+    assert argv[:3] == ["python3", "-m", "actor"]
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=HERE, capture_output=True, text=True,
+                       timeout=60)
+    assert (r.returncode, r.stdout) == (0, "hello\nagain\n"), r.stderr
+    # The second command is the one CI runs.
+    ci = (HERE / ".ci" / "run").read_text(encoding="utf-8")
+    install, tests = second.split(" && ")
+    assert install.replace("python3 -m pip install", "") in ci and f"{tests}\n" in ci
+
+
+def test_readme_is_short_and_its_configuration_is_the_hello_example():
+    """Issue 16: a README a newcomer reads in five minutes (at most 20 KB); its annotated
+    configuration is examples/hello.yaml word for word, and runs as the README says."""
+    import re
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode("utf-8")) <= 20_000
+    block = re.search(r"## A configuration\n\n```yaml\n(.*?)```", readme, re.S).group(1)
+    assert block == (HERE / "examples" / "hello.yaml").read_text(encoding="utf-8")
+    r = run_cli(str(HERE / "examples" / "hello.yaml"), "--provider", "fake",
+                "-m", "hi", "-m", "buy spam", "-m", "bye")
+    assert (r.returncode, r.stdout) == (0, "hi\nbye\n"), r.stderr
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert (HERE / link).exists(), link
 
 
 def test_cli_check_accepts_the_examples():
@@ -3761,7 +3791,7 @@ def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
 
 
 def test_graph_history_entries_are_the_states_own_records():
-    """§6.2.2 items 2-3 (README Interpretations): reserved keys are key-level -- rebinding or
+    """§6.2.2 items 2-3 (I-116, vectors/INTERPRETATIONS.md): reserved keys are key-level -- rebinding or
     removing conversation_history never reaches the state -- while the entries in the trimmed
     list are the state's own message records, shared by reference like every object in a
     context (§10.2): an agent that edits one in place edits state.messages."""
@@ -4686,7 +4716,7 @@ merges: [{{sources: [__input__], target: g}}]
 
 
 def test_mixed_mode_control_stream_carries_run_lifecycle():
-    """§6.10 (README Interpretations): __<graph>_control__ carries each run's lifecycle --
+    """§6.10 (I-118, vectors/INTERPRETATIONS.md): __<graph>_control__ carries each run's lifecycle --
     started, then finished, stopped (naming the §6.8 guard) or failed -- with graph and context."""
     events, result = _control_events("""
     nodes: {n1: {type: agent, agent: chain}}
