@@ -148,6 +148,8 @@ class ConfigurationError(ActorError):
     """Generic configuration-validation error (§20, §11)."""
 
 
+# INTERPRETATION I-009 §11, §16, §20 (Q82): ConfigurationError wherever no category is named;
+# this one is a kind of it.
 class UnsafeConfigurationError(ConfigurationError):
     """The configuration requires unsafe mode; the host is in safe mode (§9.4, §13.1)."""
 
@@ -556,6 +558,8 @@ class Runtime:
 # the resolver and the construction below are ours in both cases, so the results are identical.
 
 _YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+# INTERPRETATION I-164 §3.1 (issue 11): every YAML text (the document, Phase A's output,
+# template bodies) goes through this one loader, with these two bounds.
 YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
 # The one nesting bound: every later pass (§14 interpolation, Phase B, validation, copies) walks
 # the document recursively, so a document deeper than this is refused here, located, instead of
@@ -580,6 +584,8 @@ class Yaml12Loader(_YamlLoaderBase):
     yaml_implicit_resolvers = {}
 
 
+# INTERPRETATION I-001 §3.1: no merge-key resolver, so `<<` is an ordinary key (YAML 1.2 has
+# no merge keys).
 for _tag, _regex, _first in (
         ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
         ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
@@ -776,7 +782,7 @@ HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "templat
 def host_parameter(doc, key, host_value):
     """A §9 parameter: the host's value, else a top-level key, else the cleveragents block.
 
-    INTERPRETATION §9.1 (Q88): the host (API, command line) wins; a document may also carry
+    INTERPRETATION I-003 §9.1 (Q88): the host (API, command line) wins; a document may also carry
     `default_router` / `template_engine` at the top level or under `cleveragents:` (§9.2, §18.9).
     Returns (value, path of the value in the document).
     """
@@ -800,6 +806,7 @@ def check_top_level(doc, rt):
         if key in FORBIDDEN_TOP_LEVEL:
             raise doc.error(ConfigurationError, (key,), f"top-level '{key}:' is forbidden; "
                             f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
+        # INTERPRETATION I-020 §3.2, §1.3 (Q87): unknown keys are ignored with a located warning.
         if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
             rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
     if doc.data.get("name") is not None and not isinstance(doc.data["name"], str):
@@ -837,7 +844,7 @@ def inputs_feed(data):
 def resolve_default_router(doc, rt, host_value):
     """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed routes.
 
-    INTERPRETATION §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
+    INTERPRETATION I-002 §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
     §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
     that is not a route is an error.
     """
@@ -894,7 +901,7 @@ def check_agent(doc, name, cfg, path, agent_types):
         if str(key).startswith("__"):           # §10.3: in every user context, not only global
             raise doc.error(ConfigurationError, path + ("config", "context", key),
                             f"context key '{key}' is reserved (keys starting with __)", "10.3")
-        # INTERPRETATION §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
+        # INTERPRETATION I-026 §4.4.5, §10.3 (Q84): the host-only keys are refused in an agent's own
         # context as in context.global: an Actor never declares them.
         if key in HOST_ONLY_CONTEXT_KEYS:
             raise doc.error(ConfigurationError, path + ("config", "context", key),
@@ -1033,7 +1040,7 @@ class LLMAgent:
         rt = self.rt
         ctx = ctx if ctx is not None else {}
         message = message_text(content)
-        # INTERPRETATION §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
+        # INTERPRETATION I-034 §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
         view = {**self.context, **ctx}
         system = render_system_prompt(self, view, message)
         user = message
@@ -1048,7 +1055,7 @@ class LLMAgent:
             history = self.memory.snapshot()
         else:
             history = history_from_context(ctx)
-            # INTERPRETATION §4.4.4: a graph's history already ends with the message in hand
+            # INTERPRETATION I-030 §4.4.4: a graph's history already ends with the message in hand
             # (§6.2.2); it is sent once, not twice.
             if history and history[-1] == {"role": "user", "content": message}:
                 history.pop()
@@ -1081,14 +1088,14 @@ class LLMAgent:
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
         if self.memory_enabled:
-            # INTERPRETATION §4.4.4 (Q78): the formatted message as sent, and the response with its
+            # INTERPRETATION I-028, I-029 §4.4.4 (Q78): the formatted message as sent, and the response with its
             # §12.4 blocks already replaced.
             self.memory.record(user, output)
         return output
 
     def _base_url(self):
         """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
-        # INTERPRETATION §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
+        # INTERPRETATION I-035 §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
         if self.base_url:
             return self.base_url
         adapter = PROVIDERS[self.provider]
@@ -1129,7 +1136,7 @@ def _llm_check_fields(rt, config, cpath):
     values = check_config_fields(rt, config, {**LLM_FIELDS, **LLM_EXTRA_FIELDS}, cpath, "4.4",
                                  "llm agent")
     low, high = LLM_TEMPERATURE_RANGE
-    # INTERPRETATION §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
+    # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
     if not low <= values["temperature"] <= high:
         raise rt.error(ConfigurationError, cpath + ("temperature",),
                        f"temperature {values['temperature']} is outside [{low}, {high}]", "4.4")
@@ -1155,7 +1162,7 @@ def _llm_prompt_text(rt, name):
 
 
 def _llm_check_template(rt, name, path):
-    # INTERPRETATION §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
+    # INTERPRETATION I-033 §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
     if _llm_prompt_text(rt, name) is None:
         raise rt.error(ConfigurationError, path,
                        f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
@@ -1176,7 +1183,7 @@ def resolve_provider(rt, configured, path):
     An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
     from `--provider fake`) replaces the provider every llm agent uses.
     """
-    # INTERPRETATION §4.4.1 (Q76): availability is checked before the key.
+    # INTERPRETATION I-024 §4.4.1 (Q76): availability is checked before the key.
     configured = configured.strip().lower()
     if configured not in PROVIDERS:
         raise rt.error(AgentCreationError, path,
@@ -1205,7 +1212,7 @@ def resolve_api_key(rt, provider, explicit, cpath):
     for var in variables:
         if rt.env.get(var):
             return rt.env[var]
-    # INTERPRETATION §4.4.1 (Q75): reported when the agent is created at load, before any message.
+    # INTERPRETATION I-023 §4.4.1 (Q75): reported when the agent is created at load, before any message.
     raise rt.error(ConfigurationError, cpath,
                    f"no API key for provider '{provider}': set the api_key field or the "
                    f"environment variable {' or '.join(variables)}", "4.4.1")
@@ -1250,7 +1257,7 @@ OPENAI_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def check_response_format_for(rt, provider, rf, path):
     """§4.4.3 at load: OpenAI's json_schema requires a `name` of 1-64 letters, digits, _ or -."""
-    # INTERPRETATION §4.4.3: "conformant to the provider's mechanism" is checked at load where a
+    # INTERPRETATION I-032 §4.4.3: "conformant to the provider's mechanism" is checked at load where a
     # vendor states a hard rule: OpenAI requires json_schema.name; the others have no slot for it.
     if provider != "openai" or rf.get("type") != "json_schema":
         return
@@ -1264,7 +1271,7 @@ def check_response_format_for(rt, provider, rf, path):
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
-    # INTERPRETATION §4.4.3: "does not support" is judged per provider and response_format type.
+    # INTERPRETATION I-031 §4.4.3: "does not support" is judged per provider and response_format type.
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
@@ -1280,7 +1287,7 @@ class ConversationMemory:
     Thread-safe: graph nodes may invoke one agent concurrently.
     """
 
-    # INTERPRETATION §4.4.4 (Q6): max_history counts entries (a user/assistant pair is two).
+    # INTERPRETATION I-022 §4.4.4 (Q6): max_history counts entries (a user/assistant pair is two).
 
     def __init__(self, max_history):
         self.max_history = max_history
@@ -1305,7 +1312,7 @@ def history_from_context(ctx):
 
     Entries are mappings with `role` and `content`.
     """
-    # INTERPRETATION §4.4.4: role `assistant` stays, `system` entries are left out (the agent's own
+    # INTERPRETATION I-030 §4.4.4: role `assistant` stays, `system` entries are left out (the agent's own
     # system prompt fills that slot), any other role (graph node names, `human`) is sent as `user`.
     history = ctx.get("conversation_history")
     if not isinstance(history, list):
@@ -1328,7 +1335,7 @@ def effective_temperature(agent, ctx):
     override = ctx.get("_temperature_override")
     if override is None:
         return agent.temperature
-    # INTERPRETATION §4.4.5: an override that is no number in [0, 2] fails this call only.
+    # INTERPRETATION I-027 §4.4.5: an override that is no number in [0, 2] fails this call only.
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
@@ -1414,7 +1421,7 @@ class ToolEnv:
 
     def fail(self, message, section="4.5"):
         """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
-        # INTERPRETATION §4.5.1 (Q65): every tool failure, rejection or operational, is an
+        # INTERPRETATION I-043 §4.5.1 (Q65): every tool failure, rejection or operational, is an
         # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
         return ExecutionError(message, path=self.limits.who, section=section)
 
@@ -1452,7 +1459,7 @@ class ToolAgent:
         if not isinstance(config, dict):
             raise rt.error(ConfigurationError, config_path, "tool agent config must be a mapping",
                            "4.5")
-        # INTERPRETATION §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
+        # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
         # load, because the table says "Required: Yes" and such an agent could only ever fail.
         if "tools" not in config:
             raise rt.error(ConfigurationError, config_path,
@@ -1499,6 +1506,7 @@ class ToolAgent:
         """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
         rt = self.rt
         if isinstance(entry, str):
+            # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
             if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
                 raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
                                f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
@@ -1520,7 +1528,7 @@ class ToolAgent:
                         rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
                                 path=path + (key,))
                 if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
-                    # INTERPRETATION §16.3 (Q5): accepted; the inline tool shadows the built-in,
+                    # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
                     # with a warning, because the rule's own parenthesis says the inline tool wins.
                     rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
                             section="16.3", path=path + ("name",))
@@ -1611,7 +1619,7 @@ def tool_echo(env, args):
 
     {tool: echo, args: {text: <s>}} | {tool: echo, args: [<s>, ...]} | `echo <words>`
     """
-    # INTERPRETATION §4.5.1 (Q64): several positional arguments are joined with single spaces,
+    # INTERPRETATION I-044 §4.5.1 (Q64): several positional arguments are joined with single spaces,
     # the same for the JSON `args` list and the space-separated command form.
     text = tool_rest(args, "text")
     return "" if text is None else text
@@ -1622,7 +1630,7 @@ def tool_math(env, args):
 
     {tool: math, args: {expression: "2 + 2 * 3"}} | `math 2+2*3`   -> "8"
     """
-    # INTERPRETATION §4.5.1: positional arguments are joined by spaces, so that the command
+    # INTERPRETATION I-045 §4.5.1: positional arguments are joined by spaces, so that the command
     # form `math 2 + 2` (split on spaces by §4.5.3) gives the expression "2 + 2".
     expression = tool_rest(args, "expression")
     if not isinstance(expression, str) or not expression.strip():
@@ -1638,6 +1646,8 @@ MATH_OPERATORS = {
     ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
     ast.Pow: pow,
 }
+# INTERPRETATION I-046, I-163 §4.5.1: an AST walk over numbers only; integers and the work of
+# one expression are bounded, so one message costs milliseconds.
 MATH_MAX_BITS = 4096          # no integer, given or computed, beyond 4096 bits (about 1233 digits)
 MATH_MAX_WORK = 1 << 32       # bit operations one expression may cost (milliseconds, not more)
 
@@ -1759,7 +1769,7 @@ def tool_json_parse(env, args):
                            f"column {exc.colno})", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
-    # INTERPRETATION §4.5.1: non-ASCII characters are written as themselves (ensure_ascii off).
+    # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii off).
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 
@@ -1774,6 +1784,7 @@ def tool_http_request(env, args):
     headers = args.get("headers") or {}
     if not isinstance(url, str) or not url:
         raise env.fail("http_request needs a `url` string", "4.5.1")
+    # INTERPRETATION I-048 §4.5.1, §13.4: http and https only; proxies from rt.env.
     if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
         # file:, ftp: and data: URLs would step around the §13.3 file rules
         raise env.fail("http_request accepts only http and https URLs", "13.4")
@@ -1836,7 +1847,7 @@ def tool_file_read(env, args):
         raise env.fail(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
     except OSError as exc:
         raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
-    # INTERPRETATION §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
+    # INTERPRETATION I-049 §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
     # empty file has 0 lines, a final newline opens no extra line); Size counts characters.
     return (f"{FILE_READ_SUCCESS}📄 File: {given} | Lines: {len(content.splitlines())} | "
             f"Size: {len(content)} chars\n{FILE_CONTENT_START}\n{content}\n{FILE_CONTENT_END}")
@@ -1887,6 +1898,7 @@ BUILTIN_TOOLS = {
 CONTEXT_FREE_TOOLS = frozenset({"echo", "math", "json_parse", "http_request"})
 
 # §4.5.2 Inline tools ------------------------------------------------------------------
+# INTERPRETATION I-051 §4.5.2, §4.5.6: item 5's facility is a `progress_bar` function.
 # The §4.5.2 names: what an inline body sees besides the §13.2.1 built-ins, and where
 # `result` falls back to. INLINE_PROGRESS names the §4.5.6 item 5 entry point:
 # `progress_bar(current=3, total=10, stage="draft", message="intro")` returns the rendered line.
@@ -1896,7 +1908,7 @@ INLINE_PROGRESS = "progress_bar"
 
 def inline_input(args):
     """input_data for an inline tool named in a JSON request: `args`, JSON-encoded if not text."""
-    # INTERPRETATION §4.5.3 (Q63): an inline tool called by name gets the request's `args`
+    # INTERPRETATION I-054 §4.5.3 (Q63): an inline tool called by name gets the request's `args`
     # (JSON-encoded when not a string; space-joined in the command form), not the whole message.
     if args is None:
         return ""
@@ -1911,7 +1923,7 @@ class InlineTool:
 
     def __init__(self, agent, name, code, path):
         rt = agent.rt
-        # INTERPRETATION §4.5.2 (Q72): an inline tool on a safe host is refused at load with
+        # INTERPRETATION I-050 §4.5.2 (Q72): an inline tool on a safe host is refused at load with
         # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
         # and §20 describes exactly this category.
         if not rt.unsafe:
@@ -1923,7 +1935,7 @@ class InlineTool:
 
     def run(self, input_data, env):
         """Run the body with input_data, message, context (by reference) and result=None."""
-        # INTERPRETATION §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
+        # INTERPRETATION I-052, I-158 §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
         # invocation context (invocation wins); keys it sets or deletes land in the invocation
         # context (the global one in streams) as they are written, so later steps see them
         # (§4.5.7) -- unless the call was abandoned by its timeout (§5.3.4).
@@ -1954,7 +1966,7 @@ def tool_request(agent, content):
     """
     tools = agent.tools
     text = content if isinstance(content, str) else message_text(content)
-    # INTERPRETATION §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
+    # INTERPRETATION I-053 §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
     # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
     if agent.sole_inline:
@@ -1976,13 +1988,13 @@ def tool_request(agent, content):
             raise ExecutionError("the `tool` key of a tool request must be a tool name",
                                  path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
-    # INTERPRETATION §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
+    # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
     # form, as written.
     words = text.split()
     name = words[0] if words else ""
     if agent.sole_tool is not None and name not in tools and name not in BUILTIN_TOOLS \
             and name not in EXTENSION_TOOLS:
-        # INTERPRETATION §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
+        # INTERPRETATION I-055 §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
         # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
         # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
         return agent.sole_tool, [text], text
@@ -2009,7 +2021,7 @@ def safe_mode_refusal(env, given, op):
         return "file_write requires `_unsafe_mode: true` in the invocation context"
     if not env.safe_mode:
         return None
-    # INTERPRETATION §4.5.4: "paths containing .." means a `..` path component (traversal),
+    # INTERPRETATION I-056 §4.5.4: "paths containing .." means a `..` path component (traversal),
     # not the two characters anywhere (a file may be named `v1..2.txt`).
     if traversal:
         return f"{op} rejects `..` in paths"
@@ -2026,7 +2038,7 @@ FILE_WRITE_WROTE = "Successfully wrote {n} characters to {path}"
 FILE_WRITE_APPENDED = "Successfully appended {n} characters to {path}"
 FILE_WRITE_INSERTED = "Successfully inserted {n} characters at line {line} in {path}"
 
-# INTERPRETATION §4.5.5 (Q66): <n> counts the content as given; <path> is the path as given;
+# INTERPRETATION I-059 §4.5.5 (Q66): <n> counts the content as given; <path> is the path as given;
 # mode a puts exactly one blank line between existing text and content starting with `#` (none
 # added when the file already ends in one, none for an empty file); insert ends the content with
 # a newline when it lacks one, so it occupies whole lines; a clamped position reports the line
@@ -2123,6 +2135,7 @@ PROGRESS_FILLED = "█"
 PROGRESS_EMPTY = "░"
 PROGRESS_LABEL_JOIN = " • "            # item 4: stage and message joined by •
 
+# INTERPRETATION I-061 §4.5.6: argument names, then context hooks, then the snapshot.
 # The §4.5.1 progress_bar arguments, by the snapshot field they set (first present wins).
 # `remaining` sets current to total - remaining; a list given as a count counts its items.
 PROGRESS_ARGUMENTS = {
@@ -2140,7 +2153,7 @@ class ProgressFacility:
     """
 
     def __init__(self, stream=None):
-        # INTERPRETATION §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
+        # INTERPRETATION I-060 §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
         # None means the process's standard error, because a command-line host prints the
         # Actor's results (and --json) on standard output. The tool returns the rendered line.
         self.stream = stream
@@ -2245,6 +2258,7 @@ def progress_function(env):
     return progress_bar
 
 # §4.5.7 Tool output conventions -------------------------------------------------------
+# INTERPRETATION I-062 §4.5.7: the canonical string is str(); None gives "".
 def tool_output(value):
     """§4.5.7: a tool's value as a string: None -> "", strings as they are, the rest via str()."""
     if value is None:
@@ -2322,7 +2336,7 @@ def check_composite(doc, name, config, path, agent_types):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
-    # INTERPRETATION §4.6: expose_params is a mapping, published in metadata; overriding happens
+    # INTERPRETATION I-016 §4.6: expose_params is a mapping, published in metadata; overriding happens
     # only through template parameters (§8.10).
     if "expose_params" in config and not isinstance(config["expose_params"], dict):
         raise doc.error(ConfigurationError, path + ("expose_params",),
@@ -2370,7 +2384,7 @@ def check_composite(doc, name, config, path, agent_types):
 def composite_scope(doc, path):
     """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
     composite's, and its own."""
-    # INTERPRETATION §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # INTERPRETATION I-014 §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
     # composite's, and this one's (local first), in any document order.
     names = set(doc.data.get("agents") or {})
     for end in range(1, len(path) + 1):
@@ -2386,7 +2400,7 @@ def is_agent_ref(cfg):
 
 def check_agent_ref(doc, local, cfg, path, scope, siblings):
     """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
-    # INTERPRETATION §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
+    # INTERPRETATION I-015 §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
     # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
     target = cfg["ref"]
     extra = sorted(set(cfg) - {"ref"})
@@ -2406,7 +2420,7 @@ def check_composite_self_reference(doc):
     """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
     not stand for the composite it sits in, an enclosing one, or -- through other composites'
     refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
-    # INTERPRETATION §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
+    # INTERPRETATION I-015 §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
     # that maps the composite again may be bounded by its own conditions, so it is left alone.
     top = doc.data["agents"]
     edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
@@ -2439,6 +2453,7 @@ def check_composite_self_reference(doc):
 
     for name, cfg in top.items():
         walk(name, cfg, ("agents", name), [(top, name)])
+    # INTERPRETATION I-168 §4.6, §8.7.1: a ref that leads back to its composite fails the load.
     for start in edges:                     # a ref cycle through several composites
         seen, todo = {start}, [start]
         while todo:
@@ -2533,11 +2548,11 @@ class CompositeAgent:
     with the composite (a `{ref: name}` component is an AgentRef to an agent in scope); its
     graphs and streams are wired on first use, once every outer agent exists (their static checks
     ran at validation). One request at a time goes through the wiring.
-    INTERPRETATION §4.6.2 (Q73): when input and output differ, the input component's result is
+    INTERPRETATION I-012 §4.6.2 (Q73): when input and output differ, the input component's result is
     handed to the output component -- unless the output component is a stream that the input's
     flow already reached, whose emission is then the response.
-    INTERPRETATION §4.6.2: a stream component's response is the last message it emits for the
-    request; one that emits nothing and holds nothing (a filter said no) answers the empty
+    INTERPRETATION I-013 §4.6.2: a stream component's response is the last message it emits for
+    the request; one that emits nothing and holds nothing (a filter said no) answers the empty
     string (§4.5.7's rule); one that may still emit (a timer or a reduce) answers when it does
     (invoke_later, the late-output methods below).
     """
@@ -2580,7 +2595,7 @@ class CompositeAgent:
         self.local_agents = local
         self.routing = config["routing"]
         for key in self.routing:
-            if key == "strategy":       # §4.6.3 forbids it beside config; here it only misleads
+            if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
                 rt.warn("routing.strategy has no meaning (the routing is input and output); "
                         "it is ignored", section="4.6.3, §16.1",
                         path=tuple(path) + ("config", "routing", key))
@@ -2604,7 +2619,7 @@ class CompositeAgent:
     @property
     def capabilities(self):
         """§4.11, computed when asked, since a `ref` component may be declared after us."""
-        # INTERPRETATION §4.11: "composite", then the union of the local agents' capabilities,
+        # INTERPRETATION I-017 §4.11: "composite", then the union of the local agents' capabilities,
         # then stateful-workflow per graph and reactive-processing per stream (no repeats).
         caps = ["composite"]
         for cap in [cap for agent in self.local_agents.values() for cap in agent.capabilities] + \
@@ -2720,7 +2735,7 @@ class CompositeAgent:
         return result
 
     # -- output that comes later (§4.6.2 item 4) ------------------------------------------
-    # INTERPRETATION §4.6.2 (new): when the output stream emitted nothing for a request but
+    # INTERPRETATION I-013 §4.6.2 (new): when the output stream emitted nothing for a request but
     # still may (a timer of the components is pending, or a reduce holds messages), the call
     # completes when it does: the emission carrying the request's mark answers it, and calls
     # waiting from before it, which the stream passed over (a debounce dropped them), answer
@@ -2806,7 +2821,7 @@ class CompositeAgent:
 
 # §4.7 Chain agents -----------------------------------------------------------------------
 CHAIN_PREFIX = "ChainAgent processed: "
-CHAIN_SEPARATOR = "->"   # INTERPRETATION §4.7 (Q74): the bare token, no spaces, also before step 1
+CHAIN_SEPARATOR = "->"   # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
 
 
 def check_chain(doc, name, config, path, agent_types):
@@ -3041,7 +3056,7 @@ class _Checker:
             self.fail(path, f"unknown graph route {value!r}")
 
     def function(self, value, path):
-        # INTERPRETATION §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
+        # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
         # anything else is an inline expression, which §16.2 forbids.
         if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
             self.fail(path, "function must name a transformer; inline expressions are forbidden "
@@ -3202,7 +3217,7 @@ class StreamRoute(_Node):
         self.ended = False
 
     def emit(self, msg):
-        # INTERPRETATION §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
+        # INTERPRETATION I-081 §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
         # every hop, so `source_is` can name any route.
         if msg.source_stream != self.name:
             msg = msg.copy(source_stream=self.name)
@@ -3267,7 +3282,7 @@ def build_chain(net, route, ops, path, down):
 # §5.3.1 Stream types ------------------------------------------------------------------
 # The §5.3.1 table: stream type -> how many past messages a late subscriber receives
 # (None: the route's buffer_size). Every subscriber wired at setup sees every message.
-# INTERPRETATION §5.3.1 (Q22): operators run once per message and every target shares the
+# INTERPRETATION I-080 §5.3.1 (Q22): operators run once per message and every target shares the
 # result; hot/replay memory (and a hot stream's initial_value) reaches late subscribers only,
 # i.e. hooks added with StreamNetwork.subscribe() after creation.
 STREAM_TYPES = {
@@ -3430,7 +3445,7 @@ def op_throttle(site, params, down):
         throttle(3 ticks)
         output:   a-------d----
     """
-    # INTERPRETATION §5.3.2 throttle (Q16): leading-edge throttle; dropped messages are gone.
+    # INTERPRETATION I-074 §5.3.2 throttle (Q16): leading-edge throttle; dropped messages are gone.
     duration, clock = params["duration"], site.rt.clock
     last = [None]
 
@@ -3476,7 +3491,7 @@ def op_buffer(site, params, down):
         buffer(count 2)
         output:   --(ab)-(cd)-(e)|   (each batch flattened; completion flushes)
     """
-    # INTERPRETATION §5.3.2 buffer (Q17): a window (time, else timeout) starts at the first
+    # INTERPRETATION I-075 §5.3.2 buffer (Q17): a window (time, else timeout) starts at the first
     # buffered message; a batch leaves when count is reached or its window ends, whichever is
     # first; completion flushes a partial batch.
     count, clock = params.get("count"), site.rt.clock
@@ -3549,7 +3564,7 @@ def op_switch(site, params, down):
     {type: switch, params: {cases: [{condition: c, target: <stream>, operators: [...]}],
      default: <stream>, default_operators: [...]}}
     """
-    # INTERPRETATION §5.3.2 switch (Q12): a case whose target is unknown counts as no-match and
+    # INTERPRETATION I-070 §5.3.2 switch (Q12): a case whose target is unknown counts as no-match and
     # evaluation goes on with the next case; a forwarded message leaves this route; a matching
     # case with neither operators nor target passes the message on unchanged.
     net, rt, path, route = site.net, site.rt, site.path, site.route
@@ -3598,7 +3613,7 @@ def op_conditional_route(site, params, down):
 
     {type: conditional_route, params: {routes: {<route>: <condition>, ...}, default: <route>}}
     """
-    # INTERPRETATION §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when the
+    # INTERPRETATION I-066 §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when the
     # operator's params carry a `routes` mapping; each message goes to the first route (in
     # declaration order) whose condition holds under the bridge rules of §5.4.1 (unknown type:
     # no-match), else to `default`, else on down this route.
@@ -3622,7 +3637,7 @@ def op_catch(site, params, down):
 
     {type: catch, params: {}}
     """
-    # INTERPRETATION §5.3.2 catch vs §12.2.3 (Q21, Q93): every failure already put exactly one
+    # INTERPRETATION I-079 §5.3.2 catch vs §12.2.3 (Q21, Q93): every failure already put exactly one
     # message on __error__ where it happened; catch removes messages flagged error: true from
     # the downstream flow, so they do not reach this route's publications a second time.
     def on_next(msg):
@@ -3637,7 +3652,7 @@ def op_retry(site, params, down):
     {type: retry, params: {count: 3}} -- the map reads the count at build time (retry_count),
     so this stage itself passes messages through.
     """
-    # INTERPRETATION §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
+    # INTERPRETATION I-078 §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
     # means: the closest preceding agent map in the same route re-invokes its agent up to
     # `count` extra times before it reports the failure.
     if _retried_map(site.ops, site.index) is None:
@@ -3718,7 +3733,7 @@ def op_sample(site, params, down):
         sample(4 ticks, ticks counted from the first message)
         output:   ----b-------c---|
     """
-    # INTERPRETATION §5.3.2 sample (Q18): a tick emits only a message that arrived since the
+    # INTERPRETATION I-076 §5.3.2 sample (Q18): a tick emits only a message that arrived since the
     # previous tick; ticks fall on a grid that starts at the first message, and are scheduled
     # only while a message waits (no endless timer); completion emits a waiting message.
     interval, clock = params["interval"], site.rt.clock
@@ -3833,7 +3848,7 @@ def op_graph_node(site, params, down):
 
 
 def _check_map(checker, params, path):
-    # INTERPRETATION §5.3.2 map (Q13): none or several of agent/function/transform is a
+    # INTERPRETATION I-071 §5.3.2 map (Q13): none or several of agent/function/transform is a
     # ConfigurationError at load time.
     given = [k for k in ("agent", "function", "transform") if params.get(k) is not None]
     if len(given) != 1:
@@ -3925,7 +3940,7 @@ OPERATOR_CHECKS = {
 }
 
 # §5.3.3 Function references ---------------------------------------------------------
-# INTERPRETATION §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
+# INTERPRETATION I-072 §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
 # empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
 # found in neither is the identity transformation (with a warning at build time).
 STANDARD_FUNCTIONS = {}
@@ -3987,7 +4002,7 @@ class BoundedCall:
 _BOUNDED_CALL = contextvars.ContextVar("actor_bounded_call", default=None)
 
 
-# INTERPRETATION §5.3.4, §6.2.2: a call given up on after its timeout (and all it started) is
+# INTERPRETATION I-120 §5.3.4, §6.2.2: a call given up on after its timeout (and all it started) is
 # abandoned; it runs on, since a thread cannot be stopped, but makes no later effect.
 def call_abandoned():
     """True when the running code belongs to a call whose caller stopped waiting (a timeout).
@@ -4150,7 +4165,7 @@ def agent_mapper(site, name, down):
         else:                           # §12.2.3 boundary: agent invocation
             out = msg.copy(content=ERROR_PREFIX + error_reason(exc), source_stream=route)
             out.metadata.update(error=True, error_type=error_category(exc), processed_by=name)
-        # INTERPRETATION §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
+        # INTERPRETATION I-087 §5.3.4 vs §12.2.3 (Q92): the failed map's message goes on downstream
         # (§5.3.4 "emit"), and one copy of it is the failure's single __error__ message.
         net.report(out)
         down.next(out)
@@ -4204,7 +4219,7 @@ def tf_identity(content, params):
 
 
 # The §5.3.5 table: transform type -> handler(content, params) -> new content.
-# INTERPRETATION §5.3.5 (Q15): extract of a missing field or non-mapping leaves content
+# INTERPRETATION I-073 §5.3.5 (Q15): extract of a missing field or non-mapping leaves content
 # unchanged; format uses str(); replace replaces all occurrences; an absent type is identity
 # and an unknown type is a ConfigurationError at load.
 TRANSFORMS = {
@@ -4262,7 +4277,7 @@ def acc_sum(total, content):
 
 
 # The §5.3.6 table: accumulator -> (seed, step(total, content) -> total).
-# INTERPRETATION §5.3.6 (Q19): sum counts int/float content only (not numeric strings, not
+# INTERPRETATION I-077 §5.3.6 (Q19): sum counts int/float content only (not numeric strings, not
 # bools), an ignored item still makes scan emit the unchanged total, the total stays an int
 # while every input is one; concat joins with no separator.
 ACCUMULATORS = {
@@ -4301,6 +4316,8 @@ def cond_content_contains(cond, subject, rt):
     return str(cond.get("text", "")) in _content_text(subject)
 
 
+# INTERPRETATION I-068, I-069 §5.4 (Q11): the definition holds for empty text too (always false),
+# in §18.12 and in the §5.3 examples alike.
 def cond_content_not_contains(cond, subject, rt):
     return str(cond.get("text", "")) not in _content_text(subject)
 
@@ -4371,7 +4388,7 @@ def cond_message_pattern(cond, subject, rt):
 
 def cond_custom(cond, subject, rt):
     """`function` is a callable bound by the host, or the name of one it registered."""
-    # INTERPRETATION §5.4 custom: a document can only name the callable, so a string is looked
+    # INTERPRETATION I-067 §5.4 custom: a document can only name the callable, so a string is looked
     # up in the host's registry of functions (rt.functions, as for §5.3.3); a name the host did
     # not register makes the condition false.
     function = cond.get("function")
@@ -4381,7 +4398,7 @@ def cond_custom(cond, subject, rt):
 
 
 # The §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
-# INTERPRETATION §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
+# INTERPRETATION I-019 §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
 CONDITIONS = {
     "always":               (cond_always,               {"stream", "bridge", "edge", "node"}),
     "never":                (cond_never,                {"node", "stream"}),
@@ -4506,7 +4523,7 @@ class StreamNetwork:
     @property
     def single_shot(self):
         """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
-        # INTERPRETATION §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
+        # INTERPRETATION I-089 §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
         # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
         # with -m messages); vectors and the API are not single-shot.
         if self._single_shot is not None:
@@ -4516,7 +4533,7 @@ class StreamNetwork:
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):
         """Subscribe every target to its sources; one edge per (source, target) pair."""
-        # INTERPRETATION §5.5 (Q24, Q7 f): a source -> target pair declared more than once
+        # INTERPRETATION I-082 §5.5 (Q24, Q7 f): a source -> target pair declared more than once
         # (publication + merge, split, default router) is one edge: a message crosses it at most
         # once, when any of the declarations lets it through. A diamond A->B->C, A->C still
         # delivers twice at C: those are different pairs.
@@ -4547,7 +4564,7 @@ class StreamNetwork:
         return push_if
 
     def _implicit_graph_output(self):
-        # INTERPRETATION §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
+        # INTERPRETATION I-086 §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
         # no merge, split or next stage reads from sends each run's output (GraphRun.output) to
         # __output__, however it was fed (merge, split, default router, send(target=...)).
         read = {s for (s, _t) in self.edges}
@@ -4628,7 +4645,7 @@ class StreamNetwork:
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
-        # INTERPRETATION §5.5 (Q27): __input__ completes when the host ends input; each node then
+        # INTERPRETATION I-084 §5.5 (Q27): __input__ completes when the host ends input; each node then
         # completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
@@ -4812,7 +4829,7 @@ def default_router(rt):
 def publication_links(routes):
     """§5.5: each publication target receives every emission of its route (a graph route's
     emissions are its runs' outputs)."""
-    # INTERPRETATION §5.5, §6.1: a graph route may declare publications too (the issue's "graph
+    # INTERPRETATION I-085 §5.5, §6.1: a graph route may declare publications too (the issue's "graph
     # routes ... emit to their publications"); §6.1's table lists none, §5.5 speaks of streams.
     links = []
     for name, cfg in routes.items():
@@ -4881,7 +4898,7 @@ GRAPH_FIELDS = {
 }
 
 
-# INTERPRETATION §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
+# INTERPRETATION I-092 §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -4951,7 +4968,7 @@ class GraphRoute:
                                                        self.path + ("checkpoint_dir",))
             try:
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
-            except (OSError, ValueError) as exc:    # unwritable, a file, a NUL byte
+            except (OSError, ValueError) as exc:    # INTERPRETATION I-170 §6.6: located
                 raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
                                    f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
@@ -5111,14 +5128,14 @@ class GraphRoute:
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
-        # INTERPRETATION §6.5 (Q40): level by level; reaching end closes one branch, and the run
+        # INTERPRETATION I-105 §6.5 (Q40): level by level; reaching end closes one branch, and the run
         # ends when no branch is left. (_continue takes a lone unconditional edge itself.)
         frontier, taken = [], set()
         state = self.state
         for node, output in results:
             view = None
             for edge in node.out:
-                if edge.target in taken:            # INTERPRETATION §6.7 (Q41): joined in one step
+                if edge.target in taken:            # INTERPRETATION I-106 §6.7 (Q41): joined in one step
                     continue
                 if edge.condition is not None:
                     if view is None:
@@ -5439,18 +5456,20 @@ def agent_node_context(node, state, message):
     """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
     metadata = state["metadata"]
     messages = state["messages"]
-    # INTERPRETATION §6.2.2 (Q30): the history is the conversation before the message the node
+    # INTERPRETATION I-095 §6.2.2 (Q30): the history is the conversation before the message the node
     # receives; when the newest state message is that message, it is the input, not history.
     end = len(messages)
     if end and messages[-1].get("content") == message:
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
-    # INTERPRETATION §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
+    # INTERPRETATION I-098 §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
     # keys the node adds win over both. The mapping is filled through dict's own methods, so
     # that only the agent's writes are noted.
     nested = metadata.get("context")
     ctx = NodeContext(nested) if isinstance(nested, dict) else NodeContext()
     _dict_update(ctx, metadata)
+    # INTERPRETATION I-116 §6.2.2 items 2-3: the reserved keys are key-level; the history list is
+    # new per call, its entries the state's own records (by reference, §10.2).
     # graph_state is a picture of the state (§6.2.2 item 2): its own metadata dict, so that an
     # agent writing into it cannot reach the live state, nor a parallel sibling's view (§6.7).
     _dict_update(ctx, {
@@ -5483,12 +5502,13 @@ def node_agent(graph, node, message, state):
     parallel: false, metadata: {max_history_messages: 20, max_history_chars: 12000}}`
     """
     agent = graph.rt.agents[node.agent]
+    # INTERPRETATION I-117 §6.2.2 item 2: built only for an agent that can read it.
     # Building the context is work only an agent that reads it can tell happened: one that
     # cannot (reads_context false, e.g. a tool agent with only CONTEXT_FREE_TOOLS) gets an
     # empty mapping; what it returns, and items 3-4 below, are the same either way.
     builds = getattr(agent, "reads_context", True)
-    # INTERPRETATION §6.2.2 (Q45): the agent renders Phase C with this node-built context.
-    # INTERPRETATION §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
+    # INTERPRETATION I-110 §6.2.2 (Q45): the agent renders Phase C with this node-built context.
+    # INTERPRETATION I-109 §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's written or removed keys are dropped (objects changed in place stay
     # changed: they are shared by reference); after the last one the run fails (state.error).
     attempt = 0
@@ -5516,7 +5536,7 @@ def node_agent(graph, node, message, state):
         changes["last_agent_node"] = node.name                 # §6.2.2 item 4
     else:
         changes, removed = {"last_agent_node": node.name}, None
-    # INTERPRETATION §6.3.1 (Q29): the reply joins state.messages as an assistant message.
+    # INTERPRETATION I-094 §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
@@ -5534,7 +5554,7 @@ def function_route(state):
 
 def function_validate(state):
     """validate: metadata.valid = whether the last message has non-blank content."""
-    # INTERPRETATION §6.2.3 (Q38): valid iff the latest state message has non-blank content.
+    # INTERPRETATION I-103 §6.2.3 (Q38): valid iff the latest state message has non-blank content.
     messages = state["messages"]
     return {"valid": bool(messages) and bool(str(messages[-1].get("content", "")).strip())}
 
@@ -5561,7 +5581,7 @@ def node_tool(graph, node, message, state):
 
     `{type: tool, tools: [<name>, ...]}`
     """
-    # INTERPRETATION §6.2.3 (Q37): the names come from `tools`; nothing runs, the entries are
+    # INTERPRETATION I-102 §6.2.3 (Q37): the names come from `tools`; nothing runs, the entries are
     # the fixed records the section prescribes.
     results = [{"tool": name, "result": f"Executed {name}"} for name in node.tools]
     return NodeResult(message, metadata={"tool_results": results})
@@ -5582,7 +5602,7 @@ def node_subgraph(graph, node, message, state):
 
     `{type: subgraph, graph: <graph_route_name>}`
     """
-    # INTERPRETATION §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
+    # INTERPRETATION I-101 §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
     return NodeResult(message, metadata={"subgraph": node.graph, "subgraph_pending": True})
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
@@ -5608,7 +5628,7 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
-    # INTERPRETATION §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
+    # INTERPRETATION I-114 §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -5662,6 +5682,7 @@ class RouterRule:
         self.set_state = rule.get("set_state")
 
 
+# INTERPRETATION I-113, I-165 §6.2.6.2: a shape that may backtrack is warned at load, not refused.
 def regex_may_backtrack(pattern):
     """Whether `pattern` has a shape on which Python's regex engine may take exponential or
     high polynomial time on a crafted message, in C, past every deadline (T1, README
@@ -5721,7 +5742,7 @@ def node_message_router(graph, node, message, state):
             continue
         extracted = rule.extract(text, rule.pattern, rule.separator, found) \
             if rule.extract_message else text
-        # INTERPRETATION §6.2.6.3 (Q35): set_state is written into state.metadata.
+        # INTERPRETATION I-100 §6.2.6.3 (Q35): set_state is written into state.metadata.
         return NodeResult(extracted, metadata={"next_node": rule.target},
                           set_state=rule.set_state, last_content=extracted)
     return None                                                  # §6.2.6.4: state unchanged
@@ -5764,7 +5785,7 @@ GRAPH_STATE_FIELDS = {
 MAX_STATE_MESSAGES = 50
 
 # Schemas "known to the host" (§6.3.3).
-# INTERPRETATION §6.3.3: this host knows only its own default state, as actor.GraphState.
+# INTERPRETATION I-119 §6.3.3: this host knows only its own default state, as actor.GraphState.
 STATE_SCHEMAS = {"actor.GraphState": GRAPH_STATE_FIELDS}
 
 
@@ -5787,14 +5808,14 @@ def resolve_state_class(graph):
 def begin_run(state, content, ctx):
     """A run starts: the global context joins the state, the input joins the messages."""
     metadata = state["metadata"]
-    # INTERPRETATION §6.3.1 (Q32): state.metadata.context is the invocation context, by reference.
+    # INTERPRETATION I-097 §6.3.1 (Q32): state.metadata.context is the invocation context, by reference.
     metadata["context"] = ctx
-    # INTERPRETATION §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the start.
+    # INTERPRETATION I-098 §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the start.
     metadata.pop("next_node", None)
     if isinstance(ctx, dict):
         ctx.pop("next_node", None)
     metadata["current_message"] = content
-    # INTERPRETATION §6.2.1 (Q30): the start node's message joins state.messages as a user entry.
+    # INTERPRETATION I-095 §6.2.1 (Q30): the start node's message joins state.messages as a user entry.
     messages = state["messages"]
     messages.append({"role": "user", "content": content})
     if len(messages) > MAX_STATE_MESSAGES:
@@ -5839,7 +5860,7 @@ UPDATE_MODES = {
 
 def apply_state_update(state, update, mode="merge"):
     """Apply a mapping to the state in one of the §6.3.2 modes; cap messages at 50 (§6.3.1)."""
-    # INTERPRETATION §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
+    # INTERPRETATION I-108 §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
     # the 50-message cap holds after every mode, replace included.
     if mode not in UPDATE_MODES:
         raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
@@ -5859,7 +5880,7 @@ def apply_state_update(state, update, mode="merge"):
 def state_update_from_content(content):
     """What a state_update message means: a mapping (or JSON object text) is the update itself;
     any other content is appended to messages as a user message."""
-    # INTERPRETATION §6.3 (Q34): one state per graph route lives as long as the Actor, so an
+    # INTERPRETATION I-099 §6.3 (Q34): one state per graph route lives as long as the Actor, so an
     # update changes the state the next run starts from.
     if isinstance(content, str):
         try:
@@ -5912,7 +5933,7 @@ def build_edges(graph):
 # it sees is {messages, metadata, _condition_content: the source node's output} (GraphRoute.
 # _next_nodes), so content_* conditions read the latest output and context_value reads
 # state.metadata, then state.metadata.context (§6.5.1, cond_context_value).
-# INTERPRETATION §6.5 (Q31): every node receives its predecessor's output.
+# INTERPRETATION I-096 §6.5 (Q31): every node receives its predecessor's output.
 
 
 def condition_view(state, content):
@@ -5956,7 +5977,7 @@ def checkpoint_sequence(path):
     return int(match.group(1)) if match else 0
 
 
-# INTERPRETATION §6.6 (issue 15): "every ten state updates ... MUST be persisted" -- the state
+# INTERPRETATION I-166 §6.6 (issue 15): "every ten state updates ... MUST be persisted" -- the state
 # is serialised at the tenth update, on the calling thread, and written by a writer thread (the
 # file I/O off the hot path, LangGraph's "async durability"): it overlaps the next ten updates.
 # A process crash may lose the one checkpoint being written; each file is whole or absent (a
@@ -5970,7 +5991,7 @@ CHECKPOINT_FSYNC_EVERY = 1.0    # seconds between two fsyncs of checkpoint files
 def write_checkpoint(graph, state, wait=True):
     """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json;
     wait=False queues the write for the graph's writer thread. Returns the path."""
-    # INTERPRETATION §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
+    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
     # sequence continues past the newest file already there, so names stay unique and sortable.
     try:
         final = checkpoint_name(graph)
@@ -6062,7 +6083,7 @@ def restore_checkpoint(graph, path=None):
     for key in state:
         if key in data:
             state[key] = data[key]
-    # INTERPRETATION §6.6 (Q42): the stored context copy is kept until the next run re-attaches
+    # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run re-attaches
     # the live context (Q32).
     graph.state = state
     return path
@@ -6098,7 +6119,7 @@ def run_next_node_set(graph, admitted, state, settle):
     then run one after another, each settled before the next starts, so a sequential node sees
     every write made before it (§12.3 item 4). settle(i, NodeResult|None, error|None) applies
     outcome i and returns True when a guard stopped the run; nothing more runs after that."""
-    # INTERPRETATION §6.7, §12.3 (Q41): a next-node set is one step. Items 3-4 in their order:
+    # INTERPRETATION I-106 §6.7, §12.3 (Q41): a next-node set is one step. Items 3-4 in their order:
     # the parallel subset first, joined, so that no node without parallel: true ever overlaps
     # another; only the truly concurrent nodes share the state from before the set. A node
     # reached by several edges of the same step runs once (GraphRoute._next_nodes).
@@ -6111,7 +6132,7 @@ def run_next_node_set(graph, admitted, state, settle):
     if parallel:
         pool = graph._pool
         if pool is None:
-            # INTERPRETATION §6.7: one worker per parallel:true node, so that a whole subset
+            # INTERPRETATION I-120 §6.7: one worker per parallel:true node, so that a whole subset
             # really runs at once (item 3), however few processors the host has.
             size = sum(1 for node in graph.nodes.values() if node.parallel)
             pool = graph._pool = ThreadPoolExecutor(max_workers=max(2, size),
@@ -6177,7 +6198,7 @@ def guards_relaxed(state):
 
 def guard_before_node(graph, node, message, trace, relaxed):
     """Items 1 and 2, checked before a node runs; True (and trace.stopped set) stops the run."""
-    # INTERPRETATION §6.8 (Q39): the guards count per run; depth is the number of node
+    # INTERPRETATION I-104 §6.8 (Q39): the guards count per run; depth is the number of node
     # executions; a revisit is caught before the repeated node runs and fingerprints the
     # message the node is about to receive; "router" means a message_router node.
     if node.type == "start":
@@ -6219,7 +6240,7 @@ def guard_after_node(graph, node, output, trace, relaxed):
 # §6.9 Pure graph mode -------------------------------------------------------------------
 def replace_active_context(state, ctx):
     """§6.9 item 3: the final metadata replaces the context in place, nested keys merged up."""
-    # INTERPRETATION §6.9 (Q33): top-level metadata keys win over nested context keys; graph
+    # INTERPRETATION I-098 §6.9 (Q33): top-level metadata keys win over nested context keys; graph
     # keys (last_output, last_agent_node, ...) are kept for inspection; this happens after
     # every run, pure or mixed, so both modes look the same.
     if not isinstance(ctx, dict):
@@ -6253,7 +6274,7 @@ def notify_node_event(graph, node, output):
     The event carries the §12.2.1 keys of a node-level message: graph, node, execution_count
     (this node's executions so far, counting this one) and context (the run's invocation
     context, by reference)."""
-    # INTERPRETATION §6.10/§12.2.1: a node event is emitted for every execution (a router that
+    # INTERPRETATION I-115 §6.10/§12.2.1: a node event is emitted for every execution (a router that
     # matched nothing included); execution_count is the per-node counter of §12.2.1, kept for
     # the Actor's lifetime, not the state's update count.
     stream = f"__{graph.name}_node_{node.name}__"
@@ -6270,7 +6291,7 @@ def notify_control(graph, event):
     `event` is a mapping whose "event" is started or resumed (before the first step), then one of
     finished, stopped (a §6.8 guard ended the run: "guard" names it) or failed ("error",
     "error_type"); the last three carry the executed node names as "history"."""
-    # INTERPRETATION §6.10: the control stream carries the run's lifecycle, the one kind of
+    # INTERPRETATION I-118 §6.10: the control stream carries the run's lifecycle, the one kind of
     # event a graph has besides its node events and its state; the metadata is that of a node
     # event without the node (graph, context).
     stream = f"__{graph.name}_control__"
@@ -6404,7 +6425,7 @@ def check_graph(doc, name, cfg, path, agent_names):
         if flag in cfg and not isinstance(cfg[flag], bool):
             fail((flag,), f"{flag} must be a boolean", "6.1")
     if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
-        # INTERPRETATION §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
+        # INTERPRETATION I-107 §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
         fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
     if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
         fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
@@ -6424,12 +6445,12 @@ def check_graph(doc, name, cfg, path, agent_names):
         if node_type == "dynamic_router":
             fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
                  "16.2")
-        if node_type not in NODE_TYPES:     # INTERPRETATION §6.2: no extension node types
+        if node_type not in NODE_TYPES:     # INTERPRETATION I-112 §6.2: no extension node types
             fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
         if node_name in RESERVED_STREAM_NAMES:
             fail(where, f"node name '{node_name}' is a reserved stream name", "15.1")
         canonical = normalize_node_name(node_name)
-        # INTERPRETATION §6.2 (Q83): start/end (START/END) may be declared only as nodes of
+        # INTERPRETATION I-111 §6.2 (Q83): start/end (START/END) may be declared only as nodes of
         # their own type; any other node under these names is rejected.
         if canonical in (START_NODE, END_NODE) and node_type != canonical:
             fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
@@ -6667,7 +6688,7 @@ def split_links(net, data):
     return links
 
 # §7.3 The pipelines section -------------------------------------------------------------
-# INTERPRETATION §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a message
+# INTERPRETATION I-065 §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a message
 # sent to the pipeline's name (send(target=...), a merge or split target, the default router)
 # enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
 # (publications naming non-routes, input_from, output_to, subscriptions) are advisory;
@@ -6767,7 +6788,7 @@ class _PipelineEntry(_Node):
 # =====================================================================================
 
 # §8.1 Document-level templating (Phase A) ------------------------------------------------
-# INTERPRETATION §9.2 vs §8.1 (Q61, decided in issue 12): template_engine governs Phase A too
+# INTERPRETATION I-137 §9.2 vs §8.1 (Q61, decided in issue 12): template_engine governs Phase A too
 # ("all three template phases"): under MUSTACHE the document renders as Mustache (sections,
 # inverted sections, comments, substitution), under SIMPLE only the {{ }} expression pass runs (a
 # format pass over YAML would break on every brace); runtime fields are protected as always.
@@ -6864,6 +6885,7 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None, sa
         raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
                                  file=file, line=exc.line) from exc
 
+# INTERPRETATION I-021 §3.2, §8.1, §8.12: errors after Phase A name the raw line (a heuristic).
 class RenderedLines:
     """Where the lines of a Phase A output came from in the raw document, so that errors found
     after rendering name the line the author wrote (§8.2, §8.12).
@@ -6979,7 +7001,7 @@ def _undefined(value):
     return jinja2 is not None and isinstance(value, jinja2.Undefined)
 
 
-# INTERPRETATION §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
+# INTERPRETATION I-133 §8.3 (Q58 (a), (c)): split and yaml exist; tojson is plain one-line JSON.
 def filter_tojson(value, indent=None):
     """§8.3 tojson: one line of plain JSON (Q58 (c): no HTML escaping), a valid YAML flow scalar."""
     if _undefined(value):
@@ -6990,7 +7012,7 @@ def filter_tojson(value, indent=None):
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
 
 
-# INTERPRETATION §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
+# INTERPRETATION I-132 §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
 # blank ones included, as §8.3 says; Jinja2's own arguments (first=false, blank=false) still opt
 # out. The empty tail after a final newline is no line and stays empty.
 def filter_indent(value, width=4, first=True, blank=True):
@@ -7054,7 +7076,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     return out
 
 
-# INTERPRETATION §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
+# INTERPRETATION I-131 §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
     """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
     if _undefined(value) or value is None or (boolean and not value):
@@ -7090,14 +7112,14 @@ FILTERS = {
 
 # §8.4 Deferred rendering and field protection -------------------------------------------
 # Which fields are runtime-bearing: rendered per invocation (Phase C), so protected at Phase A.
-# INTERPRETATION §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
+# INTERPRETATION I-123 §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
 # (§4.7 renders it with the per-message `message`, which cannot exist at load).
 RUNTIME_FIELDS = {
     "system_prompt": "4.4.6",     # any mapping key of that name
     "prompt": "4.7",              # chain agents
     "content": "10.4",            # only directly under prompts.<name>
 }
-# INTERPRETATION §8.4 vs §8.9 (Q49): Phase A leaves whole template bodies untouched; they are
+# INTERPRETATION I-124 §8.4 vs §8.9 (Q49): Phase A leaves whole template bodies untouched; they are
 # rendered at instantiation (Phase B) with their parameters.
 DEFERRED_SECTIONS = ("templates", "template_strings")
 # Names that only exist at Phase C: never treated as bound at Phase A or B (Q46, Q47).
@@ -7113,7 +7135,7 @@ def is_runtime_field(keys):
     """keys: the mapping keys from the document root down to a scalar. True only for the §8.4
     fields: an agent's config.system_prompt / config.prompt (agents.<name>.config.<field>, also
     a composite's components.agents.<name>.config.<field>) and prompts.<name>.content."""
-    # INTERPRETATION §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
+    # INTERPRETATION I-123 §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
     # value, a template instance's params) is ordinary data and renders at Phase A.
     if len(keys) == 3 and keys[0] == "prompts" and keys[2] == "content":
         return True
@@ -7365,7 +7387,7 @@ def node_regions(node, keys, offset, regions, seen=None):
             node_regions(item, keys, offset, regions, seen)
 
 
-# INTERPRETATION §8.4 (new: where runtime fields sit in a template document): wherever YAML
+# INTERPRETATION I-140 §8.4 (new: where runtime fields sit in a template document): wherever YAML
 # would put them once the tags are blanked -- block or flow mappings, list items, beside
 # {% for %}/{% if %} lines; a key that is itself written by an expression is not known
 # before Phase A, so its value renders at Phase A like any other.
@@ -7538,7 +7560,7 @@ def document_regions_by_lines(text, masked=None, file=None):
 def templates_line(line, indent, blank, block_col, lineno, file):
     """One line inside `templates:`; returns the open block scalar's key column (or None).
 
-    INTERPRETATION §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
+    INTERPRETATION I-138 §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
     {% if %} inside string values, but a statement line that would emit YAML structure (a
     {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
     """
@@ -7564,7 +7586,7 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     fields an expression is protected unless every name it reads is bound at Phase A -- by an
     enclosing {% for %}, a {% set %}, or the supplied render context (never `context` or
     `message`):
-    INTERPRETATION §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
+    INTERPRETATION I-121, I-122 §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
     worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
     Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so only tags that
     read Phase A names (not built-ins) and nothing else are rendered at load.
@@ -7593,7 +7615,7 @@ RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing
                           "__jinja_template__", "__is_template__")
 
 
-# INTERPRETATION §8.5 (Q83): "MUST NOT use" names no action; a tag key anywhere is a
+# INTERPRETATION I-141 §8.5 (Q83): "MUST NOT use" names no action; a tag key anywhere is a
 # ConfigurationError at load.
 def check_reserved_template_keys(doc):
     """§8.5: reject a mapping key anywhere in the document that is one of the reserved tags."""
@@ -7649,7 +7671,7 @@ def param_float(value):
     raise ValueError(f"{value!r} is not a number")
 
 
-# INTERPRETATION §8.6.2 vs §8.8 (Q51, decided; a deviation from §8.6.2's literal text, which
+# INTERPRETATION I-126 §8.6.2 vs §8.8 (Q51, decided; a deviation from §8.6.2's literal text, which
 # makes every non-empty string true): "false", "no", "0", "off" (any case) are false as well,
 # matching step 6's coercion of a rendered "false"; other values go by truthiness.
 BOOLEAN_WORDS = {"true": True, "yes": True, "1": True, "on": True,
@@ -7703,7 +7725,7 @@ def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
     A templates entry without the block was refused at registration (Q83); a template_strings
-    body may omit it (None: no parameters). INTERPRETATION §8.6.1 (new): an undeclared instance
+    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared instance
     parameter is passed through with a warning (bind_parameters). The sequence form is
     forbidden (§16.2).
     """
@@ -7841,7 +7863,7 @@ class Expansion:
                     what = "a mapping" if body_type is dict else "a string (the raw body)"
                     raise self.doc.error(ConfigurationError, (section, kind, name),
                                          f"a {section} entry must be {what}", "8.6, 8.9")
-                # INTERPRETATION §8.6.1 (Q83, decided): "MUST declare" -- a templates entry
+                # INTERPRETATION I-145 §8.6.1 (Q83, decided): "MUST declare" -- a templates entry
                 # without a parameters block is refused, instantiated or not (`parameters: {}`
                 # declares none). template_strings bodies (§8.9) keep theirs optional.
                 if body_type is dict and "parameters" not in body:
@@ -7851,7 +7873,7 @@ class Expansion:
         return table
 
     def move_instances(self, instances):
-        """INTERPRETATION §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read as
+        """INTERPRETATION I-130 §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read as
         {name: {template, params}} and moved into `agents`, with a deprecation warning."""
         warn(self.rt, "the `instances` section is deprecated; declare instances inline under "
              "agents (template: ..., params: ...)", section="8.7", path=("instances",))
@@ -7878,13 +7900,13 @@ class Expansion:
                 if "template" in cfg:
                     raise self.doc.error(ConfigurationError, path, "`agent_template` and "
                                          "`template` on the same agent", "16.3")
-                # INTERPRETATION §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says MUST.
+                # INTERPRETATION I-093, I-139 §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says MUST.
                 raise self.doc.error(ConfigurationError, path + ("agent_template",),
                                      "`agent_template` is a forbidden form; use `template`",
                                      "16.2")
             if "template" not in cfg:
                 break
-            # INTERPRETATION §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
+            # INTERPRETATION I-144 §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
             # not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
@@ -7913,7 +7935,7 @@ class Expansion:
             raise self.doc.error(ConfigurationError, path + ("template_config",),
                                  "template_config needs `template` (and `params`)", "8.7")
         name = tc["template"]
-        # INTERPRETATION §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then comes
+        # INTERPRETATION I-129 §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then comes
         # from the template's kind; when given it picks the kind and must match.
         declared = str(cfg["type"]).lower() if "type" in cfg else None
         if declared is not None and declared not in ROUTE_KIND:
@@ -7954,7 +7976,7 @@ INT_FORM = re.compile(r"[-+]?\d+")
 FLOAT_FORM = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][-+]?\d+)")
 
 
-# INTERPRETATION §8.8 step 6 (new): only strings that held template syntax are coerced, and
+# INTERPRETATION I-142 §8.8 step 6 (new): only strings that held template syntax are coerced, and
 # never a runtime field (render_tree), so quoted literals and prompts stay strings.
 def coerce_rendered(text):
     """§8.8 step 6: a rendered string that looks like a boolean, integer, float or JSON list /
@@ -8008,7 +8030,7 @@ def render_at_instantiation(ex, text, variables):
 def render_phase_b(ex, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
-    INTERPRETATION §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
+    INTERPRETATION I-124 §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
     expression whose names are not all parameters or built-ins survives to Phase C. A parameter
     named `message` or `context` is a parameter like any other (§8.8 step 5): `variables` holds
     those names only when the instance binds them, and then they render here.
@@ -8085,7 +8107,7 @@ def render_tree(ex, node, variables, path, keys):
 
 
 def dropped_if_block(value, ex, variables, path, runtime_field):
-    """Step 7. INTERPRETATION §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
+    """Step 7. INTERPRETATION I-127 §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
     one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
     if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
         return False
@@ -8111,7 +8133,7 @@ def resolve_references(ex, decls, values, path, scope):
 
 # §8.9 The template_strings section -------------------------------------------------------
 def template_string_parameters(doc, body, tpath):
-    """INTERPRETATION §8.9 (Q53 (a)): a template_strings body declares its parameters in a
+    """INTERPRETATION I-128 §8.9 (Q53 (a)): a template_strings body declares its parameters in a
     leading top-level `parameters:` block, read as YAML before the first template tag."""
     lines = body.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.rstrip() == "parameters:"), None)
@@ -8138,7 +8160,7 @@ def template_string_parameters(doc, body, tpath):
 def instantiate_string(ex, body, variables, path, tpath):
     """§8.9: render the raw body with the parameters, then parse it as YAML.
 
-    INTERPRETATION §8.9/§18.11 (Q53 (e)): a body that yields one definition (it has `type` or
+    INTERPRETATION I-128 §8.9/§18.11 (Q53 (e)): a body that yields one definition (it has `type` or
     `template`) is the instance; a body that yields several definitions becomes a composite
     named after the instance, those definitions its components (input: the first, output:
     the last), so §18.11's `agent: legal_team` names something real.
@@ -8251,7 +8273,7 @@ def jinja2_module():
 def _jinja_classes(jinja2):
     """The two classes the JINJA2 environment is built from (they subclass jinja2's own)."""
 
-    # INTERPRETATION §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced
+    # INTERPRETATION I-125 §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced
     # and are false in conditions; the seed context is the §8.3 built-ins plus any render context.
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
@@ -8272,7 +8294,7 @@ def _jinja_classes(jinja2):
     class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         """Jinja2's immutable sandbox, with these changes:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
-          configured list, not dict.items (INTERPRETATION §8.11 (new: key vs attribute):
+          configured list, not dict.items (INTERPRETATION I-143 §8.11 (new: key vs attribute):
           `context.<key>` always means the key);
         - T2 (README Security): unbound methods of classes (reached through the §8.3 `str`,
           `dict`... built-ins) are refused: jinja2 checks the bound forms only, so
@@ -8280,7 +8302,7 @@ def _jinja_classes(jinja2):
           dict.update(context, {...}) changed the context;
         - T3: the §13.2 budget: every call and every loop step ticks the render's deadline, and
           + * ** go through the size check of the sandbox's operators.
-        INTERPRETATION §8.11 (new: templates are read-only): the immutable sandbox, because the
+        INTERPRETATION I-160 §8.11 (new: templates are read-only): the immutable sandbox, because the
         rendering context holds the live context by reference, and a prompt that could call
         context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
@@ -8325,7 +8347,7 @@ def template_loop(iterable):
         yield item
 
 
-# INTERPRETATION §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
+# INTERPRETATION I-134 §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -8538,7 +8560,7 @@ def render_mustache(text, variables, partials=None):
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-# INTERPRETATION §9.2 (T1, README Security): the format pass reads the template's own text only.
+# INTERPRETATION I-161 §9.2 (T1, README Security): the format pass reads the template's own text only.
 # What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
 # message "what is {api_token}?" prints as written.
 @functools.lru_cache(maxsize=4096)
@@ -8561,7 +8583,7 @@ def simple_names(variables):
     """The expressions' variables: the context's data, seen through a ContextView (T2: no
     host-only key is written); the §8.3 callables are left out.
 
-    INTERPRETATION §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
+    INTERPRETATION I-136 §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
     its built-ins are the §13.2.2 set alone."""
     return {key: ContextView(value, None, True) if type(value) is dict else value
             for key, value in variables.items()
@@ -8625,7 +8647,7 @@ def simple_format(text, variables):
     return "".join(out)
 
 
-# INTERPRETATION §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
+# INTERPRETATION I-135 §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
 # only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
@@ -8675,7 +8697,7 @@ def render(text, variables, engine="JINJA2", partials=None):
 # See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# INTERPRETATION §9.4 (Q91, decided): a declaration fails closed. Only an explicit false -- false,
+# INTERPRETATION I-004 §9.4 (Q91, decided): a declaration fails closed. Only an explicit false -- false,
 # 0, null, an empty value, or the words false/no/off/0 in any case -- leaves unsafe undeclared;
 # any other value (`unsafe: enabled`, `unsafe: [x]`) says the Actor needs unsafe mode.
 UNSAFE_FALSE_WORDS = ("false", "no", "off", "0", "")
@@ -8740,7 +8762,7 @@ def build_global_context(doc, host_context, host_unsafe):
 
 
 # §10.3 Reserved context keys -------------------------------------------------------------
-# Keys only the host may set. INTERPRETATION §10.3 (Q84): declaring them in context.global is an error.
+# Keys only the host may set. INTERPRETATION I-005 §10.3 (Q84): declaring them in context.global is an error.
 HOST_ONLY_CONTEXT_KEYS = {"_temperature_override": "4.4.5, §10.3", "_unsafe_mode": "10.3, §13.3"}
 RESERVED_CONTEXT_KEYS = (
     "_temperature_override", "_unsafe_mode", "auto_finish_active", "auto_finish_state",
@@ -8752,7 +8774,7 @@ RESERVED_CONTEXT_KEYS = (
 
 
 # The host-only keys stay the host's, wherever a write comes from (T2, README Security).
-# INTERPRETATION §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
+# INTERPRETATION I-157 §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
 # table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
 # one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
 # mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
@@ -8802,7 +8824,7 @@ class ContextView(collections.abc.MutableMapping):
 
 
 def _check_write(view, key, value=None):
-    if view.read_only:       # INTERPRETATION §8.11 (new: templates are read-only)
+    if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
     refuse_host_keys({key: value}, "configuration code")
     check_not_abandoned("inline code")
@@ -8855,7 +8877,7 @@ def refuse_host_keys(mapping, where):
 def collect_prompts(doc):
     """§10.4: name -> template text, long form only.
 
-    INTERPRETATION §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
+    INTERPRETATION I-006 §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
     without a `content` key is skipped silently.
     """
     prompts = {}
@@ -8935,7 +8957,7 @@ def warn_unknown_fields(rt, mapping, known, path, section):
 def stream_names(doc):
     """Names a subscription, publication, merge or split may use.
 
-    INTERPRETATION §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
+    INTERPRETATION I-007 §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
     splits create their missing targets.
     """
     names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
@@ -9135,7 +9157,7 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
                                  section="3.1", file=file)
     try:
         raw.encode("utf-8")
-    except UnicodeEncodeError as exc:       # a lone surrogate ("\ud800") is no Unicode text
+    except UnicodeEncodeError as exc:       # INTERPRETATION I-167 §3.1: a lone surrogate is no text
         line = raw.count("\n", 0, exc.start) + 1
         col = exc.start - (raw.rfind("\n", 0, exc.start) + 1) + 1
         raise ConfigurationError("document is not Unicode text: a lone surrogate "
@@ -9246,7 +9268,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
 # Per §12.2.2: order within a stream holds because every stage is a synchronous call made in
 # arrival order, and timers fire in (time, sequence) order. Across fan-out each message reaches
 # its targets one at a time, in declaration order of the links.
-# INTERPRETATION §12.2.2 (Q97): fan-out delivers each message to every target, in link
+# INTERPRETATION I-091 §12.2.2 (Q97): fan-out delivers each message to every target, in link
 # declaration order, before the next message.
 
 SOFT_TIMEOUT = 30.0         # §12.2.4: per-message completion bound in single-shot runs, seconds
@@ -9263,18 +9285,18 @@ def error_reason(exc):
 
 def error_category(exc):
     """§12.2.3 metadata.error_type: the §20 category an error carries, else ExecutionError."""
-    # INTERPRETATION §12.2.3, §20 (Q94): agent, tool and expression failures are
+    # INTERPRETATION I-088 §12.2.3, §20 (Q94): agent, tool and expression failures are
     # ExecutionErrors (an §20 error raised by the agent keeps its own category); routing
     # failures are StreamRoutingErrors.
     return exc.category if isinstance(exc, ActorError) else "ExecutionError"
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
-# INTERPRETATION §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
+# INTERPRETATION I-037 §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
 # and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of the
 # invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
 TOOL_EXECUTE_OPEN, TOOL_EXECUTE_CLOSE = "[TOOL_EXECUTE:", "[/TOOL_EXECUTE]"
-# INTERPRETATION §12.4 item 3: one readable text replaces any block that cannot run.
+# INTERPRETATION I-040 §12.4 item 3: one readable text replaces any block that cannot run.
 TOOL_EXECUTE_ERROR = "Error executing tool '{name}': {reason}"
 TOOL_EXECUTE_EXCLUDED = frozenset({"shell"})
 
@@ -9306,7 +9328,7 @@ def sanitize_tool_payload(text):
 
     A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
     """
-    # INTERPRETATION §12.4 item 2: "literal backslashes" are all backslashes inside string values,
+    # INTERPRETATION I-038 §12.4 item 2: "literal backslashes" are all backslashes inside string values,
     # so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
     out = []
     in_string = False
@@ -9345,6 +9367,8 @@ def process_tool_blocks(rt, text, allowed, ctx):
     return "".join(out) + text[pos:]
 
 
+# INTERPRETATION I-039 §12.4 item 1 (issue 11): one left-to-right pass; an opening with no
+# closing marker after it ends the search.
 def tool_blocks(text):
     """§12.4 item 1: (start, end, name, payload) of each block, left to right, in linear time
     (T1, README Security: an LLM reply carries user text, and a regular expression with a lazy
@@ -9375,7 +9399,7 @@ def tool_blocks(text):
 def _tool_block_result(rt, name, payload, allowed, ctx):
     if name not in allowed:
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
-    # INTERPRETATION §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run with
+    # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run with
     # its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
     try:
         args = json.loads(payload)
@@ -9397,7 +9421,7 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # §12.5 Routing prefix conventions -------------------------------------------------------
 # The §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
 # ending in "_" is a family (GOTO_<TARGET>:); the others are fixed tokens.
-# INTERPRETATION §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
+# INTERPRETATION I-090 §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
 # including its first colon, with the blanks after it. A host extends the list by setting
 # rt.routing_prefixes (same syntax) before the network is built.
 ROUTING_PREFIXES = (
@@ -9428,7 +9452,7 @@ def strip_routing_prefix(text, extra=None):
     return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# INTERPRETATION §12.6 (Q25, decided): a cycle of static links (publications, merges, splits, the
+# INTERPRETATION I-083 §12.6 (Q25, decided): a cycle of static links (publications, merges, splits, the
 # default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError
 # unless a `take` bounds it: some link of the cycle leaves a stream route after a top-level take
 # of that route (bounded_by_take). Such a cycle loads, and a message goes round at most `count`
@@ -9504,6 +9528,8 @@ def find_stream_cycle(edges):
 #      every loop step and call; size, for the operators that multiply it); a single C-level
 #      operation on an attacker-built structure (hashing, comparing, printing, long division)
 #      cannot be pre-empted in-process -- only isolation="process" (the worker below) bounds it.
+# INTERPRETATION I-153 §13.2 (issue 11): C-level work is not bounded in-process; only
+# isolation="process" bounds it.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles, and never scans the context.
 
 SANDBOX_MAX_ITEMS = 10_000_000     # items, characters or bits one operator or range may produce
@@ -9512,6 +9538,7 @@ EXPRESSION_FILENAME = "<inline expression>"
 
 # The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
 # yield, await, with, except*, class patterns; see _shape_refusal for the shapes refused within.
+# INTERPRETATION I-147 §13.2.3 (issue 11): an allowlist checked at load, never a list of dangers.
 SANDBOX_SYNTAX = (
     ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
     ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
@@ -9548,6 +9575,7 @@ SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
 
+# INTERPRETATION I-155 §13.2: a bare `except:` catches Exception only; exhaustion is not one.
 class Exhausted(BaseException):
     """The budget ran out (T3). A BaseException, and a bare `except:` is rewritten to catch
     Exception only, so sandboxed code can never catch it."""
@@ -9583,9 +9611,11 @@ def _shape_refusal(node, names):
     match node:
         case ast.Name(id=name) if name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at load.
         case ast.Name(id=name, ctx=ast.Load()) if names is not None and name not in names:
             return f"the name '{name}' (not a built-in of this sandbox, an input or a variable " \
                    f"the code sets)"
+        # INTERPRETATION I-159 §13.2.3: attribute assignment and deletion are refused at load.
         case ast.Attribute(ctx=ast.Store() | ast.Del()):
             return "assigning or deleting an attribute"
         case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
@@ -9674,7 +9704,7 @@ class _Ticks(ast.NodeTransformer):
         return node
 
     def visit_Import(self, node):
-        # INTERPRETATION §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
+        # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
         # ...` bind the §4.5.2 facility; no import machinery is exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
@@ -9721,7 +9751,7 @@ def _configuration_refusal(exc, rt, path, section, what):
 
 
 # The budget (T3) ------------------------------------------------------------------------------
-# INTERPRETATION §13.2 (issue 4): the limits hold in unsafe mode as well: unsafe mode enables
+# INTERPRETATION I-152 §13.2 (issue 4): the limits hold in unsafe mode as well: unsafe mode enables
 # inline code, it does not hand the code the host. Ticks, not a trace function: CPython sends no
 # `line` event for `while True: pass`.
 class Budget:
@@ -9846,7 +9876,7 @@ SANDBOX_TYPES = {cls: cls for cls in (bool, int, float, str, list, tuple, dict, 
 
 def builtin_type(*args):
     """§13.2.1 type: the one-argument form, for the classes in SANDBOX_TYPES."""
-    # INTERPRETATION §13.2.1: type() inspects; it never creates (three arguments) and never hands
+    # INTERPRETATION I-150 §13.2.1: type() inspects; it never creates (three arguments) and never hands
     # out a class the tables do not already expose.
     if len(args) != 1:
         raise TypeError("type() takes exactly one argument in the sandbox")
@@ -9870,7 +9900,7 @@ def builtin_locals():
 def builtin_print(*values, sep=" ", end="\n", **_ignored):
     """§13.2.1 print: diagnostic output to the host's stderr (file= is ignored); a worker
     forwards it to its parent."""
-    # INTERPRETATION §13.2.1: "diagnostic output" is stderr, never the Actor's output.
+    # INTERPRETATION I-151 §13.2.1: "diagnostic output" is stderr, never the Actor's output.
     sep = sep if isinstance(sep, str) else " "
     end = end if isinstance(end, str) else "\n"
     (getattr(_BUDGET, "printed", None) or sys.stderr).write(sep.join(map(str, values)) + end)
@@ -9952,7 +9982,7 @@ EXPRESSION_BUILTINS = {
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
 # No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
 # reach because nothing in the allowlists above leads to them.
-# INTERPRETATION §13.2.3 (Q71): what the allowlist does not list is refused at load
+# INTERPRETATION I-148 §13.2.3 (Q71): what the allowlist does not list is refused at load
 # (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
 
@@ -10020,7 +10050,7 @@ def run_code(unit, variables, *, timeout=1.0):
     return namespace
 
 
-# INTERPRETATION §13.2.2: an inline expression is a lambda taking the caller's number of positional
+# INTERPRETATION I-156 §13.2.2: an inline expression is a lambda taking the caller's number of positional
 # arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
 # function", with no default values (they would run at load, outside any worker).
 def _lambda_refusal(tree, nparams):
@@ -10073,7 +10103,7 @@ def eval_expression_text(source, names, timeout=1.0):
 # parent enforces each deadline by killing the worker, which works whatever the worker's GIL is
 # doing; a crashed or killed worker becomes an ExecutionError and the next call gets a fresh one.
 # Values cross as JSON with tuples, sets and non-text keys tagged; the reply is decoded into plain
-# data only. INTERPRETATION §13.2 (new: isolation): print output and progress_bar calls made by
+# data only. INTERPRETATION I-154 §13.2 (new: isolation): print output and progress_bar calls made by
 # the code are forwarded to the parent as they happen.
 WORKER_MEMORY = 1 << 30           # bytes of address space a worker may add to its start-up size
 WORKER_GRACE = 0.5                # seconds past a call's own deadline before the parent kills
@@ -10312,7 +10342,7 @@ ISOLATION = {"none": InProcessSandbox, "process": ProcessSandbox}
 def host_refusal(env, given, op):
     """§13.3: why the host's mode refuses `given` for `op`, or None (the agent layer is §4.5.4)."""
     absolute, traversal, tilde = path_facts(given)
-    # INTERPRETATION §13.3: `~` is refused by both file tools in every mode; home expansion would
+    # INTERPRETATION I-058 §13.3: `~` is refused by both file tools in every mode; home expansion would
     # read the process environment, which the Actor never sees (rt.env is its only environment).
     if tilde:
         return f"{op} rejects paths beginning with ~ (no home-directory expansion)"
@@ -10332,7 +10362,7 @@ def host_refusal(env, given, op):
 def tool_path(env, given, op):
     """Check `given` against both layers and resolve it against rt.workdir (never the process cwd).
 
-    INTERPRETATION §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the agent's
+    INTERPRETATION I-057 §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the agent's
     `safe_mode` rules and the host's mode both allow it.
     """
     if not isinstance(given, str) or not given.strip():
@@ -10346,7 +10376,7 @@ def tool_path(env, given, op):
     base = Path(env.rt.workdir).resolve()
     target = Path(given) if path_facts(given)[0] else base / given
     resolved = target.resolve()
-    # INTERPRETATION §4.5.4, §13.3: in safe mode file_read must also stay inside the working
+    # INTERPRETATION I-058 §4.5.4, §13.3: in safe mode file_read must also stay inside the working
     # directory once symlinks are followed (else a link would undo the `..`/absolute rules).
     # file_write's own outside-the-directory rule is waived by `_unsafe_mode: true`, which
     # file_write always requires, so it never refuses there.
@@ -10359,7 +10389,7 @@ def checkpoint_directory(rt, given, path):
     """§6.6 checkpoints are files the host writes for the configuration, so §13.3's boundaries
     hold for them as for file_write (T2, README Security): no `~` or `..`, and on a safe host
     no absolute path and nothing that resolves outside the working directory."""
-    # INTERPRETATION §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
+    # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
     absolute, traversal, tilde = path_facts(given)
     base = Path(rt.workdir).resolve()
@@ -10379,7 +10409,7 @@ def tool_shell(env, args):
 
     {tool: shell, args: {command: "ls -1"}} | `shell ls -1`   (needs allow_shell and an unsafe host)
     """
-    # INTERPRETATION §4.5.1, §13.5 (Q68): a `shell` tool exists as an extension (§1.3 MAY),
+    # INTERPRETATION I-064 §4.5.1, §13.5 (Q68): a `shell` tool exists as an extension (§1.3 MAY),
     # available when `allow_shell: true` and refused unless the host is unsafe; the blocklist
     # is enforced in every mode and for every `safe_mode`, because §13.5 says "always".
     command = tool_rest(args, "command")
@@ -10416,7 +10446,7 @@ EXTENSION_TOOLS = {
 # =====================================================================================
 
 # §14.1 Syntax -------------------------------------------------------------------------------
-# INTERPRETATION §14.1 (Q89, decided): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as
+# INTERPRETATION I-010 §14.1 (Q89, decided): a `${...}` whose name breaks [A-Za-z0-9_]+ is left as
 # literal text; mapping keys are not interpolated; `${X:-3}` defaults to "-3". There is no escape:
 # `$${NAME}` is a `$` followed by the reference `${NAME}` (§14 defines none).
 _ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
@@ -10449,7 +10479,7 @@ def interpolate_env(data, env, doc, path=()):
 
 
 # §14.3 Type coercion ----------------------------------------------------------------------
-# INTERPRETATION §14.3 (Q90): only a string that was one single reference is coerced.
+# INTERPRETATION I-011 §14.3 (Q90): only a string that was one single reference is coerced.
 _ENV_INT = re.compile(r"-?\d+")
 _ENV_FLOAT = re.compile(r"-?\d+\.\d+")
 
@@ -10476,7 +10506,7 @@ RESERVED_STREAM_NAMES = ("__input__", "__output__", "__error__")
 
 # §15.4 Agent and route names ------------------------------------------------------------
 # `__` prefixes are rejected by check_context (§10.1), check_agent (§4.1) and check_routes (§11.3).
-# INTERPRETATION §15 (Q83): every "MUST NOT be used" of §15 is a ConfigurationError at load.
+# INTERPRETATION I-008 §15 (Q83): every "MUST NOT be used" of §15 is a ConfigurationError at load.
 
 # §15.5 Sentinel strings -------------------------------------------------------------------
 TEMPLATE_START = "<<<TEMPLATE_START>>>"
@@ -10547,7 +10577,7 @@ FORBIDDEN_FORMS = {
     # §16.2
     "dynamic_router node": "check_graph (§6)",
     "list-form routes": "check_top_level (§3.2)",
-    "top-level pipelines:": "accepted: see README Interpretations (Q1)",
+    "top-level pipelines:": "accepted: I-065 in vectors/INTERPRETATIONS.md (Q1)",
     "inline expression in map function": "check_streams (§5.3.3)",
     "agent_template instances": "expand_templates (§8.7)",
     "sequence-form template parameters": "expand_templates (§8.6.1)",
@@ -10818,7 +10848,7 @@ class AnthropicAdapter(ProviderAdapter):
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}
             else:
                 messages.append(dict(entry))
-        # INTERPRETATION §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent as 1.
+        # INTERPRETATION I-036 §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent as 1.
         body = {"model": request["model"], "max_tokens": request["max_tokens"],
                 "messages": messages, "temperature": min(max(request["temperature"], 0.0), 1.0)}
         if request["system"]:
@@ -11205,8 +11235,11 @@ def jsonable(value):
 # The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
 # actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
 
-VECTOR_KEYS = ("name", "spec", "description", "host", "config", "config_text", "configs",
-               "load_error", "warnings", "steps")
+VECTOR_KEYS = ("name", "spec", "description", "interpretation", "host", "config", "config_text",
+               "configs", "load_error", "warnings", "steps")
+# `interpretation` (optional, documentation only): the id, or list of ids, of the entries of
+# vectors/INTERPRETATIONS.md that the vector pins. Nothing is judged by it.
+READING_ID = re.compile(r"I-[0-9]{3}")
 HOST_KEYS = ("unsafe", "isolation", "env", "render_context", "template_engine", "default_router",
              "context", "files", "llm", "provider", "single_shot")
 STEP_ACTIONS = ("send", "advance", "complete", "rewind", "restore")
@@ -11564,6 +11597,12 @@ def lint_vector(vector, stem=None):
         errors.append("no steps and no load_error")
     if "warnings" in vector:
         _lint_warnings("warnings", vector["warnings"], errors)
+    if "interpretation" in vector:
+        ids = vector["interpretation"]
+        ids = [ids] if isinstance(ids, str) else ids
+        if not (isinstance(ids, list) and ids and all(
+                isinstance(i, str) and READING_ID.fullmatch(i) for i in ids)):
+            errors.append("interpretation is an id such as I-042, or a list of them")
     for key in vector:
         if key not in VECTOR_KEYS:
             warnings_.append(f"unknown key '{key}'")
@@ -12402,7 +12441,7 @@ def _cli(args):
             return EXIT_CONFIG
         hints.data = actor.rt.doc.data
         sys.setrecursionlimit(max(sys.getrecursionlimit(), CLI_RECURSION_LIMIT))
-        # INTERPRETATION §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
+        # INTERPRETATION I-089 §12.2.4 (Q95): a run that reads a known set of messages (-m, or piped
         # input) is single-shot; an interactive prompt is not.
         actor.rt.single_shot = bool(args.message) or not sys.stdin.isatty()
         log.info("actor: loaded %s: %d agents, %d routes, default router %s, engine %s%s",

@@ -360,22 +360,62 @@ def test_no_module_level_name_is_defined_twice():
     assert [name for name, count in names.items() if count > 1] == []
 
 
-def test_readme_interpretations_cite_existing_vectors():
-    """Every vector the README's Interpretations table names exists, and every INTERPRETATION tag
-    in actor.py cites its § (the table is the user-facing index of the readings)."""
+def _interpretation_entries():
+    """vectors/INTERPRETATIONS.md as {id: (heading, pinned-by text)}."""
     import re
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Interpretations"):readme.index("\n## ", readme.index(
-        "## Interpretations") + 5)]
-    refs = set(re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", table))
-    assert len(refs) > 100
-    missing = [r for r in sorted(refs) if not (VECTOR_DIR / f"{r}.yaml").exists()
-               and not (VECTOR_DIR / r).is_dir()]
-    assert not missing, missing
+    text = (VECTOR_DIR / "INTERPRETATIONS.md").read_text(encoding="utf-8")
+    entries = {}
+    for m in re.finditer(r"^### (I-\d{3})\b([^\n]*)\n(.*?)(?=^#{2,3} |\Z)", text, re.S | re.M):
+        iid, heading, body = m.groups()
+        assert iid not in entries, f"{iid} twice"
+        pinned = re.search(r"^- \*\*Pinned by:\*\* (.*)$", body, re.M)
+        assert pinned, f"{iid} has no 'Pinned by' line"
+        entries[iid] = (heading, pinned.group(1))
+    return entries
+
+
+def test_interpretations_are_linked():
+    """STYLE §11: each decision has one id, shared by vectors/INTERPRETATIONS.md, the code's
+    INTERPRETATION tag and the vectors that pin it. Every id in the code has an entry, every entry
+    is used by a code tag and names at least one existing vector or test function, each vector
+    an entry names carries its id, and every vector's `interpretation` id exists."""
+    import re
+    entries = _interpretation_entries()
+    assert len(entries) > 150
+    ids = sorted(entries)
+    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
-    untagged = [line for line in src.splitlines() if "INTERPRETATION" in line
-                and line.lstrip().startswith("#") and "§" not in line]
-    assert not untagged, untagged
+    untagged = [line.strip() for line in src.splitlines()
+                if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
+    assert not untagged, f"INTERPRETATION without an id: {untagged}"
+    tagged = re.findall(r"INTERPRETATION (I-\d{3}(?:, I-\d{3})*) §", src)
+    assert len(tagged) == len(re.findall(r"\bINTERPRETATION\b", src)), \
+        "every tag is `INTERPRETATION I-nnn §x.y`"
+    in_code = {i for group in tagged for i in group.split(", ")}
+    assert sorted(in_code - set(entries)) == [], "ids in actor.py with no entry"
+    assert sorted(set(entries) - in_code) == [], "entries no INTERPRETATION tag uses"
+    test_names = set(re.findall(r"^def (test_\w+)", (HERE / "test_actor.py").read_text(
+        encoding="utf-8"), re.M))
+    carried = {}
+    for path in VECTOR_DIR.rglob("*.yaml"):
+        value = actor.parse_yaml(path.read_text(encoding="utf-8"), str(path))[0].get(
+            "interpretation")
+        carried[path.relative_to(VECTOR_DIR).with_suffix("").as_posix()] = (
+            [] if value is None else [value] if isinstance(value, str) else value)
+    unknown = {v: i for v, i in carried.items() if set(i) - set(entries)}
+    assert not unknown, f"vectors naming no entry: {unknown}"
+    problems = []
+    for iid, (heading, pinned) in entries.items():
+        vectors = re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", pinned)
+        tests = re.findall(r"\b(test_[\w*]+)", pinned)
+        if not vectors and not tests:
+            problems.append(f"{iid}: pinned by nothing")
+        problems += [f"{iid}: no vector {v}" for v in vectors if v not in carried]
+        problems += [f"{iid}: {v} lacks `interpretation: {iid}`" for v in vectors
+                     if v in carried and iid not in carried[v]]
+        problems += [f"{iid}: no test {t}" for t in tests
+                     if not any(re.fullmatch(t.replace("*", r"\w*"), n) for n in test_names)]
+    assert not problems, problems
 
 
 def test_every_cited_section_exists():
@@ -563,9 +603,39 @@ merges: [{sources: [__input__], target: g}, {sources: [g], target: s}]
         "trace: __output__: 'ChainAgent processed: hi->x'"]
 
 def test_readme_first_command_runs_offline():
-    """The README's first command: the chat example through the fake provider, no key needed."""
-    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello")
-    assert (r.returncode, r.stdout) == (0, "hello\n")
+    """The README's first command, as written after its install step: the chat example through
+    the fake provider, no key needed, run from the repository's root."""
+    import shlex
+    import subprocess
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("```sh\n") + 6:readme.index("```", readme.index("```sh\n") + 6)]
+    first, second = block.strip().splitlines()
+    install, run = first.split(" && ")
+    assert install == "python3 -m pip install pyyaml jinja2"
+    argv = shlex.split(run)
+    assert argv[:3] == ["python3", "-m", "actor"]
+    r = subprocess.run([sys.executable, *argv[1:]], cwd=HERE, capture_output=True, text=True,
+                       timeout=60)
+    assert (r.returncode, r.stdout) == (0, "hello\nagain\n"), r.stderr
+    # The second command is the one CI runs.
+    ci = (HERE / ".ci" / "run").read_text(encoding="utf-8")
+    install, tests = second.split(" && ")
+    assert install.replace("python3 -m pip install", "") in ci and f"{tests}\n" in ci
+
+
+def test_readme_is_short_and_its_configuration_is_the_hello_example():
+    """Issue 16: a README a newcomer reads in five minutes (at most 20 KB); its annotated
+    configuration is examples/hello.yaml word for word, and runs as the README says."""
+    import re
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode("utf-8")) <= 20_000
+    block = re.search(r"## A configuration\n\n```yaml\n(.*?)```", readme, re.S).group(1)
+    assert block == (HERE / "examples" / "hello.yaml").read_text(encoding="utf-8")
+    r = run_cli(str(HERE / "examples" / "hello.yaml"), "--provider", "fake",
+                "-m", "hi", "-m", "buy spam", "-m", "bye")
+    assert (r.returncode, r.stdout) == (0, "hi\nbye\n"), r.stderr
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert (HERE / link).exists(), link
 
 
 def test_cli_check_accepts_the_examples():
@@ -3735,7 +3805,7 @@ def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
 
 
 def test_graph_history_entries_are_the_states_own_records():
-    """§6.2.2 items 2-3 (README Interpretations): reserved keys are key-level -- rebinding or
+    """§6.2.2 items 2-3 (I-116, vectors/INTERPRETATIONS.md): reserved keys are key-level -- rebinding or
     removing conversation_history never reaches the state -- while the entries in the trimmed
     list are the state's own message records, shared by reference like every object in a
     context (§10.2): an agent that edits one in place edits state.messages."""
@@ -4733,7 +4803,7 @@ merges: [{{sources: [__input__], target: g}}]
 
 
 def test_mixed_mode_control_stream_carries_run_lifecycle():
-    """§6.10 (README Interpretations): __<graph>_control__ carries each run's lifecycle --
+    """§6.10 (I-118, vectors/INTERPRETATIONS.md): __<graph>_control__ carries each run's lifecycle --
     started, then finished, stopped (naming the §6.8 guard) or failed -- with graph and context."""
     events, result = _control_events("""
     nodes: {n1: {type: agent, agent: chain}}
