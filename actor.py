@@ -6580,6 +6580,10 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
                 refuse_host_keys(rule.get("set_state"), "set_state")
             except ExecutionError as exc:
                 fail(at + ("set_state",), exc.message, exc.section)
+            for key in rule.get("set_state") or () if isinstance(rule.get("set_state"), dict) else ():
+                if isinstance(key, str) and key.startswith("__"):
+                    fail(at + ("set_state", key), f"'{key}': keys starting with __ are reserved",
+                         "10.3, §15.4")
 
 
 def mermaid_name(name):
@@ -11831,8 +11835,11 @@ def _parse_set(items, option):
         value, _ = parse_yaml(raw) if raw.strip() else ("", None)
         node = result
         parts = key.split(".")
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):   # --set a=1 --set a.b=2: a is not a mapping
+                raise ConfigurationError(f"{option} {item}: '{'.'.join(parts[:depth + 1])}' "
+                                         f"was set to a value, not a mapping")
         node[parts[-1]] = value
     return result
 

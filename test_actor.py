@@ -1369,6 +1369,13 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     assert not crashes, "\n".join(crashes[:10])
 
 
+def test_cli_set_that_nests_under_a_value_is_a_configuration_error(tmp_path):
+    """Issue 12: `--set a=1 --set a.b=2` is a clear error (exit 2), not a traceback."""
+    cfg = _cli_config(tmp_path, "[]")
+    r = run_cli(str(cfg), "--set", "a=1", "--set", "a.b=2", "-m", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "not a mapping" in r.stderr
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
