@@ -540,6 +540,14 @@ class Runtime:
         self.prompts = {}                   # name -> template text (§10.4)
         self.warnings = []                  # every warning text, in order
         self.sandbox = InProcessSandbox()   # §13.2: where configuration code runs (isolation)
+        self.default_router = None          # §3.4/§9.3: the route messages enter by default
+        self.routing_prefixes = ()          # §12.5: host extensions of the strippable prefixes
+        self.single_shot = False            # §12.2.4: a run over a known set of messages
+        self.functions = {}                 # §5.3.3: transformers the host registers by name
+        self.progress = None                # §4.5.6: the facility, made on first use
+        self.file_write_lock = threading.Lock()   # §4.5.5: file writes take turns (§6.7)
+        self.outer = None                   # a composite's runtime: the Actor's one (§4.6)
+        self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
 
     def error(self, cls, path, message, section=None):
         return self.doc.error(cls, path, message, section)
@@ -1433,7 +1441,7 @@ class ToolEnv:
     @property
     def unsafe_host(self):
         """§13.3 unsafe mode: an unsafe host AND `_unsafe_mode: true` in the invocation."""
-        return bool(getattr(self.rt, "unsafe", False)) and self.unsafe_invocation
+        return self.rt.unsafe and self.unsafe_invocation
 
 
 class ToolAgent:
@@ -1817,7 +1825,7 @@ def tool_http_request(env, args):
 def http_proxies(rt, url):
     """Proxies from the Actor's environment (rt.env, never os.environ), honouring no_proxy."""
     import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
-    env = getattr(rt, "env", None) or {}
+    env = rt.env
     proxies = {key[:-6].lower(): value for key, value in env.items()
                if key.lower().endswith("_proxy") and value}
     host = urllib.parse.urlsplit(url).hostname or ""
@@ -2114,12 +2122,9 @@ def file_write_lock(rt):
     """The Actor's one file_write lock (a composite's components share it through `outer`):
     append and insert read the file, then write it back, so writes from parallel graph branches
     (§6.7) take turns, and none loses another's text."""
-    while getattr(rt, "outer", None) is not None:
+    while rt.outer is not None:
         rt = rt.outer
-    lock = getattr(rt, "file_write_lock", None)
-    if lock is None:
-        lock = vars(rt).setdefault("file_write_lock", threading.Lock())
-    return lock
+    return rt.file_write_lock
 
 
 # The §4.5.5 mode table: mode -> writer. Rows in the spec's order.
@@ -2239,12 +2244,11 @@ def progress_facility(rt):
     """The Actor's one facility, created on first use (hosts may set rt.progress beforehand).
 
     A composite's components reach the same one through their runtime's `outer` link."""
-    while getattr(rt, "outer", None) is not None:
+    while rt.outer is not None:
         rt = rt.outer
-    facility = getattr(rt, "progress", None)
-    if facility is None:
-        facility = vars(rt).setdefault("progress", ProgressFacility())
-    return facility
+    if rt.progress is None:
+        rt.progress = ProgressFacility()
+    return rt.progress
 
 
 def progress_function(env):
@@ -2580,7 +2584,7 @@ class CompositeAgent:
         inner.sandbox = rt.sandbox
         inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
         inner.default_router = None
-        inner.routing_prefixes = getattr(rt, "routing_prefixes", ())
+        inner.routing_prefixes = rt.routing_prefixes
         # Warnings about routes.<local> name the component's full path, like its errors do.
         inner.warn = lambda message, *, section=None, path=None: rt.warn(
             message, section=section, path=None if path is None else sub_doc.outer_path(path))
@@ -2946,7 +2950,7 @@ def check_streams(doc, agent_names, graph_names, rt=None):
         elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
             check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
-    default = getattr(rt, "default_router", None) if rt is not None else None
+    default = rt.default_router if rt is not None else None
     if default is None and isinstance(data.get("cleveragents"), dict):
         default = data["cleveragents"].get("default_router")
     edges = [edge for edge in stream_edges(data, known, default)
@@ -3950,7 +3954,7 @@ FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 def function_mapper(site, name, down):
     """§5.3.3 map with `function`: a registered transformer, else the identity."""
-    registry = {**STANDARD_FUNCTIONS, **(getattr(site.rt, "functions", None) or {})}
+    registry = {**STANDARD_FUNCTIONS, **site.rt.functions}
     fn = registry.get(name)
     if fn is None:
         site.rt.warn(f"no transformer named {name!r} is registered; map acts as identity",
@@ -4093,8 +4097,7 @@ def resolve_context(msg, rt):
     ctx = msg.metadata.get("context")
     if isinstance(ctx, dict):
         return ctx
-    ctx = getattr(rt, "context", None)
-    return ctx if isinstance(ctx, dict) else {}
+    return rt.context if isinstance(rt.context, dict) else {}
 
 
 def invoke_agent(rt, agent, content, ctx, *, single_shot=False, method=None):
@@ -4393,7 +4396,7 @@ def cond_custom(cond, subject, rt):
     # not register makes the condition false.
     function = cond.get("function")
     if isinstance(function, str):
-        function = (getattr(rt, "functions", None) or {}).get(function)
+        function = rt.functions.get(function) if rt is not None else None
     return bool(function(subject)) if callable(function) else False
 
 
@@ -4477,7 +4480,7 @@ class StreamNetwork:
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
         check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
         self._single_shot = single_shot
-        extra_prefixes = getattr(rt, "routing_prefixes", None)
+        extra_prefixes = rt.routing_prefixes
         self.strip = routing_prefix_pattern(extra_prefixes)
         # Every token the pattern matches begins with one of these literal prefixes, so content
         # starting with none of them (nearly all) needs no regex match (§12.5).
@@ -4528,7 +4531,7 @@ class StreamNetwork:
         # with -m messages); vectors and the API are not single-shot.
         if self._single_shot is not None:
             return bool(self._single_shot)
-        return bool(getattr(self.rt, "single_shot", False))
+        return self.rt.single_shot
 
     # Wiring ------------------------------------------------------------------------------
     def _wire(self, links):
@@ -4820,7 +4823,7 @@ class GraphParticipant(_Node):
 
 def default_router(rt):
     """The §9.3 default_router: a host/Runtime setting first, else the document's key."""
-    name = getattr(rt, "default_router", None)
+    name = rt.default_router
     if name is None and isinstance(rt.doc.data, dict):
         name = rt.doc.data.get("default_router")
     return name if isinstance(name, str) else None
@@ -7845,7 +7848,8 @@ class Expansion:
     def __init__(self, doc, rt, data, engine=None):
         self.doc, self.rt, self.data = doc, rt, data
         self.sandbox = rt.sandbox if rt is not None else InProcessSandbox()
-        self.engine = engine_name(engine or getattr(rt, "engine", None) or data_engine(data))
+        self.engine = engine_name(engine or (rt.engine if rt is not None else None)
+                                  or data_engine(data))
         self.templates = self.registry("templates", dict)
         self.strings = self.registry("template_strings", str)
 
@@ -8233,12 +8237,12 @@ def render_runtime(rt, text, ctx, message, path=None):
     """
     if not isinstance(text, str):
         return text
-    engine = engine_name(getattr(rt, "engine", None))
+    engine = engine_name(rt.engine)
     if engine != "SIMPLE" and not has_template_syntax(text):
         return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
     try:
         return rt.sandbox.render(text, runtime_variables(ctx, message), engine,
-                                 partials=getattr(rt, "prompts", None))
+                                 partials=rt.prompts)
     except TemplateError as exc:
         warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
              section="8.12", path=path)
@@ -10989,7 +10993,7 @@ class FakeAdapter(ProviderAdapter):
 def note_llm_call(rt, call, started, error=None):
     """After one LLM call: the log entry gets no timing (vectors compare it), the host's
     `rt.llm_observer` (--trace) gets the entry plus latency and outcome."""
-    observer = getattr(rt, "llm_observer", None)
+    observer = rt.llm_observer
     if observer is not None:
         observer({**call, "latency": time.monotonic() - started, "error": error})
 
