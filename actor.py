@@ -548,6 +548,7 @@ class Runtime:
         self.file_write_lock = threading.Lock()   # §4.5.5: file writes take turns (§6.7)
         self.outer = None                   # a composite's runtime: the Actor's one (§4.6)
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
+        self.warned_conditions = set()      # §5.4.1: condition sites already warned about
 
     def error(self, cls, path, message, section=None):
         return self.doc.error(cls, path, message, section)
@@ -4456,14 +4457,61 @@ def evaluate_condition(cond, subsystem, subject, rt=None, path=None):
     row = CONDITIONS.get(kind)
     if row is None or subsystem not in row[1]:
         if should_warn and rt is not None:
-            # Once per condition site, not once per message.
-            warned = rt.__dict__.setdefault("warned_conditions", set())
-            if (subsystem, kind, path) not in warned:
-                warned.add((subsystem, kind, path))
-                rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; "
-                        f"using its default ({unknown})", section="5.4.2", path=path)
+            warn_condition_type(rt, kind, subsystem, path)
         return unknown
     return row[0](cond, subject, rt)
+
+
+def warn_condition_type(rt, kind, subsystem, path):
+    """§5.4.1 SHOULD warn of an unknown or unhonoured type: once per site, at load when the site
+    is known there (warn_conditions_at_load), else at its first evaluation."""
+    if (subsystem, kind) in rt.warned_conditions or (subsystem, kind, path) in rt.warned_conditions:
+        return
+    rt.warned_conditions.add((subsystem, kind, path))
+    rt.warn(f"condition type '{kind}' is not honoured by the {subsystem} subsystem; using its "
+            f"default ({CONDITION_DEFAULTS[subsystem][0]})", section="5.4.2", path=path)
+
+
+def warn_conditions_at_load(rt):
+    """Issue 16: the condition types no subsystem honours are warned at load, where the author
+    reads them: filters, switch cases, bridge routes, splits, graph edges, conditional nodes."""
+    sites = []
+
+    def operators(ops, path):
+        for i, op in enumerate(ops if isinstance(ops, list) else ()):
+            params = op.get("params") if isinstance(op, dict) else None
+            if not isinstance(params, dict):
+                continue
+            at = path + (i, "params")
+            if op.get("type") == "filter":
+                sites.append((params.get("condition"), "stream", at + ("condition",)))
+            if op.get("type") == "conditional_route" and isinstance(params.get("routes"), dict):
+                sites.extend((c, "bridge", at + ("routes", n)) for n, c in params["routes"].items())
+            for j, case in enumerate(params.get("cases") or ()):
+                if isinstance(case, dict):
+                    sites.append((case.get("condition"), "stream", at + ("cases", j, "condition")))
+                    operators(case.get("operators"), at + ("cases", j, "operators"))
+            operators(params.get("default_operators"), at + ("default_operators",))
+    data = rt.doc.data
+    for name, route in (data.get("routes") or {}).items():
+        if not isinstance(route, dict):
+            continue
+        operators(route.get("operators"), ("routes", name, "operators"))
+        for i, edge in enumerate(route.get("edges") or ()):
+            if isinstance(edge, dict):
+                sites.append((edge.get("condition"), "edge", ("routes", name, "edges", i, "condition")))
+        for node, cfg in (route.get("nodes") or {}).items() if isinstance(route.get("nodes"), dict) else ():
+            if isinstance(cfg, dict) and str(cfg.get("type", "")).lower() == "conditional":
+                sites.append((cfg.get("condition"), "node", ("routes", name, "nodes", node, "condition")))
+    for i, split in enumerate(data.get("splits") or ()):
+        for target, cond in (split.get("targets") or {}).items() if isinstance(split, dict) else ():
+            sites.append((cond, "stream", ("splits", i, "targets", target)))
+    for cond, subsystem, path in sites:
+        if isinstance(cond, dict) and cond.get("type") is not None:
+            row = CONDITIONS.get(str(cond["type"]))
+            if (row is None or subsystem not in row[1]) and CONDITION_DEFAULTS[subsystem][2]:
+                warn_condition_type(rt, str(cond["type"]), subsystem, path)
+                rt.warned_conditions.add((subsystem, str(cond["type"])))
 
 
 # §5.5 Subscriptions and publications -----------------------------------------------------
@@ -9270,6 +9318,7 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
         if route["type"] == "graph":
             rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
     network = StreamNetwork(rt)
+    warn_conditions_at_load(rt)
     return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
