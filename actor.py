@@ -549,6 +549,7 @@ class Runtime:
         self.outer = None                   # a composite's runtime: the Actor's one (§4.6)
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
         self.warned_conditions = set()      # §5.4.1: condition sites already warned about
+        self.phase_a_reads = set()          # §8.2: names the documents' Phase A reads
 
     def error(self, cls, path, message, section=None):
         return self.doc.error(cls, path, message, section)
@@ -996,6 +997,7 @@ class LLMAgent:
         self.temperature = float(values["temperature"])
         self.max_tokens = values["max_tokens"]
         self.system_prompt = values["system_prompt"]
+        warn_unparsable_template(rt, self.system_prompt, cpath + ("system_prompt",))
         self.memory_enabled = values["memory_enabled"]
         self.max_history = values["max_history"]
         self.template = values["template"]
@@ -2857,6 +2859,7 @@ class ChainAgent:
         self.name, self.rt, self.path = name, rt, path
         self.steps = list(config.get("steps") or [])
         self.prompt = config.get("prompt")
+        warn_unparsable_template(rt, self.prompt, path + ("config", "prompt"))
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
         self.reads_context = self.prompt is not None          # only a prompt renders with it
@@ -8277,6 +8280,30 @@ def runtime_variables(ctx, message):
     return variables
 
 
+def warn_unparsable_template(rt, text, path):
+    """Issue 16: a runtime template (system_prompt, prompt, prompts content) that does not even
+    parse in the engine is warned once at load, located; at Phase C it then renders as its
+    literal text (§8.12), as it would have anyway."""
+    if not isinstance(text, str) or rt.engine != "SIMPLE" and not has_template_syntax(text):
+        return
+    try:
+        if rt.engine == "JINJA2":
+            jinja_template(text)                     # syntax, unknown filters and tests
+        elif rt.engine == "MUSTACHE":
+            mustache_compiled(text)
+        else:
+            for is_expression, part in simple_parts(text):
+                if is_expression:
+                    _compile_expression_text(part)
+    except (TemplateError, SyntaxError, _Rejected) as exc:
+        reason = exc.message if isinstance(exc, TemplateError) else getattr(exc, "what", exc)
+        rt.warn(f"this {rt.engine} template does not parse ({reason}); it will be used as its "
+                f"literal text", section="8.12", path=path)
+    except Exception as exc:    # jinja2's own syntax and assertion errors
+        rt.warn(f"this {rt.engine} template does not parse ({type(exc).__name__}: {exc}); it "
+                f"will be used as its literal text", section="8.12", path=path)
+
+
 def render_runtime(rt, text, ctx, message, path=None):
     """§8.11 Phase C: render a system prompt or prompt template for one invocation, in
     rt.engine; on failure warn and use the literal text (§8.12, §4.4.6).
@@ -9236,10 +9263,37 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
     return restore_sentinels(data), marks, lines
 
 
+def note_phase_a_reads(rt, raw, file, render_context, engine):
+    """Issue 16: the names a JINJA2 Phase A reads go to rt.phase_a_reads (the CLI warns of a
+    --set key none reads), and a loop over a name the render context does not define (an empty
+    loop, Q50 (c)) is warned. Runtime fields are left out, as Phase A leaves them alone."""
+    try:
+        raw = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        if engine != "JINJA2" or not isinstance(raw, str) or not has_template_syntax(raw):
+            return
+        text = protect_runtime_fields(restore_markers(raw), render_context, file=file,
+                                      engine=engine)
+        jinja = jinja2_module()
+        tree = jinja_environment().parse(text)
+    except Exception:           # parse_source reports what does not parse, located
+        return
+    unread = jinja.meta.find_undeclared_variables(tree) - set(jinja_environment().globals)
+    rt.phase_a_reads.update(unread)
+    for loop in tree.find_all(jinja.nodes.For):
+        root = loop.iter
+        while isinstance(root, (jinja.nodes.Getattr, jinja.nodes.Getitem, jinja.nodes.Filter)):
+            root = root.node                 # (the budget's sb_loop filter wraps every loop)
+        if isinstance(root, jinja.nodes.Name) and root.name in unread \
+                and root.name not in (render_context or {}):
+            rt.warn(f"{file}:{loop.lineno}: Phase A loops over '{root.name}', which the render "
+                    f"context does not define: the loop renders nothing", section="8.2, §8.12")
+
+
 def load_document(sources, render_context, engine, env, rt):
     """§12.1 step 1: parse all files, deep-merge in order (§3.1), interpolate (§14)."""
     data, marks, files, rendered = None, {}, [], {}
     for file, raw in sources:
+        note_phase_a_reads(rt, raw, file, render_context, phase_a_engine(raw, engine))
         part, part_marks, lines = parse_source(raw, file, render_context,
                                                phase_a_engine(raw, engine), rt.sandbox)
         files.append(file)
@@ -9311,6 +9365,8 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     # Steps 3-6: agents, routes, merges/splits, pipelines.
     rt.context = build_global_context(doc, context, rt.unsafe)
     rt.prompts = collect_prompts(doc)
+    for name, text in rt.prompts.items():
+        warn_unparsable_template(rt, text, ("prompts", name, "content"))
     rt.default_router = router
     for name, cfg in doc.data["agents"].items():
         rt.agents[name] = make_agent(rt, name, cfg, ("agents", name))
@@ -12341,6 +12397,12 @@ def _load_for_cli(args, check_only):
                 context=_parse_set(args.context, "--context") or None,
                 llm_transport=ScriptedReplies(replies) if replies else None,
                 isolation="process" if args.isolate else "none")
+            for key in _parse_set(args.set, "--set"):
+                if key not in actor.rt.phase_a_reads:       # issue 16: most likely a typo
+                    text = (f"warning: --set {key}: no Phase A template reads '{key}'"
+                            f"{did_you_mean(key, sorted(actor.rt.phase_a_reads))} (§8.2)")
+                    log.warning(text)
+                    host_warnings.append(text)
             return actor, host_warnings
         except ConfigurationError as exc:
             missing = re.match(r"no API key for provider '(\w+)'", exc.message or "")

@@ -1376,6 +1376,18 @@ def test_cli_set_that_nests_under_a_value_is_a_configuration_error(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "not a mapping" in r.stderr
 
 
+def test_cli_warns_of_a_set_key_no_phase_a_template_reads(tmp_path):
+    """Issue 16: `--set lable=x` where the document reads `label` is warned, with the hint."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("agents:\n  a: {type: chain, config: {steps: [\"{{ label }}\"]}}\n"
+                   "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: a}}],"
+                   " publications: [__output__]}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli("--check", str(cfg), "--set", "lable=x", "--set", "label=y")
+    assert r.returncode == 0
+    assert "--set lable" in r.stderr and "did you mean 'label'?" in r.stderr
+    assert "--set label:" not in r.stderr
+
+
 def test_cli_version_and_help():
     r = run_cli("--version")
     assert r.returncode == 0 and actor.SPEC_VERSION in r.stdout
