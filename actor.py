@@ -1508,7 +1508,7 @@ class ToolAgent:
         self.sole_inline = self.sole_tool is not None and self.tools[self.sole_tool] is not None
         self.who = f"agent '{name}' (tool)"
         self.reads_context = self.allow_shell or any(
-            tool is not None or tool_name not in CONTEXT_FREE_TOOLS
+            tool.reads_context if tool is not None else tool_name not in CONTEXT_FREE_TOOLS
             for tool_name, tool in self.tools.items())
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
@@ -1943,6 +1943,9 @@ class InlineTool:
                            "4.5.2, 13.1")
         self.name = name
         self.unit = compile_code(code, rt=rt, path=path + ("code",))
+        # Issue 15: code that never names `context`, `locals` or `progress_bar` cannot read the
+        # context, so a graph node need not build one for it (§6.2.2, I-117).
+        self.reads_context = not isinstance(self.unit, CodeUnit) or self.unit.reaches_context
 
     def run(self, input_data, env):
         """Run the body with input_data, message, context (by reference) and result=None."""
@@ -10147,7 +10150,8 @@ def compile_code(source, *, rt=None, path=None):
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
     loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    return CodeUnit(source, code, label, _ticks(tree), bool(loaded & {"context", "locals"}))
+    return CodeUnit(source, code, label, _ticks(tree),
+                    bool(loaded & {"context", "locals", INLINE_PROGRESS}))
 
 
 def run_code(unit, variables, *, timeout=1.0):

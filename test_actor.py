@@ -7313,7 +7313,9 @@ def test_sandbox_bench_graph_node_inline_tool_against_echo():
     edges = [{"source": a, "target": b} for a, b in zip(["start", *names], [*names, "end"])]
     results = {}
     for label, tool in (("echo tool", "echo"),
-                        ("inline tool", {"name": "t", "code": "result = input_data"})):
+                        ("inline tool", {"name": "t", "code": "result = input_data"}),
+                        ("context-reading inline tool",
+                         {"name": "t", "code": "result = context.get('x', input_data)"})):
         data = {"agents": {"a": {"type": "tool", "config": {"tools": [tool]}}},
                 "routes": {"main": {"type": "graph", "edges": edges,
                                     "nodes": {n: {"type": "agent", "agent": "a"} for n in names}}}}
@@ -7323,4 +7325,7 @@ def test_sandbox_bench_graph_node_inline_tool_against_echo():
         results[label] = _best_us(lambda: graph.run("echo hi", a.rt.context, pure=True), 2000) / 10
     print(f"\n[sandbox bench] graph node: echo tool {results['echo tool']:.2f} us/node, "
           f"inline tool {results['inline tool']:.2f} us/node "
-          f"({results['inline tool'] / results['echo tool']:.2f}x)")
+          f"({results['inline tool'] / results['echo tool']:.2f}x), one that reads the context "
+          f"{results['context-reading inline tool']:.2f} us/node "
+          f"({results['context-reading inline tool'] / results['echo tool']:.2f}x: the §6.2.2 "
+          f"context is built for it)")
