@@ -236,9 +236,20 @@ def warn(rt_or_none, message, *, section=None, path=None):
         text += path_str(path) + ": "
     text += message + (f" (§{section})" if section else "")
     if rt_or_none is not None and hasattr(rt_or_none, "warnings"):
-        rt_or_none.warnings.append(text)
+        keep_last(rt_or_none.warnings, text)
     log.warning(text)
     return text
+
+
+LOG_LIMIT = 1_000       # entries kept by rt.warnings and rt.llm_log (issue 15: memory stays flat)
+
+
+def keep_last(entries, entry):
+    """Append `entry`; past twice LOG_LIMIT entries, forget the oldest down to LOG_LIMIT (amortised
+    O(1), and a reader that counted entries a moment ago still finds the newest at the end)."""
+    entries.append(entry)
+    if len(entries) > 2 * LOG_LIMIT:
+        del entries[:-LOG_LIMIT]
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
@@ -533,12 +544,12 @@ class Runtime:
         self.clock = clock or VirtualClock()
         self.provider = provider            # host override of every llm agent's provider ("fake")
         self.llm_transport = llm_transport  # vectors: a fake transport (see HOST, providers)
-        self.llm_log = []                   # requests sent to providers, for vectors' llm_requests
+        self.llm_log = []                   # the last requests sent to providers (keep_last)
         self.context = {}                   # §10 the live global context
         self.agents = {}                    # name -> agent (§4)
         self.graphs = {}                    # name -> GraphRoute (§6)
         self.prompts = {}                   # name -> template text (§10.4)
-        self.warnings = []                  # every warning text, in order
+        self.warnings = []                  # the warning texts, in order (keep_last)
         self.sandbox = InProcessSandbox()   # §13.2: where configuration code runs (isolation)
         self.default_router = None          # §3.4/§9.3: the route messages enter by default
         self.routing_prefixes = ()          # §12.5: host extensions of the strippable prefixes
@@ -1077,7 +1088,7 @@ class LLMAgent:
             "response_format": self.response_format,
         }
         call = copy.deepcopy(request)       # the log entry; the provider adds usage, retries
-        rt.llm_log.append(call)
+        keep_last(rt.llm_log, call)
         started = time.monotonic()
         try:
             if rt.llm_transport is not None:

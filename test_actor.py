@@ -3565,6 +3565,37 @@ def _rates(fns, n=5000, rounds=10):
 
 
 @pytest.mark.bench
+def test_bench_memory_stays_flat_with_llm_agents_and_memory_on():
+    """Issue 15: 2x10^5 messages through map(llm agent, memory on, fake provider) and 2x10^4 graph
+    runs: resident memory after them against after the first 10^4 (printed)."""
+    import resource as _res
+    text = ("agents:\n  chat: {type: llm, config: {provider: openai, api_key: k, memory_enabled: true,"
+            " system_prompt: 'Be brief about {{ message }}.'}}\n"
+            "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: chat}}],"
+            " publications: [__output__]}\n"
+            "  g: {type: graph, nodes: {a: {type: agent, agent: chat}},"
+            " edges: [{source: start, target: a}, {source: a, target: end}]}\n"
+            "merges: [{sources: [__input__], target: main}]\n")
+    a = actor.load(text=text, provider="fake", default_router="main")
+
+    def rss_mib():
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    for i in range(10_000):
+        a.send(f"m{i}")
+    first = rss_mib()
+    for i in range(190_000):
+        a.send(f"m{i}")
+    graph = a.rt.graphs["g"]
+    for i in range(20_000):
+        graph.run(f"g{i}", a.rt.context)
+    last = rss_mib()
+    print(f"\n[memory bench] RSS after 10^4 messages {first:.1f} MiB, after 2x10^5 messages and "
+          f"2x10^4 graph runs {last:.1f} MiB ({(last - first) / first * 100:+.1f} %); llm_log keeps "
+          f"{len(a.rt.llm_log)} entries")
+
+
+@pytest.mark.bench
 def test_bench_send_against_direct_agent_calls():
     """Messages/second through Actor.send() for map(tool echo) -> __output__, against a bare loop
     invoking the same agent directly (the floor). Target: send() costs at most 3x the floor."""
@@ -3887,7 +3918,10 @@ def test_context_free_tools_never_read_their_context(request_text, expected):
     ({"tools": ["echo", "progress_bar"]}, True),
     ({"tools": ["echo", "file_read"]}, True),
     ({"tools": ["echo"], "allow_shell": True}, True),
-    ({"tools": [{"name": "t", "code": "result = 1"}]}, True),
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),      # issue 15: names none
+    ({"tools": [{"name": "t", "code": "result = context.get('k')"}]}, True),
+    ({"tools": [{"name": "t", "code": "result = len(locals())"}]}, True),
+    ({"tools": [{"name": "t", "code": "result = progress_bar(current=1)"}]}, True),
 ])
 def test_tool_agent_reads_context_flag(config, reads):
     data = {"agents": {"t": {"type": "tool", "config": config}}}
