@@ -23,6 +23,21 @@ Usage (command line)::
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
 
+How actor.py is organised: load() runs six passes, in §12.1's order (start_actor, §12.1):
+    read    the files (read_sources, §12.1);
+    render  Phase A in the document's engine (load_document -> parse_source -> render_document,
+            §8.2, with runtime fields protected, §8.4);
+    parse   YAML 1.2 core schema with marks for located errors (parse_yaml, §3.1), merged
+            (§3.1) and interpolated (interpolate_env, §14);
+    check   Phase B instantiation (expand_templates, §8.6-§8.10), then every §11/§15/§16 rule
+            (validate_document, §11) -- errors are located ConfigurationErrors, before any agent;
+    build   agents (make_agent, §4), graph routes (GraphRoute, §6), the stream network with
+            merges, splits and pipelines (StreamNetwork, §5.5, §7);
+    run     Actor.send/advance/complete (HOST) drive messages; configuration code, expressions
+            and templates run in the §13.2 sandbox (in-process or in worker processes).
+Each rule lives under the banner of the section that states it; the threat model the sandbox
+answers is in README "Security".
+
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
     §3 DOCUMENT STRUCTURE: 3.1 3.2 3.4
@@ -7186,10 +7201,10 @@ FILTERS = {
 # Which fields are runtime-bearing: rendered per invocation (Phase C), so protected at Phase A.
 # INTERPRETATION I-123 §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
 # (§4.7 renders it with the per-message `message`, which cannot exist at load).
-RUNTIME_FIELDS = {
-    "system_prompt": "4.4.6",     # any mapping key of that name
-    "prompt": "4.7",              # chain agents
-    "content": "10.4",            # only directly under prompts.<name>
+RUNTIME_FIELDS = {   # (where, field) -> §: the fields that render at Phase C (§8.4)
+    ("agents", "system_prompt"): "4.4.6",     # agents.<name>.config.system_prompt
+    ("agents", "prompt"): "4.7",              # a chain agent's config.prompt
+    ("prompts", "content"): "10.4",           # prompts.<name>.content
 }
 # INTERPRETATION I-124 §8.4 vs §8.9 (Q49): Phase A leaves whole template bodies untouched; they are
 # rendered at instantiation (Phase B) with their parameters.
@@ -7209,9 +7224,9 @@ def is_runtime_field(keys):
     a composite's components.agents.<name>.config.<field>) and prompts.<name>.content."""
     # INTERPRETATION I-123 §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
     # value, a template instance's params) is ordinary data and renders at Phase A.
-    if len(keys) == 3 and keys[0] == "prompts" and keys[2] == "content":
-        return True
-    return (len(keys) >= 4 and keys[-1] in ("system_prompt", "prompt")
+    if len(keys) == 3 and keys[0] == "prompts":
+        return ("prompts", keys[2]) in RUNTIME_FIELDS
+    return (len(keys) >= 4 and ("agents", keys[-1]) in RUNTIME_FIELDS
             and keys[-2] == "config" and keys[-4] == "agents")
 
 
@@ -7875,14 +7890,6 @@ ROUTE_KIND = {"graph": "graphs", "stream": "streams"}
 TEMPLATE_ROUTE_KEYS = ("template_config", "type", "description")
 
 
-def data_engine(data):
-    """The template_engine a document names for itself (§9.2 example: cleveragents.template_engine)."""
-    block = data.get("cleveragents")
-    if isinstance(block, dict) and block.get("template_engine"):
-        return block["template_engine"]
-    return data.get("template_engine")
-
-
 def expand_templates(doc, rt=None, *, engine=None):
     """Phase B (§8.2 step 5, §8.6-§8.10): rewrite doc.data in place, every template instance
     replaced by its concrete definition, before validation.
@@ -7914,7 +7921,7 @@ class Expansion:
         self.doc, self.rt, self.data = doc, rt, data
         self.sandbox = rt.sandbox if rt is not None else InProcessSandbox()
         self.engine = engine_name(engine or (rt.engine if rt is not None else None)
-                                  or data_engine(data))
+                                  or host_parameter(doc, "template_engine", None)[0])
         self.templates = self.registry("templates", dict)
         self.strings = self.registry("template_strings", str)
 
@@ -8338,12 +8345,9 @@ def render_runtime(rt, text, ctx, message, path=None):
         return text
 
 # §8.12 Render-failure policy -------------------------------------------------------------
-# Table of §8.12: what a render failure does at each phase.
-RENDER_FAILURE = {
-    "A": "ConfigurationError: the configuration fails to load (render_document)",
-    "B": "ConfigurationError: the instantiation fails (render_phase_b, instantiate_string)",
-    "C": "warning, then the literal unrendered text (render_runtime)",
-}
+# Pointer banner: each phase handles its own failure where it renders -- Phase A fails the load
+# (render_document), Phase B the instantiation (render_phase_b, instantiate_string), both as
+# ConfigurationError; Phase C warns and uses the literal text (render_runtime).
 
 
 # =====================================================================================
@@ -9330,15 +9334,12 @@ def load_document(sources, render_context, engine, env, rt):
     return doc
 
 
-TEMPLATE_ENGINES = ("JINJA2", "MUSTACHE", "SIMPLE")       # §9.2
-
-
 def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
     value, path = host_parameter(doc, "template_engine", host_engine)
     value = "JINJA2" if value is None else value
     engine = str(value).upper()
-    if engine not in TEMPLATE_ENGINES:
+    if engine not in ENGINES:
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
@@ -9353,7 +9354,7 @@ def check_host_parameters(render_context, template_engine, context):
         if value is not None and not isinstance(value, dict):
             raise ConfigurationError(f"the host's {what} must be a mapping, not "
                                      f"{type(value).__name__}", section=section)
-    if template_engine is not None and str(template_engine).upper() not in TEMPLATE_ENGINES:
+    if template_engine is not None and str(template_engine).upper() not in ENGINES:
         raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
                                  f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
 
