@@ -4718,8 +4718,8 @@ class StreamNetwork:
         clock = self.rt.clock
         try:
             fn(*args)
-            if not clock.real and not isinstance(clock, ComponentClock):
-                clock.advance(0)
+            if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
+                clock.advance(0)        # (no timer pending, the usual case: nothing to fire)
         except RecursionError:
             self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
                                 "allows (a long chain of routes or a take-bounded cycle)",
