@@ -712,7 +712,7 @@ def parse_yaml(text, file=None):
     finally:
         loader.dispose()
     marks = {}
-    budget = [YAML_ALIAS_BUDGET]
+    budget = YAML_ALIAS_BUDGET
 
     def at(n):
         return (file, n.start_mark.line + 1, n.start_mark.column + 1)
@@ -722,8 +722,9 @@ def parse_yaml(text, file=None):
             raise ConfigurationError(f"document nests deeper than {YAML_MAX_DEPTH} levels",
                                      path=path_str(path[:3]) + " ...", section="3.1", file=file,
                                      line=at(n)[1], col=at(n)[2])
-        budget[0] -= 1
-        if budget[0] < 0:
+        nonlocal budget
+        budget -= 1
+        if budget < 0:
             raise ConfigurationError(
                 f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
                 section="3.1", file=file, line=at(n)[1], col=at(n)[2])
@@ -7900,18 +7901,18 @@ def expand_templates(doc, rt=None, *, engine=None):
     data = doc.data
     if not isinstance(data, dict):
         return
-    ex = Expansion(doc, rt, data, engine)
+    expansion = Expansion(doc, rt, data, engine)
     instances = data.get("instances")
     if instances is not None:
-        ex.move_instances(instances)
+        expansion.move_instances(instances)
     agents = data.get("agents")
     if isinstance(agents, dict):
         for name in list(agents):
-            agents[name] = ex.agent(agents[name], ("agents", name), ())
+            agents[name] = expansion.agent(agents[name], ("agents", name), ())
     routes = data.get("routes")
     if isinstance(routes, dict):
         for name in list(routes):
-            routes[name] = ex.route(routes[name], ("routes", name))
+            routes[name] = expansion.route(routes[name], ("routes", name))
 
 
 class Expansion:
@@ -8076,38 +8077,38 @@ def coerce_rendered(text):
     return text
 
 
-def instantiate(ex, kind, name, params, path, scope):
+def instantiate(expansion, kind, name, params, path, scope):
     """§8.8: the nine steps, in order, for one instance of template `name` of `kind`."""
-    found = ex.find(kind, name) if isinstance(name, str) else None
+    found = expansion.find(kind, name) if isinstance(name, str) else None
     if found is None:
-        raise ex.doc.error(ConfigurationError, path + ("template",),
+        raise expansion.doc.error(ConfigurationError, path + ("template",),
                            f"unknown {kind[:-1]} template {name!r}", "8.7")
     body, raw = found
     section = "template_strings" if raw else "templates"
     tpath = (section, kind, name)
-    decls = (template_string_parameters(ex.doc, body, tpath) if raw
+    decls = (template_string_parameters(expansion.doc, body, tpath) if raw
              else body.get("parameters"))
-    decls = parameter_declarations(ex.doc, decls, tpath + ("parameters",), ex.rt)
-    values = bind_parameters(ex.doc, decls, params, path, ex.rt)          # steps 1-2
+    decls = parameter_declarations(expansion.doc, decls, tpath + ("parameters",), expansion.rt)
+    values = bind_parameters(expansion.doc, decls, params, path, expansion.rt)          # steps 1-2
     variables = dict(BUILTINS)
     variables.update(values)
     if raw:                                                                 # §8.9
-        result = instantiate_string(ex, body, variables, path, tpath)
+        result = instantiate_string(expansion, body, variables, path, tpath)
     else:
         result = copy.deepcopy(body)                                       # step 3
         result.pop("parameters", None)                                     # step 4
-        result = render_tree(ex, result, variables, path, ())              # steps 5-7
-    resolve_references(ex, decls, values, path, scope)                     # step 8
+        result = render_tree(expansion, result, variables, path, ())              # steps 5-7
+    resolve_references(expansion, decls, values, path, scope)                     # step 8
     return result                                                          # step 9
 
 
-def render_at_instantiation(ex, text, variables):
+def render_at_instantiation(expansion, text, variables):
     """Phase B's render(), in the Actor's sandbox (§13.2 isolation): under SIMPLE only the {{ }}
     pass runs (Q60 (b): the format pass belongs to Phase C)."""
-    return ex.sandbox.render(text, variables, ex.engine, phase="B")
+    return expansion.sandbox.render(text, variables, expansion.engine, phase="B")
 
 
-def render_phase_b(ex, text, variables, path, runtime_field):
+def render_phase_b(expansion, text, variables, path, runtime_field):
     """Step 5 for one string. Phase B failures are ConfigurationErrors (§8.12).
 
     INTERPRETATION I-124 §8.8 vs §8.11 (Q49 (d)): in a runtime field (system_prompt, prompt) an
@@ -8116,14 +8117,14 @@ def render_phase_b(ex, text, variables, path, runtime_field):
     those names only when the instance binds them, and then they render here.
     """
     names = set(variables)
-    if runtime_field and ex.engine == "JINJA2":
+    if runtime_field and expansion.engine == "JINJA2":
         text = walk_tags(text, TagScope(names), defer=True)
     elif runtime_field:
-        text = defer_foreign_tags(text, names, ex.engine)
+        text = defer_foreign_tags(text, names, expansion.engine)
     try:
-        rendered = render_at_instantiation(ex, text, variables)
+        rendered = render_at_instantiation(expansion, text, variables)
     except TemplateError as exc:
-        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
+        raise expansion.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
                            "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
 
@@ -8162,7 +8163,7 @@ def defer_foreign_tags(text, names, engine):
     return "".join(out)
 
 
-def render_tree(ex, node, variables, path, keys):
+def render_tree(expansion, node, variables, path, keys):
     """Steps 5-7 over a definition: render every string (keys too), coerce rendered scalars,
     and drop the entries whose whole value was an {% if %} block that rendered empty."""
     if isinstance(node, dict):
@@ -8170,35 +8171,35 @@ def render_tree(ex, node, variables, path, keys):
         for key, value in node.items():
             new_key = key
             if has_template_syntax(key):
-                new_key = render_phase_b(ex, key, variables, path, False)
-            if dropped_if_block(value, ex, variables, path, key in ("system_prompt", "prompt")):
+                new_key = render_phase_b(expansion, key, variables, path, False)
+            if dropped_if_block(value, expansion, variables, path, key in ("system_prompt", "prompt")):
                 continue
-            out[new_key] = render_tree(ex, value, variables, path + (key,), keys + (key,))
+            out[new_key] = render_tree(expansion, value, variables, path + (key,), keys + (key,))
         return out
     if isinstance(node, list):
-        return [render_tree(ex, item, variables, path + (i,), keys)
+        return [render_tree(expansion, item, variables, path + (i,), keys)
                 for i, item in enumerate(node)
-                if not dropped_if_block(item, ex, variables, path + (i,), False)]
+                if not dropped_if_block(item, expansion, variables, path + (i,), False)]
     if isinstance(node, str) and has_template_syntax(node):
         runtime = bool(keys) and keys[-1] in ("system_prompt", "prompt")
-        rendered = render_phase_b(ex, node, variables, path, runtime)
+        rendered = render_phase_b(expansion, node, variables, path, runtime)
         return rendered if runtime else coerce_rendered(rendered)              # step 6
     return node
 
 
-def dropped_if_block(value, ex, variables, path, runtime_field):
+def dropped_if_block(value, expansion, variables, path, runtime_field):
     """Step 7. INTERPRETATION I-127 §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
     one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
     if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
         return False
-    return render_phase_b(ex, value, variables, path, runtime_field).strip() == ""
+    return render_phase_b(expansion, value, variables, path, runtime_field).strip() == ""
 
 
-def resolve_references(ex, decls, values, path, scope):
+def resolve_references(expansion, decls, values, path, scope):
     """Step 8, §8.7.1: agent_ref / component_ref name a component of the enclosing composite
     (scope 1) or a top-level agent -- or, for component_ref, a route (scope 2)."""
-    agents = ex.data.get("agents") if isinstance(ex.data.get("agents"), dict) else {}
-    routes = ex.data.get("routes") if isinstance(ex.data.get("routes"), dict) else {}
+    agents = expansion.data.get("agents") if isinstance(expansion.data.get("agents"), dict) else {}
+    routes = expansion.data.get("routes") if isinstance(expansion.data.get("routes"), dict) else {}
     for name, decl in decls.items():
         ptype = decl.get("type")
         if ptype not in ("agent_ref", "component_ref") or name not in values:
@@ -8207,7 +8208,7 @@ def resolve_references(ex, decls, values, path, scope):
         known = isinstance(ref, str) and (
             ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
         if not known:
-            raise ex.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
+            raise expansion.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
                                f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
                                " in the composite or the actor", "8.7.1")
 
@@ -8237,7 +8238,7 @@ def template_string_parameters(doc, body, tpath):
     return parsed.get("parameters") if isinstance(parsed, dict) else None
 
 
-def instantiate_string(ex, body, variables, path, tpath):
+def instantiate_string(expansion, body, variables, path, tpath):
     """§8.9: render the raw body with the parameters, then parse it as YAML.
 
     INTERPRETATION I-128 §8.9/§18.11 (Q53 (e)): a body that yields one definition (it has `type` or
@@ -8246,23 +8247,23 @@ def instantiate_string(ex, body, variables, path, tpath):
     the last), so §18.11's `agent: legal_team` names something real.
     """
     try:
-        text = render_at_instantiation(ex, body, variables)
+        text = render_at_instantiation(expansion, body, variables)
     except TemplateError as exc:
-        raise ex.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
+        raise expansion.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
                            f"failed: {exc.message}", "8.12") from exc
     try:        # parse_yaml: the loader's alias budget and nesting bound hold here too
         result = parse_yaml(text)[0]
     except ConfigurationError as exc:
-        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} does not render to "
+        raise expansion.doc.error(ConfigurationError, path, f"{path_str(tpath)} does not render to "
                            f"YAML: {exc.message}", "8.9") from exc
     if not isinstance(result, dict):
-        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} must render to a "
+        raise expansion.doc.error(ConfigurationError, path, f"{path_str(tpath)} must render to a "
                            "mapping", "8.9")
     result.pop("parameters", None)
     if "type" in result or "template" in result or tpath[1] != "agents":
         return result
     if not result:
-        raise ex.doc.error(ConfigurationError, path, f"{path_str(tpath)} rendered no "
+        raise expansion.doc.error(ConfigurationError, path, f"{path_str(tpath)} rendered no "
                            "definitions", "8.9")
     names = list(result)
     return {"type": "composite", "config": {
@@ -8271,7 +8272,7 @@ def instantiate_string(ex, body, variables, path, tpath):
                     "output": {"type": "agent", "name": names[-1]}}}}
 
 # §8.10 Composite templates ----------------------------------------------------------------
-def expand_composite(ex, cfg, path):
+def expand_composite(expansion, cfg, path):
     """§8.10 / §8.7.1: template instances among a composite's components resolve references
     in the composite's own scope first, then the actor's."""
     if not (isinstance(cfg, dict) and cfg.get("type") == "composite"):
@@ -8284,7 +8285,7 @@ def expand_composite(ex, cfg, path):
     scope = tuple(agents)
     at = path + ("config", "components", "agents")
     for name in list(agents):
-        agents[name] = ex.agent(agents[name], at + (name,), scope)
+        agents[name] = expansion.agent(agents[name], at + (name,), scope)
     return cfg
 
 # §8.11 Runtime template rendering (Phase C) ----------------------------------------------
