@@ -6850,9 +6850,11 @@ def test_budget_does_not_leak_out_of_a_render():
 #   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
 #   crash, a failure to import, or a run past MUTATION_TIMEOUT seconds (default 60) also kills it.
 # - Which vectors: the ones whose run executes a line of the mutated node (line coverage of actor.py
-#   per vector, traced once and cached in .pytest_cache), fastest first; a mutant of code that runs
-#   at import (a table, a default) gets every vector; one no traced run reaches gets the vectors
-#   with `host.isolation` (worker processes are not traced). A mutant no vector reaches survives.
+#   per vector, traced once and cached in .pytest_cache; every functools cache of actor.py is
+#   cleared before each vector, so memoised code counts for each), fastest first; a mutant of code
+#   that runs at import (a table, a default) gets every vector; one no traced run reaches gets the
+#   vectors with `host.isolation` (worker processes are not traced). One no vector reaches
+#   survives unrun.
 # - Survivors judged equivalent (nothing observable changes) are listed in MUTATION_EQUIVALENT with
 #   the reason and left out of the score. MUTATION_REPORT=path writes every survivor there.
 import ast as _ast
@@ -7042,8 +7044,8 @@ def _vector_coverage(paths, actor_file, cache):
     (traced in this process), cached by the hashes of actor.py and of the vector file."""
     actor_hash = _hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
     stored = cache.get("mutation/coverage", None) if cache else None
-    if not stored or stored.get("actor") != actor_hash:
-        stored = {"actor": actor_hash, "vectors": {}}
+    if not stored or stored.get("actor") != actor_hash or stored.get("method") != 2:
+        stored = {"actor": actor_hash, "method": 2, "vectors": {}}
     result = {}
     for path in paths:
         key = _hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -7060,6 +7062,9 @@ def _vector_coverage(paths, actor_file, cache):
                 return local if frame.f_code.co_filename == actor_file else None
 
             vector = actor.read_vector(path)
+            for value in list(vars(actor).values()):   # memoised code runs again for each vector
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
             start = _mtime.perf_counter()
             sys.settrace(tracer)
             _threading.settrace(tracer)
