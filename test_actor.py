@@ -6936,6 +6936,13 @@ MUTATION_EQUIVALENT = {
     'check_templates_body: 0 -> 1 | lineno, block_col = text.count("\\n", 0, pos) + 1, None': _MSG,
     "RenderedLines._align: 0 -> -1 | parts, last = [], 0": _MSG,
     "RenderedLines._align: 1 -> 2 | before.append((indices[at - 1], same))": _MSG,
+    "default_router: if name is None and isinstance(rt.doc.data, dict): -> pass | "
+    "if name is None and isinstance(rt.doc.data, dict):":
+        "loading already resolves the document's default_router into the runtime setting (§3.4)",
+    'analyse_graph: and -> or | node.guarded_after = node.type == "agent" and (has_routers or '
+    "node.routes_only_to_router)": "guard_after_node checks the node type again",
+    "mustache_render_nodes: if depth > 100: -> pass | if depth > 100:":
+        "the render budget stops the same recursion with the same TemplateError",
     "Timer.__lt__: < -> <= | return (self.when, self.seq) < (other.when, other.seq)":
         "sequence numbers are unique, so the tuples are never equal",
 }
@@ -6953,6 +6960,9 @@ MUTATION_OUTSIDE_FORMAT = {
     "read_sources": "CLI file reading", "start_actor": "a host API argument",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
     "tool_http_request": "needs a network server",
+    "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
+    '"graph" for c in routes.values())':
+        "only the §6.10 internal streams differ, and a document may not reference them",
     "StreamNetwork.watch": "the host's tracing API",
     "Stream._deliver: 0 -> -1 | del self.memory[0]":
         "hot/replay memory reaches late subscribers only, added through the host's API",
