@@ -6943,6 +6943,9 @@ MUTATION_EQUIVALENT = {
     "node.routes_only_to_router)": "guard_after_node checks the node type again",
     "mustache_render_nodes: if depth > 100: -> pass | if depth > 100:":
         "the render budget stops the same recursion with the same TemplateError",
+    "NodeContext.pop: return super().pop(key, *default) -> pass | "
+    "return super().pop(key, *default)":
+        "sandboxed code pops through ContextView, whose pop goes through __delitem__",
     "Timer.__lt__: < -> <= | return (self.when, self.seq) < (other.when, other.seq)":
         "sequence numbers are unique, so the tuples are never equal",
 }
