@@ -6844,7 +6844,7 @@ def test_budget_does_not_leak_out_of_a_render():
 # - MUTATION_SAMPLE mutants (default 200) are drawn with random.Random(MUTATION_SEED) (default 13):
 #   each section gets a share in proportion to its lines of code (largest remainder), drawn without
 #   replacement from that section's points. The same seed on the same actor.py gives the same
-#   mutants (MUTATION_ONLY=3,17 reruns those ids).
+#   mutants (MUTATION_ONLY=3,17 reruns those ids; MUTATION_VECTORS=dir judges by another suite).
 # - Each mutant runs in a forked process: the mutated tree is written out as a module of a fresh
 #   name and imported, and the vectors are judged with the harness functions (the mutant's
 #   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
@@ -7216,7 +7216,8 @@ def test_mutation_score_of_the_vectors(request):
     chosen = mutation_sample(points, sections, lines, size, seed)
     if os.environ.get("MUTATION_ONLY"):
         chosen = [int(i) for i in os.environ["MUTATION_ONLY"].split(",")]
-    paths = [str(p) for p in VECTOR_FILES]
+    folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
+    paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
     coverage = _vector_coverage(paths, actor_file, request.config.cache)
     vectors = {p: actor.read_vector(p) for p in paths}
     by_speed = sorted(paths, key=lambda p: coverage[p]["seconds"])
