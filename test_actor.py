@@ -7301,13 +7301,17 @@ def test_mutation_score_of_the_vectors(request):
     total = {k: sum(row[k] for row in table.values())
              for k in ("mutants", "killed", "equivalent", "outside")}
     print("\n| section | mutants | killed | equivalent | outside the format "
-          "| score (non-equivalent) |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "| score (non-equivalent) | score within the format |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def percent(part, whole):
+        return f"{100 * part / whole:.0f} %" if whole else "-"
+
     for name, row in list(table.items()) + [("all", total)]:
         live = row["mutants"] - row["equivalent"]
-        score = f"{100 * row['killed'] / live:.0f} %" if live else "-"
         print(f"| {name} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
-              f"{row['outside']} | {score} |")
+              f"{row['outside']} | {percent(row['killed'], live)} | "
+              f"{percent(row['killed'], live - row['outside'])} |")
     text = "".join(f"#{i} {p['section']} line {p['line']} {p['kind']} [{r['by']}]"
                    f"{' (outside the format: ' + outside + ')' if outside else ''}\n    {key}\n"
                    for i, p, r, key, outside in survivors)
