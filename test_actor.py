@@ -7300,6 +7300,494 @@ def test_budget_does_not_leak_out_of_a_render():
     assert getattr(actor._BUDGET, "budget", None) is None
 
 
+# Mutation score (issue 13): does the vector suite notice a changed behaviour? --------------------
+# Opt-in (`python -m pytest -m mutation -s`). Method, so that a run can be repeated:
+# - Mutation points are the nodes of actor.py's own AST between the `# §` banners (the HOST regions
+#   -- providers, loader, harness, CLI -- are left out): a comparison operator swapped (== !=, < <=,
+#   > >=, in / not in, is / is not), `and` <-> `or`, a numeric constant +1 and -1, a `not` removed,
+#   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
+#   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
+#   are reported as groups.
+# - MUTATION_SAMPLE mutants (default 200) are drawn with random.Random(MUTATION_SEED) (default 13):
+#   each section gets a share in proportion to its lines of code (largest remainder), drawn without
+#   replacement from that section's points. The same seed on the same actor.py gives the same
+#   mutants (MUTATION_ONLY=3,17 reruns those ids; MUTATION_VECTORS=dir judges by another suite).
+# - Each mutant runs in a forked process: the mutated tree is written out as a module of a fresh
+#   name and imported, and the vectors are judged with the harness functions (the mutant's
+#   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
+#   crash, a failure to import, or a run past MUTATION_TIMEOUT seconds (default 60) also kills it.
+# - Which vectors: the ones whose run executes a line of the mutated node (line coverage of actor.py
+#   per vector, traced once and cached in .pytest_cache; every functools cache of actor.py is
+#   cleared before each vector, so memoised code counts for each), fastest first; a mutant of code
+#   that runs at import (a table, a default) gets every vector; one no traced run reaches gets the
+#   vectors with `host.isolation` (worker processes are not traced). One no vector reaches
+#   survives unrun.
+# - Survivors judged equivalent (nothing observable changes) are listed in MUTATION_EQUIVALENT with
+#   the reason and left out of the score. MUTATION_REPORT=path writes every survivor there.
+import ast as _ast
+import importlib.util as _importlib_util
+import json as _json
+import time as _mtime
+import hashlib as _hashlib
+import random as _random
+import re as _re
+import select as _select
+import signal as _signal
+import tempfile as _tempfile
+import threading as _threading
+
+MUTATION_GROUPS = {3: "§3", 4: "§4", 5: "§5", 6: "§6", 7: "§7", 8: "§8", 9: "§9", 10: "§10–§12",
+                   11: "§10–§12", 12: "§10–§12", 13: "§13", 14: "§14–§16, §20",
+                   15: "§14–§16, §20", 16: "§14–§16, §20", 20: "§14–§16, §20"}
+_CMP_SWAP = {_ast.Eq: _ast.NotEq, _ast.NotEq: _ast.Eq, _ast.Lt: _ast.LtE, _ast.LtE: _ast.Lt,
+             _ast.Gt: _ast.GtE, _ast.GtE: _ast.Gt, _ast.In: _ast.NotIn, _ast.NotIn: _ast.In,
+             _ast.Is: _ast.IsNot, _ast.IsNot: _ast.Is}
+_CMP_TEXT = {_ast.Eq: "==", _ast.NotEq: "!=", _ast.Lt: "<", _ast.LtE: "<=", _ast.Gt: ">",
+             _ast.GtE: ">=", _ast.In: "in", _ast.NotIn: "not in", _ast.Is: "is",
+             _ast.IsNot: "is not"}
+# Survivors that change nothing observable, keyed "function: original -> mutated | source line":
+# the reason. Message wording and source locations in messages count as not observable (vectors
+# assert categories, not wording).
+_MSG = "message text or location only"
+_CACHED = "every caller passes the argument"
+MUTATION_EQUIVALENT = {
+    'parse_yaml: 0 -> 1 | problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]':
+        _MSG,
+    'parse_yaml.build: 1 -> 0 | section="3.1", file=file, line=at(key_node)[1],': _MSG,
+    "check_structured_support: can = ', '.join(sorted(adapter.structured)) or 'none' -> pass | "
+    'can = ", ".join(sorted(adapter.structured)) or "none"': _MSG + " (still an ExecutionError)",
+    "tool_argument: 0 -> 1 | def tool_argument(args, name, index=0):": _CACHED,
+    "tool_argument: return None -> pass | return None": "the same value",
+    "_math_power: raise work.fail(f'an integer beyond {MATH_MAX_BITS} bits') -> pass | "
+    'raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")':
+        "the work limit refuses the same powers",
+    "safe_mode_refusal: if op == 'file_write' and tilde: -> pass | "
+    'if op == "file_write" and tilde:': "the §13.3 layer refuses the same paths",
+    "progress_facility: is -> is not | if facility is None:":
+        "the host installs the facility; the branch never decides anything",
+    "ComponentDoc.outer_path: if path[:len(self.base)] == self.base: -> pass | "
+    "if path[:len(self.base)] == self.base:": _MSG,
+    "agent_mapper.on_next: if not isinstance(ctx, dict): -> pass | "
+    "if not isinstance(ctx, dict):       # the usual case, a context dict, needs no call":
+        "a shortcut: resolve_context returns the same mapping",
+    "load_document: if not isinstance(part, dict): -> pass | if not isinstance(part, dict):":
+        "a later check refuses the same document",
+    "Stream.complete: for on_complete in self.finishers: -> pass | "
+    "for on_complete in self.finishers:":
+        "StreamNetwork.complete finishes every node itself, in topological order",
+    "resolve_context: return ctx if isinstance(ctx, dict) else {} -> pass | "
+    "return ctx if isinstance(ctx, dict) else {}": "the global context is always a mapping",
+    "transform_stage.on_next: return -> pass | return":
+        "no content a vector can send makes a built-in transform raise",
+    "GraphRoute._continue: 1 -> 2 | "
+    "if len(results) == 1 and results[0][0].plain_next is not None:":
+        "a fast path: _next_nodes finds the same frontier",
+    "GraphRoute._continue: 1 -> 0 | "
+    "if len(results) == 1 and results[0][0].plain_next is not None:":
+        "a fast path: _next_nodes finds the same frontier",
+    '_shape_refusal: return f"the name \'{name}\' (double-underscore names belong to the sandbox)" '
+    '-> pass | return f"the name \'{name}\' (double-underscore names belong to the sandbox)"': _MSG,
+    "_result_size: 0 -> -1 | return max(abs(left).bit_length() - 1, 0) * right if ints and "
+    "right > 0 else 0": "a result of no size costs nothing either way",
+    "_exception_text: return '(an exception whose arguments are not text)' -> pass | "
+    'return "(an exception whose arguments are not text)"': _MSG,
+    "tool_path: raise env.fail(f'{op} needs a `file` path string', '4.5.1') -> pass | "
+    'raise env.fail(f"{op} needs a `file` path string", "4.5.1")':
+        "the next check fails the same call as an ExecutionError",
+    "ExprUnit.__call__: 1.0 -> 0.0 | def __call__(self, *args, timeout=1.0):": _CACHED,
+    "compile_expression: 1 -> 0 | "
+    "def compile_expression(source, *, nparams=1, rt=None, path=None):": _CACHED,
+    "ActorError.__str__: text += ' (' + ', '.join(('§' + s.strip().lstrip('§') for s in "
+    "str(self.section).split(','))) + ')' -> pass | "
+    'text += " (" + ", ".join("§" + s.strip().lstrip("§")': _MSG,
+    "path_str: or -> and | for part in path or ():": _MSG,
+    'check_templates_body: 0 -> 1 | lineno, block_col = text.count("\\n", 0, pos) + 1, None': _MSG,
+    "RenderedLines._align: 0 -> -1 | parts, last = [], 0": _MSG,
+    "RenderedLines._align: 1 -> 2 | before.append((indices[at - 1], same))": _MSG,
+    "default_router: if name is None and isinstance(rt.doc.data, dict): -> pass | "
+    "if name is None and isinstance(rt.doc.data, dict):":
+        "loading already resolves the document's default_router into the runtime setting (§3.4)",
+    'analyse_graph: and -> or | node.guarded_after = node.type == "agent" and (has_routers or '
+    "node.routes_only_to_router)": "guard_after_node checks the node type again",
+    "mustache_render_nodes: if depth > 100: -> pass | if depth > 100:":
+        "the render budget stops the same recursion with the same TemplateError",
+    "NodeContext.pop: return super().pop(key, *default) -> pass | "
+    "return super().pop(key, *default)":
+        "sandboxed code pops through ContextView, whose pop goes through __delitem__",
+    "Timer.__lt__: < -> <= | return (self.when, self.seq) < (other.when, other.seq)":
+        "sequence numbers are unique, so the tuples are never equal",
+}
+# Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
+# own API), by function or by key: not equivalent, so they stay in the score; reported apart.
+_CLI = "CLI-only output (--describe text, --diagram)"
+MUTATION_OUTSIDE_FORMAT = {
+    "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
+    "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
+    "RealClock.advance": "real time (vectors run on a virtual clock)",
+    "GraphNode.__init__: self.retry_delay = float(policy.get('delay', 1.0)) if "
+    "isinstance(policy, dict) else 0.0 -> pass | "
+    'self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0':
+        "the retry delay only waits on a real clock",
+    "read_sources": "CLI file reading", "start_actor": "a host API argument",
+    "progress_number": "the progress bar's rendering goes to the host's stdout",
+    "tool_http_request": "needs a network server",
+    "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
+    '"graph" for c in routes.values())':
+        "only the §6.10 internal streams differ, and a document may not reference them",
+    "StreamNetwork.watch": "the host's tracing API",
+    "run_budgeted: _BUDGET.budget = previous -> pass | _BUDGET.budget = previous":
+        "timing: the leaked budget fails a later render only once its real deadline has passed",
+    "Stream._deliver: 0 -> -1 | del self.memory[0]":
+        "hot/replay memory reaches late subscribers only, added through the host's API",
+}
+
+
+def mutation_sections(lines):
+    """Line number (1-based) -> section group, for the lines between the `# §` banners; None for
+    lines outside them (imports, HOST regions)."""
+    banner = _re.compile(r"^# (?:§(\d+)[\d.]*\s|(HOST|PRELUDE)\b)")
+    current, out = None, [None]
+    for line in lines:
+        found = banner.match(line)
+        if found:
+            current = MUTATION_GROUPS.get(int(found.group(1))) if found.group(1) else None
+        out.append(current)
+    return out
+
+
+def _replace_in_parent(parent, field, index, new):
+    if index is None:
+        setattr(parent, field, new)
+    else:
+        getattr(parent, field)[index] = new
+
+
+def mutation_points(tree, sections):
+    """Every first-order mutant of `tree` in a mutable section, in a fixed order: dicts {kind,
+    line, end, section, function, runtime, apply} where apply() changes the tree in place and
+    returns (original text, mutated text) of the node."""
+    points = []
+
+    def visit(node, parent, field, index, function, runtime):
+        line = getattr(node, "lineno", None)
+        section = sections[line] if line is not None and line < len(sections) else None
+        end = getattr(node, "end_lineno", line)
+
+        def add(kind, apply):
+            points.append({"kind": kind, "line": line, "end": end, "section": section,
+                           "function": function, "runtime": runtime, "apply": apply})
+
+        if section is not None:
+            if isinstance(node, _ast.Compare):
+                for j, op in enumerate(node.ops):
+                    if type(op) in _CMP_SWAP:
+                        def apply(node=node, j=j, op=op):
+                            node.ops[j] = _CMP_SWAP[type(op)]()
+                            return _CMP_TEXT[type(op)], _CMP_TEXT[_CMP_SWAP[type(op)]]
+                        add("compare", apply)
+            elif isinstance(node, _ast.BoolOp):
+                def apply(node=node):
+                    was = type(node.op)
+                    node.op = _ast.Or() if was is _ast.And else _ast.And()
+                    return ("and", "or") if was is _ast.And else ("or", "and")
+                add("boolean", apply)
+            elif (isinstance(node, _ast.Constant) and type(node.value) in (int, float)):
+                for delta in (1, -1):
+                    def apply(node=node, delta=delta):
+                        was = node.value
+                        node.value = was + delta
+                        return repr(was), repr(node.value)
+                    add("constant", apply)
+            elif isinstance(node, _ast.UnaryOp) and isinstance(node.op, _ast.Not):
+                def apply(node=node, parent=parent, field=field, index=index):
+                    text = _ast.unparse(node)
+                    _replace_in_parent(parent, field, index, node.operand)
+                    return text, _ast.unparse(node.operand)
+                add("not", apply)
+            if isinstance(node, _ast.Return) and runtime:
+                value = node.value
+                if isinstance(value, _ast.Constant) and type(value.value) is bool:
+                    def apply(node=node):
+                        text = _ast.unparse(node)
+                        node.value = _ast.Constant(not node.value.value)
+                        return text, _ast.unparse(node)
+                    add("return", apply)
+                elif value is not None and not (isinstance(value, _ast.Constant)
+                                                and value.value is None):
+                    def apply(node=node):
+                        text = _ast.unparse(node)
+                        node.value = None
+                        return text, "return None"
+                    add("return", apply)
+            if (isinstance(node, _ast.stmt) and runtime and index is not None
+                    and not isinstance(node, (_ast.Pass, _ast.Global, _ast.Nonlocal))
+                    and not (index == 0 and isinstance(node, _ast.Expr)
+                             and isinstance(node.value, _ast.Constant))):
+                def apply(node=node, parent=parent, field=field, index=index):
+                    text = _ast.unparse(node).splitlines()[0]
+                    _replace_in_parent(parent, field, index, _ast.copy_location(_ast.Pass(), node))
+                    return text, "pass"
+                add("statement", apply)
+        for child_field, value in _ast.iter_fields(node):
+            inner = function
+            if isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+                inner = f"{function}.{node.name}" if function else node.name
+            child_runtime = runtime or (
+                isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.Lambda))
+                and child_field == "body")
+            if isinstance(value, list):
+                for k, item in enumerate(value):
+                    if isinstance(item, _ast.AST):
+                        visit(item, node, child_field, k, inner, child_runtime)
+            elif isinstance(value, _ast.AST):
+                visit(value, node, child_field, None, inner, child_runtime)
+
+    visit(tree, None, None, None, "", False)
+    return points
+
+
+def _vector_coverage(paths, actor_file, cache):
+    """{vector name: {"lines": [...], "seconds": s}}: the actor.py lines each vector's run executes
+    (traced in this process), cached by the hashes of actor.py and of the vector file."""
+    actor_hash = _hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
+    stored = cache.get("mutation/coverage", None) if cache else None
+    if not stored or stored.get("actor") != actor_hash or stored.get("method") != 2:
+        stored = {"actor": actor_hash, "method": 2, "vectors": {}}
+    result = {}
+    for path in paths:
+        key = _hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        entry = stored["vectors"].get(str(path))
+        if entry is None or entry.get("hash") != key:
+            hit = set()
+
+            def local(frame, event, arg):
+                if event == "line":
+                    hit.add(frame.f_lineno)
+                return local
+
+            def tracer(frame, event, arg):
+                return local if frame.f_code.co_filename == actor_file else None
+
+            vector = actor.read_vector(path)
+            for value in list(vars(actor).values()):   # memoised code runs again for each vector
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+            start = _mtime.perf_counter()
+            sys.settrace(tracer)
+            _threading.settrace(tracer)
+            try:
+                actor.observe_vector(vector)
+            finally:
+                sys.settrace(None)
+                _threading.settrace(None)
+            entry = {"hash": key, "lines": sorted(hit), "seconds": _mtime.perf_counter() - start}
+            stored["vectors"][str(path)] = entry
+        result[str(path)] = entry
+    if cache:
+        cache.set("mutation/coverage", stored)
+    return result
+
+
+def _run_mutant(source, sections, index, order, vectors, workdir):
+    """In a forked child: build mutant `index`, import it under a fresh name, run `order`.
+    Returns {status: killed|survived, by, original, mutated}."""
+    tree = _ast.parse(source)
+    point = mutation_points(tree, sections)[index]
+    original, mutated = point["apply"]()
+    _ast.fix_missing_locations(tree)
+    name = f"actor_mutant_{index}"
+    path = Path(workdir, name + ".py")
+    path.write_text(_ast.unparse(tree), encoding="utf-8")
+    record = {"original": original, "mutated": mutated, "status": "killed"}
+    try:
+        spec = _importlib_util.spec_from_file_location(name, path)
+        module = _importlib_util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except BaseException as exc:    # noqa: BLE001 - a mutant that cannot load is killed
+        record["by"] = f"import: {type(exc).__name__}"
+        return record
+    for vector_path in order:
+        vector = vectors[vector_path]
+        try:
+            observed = module.observe_vector(vector)
+        except BaseException as exc:  # noqa: BLE001 - a crash is noticed
+            record["by"] = f"{Path(vector_path).stem} (crash: {type(exc).__name__})"
+            return record
+        if actor.judge_vector(vector, observed):
+            record["by"] = Path(vector_path).stem
+            return record
+    record["status"] = "survived"
+    record["by"] = f"{len(order)} vectors"
+    return record
+
+
+def _fork_mutant(*args):
+    """Start _run_mutant in a forked child; (pid, read end of its result pipe)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:    # the child: report through the pipe, never return into pytest
+        os.close(read)
+        os.setpgid(0, 0)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        try:
+            data = _json.dumps(_run_mutant(*args)).encode()
+        except BaseException as exc:   # noqa: BLE001
+            data = _json.dumps({"status": "killed", "by": f"harness: {exc!r}",
+                               "original": "?", "mutated": "?"}).encode()
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(data)
+        os._exit(0)
+    os.close(write)
+    return pid, read
+
+
+def mutation_sample(points, sections, lines, size, seed):
+    """Indices of the sampled mutants: each section's share of `size` in proportion to its lines of
+    code (largest remainder), drawn with random.Random(seed) from that section's points."""
+    code = {}
+    for number, text in enumerate(lines, 1):
+        group = sections[number]
+        if group and text.strip() and not text.lstrip().startswith("#"):
+            code[group] = code.get(group, 0) + 1
+    groups = sorted(code, key=lambda g: list(MUTATION_GROUPS.values()).index(g))
+    total = sum(code.values())
+    exact = {g: size * code[g] / total for g in groups}
+    share = {g: int(exact[g]) for g in groups}
+    for g in sorted(groups, key=lambda g: (-(exact[g] - share[g]), groups.index(g))):
+        if sum(share.values()) >= size:
+            break
+        share[g] += 1
+    rng = _random.Random(seed)
+    chosen = []
+    for g in groups:
+        pool = [i for i, p in enumerate(points) if p["section"] == g]
+        chosen += sorted(rng.sample(pool, min(share[g], len(pool))))
+    return chosen
+
+
+@pytest.mark.mutation
+def test_mutation_score_of_the_vectors(request):
+    """Prints the per-section share of sampled mutants of actor.py the vectors kill (see above)."""
+    size = int(os.environ.get("MUTATION_SAMPLE", "200"))
+    seed = int(os.environ.get("MUTATION_SEED", "13"))
+    limit = float(os.environ.get("MUTATION_TIMEOUT", "60"))
+    jobs = max(1, min(2, int(os.environ.get("MUTATION_JOBS", "1"))))
+    actor_file = os.path.abspath(actor.__file__)
+    source = Path(actor_file).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    sections = mutation_sections(lines)
+    points = mutation_points(_ast.parse(source), sections)
+    chosen = mutation_sample(points, sections, lines, size, seed)
+    if os.environ.get("MUTATION_ONLY"):
+        chosen = [int(i) for i in os.environ["MUTATION_ONLY"].split(",")]
+    folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
+    paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
+    coverage = _vector_coverage(paths, actor_file, request.config.cache)
+    vectors = {p: actor.read_vector(p) for p in paths}
+    by_speed = sorted(paths, key=lambda p: coverage[p]["seconds"])
+    line_sets = {p: set(coverage[p]["lines"]) for p in paths}
+    print(f"\n[mutation] seed {seed}, {len(chosen)} of {len(points)} mutation points, "
+          f"{len(paths)} vectors")
+    results, running, queue = {}, {}, list(chosen)
+    with _tempfile.TemporaryDirectory(prefix="actor-mutants-") as workdir:
+        # (The unmutated tree, written out and imported the same way, passes every vector.)
+        while queue or running:
+            while queue and len(running) < jobs:
+                index = queue.pop(0)
+                point = points[index]
+                if point["runtime"]:
+                    span = set(range(point["line"], point["end"] + 1))
+                    order = [p for p in by_speed if line_sets[p] & span]
+                else:
+                    order = by_speed
+                if not order:   # code no traced run reaches may still run in a worker process
+                    order = [p for p in by_speed if (vectors[p].get("host") or {}).get("isolation")]
+                if not order:
+                    results[index] = {"status": "survived", "by": "no vector runs it",
+                                      "original": None, "mutated": None}
+                    continue
+                pid, read = _fork_mutant(source, sections, index, order, vectors, workdir)
+                running[read] = (index, pid, _mtime.monotonic(), [])
+            if not running:
+                continue
+            ready, _, _ = _select.select(list(running), [], [], 0.5)
+            for read in list(running):
+                index, pid, started, chunks = running[read]
+                done = False
+                if read in ready:
+                    chunk = os.read(read, 65536)
+                    if chunk:
+                        chunks.append(chunk)
+                    else:
+                        done = True
+                        os.waitpid(pid, 0)
+                        try:
+                            results[index] = _json.loads(b"".join(chunks))
+                        except ValueError:
+                            results[index] = {"status": "killed", "by": "died",
+                                              "original": "?", "mutated": "?"}
+                if not done and _mtime.monotonic() - started > limit:
+                    try:
+                        os.killpg(pid, _signal.SIGKILL)
+                    except OSError:
+                        pass
+                    os.waitpid(pid, 0)
+                    results[index] = {"status": "killed", "by": f"timeout ({limit:.0f} s)",
+                                      "original": "?", "mutated": "?"}
+                    done = True
+                if done:
+                    os.close(read)
+                    del running[read]
+                    r = results[index]
+                    p = points[index]
+                    print(f"  #{index} {p['section']} line {p['line']} {p['kind']}: "
+                          f"{r['status']} by {r['by']}", flush=True)
+    table, survivors = {}, []
+    for index in chosen:
+        point, r = points[index], results[index]
+        if r.get("original") is None:     # never run: describe it without running
+            tree = _ast.parse(source)
+            r["original"], r["mutated"] = mutation_points(tree, sections)[index]["apply"]()
+        key = (f"{point['function']}: {r['original']} -> {r['mutated']} | "
+               f"{lines[point['line'] - 1].strip()}")
+        row = table.setdefault(point["section"], {"mutants": 0, "killed": 0, "equivalent": 0,
+                                                  "outside": 0})
+        row["mutants"] += 1
+        if r["status"] == "killed":
+            row["killed"] += 1
+        elif key in MUTATION_EQUIVALENT:
+            row["equivalent"] += 1
+        else:
+            outside = (MUTATION_OUTSIDE_FORMAT.get(key)
+                       or MUTATION_OUTSIDE_FORMAT.get(point["function"]))
+            row["outside"] += bool(outside)
+            survivors.append((index, point, r, key, outside))
+    total = {k: sum(row[k] for row in table.values())
+             for k in ("mutants", "killed", "equivalent", "outside")}
+    print("\n| section | mutants | killed | equivalent | outside the format "
+          "| score (non-equivalent) | score within the format |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def percent(part, whole):
+        return f"{100 * part / whole:.0f} %" if whole else "-"
+
+    for name, row in list(table.items()) + [("all", total)]:
+        live = row["mutants"] - row["equivalent"]
+        print(f"| {name} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
+              f"{row['outside']} | {percent(row['killed'], live)} | "
+              f"{percent(row['killed'], live - row['outside'])} |")
+    text = "".join(f"#{i} {p['section']} line {p['line']} {p['kind']} [{r['by']}]"
+                   f"{' (outside the format: ' + outside + ')' if outside else ''}\n    {key}\n"
+                   for i, p, r, key, outside in survivors)
+    print(f"\nsurvivors ({len(survivors)}):\n{text}")
+    if os.environ.get("MUTATION_REPORT"):
+        Path(os.environ["MUTATION_REPORT"]).write_text(text, encoding="utf-8")
+    assert total["mutants"] == len(chosen)
+
+
 # Benchmarks (issue 11): printed side by side in one run, never asserted ----------------------
 def _best_us(fn, n):
     """Best of five rounds of n // 5 calls, in microseconds per call (an unloaded machine's)."""
