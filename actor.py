@@ -5006,7 +5006,7 @@ class GraphRun:
 class _RunTrace:
     """Per-run bookkeeping for the §6.8 guards: path, fingerprints, depth, latest output."""
 
-    __slots__ = ("history", "seen", "depth", "output", "stopped", "earlier")
+    __slots__ = ("history", "seen", "depth", "output", "stopped", "earlier", "held")
 
     def __init__(self, output, messages=()):
         self.history = []
@@ -5015,8 +5015,9 @@ class _RunTrace:
         self.output = output
         self.stopped = None
         # The state messages from before this run, held so that their ids stay theirs even
-        # once the 50-message cap drops them from the state.
-        self.earlier = {id(m): m for m in messages}
+        # once the 50-message cap drops them from the state (both built in C: a run's fixed cost).
+        self.held = list(messages)
+        self.earlier = set(map(id, self.held))
 
     def replies(self, messages):
         """The assistant messages of `messages` that this run added (§6.3.1, Q34)."""
