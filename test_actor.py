@@ -6858,6 +6858,7 @@ def test_budget_does_not_leak_out_of_a_render():
 # - Survivors judged equivalent (nothing observable changes) are listed in MUTATION_EQUIVALENT with
 #   the reason and left out of the score. MUTATION_REPORT=path writes every survivor there.
 import ast as _ast
+import faulthandler
 import importlib.util as _importlib_util
 import json as _json
 import time as _mtime
@@ -7162,6 +7163,7 @@ def _fork_mutant(*args):
     if pid == 0:    # the child: report through the pipe, never return into pytest
         os.close(read)
         os.setpgid(0, 0)
+        faulthandler.disable()      # a mutant that crashes the interpreter just dies quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
