@@ -6962,7 +6962,11 @@ MUTATION_OUTSIDE_FORMAT = {
     "isinstance(policy, dict) else 0.0 -> pass | "
     'self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0':
         "the retry delay only waits on a real clock",
-    "read_sources": "CLI file reading", "start_actor": "a host API argument",
+    "read_sources": "CLI file reading",
+    "start_actor: raise ConfigurationError(f\"unknown isolation {isolation!r}: use one of {', '.join("
+    "map(repr, ISOLATION))}\", section='13.2') -> pass | "
+    'raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "':
+        "a host API argument",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
     "tool_http_request": "needs a network server",
     "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
