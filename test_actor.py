@@ -6963,8 +6963,8 @@ MUTATION_OUTSIDE_FORMAT = {
     'self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0':
         "the retry delay only waits on a real clock",
     "read_sources": "CLI file reading",
-    "start_actor: raise ConfigurationError(f\"unknown isolation {isolation!r}: use one of {', '.join("
-    "map(repr, ISOLATION))}\", section='13.2') -> pass | "
+    "start_actor: raise ConfigurationError(f\"unknown isolation {isolation!r}: use one of "
+    "{', '.join(map(repr, ISOLATION))}\", section='13.2') -> pass | "
     'raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "':
         "a host API argument",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
