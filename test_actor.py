@@ -7325,6 +7325,7 @@ def test_budget_does_not_leak_out_of_a_render():
 # - Survivors judged equivalent (nothing observable changes) are listed in MUTATION_EQUIVALENT with
 #   the reason and left out of the score. MUTATION_REPORT=path writes every survivor there.
 import ast as _ast
+import faulthandler
 import importlib.util as _importlib_util
 import json as _json
 import time as _mtime
@@ -7428,7 +7429,11 @@ MUTATION_OUTSIDE_FORMAT = {
     "isinstance(policy, dict) else 0.0 -> pass | "
     'self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0':
         "the retry delay only waits on a real clock",
-    "read_sources": "CLI file reading", "start_actor": "a host API argument",
+    "read_sources": "CLI file reading",
+    "start_actor: raise ConfigurationError(f\"unknown isolation {isolation!r}: use one of "
+    "{', '.join(map(repr, ISOLATION))}\", section='13.2') -> pass | "
+    'raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "':
+        "a host API argument",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
     "tool_http_request": "needs a network server",
     "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
@@ -7629,6 +7634,7 @@ def _fork_mutant(*args):
     if pid == 0:    # the child: report through the pipe, never return into pytest
         os.close(read)
         os.setpgid(0, 0)
+        faulthandler.disable()      # a mutant that crashes the interpreter just dies quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
