@@ -9750,8 +9750,6 @@ def _shape_refusal(node, names):
             return "assigning or deleting an attribute"
         case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
             return f"the attribute '{attr}' (not a method of the built-in value types)"
-        case ast.FunctionDef(decorator_list=[_, *_]):
-            return "a decorator"
         case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
                 | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
                 | ast.keyword(arg=name) if name and name.startswith("__"):
