@@ -24,7 +24,7 @@ Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the ra
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
 
 How actor.py is organised: load() runs six passes, in §12.1's order (start_actor, §12.1):
-    read    the files (read_sources, §12.1);
+    read    the files (read_sources, HOST; §12.1);
     render  Phase A in the document's engine (load_document -> parse_source -> render_document,
             §8.2, with runtime fields protected, §8.4);
     parse   YAML 1.2 core schema with marks for located errors (parse_yaml, §3.1), merged
@@ -59,6 +59,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     HOST -- providers
     HOST -- load / Actor / render
     HOST -- the vector harness
+    HOST -- real clock, describe text and diagram
     HOST -- command line
 """
 from __future__ import annotations
@@ -385,87 +386,7 @@ class VirtualClock:
             self.advance(at - self._now)
 
 
-class RealClock(VirtualClock):
-    """Wall-clock seconds since creation; advance() really waits. start(turn) fires timers on a
-    background thread as real time passes (the CLI's one running Actor); stop() ends that."""
-
-    real = True
-
-    def __init__(self):
-        super().__init__()
-        self._t0 = time.monotonic()
-        self._wake = threading.Condition(self._lock)
-        self._driver = None
-        self._stopping = False
-
-    def now(self):
-        return time.monotonic() - self._t0
-
-    @property
-    def driven(self):
-        """True while the background thread fires timers (callers then never wait them out)."""
-        return self._driver is not None
-
-    def call_at(self, when, fn):
-        timer = super().call_at(when, fn)
-        with self._lock:
-            self._wake.notify_all()
-        return timer
-
-    def start(self, turn):
-        """Fire each timer when it falls due, on a daemon thread, inside `turn` (the Actor's lock,
-        so that a timer never runs in the middle of a host call)."""
-        def drive():
-            while True:
-                with self._lock:
-                    if self._stopping:
-                        return
-                    due = self.next_due()
-                    wait = None if due is None else due - self.now()
-                    if wait is None or wait > 0:
-                        self._wake.wait(wait)
-                        continue
-                with turn:
-                    timer = self._pop_due(self.now())
-                    if timer is not None:
-                        try:
-                            timer.fn()
-                        except Exception as exc:  # boundary: logged, and the clock runs on
-                            log.error("actor: a timer failed: %s: %s", type(exc).__name__, exc)
-        self._stopping = False
-        self._driver = threading.Thread(target=drive, name="actor-clock", daemon=True)
-        self._driver.start()
-
-    def stop(self):
-        """End the background thread (timers still pending stay queued for advance())."""
-        driver = self._driver
-        if driver is None:
-            return
-        with self._lock:
-            self._stopping = True
-            self._wake.notify_all()
-        driver.join()
-        self._driver = None
-
-    def advance(self, seconds):
-        target = self.now() + max(0.0, seconds)
-        while True:
-            due = self.next_due()
-            if due is not None and due <= target:
-                wait = due - self.now()
-                if wait > 0:
-                    time.sleep(wait)
-                timer = self._pop_due(self.now())
-                if timer is not None:
-                    timer.fn()
-                continue
-            rest = target - self.now()
-            if rest > 0:
-                time.sleep(rest)
-            break
-
-    def set_time(self, at):
-        pass
+# The CLI's wall clock (RealClock) is in HOST -- real clock, describe text and diagram.
 
 
 class ComponentClock:
@@ -3271,15 +3192,6 @@ class StreamRoute(_Node):
         return self.name + (": " + " → ".join(ops) if ops else "")
 
 
-def _describe_op(op):
-    params = op.get("params") or {} if isinstance(op, dict) else {}
-    kind = op.get("type", "?") if isinstance(op, dict) else "?"
-    detail = params.get("agent") or params.get("graph") or params.get("function") or ""
-    if not detail and isinstance(params.get("condition"), dict):
-        detail = params["condition"].get("type", "")
-    return f"{kind}({detail})" if detail else kind
-
-
 class Stage:
     """One operator instance: next(msg) takes a message, complete() ends the flow.
 
@@ -6028,19 +5940,6 @@ def condition_view(state, content):
             "_condition_content": content}
 
 
-def describe_condition(cond):
-    """A short label for a condition, used on diagram edges."""
-    if not isinstance(cond, dict):
-        return ""
-    kind = str(cond.get("type", "always"))
-    if kind == "context_value":
-        return f"{cond.get('key')} = {cond.get('value')}"
-    for field in ("text", "pattern", "value", "key", "source"):
-        if field in cond:
-            return f"{kind} {cond[field]!r}" if isinstance(cond[field], str) \
-                else f"{kind} {cond[field]}"
-    return kind
-
 # §6.6 Checkpointing and time travel -----------------------------------------------------
 CHECKPOINT_EVERY = 10
 MAX_SNAPSHOTS = 100
@@ -6669,76 +6568,6 @@ def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
                 if isinstance(key, str) and key.startswith("__"):
                     fail(at + ("set_state", key), f"'{key}': keys starting with __ are reserved",
                          "10.3, §15.4")
-
-
-def mermaid_name(name):
-    """A name as Mermaid id characters, one to one: letters and digits stay, '_' is '__', any
-    other character is '_<lower-case hex code point>_' (so x-y and x_y stay apart)."""
-    return "".join(c if c.isascii() and c.isalnum() else "__" if c == "_" else f"_{ord(c):x}_"
-                   for c in str(name))
-
-
-def mermaid_id(graph_name, node_name):
-    """A graph node's id: g_<graph>_S_<node>. The prefixes keep every id clear of Mermaid's
-    keywords (end, graph, style, class, click, subgraph ...), and '_S' / '_E' never occur
-    inside mermaid_name, so no two (graph, node) pairs share an id."""
-    return f"g_{mermaid_name(graph_name)}_S_{mermaid_name(node_name)}"
-
-
-def mermaid_entry_id(graph_name):
-    return f"g_{mermaid_name(graph_name)}_E"
-
-
-def mermaid_subgraph_id(graph_name):
-    return f"G_{mermaid_name(graph_name)}"
-
-
-def mermaid_stream_id(name):
-    return f"s_{mermaid_name(name)}"
-
-
-MERMAID_ENTITIES = {"#": "#35;", '"': "#quot;", "&": "#amp;", "<": "#lt;", ">": "#gt;",
-                    "`": "#96;"}
-
-
-def mermaid_text(text):
-    """Text for a quoted Mermaid label: '#' and the characters a quoted string or its HTML would
-    read are entity codes; line breaks become spaces."""
-    return "".join(MERMAID_ENTITIES.get(c, " " if c in "\r\n" else c) for c in str(text))
-
-
-# Node shapes in the diagram, by node type.
-MERMAID_SHAPES = {
-    "start": '(["{}"])', "end": '(["{}"])', "agent": '["{}"]', "function": '[["{}"]]',
-    "tool": '[["{}"]]', "conditional": '{{"{}"}}', "subgraph": '[["{}"]]',
-    "message_router": '{{"{}"}}',
-}
-
-
-def mermaid_graph(graph):
-    """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
-    gid = mermaid_subgraph_id(graph.name)
-    lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
-    for name, node in graph.nodes.items():
-        label = name
-        if node.type == "agent":
-            label = f"{name}: agent {node.agent}"
-        elif node.type == "function":
-            label = f"{name}: function {node.function}"
-        elif node.type in ("tool", "subgraph", "conditional", "message_router"):
-            label = f"{name}: {node.type}"
-        shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
-        lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
-    entry = mermaid_entry_id(graph.name)
-    lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
-    for edge in graph.edges:
-        arrow = "-->"
-        if edge.condition is not None:
-            arrow = f'-->|"{mermaid_text(describe_condition(edge.condition))}"|'
-        lines.append(f"  {mermaid_id(graph.name, edge.source)} {arrow} "
-                     f"{mermaid_id(graph.name, edge.target)}")
-    lines.append("end")
-    return lines
 
 
 # =====================================================================================
@@ -9227,23 +9056,7 @@ def check_pipelines(doc, rt):
 # =====================================================================================
 
 # §12.1 Lifecycle --------------------------------------------------------------------------
-def read_sources(paths, text):
-    """The raw documents, in order: files first, then `text` (as '<text>')."""
-    sources = []
-    for p in paths:
-        try:
-            sources.append((str(p), Path(p).read_bytes()))
-        except OSError as exc:
-            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
-                                     section="3.1", file=str(p)) from None
-        except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
-            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
-                                     file=repr(p)) from None
-    if text is not None:
-        sources.append(("<text>", text))
-    if not sources:
-        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
-    return sources
+# Reading the files is the host's: read_sources, in HOST -- load / Actor / render.
 
 
 def parse_source(raw, file, render_context, engine, sandbox=None):
@@ -11155,6 +10968,25 @@ PROVIDERS = {
 # HOST -- load / Actor / render
 # =====================================================================================
 
+def read_sources(paths, text):
+    """The raw documents, in order: files first, then `text` (as '<text>')."""
+    sources = []
+    for p in paths:
+        try:
+            sources.append((str(p), Path(p).read_bytes()))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
+                                     section="3.1", file=str(p)) from None
+        except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
+            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
+                                     file=repr(p)) from None
+    if text is not None:
+        sources.append(("<text>", text))
+    if not sources:
+        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+    return sources
+
+
 class Result:
     """What one call observed: the messages emitted on __output__ and on __error__, in order."""
 
@@ -11930,6 +11762,188 @@ def list_vectors(paths, out=None, *, only=(), skip=()):
         except (ActorError, AttributeError) as exc:
             sections = f"(unreadable: {exc})"
         print(f"{path}  [{sections}]", file=out)
+
+
+# =====================================================================================
+# HOST -- real clock, describe text and diagram
+# =====================================================================================
+# Host mechanisms the standard does not define: the CLI's wall clock (vectors and tests run on the
+# VirtualClock), the one-line route summaries of --describe, and the Mermaid text of --diagram.
+
+class RealClock(VirtualClock):
+    """Wall-clock seconds since creation; advance() really waits. start(turn) fires timers on a
+    background thread as real time passes (the CLI's one running Actor); stop() ends that."""
+
+    real = True
+
+    def __init__(self):
+        super().__init__()
+        self._t0 = time.monotonic()
+        self._wake = threading.Condition(self._lock)
+        self._driver = None
+        self._stopping = False
+
+    def now(self):
+        return time.monotonic() - self._t0
+
+    @property
+    def driven(self):
+        """True while the background thread fires timers (callers then never wait them out)."""
+        return self._driver is not None
+
+    def call_at(self, when, fn):
+        timer = super().call_at(when, fn)
+        with self._lock:
+            self._wake.notify_all()
+        return timer
+
+    def start(self, turn):
+        """Fire each timer when it falls due, on a daemon thread, inside `turn` (the Actor's lock,
+        so that a timer never runs in the middle of a host call)."""
+        def drive():
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    due = self.next_due()
+                    wait = None if due is None else due - self.now()
+                    if wait is None or wait > 0:
+                        self._wake.wait(wait)
+                        continue
+                with turn:
+                    timer = self._pop_due(self.now())
+                    if timer is not None:
+                        try:
+                            timer.fn()
+                        except Exception as exc:  # boundary: logged, and the clock runs on
+                            log.error("actor: a timer failed: %s: %s", type(exc).__name__, exc)
+        self._stopping = False
+        self._driver = threading.Thread(target=drive, name="actor-clock", daemon=True)
+        self._driver.start()
+
+    def stop(self):
+        """End the background thread (timers still pending stay queued for advance())."""
+        driver = self._driver
+        if driver is None:
+            return
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        driver.join()
+        self._driver = None
+
+    def advance(self, seconds):
+        target = self.now() + max(0.0, seconds)
+        while True:
+            due = self.next_due()
+            if due is not None and due <= target:
+                wait = due - self.now()
+                if wait > 0:
+                    time.sleep(wait)
+                timer = self._pop_due(self.now())
+                if timer is not None:
+                    timer.fn()
+                continue
+            rest = target - self.now()
+            if rest > 0:
+                time.sleep(rest)
+            break
+
+    def set_time(self, at):
+        pass
+
+
+def _describe_op(op):
+    params = op.get("params") or {} if isinstance(op, dict) else {}
+    kind = op.get("type", "?") if isinstance(op, dict) else "?"
+    detail = params.get("agent") or params.get("graph") or params.get("function") or ""
+    if not detail and isinstance(params.get("condition"), dict):
+        detail = params["condition"].get("type", "")
+    return f"{kind}({detail})" if detail else kind
+
+
+def describe_condition(cond):
+    """A short label for a condition, used on diagram edges."""
+    if not isinstance(cond, dict):
+        return ""
+    kind = str(cond.get("type", "always"))
+    if kind == "context_value":
+        return f"{cond.get('key')} = {cond.get('value')}"
+    for field in ("text", "pattern", "value", "key", "source"):
+        if field in cond:
+            return f"{kind} {cond[field]!r}" if isinstance(cond[field], str) \
+                else f"{kind} {cond[field]}"
+    return kind
+
+
+def mermaid_name(name):
+    """A name as Mermaid id characters, one to one: letters and digits stay, '_' is '__', any
+    other character is '_<lower-case hex code point>_' (so x-y and x_y stay apart)."""
+    return "".join(c if c.isascii() and c.isalnum() else "__" if c == "_" else f"_{ord(c):x}_"
+                   for c in str(name))
+
+
+def mermaid_id(graph_name, node_name):
+    """A graph node's id: g_<graph>_S_<node>. The prefixes keep every id clear of Mermaid's
+    keywords (end, graph, style, class, click, subgraph ...), and '_S' / '_E' never occur
+    inside mermaid_name, so no two (graph, node) pairs share an id."""
+    return f"g_{mermaid_name(graph_name)}_S_{mermaid_name(node_name)}"
+
+
+def mermaid_entry_id(graph_name):
+    return f"g_{mermaid_name(graph_name)}_E"
+
+
+def mermaid_subgraph_id(graph_name):
+    return f"G_{mermaid_name(graph_name)}"
+
+
+def mermaid_stream_id(name):
+    return f"s_{mermaid_name(name)}"
+
+
+MERMAID_ENTITIES = {"#": "#35;", '"': "#quot;", "&": "#amp;", "<": "#lt;", ">": "#gt;",
+                    "`": "#96;"}
+
+
+def mermaid_text(text):
+    """Text for a quoted Mermaid label: '#' and the characters a quoted string or its HTML would
+    read are entity codes; line breaks become spaces."""
+    return "".join(MERMAID_ENTITIES.get(c, " " if c in "\r\n" else c) for c in str(text))
+
+
+# Node shapes in the diagram, by node type.
+MERMAID_SHAPES = {
+    "start": '(["{}"])', "end": '(["{}"])', "agent": '["{}"]', "function": '[["{}"]]',
+    "tool": '[["{}"]]', "conditional": '{{"{}"}}', "subgraph": '[["{}"]]',
+    "message_router": '{{"{}"}}',
+}
+
+
+def mermaid_graph(graph):
+    """The graph as a Mermaid `subgraph` block (nodes in declaration order, then the edges)."""
+    gid = mermaid_subgraph_id(graph.name)
+    lines = [f'subgraph {gid}["graph {mermaid_text(graph.name)}"]']
+    for name, node in graph.nodes.items():
+        label = name
+        if node.type == "agent":
+            label = f"{name}: agent {node.agent}"
+        elif node.type == "function":
+            label = f"{name}: function {node.function}"
+        elif node.type in ("tool", "subgraph", "conditional", "message_router"):
+            label = f"{name}: {node.type}"
+        shape = MERMAID_SHAPES[node.type].format(mermaid_text(label))
+        lines.append(f"  {mermaid_id(graph.name, name)}{shape}")
+    entry = mermaid_entry_id(graph.name)
+    lines.append(f"  {entry}((entry)) --> {mermaid_id(graph.name, graph.entry)}")
+    for edge in graph.edges:
+        arrow = "-->"
+        if edge.condition is not None:
+            arrow = f'-->|"{mermaid_text(describe_condition(edge.condition))}"|'
+        lines.append(f"  {mermaid_id(graph.name, edge.source)} {arrow} "
+                     f"{mermaid_id(graph.name, edge.target)}")
+    lines.append("end")
+    return lines
 
 
 # =====================================================================================
