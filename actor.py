@@ -10506,32 +10506,45 @@ def check_reserved_stream_references(doc):
 # =====================================================================================
 # §16 FORBIDDEN PATTERNS
 # =====================================================================================
-# Where each §16 rule is enforced (one row per rule, in the spec's order).
+# The §16 rows: forbidden form -> (its §16 list, the check that enforces it, the vector that pins
+# it). Every rule is enforced where its own section's fields are checked; this table only says
+# where, and test_forbidden_forms_table_is_true keeps it true (the check exists, the vector exists
+# and is a load_error vector, or a loading one for the two accepted forms).
 FORBIDDEN_TOP_LEVEL = {
     "streams": "use routes with type: stream",
     "graphs": "use routes with type: graph",
 }
 FORBIDDEN_FORMS = {
-    # §16.1
-    "top-level streams:": "check_top_level (§3.2)",
-    "top-level graphs:": "check_top_level (§3.2)",
-    "composite with strategy:": "check_composite (§4.6)",
-    # §16.2
-    "dynamic_router node": "check_graph (§6)",
-    "list-form routes": "check_top_level (§3.2)",
-    "top-level pipelines:": "accepted: I-065 in vectors/INTERPRETATIONS.md (Q1)",
-    "inline expression in map function": "check_streams (§5.3.3)",
-    "agent_template instances": "expand_templates (§8.7)",
-    "sequence-form template parameters": "expand_templates (§8.6.1)",
-    "short-form prompts": "collect_prompts (§10.4)",
-    "composite routing shorthand": "check_composite (§4.6)",
-    "templates with structural expressions": "expand_templates (§8.9)",
-    # §16.3
-    "prompt and prompt_reference": "check_chain (§4.7)",
-    "template and type": "expand_templates (§8.7)",
-    "agent_template and template": "expand_templates (§8.7)",
-    "inline tool named like a built-in": "ToolAgent (§4.5.2)",
-    "template_config with route fields": "expand_templates (§8.7)",
+    "top-level streams:": ("16.1", "check_top_level", "03-document/reject-top-level-streams"),
+    "top-level graphs:": ("16.1", "check_top_level", "03-document/reject-top-level-graphs"),
+    "composite with strategy:": ("16.1", "check_agent",
+                                 "04-agents/reject-composite-with-strategy"),
+    "dynamic_router node": ("16.2", "check_graph", "06-graph/reject-dynamic-router-node"),
+    "list-form routes": ("16.2", "check_top_level", "03-document/reject-list-form-routes"),
+    # INTERPRETATION I-065 §7.3 vs §16.2 (Q1): accepted, so its vector loads.
+    "top-level pipelines:": ("16.2", "check_pipelines",
+                             "07-composition/pipeline-stages-wired-in-order"),
+    "inline expression in map function": ("16.2", "check_streams",
+                                          "05-streams/reject-function-inline-expression"),
+    "agent_template instances": ("16.2", "expand_templates",
+                                 "08-templating/reject-agent-template-key"),
+    "sequence-form template parameters": ("16.2", "expand_templates",
+                                          "08-templating/reject-parameters-sequence-form"),
+    "short-form prompts": ("16.2", "collect_prompts", "10-context/reject-short-form-prompt"),
+    "composite routing shorthand": ("16.2", "check_composite",
+                                    "04-agents/reject-composite-shorthand-routing"),
+    "templates with structural expressions": ("16.2", "expand_templates",
+                                              "08-templating/reject-structural-loop-in-templates"),
+    "prompt and prompt_reference": ("16.3", "check_chain",
+                                    "04-agents/reject-chain-prompt-and-reference"),
+    "template and type": ("16.3", "expand_templates", "08-templating/reject-template-and-type"),
+    "agent_template and template": ("16.3", "expand_templates",
+                                    "08-templating/reject-agent-template-and-template"),
+    # INTERPRETATION I-063 §16.3: the inline tool wins (the row's own words), so its vector loads.
+    "inline tool named like a built-in": ("16.3", "ToolAgent",
+                                          "04-tools/inline-tool-named-like-builtin-shadows-it"),
+    "template_config with route fields": ("16.3", "expand_templates",
+                                          "08-templating/reject-route-template-with-operators"),
 }
 
 

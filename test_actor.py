@@ -345,6 +345,21 @@ def test_map_matches_banners():
     assert not strays, strays
 
 
+def test_forbidden_forms_table_is_true():
+    """§16: FORBIDDEN_FORMS says where each row is enforced and which vector pins it; the check
+    exists, the vector exists, and it expects a load failure (the two accepted rows load)."""
+    accepted = {"top-level pipelines:", "inline tool named like a built-in"}
+    assert {row[0] for row in actor.FORBIDDEN_FORMS.values()} == {"16.1", "16.2", "16.3"}
+    for form, (section, check, stem) in actor.FORBIDDEN_FORMS.items():
+        assert callable(getattr(actor, check, None)), (form, check)
+        vector = actor.read_vector(HERE / "vectors" / f"{stem}.yaml")
+        assert any(str(s).startswith(section) for s in vector["spec"]), (form, vector["spec"])
+        if form in accepted:
+            assert "load_error" not in vector, form
+        else:
+            assert vector.get("load_error") == "ConfigurationError", form
+
+
 def test_no_module_level_name_is_defined_twice():
     """One of each (STYLE §6): a second top-level def, class or constant with the same name would
     silently replace the first."""
