@@ -51,7 +51,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §9 ACTOR PARAMETERS: 9.2 9.3 9.4
     §10 CONTEXT: 10.1 10.3 10.4
     §11 VALIDATION RULES: 11.1 11.2 11.3 11.4 11.5 11.6
-    §12 RUNTIME BEHAVIOR: 12.1 12.2 12.4 12.5 12.6
+    §12 RUNTIME BEHAVIOR: 12.1 12.2 12.2.3 12.2.4 12.3 12.4 12.5 12.6
     §13 SECURITY MODEL: 13.1 13.2 13.2.1 13.2.2 13.2.3 13.3 13.5
     §14 ENVIRONMENT VARIABLE INTERPOLATION: 14.1 14.3
     §15 RESERVED NAMES: 15.1 15.2 15.4 15.5 15.6
@@ -9214,9 +9214,9 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
 # INTERPRETATION I-091 §12.2.2 (Q97): fan-out delivers each message to every target, in link
 # declaration order, before the next message.
 
-SOFT_TIMEOUT = 30.0         # §12.2.4: per-message completion bound in single-shot runs, seconds
-SOFT_TIMEOUT_TEXT = "Per-message completion exceeded the soft timeout"
-DEBOUNCE_SINGLE_SHOT_CAP = 0.05     # §5.3.2 debounce: seconds
+# §12.2.3 Error handling -------------------------------------------------------------------
+# Where a failing message goes: the stage that caught the error publishes it on __error__ with
+# error_reason / error_category (the _Sink of §5.5 keeps the flow going for the other messages).
 
 
 def error_reason(exc):
@@ -9232,6 +9232,21 @@ def error_category(exc):
     # ExecutionErrors (an §20 error raised by the agent keeps its own category); routing
     # failures are StreamRoutingErrors.
     return exc.category if isinstance(exc, ActorError) else "ExecutionError"
+
+
+# §12.2.4 Timeouts -------------------------------------------------------------------------
+# The 120 s hard timeout of a map's agent call is §5.3.4's (AGENT_HARD_TIMEOUT, BoundedCall); the
+# soft per-message bound of single-shot runs is set here and applied by StreamNetwork.settle (§5.5)
+# and the agent mappers (§5.3.4).
+SOFT_TIMEOUT = 30.0         # seconds
+SOFT_TIMEOUT_TEXT = "Per-message completion exceeded the soft timeout"
+DEBOUNCE_SINGLE_SHOT_CAP = 0.05     # §5.3.2 debounce in a single-shot run: seconds
+
+# §12.3 Concurrency ------------------------------------------------------------------------
+# Pointer banner. Item 1: stream operators run as synchronous calls (§12.2.2 above), which the
+# MAY allows. Item 2: parallel graph nodes are §6.7's (GraphRoute's thread pool). Item 3: a bridge
+# converts in arrival order (§5.6). Item 4: context writes land as they happen (ContextView, §10.3),
+# and sequential siblings see earlier writes (§6.2.2).
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
 # INTERPRETATION I-037 §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
