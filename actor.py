@@ -6720,12 +6720,11 @@ def phase_a_engine(raw, host_engine):
     at its top level (`template_engine: X`, or inside a `cleveragents:` block), read from the
     raw lines since the text is not YAML yet, else JINJA2."""
     if host_engine is not None or not has_template_syntax(raw):
-        return str(host_engine or "JINJA2").upper()
+        return engine_key(host_engine or "JINJA2")     # the host's was checked on entry
     block = re.search(r"^cleveragents:[ \t]*(\{[^}\n]*\}|(?:\n[ \t]+.*)*)", raw, re.M)
     found = re.search(r"^template_engine:[ \t]*[\"']?(\w+)", raw, re.M) or (block and re.search(
         r"template_engine:[ \t]*[\"']?(\w+)", block.group(1)))
-    engine = found.group(1).upper() if found else "JINJA2"
-    return engine if engine in ENGINES else "JINJA2"
+    return (found and engine_key(found.group(1))) or "JINJA2"
 
 
 def has_template_syntax(text):
@@ -8605,10 +8604,17 @@ def _render_simple(text, variables, format_pass):
 ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
 
 
+def engine_key(value):
+    """§9.2's one name rule: matched case-insensitively; the canonical (upper-case) name, or None
+    for a name that is not one of the three. Callers choose the error a bad name gets."""
+    name = str(value).upper()
+    return name if name in ENGINES else None
+
+
 def engine_name(engine):
-    """§9.2: case-insensitive; canonical upper case; unknown -> TemplateError."""
-    name = str(engine or "JINJA2").upper()
-    if name not in ENGINES:
+    """§9.2 for render(): default JINJA2; unknown -> TemplateError."""
+    name = engine_key(engine or "JINJA2")
+    if name is None:
         raise TemplateError(f"unknown template_engine {engine!r}: use one of {', '.join(ENGINES)}",
                             section="9.2")
     return name
@@ -9153,8 +9159,8 @@ def resolve_engine(doc, host_engine):
     """§9.2: host parameter, else cleveragents.template_engine, else JINJA2 (case-insensitive)."""
     value, path = host_parameter(doc, "template_engine", host_engine)
     value = "JINJA2" if value is None else value
-    engine = str(value).upper()
-    if engine not in ENGINES:
+    engine = engine_key(value)
+    if engine is None:
         raise doc.error(ConfigurationError, path, f"unknown template_engine '{value}' "
                         f"(JINJA2, MUSTACHE or SIMPLE)", "9.2")
     return engine
@@ -9169,7 +9175,7 @@ def check_host_parameters(render_context, template_engine, context):
         if value is not None and not isinstance(value, dict):
             raise ConfigurationError(f"the host's {what} must be a mapping, not "
                                      f"{type(value).__name__}", section=section)
-    if template_engine is not None and str(template_engine).upper() not in ENGINES:
+    if template_engine is not None and engine_key(template_engine) is None:
         raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
                                  f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
 
