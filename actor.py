@@ -7147,8 +7147,13 @@ class TagScope:
 
     def __init__(self, names=()):
         self.names = set(names)
-        self.stack = []          # (word, protected, names added by the opener)
+        self.stack = []          # OpenBlock per block statement not yet closed
         self.deferred_reads = set()   # names read by the tags protected so far
+
+
+# A block statement walk_tags has entered: its word, whether it was deferred, and the names it
+# bound (added) or hid from Phase A (shadowed) until its {% end... %}.
+OpenBlock = collections.namedtuple("OpenBlock", "word protected added shadowed")
 
 
 def is_block_opener(word, inner):
@@ -7209,7 +7214,7 @@ def walk_tags(text, scope, defer, need_names=False):
             if protected and free:
                 scope.deferred_reads |= free
         elif word in ("elif", "else"):
-            protected = scope.stack[-1][1] if scope.stack else defer
+            protected = scope.stack[-1].protected if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
                 _, protected, added, shadowed = scope.stack.pop()
@@ -7234,7 +7239,7 @@ def walk_tags(text, scope, defer, need_names=False):
                     scope.names = (scope.names | binds) - shadowed
                     binds, shadowed = set(), set()
                 added = binds - scope.names
-                scope.stack.append((word, protected, added, shadowed))
+                scope.stack.append(OpenBlock(word, protected, added, shadowed))
                 scope.names = (scope.names | added) - shadowed
             else:
                 scope.names = (scope.names | binds) - shadowed
@@ -7279,6 +7284,16 @@ def mask_tags(text):
     return "".join(out)
 
 
+# A span of a template document that Phase A leaves alone (document_regions' result): 'field' =
+# the value of a runtime field, 'section' = a top-level templates/template_strings body.
+Region = collections.namedtuple("Region", "start end kind")
+# The same span as the YAML marks give it, with the key and its column (to trim it further).
+MarkedRegion = collections.namedtuple("MarkedRegion", "start end kind key key_col")
+# A region the line scan has opened and not yet closed; block_col tracks a block scalar's key
+# column inside `templates:` (templates_line).
+OpenRegion = collections.namedtuple("OpenRegion", "start key_col kind block_col")
+
+
 def node_regions(node, keys, offset, regions, seen=None):
     """The runtime-field and template-section spans under one composed YAML node (see
     document_regions); `offset` is where the composed text starts inside the document.
@@ -7292,11 +7307,11 @@ def node_regions(node, keys, offset, regions, seen=None):
         for key_node, value in node.value:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             path = keys + [key]
-            span = (offset + value.start_mark.index, offset + value.end_mark.index)
+            start, end = offset + value.start_mark.index, offset + value.end_mark.index
             if not keys and key in DEFERRED_SECTIONS:
-                regions.append(span + ("section", key, key_node.start_mark.column))
+                regions.append(MarkedRegion(start, end, "section", key, key_node.start_mark.column))
             elif isinstance(value, yaml.ScalarNode) and is_runtime_field(path):
-                regions.append(span + ("field", key, key_node.start_mark.column))
+                regions.append(MarkedRegion(start, end, "field", key, key_node.start_mark.column))
             else:
                 node_regions(value, path, offset, regions, seen)
     elif isinstance(node, yaml.SequenceNode):
@@ -7309,8 +7324,7 @@ def node_regions(node, keys, offset, regions, seen=None):
 # {% for %}/{% if %} lines; a key that is itself written by an expression is not known
 # before Phase A, so its value renders at Phase A like any other.
 def document_regions(text, file=None):
-    """Char spans (start, end, kind) of the text Phase A must not render as is:
-    'field' = the value of a runtime field, 'section' = a top-level templates/template_strings.
+    """The Regions (character spans) of the text Phase A must not render as is.
 
     The spans come from the YAML node marks of the text with its tags blanked (mask_tags), so
     runtime fields are found in block and flow collections alike, around {% for %} and
@@ -7327,12 +7341,12 @@ def document_regions(text, file=None):
     if root is not None:
         node_regions(root, [], 0, regions)
     out = []
-    for start, end, kind, key, key_col in regions:
-        end = statement_line_before(text, masked, start, end, key_col)
-        line_start = text.rfind("\n", 0, start) + 1
-        if key == "templates" and not text[line_start:start].strip():   # a block mapping
+    for found in regions:
+        end = statement_line_before(text, masked, found.start, found.end, found.key_col)
+        line_start = text.rfind("\n", 0, found.start) + 1
+        if found.key == "templates" and not text[line_start:found.start].strip():  # block mapping
             check_templates_body(text, line_start, file)
-        out.append((start, end, kind))
+        out.append(Region(found.start, end, found.kind))
     return sorted(out)
 
 
@@ -7410,7 +7424,7 @@ def flow_regions(masked, start, keys):
         return [], start
     regions = []
     node_regions(node, keys, start, regions)
-    return [region[:3] for region in regions], end     # brackets bound it: nothing to trim
+    return [Region(*region[:3]) for region in regions], end   # brackets bound it: no trimming
 
 
 def document_regions_by_lines(text, masked=None, file=None):
@@ -7422,7 +7436,7 @@ def document_regions_by_lines(text, masked=None, file=None):
     """
     masked = mask_tags(text) if masked is None else masked
     regions, keys, offset, skip_to = [], [], 0, 0
-    region = None            # [start, key_col, kind, block_col]
+    region = None            # the OpenRegion being read
     lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
         line_at, offset = offset, offset + len(line)
@@ -7432,11 +7446,13 @@ def document_regions_by_lines(text, masked=None, file=None):
         indent = len(body) - len(body.lstrip(" "))
         blank = body.strip() == ""
         if region is not None:
-            if blank or indent > region[1]:
-                if region[2] == "templates":
-                    region[3] = templates_line(line, indent, blank, region[3], lineno, file)
+            if blank or indent > region.key_col:
+                if region.kind == "templates":
+                    region = region._replace(block_col=templates_line(
+                        line, indent, blank, region.block_col, lineno, file))
                 continue
-            regions.append((region[0], line_at, "section" if region[2] != "field" else "field"))
+            regions.append(Region(region.start, line_at,
+                                  "section" if region.kind != "field" else "field"))
             region = None
         shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
         item = FLOW_ITEM.match(shown)
@@ -7452,14 +7468,14 @@ def document_regions_by_lines(text, masked=None, file=None):
             keys.append((key_col, key))
             path = [k for _, k in keys]
             if key_col == 0 and key in DEFERRED_SECTIONS:
-                region = [offset, 0, key, None]
+                region = OpenRegion(offset, 0, key, None)
                 continue
             value_at = line_at + match.end()
             value_at += len(masked[value_at:offset]) - len(masked[value_at:offset].lstrip(" "))
             if masked[value_at:value_at + 1] in ("{", "["):
                 flow_at = value_at
             elif is_runtime_field(path):
-                region = [line_at + match.end(), key_col, "field", None]
+                region = OpenRegion(line_at + match.end(), key_col, "field", None)
         elif item:
             flow_at = line_at + item.end()
             dash_col = len(shown) - len(shown.lstrip(" "))
@@ -7470,7 +7486,8 @@ def document_regions_by_lines(text, masked=None, file=None):
             found, skip_to = flow_regions(masked, flow_at, path)
             regions.extend(found)
     if region is not None:
-        regions.append((region[0], offset, "section" if region[2] != "field" else "field"))
+        regions.append(Region(region.start, offset,
+                              "section" if region.kind != "field" else "field"))
     return sorted(regions)
 
 
@@ -8332,13 +8349,18 @@ def render_jinja2(text, variables, partials=None):
 # MUSTACHE: a hand-written tokenizer + tree renderer -----------------------------------------
 MUSTACHE_STANDALONE = "#^/!>="        # tag sigils that may stand alone on a line
 MUSTACHE_ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}
+# The parsed template: a list of these four node kinds (a section holds a list of its own).
+MText = collections.namedtuple("MText", "text")
+MVar = collections.namedtuple("MVar", "name escaped")                 # {{x}} / {{{x}}} {{&x}}
+MSection = collections.namedtuple("MSection", "name inverted nodes")  # {{#x}}...{{/x}} / {{^x}}
+MPartial = collections.namedtuple("MPartial", "name indent")          # {{>x}}, standalone indent
 
 
 def mustache_parse(text, open_delim="{{", close_delim="}}"):
     """Tokenize and nest a Mustache template into a node list.
 
-    Nodes: ('text', s) ('var', name, escaped) ('section', name, inverted, nodes) ('partial', name,
-    indent). Standalone tags (alone on their line apart from whitespace) take the whole line away.
+    Nodes are MText, MVar, MSection and MPartial. Standalone tags (alone on their line apart from
+    whitespace) take the whole line away.
     """
     root, stack, pos = [], [], 0
     nodes = root
@@ -8346,7 +8368,7 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
     while pos < n:
         start = text.find(open_delim, pos)
         if start < 0:
-            nodes.append(("text", text[pos:]))
+            nodes.append(MText(text[pos:]))
             break
         inner = start + len(open_delim)
         if text.startswith("{", inner):          # triple mustache {{{name}}}
@@ -8388,7 +8410,7 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
                 before = before[:len(before) - len(indent)]
                 after = min(n, line_end + 1)
         if before:
-            nodes.append(("text", before))
+            nodes.append(MText(before))
         pos = after
         if sigil == "!":
             continue
@@ -8396,18 +8418,18 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
             open_delim, close_delim = parts
             continue
         if sigil in "#^":
-            section = ("section", name, sigil == "^", [])
+            section = MSection(name, sigil == "^", [])
             nodes.append(section)
             stack.append((name, nodes))
-            nodes = section[3]
+            nodes = section.nodes
         elif sigil == "/":
             if not stack or stack[-1][0] != name:
                 raise TemplateError(f"MUSTACHE: unexpected closing tag {name!r}", section="9.2")
             nodes = stack.pop()[1]
         elif sigil == ">":
-            nodes.append(("partial", name, indent))
+            nodes.append(MPartial(name, indent))
         else:
-            nodes.append(("var", name, sigil not in "&{"))
+            nodes.append(MVar(name, sigil not in "&{"))
     if stack:
         raise TemplateError(f"MUSTACHE: unclosed section {stack[-1][0]!r}", section="9.2")
     return root
@@ -8442,38 +8464,38 @@ def mustache_text(value):
 
 def mustache_render_nodes(nodes, stack, partials, out, depth=0):
     for node in nodes:
-        kind = node[0]
-        if kind == "text":
-            out.append(node[1])
-        elif kind == "var":
-            text = mustache_text(mustache_lookup(stack, node[1]))
-            if node[2]:
+        kind = type(node)
+        if kind is MText:
+            out.append(node.text)
+        elif kind is MVar:
+            text = mustache_text(mustache_lookup(stack, node.name))
+            if node.escaped:
                 text = "".join(MUSTACHE_ESCAPES.get(ch, ch) for ch in text)
             out.append(text)
-        elif kind == "section":
-            value = mustache_lookup(stack, node[1])
+        elif kind is MSection:
+            value = mustache_lookup(stack, node.name)
             falsy = value is None or value is False or value == "" or (
                 isinstance(value, (list, tuple)) and not value)
-            if node[2]:
+            if node.inverted:
                 if falsy:
-                    mustache_render_nodes(node[3], stack, partials, out, depth)
+                    mustache_render_nodes(node.nodes, stack, partials, out, depth)
             elif falsy:
                 continue
             elif isinstance(value, (list, tuple)):
                 for item in value:
                     tick()
-                    mustache_render_nodes(node[3], stack + [item], partials, out, depth)
+                    mustache_render_nodes(node.nodes, stack + [item], partials, out, depth)
             else:
-                mustache_render_nodes(node[3], stack + [value], partials, out, depth)
-        else:  # partial
+                mustache_render_nodes(node.nodes, stack + [value], partials, out, depth)
+        else:  # MPartial
             tick()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
                 raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
-            source = (partials or {}).get(node[1])
+            source = (partials or {}).get(node.name)
             if source is None:
                 continue
-            if node[2]:  # a standalone partial indents every line it produces
-                source = node[2] + re.sub(r"\n(?!$)", "\n" + node[2], source)
+            if node.indent:  # a standalone partial indents every line it produces
+                source = node.indent + re.sub(r"\n(?!$)", "\n" + node.indent, source)
             mustache_render_nodes(mustache_parse(source), stack, partials, out, depth + 1)
 
 
@@ -12678,15 +12700,16 @@ def main(argv=None):
     """The CLI: exit 0 ok, 2 configuration error, 1 runtime error; 130 after Ctrl-C and 141 on a
     closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_RECURSION_LIMIT)."""
     args = _arg_parser().parse_args(argv)
-    status = [EXIT_RUNTIME]
+    status = EXIT_RUNTIME
 
     def work():
+        nonlocal status
         try:
-            status[0] = _cli(args)
+            status = _cli(args)
         except BrokenPipeError:
-            status[0] = EXIT_BROKEN_PIPE
+            status = EXIT_BROKEN_PIPE
         except KeyboardInterrupt:
-            status[0] = EXIT_INTERRUPTED
+            status = EXIT_INTERRUPTED
 
     previous_limit = sys.getrecursionlimit()
     previous_stack = threading.stack_size(CLI_STACK_BYTES)
@@ -12699,12 +12722,12 @@ def main(argv=None):
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:
-        status[0] = EXIT_INTERRUPTED
+        status = EXIT_INTERRUPTED
     finally:
         sys.setrecursionlimit(previous_limit)
-    if status[0] == EXIT_BROKEN_PIPE or status[0] == EXIT_INTERRUPTED:
+    if status == EXIT_BROKEN_PIPE or status == EXIT_INTERRUPTED:
         _quiet_exit_streams()
-    return status[0]
+    return status
 
 
 def _quiet_exit_streams():
