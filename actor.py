@@ -32,7 +32,9 @@ How actor.py is organised: load() runs six passes, in §12.1's order (start_acto
     check   Phase B instantiation (expand_templates, §8.6-§8.10), then every §11/§15/§16 rule
             (validate_document, §11) -- errors are located ConfigurationErrors, before any agent;
     build   agents (make_agent, §4), graph routes (GraphRoute, §6), the stream network with
-            merges, splits and pipelines (StreamNetwork, §5.5, §7);
+            merges, splits and pipelines (StreamNetwork, §5.5, §7), from checked configuration:
+            constructors neither reject nor warn (an unavailable provider, which fails agent
+            creation, is found by check_providers right after the rules);
     run     Actor.send/advance/complete (HOST) drive messages; configuration code, expressions
             and templates run in the §13.2 sandbox (in-process or in worker processes).
 Each rule lives under the banner of the section that states it; the threat model the sandbox
@@ -823,8 +825,10 @@ def resolve_default_router(doc, rt, host_value):
 # =====================================================================================
 
 # §4.1 The agents section ---------------------------------------------------------------
-def check_agent(doc, name, cfg, path, agent_types):
-    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion)."""
+def check_agent(rt, name, cfg, path):
+    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion),
+    then its type's own checks (AGENT_CHECKS, §4.3)."""
+    doc = rt.doc
     if not isinstance(name, str) or not name:
         raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
     if name.startswith("__"):
@@ -841,8 +845,8 @@ def check_agent(doc, name, cfg, path, agent_types):
         raise doc.error(ConfigurationError, path + ("type",),
                         "an agent of type template_instance needs `template` (or "
                         "`agent_template`) naming an entry of templates.agents", "4.8")
-    if not isinstance(kind, str) or kind not in agent_types:
-        known = ", ".join(sorted(agent_types))
+    if not isinstance(kind, str) or kind not in AGENT_TYPES:
+        known = ", ".join(sorted(AGENT_TYPES))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
     if kind == "composite" and "strategy" in cfg:
@@ -867,7 +871,18 @@ def check_agent(doc, name, cfg, path, agent_types):
                             HOST_ONLY_CONTEXT_KEYS[key])
     check = AGENT_CHECKS.get(kind)
     if check is not None:
-        check(doc, name, cfg["config"], path + ("config",), agent_types)
+        check(rt, name, cfg["config"], path + ("config",))
+
+
+def agent_definitions(agents, path):
+    """(name, cfg, path) of every checked agent definition under `agents`, a composite's local
+    agents right after it (`ref` components are aliases, not definitions)."""
+    for name, cfg in agents.items():
+        yield name, cfg, path + (name,)
+        if cfg["type"] == "composite":
+            local = cfg["config"]["components"].get("agents") or {}
+            yield from agent_definitions({n: c for n, c in local.items() if not is_agent_ref(c)},
+                                         path + (name, "config", "components", "agents"))
 
 
 # §4.2 Agent names ---------------------------------------------------------------------
@@ -905,6 +920,7 @@ LLM_EXTRA_FIELDS = {
     "tools":        ((list,),  None),
 }
 
+LLM_AGENT_FIELDS = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
 LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 
 # Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
@@ -933,44 +949,26 @@ class LLMAgent:
     reads_context = True            # prompts render with it; history may come from it (§4.4.4)
 
     def __init__(self, name, cfg, rt, path):
+        """Build from a configuration check_llm has passed (§12.1: validate, then create)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
-        config = cfg.get("config", {}) if isinstance(cfg, dict) else None
-        config = {} if config is None else config
-        cpath = self.path + ("config",)
-        if not isinstance(config, dict):
-            raise rt.error(ConfigurationError, cpath, "an llm agent's config must be a mapping", "4.4")
-        values = _llm_check_fields(rt, config, cpath)
+        values = field_values(cfg["config"], LLM_AGENT_FIELDS)
         self.temperature = float(values["temperature"])
         self.max_tokens = values["max_tokens"]
         self.system_prompt = values["system_prompt"]
-        warn_unparsable_template(rt, self.system_prompt, cpath + ("system_prompt",))
         self.memory_enabled = values["memory_enabled"]
         self.max_history = values["max_history"]
         self.template = values["template"]
         self.template_vars = dict(values["template_vars"])
         self.response_format = values["response_format"]
         self.context = values["context"] if values["context"] is not None else {}
-        if self.template is not None:
-            _llm_check_template(rt, self.template, cpath + ("template",))
-        if self.response_format is not None:
-            check_response_format(rt, self.response_format, cpath + ("response_format",))
-        # §12.4 (Q81): opt-in, limited to the declared built-in tools.
-        self.tool_execute = values["tool_execute"]
-        self.tools = check_tool_execute(rt, values["tools"], self.tool_execute, cpath)
-        # §4.4.1: availability first, then the key (Q76).
-        self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
-                                                                   cpath + ("provider",))
+        self.tool_execute = values["tool_execute"]          # §12.4 (Q81): opt-in
+        self.tools = list(values["tools"] or [])
+        self.configured_provider, self.provider = resolve_provider(rt, values["provider"])
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
-        if self.response_format is not None:
-            check_response_format_for(rt, self.provider, self.response_format,
-                                      cpath + ("response_format",))
-        self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
+        self._api_key = resolve_api_key(rt, self.provider, values["api_key"])
         self.base_url = values["base_url"]
-        if self.base_url is not None and not re.match(r"https?://", self.base_url):
-            raise rt.error(ConfigurationError, cpath + ("base_url",),
-                           "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
@@ -1064,6 +1062,33 @@ class LLMAgent:
         return adapter.default_base
 
 
+def check_llm(rt, name, config, cpath):
+    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, checked before any agent exists."""
+    values = _llm_check_fields(rt, config, cpath)
+    warn_unparsable_template(rt, values["system_prompt"], cpath + ("system_prompt",))
+    if values["template"] is not None:
+        _llm_check_template(rt, values["template"], cpath + ("template",))
+    if values["response_format"] is not None:
+        check_response_format(rt, values["response_format"], cpath + ("response_format",))
+    check_tool_execute(rt, values["tools"], values["tool_execute"], cpath)
+    # An unavailable provider fails agent creation, after every validation rule (check_providers);
+    # such a provider needs no key and has no json_schema rule, so the checks below pass it.
+    _, provider = resolve_provider(rt, values["provider"])
+    if values["response_format"] is not None:
+        check_response_format_for(rt, provider, values["response_format"],
+                                  cpath + ("response_format",))
+    check_api_key(rt, provider, values["api_key"], cpath)
+    if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
+        raise rt.error(ConfigurationError, cpath + ("base_url",),
+                       "base_url must be an http:// or https:// URL", "4.4")
+
+
+def field_values(config, fields):
+    """A checked config's values by its field table: absent or null fields take the default."""
+    return {field: copy.deepcopy(default) if config.get(field) is None else config[field]
+            for field, (types, default) in fields.items()}
+
+
 def check_config_fields(rt, config, fields, cpath, section, kind):
     """An agent config against its field table {field: (types, default)}: type errors are located
     ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
@@ -1092,8 +1117,7 @@ def check_config_fields(rt, config, fields, cpath, section, kind):
 
 def _llm_check_fields(rt, config, cpath):
     """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    values = check_config_fields(rt, config, {**LLM_FIELDS, **LLM_EXTRA_FIELDS}, cpath, "4.4",
-                                 "llm agent")
+    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
     low, high = LLM_TEMPERATURE_RANGE
     # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
     if not low <= values["temperature"] <= high:
@@ -1114,7 +1138,8 @@ def _llm_prompt_text(rt, name):
     """§10.4: the content of prompt `name` (rt.prompts, else the document's long-form entry)."""
     if name in rt.prompts:
         return rt.prompts[name]
-    entry = (rt.doc.data.get("prompts") or {}).get(name) if isinstance(rt.doc.data, dict) else None
+    prompts = rt.doc.data.get("prompts") if isinstance(rt.doc.data, dict) else None
+    entry = prompts.get(name) if isinstance(prompts, dict) else None
     if isinstance(entry, dict) and "content" in entry:
         return str(entry["content"])
     return None
@@ -1136,45 +1161,52 @@ PROVIDER_KEY_VARS = {
 }
 
 
-def resolve_provider(rt, configured, path):
-    """§4.4.1: (configured provider, provider used). Names compare case-insensitively.
-
-    An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
-    from `--provider fake`) replaces the provider every llm agent uses.
-    """
-    # INTERPRETATION I-024 §4.4.1 (Q76): availability is checked before the key.
+def resolve_provider(rt, configured):
+    """§4.4.1: (configured provider, provider used). Names compare case-insensitively; the host
+    override (rt.provider, e.g. `fake` from `--provider fake`) replaces every llm agent's."""
     configured = configured.strip().lower()
-    if configured not in PROVIDERS:
-        raise rt.error(AgentCreationError, path,
-                       f"provider '{configured}' is not available in this host "
-                       f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
-    used = configured
-    if rt.provider:
-        used = str(rt.provider).strip().lower()
+    return configured, str(rt.provider).strip().lower() if rt.provider else configured
+
+
+def check_providers(rt, agents):
+    """§4.4.1 with §12.1: an llm agent (a composite's too) whose provider, configured or the
+    host's override, is not available fails agent creation: an AgentCreationError, reported
+    after every validation rule has passed, as creating the agent would."""
+    # INTERPRETATION I-024 §4.4.1 (Q76): availability is checked before the key (a provider that
+    # is not available has no key variables, so check_api_key passed it).
+    for name, cfg, path in agent_definitions(agents, ("agents",)):
+        if cfg["type"] != "llm":
+            continue
+        configured, used = resolve_provider(
+            rt, field_values(cfg["config"], LLM_AGENT_FIELDS)["provider"])
+        if configured not in PROVIDERS:
+            raise rt.error(AgentCreationError, path + ("config", "provider"),
+                           f"provider '{configured}' is not available in this host "
+                           f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
             raise AgentCreationError(f"host provider override '{used}' is not available "
                                      f"(available: {', '.join(sorted(PROVIDERS))})",
                                      section="4.4.1")
-    return configured, used
 
 
-def resolve_api_key(rt, provider, explicit, cpath):
-    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order.
-
-    A missing key is a ConfigurationError naming the variables; `fake` needs none.
-    """
+def resolve_api_key(rt, provider, explicit):
+    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order (None when
+    neither gives one; `fake` needs none)."""
     if explicit:
         return explicit
+    return next((rt.env[var] for var in PROVIDER_KEY_VARS.get(provider, ()) if rt.env.get(var)),
+                None)
+
+
+def check_api_key(rt, provider, explicit, cpath):
+    """§4.4.1 at load: a provider that needs a key and finds none is a ConfigurationError naming
+    the variables."""
     variables = PROVIDER_KEY_VARS.get(provider, ())
-    if not variables:
-        return None
-    for var in variables:
-        if rt.env.get(var):
-            return rt.env[var]
-    # INTERPRETATION I-023 §4.4.1 (Q75): reported when the agent is created at load, before any message.
-    raise rt.error(ConfigurationError, cpath,
-                   f"no API key for provider '{provider}': set the api_key field or the "
-                   f"environment variable {' or '.join(variables)}", "4.4.1")
+    if variables and resolve_api_key(rt, provider, explicit) is None:
+        # INTERPRETATION I-023 §4.4.1 (Q75): reported at load, before any message.
+        raise rt.error(ConfigurationError, cpath,
+                       f"no API key for provider '{provider}': set the api_key field or the "
+                       f"environment variable {' or '.join(variables)}", "4.4.1")
 
 
 # §4.4.2 Default models ----------------------------------------------------------------
@@ -1408,39 +1440,20 @@ class ToolAgent:
     type = "tool"
 
     def __init__(self, name, cfg, rt, path):
+        """Build from a configuration check_tool_agent has passed (§12.1: validate, then create)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
-        config_path = self.path + ("config",)
-        config = cfg.get("config") if isinstance(cfg, dict) else None
-        if config is None:
-            config = {}
-        if not isinstance(config, dict):
-            raise rt.error(ConfigurationError, config_path, "tool agent config must be a mapping",
-                           "4.5")
-        # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
-        # load, because the table says "Required: Yes" and such an agent could only ever fail.
-        if "tools" not in config:
-            raise rt.error(ConfigurationError, config_path,
-                           f"tool agent '{name}' needs a `tools` list", "4.5")
-        if config["tools"] is None:
-            raise rt.error(ConfigurationError, config_path + ("tools",),
-                           "'tools' must be a list of tools", "4.5")
-        values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, config_path, "4.5",
-                                     "tool agent")
-        if values["timeout"] <= 0:
-            raise rt.error(ConfigurationError, config_path + ("timeout",),
-                           "`timeout` must be a positive number of seconds", "4.5")
+        values = field_values(cfg["config"], TOOL_AGENT_FIELDS)
         self.safe_mode = values["safe_mode"]
         self.allow_shell = values["allow_shell"]
         self.timeout = values["timeout"]
         self.context = values["context"]          # §4.5 per-agent persistent context
-        if not values["tools"]:
-            rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
-                    section="4.5", path=config_path + ("tools",))
         self.tools = {}                           # tool name -> InlineTool, or None for a built-in
         for index, entry in enumerate(values["tools"]):
-            self._add_tool(entry, config_path + ("tools", index))
+            tool, code = tool_entry(entry)
+            self.tools[tool] = None if code is None else InlineTool(
+                self, tool, code, self.path + ("config", "tools", index))
         self.capabilities = ["tool-execution"]
         for tool in self.tools:
             capability = TOOL_CAPABILITIES.get(tool)
@@ -1460,46 +1473,6 @@ class ToolAgent:
             for tool_name, tool in self.tools.items())
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
-
-    def _add_tool(self, entry, path):
-        """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
-        rt = self.rt
-        if isinstance(entry, str):
-            # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
-            if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
-                raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
-                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
-            name, tool = entry, None
-        elif isinstance(entry, dict):
-            name = entry.get("name")
-            if not isinstance(name, str) or not name:
-                raise rt.error(ConfigurationError, path + ("name",),
-                               "an inline tool needs a non-empty string `name`", "4.5.2")
-            code = entry.get("code")
-            if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
-                tool = None                       # {name: math} is the mapping form of `math`
-            elif not isinstance(code, str):
-                raise rt.error(ConfigurationError, path + ("code",),
-                               f"inline tool '{name}' needs a string `code` body", "4.5.2")
-            else:
-                for key in entry:
-                    if key not in ("name", "code"):
-                        rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
-                                path=path + (key,))
-                if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
-                    # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
-                    # with a warning, because the rule's own parenthesis says the inline tool wins.
-                    rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
-                            section="16.3", path=path + ("name",))
-                tool = InlineTool(self, name, code, path)
-        else:
-            raise rt.error(ConfigurationError, path,
-                           "a tool is a built-in name or a mapping {name, code}", "4.5")
-        if name in self.tools:
-            raise rt.error(ConfigurationError, path,
-                           f"tool '{name}' is listed twice; tool names are unique per agent",
-                           "4.5.2")
-        self.tools[name] = tool
 
     def invoke(self, content, ctx):
         """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
@@ -1874,6 +1847,81 @@ def inline_input(args):
     return args if isinstance(args, str) else json.dumps(args)
 
 
+def check_tool_agent(rt, name, config, cpath):
+    """§4.5-§4.5.2: a tool agent's config, checked before any agent exists."""
+    # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
+    # load, because the table says "Required: Yes" and such an agent could only ever fail.
+    if "tools" not in config:
+        raise rt.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list", "4.5")
+    if config["tools"] is None:
+        raise rt.error(ConfigurationError, cpath + ("tools",), "'tools' must be a list of tools",
+                       "4.5")
+    values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, cpath, "4.5", "tool agent")
+    if values["timeout"] <= 0:
+        raise rt.error(ConfigurationError, cpath + ("timeout",),
+                       "`timeout` must be a positive number of seconds", "4.5")
+    if not values["tools"]:
+        rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
+                section="4.5", path=cpath + ("tools",))
+    seen = set()
+    for index, entry in enumerate(values["tools"]):
+        path = cpath + ("tools", index)
+        tool = check_tool_entry(rt, entry, path)
+        if tool in seen:
+            raise rt.error(ConfigurationError, path,
+                           f"tool '{tool}' is listed twice; tool names are unique per agent",
+                           "4.5.2")
+        seen.add(tool)
+
+
+def check_tool_entry(rt, entry, path):
+    """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2);
+    returns the tool's name."""
+    if isinstance(entry, str):
+        # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
+        if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
+            raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                           f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+        return entry
+    if not isinstance(entry, dict):
+        raise rt.error(ConfigurationError, path,
+                       "a tool is a built-in name or a mapping {name, code}", "4.5")
+    name, code = entry.get("name"), entry.get("code")
+    if not isinstance(name, str) or not name:
+        raise rt.error(ConfigurationError, path + ("name",),
+                       "an inline tool needs a non-empty string `name`", "4.5.2")
+    if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
+        return name                       # {name: math} is the mapping form of `math`
+    if not isinstance(code, str):
+        raise rt.error(ConfigurationError, path + ("code",),
+                       f"inline tool '{name}' needs a string `code` body", "4.5.2")
+    for key in entry:
+        if key not in ("name", "code"):
+            rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
+                    path=path + (key,))
+    if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
+        # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
+        # with a warning, because the rule's own parenthesis says the inline tool wins.
+        rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
+                section="16.3", path=path + ("name",))
+    # INTERPRETATION I-050 §4.5.2 (Q72): an inline tool on a safe host is refused at load with
+    # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
+    # and §20 describes exactly this category.
+    if not rt.unsafe:
+        raise rt.error(UnsafeConfigurationError, path + ("code",),
+                       f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                       "4.5.2, 13.1")
+    compile_code(code, rt=rt, path=path + ("code",))        # the §13.2.1 allowlist
+    return name
+
+
+def tool_entry(entry):
+    """A checked `tools` element as (name, inline code body or None for a built-in)."""
+    if isinstance(entry, str):
+        return entry, None
+    return entry["name"], entry.get("code")
+
+
 class InlineTool:
     """§4.5.2 an inline-code tool: compiled once at load in the §13.2.1 sandbox, run per call.
 
@@ -1881,14 +1929,7 @@ class InlineTool:
     """
 
     def __init__(self, agent, name, code, path):
-        rt = agent.rt
-        # INTERPRETATION I-050 §4.5.2 (Q72): an inline tool on a safe host is refused at load with
-        # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
-        # and §20 describes exactly this category.
-        if not rt.unsafe:
-            raise rt.error(UnsafeConfigurationError, path + ("code",),
-                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
-                           "4.5.2, 13.1")
+        rt = agent.rt                 # check_tool_entry has refused it on a safe host
         self.name = name
         self.unit = compile_code(code, rt=rt, path=path + ("code",))
         # Issue 15: code that never names `context`, `locals` or `progress_bar` cannot read the
@@ -2288,8 +2329,9 @@ def component_routes(components):
     return routes
 
 
-def check_composite(doc, name, config, path, agent_types):
+def check_composite(rt, name, config, path):
     """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
+    doc = rt.doc
     if "strategy" in config:
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
@@ -2317,7 +2359,7 @@ def check_composite(doc, name, config, path, agent_types):
         if is_agent_ref(sub):
             check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
         else:
-            check_agent(doc, local, sub, lpath, agent_types)
+            check_agent(rt, local, sub, lpath)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -2336,7 +2378,14 @@ def check_composite(doc, name, config, path, agent_types):
         if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
-    check_component_routes(doc, config, path)
+    for key in routing:
+        if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
+            rt.warn("routing.strategy has no meaning (the routing is input and output); "
+                    "it is ignored", section="4.6.3, §16.1", path=path + ("routing", key))
+        elif key not in ("input", "output"):
+            rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
+                    path=path + ("routing", key))
+    check_component_routes(rt, config, path)
 
 
 def composite_scope(doc, path):
@@ -2451,9 +2500,10 @@ class AgentRef:
         return self.agent.invoke(content, ctx)
 
 
-def check_component_routes(doc, config, path):
+def check_component_routes(rt, config, path):
     """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
     the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    doc = rt.doc
     components = config["components"]
     both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
     if both:
@@ -2474,6 +2524,7 @@ def check_component_routes(doc, config, path):
     agent_names = composite_scope(doc, path)
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
+    inner = component_runtime(rt, sub_doc, rt.clock)
     graphs = {local for local, route in routes.items() if route["type"] == "graph"}
     known = set(routes) | set(RESERVED_STREAM_NAMES)
     for local, route in routes.items():         # §5.5 inside the composite, as check_routes
@@ -2488,8 +2539,25 @@ def check_component_routes(doc, config, path):
                                         f"'{target}' is not a component of the composite or a "
                                         "built-in stream", "4.6.1, §5.5")
     for local in sorted(graphs, key=list(routes).index):
-        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
-    check_streams(sub_doc, agent_names, graphs)
+        check_graph(inner, local, routes[local], ("routes", local), agent_names)
+    check_streams(inner, agent_names, graphs)
+
+
+def component_runtime(rt, sub_doc, clock):
+    """The Runtime a composite's components are checked and built in: the outer one's settings,
+    logs, context, prompts and sandbox; warnings about routes.<local> name the component's full
+    path, as its errors do (ComponentDoc)."""
+    inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine, workdir=rt.workdir,
+                    clock=clock, provider=rt.provider, llm_transport=rt.llm_transport)
+    inner.llm_log, inner.warnings, inner.context, inner.prompts = (
+        rt.llm_log, rt.warnings, rt.context, rt.prompts)
+    inner.sandbox = rt.sandbox
+    inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
+    inner.default_router = None
+    inner.routing_prefixes = rt.routing_prefixes
+    inner.warn = lambda message, *, section=None, path=None: rt.warn(
+        message, section=section, path=None if path is None else sub_doc.outer_path(path))
+    return inner
 
 
 COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
@@ -2530,18 +2598,7 @@ class CompositeAgent:
         sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
                                 "routes": self.routes}, outer_doc, self.path + ("config",))
         self.clock = ComponentClock(rt.clock)      # notes the timers the components set
-        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                                     workdir=rt.workdir, clock=self.clock, provider=rt.provider,
-                                     llm_transport=rt.llm_transport)
-        inner.llm_log, inner.warnings, inner.context, inner.prompts = (
-            rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.sandbox = rt.sandbox
-        inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
-        inner.default_router = None
-        inner.routing_prefixes = rt.routing_prefixes
-        # Warnings about routes.<local> name the component's full path, like its errors do.
-        inner.warn = lambda message, *, section=None, path=None: rt.warn(
-            message, section=section, path=None if path is None else sub_doc.outer_path(path))
+        self.inner = inner = component_runtime(rt, sub_doc, self.clock)
         local = {}
         inner.agents = ChainMap(local, rt.agents)
         for lname, sub in (components.get("agents") or {}).items():
@@ -2552,14 +2609,6 @@ class CompositeAgent:
                                           self.path + ("config", "components", "agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
-        for key in self.routing:
-            if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
-                rt.warn("routing.strategy has no meaning (the routing is input and output); "
-                        "it is ignored", section="4.6.3, §16.1",
-                        path=tuple(path) + ("config", "routing", key))
-            elif key not in ("input", "output"):
-                rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
-                        path=tuple(path) + ("config", "routing", key))
         self.expose_params = dict(config.get("expose_params") or {})
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
@@ -2782,7 +2831,8 @@ CHAIN_PREFIX = "ChainAgent processed: "
 CHAIN_SEPARATOR = "->"   # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
 
 
-def check_chain(doc, name, config, path, agent_types):
+def check_chain(rt, name, config, path):
+    doc = rt.doc
     if "prompt" in config and "prompt_reference" in config:
         raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
                         "not both", "4.7, §16.3")
@@ -2794,6 +2844,7 @@ def check_chain(doc, name, config, path, agent_types):
     if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
+    warn_unparsable_template(rt, config.get("prompt"), path + ("prompt",))
 
 
 class ChainAgent:
@@ -2810,7 +2861,6 @@ class ChainAgent:
         self.name, self.rt, self.path = name, rt, path
         self.steps = list(config.get("steps") or [])
         self.prompt = config.get("prompt")
-        warn_unparsable_template(rt, self.prompt, path + ("config", "prompt"))
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
         self.reads_context = self.prompt is not None          # only a prompt renders with it
@@ -2855,7 +2905,13 @@ AGENT_TYPES = {
     "composite": CompositeAgent,
     "chain": ChainAgent,
 }
-AGENT_CHECKS = {"composite": check_composite, "chain": check_chain}
+# Each type's load-time checks, run by check_agent before any agent exists (§12.1).
+AGENT_CHECKS = {
+    "llm": check_llm,
+    "tool": check_tool_agent,
+    "composite": check_composite,
+    "chain": check_chain,
+}
 
 
 def make_agent(rt, name, cfg, path):
@@ -2881,15 +2937,16 @@ def route_type(cfg):
     return kind.lower() if isinstance(kind, str) else None
 
 
-def check_streams(doc, agent_names, graph_names, rt=None):
-    """§5, §7, §12.6 static checks of the stream side, before any agent exists (§1.3(2)).
+def check_streams(rt, agent_names, graph_names, default=None):
+    """§5, §7, §12.6 static checks of the stream side of rt.doc, before any agent exists (§1.3(2)).
 
     Raises a located StreamRoutingError for operator errors (an unknown operator type, a
     transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
-    every other malformed field. The structure of routes, merges and splits (§11.3, §11.4) is
-    checked by the validator first. With `rt` (the network re-checks at build time) warnings
-    about unknown operator keys go to rt.warn; the validator's early call passes no rt.
+    every other malformed field; warns through rt (unknown operator keys). The structure of
+    routes, merges and splits (§11.3, §11.4) is checked by the validator first. `default`: the
+    default router messages enter by (§3.4), whose feed the cycle check follows.
     """
+    doc = rt.doc
     data = doc.data
     routes = data["routes"]
     pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
@@ -2905,9 +2962,6 @@ def check_streams(doc, agent_names, graph_names, rt=None):
         elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
             check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
-    default = rt.default_router if rt is not None else None
-    if default is None and isinstance(data.get("cleveragents"), dict):
-        default = data["cleveragents"].get("default_router")
     edges = [edge for edge in stream_edges(data, known, default)
              if isinstance(edge[0], str) and isinstance(edge[1], str)
              and not bounded_by_take(routes, edge[0], edge[2])]
@@ -2920,13 +2974,12 @@ def check_streams(doc, agent_names, graph_names, rt=None):
 class _Checker:
     """Walks stream routes and operators; one method per config shape, errors located."""
 
-    def __init__(self, doc, agents, graphs, known, routes, rt=None):
+    def __init__(self, doc, agents, graphs, known, routes, rt):
         self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
         self.rt = rt
 
     def note(self, path, message, section="5.3.2"):
-        if self.rt is not None:
-            self.rt.warn(message, section=section, path=path)
+        self.rt.warn(message, section=section, path=path)
 
     def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
         raise self.doc.error(cls, path, message, section)
@@ -3020,6 +3073,9 @@ class _Checker:
         if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
             self.fail(path, "function must name a transformer; inline expressions are forbidden "
                       "here (use the transform operator with fn)", "16.2")
+        if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
+            self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
+                      "5.3.3")
 
     def transform(self, value, path):
         if not isinstance(value, dict):
@@ -3892,7 +3948,7 @@ OPERATOR_CHECKS = {
 # §5.3.3 Function references ---------------------------------------------------------
 # INTERPRETATION I-072 §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
 # empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
-# found in neither is the identity transformation (with a warning at build time).
+# found in neither is the identity transformation (with a warning at load).
 STANDARD_FUNCTIONS = {}
 
 FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -3902,9 +3958,7 @@ def function_mapper(site, name, down):
     """§5.3.3 map with `function`: a registered transformer, else the identity."""
     registry = {**STANDARD_FUNCTIONS, **site.rt.functions}
     fn = registry.get(name)
-    if fn is None:
-        site.rt.warn(f"no transformer named {name!r} is registered; map acts as identity",
-                     section="5.3.3", path=site.path + ("function",))
+    if fn is None:                      # warned by the check pass (_Checker.function)
         return Stage(down.next, down.complete)
     net, route = site.net, site.route
 
@@ -4471,7 +4525,6 @@ class StreamNetwork:
     def __init__(self, rt, *, single_shot=None):
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
-        check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
         self._single_shot = single_shot
         extra_prefixes = rt.routing_prefixes
         self.strip = routing_prefix_pattern(extra_prefixes)
@@ -4948,24 +5001,23 @@ class GraphRoute:
         self.cfg = cfg
         self.rt = rt
         self.path = tuple(path or ("routes", name))
-        check_graph(rt.doc, name, cfg, self.path, set(rt.agents))
         self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
-        self._warn_unknown_keys()
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
-        self.analysis = analyse_graph(self)                 # §6.11
+        self.analysis = analyse_graph(self.entry, self.nodes, self.edges, implicit_names(cfg))
+        wire_nodes(self.nodes, self.analysis)               # §6.11 adjacency, for stepping
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
-        self.state = new_graph_state(resolve_state_class(self))
+        self.state = new_graph_state(state_schema(cfg))
         self.time_travel = bool(cfg.get("enable_time_travel", False))
         self.snapshots = []                                  # §6.6 time travel, oldest first
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
-            self.checkpoint_dir = checkpoint_directory(rt, cfg["checkpoint_dir"],
-                                                       self.path + ("checkpoint_dir",))
+            self.checkpoint_dir = checkpoint_target(rt, cfg["checkpoint_dir"])
             try:
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
-            except (OSError, ValueError) as exc:    # INTERPRETATION I-170 §6.6: located
+            except (OSError, ValueError) as exc:
+                # check_checkpoint_dir found it creatable; only a change on disk since lands here.
                 raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
                                    f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
@@ -5242,28 +5294,6 @@ class GraphRoute:
     def internal_stream_names(self):
         """§6.10 reserved names of this graph's internal streams."""
         return internal_stream_names(self.name, self.nodes)
-
-    def _warn_unknown_keys(self):
-        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1);
-        so does a router regex with nested unbounded repeats (§6.2.6.2, regex_may_backtrack)."""
-        for node in self.nodes.values():
-            for index, rule in enumerate(node.rules):
-                if rule.regex is not None and regex_may_backtrack(rule.pattern):
-                    self.rt.warn(f"regex {rule.pattern!r} repeats a repetition: a crafted "
-                                 f"message may make matching take exponential time",
-                                 section="6.2.6.2",
-                                 path=node.path + ("rules", index, "pattern"))
-        for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
-            known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
-            for key in node_cfg:
-                if key not in known and key not in NODE_COMMON_FIELDS:
-                    self.rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
-                                 section="6.2", path=self.path + ("nodes", node_name, key))
-        for index, edge_cfg in enumerate(self.cfg.get("edges") or []):
-            for key in edge_cfg:
-                if key not in EDGE_FIELDS:
-                    self.rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
-                                 path=self.path + ("edges", index, key))
 
     def close(self):
         """Write the queued checkpoints; stop the worker threads (§12.1 cleanup)."""
@@ -5790,16 +5820,17 @@ def new_graph_state(fields=GRAPH_STATE_FIELDS):
     return {name: make() for name, make in fields.items()}
 
 
-def resolve_state_class(graph):
-    """§6.3.3 the state_class schema, or the default one with a warning when unknown."""
-    name = graph.cfg.get("state_class")
-    if name is None:
-        return GRAPH_STATE_FIELDS
-    if name in STATE_SCHEMAS:
-        return STATE_SCHEMAS[name]
-    graph.rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
-                  f"state", section="6.3.3", path=graph.path + ("state_class",))
-    return GRAPH_STATE_FIELDS
+def state_schema(cfg):
+    """§6.3.3 the fields of a graph's state: its known state_class, else the default."""
+    return STATE_SCHEMAS.get(cfg.get("state_class"), GRAPH_STATE_FIELDS)
+
+
+def warn_state_class(rt, cfg, path):
+    """§6.3.3: a state_class this host does not know runs with the default state, warned."""
+    name = cfg.get("state_class")
+    if name is not None and name not in STATE_SCHEMAS:
+        rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
+                f"state", section="6.3.3", path=path + ("state_class",))
 
 
 def begin_run(state, content, ctx):
@@ -6291,37 +6322,25 @@ class GraphAnalysis:
     __slots__ = ("forward", "reverse", "has_cycles", "back_edges", "levels", "unreachable")
 
 
-def analyse_graph(graph):
-    nodes, edges = graph.nodes, graph.edges
+def analyse_graph(entry, nodes, edges, implicit=()):
+    """§6.11 items 1-4 over `nodes` (name -> node) and `edges` (objects with source and target
+    names); `implicit` names (start/end the document did not declare) are never unreachable."""
     result = GraphAnalysis()
     result.forward = {name: [] for name in nodes}                     # item 1
     result.reverse = {name: [] for name in nodes}
     for edge in edges:
         result.forward[edge.source].append(edge)
         result.reverse[edge.target].append(edge)
-    result.back_edges = find_back_edges(graph.entry, nodes, result.forward)   # item 2
+    result.back_edges = find_back_edges(entry, nodes, result.forward)         # item 2
     result.has_cycles = bool(result.back_edges)
     result.levels = topological_levels(nodes, edges, result.back_edges)       # item 3
-    reached = reachable_from(graph.entry, result.forward)                     # item 4
-    result.unreachable = [name for name in nodes
-                          if name not in reached and name not in implicit_names(graph)]
-    if result.unreachable:
-        graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
-                      + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():
-        node.out = out = result.forward[name]                                 # for stepping
-        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
-        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
-    # §6.8 items 3-4 watch agent nodes only: ping-pong needs router nodes in the graph, and
-    # return-without-routing a node whose one edge leads to a router.
-    has_routers = any(node.is_router for node in nodes.values())
-    for node in nodes.values():
-        node.guarded_after = node.type == "agent" and (has_routers or node.routes_only_to_router)
+    reached = reachable_from(entry, result.forward)                           # item 4
+    result.unreachable = [name for name in nodes if name not in reached and name not in implicit]
     return result
 
 
-def implicit_names(graph):
-    declared = {normalize_node_name(name) for name in graph.cfg["nodes"]}
+def implicit_names(cfg):
+    declared = {normalize_node_name(name) for name in cfg["nodes"]}
     return {START_NODE, END_NODE} - declared
 
 
@@ -6333,6 +6352,31 @@ def reachable_from(entry, forward):
                 seen.add(edge.target)
                 todo.append(edge.target)
     return seen
+
+
+def warn_unreachable(rt, name, cfg, path):
+    """§6.11 item 4 at load: nodes the entry point never reaches are warned about."""
+    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+    nodes = dict.fromkeys([START_NODE, *map(normalize_node_name, cfg["nodes"]), END_NODE])
+    edges = [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
+                       None, None, None, e) for e in cfg.get("edges") or []]
+    unreachable = analyse_graph(entry, nodes, edges, implicit_names(cfg)).unreachable
+    if unreachable:
+        rt.warn(f"graph '{name}': nodes unreachable from '{entry}': " + ", ".join(unreachable),
+                section="6.11", path=path)
+
+
+def wire_nodes(nodes, analysis):
+    """Hand each GraphNode its outgoing edges and the facts stepping reads (§6.8 items 3-4)."""
+    for name, node in nodes.items():
+        node.out = out = analysis.forward[name]
+        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
+    # §6.8 items 3-4 watch agent nodes only: ping-pong needs router nodes in the graph, and
+    # return-without-routing a node whose one edge leads to a router.
+    has_routers = any(node.is_router for node in nodes.values())
+    for node in nodes.values():
+        node.guarded_after = node.type == "agent" and (has_routers or node.routes_only_to_router)
 
 
 def find_back_edges(entry, nodes, forward):
@@ -6385,10 +6429,11 @@ def topological_levels(nodes, edges, back_edges):
     return levels
 
 
-def check_graph(doc, name, cfg, path, agent_names):
+def check_graph(rt, name, cfg, path, agent_names):
     """§11.3, §6.4, §6.11 items 5-6, §16.2: static checks of one graph route before any agent
-    exists; raises a located ConfigurationError."""
+    exists; raises a located ConfigurationError, warns through rt."""
     path = tuple(path)
+    doc = rt.doc
 
     def fail(where, message, section):
         raise doc.error(ConfigurationError, path + tuple(where), message, section)
@@ -6475,6 +6520,37 @@ def check_graph(doc, name, cfg, path, agent_names):
                 if normalize_node_name(rule["target"]) not in known:
                     fail(("nodes", node_name, "rules", index, "target"),
                          f"target '{rule['target']}' is not a node of graph '{name}'", "6.2.6")
+    warn_graph_keys(rt, cfg, path)
+    warn_unreachable(rt, name, cfg, path)
+    warn_state_class(rt, cfg, path)
+    if cfg.get("checkpointing"):
+        check_checkpoint_dir(rt, cfg["checkpoint_dir"], path + ("checkpoint_dir",))
+
+
+def warn_graph_keys(rt, cfg, path):
+    """Unknown node and edge keys draw a warning (route keys are check_routes', §6.1); so does a
+    router regex with nested unbounded repeats (§6.2.6.2, regex_may_backtrack)."""
+    nodes = cfg["nodes"]
+    for node_name, node_cfg in nodes.items():
+        if str(node_cfg["type"]).lower() == "message_router":
+            for index, rule in enumerate(node_cfg["rules"]):
+                if str(rule["match_type"]).lower() == "regex" and \
+                        regex_may_backtrack(str(rule["pattern"])):
+                    rt.warn(f"regex {str(rule['pattern'])!r} repeats a repetition: a crafted "
+                            f"message may make matching take exponential time",
+                            section="6.2.6.2",
+                            path=path + ("nodes", node_name, "rules", index, "pattern"))
+    for node_name, node_cfg in nodes.items():
+        known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
+        for key in node_cfg:
+            if key not in known and key not in NODE_COMMON_FIELDS:
+                rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
+                        section="6.2", path=path + ("nodes", node_name, key))
+    for index, edge_cfg in enumerate(cfg.get("edges") or []):
+        for key in edge_cfg:
+            if key not in EDGE_FIELDS:
+                rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
+                        path=path + ("edges", index, key))
 
 
 def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
@@ -6627,7 +6703,7 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
                 checker.operators(stage.get("operators"), here + ("operators",))
             elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
-                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                check_graph(checker.rt, f"{name}.{i}", _stage_graph(stage), here + ("config",),
                             checker.agents)
 
 
@@ -8840,12 +8916,13 @@ def validate_document(doc, rt, host_default_router=None):
     """§11 (with §9.4, §10, §15, §16): every rule, before any agent is created. Returns the default
     router (or None)."""
     agent_names = set(doc.data["agents"])
+    check_context(doc, rt)
+    check_unsafe(doc, rt.unsafe)        # the host's mode decides before any part is looked at
     for name, cfg in doc.data["agents"].items():
-        check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
+        check_agent(rt, name, cfg, ("agents", name))
         check_agent_name_style(rt, name, ("agents", name))
         warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
     check_composite_self_reference(doc)
-    check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
     check_reserved_stream_references(doc)
@@ -8853,9 +8930,11 @@ def validate_document(doc, rt, host_default_router=None):
     check_merges_and_splits(doc, rt, known)
     check_pipelines(doc, rt)
     graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
-    check_streams(doc, agent_names, graph_names)
-    check_unsafe(doc, rt.unsafe)
-    return resolve_default_router(doc, rt, host_default_router)
+    check_streams(rt, agent_names, graph_names,
+                  default=host_parameter(doc, "default_router", host_default_router)[0])
+    router = resolve_default_router(doc, rt, host_default_router)
+    check_providers(rt, doc.data["agents"])     # §12.1: what would fail agent creation, after every rule
+    return router
 
 
 # §11.2 Agent validation -----------------------------------------------------------------
@@ -8953,7 +9032,7 @@ def check_routes(doc, rt, agent_names):
                     raise doc.error(ConfigurationError, path + ("agents", i),
                                     f"agent '{agent}' is not defined in agents", "11.3")
         elif kind == "graph":
-            check_graph(doc, name, route, path, agent_names)
+            check_graph(rt, name, route, path, agent_names)
     return known
 
 
@@ -10327,15 +10406,21 @@ def tool_path(env, given, op):
                        f"{given}", "13.3")
     return resolved
 
-def checkpoint_directory(rt, given, path):
+def checkpoint_target(rt, given):
+    """The directory a checked checkpoint_dir names, resolved against the working directory."""
+    return (Path(given) if path_facts(given)[0] else Path(rt.workdir).resolve() / given).resolve()
+
+
+def check_checkpoint_dir(rt, given, path):
     """§6.6 checkpoints are files the host writes for the configuration, so §13.3's boundaries
     hold for them as for file_write (T2, README Security): no `~` or `..`, and on a safe host
-    no absolute path and nothing that resolves outside the working directory."""
+    no absolute path and nothing that resolves outside the working directory. The directory
+    must also be creatable: its nearest existing ancestor is a directory."""
     # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
     absolute, traversal, tilde = path_facts(given)
     base = Path(rt.workdir).resolve()
-    target = (Path(given) if absolute else base / given).resolve()
+    target = checkpoint_target(rt, given)
     reason = ("`~` (no home-directory expansion)" if tilde else "`..` traversal" if traversal
               else "an absolute path on a safe host" if absolute and not rt.unsafe
               else "a path resolving outside the working directory on a safe host"
@@ -10343,7 +10428,11 @@ def checkpoint_directory(rt, given, path):
     if reason is not None:
         raise rt.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
                        "6.6, §13.3")
-    return target
+    # INTERPRETATION I-170 §6.6: one that cannot be created is refused at load, located.
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise rt.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
+                       "not a directory", "6.6")
 
 # §13.5 Shell execution --------------------------------------------------------------------
 def tool_shell(env, args):
@@ -12487,7 +12576,7 @@ def reset_actor(actor):
                 with memory._lock:
                     memory.entries.clear()
         for graph in actor.rt.graphs.values():
-            graph.state = new_graph_state(resolve_state_class(graph))
+            graph.state = new_graph_state(state_schema(graph.cfg))
             graph.snapshots.clear()
 
 
