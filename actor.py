@@ -270,6 +270,73 @@ def keep_last(entries, entry):
         del entries[:-LOG_LIMIT]
 
 
+# Field vocabulary: the one way a table says what a field accepts -------------------------------
+# A Constraint is a test on a value and the words that finish "<field> must be ...". A table row
+# is Field(name, constraint, default, section): the default REQUIRED means the field must be
+# given; a null value stands for "absent" only where the default is None (nothing to use instead).
+# check_fields reads rows and raises the located ConfigurationError. The constraints several
+# sections share are defined here once.
+REQUIRED = object()
+
+
+class Constraint:
+    __slots__ = ("test", "wording")
+
+    def __init__(self, test, wording):
+        self.test, self.wording = test, wording
+
+
+class Field:
+    __slots__ = ("name", "constraint", "default", "section")
+
+    def __init__(self, name, constraint, default, section):
+        self.name, self.constraint, self.default, self.section = name, constraint, default, section
+
+
+def fields_by_name(*rows):
+    """A field table: rows in the spec's order, looked up by name."""
+    return {row.name: row for row in rows}
+
+
+def _whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_seconds(value, positive=False):
+    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
+    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+ANY = Constraint(lambda value: True, "anything")
+BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean")
+STRING = Constraint(lambda value: isinstance(value, str), "a string")
+MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping")
+SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence")
+NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer")
+POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer")
+SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds")
+POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
+                              "a finite, positive number of seconds")
+
+
+def check_fields(doc, cfg, table, path):
+    """Every row of `table` ({name: Field}) against the mapping `cfg` at `path`; raises the
+    located ConfigurationError for a missing required field or a value its constraint refuses."""
+    for field in table.values():
+        if field.name not in cfg or cfg[field.name] is None and field.default is None:
+            if field.default is REQUIRED:
+                raise doc.error(ConfigurationError, path + (field.name,),
+                                f"{field.name} is required ({field.constraint.wording})",
+                                field.section)
+            continue
+        if not field.constraint.test(cfg[field.name]):
+            raise doc.error(ConfigurationError, path + (field.name,),
+                            f"{field.name} must be {field.constraint.wording}", field.section)
+
+
 # §12.2.1 Message ------------------------------------------------------------------------
 _IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
 _SAME = object()        # Message.copy: "keep this field"
@@ -324,14 +391,6 @@ class Timer:
 
     def __lt__(self, other):
         return (self.when, self.seq) < (other.when, other.seq)
-
-
-def is_seconds(value, positive=False):
-    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
-    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
 
 
 class VirtualClock:
@@ -2962,6 +3021,11 @@ def check_streams(rt, agent_names, graph_names, default=None):
         elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
             check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
+    bridges = {name for name, cfg in routes.items() if route_type(cfg) == "bridge"}
+    for source, target, path in stream_edges(data, known, default):
+        if "operators" not in path and (source in bridges or target in bridges):
+            rt.warn(f"{source if source in bridges else target!r} carries no messages here "
+                    "(a bridge route); link ignored", section="5.5", path=path)
     edges = [edge for edge in stream_edges(data, known, default)
              if isinstance(edge[0], str) and isinstance(edge[1], str)
              and not bounded_by_take(routes, edge[0], edge[2])]
@@ -3006,6 +3070,9 @@ class _Checker:
             self.fail(path, "operators must be a sequence of operator mappings")
         for i, op in enumerate(ops):
             self.operator(op, path + (i,))
+            if op["type"] == "retry" and _retried_map(ops, i) is None:
+                self.note(path + (i, "params"),
+                          "retry has no agent map before it in this route; it does nothing")
 
     def operator(self, op, path):
         if not isinstance(op, dict) or not isinstance(op.get("type"), str):
@@ -3364,9 +3431,6 @@ class Stream:
                 on_complete()
 
 # §5.3.2 Operators -------------------------------------------------------------------------
-REQUIRED = object()     # an OPERATORS spec default: the parameter must be given
-
-
 def op_map(site, params, down):
     """§5.3.2 map: replace each message's content through an agent, a function or a transform.
 
@@ -3661,10 +3725,7 @@ def op_retry(site, params, down):
     # INTERPRETATION I-078 §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
     # means: the closest preceding agent map in the same route re-invokes its agent up to
     # `count` extra times before it reports the failure.
-    if _retried_map(site.ops, site.index) is None:
-        site.rt.warn("retry has no agent map before it in this route; it does nothing",
-                     section="5.3.2", path=site.path)
-    return Stage(down.next, down.complete)
+    return Stage(down.next, down.complete)     # warned without a map before it (_Checker)
 
 
 def _retried_map(ops, index):
@@ -4589,11 +4650,7 @@ class StreamNetwork:
         edges = {}
         for source, target, cond, path in links:
             if source not in self.nodes or target not in self.nodes:
-                missing = source if source not in self.nodes else target
-                self.rt.warn(f"{missing!r} carries no messages here (a bridge, or a graph "
-                             "route without a runtime graph); link ignored", section="5.5",
-                             path=path)
-                continue
+                continue            # a bridge route carries nothing (warned by check_streams)
             conds = edges.setdefault((source, target), [])
             conds.append((cond, path))
         for (source, target), conds in edges.items():
@@ -4930,21 +4987,59 @@ def check_bridge(doc, cfg, path, rt=None):
 # (§6.3), then follows every edge whose condition holds (§6.5). The handlers, the state rules,
 # the checkpoint files, the guards and the setup analysis live under their own banners below.
 
-# The §6.1 table: field -> default ("required" marks the two fields without one).
-GRAPH_FIELDS = {
-    "type": "required",
-    "nodes": "required",
-    "edges": "required",
-    "entry_point": "start",
-    "checkpointing": False,
-    "checkpoint_dir": None,
-    "enable_time_travel": False,
-    "parallel_execution": True,
-    "state_class": None,
-    "bridge": None,
-    "metadata": {},
-    "template_config": None,
-}
+# The §6.1 table. type, nodes and edges are checked for shape by check_graph itself (an edges
+# of null is an empty sequence), the entry point by check_entry_point (§6.11).
+GRAPH_FIELDS = fields_by_name(
+    Field("type",               STRING,   REQUIRED, "6.1"),
+    Field("nodes",              MAPPING,  REQUIRED, "6.1"),
+    Field("edges",              SEQUENCE, REQUIRED, "6.1"),
+    Field("entry_point",        ANY,      "start",  "6.11"),
+    Field("checkpointing",      BOOLEAN,  False,    "6.1"),
+    Field("checkpoint_dir",     STRING,   None,     "6.1"),
+    Field("enable_time_travel", BOOLEAN,  False,    "6.1"),
+    Field("parallel_execution", BOOLEAN,  True,     "6.1"),
+    Field("state_class",        STRING,   None,     "6.3.3"),
+    Field("bridge",             MAPPING,  None,     "6.1"),
+    Field("metadata",           MAPPING,  None,     "6.1"),
+    Field("template_config",    ANY,      None,     "8.7"),
+)
+GRAPH_OPTIONAL_FIELDS = {name: row for name, row in GRAPH_FIELDS.items()
+                         if row.default is not REQUIRED}
+
+
+def check_graph(rt, name, cfg, path, agent_names):
+    """§6.1 with §6.2-§6.6, §6.11, §11.3, §16.2: one graph route, before any agent exists.
+
+    Raises a located ConfigurationError; warns through rt. Each part is checked under the banner
+    of the section that states its rules: nodes (check_nodes, §6.2), edges (check_edges, §6.4),
+    the entry point and reachability (§6.11), state_class (§6.3.3), checkpoint_dir (§6.6).
+    """
+    doc, path = rt.doc, tuple(path)
+    if not isinstance(cfg, dict):
+        raise doc.error(ConfigurationError, path, f"graph route '{name}' must be a mapping", "6.1")
+    nodes = cfg.get("nodes")
+    if nodes is None and cfg.get("template_config") is not None:
+        return                                              # §11.3: instantiated from a template
+    if not isinstance(nodes, dict) or not nodes:
+        raise doc.error(ConfigurationError, path + ("nodes",),
+                        f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
+    if "edges" not in cfg:
+        raise doc.error(ConfigurationError, path + ("edges",),
+                        f"graph route '{name}' needs an edges sequence", "6.1")
+    if cfg["edges"] is not None and not isinstance(cfg["edges"], list):
+        raise doc.error(ConfigurationError, path + ("edges",), "edges must be a sequence", "6.4")
+    check_fields(doc, cfg, GRAPH_OPTIONAL_FIELDS, path)
+    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
+        # INTERPRETATION I-107 §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
+        raise doc.error(ConfigurationError, path + ("checkpoint_dir",),
+                        "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    known = check_nodes(rt, name, nodes, path, agent_names)
+    check_edges(rt, name, cfg["edges"] or [], known, path)
+    check_entry_point(doc, name, cfg, known, path)
+    warn_unreachable(rt, name, cfg, path)
+    warn_state_class(rt, cfg, path)
+    if cfg.get("checkpointing"):
+        check_checkpoint_dir(rt, cfg["checkpoint_dir"], path + ("checkpoint_dir",))
 
 
 # INTERPRETATION I-092 §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
@@ -5001,7 +5096,7 @@ class GraphRoute:
         self.cfg = cfg
         self.rt = rt
         self.path = tuple(path or ("routes", name))
-        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self.entry, self.nodes, self.edges, implicit_names(cfg))
@@ -5313,7 +5408,7 @@ class GraphNode:
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
-        self.handler = NODE_TYPES[node_type]
+        self.handler = NODE_TYPES[node_type][0]
         self.parallel = bool(cfg.get("parallel", False))
         self.is_router = node_type == "message_router"
         self.agent = cfg.get("agent")
@@ -5381,6 +5476,68 @@ def build_nodes(graph):
         nodes[name] = declared.get(name) or GraphNode(name, name, {"type": name},
                                                       graph.path + ("nodes", name))
     return nodes
+
+# Fields every node type accepts (§6.2; `parallel` is §6.7's). type is check_nodes' own.
+NODE_COMMON_FIELDS = fields_by_name(
+    Field("type",        STRING,  REQUIRED, "6.2"),
+    Field("metadata",    MAPPING, None,     "6.2"),
+    Field("parallel",    BOOLEAN, False,    "6.7"),
+    Field("description", ANY,     None,     "6.2"),
+)
+
+
+def check_nodes(rt, graph_name, nodes, path, agent_names):
+    """§6.2, §15.1-§15.2, §16.2: every node's name and type, then its type's NODE_TYPES fields and
+    NODE_CHECKS; unknown node keys draw a warning. Returns the node names edges may use."""
+    doc = rt.doc
+    declared = {}
+    for node_name, node_cfg in nodes.items():
+        where = path + ("nodes", node_name)
+        if not isinstance(node_name, str) or not node_name:
+            raise doc.error(ConfigurationError, where, "node names must be non-empty strings",
+                            "6.2")
+        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
+            raise doc.error(ConfigurationError, where,
+                            f"node '{node_name}' must be a mapping with a type", "6.2")
+        node_type = str(node_cfg["type"]).lower()
+        if node_type == "dynamic_router":
+            raise doc.error(ConfigurationError, where + ("type",),
+                            "node type 'dynamic_router' is forbidden; use message_router", "16.2")
+        if node_type not in NODE_TYPES:     # INTERPRETATION I-112 §6.2: no extension node types
+            raise doc.error(ConfigurationError, where + ("type",),
+                            f"unknown node type '{node_cfg['type']}'", "6.2")
+        if node_name in RESERVED_STREAM_NAMES:
+            raise doc.error(ConfigurationError, where,
+                            f"node name '{node_name}' is a reserved stream name", "15.1")
+        canonical = normalize_node_name(node_name)
+        # INTERPRETATION I-111 §6.2 (Q83): start/end (START/END) may be declared only as nodes of
+        # their own type; any other node under these names is rejected.
+        if canonical in (START_NODE, END_NODE) and node_type != canonical:
+            raise doc.error(ConfigurationError, where, f"node name '{node_name}' is reserved for "
+                            f"the {canonical} node", "6.2, 15.2")
+        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
+            raise doc.error(ConfigurationError, where + ("type",),
+                            f"only the node named {node_type} may have type {node_type}", "6.2.1")
+        if canonical in declared:
+            raise doc.error(ConfigurationError, where,
+                            f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+        declared[canonical] = node_type
+    known = set(declared) | {START_NODE, END_NODE}
+    for node_name, node_cfg in nodes.items():
+        where = path + ("nodes", node_name)
+        node_type = declared[normalize_node_name(node_name)]
+        fields = NODE_TYPES[node_type][1]
+        check_fields(doc, node_cfg, NODE_COMMON_FIELDS, where)
+        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS, where + ("metadata",))
+        check_fields(doc, node_cfg, fields, where)
+        extra = NODE_CHECKS.get(node_type)
+        if extra is not None:
+            extra(rt, graph_name, node_name, node_cfg, where, agent_names, known)
+        for key in node_cfg:
+            if key not in fields and key not in NODE_COMMON_FIELDS:
+                rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
+                        section="6.2", path=where + (key,))
+    return known
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
 def node_start(graph, node, message, state):
@@ -5566,6 +5723,31 @@ def node_agent(graph, node, message, state):
     # INTERPRETATION I-094 §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 
+# The §6.2.2 fields, the retry_policy mapping, and the history bounds every node's metadata may
+# set (§6.2.2.1).
+AGENT_NODE_FIELDS = fields_by_name(
+    Field("agent",        STRING,           REQUIRED, "6.2.2"),
+    Field("retry_policy", MAPPING,          None,     "6.2.2"),
+    Field("timeout",      POSITIVE_SECONDS, None,     "6.2.2"),
+)
+RETRY_POLICY_FIELDS = fields_by_name(
+    Field("max_retries", NON_NEGATIVE_INT, 3,   "6.2.2"),
+    Field("delay",       SECONDS,          1.0, "6.2.2"),
+)
+NODE_HISTORY_FIELDS = fields_by_name(
+    Field("max_history_messages", NON_NEGATIVE_INT, 20,    "6.2.2.1"),
+    Field("max_history_chars",    NON_NEGATIVE_INT, 12000, "6.2.2.1"),
+)
+
+
+def check_agent_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.2, §11.3: the agent is defined; the retry policy's own fields."""
+    if cfg["agent"] not in agent_names:
+        raise rt.doc.error(ConfigurationError, where + ("agent",),
+                           f"agent '{cfg['agent']}' is not defined in agents", "6.2.2, 11.3")
+    if cfg.get("retry_policy") is not None:
+        check_fields(rt.doc, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",))
+
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
     """summarize: metadata.summary = "Summary of N messages"."""
@@ -5613,6 +5795,12 @@ def node_tool(graph, node, message, state):
     results = [{"tool": name, "result": f"Executed {name}"} for name in node.tools]
     return NodeResult(message, metadata={"tool_results": results})
 
+# The §6.2.3 fields: a function name (an unknown one adds nothing), tool names (one or a list).
+FUNCTION_NODE_FIELDS = fields_by_name(Field("function", STRING, REQUIRED, "6.2.3"))
+TOOL_NAMES = Constraint(lambda value: isinstance(value, str) or isinstance(value, list) and all(
+    isinstance(name, str) for name in value), "a list of tool names")
+TOOL_NODE_FIELDS = fields_by_name(Field("tools", TOOL_NAMES, [], "6.2.3"))
+
 # §6.2.4 Conditional nodes -------------------------------------------------------------
 def node_conditional(graph, node, message, state):
     """§6.2.4 evaluate the condition on the state into metadata.condition_result.
@@ -5623,6 +5811,16 @@ def node_conditional(graph, node, message, state):
                                 node.path + ("condition",))
     return NodeResult(message, metadata={"condition_result": bool(result)})
 
+CONDITIONAL_NODE_FIELDS = fields_by_name(Field("condition", MAPPING, REQUIRED, "6.2.4"))
+
+
+def check_conditional_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.4, §5.4: the condition has the shape of a §5.4 condition."""
+    wrong = condition_shape_error(cfg["condition"])
+    if wrong is not None:
+        raise rt.doc.error(ConfigurationError, where + ("condition", wrong[0]), wrong[1],
+                           "6.2.4, §5.4")
+
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
 def node_subgraph(graph, node, message, state):
     """§6.2.5 mark a nested graph: metadata.subgraph = <graph>, subgraph_pending = true.
@@ -5631,6 +5829,20 @@ def node_subgraph(graph, node, message, state):
     """
     # INTERPRETATION I-101 §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
     return NodeResult(message, metadata={"subgraph": node.graph, "subgraph_pending": True})
+
+SUBGRAPH_NODE_FIELDS = fields_by_name(
+    Field("graph",  STRING, REQUIRED, "6.2.5"),
+    Field("params", ANY,    None,     "6.2.5"),
+)
+
+
+def check_subgraph_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.5: `graph` names a graph route of the document."""
+    routes = rt.doc.data.get("routes") if isinstance(rt.doc.data, dict) else None
+    target = routes.get(cfg["graph"]) if isinstance(routes, dict) else None
+    if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
+        raise rt.doc.error(ConfigurationError, where + ("graph",), f"subgraph node '{node_name}' "
+                           "must name a graph route in `graph`", "6.2.5")
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
 def match_prefix(text, pattern, regex):
@@ -5775,29 +5987,71 @@ def node_message_router(graph, node, message, state):
     return None                                                  # §6.2.6.4: state unchanged
 
 
-# The §6.2 table: node type (matched case-insensitively) -> handler. Rows in the spec's order.
-NODE_TYPES = {
-    "start":          node_start,
-    "end":            node_end,
-    "agent":          node_agent,
-    "function":       node_function,
-    "tool":           node_tool,
-    "conditional":    node_conditional,
-    "subgraph":       node_subgraph,
-    "message_router": node_message_router,
-}
+RULES = Constraint(lambda value: isinstance(value, list) and bool(value), "a non-empty list of rules")
+ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
+MATCH_TYPE = Constraint(lambda value: isinstance(value, str) and value.lower() in MATCH_TYPES,
+                        "one of " + ", ".join(MATCH_TYPES))
+ROUTER_RULE_FIELDS = fields_by_name(
+    Field("match_type",      MATCH_TYPE, REQUIRED, "6.2.6.2"),
+    Field("pattern",         STRING,     REQUIRED, "6.2.6"),
+    Field("target",          STRING,     REQUIRED, "6.2.6"),
+    Field("extract_message", BOOLEAN,    True,     "6.2.6"),
+    Field("separator",       STRING,     ":",      "6.2.6"),
+    Field("set_state",       MAPPING,    None,     "6.2.6.3"),
+)
 
-# Keys each node type reads (anything else on a node draws a warning).
-NODE_COMMON_FIELDS = ("type", "metadata", "parallel", "description")
-NODE_FIELDS = {
-    "start": (),
-    "end": (),
-    "agent": ("agent", "retry_policy", "timeout"),
-    "function": ("function",),
-    "tool": ("tools",),
-    "conditional": ("condition",),
-    "subgraph": ("graph", "params"),
-    "message_router": ("rules",),
+
+def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.6: each rule's fields, a regex that compiles (warned when it may backtrack), set_state
+    keys an Actor may write, and a target that is a node of the graph."""
+    doc = rt.doc
+    for index, rule in enumerate(cfg["rules"]):
+        at = where + ("rules", index)
+        if not isinstance(rule, dict):
+            raise doc.error(ConfigurationError, at, "a rule must be a mapping", "6.2.6")
+        check_fields(doc, rule, ROUTER_RULE_FIELDS, at)
+        if rule["match_type"].lower() == "regex":
+            try:
+                re.compile(rule["pattern"])
+            except re.error as exc:
+                raise doc.error(ConfigurationError, at + ("pattern",),
+                                f"invalid regular expression: {exc}", "6.2.6.2") from None
+            if regex_may_backtrack(rule["pattern"]):
+                rt.warn(f"regex {rule['pattern']!r} repeats a repetition: a crafted message may "
+                        "make matching take exponential time", section="6.2.6.2",
+                        path=at + ("pattern",))
+        try:     # T2 (README Security): the host-only keys are the host's (§10.3)
+            refuse_host_keys(rule.get("set_state"), "set_state")
+        except ExecutionError as exc:
+            raise doc.error(ConfigurationError, at + ("set_state",), exc.message,
+                            exc.section) from None
+        for key in rule.get("set_state") or ():
+            if isinstance(key, str) and key.startswith("__"):
+                raise doc.error(ConfigurationError, at + ("set_state", key),
+                                f"'{key}': keys starting with __ are reserved", "10.3, §15.4")
+        if normalize_node_name(rule["target"]) not in known:
+            raise doc.error(ConfigurationError, at + ("target",), f"target '{rule['target']}' is "
+                            f"not a node of graph '{graph_name}'", "6.2.6")
+
+
+# The §6.2 table: node type (matched case-insensitively) -> (handler, the type's own fields).
+# Rows in the spec's order.
+NODE_TYPES = {
+    "start":          (node_start,          {}),
+    "end":            (node_end,            {}),
+    "agent":          (node_agent,          AGENT_NODE_FIELDS),
+    "function":       (node_function,       FUNCTION_NODE_FIELDS),
+    "tool":           (node_tool,           TOOL_NODE_FIELDS),
+    "conditional":    (node_conditional,    CONDITIONAL_NODE_FIELDS),
+    "subgraph":       (node_subgraph,       SUBGRAPH_NODE_FIELDS),
+    "message_router": (node_message_router, ROUTER_NODE_FIELDS),
+}
+# Checks beyond a node's fields: references to agents, graphs and nodes, condition shapes.
+NODE_CHECKS = {
+    "agent": check_agent_node,
+    "conditional": check_conditional_node,
+    "subgraph": check_subgraph_node,
+    "message_router": check_message_router_node,
 }
 
 # §6.3 Graph state -------------------------------------------------------------------------
@@ -5934,7 +6188,37 @@ def snapshot_state(state):
     return copy_state(state, dict(state["metadata"]))
 
 # §6.4 Edges -------------------------------------------------------------------------------
-EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
+EDGE_FIELDS = fields_by_name(
+    Field("source",      STRING,  REQUIRED, "6.4"),
+    Field("target",      STRING,  REQUIRED, "6.4"),
+    Field("condition",   MAPPING, None,     "6.5"),
+    Field("metadata",    MAPPING, None,     "6.4"),
+    Field("description", ANY,     None,     "6.4"),
+)
+
+
+def check_edges(rt, graph_name, edges, known, path):
+    """§6.4, §6.5, §11.3: each edge's fields; source and target name nodes of the graph (START
+    and END included); a condition has the §5.4 shape. Unknown edge keys draw a warning."""
+    doc = rt.doc
+    for index, edge in enumerate(edges):
+        where = path + ("edges", index)
+        if not isinstance(edge, dict):
+            raise doc.error(ConfigurationError, where,
+                            "an edge must be a mapping with source and target", "6.4")
+        check_fields(doc, edge, EDGE_FIELDS, where)
+        for end in ("source", "target"):
+            if normalize_node_name(edge[end]) not in known:
+                raise doc.error(ConfigurationError, where + (end,), f"{end} '{edge[end]}' is not "
+                                f"a node of graph '{graph_name}'", "6.4, 11.3")
+        wrong = condition_shape_error(edge["condition"]) if edge.get("condition") is not None \
+            else None
+        if wrong is not None:
+            raise doc.error(ConfigurationError, where + ("condition", wrong[0]), wrong[1],
+                            "6.5, §5.4")
+        for key in edge:
+            if key not in EDGE_FIELDS:
+                rt.warn(f"unknown edge key '{key}' ignored", section="6.4", path=where + (key,))
 
 
 class GraphEdge:
@@ -6354,9 +6638,17 @@ def reachable_from(entry, forward):
     return seen
 
 
+def check_entry_point(doc, name, cfg, known, path):
+    """§6.11, §11.3: the entry point is a node of the graph."""
+    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
+    if not is_known(entry, known):
+        raise doc.error(ConfigurationError, path + ("entry_point",), f"entry_point "
+                        f"'{cfg.get('entry_point')}' is not a node of graph '{name}'", "6.11, 11.3")
+
+
 def warn_unreachable(rt, name, cfg, path):
     """§6.11 item 4 at load: nodes the entry point never reaches are warned about."""
-    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
     nodes = dict.fromkeys([START_NODE, *map(normalize_node_name, cfg["nodes"]), END_NODE])
     edges = [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
                        None, None, None, e) for e in cfg.get("edges") or []]
@@ -6427,223 +6719,6 @@ def topological_levels(nodes, edges, back_edges):
             levels.append([])
         levels[depth].append(name)
     return levels
-
-
-def check_graph(rt, name, cfg, path, agent_names):
-    """§11.3, §6.4, §6.11 items 5-6, §16.2: static checks of one graph route before any agent
-    exists; raises a located ConfigurationError, warns through rt."""
-    path = tuple(path)
-    doc = rt.doc
-
-    def fail(where, message, section):
-        raise doc.error(ConfigurationError, path + tuple(where), message, section)
-
-    if not isinstance(cfg, dict):
-        fail((), f"graph route '{name}' must be a mapping", "6.1")
-    nodes = cfg.get("nodes")
-    if nodes is None and cfg.get("template_config") is not None:
-        return                                              # §11.3: instantiated from a template
-    if not isinstance(nodes, dict) or not nodes:
-        fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    if "edges" not in cfg:
-        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
-    edges = cfg["edges"] if cfg["edges"] is not None else []
-    if not isinstance(edges, list):
-        fail(("edges",), "edges must be a sequence", "6.4")
-    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
-        if flag in cfg and not isinstance(cfg[flag], bool):
-            fail((flag,), f"{flag} must be a boolean", "6.1")
-    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
-        # INTERPRETATION I-107 §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
-        fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
-    if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
-        fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
-    for field in ("metadata", "bridge"):
-        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
-            fail((field,), f"{field} must be a mapping", "6.1")
-    if "state_class" in cfg and not isinstance(cfg["state_class"], str):
-        fail(("state_class",), "state_class must be a string", "6.3.3")
-    declared = set()
-    for node_name, node_cfg in nodes.items():
-        where = ("nodes", node_name)
-        if not isinstance(node_name, str) or not node_name:
-            fail(where, "node names must be non-empty strings", "6.2")
-        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
-            fail(where, f"node '{node_name}' must be a mapping with a type", "6.2")
-        node_type = str(node_cfg["type"]).lower()
-        if node_type == "dynamic_router":
-            fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
-                 "16.2")
-        if node_type not in NODE_TYPES:     # INTERPRETATION I-112 §6.2: no extension node types
-            fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
-        if node_name in RESERVED_STREAM_NAMES:
-            fail(where, f"node name '{node_name}' is a reserved stream name", "15.1")
-        canonical = normalize_node_name(node_name)
-        # INTERPRETATION I-111 §6.2 (Q83): start/end (START/END) may be declared only as nodes of
-        # their own type; any other node under these names is rejected.
-        if canonical in (START_NODE, END_NODE) and node_type != canonical:
-            fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
-                 "6.2, 15.2")
-        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
-            fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
-                 "6.2.1")
-        if canonical in declared:
-            fail(where, f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
-        declared.add(canonical)
-        check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc)
-    known = declared | {START_NODE, END_NODE}
-    for index, edge in enumerate(edges):
-        where = ("edges", index)
-        if not isinstance(edge, dict):
-            fail(where, "an edge must be a mapping with source and target", "6.4")
-        for end in ("source", "target"):
-            value = edge.get(end)
-            if not isinstance(value, str):
-                fail(where + (end,), f"edge {end} is required", "6.4")
-            if normalize_node_name(value) not in known:
-                fail(where + (end,), f"{end} '{value}' is not a node of graph '{name}'",
-                     "6.4, 11.3")
-        if "condition" in edge and not isinstance(edge["condition"], dict):
-            fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
-        wrong = condition_shape_error(edge["condition"]) if "condition" in edge else None
-        if wrong is not None:
-            fail(where + ("condition", wrong[0]), wrong[1], "6.5, §5.4")
-        if edge.get("metadata") is not None and not isinstance(edge["metadata"], dict):
-            fail(where + ("metadata",), "edge metadata must be a mapping", "6.4")
-    entry = normalize_node_name(cfg.get("entry_point", "start"))
-    if not is_known(entry, known):
-        fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
-             f"'{name}'", "6.11, 11.3")
-    for node_name, node_cfg in nodes.items():
-        if str(node_cfg["type"]).lower() == "message_router":
-            for index, rule in enumerate(node_cfg["rules"]):
-                if normalize_node_name(rule["target"]) not in known:
-                    fail(("nodes", node_name, "rules", index, "target"),
-                         f"target '{rule['target']}' is not a node of graph '{name}'", "6.2.6")
-    warn_graph_keys(rt, cfg, path)
-    warn_unreachable(rt, name, cfg, path)
-    warn_state_class(rt, cfg, path)
-    if cfg.get("checkpointing"):
-        check_checkpoint_dir(rt, cfg["checkpoint_dir"], path + ("checkpoint_dir",))
-
-
-def warn_graph_keys(rt, cfg, path):
-    """Unknown node and edge keys draw a warning (route keys are check_routes', §6.1); so does a
-    router regex with nested unbounded repeats (§6.2.6.2, regex_may_backtrack)."""
-    nodes = cfg["nodes"]
-    for node_name, node_cfg in nodes.items():
-        if str(node_cfg["type"]).lower() == "message_router":
-            for index, rule in enumerate(node_cfg["rules"]):
-                if str(rule["match_type"]).lower() == "regex" and \
-                        regex_may_backtrack(str(rule["pattern"])):
-                    rt.warn(f"regex {str(rule['pattern'])!r} repeats a repetition: a crafted "
-                            f"message may make matching take exponential time",
-                            section="6.2.6.2",
-                            path=path + ("nodes", node_name, "rules", index, "pattern"))
-    for node_name, node_cfg in nodes.items():
-        known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
-        for key in node_cfg:
-            if key not in known and key not in NODE_COMMON_FIELDS:
-                rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
-                        section="6.2", path=path + ("nodes", node_name, key))
-    for index, edge_cfg in enumerate(cfg.get("edges") or []):
-        for key in edge_cfg:
-            if key not in EDGE_FIELDS:
-                rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
-                        path=path + ("edges", index, key))
-
-
-def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
-    """The per-type field checks of one node (§6.2.2-§6.2.6)."""
-    if "parallel" in node_cfg and not isinstance(node_cfg["parallel"], bool):
-        fail(where + ("parallel",), "parallel must be a boolean", "6.7")
-    meta = node_cfg.get("metadata")
-    if meta is not None and not isinstance(meta, dict):
-        fail(where + ("metadata",), "node metadata must be a mapping", "6.2")
-    for key in ("max_history_messages", "max_history_chars"):
-        if isinstance(meta, dict) and key in meta and (
-                isinstance(meta[key], bool) or not isinstance(meta[key], int) or meta[key] < 0):
-            fail(where + ("metadata", key), f"{key} must be a non-negative integer", "6.2.2.1")
-    if node_type == "agent":
-        agent = node_cfg.get("agent")
-        if not isinstance(agent, str):
-            fail(where + ("agent",), f"agent node '{node_name}' needs an agent", "6.2.2")
-        if agent not in agent_names:
-            fail(where + ("agent",), f"agent '{agent}' is not defined in agents", "6.2.2, 11.3")
-        policy = node_cfg.get("retry_policy")
-        if policy is not None:
-            if not isinstance(policy, dict):
-                fail(where + ("retry_policy",), "retry_policy must be a mapping", "6.2.2")
-            retries, delay = policy.get("max_retries", 3), policy.get("delay", 1.0)
-            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-                fail(where + ("retry_policy", "max_retries"),
-                     "max_retries must be a non-negative integer", "6.2.2")
-            if not is_seconds(delay):
-                fail(where + ("retry_policy", "delay"),
-                     "delay must be a finite, non-negative number", "6.2.2")
-        timeout = node_cfg.get("timeout")
-        if timeout is not None and not is_seconds(timeout, positive=True):
-            fail(where + ("timeout",), "timeout must be a finite, positive number of seconds",
-                 "6.2.2")
-    elif node_type == "function":
-        if not isinstance(node_cfg.get("function"), str):
-            fail(where + ("function",), f"function node '{node_name}' needs a function name",
-                 "6.2.3")
-    elif node_type == "tool":
-        tools = node_cfg.get("tools", [])
-        if isinstance(tools, str):
-            tools = [tools]
-        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
-            fail(where + ("tools",), "tools must be a list of tool names", "6.2.3")
-    elif node_type == "conditional":
-        if not isinstance(node_cfg.get("condition"), dict):
-            fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
-                 "mapping", "6.2.4")
-        wrong = condition_shape_error(node_cfg["condition"])
-        if wrong is not None:
-            fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")
-    elif node_type == "subgraph":
-        graph = node_cfg.get("graph")
-        routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
-        target = routes.get(graph) if isinstance(routes, dict) and isinstance(graph, str) else None
-        if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
-            fail(where + ("graph",), f"subgraph node '{node_name}' must name a graph route in "
-                 "`graph`", "6.2.5")
-    elif node_type == "message_router":
-        rules = node_cfg.get("rules")
-        if not isinstance(rules, list) or not rules:
-            fail(where + ("rules",), f"message_router '{node_name}' needs a list of rules",
-                 "6.2.6")
-        for index, rule in enumerate(rules):
-            at = where + ("rules", index)
-            if not isinstance(rule, dict):
-                fail(at, "a rule must be a mapping", "6.2.6")
-            kind = rule.get("match_type")
-            if not isinstance(kind, str) or kind.lower() not in MATCH_TYPES:
-                fail(at + ("match_type",), f"unknown match_type {kind!r}", "6.2.6.2")
-            if not isinstance(rule.get("pattern"), str):
-                fail(at + ("pattern",), "pattern is required (a string)", "6.2.6")
-            if not isinstance(rule.get("target"), str):
-                fail(at + ("target",), "target is required (a node name)", "6.2.6")
-            if kind.lower() == "regex":
-                try:
-                    re.compile(rule["pattern"])
-                except re.error as exc:
-                    fail(at + ("pattern",), f"invalid regular expression: {exc}", "6.2.6.2")
-            if "extract_message" in rule and not isinstance(rule["extract_message"], bool):
-                fail(at + ("extract_message",), "extract_message must be a boolean", "6.2.6")
-            if "separator" in rule and not isinstance(rule["separator"], str):
-                fail(at + ("separator",), "separator must be a string", "6.2.6")
-            if "set_state" in rule and not isinstance(rule["set_state"], dict):
-                fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
-            try:     # T2 (README Security): the host-only keys are the host's (§10.3)
-                refuse_host_keys(rule.get("set_state"), "set_state")
-            except ExecutionError as exc:
-                fail(at + ("set_state",), exc.message, exc.section)
-            for key in rule.get("set_state") or () if isinstance(rule.get("set_state"), dict) else ():
-                if isinstance(key, str) and key.startswith("__"):
-                    fail(at + ("set_state", key), f"'{key}': keys starting with __ are reserved",
-                         "10.3, §15.4")
 
 
 # =====================================================================================
@@ -8933,6 +9008,7 @@ def validate_document(doc, rt, host_default_router=None):
     check_streams(rt, agent_names, graph_names,
                   default=host_parameter(doc, "default_router", host_default_router)[0])
     router = resolve_default_router(doc, rt, host_default_router)
+    warn_conditions_at_load(rt)
     check_providers(rt, doc.data["agents"])     # §12.1: what would fail agent creation, after every rule
     return router
 
@@ -9283,7 +9359,6 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
         if route["type"] == "graph":
             rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
     network = StreamNetwork(rt)
-    warn_conditions_at_load(rt)
     return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
@@ -12265,7 +12340,7 @@ def unconsumed_target_warnings(actor):
 
 # JSON Schema (--schema) -----------------------------------------------------------------------
 # Generated from the tables the validator reads (TOP_LEVEL_SECTIONS, AGENT_TYPES, LLM_FIELDS,
-# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_FIELDS, CONDITIONS, ...), for
+# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_TYPES, CONDITIONS, ...), for
 # editors: completion, and the structural rejections (a field of the wrong type, a required field
 # missing). Unknown keys stay allowed, as the validator only warns about them; a scalar may also be
 # a ${VAR} reference (§14), which becomes its value at load.
@@ -12338,7 +12413,7 @@ def config_schema():
     operator = {"type": "object", "required": ["type"],
                 "properties": {"type": {"enum": list(OPERATORS)}, "params": {"type": "object"}},
                 "allOf": operators}
-    node_types = list(NODE_FIELDS)
+    node_types = list(NODE_TYPES)
     node = {"type": "object", "required": ["type"], "properties": {
         "type": {"type": "string", "pattern": _any_case(node_types)},
         "metadata": {"type": "object"}, "parallel": {"type": "boolean"},
@@ -12350,8 +12425,9 @@ def config_schema():
                                              "pattern": {"type": "string"},
                                              "target": {"type": "string"}}}}},
         "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
-                   "then": {"required": list(fields[:1])}}
-                  for kind, fields in NODE_FIELDS.items() if kind in ("agent", "subgraph")]}
+                   "then": {"required": list(fields)[:1]}}
+                  for kind, (_handler, fields) in NODE_TYPES.items()
+                  if kind in ("agent", "subgraph")]}
     edge = {"type": "object", "required": ["source", "target"], "properties": {
         "source": {"type": "string"}, "target": {"type": "string"},
         "condition": {"$ref": "#/$defs/condition"}, "metadata": {"type": "object"},
@@ -12363,7 +12439,7 @@ def config_schema():
         "metadata": {"type": "object"}, "publications": names}
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
         graph_props[flag] = {"anyOf": [{"type": "boolean"}, _ENV_REFERENCE],
-                             "default": GRAPH_FIELDS[flag]}
+                             "default": GRAPH_FIELDS[flag].default}
     stream_props = {"operators": {"type": "array", "items": operator}, "publications": names,
                     "subscriptions": names, "metadata": {"type": "object"}}
     route_kinds = {"stream": stream_props, "graph": graph_props, "bridge": {}}
@@ -12374,7 +12450,7 @@ def config_schema():
              "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
                         "then": {"properties": props,
                                  **({"required": [f for f, v in GRAPH_FIELDS.items()
-                                                  if v == "required"]}
+                                                  if v.default is REQUIRED]}
                                     if kind == "graph" else {})}}
                        for kind, props in route_kinds.items()]}
     agent_types = list(AGENT_TYPES) + ["template_instance"]

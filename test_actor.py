@@ -3217,6 +3217,7 @@ def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
     for agent in agents:
         rt.agents[agent.name] = agent
     rt.graphs.update(graphs or {})
+    actor.check_streams(rt, rt.agents, rt.graphs)       # the check pass, as load runs it
     net = actor.StreamNetwork(rt)
     outputs, errors = [], []
     net.on_output(outputs.append)
