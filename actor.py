@@ -32,7 +32,9 @@ How actor.py is organised: load() runs six passes, in §12.1's order (start_acto
     check   Phase B instantiation (expand_templates, §8.6-§8.10), then every §11/§15/§16 rule
             (validate_document, §11) -- errors are located ConfigurationErrors, before any agent;
     build   agents (make_agent, §4), graph routes (GraphRoute, §6), the stream network with
-            merges, splits and pipelines (StreamNetwork, §5.5, §7);
+            merges, splits and pipelines (StreamNetwork, §5.5, §7), from checked configuration:
+            constructors neither reject nor warn (an unavailable provider, which fails agent
+            creation, is found by check_providers right after the rules);
     run     Actor.send/advance/complete (HOST) drive messages; configuration code, expressions
             and templates run in the §13.2 sandbox (in-process or in worker processes).
 Each rule lives under the banner of the section that states it; the threat model the sandbox
@@ -268,6 +270,73 @@ def keep_last(entries, entry):
         del entries[:-LOG_LIMIT]
 
 
+# Field vocabulary: the one way a table says what a field accepts -------------------------------
+# A Constraint is a test on a value and the words that finish "<field> must be ...". A table row
+# is Field(name, constraint, default, section): the default REQUIRED means the field must be
+# given; a null value stands for "absent" only where the default is None (nothing to use instead).
+# check_fields reads rows and raises the located ConfigurationError. The constraints several
+# sections share are defined here once.
+REQUIRED = object()
+
+
+class Constraint:
+    __slots__ = ("test", "wording")
+
+    def __init__(self, test, wording):
+        self.test, self.wording = test, wording
+
+
+class Field:
+    __slots__ = ("name", "constraint", "default", "section")
+
+    def __init__(self, name, constraint, default, section):
+        self.name, self.constraint, self.default, self.section = name, constraint, default, section
+
+
+def fields_by_name(*rows):
+    """A field table: rows in the spec's order, looked up by name."""
+    return {row.name: row for row in rows}
+
+
+def _whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_seconds(value, positive=False):
+    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
+    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if positive else value >= 0
+
+
+ANY = Constraint(lambda value: True, "anything")
+BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean")
+STRING = Constraint(lambda value: isinstance(value, str), "a string")
+MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping")
+SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence")
+NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer")
+POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer")
+SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds")
+POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
+                              "a finite, positive number of seconds")
+
+
+def check_fields(doc, cfg, table, path):
+    """Every row of `table` ({name: Field}) against the mapping `cfg` at `path`; raises the
+    located ConfigurationError for a missing required field or a value its constraint refuses."""
+    for field in table.values():
+        if field.name not in cfg or cfg[field.name] is None and field.default is None:
+            if field.default is REQUIRED:
+                raise doc.error(ConfigurationError, path + (field.name,),
+                                f"{field.name} is required ({field.constraint.wording})",
+                                field.section)
+            continue
+        if not field.constraint.test(cfg[field.name]):
+            raise doc.error(ConfigurationError, path + (field.name,),
+                            f"{field.name} must be {field.constraint.wording}", field.section)
+
+
 # §12.2.1 Message ------------------------------------------------------------------------
 _IMMUTABLE = frozenset((str, int, float, bool, type(None), tuple, frozenset, bytes))
 _SAME = object()        # Message.copy: "keep this field"
@@ -322,14 +391,6 @@ class Timer:
 
     def __lt__(self, other):
         return (self.when, self.seq) < (other.when, other.seq)
-
-
-def is_seconds(value, positive=False):
-    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
-    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
 
 
 class VirtualClock:
@@ -823,8 +884,10 @@ def resolve_default_router(doc, rt, host_value):
 # =====================================================================================
 
 # §4.1 The agents section ---------------------------------------------------------------
-def check_agent(doc, name, cfg, path, agent_types):
-    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion)."""
+def check_agent(rt, name, cfg, path):
+    """§4.1, §4.2, §11.1 (items 3-4), §11.2, §15.4: one agent definition (after Phase B expansion),
+    then its type's own checks (AGENT_CHECKS, §4.3)."""
+    doc = rt.doc
     if not isinstance(name, str) or not name:
         raise doc.error(ConfigurationError, path, "agent names must be non-empty strings", "4.1")
     if name.startswith("__"):
@@ -841,8 +904,8 @@ def check_agent(doc, name, cfg, path, agent_types):
         raise doc.error(ConfigurationError, path + ("type",),
                         "an agent of type template_instance needs `template` (or "
                         "`agent_template`) naming an entry of templates.agents", "4.8")
-    if not isinstance(kind, str) or kind not in agent_types:
-        known = ", ".join(sorted(agent_types))
+    if not isinstance(kind, str) or kind not in AGENT_TYPES:
+        known = ", ".join(sorted(AGENT_TYPES))
         raise doc.error(ConfigurationError, path + ("type",),
                         f"unknown agent type '{kind}' (known: {known})", "11.2, §4.3")
     if kind == "composite" and "strategy" in cfg:
@@ -867,7 +930,18 @@ def check_agent(doc, name, cfg, path, agent_types):
                             HOST_ONLY_CONTEXT_KEYS[key])
     check = AGENT_CHECKS.get(kind)
     if check is not None:
-        check(doc, name, cfg["config"], path + ("config",), agent_types)
+        check(rt, name, cfg["config"], path + ("config",))
+
+
+def agent_definitions(agents, path):
+    """(name, cfg, path) of every checked agent definition under `agents`, a composite's local
+    agents right after it (`ref` components are aliases, not definitions)."""
+    for name, cfg in agents.items():
+        yield name, cfg, path + (name,)
+        if cfg["type"] == "composite":
+            local = cfg["config"]["components"].get("agents") or {}
+            yield from agent_definitions({n: c for n, c in local.items() if not is_agent_ref(c)},
+                                         path + (name, "config", "components", "agents"))
 
 
 # §4.2 Agent names ---------------------------------------------------------------------
@@ -905,6 +979,7 @@ LLM_EXTRA_FIELDS = {
     "tools":        ((list,),  None),
 }
 
+LLM_AGENT_FIELDS = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
 LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 
 # Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
@@ -933,44 +1008,26 @@ class LLMAgent:
     reads_context = True            # prompts render with it; history may come from it (§4.4.4)
 
     def __init__(self, name, cfg, rt, path):
+        """Build from a configuration check_llm has passed (§12.1: validate, then create)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
-        config = cfg.get("config", {}) if isinstance(cfg, dict) else None
-        config = {} if config is None else config
-        cpath = self.path + ("config",)
-        if not isinstance(config, dict):
-            raise rt.error(ConfigurationError, cpath, "an llm agent's config must be a mapping", "4.4")
-        values = _llm_check_fields(rt, config, cpath)
+        values = field_values(cfg["config"], LLM_AGENT_FIELDS)
         self.temperature = float(values["temperature"])
         self.max_tokens = values["max_tokens"]
         self.system_prompt = values["system_prompt"]
-        warn_unparsable_template(rt, self.system_prompt, cpath + ("system_prompt",))
         self.memory_enabled = values["memory_enabled"]
         self.max_history = values["max_history"]
         self.template = values["template"]
         self.template_vars = dict(values["template_vars"])
         self.response_format = values["response_format"]
         self.context = values["context"] if values["context"] is not None else {}
-        if self.template is not None:
-            _llm_check_template(rt, self.template, cpath + ("template",))
-        if self.response_format is not None:
-            check_response_format(rt, self.response_format, cpath + ("response_format",))
-        # §12.4 (Q81): opt-in, limited to the declared built-in tools.
-        self.tool_execute = values["tool_execute"]
-        self.tools = check_tool_execute(rt, values["tools"], self.tool_execute, cpath)
-        # §4.4.1: availability first, then the key (Q76).
-        self.configured_provider, self.provider = resolve_provider(rt, values["provider"],
-                                                                   cpath + ("provider",))
+        self.tool_execute = values["tool_execute"]          # §12.4 (Q81): opt-in
+        self.tools = list(values["tools"] or [])
+        self.configured_provider, self.provider = resolve_provider(rt, values["provider"])
         self.model = values["model"] or DEFAULT_MODELS.get(self.configured_provider, self.provider)
-        if self.response_format is not None:
-            check_response_format_for(rt, self.provider, self.response_format,
-                                      cpath + ("response_format",))
-        self._api_key = resolve_api_key(rt, self.provider, values["api_key"], cpath)
+        self._api_key = resolve_api_key(rt, self.provider, values["api_key"])
         self.base_url = values["base_url"]
-        if self.base_url is not None and not re.match(r"https?://", self.base_url):
-            raise rt.error(ConfigurationError, cpath + ("base_url",),
-                           "base_url must be an http:// or https:// URL", "4.4")
         self.sleep = time.sleep             # retry back-off; tests inject a recorder
         self.jitter = random.random         # back-off jitter in [0, 1); tests pin it
         self.memory = ConversationMemory(self.max_history)
@@ -1064,6 +1121,33 @@ class LLMAgent:
         return adapter.default_base
 
 
+def check_llm(rt, name, config, cpath):
+    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, checked before any agent exists."""
+    values = _llm_check_fields(rt, config, cpath)
+    warn_unparsable_template(rt, values["system_prompt"], cpath + ("system_prompt",))
+    if values["template"] is not None:
+        _llm_check_template(rt, values["template"], cpath + ("template",))
+    if values["response_format"] is not None:
+        check_response_format(rt, values["response_format"], cpath + ("response_format",))
+    check_tool_execute(rt, values["tools"], values["tool_execute"], cpath)
+    # An unavailable provider fails agent creation, after every validation rule (check_providers);
+    # such a provider needs no key and has no json_schema rule, so the checks below pass it.
+    _, provider = resolve_provider(rt, values["provider"])
+    if values["response_format"] is not None:
+        check_response_format_for(rt, provider, values["response_format"],
+                                  cpath + ("response_format",))
+    check_api_key(rt, provider, values["api_key"], cpath)
+    if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
+        raise rt.error(ConfigurationError, cpath + ("base_url",),
+                       "base_url must be an http:// or https:// URL", "4.4")
+
+
+def field_values(config, fields):
+    """A checked config's values by its field table: absent or null fields take the default."""
+    return {field: copy.deepcopy(default) if config.get(field) is None else config[field]
+            for field, (types, default) in fields.items()}
+
+
 def check_config_fields(rt, config, fields, cpath, section, kind):
     """An agent config against its field table {field: (types, default)}: type errors are located
     ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
@@ -1092,8 +1176,7 @@ def check_config_fields(rt, config, fields, cpath, section, kind):
 
 def _llm_check_fields(rt, config, cpath):
     """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    values = check_config_fields(rt, config, {**LLM_FIELDS, **LLM_EXTRA_FIELDS}, cpath, "4.4",
-                                 "llm agent")
+    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
     low, high = LLM_TEMPERATURE_RANGE
     # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
     if not low <= values["temperature"] <= high:
@@ -1114,7 +1197,8 @@ def _llm_prompt_text(rt, name):
     """§10.4: the content of prompt `name` (rt.prompts, else the document's long-form entry)."""
     if name in rt.prompts:
         return rt.prompts[name]
-    entry = (rt.doc.data.get("prompts") or {}).get(name) if isinstance(rt.doc.data, dict) else None
+    prompts = rt.doc.data.get("prompts") if isinstance(rt.doc.data, dict) else None
+    entry = prompts.get(name) if isinstance(prompts, dict) else None
     if isinstance(entry, dict) and "content" in entry:
         return str(entry["content"])
     return None
@@ -1136,45 +1220,52 @@ PROVIDER_KEY_VARS = {
 }
 
 
-def resolve_provider(rt, configured, path):
-    """§4.4.1: (configured provider, provider used). Names compare case-insensitively.
-
-    An unavailable provider is an AgentCreationError. The host override (rt.provider, e.g. `fake`
-    from `--provider fake`) replaces the provider every llm agent uses.
-    """
-    # INTERPRETATION I-024 §4.4.1 (Q76): availability is checked before the key.
+def resolve_provider(rt, configured):
+    """§4.4.1: (configured provider, provider used). Names compare case-insensitively; the host
+    override (rt.provider, e.g. `fake` from `--provider fake`) replaces every llm agent's."""
     configured = configured.strip().lower()
-    if configured not in PROVIDERS:
-        raise rt.error(AgentCreationError, path,
-                       f"provider '{configured}' is not available in this host "
-                       f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
-    used = configured
-    if rt.provider:
-        used = str(rt.provider).strip().lower()
+    return configured, str(rt.provider).strip().lower() if rt.provider else configured
+
+
+def check_providers(rt, agents):
+    """§4.4.1 with §12.1: an llm agent (a composite's too) whose provider, configured or the
+    host's override, is not available fails agent creation: an AgentCreationError, reported
+    after every validation rule has passed, as creating the agent would."""
+    # INTERPRETATION I-024 §4.4.1 (Q76): availability is checked before the key (a provider that
+    # is not available has no key variables, so check_api_key passed it).
+    for name, cfg, path in agent_definitions(agents, ("agents",)):
+        if cfg["type"] != "llm":
+            continue
+        configured, used = resolve_provider(
+            rt, field_values(cfg["config"], LLM_AGENT_FIELDS)["provider"])
+        if configured not in PROVIDERS:
+            raise rt.error(AgentCreationError, path + ("config", "provider"),
+                           f"provider '{configured}' is not available in this host "
+                           f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
             raise AgentCreationError(f"host provider override '{used}' is not available "
                                      f"(available: {', '.join(sorted(PROVIDERS))})",
                                      section="4.4.1")
-    return configured, used
 
 
-def resolve_api_key(rt, provider, explicit, cpath):
-    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order.
-
-    A missing key is a ConfigurationError naming the variables; `fake` needs none.
-    """
+def resolve_api_key(rt, provider, explicit):
+    """§4.4.1: the `api_key` field, else the provider's variables in rt.env, in order (None when
+    neither gives one; `fake` needs none)."""
     if explicit:
         return explicit
+    return next((rt.env[var] for var in PROVIDER_KEY_VARS.get(provider, ()) if rt.env.get(var)),
+                None)
+
+
+def check_api_key(rt, provider, explicit, cpath):
+    """§4.4.1 at load: a provider that needs a key and finds none is a ConfigurationError naming
+    the variables."""
     variables = PROVIDER_KEY_VARS.get(provider, ())
-    if not variables:
-        return None
-    for var in variables:
-        if rt.env.get(var):
-            return rt.env[var]
-    # INTERPRETATION I-023 §4.4.1 (Q75): reported when the agent is created at load, before any message.
-    raise rt.error(ConfigurationError, cpath,
-                   f"no API key for provider '{provider}': set the api_key field or the "
-                   f"environment variable {' or '.join(variables)}", "4.4.1")
+    if variables and resolve_api_key(rt, provider, explicit) is None:
+        # INTERPRETATION I-023 §4.4.1 (Q75): reported at load, before any message.
+        raise rt.error(ConfigurationError, cpath,
+                       f"no API key for provider '{provider}': set the api_key field or the "
+                       f"environment variable {' or '.join(variables)}", "4.4.1")
 
 
 # §4.4.2 Default models ----------------------------------------------------------------
@@ -1408,39 +1499,20 @@ class ToolAgent:
     type = "tool"
 
     def __init__(self, name, cfg, rt, path):
+        """Build from a configuration check_tool_agent has passed (§12.1: validate, then create)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
-        config_path = self.path + ("config",)
-        config = cfg.get("config") if isinstance(cfg, dict) else None
-        if config is None:
-            config = {}
-        if not isinstance(config, dict):
-            raise rt.error(ConfigurationError, config_path, "tool agent config must be a mapping",
-                           "4.5")
-        # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
-        # load, because the table says "Required: Yes" and such an agent could only ever fail.
-        if "tools" not in config:
-            raise rt.error(ConfigurationError, config_path,
-                           f"tool agent '{name}' needs a `tools` list", "4.5")
-        if config["tools"] is None:
-            raise rt.error(ConfigurationError, config_path + ("tools",),
-                           "'tools' must be a list of tools", "4.5")
-        values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, config_path, "4.5",
-                                     "tool agent")
-        if values["timeout"] <= 0:
-            raise rt.error(ConfigurationError, config_path + ("timeout",),
-                           "`timeout` must be a positive number of seconds", "4.5")
+        values = field_values(cfg["config"], TOOL_AGENT_FIELDS)
         self.safe_mode = values["safe_mode"]
         self.allow_shell = values["allow_shell"]
         self.timeout = values["timeout"]
         self.context = values["context"]          # §4.5 per-agent persistent context
-        if not values["tools"]:
-            rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
-                    section="4.5", path=config_path + ("tools",))
         self.tools = {}                           # tool name -> InlineTool, or None for a built-in
         for index, entry in enumerate(values["tools"]):
-            self._add_tool(entry, config_path + ("tools", index))
+            tool, code = tool_entry(entry)
+            self.tools[tool] = None if code is None else InlineTool(
+                self, tool, code, self.path + ("config", "tools", index))
         self.capabilities = ["tool-execution"]
         for tool in self.tools:
             capability = TOOL_CAPABILITIES.get(tool)
@@ -1460,46 +1532,6 @@ class ToolAgent:
             for tool_name, tool in self.tools.items())
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
-
-    def _add_tool(self, entry, path):
-        """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2)."""
-        rt = self.rt
-        if isinstance(entry, str):
-            # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
-            if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
-                raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
-                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
-            name, tool = entry, None
-        elif isinstance(entry, dict):
-            name = entry.get("name")
-            if not isinstance(name, str) or not name:
-                raise rt.error(ConfigurationError, path + ("name",),
-                               "an inline tool needs a non-empty string `name`", "4.5.2")
-            code = entry.get("code")
-            if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
-                tool = None                       # {name: math} is the mapping form of `math`
-            elif not isinstance(code, str):
-                raise rt.error(ConfigurationError, path + ("code",),
-                               f"inline tool '{name}' needs a string `code` body", "4.5.2")
-            else:
-                for key in entry:
-                    if key not in ("name", "code"):
-                        rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
-                                path=path + (key,))
-                if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
-                    # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
-                    # with a warning, because the rule's own parenthesis says the inline tool wins.
-                    rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
-                            section="16.3", path=path + ("name",))
-                tool = InlineTool(self, name, code, path)
-        else:
-            raise rt.error(ConfigurationError, path,
-                           "a tool is a built-in name or a mapping {name, code}", "4.5")
-        if name in self.tools:
-            raise rt.error(ConfigurationError, path,
-                           f"tool '{name}' is listed twice; tool names are unique per agent",
-                           "4.5.2")
-        self.tools[name] = tool
 
     def invoke(self, content, ctx):
         """§4.5.3: decode the request, run the named tool, return its §4.5.7 string."""
@@ -1874,6 +1906,81 @@ def inline_input(args):
     return args if isinstance(args, str) else json.dumps(args)
 
 
+def check_tool_agent(rt, name, config, cpath):
+    """§4.5-§4.5.2: a tool agent's config, checked before any agent exists."""
+    # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
+    # load, because the table says "Required: Yes" and such an agent could only ever fail.
+    if "tools" not in config:
+        raise rt.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list", "4.5")
+    if config["tools"] is None:
+        raise rt.error(ConfigurationError, cpath + ("tools",), "'tools' must be a list of tools",
+                       "4.5")
+    values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, cpath, "4.5", "tool agent")
+    if values["timeout"] <= 0:
+        raise rt.error(ConfigurationError, cpath + ("timeout",),
+                       "`timeout` must be a positive number of seconds", "4.5")
+    if not values["tools"]:
+        rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
+                section="4.5", path=cpath + ("tools",))
+    seen = set()
+    for index, entry in enumerate(values["tools"]):
+        path = cpath + ("tools", index)
+        tool = check_tool_entry(rt, entry, path)
+        if tool in seen:
+            raise rt.error(ConfigurationError, path,
+                           f"tool '{tool}' is listed twice; tool names are unique per agent",
+                           "4.5.2")
+        seen.add(tool)
+
+
+def check_tool_entry(rt, entry, path):
+    """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2);
+    returns the tool's name."""
+    if isinstance(entry, str):
+        # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
+        if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
+            raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                           f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+        return entry
+    if not isinstance(entry, dict):
+        raise rt.error(ConfigurationError, path,
+                       "a tool is a built-in name or a mapping {name, code}", "4.5")
+    name, code = entry.get("name"), entry.get("code")
+    if not isinstance(name, str) or not name:
+        raise rt.error(ConfigurationError, path + ("name",),
+                       "an inline tool needs a non-empty string `name`", "4.5.2")
+    if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
+        return name                       # {name: math} is the mapping form of `math`
+    if not isinstance(code, str):
+        raise rt.error(ConfigurationError, path + ("code",),
+                       f"inline tool '{name}' needs a string `code` body", "4.5.2")
+    for key in entry:
+        if key not in ("name", "code"):
+            rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
+                    path=path + (key,))
+    if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
+        # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
+        # with a warning, because the rule's own parenthesis says the inline tool wins.
+        rt.warn(f"inline tool '{name}' shadows the built-in tool of the same name",
+                section="16.3", path=path + ("name",))
+    # INTERPRETATION I-050 §4.5.2 (Q72): an inline tool on a safe host is refused at load with
+    # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
+    # and §20 describes exactly this category.
+    if not rt.unsafe:
+        raise rt.error(UnsafeConfigurationError, path + ("code",),
+                       f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                       "4.5.2, 13.1")
+    compile_code(code, rt=rt, path=path + ("code",))        # the §13.2.1 allowlist
+    return name
+
+
+def tool_entry(entry):
+    """A checked `tools` element as (name, inline code body or None for a built-in)."""
+    if isinstance(entry, str):
+        return entry, None
+    return entry["name"], entry.get("code")
+
+
 class InlineTool:
     """§4.5.2 an inline-code tool: compiled once at load in the §13.2.1 sandbox, run per call.
 
@@ -1881,14 +1988,7 @@ class InlineTool:
     """
 
     def __init__(self, agent, name, code, path):
-        rt = agent.rt
-        # INTERPRETATION I-050 §4.5.2 (Q72): an inline tool on a safe host is refused at load with
-        # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
-        # and §20 describes exactly this category.
-        if not rt.unsafe:
-            raise rt.error(UnsafeConfigurationError, path + ("code",),
-                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
-                           "4.5.2, 13.1")
+        rt = agent.rt                 # check_tool_entry has refused it on a safe host
         self.name = name
         self.unit = compile_code(code, rt=rt, path=path + ("code",))
         # Issue 15: code that never names `context`, `locals` or `progress_bar` cannot read the
@@ -2288,8 +2388,9 @@ def component_routes(components):
     return routes
 
 
-def check_composite(doc, name, config, path, agent_types):
+def check_composite(rt, name, config, path):
     """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
+    doc = rt.doc
     if "strategy" in config:
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
@@ -2317,7 +2418,7 @@ def check_composite(doc, name, config, path, agent_types):
         if is_agent_ref(sub):
             check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
         else:
-            check_agent(doc, local, sub, lpath, agent_types)
+            check_agent(rt, local, sub, lpath)
     routing = config.get("routing")
     if not isinstance(routing, dict):
         raise doc.error(ConfigurationError, path + ("routing",),
@@ -2336,7 +2437,14 @@ def check_composite(doc, name, config, path, agent_types):
         if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
-    check_component_routes(doc, config, path)
+    for key in routing:
+        if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
+            rt.warn("routing.strategy has no meaning (the routing is input and output); "
+                    "it is ignored", section="4.6.3, §16.1", path=path + ("routing", key))
+        elif key not in ("input", "output"):
+            rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
+                    path=path + ("routing", key))
+    check_component_routes(rt, config, path)
 
 
 def composite_scope(doc, path):
@@ -2451,9 +2559,10 @@ class AgentRef:
         return self.agent.invoke(content, ctx)
 
 
-def check_component_routes(doc, config, path):
+def check_component_routes(rt, config, path):
     """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
     the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    doc = rt.doc
     components = config["components"]
     both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
     if both:
@@ -2474,6 +2583,7 @@ def check_component_routes(doc, config, path):
     agent_names = composite_scope(doc, path)
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
+    inner = component_runtime(rt, sub_doc, rt.clock)
     graphs = {local for local, route in routes.items() if route["type"] == "graph"}
     known = set(routes) | set(RESERVED_STREAM_NAMES)
     for local, route in routes.items():         # §5.5 inside the composite, as check_routes
@@ -2488,8 +2598,25 @@ def check_component_routes(doc, config, path):
                                         f"'{target}' is not a component of the composite or a "
                                         "built-in stream", "4.6.1, §5.5")
     for local in sorted(graphs, key=list(routes).index):
-        check_graph(sub_doc, local, routes[local], ("routes", local), agent_names)
-    check_streams(sub_doc, agent_names, graphs)
+        check_graph(inner, local, routes[local], ("routes", local), agent_names)
+    check_streams(inner, agent_names, graphs)
+
+
+def component_runtime(rt, sub_doc, clock):
+    """The Runtime a composite's components are checked and built in: the outer one's settings,
+    logs, context, prompts and sandbox; warnings about routes.<local> name the component's full
+    path, as its errors do (ComponentDoc)."""
+    inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine, workdir=rt.workdir,
+                    clock=clock, provider=rt.provider, llm_transport=rt.llm_transport)
+    inner.llm_log, inner.warnings, inner.context, inner.prompts = (
+        rt.llm_log, rt.warnings, rt.context, rt.prompts)
+    inner.sandbox = rt.sandbox
+    inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
+    inner.default_router = None
+    inner.routing_prefixes = rt.routing_prefixes
+    inner.warn = lambda message, *, section=None, path=None: rt.warn(
+        message, section=section, path=None if path is None else sub_doc.outer_path(path))
+    return inner
 
 
 COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
@@ -2530,18 +2657,7 @@ class CompositeAgent:
         sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
                                 "routes": self.routes}, outer_doc, self.path + ("config",))
         self.clock = ComponentClock(rt.clock)      # notes the timers the components set
-        self.inner = inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine,
-                                     workdir=rt.workdir, clock=self.clock, provider=rt.provider,
-                                     llm_transport=rt.llm_transport)
-        inner.llm_log, inner.warnings, inner.context, inner.prompts = (
-            rt.llm_log, rt.warnings, rt.context, rt.prompts)
-        inner.sandbox = rt.sandbox
-        inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
-        inner.default_router = None
-        inner.routing_prefixes = rt.routing_prefixes
-        # Warnings about routes.<local> name the component's full path, like its errors do.
-        inner.warn = lambda message, *, section=None, path=None: rt.warn(
-            message, section=section, path=None if path is None else sub_doc.outer_path(path))
+        self.inner = inner = component_runtime(rt, sub_doc, self.clock)
         local = {}
         inner.agents = ChainMap(local, rt.agents)
         for lname, sub in (components.get("agents") or {}).items():
@@ -2552,14 +2668,6 @@ class CompositeAgent:
                                           self.path + ("config", "components", "agents", lname))
         self.local_agents = local
         self.routing = config["routing"]
-        for key in self.routing:
-            if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
-                rt.warn("routing.strategy has no meaning (the routing is input and output); "
-                        "it is ignored", section="4.6.3, §16.1",
-                        path=tuple(path) + ("config", "routing", key))
-            elif key not in ("input", "output"):
-                rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
-                        path=tuple(path) + ("config", "routing", key))
         self.expose_params = dict(config.get("expose_params") or {})
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
@@ -2782,7 +2890,8 @@ CHAIN_PREFIX = "ChainAgent processed: "
 CHAIN_SEPARATOR = "->"   # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
 
 
-def check_chain(doc, name, config, path, agent_types):
+def check_chain(rt, name, config, path):
+    doc = rt.doc
     if "prompt" in config and "prompt_reference" in config:
         raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
                         "not both", "4.7, §16.3")
@@ -2794,6 +2903,7 @@ def check_chain(doc, name, config, path, agent_types):
     if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
+    warn_unparsable_template(rt, config.get("prompt"), path + ("prompt",))
 
 
 class ChainAgent:
@@ -2810,7 +2920,6 @@ class ChainAgent:
         self.name, self.rt, self.path = name, rt, path
         self.steps = list(config.get("steps") or [])
         self.prompt = config.get("prompt")
-        warn_unparsable_template(rt, self.prompt, path + ("config", "prompt"))
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
         self.reads_context = self.prompt is not None          # only a prompt renders with it
@@ -2855,7 +2964,13 @@ AGENT_TYPES = {
     "composite": CompositeAgent,
     "chain": ChainAgent,
 }
-AGENT_CHECKS = {"composite": check_composite, "chain": check_chain}
+# Each type's load-time checks, run by check_agent before any agent exists (§12.1).
+AGENT_CHECKS = {
+    "llm": check_llm,
+    "tool": check_tool_agent,
+    "composite": check_composite,
+    "chain": check_chain,
+}
 
 
 def make_agent(rt, name, cfg, path):
@@ -2881,15 +2996,16 @@ def route_type(cfg):
     return kind.lower() if isinstance(kind, str) else None
 
 
-def check_streams(doc, agent_names, graph_names, rt=None):
-    """§5, §7, §12.6 static checks of the stream side, before any agent exists (§1.3(2)).
+def check_streams(rt, agent_names, graph_names, default=None):
+    """§5, §7, §12.6 static checks of the stream side of rt.doc, before any agent exists (§1.3(2)).
 
     Raises a located StreamRoutingError for operator errors (an unknown operator type, a
     transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
-    every other malformed field. The structure of routes, merges and splits (§11.3, §11.4) is
-    checked by the validator first. With `rt` (the network re-checks at build time) warnings
-    about unknown operator keys go to rt.warn; the validator's early call passes no rt.
+    every other malformed field; warns through rt (unknown operator keys). The structure of
+    routes, merges and splits (§11.3, §11.4) is checked by the validator first. `default`: the
+    default router messages enter by (§3.4), whose feed the cycle check follows.
     """
+    doc = rt.doc
     data = doc.data
     routes = data["routes"]
     pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
@@ -2905,9 +3021,11 @@ def check_streams(doc, agent_names, graph_names, rt=None):
         elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
             check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
     check_pipeline_stages(doc, pipelines, routes, checker)
-    default = rt.default_router if rt is not None else None
-    if default is None and isinstance(data.get("cleveragents"), dict):
-        default = data["cleveragents"].get("default_router")
+    bridges = {name for name, cfg in routes.items() if route_type(cfg) == "bridge"}
+    for source, target, path in stream_edges(data, known, default):
+        if "operators" not in path and (source in bridges or target in bridges):
+            rt.warn(f"{source if source in bridges else target!r} carries no messages here "
+                    "(a bridge route); link ignored", section="5.5", path=path)
     edges = [edge for edge in stream_edges(data, known, default)
              if isinstance(edge[0], str) and isinstance(edge[1], str)
              and not bounded_by_take(routes, edge[0], edge[2])]
@@ -2920,13 +3038,12 @@ def check_streams(doc, agent_names, graph_names, rt=None):
 class _Checker:
     """Walks stream routes and operators; one method per config shape, errors located."""
 
-    def __init__(self, doc, agents, graphs, known, routes, rt=None):
+    def __init__(self, doc, agents, graphs, known, routes, rt):
         self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
         self.rt = rt
 
     def note(self, path, message, section="5.3.2"):
-        if self.rt is not None:
-            self.rt.warn(message, section=section, path=path)
+        self.rt.warn(message, section=section, path=path)
 
     def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
         raise self.doc.error(cls, path, message, section)
@@ -2953,6 +3070,9 @@ class _Checker:
             self.fail(path, "operators must be a sequence of operator mappings")
         for i, op in enumerate(ops):
             self.operator(op, path + (i,))
+            if op["type"] == "retry" and _retried_map(ops, i) is None:
+                self.note(path + (i, "params"),
+                          "retry has no agent map before it in this route; it does nothing")
 
     def operator(self, op, path):
         if not isinstance(op, dict) or not isinstance(op.get("type"), str):
@@ -3020,6 +3140,9 @@ class _Checker:
         if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
             self.fail(path, "function must name a transformer; inline expressions are forbidden "
                       "here (use the transform operator with fn)", "16.2")
+        if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
+            self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
+                      "5.3.3")
 
     def transform(self, value, path):
         if not isinstance(value, dict):
@@ -3308,9 +3431,6 @@ class Stream:
                 on_complete()
 
 # §5.3.2 Operators -------------------------------------------------------------------------
-REQUIRED = object()     # an OPERATORS spec default: the parameter must be given
-
-
 def op_map(site, params, down):
     """§5.3.2 map: replace each message's content through an agent, a function or a transform.
 
@@ -3605,10 +3725,7 @@ def op_retry(site, params, down):
     # INTERPRETATION I-078 §5.3.2 retry (Q20): a map turns agent failures into messages, so retry
     # means: the closest preceding agent map in the same route re-invokes its agent up to
     # `count` extra times before it reports the failure.
-    if _retried_map(site.ops, site.index) is None:
-        site.rt.warn("retry has no agent map before it in this route; it does nothing",
-                     section="5.3.2", path=site.path)
-    return Stage(down.next, down.complete)
+    return Stage(down.next, down.complete)     # warned without a map before it (_Checker)
 
 
 def _retried_map(ops, index):
@@ -3892,7 +4009,7 @@ OPERATOR_CHECKS = {
 # §5.3.3 Function references ---------------------------------------------------------
 # INTERPRETATION I-072 §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
 # empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
-# found in neither is the identity transformation (with a warning at build time).
+# found in neither is the identity transformation (with a warning at load).
 STANDARD_FUNCTIONS = {}
 
 FUNCTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -3902,9 +4019,7 @@ def function_mapper(site, name, down):
     """§5.3.3 map with `function`: a registered transformer, else the identity."""
     registry = {**STANDARD_FUNCTIONS, **site.rt.functions}
     fn = registry.get(name)
-    if fn is None:
-        site.rt.warn(f"no transformer named {name!r} is registered; map acts as identity",
-                     section="5.3.3", path=site.path + ("function",))
+    if fn is None:                      # warned by the check pass (_Checker.function)
         return Stage(down.next, down.complete)
     net, route = site.net, site.route
 
@@ -4471,7 +4586,6 @@ class StreamNetwork:
     def __init__(self, rt, *, single_shot=None):
         self.rt = rt
         data = rt.doc.data if isinstance(rt.doc.data, dict) else {}
-        check_streams(rt.doc, rt.agents, rt.graphs, rt=rt)
         self._single_shot = single_shot
         extra_prefixes = rt.routing_prefixes
         self.strip = routing_prefix_pattern(extra_prefixes)
@@ -4536,11 +4650,7 @@ class StreamNetwork:
         edges = {}
         for source, target, cond, path in links:
             if source not in self.nodes or target not in self.nodes:
-                missing = source if source not in self.nodes else target
-                self.rt.warn(f"{missing!r} carries no messages here (a bridge, or a graph "
-                             "route without a runtime graph); link ignored", section="5.5",
-                             path=path)
-                continue
+                continue            # a bridge route carries nothing (warned by check_streams)
             conds = edges.setdefault((source, target), [])
             conds.append((cond, path))
         for (source, target), conds in edges.items():
@@ -4877,21 +4987,59 @@ def check_bridge(doc, cfg, path, rt=None):
 # (§6.3), then follows every edge whose condition holds (§6.5). The handlers, the state rules,
 # the checkpoint files, the guards and the setup analysis live under their own banners below.
 
-# The §6.1 table: field -> default ("required" marks the two fields without one).
-GRAPH_FIELDS = {
-    "type": "required",
-    "nodes": "required",
-    "edges": "required",
-    "entry_point": "start",
-    "checkpointing": False,
-    "checkpoint_dir": None,
-    "enable_time_travel": False,
-    "parallel_execution": True,
-    "state_class": None,
-    "bridge": None,
-    "metadata": {},
-    "template_config": None,
-}
+# The §6.1 table. type, nodes and edges are checked for shape by check_graph itself (an edges
+# of null is an empty sequence), the entry point by check_entry_point (§6.11).
+GRAPH_FIELDS = fields_by_name(
+    Field("type",               STRING,   REQUIRED, "6.1"),
+    Field("nodes",              MAPPING,  REQUIRED, "6.1"),
+    Field("edges",              SEQUENCE, REQUIRED, "6.1"),
+    Field("entry_point",        ANY,      "start",  "6.11"),
+    Field("checkpointing",      BOOLEAN,  False,    "6.1"),
+    Field("checkpoint_dir",     STRING,   None,     "6.1"),
+    Field("enable_time_travel", BOOLEAN,  False,    "6.1"),
+    Field("parallel_execution", BOOLEAN,  True,     "6.1"),
+    Field("state_class",        STRING,   None,     "6.3.3"),
+    Field("bridge",             MAPPING,  None,     "6.1"),
+    Field("metadata",           MAPPING,  None,     "6.1"),
+    Field("template_config",    ANY,      None,     "8.7"),
+)
+GRAPH_OPTIONAL_FIELDS = {name: row for name, row in GRAPH_FIELDS.items()
+                         if row.default is not REQUIRED}
+
+
+def check_graph(rt, name, cfg, path, agent_names):
+    """§6.1 with §6.2-§6.6, §6.11, §11.3, §16.2: one graph route, before any agent exists.
+
+    Raises a located ConfigurationError; warns through rt. Each part is checked under the banner
+    of the section that states its rules: nodes (check_nodes, §6.2), edges (check_edges, §6.4),
+    the entry point and reachability (§6.11), state_class (§6.3.3), checkpoint_dir (§6.6).
+    """
+    doc, path = rt.doc, tuple(path)
+    if not isinstance(cfg, dict):
+        raise doc.error(ConfigurationError, path, f"graph route '{name}' must be a mapping", "6.1")
+    nodes = cfg.get("nodes")
+    if nodes is None and cfg.get("template_config") is not None:
+        return                                              # §11.3: instantiated from a template
+    if not isinstance(nodes, dict) or not nodes:
+        raise doc.error(ConfigurationError, path + ("nodes",),
+                        f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
+    if "edges" not in cfg:
+        raise doc.error(ConfigurationError, path + ("edges",),
+                        f"graph route '{name}' needs an edges sequence", "6.1")
+    if cfg["edges"] is not None and not isinstance(cfg["edges"], list):
+        raise doc.error(ConfigurationError, path + ("edges",), "edges must be a sequence", "6.4")
+    check_fields(doc, cfg, GRAPH_OPTIONAL_FIELDS, path)
+    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
+        # INTERPRETATION I-107 §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
+        raise doc.error(ConfigurationError, path + ("checkpoint_dir",),
+                        "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
+    known = check_nodes(rt, name, nodes, path, agent_names)
+    check_edges(rt, name, cfg["edges"] or [], known, path)
+    check_entry_point(doc, name, cfg, known, path)
+    warn_unreachable(rt, name, cfg, path)
+    warn_state_class(rt, cfg, path)
+    if cfg.get("checkpointing"):
+        check_checkpoint_dir(rt, cfg["checkpoint_dir"], path + ("checkpoint_dir",))
 
 
 # INTERPRETATION I-092 §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
@@ -4948,24 +5096,23 @@ class GraphRoute:
         self.cfg = cfg
         self.rt = rt
         self.path = tuple(path or ("routes", name))
-        check_graph(rt.doc, name, cfg, self.path, set(rt.agents))
-        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"]))
+        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
-        self._warn_unknown_keys()
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
-        self.analysis = analyse_graph(self)                 # §6.11
+        self.analysis = analyse_graph(self.entry, self.nodes, self.edges, implicit_names(cfg))
+        wire_nodes(self.nodes, self.analysis)               # §6.11 adjacency, for stepping
         self.parallel_execution = bool(cfg.get("parallel_execution", True))
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
-        self.state = new_graph_state(resolve_state_class(self))
+        self.state = new_graph_state(state_schema(cfg))
         self.time_travel = bool(cfg.get("enable_time_travel", False))
         self.snapshots = []                                  # §6.6 time travel, oldest first
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
-            self.checkpoint_dir = checkpoint_directory(rt, cfg["checkpoint_dir"],
-                                                       self.path + ("checkpoint_dir",))
+            self.checkpoint_dir = checkpoint_target(rt, cfg["checkpoint_dir"])
             try:
                 self.checkpoint_dir.mkdir(parents=True, exist_ok=True)   # §6.6 item 1
-            except (OSError, ValueError) as exc:    # INTERPRETATION I-170 §6.6: located
+            except (OSError, ValueError) as exc:
+                # check_checkpoint_dir found it creatable; only a change on disk since lands here.
                 raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
                                    f"cannot create checkpoint_dir: {exc}", "6.6") from None
         self._checkpoint_seq = 0
@@ -5243,28 +5390,6 @@ class GraphRoute:
         """§6.10 reserved names of this graph's internal streams."""
         return internal_stream_names(self.name, self.nodes)
 
-    def _warn_unknown_keys(self):
-        """Unknown node and edge keys draw a warning (route keys are the validator's, §6.1);
-        so does a router regex with nested unbounded repeats (§6.2.6.2, regex_may_backtrack)."""
-        for node in self.nodes.values():
-            for index, rule in enumerate(node.rules):
-                if rule.regex is not None and regex_may_backtrack(rule.pattern):
-                    self.rt.warn(f"regex {rule.pattern!r} repeats a repetition: a crafted "
-                                 f"message may make matching take exponential time",
-                                 section="6.2.6.2",
-                                 path=node.path + ("rules", index, "pattern"))
-        for node_name, node_cfg in (self.cfg.get("nodes") or {}).items():
-            known = NODE_FIELDS.get(str(node_cfg.get("type", "")).lower(), ())
-            for key in node_cfg:
-                if key not in known and key not in NODE_COMMON_FIELDS:
-                    self.rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
-                                 section="6.2", path=self.path + ("nodes", node_name, key))
-        for index, edge_cfg in enumerate(self.cfg.get("edges") or []):
-            for key in edge_cfg:
-                if key not in EDGE_FIELDS:
-                    self.rt.warn(f"unknown edge key '{key}' ignored", section="6.4",
-                                 path=self.path + ("edges", index, key))
-
     def close(self):
         """Write the queued checkpoints; stop the worker threads (§12.1 cleanup)."""
         self.wait_for_checkpoints()
@@ -5283,7 +5408,7 @@ class GraphNode:
 
     def __init__(self, name, node_type, cfg, path):
         self.name, self.type, self.cfg, self.path = name, node_type, cfg, path
-        self.handler = NODE_TYPES[node_type]
+        self.handler = NODE_TYPES[node_type][0]
         self.parallel = bool(cfg.get("parallel", False))
         self.is_router = node_type == "message_router"
         self.agent = cfg.get("agent")
@@ -5351,6 +5476,68 @@ def build_nodes(graph):
         nodes[name] = declared.get(name) or GraphNode(name, name, {"type": name},
                                                       graph.path + ("nodes", name))
     return nodes
+
+# Fields every node type accepts (§6.2; `parallel` is §6.7's). type is check_nodes' own.
+NODE_COMMON_FIELDS = fields_by_name(
+    Field("type",        STRING,  REQUIRED, "6.2"),
+    Field("metadata",    MAPPING, None,     "6.2"),
+    Field("parallel",    BOOLEAN, False,    "6.7"),
+    Field("description", ANY,     None,     "6.2"),
+)
+
+
+def check_nodes(rt, graph_name, nodes, path, agent_names):
+    """§6.2, §15.1-§15.2, §16.2: every node's name and type, then its type's NODE_TYPES fields and
+    NODE_CHECKS; unknown node keys draw a warning. Returns the node names edges may use."""
+    doc = rt.doc
+    declared = {}
+    for node_name, node_cfg in nodes.items():
+        where = path + ("nodes", node_name)
+        if not isinstance(node_name, str) or not node_name:
+            raise doc.error(ConfigurationError, where, "node names must be non-empty strings",
+                            "6.2")
+        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
+            raise doc.error(ConfigurationError, where,
+                            f"node '{node_name}' must be a mapping with a type", "6.2")
+        node_type = str(node_cfg["type"]).lower()
+        if node_type == "dynamic_router":
+            raise doc.error(ConfigurationError, where + ("type",),
+                            "node type 'dynamic_router' is forbidden; use message_router", "16.2")
+        if node_type not in NODE_TYPES:     # INTERPRETATION I-112 §6.2: no extension node types
+            raise doc.error(ConfigurationError, where + ("type",),
+                            f"unknown node type '{node_cfg['type']}'", "6.2")
+        if node_name in RESERVED_STREAM_NAMES:
+            raise doc.error(ConfigurationError, where,
+                            f"node name '{node_name}' is a reserved stream name", "15.1")
+        canonical = normalize_node_name(node_name)
+        # INTERPRETATION I-111 §6.2 (Q83): start/end (START/END) may be declared only as nodes of
+        # their own type; any other node under these names is rejected.
+        if canonical in (START_NODE, END_NODE) and node_type != canonical:
+            raise doc.error(ConfigurationError, where, f"node name '{node_name}' is reserved for "
+                            f"the {canonical} node", "6.2, 15.2")
+        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
+            raise doc.error(ConfigurationError, where + ("type",),
+                            f"only the node named {node_type} may have type {node_type}", "6.2.1")
+        if canonical in declared:
+            raise doc.error(ConfigurationError, where,
+                            f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+        declared[canonical] = node_type
+    known = set(declared) | {START_NODE, END_NODE}
+    for node_name, node_cfg in nodes.items():
+        where = path + ("nodes", node_name)
+        node_type = declared[normalize_node_name(node_name)]
+        fields = NODE_TYPES[node_type][1]
+        check_fields(doc, node_cfg, NODE_COMMON_FIELDS, where)
+        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS, where + ("metadata",))
+        check_fields(doc, node_cfg, fields, where)
+        extra = NODE_CHECKS.get(node_type)
+        if extra is not None:
+            extra(rt, graph_name, node_name, node_cfg, where, agent_names, known)
+        for key in node_cfg:
+            if key not in fields and key not in NODE_COMMON_FIELDS:
+                rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
+                        section="6.2", path=where + (key,))
+    return known
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
 def node_start(graph, node, message, state):
@@ -5536,6 +5723,31 @@ def node_agent(graph, node, message, state):
     # INTERPRETATION I-094 §6.3.1 (Q29): the reply joins state.messages as an assistant message.
     return NodeResult(reply, changes, [{"role": "assistant", "content": reply}], removed or None)
 
+# The §6.2.2 fields, the retry_policy mapping, and the history bounds every node's metadata may
+# set (§6.2.2.1).
+AGENT_NODE_FIELDS = fields_by_name(
+    Field("agent",        STRING,           REQUIRED, "6.2.2"),
+    Field("retry_policy", MAPPING,          None,     "6.2.2"),
+    Field("timeout",      POSITIVE_SECONDS, None,     "6.2.2"),
+)
+RETRY_POLICY_FIELDS = fields_by_name(
+    Field("max_retries", NON_NEGATIVE_INT, 3,   "6.2.2"),
+    Field("delay",       SECONDS,          1.0, "6.2.2"),
+)
+NODE_HISTORY_FIELDS = fields_by_name(
+    Field("max_history_messages", NON_NEGATIVE_INT, 20,    "6.2.2.1"),
+    Field("max_history_chars",    NON_NEGATIVE_INT, 12000, "6.2.2.1"),
+)
+
+
+def check_agent_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.2, §11.3: the agent is defined; the retry policy's own fields."""
+    if cfg["agent"] not in agent_names:
+        raise rt.doc.error(ConfigurationError, where + ("agent",),
+                           f"agent '{cfg['agent']}' is not defined in agents", "6.2.2, 11.3")
+    if cfg.get("retry_policy") is not None:
+        check_fields(rt.doc, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",))
+
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
     """summarize: metadata.summary = "Summary of N messages"."""
@@ -5583,6 +5795,12 @@ def node_tool(graph, node, message, state):
     results = [{"tool": name, "result": f"Executed {name}"} for name in node.tools]
     return NodeResult(message, metadata={"tool_results": results})
 
+# The §6.2.3 fields: a function name (an unknown one adds nothing), tool names (one or a list).
+FUNCTION_NODE_FIELDS = fields_by_name(Field("function", STRING, REQUIRED, "6.2.3"))
+TOOL_NAMES = Constraint(lambda value: isinstance(value, str) or isinstance(value, list) and all(
+    isinstance(name, str) for name in value), "a list of tool names")
+TOOL_NODE_FIELDS = fields_by_name(Field("tools", TOOL_NAMES, [], "6.2.3"))
+
 # §6.2.4 Conditional nodes -------------------------------------------------------------
 def node_conditional(graph, node, message, state):
     """§6.2.4 evaluate the condition on the state into metadata.condition_result.
@@ -5593,6 +5811,16 @@ def node_conditional(graph, node, message, state):
                                 node.path + ("condition",))
     return NodeResult(message, metadata={"condition_result": bool(result)})
 
+CONDITIONAL_NODE_FIELDS = fields_by_name(Field("condition", MAPPING, REQUIRED, "6.2.4"))
+
+
+def check_conditional_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.4, §5.4: the condition has the shape of a §5.4 condition."""
+    wrong = condition_shape_error(cfg["condition"])
+    if wrong is not None:
+        raise rt.doc.error(ConfigurationError, where + ("condition", wrong[0]), wrong[1],
+                           "6.2.4, §5.4")
+
 # §6.2.5 Subgraph nodes ------------------------------------------------------------------
 def node_subgraph(graph, node, message, state):
     """§6.2.5 mark a nested graph: metadata.subgraph = <graph>, subgraph_pending = true.
@@ -5601,6 +5829,20 @@ def node_subgraph(graph, node, message, state):
     """
     # INTERPRETATION I-101 §6.2.5 (Q36): the route is named by `graph`; it is recorded, never run.
     return NodeResult(message, metadata={"subgraph": node.graph, "subgraph_pending": True})
+
+SUBGRAPH_NODE_FIELDS = fields_by_name(
+    Field("graph",  STRING, REQUIRED, "6.2.5"),
+    Field("params", ANY,    None,     "6.2.5"),
+)
+
+
+def check_subgraph_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.5: `graph` names a graph route of the document."""
+    routes = rt.doc.data.get("routes") if isinstance(rt.doc.data, dict) else None
+    target = routes.get(cfg["graph"]) if isinstance(routes, dict) else None
+    if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
+        raise rt.doc.error(ConfigurationError, where + ("graph",), f"subgraph node '{node_name}' "
+                           "must name a graph route in `graph`", "6.2.5")
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
 def match_prefix(text, pattern, regex):
@@ -5745,29 +5987,71 @@ def node_message_router(graph, node, message, state):
     return None                                                  # §6.2.6.4: state unchanged
 
 
-# The §6.2 table: node type (matched case-insensitively) -> handler. Rows in the spec's order.
-NODE_TYPES = {
-    "start":          node_start,
-    "end":            node_end,
-    "agent":          node_agent,
-    "function":       node_function,
-    "tool":           node_tool,
-    "conditional":    node_conditional,
-    "subgraph":       node_subgraph,
-    "message_router": node_message_router,
-}
+RULES = Constraint(lambda value: isinstance(value, list) and bool(value), "a non-empty list of rules")
+ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
+MATCH_TYPE = Constraint(lambda value: isinstance(value, str) and value.lower() in MATCH_TYPES,
+                        "one of " + ", ".join(MATCH_TYPES))
+ROUTER_RULE_FIELDS = fields_by_name(
+    Field("match_type",      MATCH_TYPE, REQUIRED, "6.2.6.2"),
+    Field("pattern",         STRING,     REQUIRED, "6.2.6"),
+    Field("target",          STRING,     REQUIRED, "6.2.6"),
+    Field("extract_message", BOOLEAN,    True,     "6.2.6"),
+    Field("separator",       STRING,     ":",      "6.2.6"),
+    Field("set_state",       MAPPING,    None,     "6.2.6.3"),
+)
 
-# Keys each node type reads (anything else on a node draws a warning).
-NODE_COMMON_FIELDS = ("type", "metadata", "parallel", "description")
-NODE_FIELDS = {
-    "start": (),
-    "end": (),
-    "agent": ("agent", "retry_policy", "timeout"),
-    "function": ("function",),
-    "tool": ("tools",),
-    "conditional": ("condition",),
-    "subgraph": ("graph", "params"),
-    "message_router": ("rules",),
+
+def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names, known):
+    """§6.2.6: each rule's fields, a regex that compiles (warned when it may backtrack), set_state
+    keys an Actor may write, and a target that is a node of the graph."""
+    doc = rt.doc
+    for index, rule in enumerate(cfg["rules"]):
+        at = where + ("rules", index)
+        if not isinstance(rule, dict):
+            raise doc.error(ConfigurationError, at, "a rule must be a mapping", "6.2.6")
+        check_fields(doc, rule, ROUTER_RULE_FIELDS, at)
+        if rule["match_type"].lower() == "regex":
+            try:
+                re.compile(rule["pattern"])
+            except re.error as exc:
+                raise doc.error(ConfigurationError, at + ("pattern",),
+                                f"invalid regular expression: {exc}", "6.2.6.2") from None
+            if regex_may_backtrack(rule["pattern"]):
+                rt.warn(f"regex {rule['pattern']!r} repeats a repetition: a crafted message may "
+                        "make matching take exponential time", section="6.2.6.2",
+                        path=at + ("pattern",))
+        try:     # T2 (README Security): the host-only keys are the host's (§10.3)
+            refuse_host_keys(rule.get("set_state"), "set_state")
+        except ExecutionError as exc:
+            raise doc.error(ConfigurationError, at + ("set_state",), exc.message,
+                            exc.section) from None
+        for key in rule.get("set_state") or ():
+            if isinstance(key, str) and key.startswith("__"):
+                raise doc.error(ConfigurationError, at + ("set_state", key),
+                                f"'{key}': keys starting with __ are reserved", "10.3, §15.4")
+        if normalize_node_name(rule["target"]) not in known:
+            raise doc.error(ConfigurationError, at + ("target",), f"target '{rule['target']}' is "
+                            f"not a node of graph '{graph_name}'", "6.2.6")
+
+
+# The §6.2 table: node type (matched case-insensitively) -> (handler, the type's own fields).
+# Rows in the spec's order.
+NODE_TYPES = {
+    "start":          (node_start,          {}),
+    "end":            (node_end,            {}),
+    "agent":          (node_agent,          AGENT_NODE_FIELDS),
+    "function":       (node_function,       FUNCTION_NODE_FIELDS),
+    "tool":           (node_tool,           TOOL_NODE_FIELDS),
+    "conditional":    (node_conditional,    CONDITIONAL_NODE_FIELDS),
+    "subgraph":       (node_subgraph,       SUBGRAPH_NODE_FIELDS),
+    "message_router": (node_message_router, ROUTER_NODE_FIELDS),
+}
+# Checks beyond a node's fields: references to agents, graphs and nodes, condition shapes.
+NODE_CHECKS = {
+    "agent": check_agent_node,
+    "conditional": check_conditional_node,
+    "subgraph": check_subgraph_node,
+    "message_router": check_message_router_node,
 }
 
 # §6.3 Graph state -------------------------------------------------------------------------
@@ -5790,16 +6074,17 @@ def new_graph_state(fields=GRAPH_STATE_FIELDS):
     return {name: make() for name, make in fields.items()}
 
 
-def resolve_state_class(graph):
-    """§6.3.3 the state_class schema, or the default one with a warning when unknown."""
-    name = graph.cfg.get("state_class")
-    if name is None:
-        return GRAPH_STATE_FIELDS
-    if name in STATE_SCHEMAS:
-        return STATE_SCHEMAS[name]
-    graph.rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
-                  f"state", section="6.3.3", path=graph.path + ("state_class",))
-    return GRAPH_STATE_FIELDS
+def state_schema(cfg):
+    """§6.3.3 the fields of a graph's state: its known state_class, else the default."""
+    return STATE_SCHEMAS.get(cfg.get("state_class"), GRAPH_STATE_FIELDS)
+
+
+def warn_state_class(rt, cfg, path):
+    """§6.3.3: a state_class this host does not know runs with the default state, warned."""
+    name = cfg.get("state_class")
+    if name is not None and name not in STATE_SCHEMAS:
+        rt.warn(f"state_class '{name}' is not known to this host; using the default graph "
+                f"state", section="6.3.3", path=path + ("state_class",))
 
 
 def begin_run(state, content, ctx):
@@ -5903,7 +6188,37 @@ def snapshot_state(state):
     return copy_state(state, dict(state["metadata"]))
 
 # §6.4 Edges -------------------------------------------------------------------------------
-EDGE_FIELDS = ("source", "target", "condition", "metadata", "description")
+EDGE_FIELDS = fields_by_name(
+    Field("source",      STRING,  REQUIRED, "6.4"),
+    Field("target",      STRING,  REQUIRED, "6.4"),
+    Field("condition",   MAPPING, None,     "6.5"),
+    Field("metadata",    MAPPING, None,     "6.4"),
+    Field("description", ANY,     None,     "6.4"),
+)
+
+
+def check_edges(rt, graph_name, edges, known, path):
+    """§6.4, §6.5, §11.3: each edge's fields; source and target name nodes of the graph (START
+    and END included); a condition has the §5.4 shape. Unknown edge keys draw a warning."""
+    doc = rt.doc
+    for index, edge in enumerate(edges):
+        where = path + ("edges", index)
+        if not isinstance(edge, dict):
+            raise doc.error(ConfigurationError, where,
+                            "an edge must be a mapping with source and target", "6.4")
+        check_fields(doc, edge, EDGE_FIELDS, where)
+        for end in ("source", "target"):
+            if normalize_node_name(edge[end]) not in known:
+                raise doc.error(ConfigurationError, where + (end,), f"{end} '{edge[end]}' is not "
+                                f"a node of graph '{graph_name}'", "6.4, 11.3")
+        wrong = condition_shape_error(edge["condition"]) if edge.get("condition") is not None \
+            else None
+        if wrong is not None:
+            raise doc.error(ConfigurationError, where + ("condition", wrong[0]), wrong[1],
+                            "6.5, §5.4")
+        for key in edge:
+            if key not in EDGE_FIELDS:
+                rt.warn(f"unknown edge key '{key}' ignored", section="6.4", path=where + (key,))
 
 
 class GraphEdge:
@@ -6291,37 +6606,25 @@ class GraphAnalysis:
     __slots__ = ("forward", "reverse", "has_cycles", "back_edges", "levels", "unreachable")
 
 
-def analyse_graph(graph):
-    nodes, edges = graph.nodes, graph.edges
+def analyse_graph(entry, nodes, edges, implicit=()):
+    """§6.11 items 1-4 over `nodes` (name -> node) and `edges` (objects with source and target
+    names); `implicit` names (start/end the document did not declare) are never unreachable."""
     result = GraphAnalysis()
     result.forward = {name: [] for name in nodes}                     # item 1
     result.reverse = {name: [] for name in nodes}
     for edge in edges:
         result.forward[edge.source].append(edge)
         result.reverse[edge.target].append(edge)
-    result.back_edges = find_back_edges(graph.entry, nodes, result.forward)   # item 2
+    result.back_edges = find_back_edges(entry, nodes, result.forward)         # item 2
     result.has_cycles = bool(result.back_edges)
     result.levels = topological_levels(nodes, edges, result.back_edges)       # item 3
-    reached = reachable_from(graph.entry, result.forward)                     # item 4
-    result.unreachable = [name for name in nodes
-                          if name not in reached and name not in implicit_names(graph)]
-    if result.unreachable:
-        graph.rt.warn(f"graph '{graph.name}': nodes unreachable from '{graph.entry}': "
-                      + ", ".join(result.unreachable), section="6.11", path=graph.path)
-    for name, node in nodes.items():
-        node.out = out = result.forward[name]                                 # for stepping
-        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
-        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
-    # §6.8 items 3-4 watch agent nodes only: ping-pong needs router nodes in the graph, and
-    # return-without-routing a node whose one edge leads to a router.
-    has_routers = any(node.is_router for node in nodes.values())
-    for node in nodes.values():
-        node.guarded_after = node.type == "agent" and (has_routers or node.routes_only_to_router)
+    reached = reachable_from(entry, result.forward)                           # item 4
+    result.unreachable = [name for name in nodes if name not in reached and name not in implicit]
     return result
 
 
-def implicit_names(graph):
-    declared = {normalize_node_name(name) for name in graph.cfg["nodes"]}
+def implicit_names(cfg):
+    declared = {normalize_node_name(name) for name in cfg["nodes"]}
     return {START_NODE, END_NODE} - declared
 
 
@@ -6333,6 +6636,39 @@ def reachable_from(entry, forward):
                 seen.add(edge.target)
                 todo.append(edge.target)
     return seen
+
+
+def check_entry_point(doc, name, cfg, known, path):
+    """§6.11, §11.3: the entry point is a node of the graph."""
+    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
+    if not is_known(entry, known):
+        raise doc.error(ConfigurationError, path + ("entry_point",), f"entry_point "
+                        f"'{cfg.get('entry_point')}' is not a node of graph '{name}'", "6.11, 11.3")
+
+
+def warn_unreachable(rt, name, cfg, path):
+    """§6.11 item 4 at load: nodes the entry point never reaches are warned about."""
+    entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
+    nodes = dict.fromkeys([START_NODE, *map(normalize_node_name, cfg["nodes"]), END_NODE])
+    edges = [GraphEdge(normalize_node_name(e["source"]), normalize_node_name(e["target"]),
+                       None, None, None, e) for e in cfg.get("edges") or []]
+    unreachable = analyse_graph(entry, nodes, edges, implicit_names(cfg)).unreachable
+    if unreachable:
+        rt.warn(f"graph '{name}': nodes unreachable from '{entry}': " + ", ".join(unreachable),
+                section="6.11", path=path)
+
+
+def wire_nodes(nodes, analysis):
+    """Hand each GraphNode its outgoing edges and the facts stepping reads (§6.8 items 3-4)."""
+    for name, node in nodes.items():
+        node.out = out = analysis.forward[name]
+        node.plain_next = out[0].node if len(out) == 1 and out[0].condition is None else None
+        node.routes_only_to_router = len(out) == 1 and out[0].node.is_router  # for §6.8 item 4
+    # §6.8 items 3-4 watch agent nodes only: ping-pong needs router nodes in the graph, and
+    # return-without-routing a node whose one edge leads to a router.
+    has_routers = any(node.is_router for node in nodes.values())
+    for node in nodes.values():
+        node.guarded_after = node.type == "agent" and (has_routers or node.routes_only_to_router)
 
 
 def find_back_edges(entry, nodes, forward):
@@ -6383,191 +6719,6 @@ def topological_levels(nodes, edges, back_edges):
             levels.append([])
         levels[depth].append(name)
     return levels
-
-
-def check_graph(doc, name, cfg, path, agent_names):
-    """§11.3, §6.4, §6.11 items 5-6, §16.2: static checks of one graph route before any agent
-    exists; raises a located ConfigurationError."""
-    path = tuple(path)
-
-    def fail(where, message, section):
-        raise doc.error(ConfigurationError, path + tuple(where), message, section)
-
-    if not isinstance(cfg, dict):
-        fail((), f"graph route '{name}' must be a mapping", "6.1")
-    nodes = cfg.get("nodes")
-    if nodes is None and cfg.get("template_config") is not None:
-        return                                              # §11.3: instantiated from a template
-    if not isinstance(nodes, dict) or not nodes:
-        fail(("nodes",), f"graph route '{name}' needs a non-empty nodes mapping", "6.1, 11.3")
-    if "edges" not in cfg:
-        fail(("edges",), f"graph route '{name}' needs an edges sequence", "6.1")
-    edges = cfg["edges"] if cfg["edges"] is not None else []
-    if not isinstance(edges, list):
-        fail(("edges",), "edges must be a sequence", "6.4")
-    for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
-        if flag in cfg and not isinstance(cfg[flag], bool):
-            fail((flag,), f"{flag} must be a boolean", "6.1")
-    if cfg.get("checkpointing") and not cfg.get("checkpoint_dir"):
-        # INTERPRETATION I-107 §6.1 (Q42): checkpointing without checkpoint_dir is rejected at load.
-        fail(("checkpoint_dir",), "checkpointing: true needs a checkpoint_dir", "6.1, 6.6")
-    if cfg.get("checkpoint_dir") is not None and not isinstance(cfg["checkpoint_dir"], str):
-        fail(("checkpoint_dir",), "checkpoint_dir must be a string (a directory path)", "6.1")
-    for field in ("metadata", "bridge"):
-        if cfg.get(field) is not None and not isinstance(cfg[field], dict):
-            fail((field,), f"{field} must be a mapping", "6.1")
-    if "state_class" in cfg and not isinstance(cfg["state_class"], str):
-        fail(("state_class",), "state_class must be a string", "6.3.3")
-    declared = set()
-    for node_name, node_cfg in nodes.items():
-        where = ("nodes", node_name)
-        if not isinstance(node_name, str) or not node_name:
-            fail(where, "node names must be non-empty strings", "6.2")
-        if not isinstance(node_cfg, dict) or "type" not in node_cfg:
-            fail(where, f"node '{node_name}' must be a mapping with a type", "6.2")
-        node_type = str(node_cfg["type"]).lower()
-        if node_type == "dynamic_router":
-            fail(where + ("type",), "node type 'dynamic_router' is forbidden; use message_router",
-                 "16.2")
-        if node_type not in NODE_TYPES:     # INTERPRETATION I-112 §6.2: no extension node types
-            fail(where + ("type",), f"unknown node type '{node_cfg['type']}'", "6.2")
-        if node_name in RESERVED_STREAM_NAMES:
-            fail(where, f"node name '{node_name}' is a reserved stream name", "15.1")
-        canonical = normalize_node_name(node_name)
-        # INTERPRETATION I-111 §6.2 (Q83): start/end (START/END) may be declared only as nodes of
-        # their own type; any other node under these names is rejected.
-        if canonical in (START_NODE, END_NODE) and node_type != canonical:
-            fail(where, f"node name '{node_name}' is reserved for the {canonical} node",
-                 "6.2, 15.2")
-        if canonical not in (START_NODE, END_NODE) and node_type in (START_NODE, END_NODE):
-            fail(where + ("type",), f"only the node named {node_type} may have type {node_type}",
-                 "6.2.1")
-        if canonical in declared:
-            fail(where, f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
-        declared.add(canonical)
-        check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc)
-    known = declared | {START_NODE, END_NODE}
-    for index, edge in enumerate(edges):
-        where = ("edges", index)
-        if not isinstance(edge, dict):
-            fail(where, "an edge must be a mapping with source and target", "6.4")
-        for end in ("source", "target"):
-            value = edge.get(end)
-            if not isinstance(value, str):
-                fail(where + (end,), f"edge {end} is required", "6.4")
-            if normalize_node_name(value) not in known:
-                fail(where + (end,), f"{end} '{value}' is not a node of graph '{name}'",
-                     "6.4, 11.3")
-        if "condition" in edge and not isinstance(edge["condition"], dict):
-            fail(where + ("condition",), "an edge condition must be a mapping", "6.5")
-        wrong = condition_shape_error(edge["condition"]) if "condition" in edge else None
-        if wrong is not None:
-            fail(where + ("condition", wrong[0]), wrong[1], "6.5, §5.4")
-        if edge.get("metadata") is not None and not isinstance(edge["metadata"], dict):
-            fail(where + ("metadata",), "edge metadata must be a mapping", "6.4")
-    entry = normalize_node_name(cfg.get("entry_point", "start"))
-    if not is_known(entry, known):
-        fail(("entry_point",), f"entry_point '{cfg.get('entry_point')}' is not a node of graph "
-             f"'{name}'", "6.11, 11.3")
-    for node_name, node_cfg in nodes.items():
-        if str(node_cfg["type"]).lower() == "message_router":
-            for index, rule in enumerate(node_cfg["rules"]):
-                if normalize_node_name(rule["target"]) not in known:
-                    fail(("nodes", node_name, "rules", index, "target"),
-                         f"target '{rule['target']}' is not a node of graph '{name}'", "6.2.6")
-
-
-def check_node(fail, where, node_name, node_type, node_cfg, agent_names, doc):
-    """The per-type field checks of one node (§6.2.2-§6.2.6)."""
-    if "parallel" in node_cfg and not isinstance(node_cfg["parallel"], bool):
-        fail(where + ("parallel",), "parallel must be a boolean", "6.7")
-    meta = node_cfg.get("metadata")
-    if meta is not None and not isinstance(meta, dict):
-        fail(where + ("metadata",), "node metadata must be a mapping", "6.2")
-    for key in ("max_history_messages", "max_history_chars"):
-        if isinstance(meta, dict) and key in meta and (
-                isinstance(meta[key], bool) or not isinstance(meta[key], int) or meta[key] < 0):
-            fail(where + ("metadata", key), f"{key} must be a non-negative integer", "6.2.2.1")
-    if node_type == "agent":
-        agent = node_cfg.get("agent")
-        if not isinstance(agent, str):
-            fail(where + ("agent",), f"agent node '{node_name}' needs an agent", "6.2.2")
-        if agent not in agent_names:
-            fail(where + ("agent",), f"agent '{agent}' is not defined in agents", "6.2.2, 11.3")
-        policy = node_cfg.get("retry_policy")
-        if policy is not None:
-            if not isinstance(policy, dict):
-                fail(where + ("retry_policy",), "retry_policy must be a mapping", "6.2.2")
-            retries, delay = policy.get("max_retries", 3), policy.get("delay", 1.0)
-            if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-                fail(where + ("retry_policy", "max_retries"),
-                     "max_retries must be a non-negative integer", "6.2.2")
-            if not is_seconds(delay):
-                fail(where + ("retry_policy", "delay"),
-                     "delay must be a finite, non-negative number", "6.2.2")
-        timeout = node_cfg.get("timeout")
-        if timeout is not None and not is_seconds(timeout, positive=True):
-            fail(where + ("timeout",), "timeout must be a finite, positive number of seconds",
-                 "6.2.2")
-    elif node_type == "function":
-        if not isinstance(node_cfg.get("function"), str):
-            fail(where + ("function",), f"function node '{node_name}' needs a function name",
-                 "6.2.3")
-    elif node_type == "tool":
-        tools = node_cfg.get("tools", [])
-        if isinstance(tools, str):
-            tools = [tools]
-        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
-            fail(where + ("tools",), "tools must be a list of tool names", "6.2.3")
-    elif node_type == "conditional":
-        if not isinstance(node_cfg.get("condition"), dict):
-            fail(where + ("condition",), f"conditional node '{node_name}' needs a condition "
-                 "mapping", "6.2.4")
-        wrong = condition_shape_error(node_cfg["condition"])
-        if wrong is not None:
-            fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")
-    elif node_type == "subgraph":
-        graph = node_cfg.get("graph")
-        routes = doc.data.get("routes") if isinstance(doc.data, dict) else None
-        target = routes.get(graph) if isinstance(routes, dict) and isinstance(graph, str) else None
-        if not isinstance(target, dict) or str(target.get("type", "")).lower() != "graph":
-            fail(where + ("graph",), f"subgraph node '{node_name}' must name a graph route in "
-                 "`graph`", "6.2.5")
-    elif node_type == "message_router":
-        rules = node_cfg.get("rules")
-        if not isinstance(rules, list) or not rules:
-            fail(where + ("rules",), f"message_router '{node_name}' needs a list of rules",
-                 "6.2.6")
-        for index, rule in enumerate(rules):
-            at = where + ("rules", index)
-            if not isinstance(rule, dict):
-                fail(at, "a rule must be a mapping", "6.2.6")
-            kind = rule.get("match_type")
-            if not isinstance(kind, str) or kind.lower() not in MATCH_TYPES:
-                fail(at + ("match_type",), f"unknown match_type {kind!r}", "6.2.6.2")
-            if not isinstance(rule.get("pattern"), str):
-                fail(at + ("pattern",), "pattern is required (a string)", "6.2.6")
-            if not isinstance(rule.get("target"), str):
-                fail(at + ("target",), "target is required (a node name)", "6.2.6")
-            if kind.lower() == "regex":
-                try:
-                    re.compile(rule["pattern"])
-                except re.error as exc:
-                    fail(at + ("pattern",), f"invalid regular expression: {exc}", "6.2.6.2")
-            if "extract_message" in rule and not isinstance(rule["extract_message"], bool):
-                fail(at + ("extract_message",), "extract_message must be a boolean", "6.2.6")
-            if "separator" in rule and not isinstance(rule["separator"], str):
-                fail(at + ("separator",), "separator must be a string", "6.2.6")
-            if "set_state" in rule and not isinstance(rule["set_state"], dict):
-                fail(at + ("set_state",), "set_state must be a mapping", "6.2.6.3")
-            try:     # T2 (README Security): the host-only keys are the host's (§10.3)
-                refuse_host_keys(rule.get("set_state"), "set_state")
-            except ExecutionError as exc:
-                fail(at + ("set_state",), exc.message, exc.section)
-            for key in rule.get("set_state") or () if isinstance(rule.get("set_state"), dict) else ():
-                if isinstance(key, str) and key.startswith("__"):
-                    fail(at + ("set_state", key), f"'{key}': keys starting with __ are reserved",
-                         "10.3, §15.4")
 
 
 # =====================================================================================
@@ -6627,7 +6778,7 @@ def check_pipeline_stages(doc, pipelines, routes, checker):
             if isinstance(stage, dict) and _stage_type(stage) == "stream":
                 checker.operators(stage.get("operators"), here + ("operators",))
             elif isinstance(stage, dict) and isinstance(stage.get("config"), dict):
-                check_graph(doc, f"{name}.{i}", _stage_graph(stage), here + ("config",),
+                check_graph(checker.rt, f"{name}.{i}", _stage_graph(stage), here + ("config",),
                             checker.agents)
 
 
@@ -8868,12 +9019,13 @@ def validate_document(doc, rt, host_default_router=None):
     """§11 (with §9.4, §10, §15, §16): every rule, before any agent is created. Returns the default
     router (or None)."""
     agent_names = set(doc.data["agents"])
+    check_context(doc, rt)
+    check_unsafe(doc, rt.unsafe)        # the host's mode decides before any part is looked at
     for name, cfg in doc.data["agents"].items():
-        check_agent(doc, name, cfg, ("agents", name), AGENT_TYPES)
+        check_agent(rt, name, cfg, ("agents", name))
         check_agent_name_style(rt, name, ("agents", name))
         warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
     check_composite_self_reference(doc)
-    check_context(doc, rt)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
     check_reserved_stream_references(doc)
@@ -8881,9 +9033,12 @@ def validate_document(doc, rt, host_default_router=None):
     check_merges_and_splits(doc, rt, known)
     check_pipelines(doc, rt)
     graph_names = {n for n, r in doc.data["routes"].items() if r["type"] == "graph"}
-    check_streams(doc, agent_names, graph_names)
-    check_unsafe(doc, rt.unsafe)
-    return resolve_default_router(doc, rt, host_default_router)
+    check_streams(rt, agent_names, graph_names,
+                  default=host_parameter(doc, "default_router", host_default_router)[0])
+    router = resolve_default_router(doc, rt, host_default_router)
+    warn_conditions_at_load(rt)
+    check_providers(rt, doc.data["agents"])     # §12.1: what would fail agent creation, after every rule
+    return router
 
 
 # §11.2 Agent validation -----------------------------------------------------------------
@@ -8981,7 +9136,7 @@ def check_routes(doc, rt, agent_names):
                     raise doc.error(ConfigurationError, path + ("agents", i),
                                     f"agent '{agent}' is not defined in agents", "11.3")
         elif kind == "graph":
-            check_graph(doc, name, route, path, agent_names)
+            check_graph(rt, name, route, path, agent_names)
     return known
 
 
@@ -9232,7 +9387,6 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
         if route["type"] == "graph":
             rt.graphs[name] = GraphRoute(name, route, rt, ("routes", name))
     network = StreamNetwork(rt)
-    warn_conditions_at_load(rt)
     return Actor(rt, network, router)
 
 # §12.2 Message flow -----------------------------------------------------------------------
@@ -10370,15 +10524,21 @@ def tool_path(env, given, op):
                        f"{given}", "13.3")
     return resolved
 
-def checkpoint_directory(rt, given, path):
+def checkpoint_target(rt, given):
+    """The directory a checked checkpoint_dir names, resolved against the working directory."""
+    return (Path(given) if path_facts(given)[0] else Path(rt.workdir).resolve() / given).resolve()
+
+
+def check_checkpoint_dir(rt, given, path):
     """§6.6 checkpoints are files the host writes for the configuration, so §13.3's boundaries
     hold for them as for file_write (T2, README Security): no `~` or `..`, and on a safe host
-    no absolute path and nothing that resolves outside the working directory."""
+    no absolute path and nothing that resolves outside the working directory. The directory
+    must also be creatable: its nearest existing ancestor is a directory."""
     # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
     absolute, traversal, tilde = path_facts(given)
     base = Path(rt.workdir).resolve()
-    target = (Path(given) if absolute else base / given).resolve()
+    target = checkpoint_target(rt, given)
     reason = ("`~` (no home-directory expansion)" if tilde else "`..` traversal" if traversal
               else "an absolute path on a safe host" if absolute and not rt.unsafe
               else "a path resolving outside the working directory on a safe host"
@@ -10386,7 +10546,11 @@ def checkpoint_directory(rt, given, path):
     if reason is not None:
         raise rt.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
                        "6.6, §13.3")
-    return target
+    # INTERPRETATION I-170 §6.6: one that cannot be created is refused at load, located.
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise rt.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
+                       "not a directory", "6.6")
 
 # §13.5 Shell execution --------------------------------------------------------------------
 def tool_shell(env, args):
@@ -12232,7 +12396,7 @@ def unconsumed_target_warnings(actor):
 
 # JSON Schema (--schema) -----------------------------------------------------------------------
 # Generated from the tables the validator reads (TOP_LEVEL_SECTIONS, AGENT_TYPES, LLM_FIELDS,
-# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_FIELDS, CONDITIONS, ...), for
+# TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_TYPES, CONDITIONS, ...), for
 # editors: completion, and the structural rejections (a field of the wrong type, a required field
 # missing). Unknown keys stay allowed, as the validator only warns about them; a scalar may also be
 # a ${VAR} reference (§14), which becomes its value at load.
@@ -12305,7 +12469,7 @@ def config_schema():
     operator = {"type": "object", "required": ["type"],
                 "properties": {"type": {"enum": list(OPERATORS)}, "params": {"type": "object"}},
                 "allOf": operators}
-    node_types = list(NODE_FIELDS)
+    node_types = list(NODE_TYPES)
     node = {"type": "object", "required": ["type"], "properties": {
         "type": {"type": "string", "pattern": _any_case(node_types)},
         "metadata": {"type": "object"}, "parallel": {"type": "boolean"},
@@ -12317,8 +12481,9 @@ def config_schema():
                                              "pattern": {"type": "string"},
                                              "target": {"type": "string"}}}}},
         "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
-                   "then": {"required": list(fields[:1])}}
-                  for kind, fields in NODE_FIELDS.items() if kind in ("agent", "subgraph")]}
+                   "then": {"required": list(fields)[:1]}}
+                  for kind, (_handler, fields) in NODE_TYPES.items()
+                  if kind in ("agent", "subgraph")]}
     edge = {"type": "object", "required": ["source", "target"], "properties": {
         "source": {"type": "string"}, "target": {"type": "string"},
         "condition": {"$ref": "#/$defs/condition"}, "metadata": {"type": "object"},
@@ -12330,7 +12495,7 @@ def config_schema():
         "metadata": {"type": "object"}, "publications": names}
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
         graph_props[flag] = {"anyOf": [{"type": "boolean"}, _ENV_REFERENCE],
-                             "default": GRAPH_FIELDS[flag]}
+                             "default": GRAPH_FIELDS[flag].default}
     stream_props = {"operators": {"type": "array", "items": operator}, "publications": names,
                     "subscriptions": names, "metadata": {"type": "object"}}
     route_kinds = {"stream": stream_props, "graph": graph_props, "bridge": {}}
@@ -12341,7 +12506,7 @@ def config_schema():
              "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
                         "then": {"properties": props,
                                  **({"required": [f for f, v in GRAPH_FIELDS.items()
-                                                  if v == "required"]}
+                                                  if v.default is REQUIRED]}
                                     if kind == "graph" else {})}}
                        for kind, props in route_kinds.items()]}
     agent_types = list(AGENT_TYPES) + ["template_instance"]
@@ -12543,7 +12708,7 @@ def reset_actor(actor):
                 with memory._lock:
                     memory.entries.clear()
         for graph in actor.rt.graphs.values():
-            graph.state = new_graph_state(resolve_state_class(graph))
+            graph.state = new_graph_state(state_schema(graph.cfg))
             graph.snapshots.clear()
 
 

@@ -68,6 +68,91 @@ def test_vector_suite_lint():
     assert not problems, "\n".join(problems)
 
 
+# §11, §12.1 One validation pass, then a build that trusts it --------------------------------
+# The build steps of §12.1 (agents, graph routes, the stream network, a composite's components):
+# nothing they run may reject the configuration or warn about it; the check pass (validate_document
+# and what it calls) has said everything there is to say before the first of them starts.
+def _build_codes():
+    return {actor.make_agent.__code__, actor.GraphRoute.__init__.__code__,
+            actor.StreamNetwork.__init__.__code__, actor.CompositeAgent._build.__code__}
+
+
+class _Loaded(actor.ActorError):
+    """Stops a vector once loaded: the steps run no build code."""
+
+
+def _build_complaints(vectors, monkeypatch):
+    """Load each vector as the harness does (composites wired too); returns the errors and
+    warnings that came from inside a build step, as 'vector: what (where)' lines."""
+    codes, found, current = _build_codes(), [], [None]
+
+    def inside_build(frame):
+        while frame is not None:
+            if frame.f_code in codes:
+                return frame.f_code.co_name
+            frame = frame.f_back
+        return None
+
+    real_warn, real_start = actor.warn, actor.start_actor
+
+    def spy_warn(rt, message, **kwargs):
+        step = inside_build(sys._getframe(1))
+        if step:
+            found.append(f"{current[0]}: warning {message!r} (in {step})")
+        return real_warn(rt, message, **kwargs)
+
+    def wire(agents):
+        for agent in list(agents.values()):
+            if isinstance(agent, actor.CompositeAgent):
+                agent._build()
+                wire(agent.local_agents)
+
+    def start(*args, **kwargs):
+        try:
+            loaded = real_start(*args, **kwargs)
+            wire(loaded.rt.agents)
+        except actor.ActorError as exc:
+            tb, frames = exc.__traceback__, []
+            while tb is not None:
+                frames.append(tb.tb_frame)
+                tb = tb.tb_next
+            step = next((f.f_code.co_name for f in frames if f.f_code in codes), None)
+            if step:
+                found.append(f"{current[0]}: {exc.category} {exc.message!r} (in {step})")
+            raise
+        raise _Loaded("loaded")
+
+    monkeypatch.setattr(actor, "warn", spy_warn)
+    monkeypatch.setattr(actor, "start_actor", start)
+    for path in vectors:
+        current[0] = path.stem
+        actor.observe_vector(actor.read_vector(path))
+    return found
+
+
+def test_build_steps_never_reject_or_warn_about_a_vector_configuration(monkeypatch):
+    """Issue 14: every vector's configuration is judged by the check pass alone; agent, graph,
+    network and composite construction take it as checked (no error, no warning from them)."""
+    assert not _build_complaints(VECTOR_FILES, monkeypatch)
+
+
+def test_build_complaints_are_caught(monkeypatch):
+    """The detector above sees a check left in a constructor, and a warning given there."""
+    llm = [VECTOR_DIR / "04-llm" / "reject-llm-temperature-out-of-range.yaml"]
+    real_init = actor.LLMAgent.__init__
+
+    def rechecks(self, name, cfg, rt, path):
+        real_init(self, name, cfg, rt, path)
+        rt.warn("a constructor's own opinion", section="4.4", path=path)
+        raise rt.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
+
+    monkeypatch.setattr(actor.LLMAgent, "__init__", rechecks)
+    assert _build_complaints(llm, monkeypatch) == []           # refused before any construction
+    fine = [VECTOR_DIR / "spec-examples" / "8.11-runtime-system-prompt.yaml"]
+    assert [line.split(" ", 2)[1] for line in _build_complaints(fine, monkeypatch)] == \
+        ["warning", "ConfigurationError"]
+
+
 def test_impl_protocol_agrees_with_in_process(tmp_path):
     """--impl "python actor.py --run-vector" passes exactly what --vectors passes (sampled)."""
     import io
@@ -1434,9 +1519,15 @@ def _llm_rt(env=None, doc=None, **kwargs):
     return actor.Runtime(actor.Doc(doc or {}), env=env, **kwargs)
 
 
+def _checked(rt, name, cfg):
+    """Check one agent definition as load does (check_agent), then create it."""
+    actor.check_agent(rt, name, cfg, ("agents", name))
+    actor.check_providers(rt, {name: cfg})
+    return actor.AGENT_TYPES[cfg["type"]](name, cfg, rt, ("agents", name))
+
+
 def _llm_agent(config, rt=None, name="a"):
-    rt = rt or _llm_rt()
-    return actor.LLMAgent(name, {"type": "llm", "config": config}, rt, ("agents", name))
+    return _checked(rt or _llm_rt(), name, {"type": "llm", "config": config})
 
 
 class _LLMServer:
@@ -2240,7 +2331,7 @@ def _tool_rt(tmp_path, unsafe=False):
 
 
 def _tool_agent(rt, config, name="t"):
-    return actor.ToolAgent(name, {"type": "tool", "config": config}, rt, ("agents", name))
+    return _checked(rt, name, {"type": "tool", "config": config})
 
 
 ALL_BUILTINS = ["echo", "math", "json_parse", "http_request", "file_read", "file_write",
@@ -3111,6 +3202,7 @@ def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
     for agent in agents:
         rt.agents[agent.name] = agent
     rt.graphs.update(graphs or {})
+    actor.check_streams(rt, rt.agents, rt.graphs)       # the check pass, as load runs it
     net = actor.StreamNetwork(rt)
     outputs, errors = [], []
     net.on_output(outputs.append)
@@ -3388,7 +3480,7 @@ def test_check_streams_errors_are_located():
     doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
                     ["team.yaml"])
     with pytest.raises(actor.StreamRoutingError) as info:
-        actor.check_streams(doc, {"a"}, set())
+        actor.check_streams(actor.Runtime(doc), {"a"}, set())
     err = info.value
     assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
     assert err.section == "5.3.2"
@@ -3658,6 +3750,7 @@ def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, nam
     rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
     rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
     rt.context.update(context or {})
+    actor.check_graph(rt, name, cfg, ("routes", name), set(agents))
     graph = actor.GraphRoute(name, cfg, rt, ("routes", name))
     rt.graphs[name] = graph
     return rt, graph
@@ -3679,7 +3772,7 @@ def check_fails(cfg, agents=("a",), routes=None):
     data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {"main": cfg, **(routes or {})}}
     doc = actor.Doc(data)
     with pytest.raises(actor.ConfigurationError) as info:
-        actor.check_graph(doc, "main", cfg, ("routes", "main"), set(agents))
+        actor.check_graph(actor.Runtime(doc), "main", cfg, ("routes", "main"), set(agents))
     return info.value
 
 
@@ -5617,7 +5710,8 @@ def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
     at the raw file's line: an unchanged line keeps its column, a line with an expression gets
     none, and a line a loop produced points at the loop body."""
     path = tmp_path / "team.yaml"
-    path.write_text(_LOOPED)
+    edge_only = _LOOPED.replace("0 if i else 1", "1 + i")       # every timeout positive
+    path.write_text(edge_only)
     with pytest.raises(actor.ConfigurationError) as info:
         actor.load(path)
     assert (info.value.line, info.value.col) == (15, 21)        # the edge, unchanged by rendering
@@ -5628,7 +5722,7 @@ def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
     assert info.value.path == "agents.a1.config.timeout"
     assert (info.value.line, info.value.col) == (6, None)
     assert str(info.value).startswith(f"{path}:6: ConfigurationError")
-    path.write_bytes(_LOOPED.replace("\n", "\r\n").encode())     # Windows line ends
+    path.write_bytes(edge_only.replace("\n", "\r\n").encode())   # Windows line ends
     with pytest.raises(actor.ConfigurationError) as info:
         actor.load(path)
     assert (info.value.line, info.value.col) == (15, 21)
