@@ -4189,21 +4189,80 @@ def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
     assert g.checkpoint().name > g.checkpoints()[-2].name
 
 
-def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path, monkeypatch):
-    """Issue 15: the tenth update queues its checkpoint and the run goes on; the writer thread
-    writes it whole (a temporary file renamed), and listing the checkpoints waits for it."""
-    gate, real_fsync = threading.Event(), os.fsync
-    monkeypatch.setattr(actor.os, "fsync", lambda fd: gate.wait(30) and real_fsync(fd))
+def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
+    """Issue 15: the tenth update hands its checkpoint to the writer process and the run goes on;
+    the writer writes it whole (a temporary file renamed), and listing the checkpoints waits for
+    it."""
+    import signal
     cfg = linear("a")
     cfg.update(checkpointing=True, checkpoint_dir="ck")
     rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    for i in range(10):
-        g.run(str(i))                      # returns although the writer is held at fsync
-    assert g.state["execution_count"] >= 10
-    assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
-    gate.set()
+    writer = g.checkpoint_writer()
+    os.kill(writer.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(10):
+            g.run(str(i))                  # returns although the writer is stopped
+        assert g.state["execution_count"] == 10
+        assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
+    finally:
+        os.kill(writer.proc.pid, signal.SIGCONT)
     found = g.checkpoints()
-    assert len(found) >= 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    g.close()
+    assert writer.proc.poll() == 0                                       # the writer has stopped
+
+
+def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
+    """Issue 15: a checkpoint handed to the writer process is written even when the Actor's own
+    process dies right after (kill -9), whole."""
+    import subprocess
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    for _ in range(500):                   # the orphaned writer finishes on its own time
+        found = list((tmp_path / "ck").glob("checkpoint_*.json"))
+        if found:
+            break
+        time.sleep(0.02)
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+
+
+CRASH_SCRIPT = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
+       "nodes": {"a": {"type": "agent", "agent": "a"}},
+       "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"}]}
+class Agent:
+    name, type, capabilities, metadata = "a", "tool", [], {}
+    def invoke(self, content, ctx):
+        return content
+rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
+                   workdir=sys.argv[2])
+rt.agents = {"a": Agent()}
+graph = actor.GraphRoute("g", cfg, rt)
+for i in range(10):
+    graph.run(str(i))                      # the tenth update hands over a checkpoint
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_graph_checkpoint_text_is_the_states_json(tmp_path):
+    """Issue 15: the writer reuses the text of state messages it encoded before; what it writes
+    is still the state's JSON, run after run, with messages of text and of other content."""
+    cfg = linear("a", "b")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a"), "b": lambda content, ctx: {"n": len(content)}},
+                       workdir=tmp_path)
+    writer = g.checkpoint_writer()
+    for i in range(30):
+        g.run(f"m{i} \u00e9\n\"q\"" if i % 3 else {"nested": [i, None]})
+        assert writer.encode(g.state) == json.dumps(g.state, default=str, ensure_ascii=False)
+    assert len(writer.encoded) <= actor.MAX_STATE_MESSAGES
+    g.close()
 
 
 def test_graph_time_travel_rewinds_and_evicts_fifo():
