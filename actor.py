@@ -4136,7 +4136,8 @@ def agent_mapper(site, name, down):
         down.next(out)
 
     def on_next(msg):
-        ctx = msg.metadata.get("context")
+        metadata = msg.metadata
+        ctx = metadata.get("context")
         if not isinstance(ctx, dict):       # the usual case, a context dict, needs no call
             ctx = resolve_context(msg, rt)
         try:
@@ -4146,8 +4147,16 @@ def agent_mapper(site, name, down):
             return
         if type(reply) is PendingReply:     # the composite answers later (§4.6.2)
             reply.then(lambda value: succeed(msg, ctx, value), lambda exc: failed(msg, exc))
-        else:
-            succeed(msg, ctx, reply)
+            return
+        # succeed(msg, ctx, reply), inlined, with copy_metadata's answer for the usual metadata
+        # (the context alone, which is shared): issue 15 measured 0.25 us of a 3.4 us send().
+        out = Message(reply, metadata.copy() if len(metadata) == 1 and "context" in metadata
+                      else copy_metadata(metadata), route, msg.timestamp)
+        out.metadata["processed_by"] = name
+        out.metadata["context"] = ctx
+        if getattr(agent, "last_usage", None):      # HOST: the vendor's token counts
+            out.metadata["usage"] = agent.last_usage
+        down.next(out)
 
     finish = getattr(agent, "finish_pending", None)
 
@@ -4627,11 +4636,17 @@ class StreamNetwork:
             raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
         if stream.done:
             raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
-        rt = self.rt
-        meta = {"context": rt.context}                 # §10.2(2): a reference, not a copy
+        clock = self.rt.clock
+        meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        self.deliver(push, Message(content, meta, INPUT, rt.clock.now()))
+        # deliver(push, message), inlined: send() is the hot path (issue 15: one call less)
+        try:
+            push(Message(content, meta, INPUT, clock.now()))
+            if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
+                clock.advance(0)
+        except RecursionError:
+            self._too_deep()
 
     def deliver(self, fn, *args):
         """Run one synchronous delivery, then the timers it set for the current virtual time.
@@ -4650,10 +4665,13 @@ class StreamNetwork:
             if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
                 clock.advance(0)        # (no timer pending, the usual case: nothing to fire)
         except RecursionError:
-            self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
-                                "allows (a long chain of routes or a take-bounded cycle)",
-                                {"error": True, "error_type": "StreamRoutingError"}, INPUT,
-                                self.rt.clock.now()))
+            self._too_deep()
+
+    def _too_deep(self):
+        self.report(Message(ERROR_PREFIX + "the message flow nests deeper than the host "
+                            "allows (a long chain of routes or a take-bounded cycle)",
+                            {"error": True, "error_type": "StreamRoutingError"}, INPUT,
+                            self.rt.clock.now()))
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
