@@ -3629,15 +3629,17 @@ def _bench_actor():
 
 def _rates(fns, n=5000, rounds=10):
     """Messages/second of each fn(), measured in interleaved rounds, best round each (a busy
-    machine slows some rounds; interleaving keeps the comparison fair)."""
+    machine slows some rounds; interleaving keeps the comparison fair). Time is the calling
+    thread's CPU time: every fn here runs on that thread alone (virtual clock, no workers), and
+    on a shared machine it varies far less than the wall clock."""
     import time as _time
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = _time.perf_counter()
+            start = _time.thread_time()
             for _i in range(n):
                 fn()
-            best[name] = min(best[name], _time.perf_counter() - start)
+            best[name] = min(best[name], _time.thread_time() - start)
     return {name: n / seconds for name, seconds in best.items()}
 
 
@@ -3702,7 +3704,8 @@ def test_bench_send_against_rxpy_subject_pipeline():
                     "rx": lambda: source.on_next("hello"), "send": lambda: a.send("hello")}, n)
     floor, rx_rate, through = rates["floor"], rates["rx"], rates["send"]
     print(f"\nRxPY Subject -> map(agent) -> Subject: {rx_rate:,.0f} msg/s")
-    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x RxPY)")
+    print(f"Actor.send() map(echo) -> __output__: {through:,.0f} msg/s ({through / rx_rate:.2f}x "
+          f"RxPY; issue 15 asks >= 1.5x)")
     print(f"per-message cost above the bare agent call: RxPY {1e6 / rx_rate - 1e6 / floor:.2f} us, "
           f"Actor.send() {1e6 / through - 1e6 / floor:.2f} us")
     assert len(seen) == 10 * n
@@ -3720,7 +3723,7 @@ def test_bench_send_against_rxpy_subject_pipeline():
                     "send": lambda: inline.send("hello")}, n)
     print(f"RxPY Subject -> map(bare function) -> Subject: {rates['rx']:,.0f} msg/s; "
           f"Actor.send() map(inline tool, sandboxed) -> __output__: {rates['send']:,.0f} msg/s "
-          f"({rates['send'] / rates['rx']:.2f}x RxPY)")
+          f"({rates['send'] / rates['rx']:.2f}x RxPY; issue 15 asks >= 1.0x)")
 
 
 # =====================================================================================
@@ -4216,21 +4219,87 @@ def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
     assert g.checkpoint().name > g.checkpoints()[-2].name
 
 
-def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path, monkeypatch):
-    """Issue 15: the tenth update queues its checkpoint and the run goes on; the writer thread
-    writes it whole (a temporary file renamed), and listing the checkpoints waits for it."""
-    gate, real_fsync = threading.Event(), os.fsync
-    monkeypatch.setattr(actor.os, "fsync", lambda fd: gate.wait(30) and real_fsync(fd))
+def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
+    """Issue 15: the tenth update hands its checkpoint to the writer process and the run goes on;
+    the writer writes it whole (a temporary file renamed), and listing the checkpoints waits for
+    it."""
+    import signal
     cfg = linear("a")
     cfg.update(checkpointing=True, checkpoint_dir="ck")
     rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    for i in range(10):
-        g.run(str(i))                      # returns although the writer is held at fsync
-    assert g.state["execution_count"] >= 10
-    assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
-    gate.set()
+    writer = g.checkpoint_writer()
+    os.kill(writer.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(10):
+            g.run(str(i))                  # returns although the writer is stopped
+        assert g.state["execution_count"] == 10
+        assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
+    finally:
+        os.kill(writer.proc.pid, signal.SIGCONT)
     found = g.checkpoints()
-    assert len(found) >= 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    g.close()
+    assert writer.proc.poll() == 0                                       # the writer has stopped
+
+
+def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
+    """Issue 15: a checkpoint handed to the writer process is written even when the Actor's own
+    process dies right after (kill -9), whole."""
+    import subprocess
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    for _ in range(500):                   # the orphaned writer finishes on its own time
+        found = list((tmp_path / "ck").glob("checkpoint_*.json"))
+        if found:
+            break
+        time.sleep(0.02)
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+
+
+CRASH_SCRIPT = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
+       "nodes": {"a": {"type": "agent", "agent": "a"}},
+       "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"}]}
+class Agent:
+    name, type, capabilities, metadata = "a", "tool", [], {}
+    def invoke(self, content, ctx):
+        return content
+rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
+                   workdir=sys.argv[2])
+rt.agents = {"a": Agent()}
+graph = actor.GraphRoute("g", cfg, rt)
+for i in range(10):
+    graph.run(str(i))                      # the tenth update hands over a checkpoint
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_graph_checkpoint_file_is_the_states_json(tmp_path):
+    """Issue 15: the state crosses to the writer process marshalled (or as JSON text when marshal
+    cannot carry it); either way the file holds the state's JSON as the graph's thread would
+    have written it."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
+    g.run("hi \u00e9\n\"q\"")
+    for extra in ({"n": (1, 2.5, None), 3: {"set": {7}}, "raw": b"x"}, {"obj": object()}):
+        g.state["metadata"].update(extra)
+        path = g.checkpoint()
+        assert path.read_text(encoding="utf-8") == json.dumps(g.state, default=str,
+                                                              ensure_ascii=False)
+    g.state["metadata"]["bad"] = {(1, 2): "a tuple key"}
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.checkpoint()
+    g.state["metadata"]["bad"] = {(1, 2): object()}
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.checkpoint()
+    g.close()
 
 
 def test_graph_time_travel_rewinds_and_evicts_fifo():
@@ -4771,7 +4840,9 @@ def test_graph_bench_linear_ten_nodes(reads_context):
 @pytest.mark.bench
 def test_graph_bench_checkpointing_cost(tmp_path):
     """Issue 15: a two-node echo graph with checkpointing (every ten updates, atomic write) against
-    the same graph without it, over 10,000 updates."""
+    the same graph without it, over 10,000 updates (5,000 runs) in interleaved rounds, best round
+    each, wall time (the writer process works beside the graph). The writer's start, once per
+    graph, is printed apart."""
     import time as _time
 
     def graph(checkpointing):
@@ -4779,52 +4850,61 @@ def test_graph_bench_checkpointing_cost(tmp_path):
         if checkpointing:
             cfg.update(checkpointing=True, checkpoint_dir="ck")
         return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path)[1]
-    figures = {}
-    for label in ("off", "on"):
-        g = graph(label == "on")
-        runs = 10_000 // max(1, len(g.nodes) - 2 or 2)
-        started = _time.perf_counter()
-        for i in range(runs):
-            g.run("x")
-        g.flush_checkpoints()
-        figures[label] = (_time.perf_counter() - started) / runs * 1e6
-    print(f"\n[graphs bench] two-node echo graph: {figures['off']:.1f} us/run without "
-          f"checkpointing, {figures['on']:.1f} us/run with it ({figures['on'] / figures['off']:.2f}x)")
+    graphs = {"off": graph(False), "on": graph(True)}
+    started = _time.perf_counter()
+    graphs["on"].checkpoint_writer().put(tmp_path / "ck" / "first.json", {})
+    graphs["on"].flush_checkpoints()
+    start_ms = (_time.perf_counter() - started) * 1e3
+    figures = {"off": float("inf"), "on": float("inf")}
+    runs = 10_000 // 2                           # two state updates a run
+    for _ in range(3):
+        for label, g in graphs.items():
+            started = _time.perf_counter()
+            for i in range(runs):
+                g.run("x")
+            g.flush_checkpoints()
+            figures[label] = min(figures[label], (_time.perf_counter() - started) / runs * 1e6)
+    assert len(graphs["on"].checkpoints()) == 3 * runs * 2 // actor.CHECKPOINT_EVERY
+    graphs["on"].close()
+    print(f"\n[graphs bench] two-node echo graph, 10,000 updates: {figures['off']:.1f} us/run "
+          f"without checkpointing, {figures['on']:.1f} us/run with it "
+          f"({figures['on'] / figures['off']:.2f}x; issue 15 asks <= 1.5x); the writer process "
+          f"starts in {start_ms:.0f} ms, once per graph")
 
 
 @pytest.mark.bench
 def test_graph_bench_against_langgraph_state_graph():
-    """Issue 6: the same 10-node linear chain of ToolAgent(echo) calls as a compiled LangGraph
-    StateGraph and as a graph route; prints both per-node costs and the ratio (the issue asks for
-    at least 30x). Skipped when langgraph is not importable; timings are not asserted."""
+    """Issues 6 and 15: the same 10-node linear chain of tool-agent calls as a compiled LangGraph
+    StateGraph and as a graph route, for an `echo` agent and for an inline-tool agent; prints the
+    per-node costs and the ratios beside the issue's targets (60x and 30x). Skipped when langgraph
+    is not importable; timings are not asserted."""
     lg = pytest.importorskip("langgraph.graph")
     from typing import TypedDict
     import time as _time
     names = [f"n{i}" for i in range(10)]
-    cfg = linear(*names, **{n: {"agent": "echo"} for n in names})
-    data = {"agents": {"echo": {"type": "tool", "config": {"tools": ["echo"]}}},
-            "routes": {"main": cfg}}
-    rt = actor.Runtime(actor.Doc(data), env={})
-    rt.agents = {"echo": actor.ToolAgent("echo", data["agents"]["echo"], rt, ("agents", "echo"))}
-    graph = actor.GraphRoute("main", cfg, rt)
-    agent = rt.agents["echo"]
 
     class State(TypedDict):
         text: str
 
-    def lg_node(state):                          # one agent call per node, as in the graph route
-        return {"text": "echo " + agent.invoke(state["text"], {})}
+    def both(tool):
+        """(graph route, compiled StateGraph), each calling the agent once per node."""
+        cfg = linear(*names, **{n: {"agent": "t"} for n in names})
+        data = {"agents": {"t": {"type": "tool", "config": {"tools": [tool]}}},
+                "routes": {"main": cfg}}
+        rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+        rt.agents = {"t": actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t"))}
+        agent = rt.agents["t"]
 
-    builder = lg.StateGraph(State)
-    for name in names:
-        builder.add_node(name, lg_node)
-    builder.add_edge(lg.START, names[0])
-    for a, b in zip(names, names[1:]):
-        builder.add_edge(a, b)
-    builder.add_edge(names[-1], lg.END)
-    compiled = builder.compile()
-    assert compiled.invoke({"text": "echo hi"})["text"] == "echo hi"
-    assert graph.run("echo hi", {}).output == "hi"
+        def lg_node(state):                      # as a graph node: the reply goes on
+            return {"text": agent.invoke(state["text"], {})}
+        builder = lg.StateGraph(State)
+        for name in names:
+            builder.add_node(name, lg_node)
+        builder.add_edge(lg.START, names[0])
+        for a, b in zip(names, names[1:]):
+            builder.add_edge(a, b)
+        builder.add_edge(names[-1], lg.END)
+        return actor.GraphRoute("main", cfg, rt), builder.compile()
 
     def per_node(fn, rounds, repeats):
         fn()                                     # warm up
@@ -4836,11 +4916,21 @@ def test_graph_bench_against_langgraph_state_graph():
             best = min(best, _time.perf_counter() - started)
         return best / (rounds * len(names)) * 1e6
 
-    langgraph_us = per_node(lambda: compiled.invoke({"text": "echo hi"}), 100, 5)
-    actor_us = per_node(lambda: graph.run("echo hi", {}), 1000, 7)
-    print(f"\n[graphs bench] 10 ToolAgent(echo) nodes: LangGraph compiled StateGraph "
-          f"{langgraph_us:.1f} us/node, actor.py graph route {actor_us:.2f} us/node, ratio "
-          f"{langgraph_us / actor_us:.1f}x (issue 6 asks for >= 30x)")
+    for label, tool, target in (("ToolAgent(echo)", "echo", 60),
+                                ("inline-tool agent", {"name": "t", "code": "result = input_data"},
+                                 30)):
+        graph, compiled = both(tool)
+        assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output
+        figures = {"langgraph": float("inf"), "actor": float("inf")}
+        for _ in range(3):                       # interleaved: a busy machine slows some rounds
+            figures["langgraph"] = min(figures["langgraph"], per_node(
+                lambda: compiled.invoke({"text": "echo hi"}), 30, 3))
+            figures["actor"] = min(figures["actor"], per_node(
+                lambda: graph.run("echo hi", {}), 300, 3))
+        print(f"\n[graphs bench] 10 {label} nodes: LangGraph compiled StateGraph "
+              f"{figures['langgraph']:.1f} us/node, actor.py graph route {figures['actor']:.2f} "
+              f"us/node, ratio {figures['langgraph'] / figures['actor']:.1f}x (issue 15 asks for "
+              f">= {target}x)")
 
 
 def test_mixed_mode_creates_graph_internal_streams():
