@@ -7475,8 +7475,8 @@ def _replace_in_parent(parent, field, index, new):
 
 def mutation_points(tree, sections):
     """Every first-order mutant of `tree` in a mutable section, in a fixed order: dicts {kind,
-    line, end, section, function, runtime, apply} where apply() changes the tree in place and
-    returns (original text, mutated text) of the node."""
+    line, end, section, function, runtime, texts, apply} where texts() gives (original text,
+    mutated text) of the node and apply() changes the tree in place and returns the same pair."""
     points = []
 
     def visit(node, parent, field, index, function, runtime):
@@ -7484,61 +7484,60 @@ def mutation_points(tree, sections):
         section = sections[line] if line is not None and line < len(sections) else None
         end = getattr(node, "end_lineno", line)
 
-        def add(kind, apply):
+        def add(kind, texts, change):
+            def apply():
+                before = texts()      # read before the change: the node is rewritten in place
+                change()
+                return before
             points.append({"kind": kind, "line": line, "end": end, "section": section,
-                           "function": function, "runtime": runtime, "apply": apply})
+                           "function": function, "runtime": runtime, "texts": texts,
+                           "apply": apply})
 
         if section is not None:
             if isinstance(node, _ast.Compare):
                 for j, op in enumerate(node.ops):
                     if type(op) in _CMP_SWAP:
-                        def apply(node=node, j=j, op=op):
+                        def change(node=node, j=j, op=op):
                             node.ops[j] = _CMP_SWAP[type(op)]()
-                            return _CMP_TEXT[type(op)], _CMP_TEXT[_CMP_SWAP[type(op)]]
-                        add("compare", apply)
+                        add("compare", lambda op=op: (_CMP_TEXT[type(op)],
+                                                      _CMP_TEXT[_CMP_SWAP[type(op)]]), change)
             elif isinstance(node, _ast.BoolOp):
-                def apply(node=node):
-                    was = type(node.op)
+                def change(node=node, was=type(node.op)):
                     node.op = _ast.Or() if was is _ast.And else _ast.And()
-                    return ("and", "or") if was is _ast.And else ("or", "and")
-                add("boolean", apply)
+                add("boolean", lambda was=type(node.op): ("and", "or") if was is _ast.And
+                    else ("or", "and"), change)
             elif (isinstance(node, _ast.Constant) and type(node.value) in (int, float)):
                 for delta in (1, -1):
-                    def apply(node=node, delta=delta):
-                        was = node.value
+                    def change(node=node, delta=delta, was=node.value):
                         node.value = was + delta
-                        return repr(was), repr(node.value)
-                    add("constant", apply)
+                    add("constant", lambda was=node.value, delta=delta: (repr(was),
+                                                                          repr(was + delta)),
+                        change)
             elif isinstance(node, _ast.UnaryOp) and isinstance(node.op, _ast.Not):
-                def apply(node=node, parent=parent, field=field, index=index):
-                    text = _ast.unparse(node)
+                def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, node.operand)
-                    return text, _ast.unparse(node.operand)
-                add("not", apply)
+                add("not", lambda node=node: (_ast.unparse(node), _ast.unparse(node.operand)),
+                    change)
             if isinstance(node, _ast.Return) and runtime:
                 value = node.value
                 if isinstance(value, _ast.Constant) and type(value.value) is bool:
-                    def apply(node=node):
-                        text = _ast.unparse(node)
-                        node.value = _ast.Constant(not node.value.value)
-                        return text, _ast.unparse(node)
-                    add("return", apply)
+                    def change(node=node, was=value.value):
+                        node.value = _ast.Constant(not was)
+                    add("return", lambda was=value.value: (f"return {was}", f"return {not was}"),
+                        change)
                 elif value is not None and not (isinstance(value, _ast.Constant)
                                                 and value.value is None):
-                    def apply(node=node):
-                        text = _ast.unparse(node)
+                    def change(node=node):
                         node.value = None
-                        return text, "return None"
-                    add("return", apply)
+                    add("return", lambda node=node: (_ast.unparse(node), "return None"), change)
             if (isinstance(node, _ast.stmt) and runtime and index is not None
                     and not isinstance(node, (_ast.Pass, _ast.Global, _ast.Nonlocal))
                     and not (index == 0 and isinstance(node, _ast.Expr)
                              and isinstance(node.value, _ast.Constant))):
-                def apply(node=node, parent=parent, field=field, index=index):
-                    text = _ast.unparse(node).splitlines()[0]
+                def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, _ast.copy_location(_ast.Pass(), node))
-                    return text, "pass"
-                add("statement", apply)
+                add("statement", lambda node=node: (_ast.unparse(node).splitlines()[0], "pass"),
+                    change)
         for child_field, value in _ast.iter_fields(node):
             inner = function
             if isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
@@ -7656,9 +7655,33 @@ def _fork_mutant(*args):
     return pid, read
 
 
-def mutation_sample(points, sections, lines, size, seed):
+def mutation_key(point, lines):
+    """The survivor key of MUTATION_EQUIVALENT: "function: original -> mutated | source line"."""
+    original, mutated = point["texts"]()
+    return f"{point['function']}: {original} -> {mutated} | {lines[point['line'] - 1].strip()}"
+
+
+def mutation_identities(points, lines):
+    """A name for each point that survives edits elsewhere in actor.py: its section and survivor
+    key, with " #n" added to the n-th (n >= 2) point of the same name, counted in file order."""
+    seen, out = {}, []
+    for point in points:
+        name = f"{point['section']} {mutation_key(point, lines)}"
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return out
+
+
+def mutation_short_id(identity):
+    """Twelve hex digits naming one mutant for MUTATION_ONLY; independent of the seed."""
+    return _hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def mutation_sample(points, identities, lines, size, seed):
     """Indices of the sampled mutants: each section's share of `size` in proportion to its lines of
-    code (largest remainder), drawn with random.Random(seed) from that section's points."""
+    code (largest remainder), filled with that section's points whose sha256(seed + identity) is
+    smallest, so a point keeps its place in the sample while its own code is unchanged."""
+    sections = mutation_sections(lines)
     code = {}
     for number, text in enumerate(lines, 1):
         group = sections[number]
@@ -7672,12 +7695,46 @@ def mutation_sample(points, sections, lines, size, seed):
         if sum(share.values()) >= size:
             break
         share[g] += 1
-    rng = _random.Random(seed)
+
+    def rank(i):
+        return _hashlib.sha256(f"{seed}\n{identities[i]}".encode()).hexdigest()
+
     chosen = []
     for g in groups:
-        pool = [i for i, p in enumerate(points) if p["section"] == g]
-        chosen += sorted(rng.sample(pool, min(share[g], len(pool))))
+        pool = sorted((i for i, p in enumerate(points) if p["section"] == g), key=rank)
+        chosen += sorted(pool[:share[g]])
     return chosen
+
+
+def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
+    """Editing one line of a section leaves the sample of every other section as it was, and of
+    its own section changes at most the mutants of that line; texts() agrees with apply()."""
+    lines = Path(actor.__file__).read_text(encoding="utf-8").splitlines()
+    sections = mutation_sections(lines)
+
+    def sample(lines, seed=13):
+        points = mutation_points(_ast.parse("\n".join(lines)), sections)
+        identities = mutation_identities(points, lines)
+        return points, identities, {identities[i]: points[i]
+                                    for i in mutation_sample(points, identities, lines, 200, seed)}
+
+    points, identities, before = sample(lines)
+    edited = next(p for p in points if p["kind"] == "compare" and p["section"] == "§8"
+                  and "==" in lines[p["line"] - 1])
+    changed = list(lines)
+    changed[edited["line"] - 1] = changed[edited["line"] - 1].replace("==", "!=", 1)
+    _, _, after = sample(changed)
+    for group in set(MUTATION_GROUPS.values()) - {"§8"}:
+        assert ({k for k, p in before.items() if p["section"] == group}
+                == {k for k, p in after.items() if p["section"] == group})
+    moved = {k for k in set(before) ^ set(after) if k in before}
+    assert all(before[k]["line"] == edited["line"] for k in moved)
+    assert sample(lines, seed=14)[2].keys() != before.keys()
+    for kind in ("compare", "boolean", "constant", "not", "return", "statement"):
+        index = next(identities.index(k) for k, p in before.items() if p["kind"] == kind)
+        tree = _ast.parse("\n".join(lines))
+        point = mutation_points(tree, sections)[index]
+        assert point["apply"]() == points[index]["texts"]()
 
 
 @pytest.mark.mutation
@@ -7692,9 +7749,12 @@ def test_mutation_score_of_the_vectors(request):
     lines = source.splitlines()
     sections = mutation_sections(lines)
     points = mutation_points(_ast.parse(source), sections)
-    chosen = mutation_sample(points, sections, lines, size, seed)
-    if os.environ.get("MUTATION_ONLY"):
-        chosen = [int(i) for i in os.environ["MUTATION_ONLY"].split(",")]
+    identities = mutation_identities(points, lines)
+    chosen = mutation_sample(points, identities, lines, size, seed)
+    if os.environ.get("MUTATION_ONLY"):     # indices of this actor.py, or short ids (stable)
+        by_id = {mutation_short_id(name): i for i, name in enumerate(identities)}
+        chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
+                  for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
     paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
     coverage = _vector_coverage(paths, actor_file, request.config.cache)
@@ -7755,16 +7815,13 @@ def test_mutation_score_of_the_vectors(request):
                     del running[read]
                     r = results[index]
                     p = points[index]
-                    print(f"  #{index} {p['section']} line {p['line']} {p['kind']}: "
+                    print(f"  #{index} [{mutation_short_id(identities[index])}] {p['section']} "
+                          f"line {p['line']} {p['kind']}: "
                           f"{r['status']} by {r['by']}", flush=True)
     table, survivors = {}, []
     for index in chosen:
         point, r = points[index], results[index]
-        if r.get("original") is None:     # never run: describe it without running
-            tree = _ast.parse(source)
-            r["original"], r["mutated"] = mutation_points(tree, sections)[index]["apply"]()
-        key = (f"{point['function']}: {r['original']} -> {r['mutated']} | "
-               f"{lines[point['line'] - 1].strip()}")
+        key = mutation_key(point, lines)
         row = table.setdefault(point["section"], {"mutants": 0, "killed": 0, "equivalent": 0,
                                                   "outside": 0})
         row["mutants"] += 1
@@ -7791,7 +7848,8 @@ def test_mutation_score_of_the_vectors(request):
         print(f"| {name} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
               f"{row['outside']} | {percent(row['killed'], live)} | "
               f"{percent(row['killed'], live - row['outside'])} |")
-    text = "".join(f"#{i} {p['section']} line {p['line']} {p['kind']} [{r['by']}]"
+    text = "".join(f"#{i} [{mutation_short_id(identities[i])}] {p['section']} line {p['line']} "
+                   f"{p['kind']} [{r['by']}]"
                    f"{' (outside the format: ' + outside + ')' if outside else ''}\n    {key}\n"
                    for i, p, r, key, outside in survivors)
     print(f"\nsurvivors ({len(survivors)}):\n{text}")
