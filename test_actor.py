@@ -7357,6 +7357,8 @@ _CMP_TEXT = {_ast.Eq: "==", _ast.NotEq: "!=", _ast.Lt: "<", _ast.LtE: "<=", _ast
 # assert categories, not wording).
 _MSG = "message text or location only"
 _CACHED = "every caller passes the argument"
+_BOUNDARY = ("the invocation boundary (§12.2.3) reports the crash as the same ExecutionError; only "
+             "the message differs")
 MUTATION_EQUIVALENT = {
     'parse_yaml: 0 -> 1 | problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]':
         _MSG,
@@ -7423,6 +7425,26 @@ MUTATION_EQUIVALENT = {
         "sandboxed code pops through ContextView, whose pop goes through __delitem__",
     "Timer.__lt__: < -> <= | return (self.when, self.seq) < (other.when, other.seq)":
         "sequence numbers are unique, so the tuples are never equal",
+    'parse_yaml.build: 1 -> 2 | section="3.1", file=file, line=at(n)[1], col=at(n)[2]) from None':
+        _MSG,
+    'check_top_level: raise doc.error(ConfigurationError, (), \'the routes section is required\', \'11.1\') -> pass | raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")':
+        'the next check refuses the missing section the same way: None is not a non-empty mapping',
+    '_Checker.condition: 1 -> 0 | self.fail(path + (wrong[0],), wrong[1], "5.4")':
+        _MSG,
+    'stream_edges: and -> or | if isinstance(merge, dict) and merge.get("target") is not None:':
+        'check_merges_and_splits has already refused a merge that is not a mapping or has no target',
+    '_math_power: 1 -> 2 | if isinstance(modulus, int) and isinstance(exponent, int) else 1)':
+        'three-argument pow() refuses non-integer operands, and either failure is the same ExecutionError',
+    '_math_node: raise work.fail(f\'an integer beyond {MATH_MAX_BITS} bits\') -> pass | raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")':
+        'work.number refuses the product, which has at least a+b-1 > MATH_MAX_BITS bits',
+    'tool_request: and -> or | if parsed is None and text.lstrip().startswith("{"):':
+        'a mapping content decodes from its own JSON text to the same mapping; other text never decodes to a mapping',
+    'tool_file_read: raise env.fail(f\'file_read: cannot read {given}: {exc.strerror}\', \'4.5.1\') from None -> pass | raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None':
+        _BOUNDARY,
+    'tool_math: raise env.fail(\'math needs an `expression` string\', \'4.5.1\') -> pass | raise env.fail("math needs an `expression` string", "4.5.1")':
+        _BOUNDARY,
+    '_retried_map: return None -> pass | return None':
+        'the same value',
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
@@ -7450,6 +7472,20 @@ MUTATION_OUTSIDE_FORMAT = {
         "timing: the leaked budget fails a later render only once its real deadline has passed",
     "Stream._deliver: 0 -> -1 | del self.memory[0]":
         "hot/replay memory reaches late subscribers only, added through the host's API",
+    'LLMAgent.__init__: self.sleep = time.sleep -> pass | self.sleep = time.sleep             # retry back-off; tests inject a recorder':
+        'the vendor transport (vectors fake the LLM transport)',
+    'LLMAgent.invoke: self.last_usage = call.get(\'usage\') -> pass | self.last_usage = call.get("usage")     # the vendor\'s token counts, for the reply\'s map':
+        'the vendor transport (vectors fake the LLM transport)',
+    'resolve_api_key: return rt.env[var] -> return None | return rt.env[var]':
+        'the key reaches only the vendor transport, which vectors fake',
+    'ProgressFacility.__init__: self.last = None -> pass | self.last = None':
+        "the host's own API: only the host reads `last`",
+    'agent_mapper.succeed: out.metadata[\'usage\'] = agent.last_usage -> pass | out.metadata["usage"] = agent.last_usage':
+        "the vendor's token counts (vectors fake the LLM transport)",
+    'StreamNetwork.single_shot: return bool(self._single_shot) -> return None | return bool(self._single_shot)':
+        "StreamNetwork(single_shot=...) is a host API argument (vectors set the run's single_shot)",
+    'LLMAgent._base_url':
+        'the vendor transport (vectors fake the LLM transport)',
 }
 
 
