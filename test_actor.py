@@ -7314,10 +7314,18 @@ def test_budget_does_not_leak_out_of_a_render():
 #   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
 #   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
 #   are reported as groups.
-# - MUTATION_SAMPLE mutants (default 200) are drawn with random.Random(MUTATION_SEED) (default 13):
-#   each section gets a share in proportion to its lines of code (largest remainder), drawn without
-#   replacement from that section's points. The same seed on the same actor.py gives the same
-#   mutants (MUTATION_ONLY=3,17 reruns those ids; MUTATION_VECTORS=dir judges by another suite).
+# - Each point has an identity that does not depend on where it sits in the file: its section, then
+#   the survivor key used below ("function: original -> mutated | source line, stripped"), with
+#   " #n" added to the n-th point of the same name (n >= 2, counted in file order).
+# - MUTATION_SAMPLE mutants (default 200), seed MUTATION_SEED (default 13): each section gets a
+#   share in proportion to its lines of code (largest remainder) and takes, from its own points,
+#   the `share` whose sha256(f"{seed}\n{identity}") hex digests are smallest. So an edit changes
+#   the sample only where it changes a point's identity or a section's share: code left alone
+#   keeps its mutants, and a table measured after other branches merge is still comparable.
+#   MUTATION_ONLY=3,17 reruns the mutants of those indices (positions in this actor.py's point
+#   list) or, stable across edits, of those short ids (the first 12 hex digits of
+#   sha256(identity), printed in brackets beside each result); MUTATION_VECTORS=dir judges by
+#   another suite.
 # - Each mutant runs in a forked process: the mutated tree is written out as a module of a fresh
 #   name and imported, and the vectors are judged with the harness functions (the mutant's
 #   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
@@ -7452,6 +7460,9 @@ _CLI = "CLI-only output (--describe text, --diagram)"
 MUTATION_OUTSIDE_FORMAT = {
     "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
     "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
+    "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
+    "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
+    "_PipelineEntry.describe": _CLI,
     "RealClock.advance": "real time (vectors run on a virtual clock)",
     "GraphNode.__init__: self.retry_delay = float(policy.get('delay', 1.0)) if "
     "isinstance(policy, dict) else 0.0 -> pass | "
