@@ -8420,7 +8420,15 @@ def expand_composite(expansion, cfg, path):
         return cfg
     config = cfg.get("config")
     comps = config.get("components") if isinstance(config, dict) else None
-    agents = comps.get("agents") if isinstance(comps, dict) else None
+    if not isinstance(comps, dict):
+        return cfg
+    # §4.6.1: graph and stream components follow the routes schema, template_config included.
+    for kind in ("graphs", "streams"):
+        if isinstance(comps.get(kind), dict):
+            for name in list(comps[kind]):
+                comps[kind][name] = expansion.route(
+                    comps[kind][name], path + ("config", "components", kind, name))
+    agents = comps.get("agents")
     if not isinstance(agents, dict):
         return cfg
     scope = tuple(agents)

@@ -7388,10 +7388,18 @@ def test_budget_does_not_leak_out_of_a_render():
 #   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
 #   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
 #   are reported as groups.
-# - MUTATION_SAMPLE mutants (default 200) are drawn with random.Random(MUTATION_SEED) (default 13):
-#   each section gets a share in proportion to its lines of code (largest remainder), drawn without
-#   replacement from that section's points. The same seed on the same actor.py gives the same
-#   mutants (MUTATION_ONLY=3,17 reruns those ids; MUTATION_VECTORS=dir judges by another suite).
+# - Each point has an identity that does not depend on where it sits in the file: its section, then
+#   the survivor key used below ("function: original -> mutated | source line, stripped"), with
+#   " #n" added to the n-th point of the same name (n >= 2, counted in file order).
+# - MUTATION_SAMPLE mutants (default 200), seed MUTATION_SEED (default 13): each section gets a
+#   share in proportion to its lines of code (largest remainder) and takes, from its own points,
+#   the `share` whose sha256(f"{seed}\n{identity}") hex digests are smallest. So an edit changes
+#   the sample only where it changes a point's identity or a section's share: code left alone
+#   keeps its mutants, and a table measured after other branches merge is still comparable.
+#   MUTATION_ONLY=3,17 reruns the mutants of those indices (positions in this actor.py's point
+#   list) or, stable across edits, of those short ids (the first 12 hex digits of
+#   sha256(identity), printed in brackets beside each result); MUTATION_VECTORS=dir judges by
+#   another suite.
 # - Each mutant runs in a forked process: the mutated tree is written out as a module of a fresh
 #   name and imported, and the vectors are judged with the harness functions (the mutant's
 #   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
@@ -7431,6 +7439,8 @@ _CMP_TEXT = {_ast.Eq: "==", _ast.NotEq: "!=", _ast.Lt: "<", _ast.LtE: "<=", _ast
 # assert categories, not wording).
 _MSG = "message text or location only"
 _CACHED = "every caller passes the argument"
+_BOUNDARY = ("the invocation boundary (§12.2.3) reports the crash as the same ExecutionError; only "
+             "the message differs")
 MUTATION_EQUIVALENT = {
     'parse_yaml: 0 -> 1 | problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]':
         _MSG,
@@ -7497,6 +7507,26 @@ MUTATION_EQUIVALENT = {
         "sandboxed code pops through ContextView, whose pop goes through __delitem__",
     "Timer.__lt__: < -> <= | return (self.when, self.seq) < (other.when, other.seq)":
         "sequence numbers are unique, so the tuples are never equal",
+    'parse_yaml.build: 1 -> 2 | section="3.1", file=file, line=at(n)[1], col=at(n)[2]) from None':
+        _MSG,
+    'check_top_level: raise doc.error(ConfigurationError, (), \'the routes section is required\', \'11.1\') -> pass | raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")':
+        'the next check refuses the missing section the same way: None is not a non-empty mapping',
+    '_Checker.condition: 1 -> 0 | self.fail(path + (wrong[0],), wrong[1], "5.4")':
+        _MSG,
+    'stream_edges: and -> or | if isinstance(merge, dict) and merge.get("target") is not None:':
+        'check_merges_and_splits has already refused a merge that is not a mapping or has no target',
+    '_math_power: 1 -> 2 | if isinstance(modulus, int) and isinstance(exponent, int) else 1)':
+        'three-argument pow() refuses non-integer operands, and either failure is the same ExecutionError',
+    '_math_node: raise work.fail(f\'an integer beyond {MATH_MAX_BITS} bits\') -> pass | raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")':
+        'work.number refuses the product, which has at least a+b-1 > MATH_MAX_BITS bits',
+    'tool_request: and -> or | if parsed is None and text.lstrip().startswith("{"):':
+        'a mapping content decodes from its own JSON text to the same mapping; other text never decodes to a mapping',
+    'tool_file_read: raise env.fail(f\'file_read: cannot read {given}: {exc.strerror}\', \'4.5.1\') from None -> pass | raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None':
+        _BOUNDARY,
+    'tool_math: raise env.fail(\'math needs an `expression` string\', \'4.5.1\') -> pass | raise env.fail("math needs an `expression` string", "4.5.1")':
+        _BOUNDARY,
+    '_retried_map: return None -> pass | return None':
+        'the same value',
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
@@ -7504,6 +7534,9 @@ _CLI = "CLI-only output (--describe text, --diagram)"
 MUTATION_OUTSIDE_FORMAT = {
     "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
     "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
+    "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
+    "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
+    "_PipelineEntry.describe": _CLI,
     "RealClock.advance": "real time (vectors run on a virtual clock)",
     "GraphNode.__init__: self.retry_delay = float(policy.get('delay', 1.0)) if "
     "isinstance(policy, dict) else 0.0 -> pass | "
@@ -7524,6 +7557,20 @@ MUTATION_OUTSIDE_FORMAT = {
         "timing: the leaked budget fails a later render only once its real deadline has passed",
     "Stream._deliver: 0 -> -1 | del self.memory[0]":
         "hot/replay memory reaches late subscribers only, added through the host's API",
+    'LLMAgent.__init__: self.sleep = time.sleep -> pass | self.sleep = time.sleep             # retry back-off; tests inject a recorder':
+        'the vendor transport (vectors fake the LLM transport)',
+    'LLMAgent.invoke: self.last_usage = call.get(\'usage\') -> pass | self.last_usage = call.get("usage")     # the vendor\'s token counts, for the reply\'s map':
+        'the vendor transport (vectors fake the LLM transport)',
+    'resolve_api_key: return rt.env[var] -> return None | return rt.env[var]':
+        'the key reaches only the vendor transport, which vectors fake',
+    'ProgressFacility.__init__: self.last = None -> pass | self.last = None':
+        "the host's own API: only the host reads `last`",
+    'agent_mapper.succeed: out.metadata[\'usage\'] = agent.last_usage -> pass | out.metadata["usage"] = agent.last_usage':
+        "the vendor's token counts (vectors fake the LLM transport)",
+    'StreamNetwork.single_shot: return bool(self._single_shot) -> return None | return bool(self._single_shot)':
+        "StreamNetwork(single_shot=...) is a host API argument (vectors set the run's single_shot)",
+    'LLMAgent._base_url':
+        'the vendor transport (vectors fake the LLM transport)',
 }
 
 
@@ -7549,8 +7596,8 @@ def _replace_in_parent(parent, field, index, new):
 
 def mutation_points(tree, sections):
     """Every first-order mutant of `tree` in a mutable section, in a fixed order: dicts {kind,
-    line, end, section, function, runtime, apply} where apply() changes the tree in place and
-    returns (original text, mutated text) of the node."""
+    line, end, section, function, runtime, texts, apply} where texts() gives (original text,
+    mutated text) of the node and apply() changes the tree in place and returns the same pair."""
     points = []
 
     def visit(node, parent, field, index, function, runtime):
@@ -7558,61 +7605,60 @@ def mutation_points(tree, sections):
         section = sections[line] if line is not None and line < len(sections) else None
         end = getattr(node, "end_lineno", line)
 
-        def add(kind, apply):
+        def add(kind, texts, change):
+            def apply():
+                before = texts()      # read before the change: the node is rewritten in place
+                change()
+                return before
             points.append({"kind": kind, "line": line, "end": end, "section": section,
-                           "function": function, "runtime": runtime, "apply": apply})
+                           "function": function, "runtime": runtime, "texts": texts,
+                           "apply": apply})
 
         if section is not None:
             if isinstance(node, _ast.Compare):
                 for j, op in enumerate(node.ops):
                     if type(op) in _CMP_SWAP:
-                        def apply(node=node, j=j, op=op):
+                        def change(node=node, j=j, op=op):
                             node.ops[j] = _CMP_SWAP[type(op)]()
-                            return _CMP_TEXT[type(op)], _CMP_TEXT[_CMP_SWAP[type(op)]]
-                        add("compare", apply)
+                        add("compare", lambda op=op: (_CMP_TEXT[type(op)],
+                                                      _CMP_TEXT[_CMP_SWAP[type(op)]]), change)
             elif isinstance(node, _ast.BoolOp):
-                def apply(node=node):
-                    was = type(node.op)
+                def change(node=node, was=type(node.op)):
                     node.op = _ast.Or() if was is _ast.And else _ast.And()
-                    return ("and", "or") if was is _ast.And else ("or", "and")
-                add("boolean", apply)
+                add("boolean", lambda was=type(node.op): ("and", "or") if was is _ast.And
+                    else ("or", "and"), change)
             elif (isinstance(node, _ast.Constant) and type(node.value) in (int, float)):
                 for delta in (1, -1):
-                    def apply(node=node, delta=delta):
-                        was = node.value
+                    def change(node=node, delta=delta, was=node.value):
                         node.value = was + delta
-                        return repr(was), repr(node.value)
-                    add("constant", apply)
+                    add("constant", lambda was=node.value, delta=delta: (repr(was),
+                                                                          repr(was + delta)),
+                        change)
             elif isinstance(node, _ast.UnaryOp) and isinstance(node.op, _ast.Not):
-                def apply(node=node, parent=parent, field=field, index=index):
-                    text = _ast.unparse(node)
+                def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, node.operand)
-                    return text, _ast.unparse(node.operand)
-                add("not", apply)
+                add("not", lambda node=node: (_ast.unparse(node), _ast.unparse(node.operand)),
+                    change)
             if isinstance(node, _ast.Return) and runtime:
                 value = node.value
                 if isinstance(value, _ast.Constant) and type(value.value) is bool:
-                    def apply(node=node):
-                        text = _ast.unparse(node)
-                        node.value = _ast.Constant(not node.value.value)
-                        return text, _ast.unparse(node)
-                    add("return", apply)
+                    def change(node=node, was=value.value):
+                        node.value = _ast.Constant(not was)
+                    add("return", lambda was=value.value: (f"return {was}", f"return {not was}"),
+                        change)
                 elif value is not None and not (isinstance(value, _ast.Constant)
                                                 and value.value is None):
-                    def apply(node=node):
-                        text = _ast.unparse(node)
+                    def change(node=node):
                         node.value = None
-                        return text, "return None"
-                    add("return", apply)
+                    add("return", lambda node=node: (_ast.unparse(node), "return None"), change)
             if (isinstance(node, _ast.stmt) and runtime and index is not None
                     and not isinstance(node, (_ast.Pass, _ast.Global, _ast.Nonlocal))
                     and not (index == 0 and isinstance(node, _ast.Expr)
                              and isinstance(node.value, _ast.Constant))):
-                def apply(node=node, parent=parent, field=field, index=index):
-                    text = _ast.unparse(node).splitlines()[0]
+                def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, _ast.copy_location(_ast.Pass(), node))
-                    return text, "pass"
-                add("statement", apply)
+                add("statement", lambda node=node: (_ast.unparse(node).splitlines()[0], "pass"),
+                    change)
         for child_field, value in _ast.iter_fields(node):
             inner = function
             if isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
@@ -7730,9 +7776,33 @@ def _fork_mutant(*args):
     return pid, read
 
 
-def mutation_sample(points, sections, lines, size, seed):
+def mutation_key(point, lines):
+    """The survivor key of MUTATION_EQUIVALENT: "function: original -> mutated | source line"."""
+    original, mutated = point["texts"]()
+    return f"{point['function']}: {original} -> {mutated} | {lines[point['line'] - 1].strip()}"
+
+
+def mutation_identities(points, lines):
+    """A name for each point that survives edits elsewhere in actor.py: its section and survivor
+    key, with " #n" added to the n-th (n >= 2) point of the same name, counted in file order."""
+    seen, out = {}, []
+    for point in points:
+        name = f"{point['section']} {mutation_key(point, lines)}"
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return out
+
+
+def mutation_short_id(identity):
+    """Twelve hex digits naming one mutant for MUTATION_ONLY; independent of the seed."""
+    return _hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def mutation_sample(points, identities, lines, size, seed):
     """Indices of the sampled mutants: each section's share of `size` in proportion to its lines of
-    code (largest remainder), drawn with random.Random(seed) from that section's points."""
+    code (largest remainder), filled with that section's points whose sha256(seed + identity) is
+    smallest, so a point keeps its place in the sample while its own code is unchanged."""
+    sections = mutation_sections(lines)
     code = {}
     for number, text in enumerate(lines, 1):
         group = sections[number]
@@ -7746,12 +7816,46 @@ def mutation_sample(points, sections, lines, size, seed):
         if sum(share.values()) >= size:
             break
         share[g] += 1
-    rng = _random.Random(seed)
+
+    def rank(i):
+        return _hashlib.sha256(f"{seed}\n{identities[i]}".encode()).hexdigest()
+
     chosen = []
     for g in groups:
-        pool = [i for i, p in enumerate(points) if p["section"] == g]
-        chosen += sorted(rng.sample(pool, min(share[g], len(pool))))
+        pool = sorted((i for i, p in enumerate(points) if p["section"] == g), key=rank)
+        chosen += sorted(pool[:share[g]])
     return chosen
+
+
+def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
+    """Editing one line of a section leaves the sample of every other section as it was, and of
+    its own section changes at most the mutants of that line; texts() agrees with apply()."""
+    lines = Path(actor.__file__).read_text(encoding="utf-8").splitlines()
+    sections = mutation_sections(lines)
+
+    def sample(lines, seed=13):
+        points = mutation_points(_ast.parse("\n".join(lines)), sections)
+        identities = mutation_identities(points, lines)
+        return points, identities, {identities[i]: points[i]
+                                    for i in mutation_sample(points, identities, lines, 200, seed)}
+
+    points, identities, before = sample(lines)
+    edited = next(p for p in points if p["kind"] == "compare" and p["section"] == "§8"
+                  and "==" in lines[p["line"] - 1])
+    changed = list(lines)
+    changed[edited["line"] - 1] = changed[edited["line"] - 1].replace("==", "!=", 1)
+    _, _, after = sample(changed)
+    for group in set(MUTATION_GROUPS.values()) - {"§8"}:
+        assert ({k for k, p in before.items() if p["section"] == group}
+                == {k for k, p in after.items() if p["section"] == group})
+    moved = {k for k in set(before) ^ set(after) if k in before}
+    assert all(before[k]["line"] == edited["line"] for k in moved)
+    assert sample(lines, seed=14)[2].keys() != before.keys()
+    for kind in ("compare", "boolean", "constant", "not", "return", "statement"):
+        index = next(identities.index(k) for k, p in before.items() if p["kind"] == kind)
+        tree = _ast.parse("\n".join(lines))
+        point = mutation_points(tree, sections)[index]
+        assert point["apply"]() == points[index]["texts"]()
 
 
 @pytest.mark.mutation
@@ -7766,9 +7870,12 @@ def test_mutation_score_of_the_vectors(request):
     lines = source.splitlines()
     sections = mutation_sections(lines)
     points = mutation_points(_ast.parse(source), sections)
-    chosen = mutation_sample(points, sections, lines, size, seed)
-    if os.environ.get("MUTATION_ONLY"):
-        chosen = [int(i) for i in os.environ["MUTATION_ONLY"].split(",")]
+    identities = mutation_identities(points, lines)
+    chosen = mutation_sample(points, identities, lines, size, seed)
+    if os.environ.get("MUTATION_ONLY"):     # indices of this actor.py, or short ids (stable)
+        by_id = {mutation_short_id(name): i for i, name in enumerate(identities)}
+        chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
+                  for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
     paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
     coverage = _vector_coverage(paths, actor_file, request.config.cache)
@@ -7829,16 +7936,13 @@ def test_mutation_score_of_the_vectors(request):
                     del running[read]
                     r = results[index]
                     p = points[index]
-                    print(f"  #{index} {p['section']} line {p['line']} {p['kind']}: "
+                    print(f"  #{index} [{mutation_short_id(identities[index])}] {p['section']} "
+                          f"line {p['line']} {p['kind']}: "
                           f"{r['status']} by {r['by']}", flush=True)
     table, survivors = {}, []
     for index in chosen:
         point, r = points[index], results[index]
-        if r.get("original") is None:     # never run: describe it without running
-            tree = _ast.parse(source)
-            r["original"], r["mutated"] = mutation_points(tree, sections)[index]["apply"]()
-        key = (f"{point['function']}: {r['original']} -> {r['mutated']} | "
-               f"{lines[point['line'] - 1].strip()}")
+        key = mutation_key(point, lines)
         row = table.setdefault(point["section"], {"mutants": 0, "killed": 0, "equivalent": 0,
                                                   "outside": 0})
         row["mutants"] += 1
@@ -7865,7 +7969,8 @@ def test_mutation_score_of_the_vectors(request):
         print(f"| {name} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
               f"{row['outside']} | {percent(row['killed'], live)} | "
               f"{percent(row['killed'], live - row['outside'])} |")
-    text = "".join(f"#{i} {p['section']} line {p['line']} {p['kind']} [{r['by']}]"
+    text = "".join(f"#{i} [{mutation_short_id(identities[i])}] {p['section']} line {p['line']} "
+                   f"{p['kind']} [{r['by']}]"
                    f"{' (outside the format: ' + outside + ')' if outside else ''}\n    {key}\n"
                    for i, p, r, key, outside in survivors)
     print(f"\nsurvivors ({len(survivors)}):\n{text}")
