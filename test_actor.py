@@ -6666,7 +6666,7 @@ agents:
   t:
     type: tool
     config:
-      timeout: 1
+      timeout: 30     # the crash, not the budget, must end the call
       tools:
         - name: body
           code: |
@@ -6732,8 +6732,8 @@ def test_cli_isolate_keeps_serving_after_a_worker_crash(tmp_path):
     """`python actor.py --isolate`: a body that crashes its worker costs one message only."""
     import subprocess
     config = tmp_path / "c.yaml"
-    config.write_text("agents:\n  t:\n    type: tool\n    config:\n      tools:\n"
-                      "        - name: shout\n          code: |\n"
+    config.write_text("agents:\n  t:\n    type: tool\n    config:\n      timeout: 30\n"
+                      "      tools:\n        - name: shout\n          code: |\n"
                       "            if input_data == 'crash':\n"
                       "                t = ()\n                for i in range(10**6):\n"
                       "                    t = (t,)\n                d = {t: 1}\n"
