@@ -3288,7 +3288,8 @@ class Stream:
 
     def _rewire(self):
         # `next` is an attribute, not a method: with no memory and exactly one observer it is
-        # that observer itself, which spares every message one call per hop.
+        # that observer itself, which spares every message one call per hop (issue 15 measured
+        # 0.1 us of a 3.4 us send() through __input__ -> map -> __output__, two such hops).
         if self.memory is None and len(self.observers) == 1:
             self.next = self.observers[0]
         else:
@@ -4643,7 +4644,7 @@ class StreamNetwork:
         meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
-        # deliver(push, message), inlined: send() is the hot path (issue 15: one call less)
+        # deliver(push, message), inlined: send() is the hot path (issue 15: one call, ~0.1 us)
         try:
             push(Message(content, meta, INPUT, clock.now()))
             if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
@@ -11185,8 +11186,10 @@ class Actor:
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
         with self._turn:
-            outputs, errors = self._outputs, self._errors      # _begin() and _end(), inlined:
-            outputs.clear()                                     # send() is the hot path
+            # _begin() and _end(), inlined: send() is the hot path (issue 15 measured 0.14 us
+            # of a 3.4 us send(), two calls)
+            outputs, errors = self._outputs, self._errors
+            outputs.clear()
             errors.clear()
             if at is not None:              # timers falling due on the way belong to this call
                 self.network.deliver(self.rt.clock.set_time, at)
