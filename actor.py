@@ -6086,7 +6086,8 @@ def checkpoint_name(graph):
 # per frame, "ok" or "error <reason>". It writes the JSON to a temporary file beside the path and
 # renames it into place; at end of input it stops.
 CHECKPOINT_WRITER_PROGRAM = r"""
-import json, marshal, os, sys, time
+import json, marshal, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is for the Actor; end of input stops us
 source, answers, durable_at = sys.stdin.buffer, sys.stdout.buffer, 0.0
 while True:
     header = source.readline()
