@@ -1979,7 +1979,9 @@ def tool_request(agent, content):
         # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
         # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
         return agent.sole_tool, [text], text
-    return name, words[1:], " ".join(words[1:])
+    rest = words[1:]
+    # input_data serves an inline tool only (I-054): no join for a built-in
+    return name, rest, " ".join(rest) if tools.get(name) is not None else None
 
 # §4.5.4 Safe-mode restrictions ------------------------------------------------------------
 # The agent layer of the path rules (`safe_mode`); the host layer is §13.3, and tool_path()
