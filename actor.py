@@ -85,7 +85,6 @@ import marshal
 import math
 import operator
 import os
-import queue
 import random
 import re
 try:                                       # the regex parser, to spot nested repeats (§6.2.6.2)
