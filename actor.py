@@ -1918,8 +1918,8 @@ class InlineTool:
     def call(self, input_data, rt, ctx, limits):
         """run() for a caller that holds no ToolEnv. A body that names neither `context`, `locals`
         nor `progress_bar` can reach neither the context nor the progress facility, so it gets
-        the invocation context as it is, no merged view and no progress function: issue 15
-        measured this at 0.5 us of a 1.5 us call."""
+        the invocation context as it is, no merged view and no progress function (issue 15
+        measured the call at 1.0 us this way, 1.7 us through run())."""
         if self.reads_context:
             return self.run(input_data, ToolEnv(rt, ctx, limits))
         variables = {"input_data": input_data, "message": input_data, "result": None,
