@@ -5126,7 +5126,12 @@ class GraphRoute:
         """Run a next-node set of one node (nothing to schedule); return its output. A guard
         that stops the run sets trace.stopped (before the node: its message is returned)."""
         state = self.state
-        relaxed = guards_relaxed(state)
+        metadata = state["metadata"]
+        nested = metadata.get("context")
+        if "auto_finish_active" in metadata or type(nested) is not dict:
+            relaxed = guards_relaxed(state)
+        else:       # guards_relaxed(state), inlined for the usual case (issue 15: 0.1-0.2 us a node)
+            relaxed = bool(nested.get("auto_finish_active"))
         if guard_before_node(self, node, message, trace, relaxed):
             return message
         try:
@@ -6379,9 +6384,11 @@ def replace_active_context(state, ctx):
     metadata = state["metadata"]
     nested = metadata.get("context")
     merged = dict(nested) if isinstance(nested, dict) else {}
-    for key, value in metadata.items():
-        if key != "context":
-            merged[key] = value
+    merged.update(metadata)             # every metadata key, "context" put right below
+    if isinstance(nested, dict) and "context" in nested:
+        merged["context"] = nested["context"]
+    else:
+        merged.pop("context", None)
     # T2 (README Security): whatever the run left in metadata, the host-only keys (§10.3) keep
     # the values the host gave the context.
     for key in HOST_ONLY_CONTEXT_KEYS:
