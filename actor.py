@@ -1970,15 +1970,15 @@ def tool_request(agent, content):
         return name, parsed.get("args"), None
     # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
     # form, as written.
-    words = text.split()
-    name = words[0] if words else ""
+    head = text.split(None, 1)          # the first word; the rest is split only when needed
+    name = head[0] if head else ""
     if agent.sole_tool is not None and name not in tools and name not in BUILTIN_TOOLS \
             and name not in EXTENSION_TOOLS:
         # INTERPRETATION I-055 §3.3 vs §4.5.3 (Q8): when the first word names no tool at all and the
         # agent has a single (built-in) tool, that tool gets the whole message, so that the §3.3
         # echo Actor "accepts any message"; a word naming another tool still fails (step 5).
         return agent.sole_tool, [text], text
-    rest = words[1:]
+    rest = head[1].split() if len(head) > 1 else []
     # input_data serves an inline tool only (I-054): no join for a built-in
     return name, rest, " ".join(rest) if tools.get(name) is not None else None
 
