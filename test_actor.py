@@ -3726,6 +3726,56 @@ def test_bench_send_against_rxpy_subject_pipeline():
           f"({rates['send'] / rates['rx']:.2f}x RxPY; issue 15 asks >= 1.0x)")
 
 
+@pytest.mark.bench
+def test_bench_start_up_against_import_yaml(tmp_path):
+    """Issue 15: `python -m actor --check examples/echo.yaml` against `python -c "import yaml"`,
+    each as a fresh process, best of seven interleaved runs (the issue keeps <= 1.5x). Bytecode
+    is cached (in tmp_path), as it is for an installed module, even where the environment says
+    PYTHONDONTWRITEBYTECODE: compiling actor.py alone takes longer than importing yaml."""
+    import subprocess
+    import time as _time
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path)
+    commands = {"import yaml": [sys.executable, "-c", "import yaml"],
+                "--check": [sys.executable, "-m", "actor", "--check", "examples/echo.yaml"]}
+    best = {label: float("inf") for label in commands}
+    for _ in range(7):
+        for label, command in commands.items():
+            started = _time.perf_counter()
+            done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True,
+                                  timeout=60)
+            best[label] = min(best[label], _time.perf_counter() - started)
+            assert done.returncode == 0, done.stderr
+    print(f"\n[start-up bench] python -m actor --check examples/echo.yaml {best['--check']:.3f} s, "
+          f"python -c 'import yaml' {best['import yaml']:.3f} s "
+          f"({best['--check'] / best['import yaml']:.2f}x; issue 15 keeps <= 1.5x)")
+
+
+@pytest.mark.bench
+def test_bench_load_thousand_agents_against_libyaml():
+    """Issue 15: actor.load() of a document with 1,000 tool agents against libyaml (CSafeLoader)
+    parsing the same text, best of five interleaved rounds (the issue keeps <= 1.5x)."""
+    import time as _time
+    loader = getattr(yaml, "CSafeLoader", None)
+    if loader is None:
+        pytest.skip("PyYAML was built without libyaml")
+    text = ("agents:\n" + "".join(f"  a{i}: {{type: tool, config: {{tools: [echo]}}}}\n"
+                                  for i in range(1000))
+            + "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: a0}}],"
+              " publications: [__output__]}\nmerges: [{sources: [__input__], target: main}]\n")
+    runs = {"libyaml": lambda: yaml.load(text, Loader=loader), "load": lambda: actor.load(text=text)}
+    best = {label: float("inf") for label in runs}
+    for _ in range(5):
+        for label, fn in runs.items():
+            started = _time.perf_counter()
+            fn()
+            best[label] = min(best[label], _time.perf_counter() - started)
+    assert len(actor.load(text=text).rt.agents) == 1000
+    print(f"\n[load bench] 1,000 agents: actor.load() {best['load'] * 1e3:.1f} ms, libyaml "
+          f"{best['libyaml'] * 1e3:.1f} ms ({best['load'] / best['libyaml']:.2f}x; issue 15 keeps "
+          f"<= 1.5x)")
+
+
 # =====================================================================================
 # §6 Graph routes (graphs)
 # =====================================================================================
@@ -4856,20 +4906,25 @@ def test_graph_bench_checkpointing_cost(tmp_path):
     graphs["on"].flush_checkpoints()
     start_ms = (_time.perf_counter() - started) * 1e3
     figures = {"off": float("inf"), "on": float("inf")}
+    cpu = {"off": float("inf"), "on": float("inf")}
     runs = 10_000 // 2                           # two state updates a run
     for _ in range(3):
         for label, g in graphs.items():
-            started = _time.perf_counter()
+            started, thread_started = _time.perf_counter(), _time.thread_time()
             for i in range(runs):
                 g.run("x")
             g.flush_checkpoints()
             figures[label] = min(figures[label], (_time.perf_counter() - started) / runs * 1e6)
+            cpu[label] = min(cpu[label], (_time.thread_time() - thread_started) / runs * 1e6)
     assert len(graphs["on"].checkpoints()) == 3 * runs * 2 // actor.CHECKPOINT_EVERY
     graphs["on"].close()
     print(f"\n[graphs bench] two-node echo graph, 10,000 updates: {figures['off']:.1f} us/run "
           f"without checkpointing, {figures['on']:.1f} us/run with it "
-          f"({figures['on'] / figures['off']:.2f}x; issue 15 asks <= 1.5x); the writer process "
-          f"starts in {start_ms:.0f} ms, once per graph")
+          f"({figures['on'] / figures['off']:.2f}x; issue 15 asks <= 1.5x); the graph thread's "
+          f"own CPU time {cpu['off']:.1f} and {cpu['on']:.1f} us/run "
+          f"({cpu['on'] / cpu['off']:.2f}x: what the graph itself pays; the wall time comes near "
+          f"it when the writer has a core of its own); the writer process starts in "
+          f"{start_ms:.0f} ms, once per graph")
 
 
 @pytest.mark.bench
@@ -4907,13 +4962,16 @@ def test_graph_bench_against_langgraph_state_graph():
         return actor.GraphRoute("main", cfg, rt), builder.compile()
 
     def per_node(fn, rounds, repeats):
+        """Best per-node CPU time of the calling thread: both executors run every node on it (a
+        compiled StateGraph's sync invoke included), and on a shared machine the wall clock
+        also counts the time other processes hold the core."""
         fn()                                     # warm up
         best = float("inf")
         for _ in range(repeats):
-            started = _time.perf_counter()
+            started = _time.thread_time()
             for _i in range(rounds):
                 fn()
-            best = min(best, _time.perf_counter() - started)
+            best = min(best, _time.thread_time() - started)
         return best / (rounds * len(names)) * 1e6
 
     for label, tool, target in (("ToolAgent(echo)", "echo", 60),
