@@ -280,10 +280,11 @@ REQUIRED = object()
 
 
 class Constraint:
-    __slots__ = ("test", "wording")
+    __slots__ = ("test", "wording", "types")
 
-    def __init__(self, test, wording):
+    def __init__(self, test, wording, types=()):
         self.test, self.wording = test, wording
+        self.types = types          # the Python types it admits, for --schema (HOST)
 
 
 class Field:
@@ -302,31 +303,39 @@ def _whole(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value):
+    """A finite number from a document (never a bool): NaN and infinities are refused like
+    out-of-range values (§1.3 item 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        isinstance(value, int) or math.isfinite(value))
+
+
 def is_seconds(value, positive=False):
-    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
-    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
+    """A duration or interval from a document: a finite number, at least 0 (more than 0 when
+    `positive`)."""
+    return is_number(value) and (value > 0 if positive else value >= 0)
 
 
 ANY = Constraint(lambda value: True, "anything")
-BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean")
-STRING = Constraint(lambda value: isinstance(value, str), "a string")
-MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping")
-SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence")
-NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer")
-POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer")
-SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds")
+BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean", (bool,))
+STRING = Constraint(lambda value: isinstance(value, str), "a string", (str,))
+MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping", (dict,))
+SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence", (list,))
+NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer",
+                              (int,))
+POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer", (int,))
+SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds", (int, float))
 POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
-                              "a finite, positive number of seconds")
+                              "a finite, positive number of seconds", (int, float))
 
 
-def check_fields(doc, cfg, table, path):
+def check_fields(doc, cfg, table, path, null_is_default=False):
     """Every row of `table` ({name: Field}) against the mapping `cfg` at `path`; raises the
-    located ConfigurationError for a missing required field or a value its constraint refuses."""
+    located ConfigurationError for a missing required field or a value its constraint refuses.
+    null_is_default: a null value takes the default whatever it is (the §4 agent tables)."""
     for field in table.values():
-        if field.name not in cfg or cfg[field.name] is None and field.default is None:
+        if field.name not in cfg or cfg[field.name] is None and (
+                null_is_default or field.default is None):
             if field.default is REQUIRED:
                 raise doc.error(ConfigurationError, path + (field.name,),
                                 f"{field.name} is required ({field.constraint.wording})",
@@ -558,9 +567,6 @@ class Runtime:
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
         self.warned_conditions = set()      # §5.4.1: condition sites already warned about
         self.phase_a_reads = set()          # §8.2: names the documents' Phase A reads
-
-    def error(self, cls, path, message, section=None):
-        return self.doc.error(cls, path, message, section)
 
     def warn(self, message, *, section=None, path=None):
         return warn(self, message, section=section, path=path)
@@ -955,32 +961,38 @@ def check_agent_name_style(rt, name, path):
 # §4.4 LLM agents ----------------------------------------------------------------------
 # The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
 # (§4.4.2), `api_key` from the environment (§4.4.1).
-LLM_FIELDS = {
-    "provider":        ((str,),              "openai"),
-    "model":           ((str,),              None),
-    "temperature":     ((int, float),        0.7),
-    "max_tokens":      ((int,),              1000),
-    "system_prompt":   ((str,),              "You are a helpful assistant."),
-    "memory_enabled":  ((bool,),             False),
-    "max_history":     ((int,),              10),
-    "api_key":         ((str,),              None),
-    "template":        ((str,),              None),
-    "template_vars":   ((dict,),             {}),
-    "response_format": ((dict,),             None),
-}
+LLM_TEMPERATURE_RANGE = (0.0, 2.0)
+# INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
+TEMPERATURE = Constraint(lambda value: is_number(value) and (
+    LLM_TEMPERATURE_RANGE[0] <= value <= LLM_TEMPERATURE_RANGE[1]), "a number from 0.0 to 2.0",
+    (int, float))
+MODEL_NAME = Constraint(lambda value: isinstance(value, str) and value.strip() != "",
+                        "a non-empty string", (str,))
+LLM_FIELDS = fields_by_name(
+    Field("provider",        STRING,           "openai",                       "4.4"),
+    Field("model",           MODEL_NAME,       None,                           "4.4.2"),
+    Field("temperature",     TEMPERATURE,      0.7,                            "4.4"),
+    Field("max_tokens",      POSITIVE_INT,     1000,                           "4.4"),
+    Field("system_prompt",   STRING,           "You are a helpful assistant.", "4.4"),
+    Field("memory_enabled",  BOOLEAN,          False,                          "4.4"),
+    Field("max_history",     NON_NEGATIVE_INT, 10,                             "4.4.4"),
+    Field("api_key",         STRING,           None,                           "4.4"),
+    Field("template",        STRING,           None,                           "4.4"),
+    Field("template_vars",   MAPPING,          {},                             "4.4"),
+    Field("response_format", MAPPING,          None,                           "4.4"),
+)
 
 # Fields outside the §4.4 table that an llm agent also accepts: §4.9's per-agent context, and this
 # implementation's extensions (§1.3 MAY): `base_url` (OpenAI-compatible servers) and the
 # opt-in §12.4 tool-block processing (`tool_execute` + `tools`).
-LLM_EXTRA_FIELDS = {
-    "context":      ((dict,),  None),
-    "base_url":     ((str,),   None),
-    "tool_execute": ((bool,),  False),
-    "tools":        ((list,),  None),
-}
+LLM_EXTRA_FIELDS = fields_by_name(
+    Field("context",      MAPPING,  None,  "4.4"),
+    Field("base_url",     STRING,   None,  "4.4"),
+    Field("tool_execute", BOOLEAN,  False, "4.4"),
+    Field("tools",        SEQUENCE, None,  "4.4"),
+)
 
 LLM_AGENT_FIELDS = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
-LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 
 # Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
 # added when the provider / configuration offers them.
@@ -1122,8 +1134,8 @@ class LLMAgent:
 
 
 def check_llm(rt, name, config, cpath):
-    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, checked before any agent exists."""
-    values = _llm_check_fields(rt, config, cpath)
+    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, before any agent exists."""
+    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
     warn_unparsable_template(rt, values["system_prompt"], cpath + ("system_prompt",))
     if values["template"] is not None:
         _llm_check_template(rt, values["template"], cpath + ("template",))
@@ -1138,59 +1150,25 @@ def check_llm(rt, name, config, cpath):
                                   cpath + ("response_format",))
     check_api_key(rt, provider, values["api_key"], cpath)
     if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
-        raise rt.error(ConfigurationError, cpath + ("base_url",),
-                       "base_url must be an http:// or https:// URL", "4.4")
+        raise rt.doc.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
 
 
 def field_values(config, fields):
     """A checked config's values by its field table: absent or null fields take the default."""
-    return {field: copy.deepcopy(default) if config.get(field) is None else config[field]
-            for field, (types, default) in fields.items()}
+    return {name: copy.deepcopy(row.default) if config.get(name) is None else config[name]
+            for name, row in fields.items()}
 
 
 def check_config_fields(rt, config, fields, cpath, section, kind):
-    """An agent config against its field table {field: (types, default)}: type errors are located
-    ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
-    fields are ignored with a warning. Returns field -> value."""
-    values = {}
-    for field, (types, default) in fields.items():
-        if field not in config or config[field] is None:
-            values[field] = copy.deepcopy(default)
-            continue
-        value = config[field]
-        bad_bool = isinstance(value, bool) and bool not in types
-        if bad_bool or not isinstance(value, types):
-            names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
-            raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a {names}, not {type(value).__name__}", section)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a finite number, not {value}", section)
-        values[field] = value
+    """An agent config against its field table (check_fields, a null taking the default); unknown
+    fields are ignored with a warning. Returns field -> value, defaults in."""
+    check_fields(rt.doc, config, fields, cpath, null_is_default=True)
     for field in config:
         if field not in fields:
             rt.warn(f"unknown {kind} field '{field}' is ignored", section=section,
                     path=cpath + (field,))
-    return values
-
-
-def _llm_check_fields(rt, config, cpath):
-    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
-    low, high = LLM_TEMPERATURE_RANGE
-    # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
-    if not low <= values["temperature"] <= high:
-        raise rt.error(ConfigurationError, cpath + ("temperature",),
-                       f"temperature {values['temperature']} is outside [{low}, {high}]", "4.4")
-    if values["max_tokens"] < 1:
-        raise rt.error(ConfigurationError, cpath + ("max_tokens",), "max_tokens must be at least 1",
-                       "4.4")
-    if values["max_history"] < 0:
-        raise rt.error(ConfigurationError, cpath + ("max_history",),
-                       "max_history must not be negative", "4.4.4")
-    if values["model"] is not None and not values["model"].strip():
-        raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
-    return values
+    return field_values(config, fields)
 
 
 def _llm_prompt_text(rt, name):
@@ -1207,8 +1185,8 @@ def _llm_prompt_text(rt, name):
 def _llm_check_template(rt, name, path):
     # INTERPRETATION I-033 §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
     if _llm_prompt_text(rt, name) is None:
-        raise rt.error(ConfigurationError, path,
-                       f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
+        raise rt.doc.error(ConfigurationError, path,
+                           f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
 
 # §4.4.1 Providers -----------------------------------------------------------------------
 # The §4.4.1 table: provider -> environment variables consulted in order (first non-empty wins).
@@ -1239,9 +1217,9 @@ def check_providers(rt, agents):
         configured, used = resolve_provider(
             rt, field_values(cfg["config"], LLM_AGENT_FIELDS)["provider"])
         if configured not in PROVIDERS:
-            raise rt.error(AgentCreationError, path + ("config", "provider"),
-                           f"provider '{configured}' is not available in this host "
-                           f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
+            raise rt.doc.error(AgentCreationError, path + ("config", "provider"),
+                               f"provider '{configured}' is not available in this host "
+                               f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
             raise AgentCreationError(f"host provider override '{used}' is not available "
                                      f"(available: {', '.join(sorted(PROVIDERS))})",
@@ -1263,9 +1241,9 @@ def check_api_key(rt, provider, explicit, cpath):
     variables = PROVIDER_KEY_VARS.get(provider, ())
     if variables and resolve_api_key(rt, provider, explicit) is None:
         # INTERPRETATION I-023 §4.4.1 (Q75): reported at load, before any message.
-        raise rt.error(ConfigurationError, cpath,
-                       f"no API key for provider '{provider}': set the api_key field or the "
-                       f"environment variable {' or '.join(variables)}", "4.4.1")
+        raise rt.doc.error(ConfigurationError, cpath,
+                           f"no API key for provider '{provider}': set the api_key field or the "
+                           f"environment variable {' or '.join(variables)}", "4.4.1")
 
 
 # §4.4.2 Default models ----------------------------------------------------------------
@@ -1282,23 +1260,24 @@ def check_response_format(rt, rf, path):
     `json_schema: {name?, strict?, schema}` as §4.4.3 shows)."""
     kind = rf.get("type")
     if not isinstance(kind, str) or not kind:
-        raise rt.error(ConfigurationError, path + ("type",),
-                       "response_format needs a string 'type'", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("type",),
+                           "response_format needs a string 'type'", "4.4.3")
     if kind != "json_schema":
         return
     block = rf.get("json_schema")
     if not isinstance(block, dict):
-        raise rt.error(ConfigurationError, path + ("json_schema",),
-                       "response_format of type json_schema needs a 'json_schema' mapping", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema",),
+                           "response_format of type json_schema needs a 'json_schema' mapping",
+                           "4.4.3")
     if not isinstance(block.get("schema"), dict):
-        raise rt.error(ConfigurationError, path + ("json_schema", "schema"),
-                       "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "schema"),
+                           "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
     if "name" in block and not isinstance(block["name"], str):
-        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
-                       "json_schema.name must be a string", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "name"),
+                           "json_schema.name must be a string", "4.4.3")
     if "strict" in block and not isinstance(block["strict"], bool):
-        raise rt.error(ConfigurationError, path + ("json_schema", "strict"),
-                       "json_schema.strict must be a boolean", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "strict"),
+                           "json_schema.strict must be a boolean", "4.4.3")
 
 
 # Provider rules a §4.4.3 block must meet to be "conformant to the provider's mechanism".
@@ -1313,9 +1292,9 @@ def check_response_format_for(rt, provider, rf, path):
         return
     name = rf["json_schema"].get("name")
     if not isinstance(name, str) or not OPENAI_SCHEMA_NAME.fullmatch(name):
-        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
-                       "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
-                       "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "name"),
+                           "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
+                           "4.4.3")
 
 
 def check_structured_support(agent, rf):
@@ -1409,13 +1388,13 @@ def render_system_prompt(agent, view, message):
 # and the shell extension (§13.5).
 
 # The §4.5 field table: field -> (accepted Python types, default).
-TOOL_AGENT_FIELDS = {
-    "tools":       ((list,),        []),
-    "safe_mode":   ((bool,),        True),
-    "allow_shell": ((bool,),        False),
-    "timeout":     ((int, float),   1),
-    "context":     ((dict,),        {}),
-}
+TOOL_AGENT_FIELDS = fields_by_name(
+    Field("tools",       SEQUENCE,         [],    "4.5"),
+    Field("safe_mode",   BOOLEAN,          True,  "4.5"),
+    Field("allow_shell", BOOLEAN,          False, "4.5"),
+    Field("timeout",     POSITIVE_SECONDS, 1,     "4.5"),
+    Field("context",     MAPPING,          {},    "4.5"),
+)
 
 # The §4.11 capability identifiers a tool agent publishes, by the tool that brings them.
 TOOL_CAPABILITIES = {
@@ -1499,7 +1478,7 @@ class ToolAgent:
     type = "tool"
 
     def __init__(self, name, cfg, rt, path):
-        """Build from a configuration check_tool_agent has passed (§12.1: validate, then create)."""
+        """Build from a configuration check_tool_agent has passed (§12.1)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
@@ -1911,14 +1890,12 @@ def check_tool_agent(rt, name, config, cpath):
     # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
     # load, because the table says "Required: Yes" and such an agent could only ever fail.
     if "tools" not in config:
-        raise rt.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list", "4.5")
+        raise rt.doc.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list",
+                           "4.5")
     if config["tools"] is None:
-        raise rt.error(ConfigurationError, cpath + ("tools",), "'tools' must be a list of tools",
-                       "4.5")
+        raise rt.doc.error(ConfigurationError, cpath + ("tools",),
+                           "'tools' must be a list of tools", "4.5")
     values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, cpath, "4.5", "tool agent")
-    if values["timeout"] <= 0:
-        raise rt.error(ConfigurationError, cpath + ("timeout",),
-                       "`timeout` must be a positive number of seconds", "4.5")
     if not values["tools"]:
         rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
                 section="4.5", path=cpath + ("tools",))
@@ -1927,9 +1904,9 @@ def check_tool_agent(rt, name, config, cpath):
         path = cpath + ("tools", index)
         tool = check_tool_entry(rt, entry, path)
         if tool in seen:
-            raise rt.error(ConfigurationError, path,
-                           f"tool '{tool}' is listed twice; tool names are unique per agent",
-                           "4.5.2")
+            raise rt.doc.error(ConfigurationError, path,
+                               f"tool '{tool}' is listed twice; tool names are unique per agent",
+                               "4.5.2")
         seen.add(tool)
 
 
@@ -1939,21 +1916,21 @@ def check_tool_entry(rt, entry, path):
     if isinstance(entry, str):
         # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
         if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
-            raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
-                           f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+            raise rt.doc.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
         return entry
     if not isinstance(entry, dict):
-        raise rt.error(ConfigurationError, path,
-                       "a tool is a built-in name or a mapping {name, code}", "4.5")
+        raise rt.doc.error(ConfigurationError, path,
+                           "a tool is a built-in name or a mapping {name, code}", "4.5")
     name, code = entry.get("name"), entry.get("code")
     if not isinstance(name, str) or not name:
-        raise rt.error(ConfigurationError, path + ("name",),
-                       "an inline tool needs a non-empty string `name`", "4.5.2")
+        raise rt.doc.error(ConfigurationError, path + ("name",),
+                           "an inline tool needs a non-empty string `name`", "4.5.2")
     if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
         return name                       # {name: math} is the mapping form of `math`
     if not isinstance(code, str):
-        raise rt.error(ConfigurationError, path + ("code",),
-                       f"inline tool '{name}' needs a string `code` body", "4.5.2")
+        raise rt.doc.error(ConfigurationError, path + ("code",),
+                           f"inline tool '{name}' needs a string `code` body", "4.5.2")
     for key in entry:
         if key not in ("name", "code"):
             rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
@@ -1967,9 +1944,9 @@ def check_tool_entry(rt, entry, path):
     # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
     # and §20 describes exactly this category.
     if not rt.unsafe:
-        raise rt.error(UnsafeConfigurationError, path + ("code",),
-                       f"inline tool '{name}' runs code, which needs the host in unsafe mode",
-                       "4.5.2, 13.1")
+        raise rt.doc.error(UnsafeConfigurationError, path + ("code",),
+                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                           "4.5.2, 13.1")
     compile_code(code, rt=rt, path=path + ("code",))        # the §13.2.1 allowlist
     return name
 
@@ -2981,8 +2958,8 @@ def make_agent(rt, name, cfg, path):
     except ActorError:
         raise
     except Exception as exc:  # boundary: a broken agent definition must not escape as a traceback
-        raise rt.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
-                       "12.1") from exc
+        raise rt.doc.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
+                           "12.1") from exc
 
 
 # =====================================================================================
@@ -3045,20 +3022,20 @@ class _Checker:
     def note(self, path, message, section="5.3.2"):
         self.rt.warn(message, section=section, path=path)
 
-    def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
-        raise self.doc.error(cls, path, message, section)
-
     def stream_route(self, cfg, path):
         kind = cfg.get("stream_type", "cold")
         if not is_known(kind, STREAM_TYPES):
-            self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
-                      f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
+            raise self.doc.error(ConfigurationError, path + ("stream_type",),
+                                 f"unknown stream_type {kind!r} "
+                                 f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
         size = cfg.get("buffer_size", 1)
-        if not _is_count(size) or size < 1:
-            self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        if not POSITIVE_INT.test(size):
+            raise self.doc.error(ConfigurationError, path + ("buffer_size",),
+                                 f"buffer_size must be {POSITIVE_INT.wording}", "5.3.1")
         for field in ("metadata", "bridge"):
             if cfg.get(field) is not None and not isinstance(cfg[field], dict):
-                self.fail(path + (field,), f"{field} must be a mapping", "5.3")
+                raise self.doc.error(ConfigurationError, path + (field,),
+                                     f"{field} must be a mapping", "5.3")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -3067,7 +3044,8 @@ class _Checker:
         if ops is None:
             return
         if not isinstance(ops, list):
-            self.fail(path, "operators must be a sequence of operator mappings")
+            raise self.doc.error(ConfigurationError, path,
+                                 "operators must be a sequence of operator mappings", "5.3.2")
         for i, op in enumerate(ops):
             self.operator(op, path + (i,))
             if op["type"] == "retry" and _retried_map(ops, i) is None:
@@ -3076,22 +3054,26 @@ class _Checker:
 
     def operator(self, op, path):
         if not isinstance(op, dict) or not isinstance(op.get("type"), str):
-            self.fail(path, "an operator is a mapping with a string `type`")
+            raise self.doc.error(ConfigurationError, path,
+                                 "an operator is a mapping with a string `type`", "5.3.2")
         kind = op["type"]
         if kind not in OPERATORS:
-            self.fail(path + ("type",), f"unknown operator {kind!r}", cls=StreamRoutingError)
+            raise self.doc.error(StreamRoutingError, path + ("type",),
+                                 f"unknown operator {kind!r}", "5.3.2")
         for key in op:
             if key not in ("type", "params"):
                 self.note(path + (key,), f"unknown operator key {key!r} ignored")
         params = op.get("params") or {}
         if not isinstance(params, dict):
-            self.fail(path + ("params",), "params must be a mapping")
+            raise self.doc.error(ConfigurationError, path + ("params",),
+                                 "params must be a mapping", "5.3.2")
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
         for key, (check, default) in spec.items():
             value = params.get(key)
             if value is None and default is REQUIRED:
-                self.fail(path, f"operator {kind!r} needs params.{key}")
+                raise self.doc.error(ConfigurationError, path,
+                                     f"operator {kind!r} needs params.{key}", "5.3.2")
             if value is not None:
                 check(self, value, path + (key,))
         if kind not in OPEN_PARAMS:
@@ -3104,67 +3086,75 @@ class _Checker:
 
     # One check per parameter kind (the second element of each OPERATORS spec row) -----
     def seconds(self, value, path):
-        if not is_seconds(value):
-            self.fail(path, "must be a finite, non-negative number of seconds")
+        if not SECONDS.test(value):
+            raise self.doc.error(ConfigurationError, path, f"must be {SECONDS.wording}", "5.3.2")
 
     def count(self, value, path):
-        if not _is_count(value):
-            self.fail(path, "must be a non-negative integer")
+        if not NON_NEGATIVE_INT.test(value):
+            raise self.doc.error(ConfigurationError, path,
+                                 f"must be {NON_NEGATIVE_INT.wording}", "5.3.2")
 
     def text(self, value, path):
-        if not isinstance(value, str):
-            self.fail(path, "must be a string")
+        if not STRING.test(value):
+            raise self.doc.error(ConfigurationError, path, f"must be {STRING.wording}", "5.3.2")
 
     def condition(self, value, path):
         if not isinstance(value, dict):
-            self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+            raise self.doc.error(ConfigurationError, path,
+                                 "a condition is a mapping with a `type` key", "5.4")
         wrong = condition_shape_error(value)
         if wrong is not None:
-            self.fail(path + (wrong[0],), wrong[1], "5.4")
+            raise self.doc.error(ConfigurationError, path + (wrong[0],), wrong[1], "5.4")
 
     def mapping(self, value, path):
         if not isinstance(value, dict):
-            self.fail(path, "must be a mapping")
+            raise self.doc.error(ConfigurationError, path, "must be a mapping", "5.3.2")
 
     def agent(self, value, path):
         if not is_known(value, self.agents):
-            self.fail(path, f"unknown agent {value!r}", "5.3.4")
+            raise self.doc.error(ConfigurationError, path, f"unknown agent {value!r}", "5.3.4")
 
     def graph(self, value, path):
         if not is_known(value, self.graphs):
-            self.fail(path, f"unknown graph route {value!r}")
+            raise self.doc.error(ConfigurationError, path,
+                                 f"unknown graph route {value!r}", "5.3.2")
 
     def function(self, value, path):
         # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
         # anything else is an inline expression, which §16.2 forbids.
         if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
-            self.fail(path, "function must name a transformer; inline expressions are forbidden "
-                      "here (use the transform operator with fn)", "16.2")
+            raise self.doc.error(ConfigurationError, path, "function must name a transformer; "
+                                 "inline expressions are forbidden here (use the transform "
+                                 "operator with fn)", "16.2")
         if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
             self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
                       "5.3.3")
 
     def transform(self, value, path):
         if not isinstance(value, dict):
-            self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
+            raise self.doc.error(ConfigurationError, path,
+                                 "transform must be a mapping with a `type` key", "5.3.5")
         check_transform_params(self, value, path)
 
     def accumulator(self, value, path):
         kind = value.get("type") if isinstance(value, dict) else None
         if not is_known(kind, ACCUMULATORS):
-            self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
+            raise self.doc.error(ConfigurationError, path, "accumulator type must be one of "
+                                 f"{', '.join(ACCUMULATORS)}", "5.3.6")
 
     def target(self, value, path):
         if not isinstance(value, str):
-            self.fail(path, "a switch target names a stream")
+            raise self.doc.error(ConfigurationError, path,
+                                 "a switch target names a stream", "5.3.2")
         # §5.3.2: an unknown target is no-match at run time, not a load error.
 
     def cases(self, value, path):
         if not isinstance(value, list):
-            self.fail(path, "cases must be a sequence")
+            raise self.doc.error(ConfigurationError, path, "cases must be a sequence", "5.3.2")
         for i, case in enumerate(value):
             if not isinstance(case, dict):
-                self.fail(path + (i,), "a case is a mapping with `condition`")
+                raise self.doc.error(ConfigurationError, path + (i,),
+                                     "a case is a mapping with `condition`", "5.3.2")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
             if case.get("target") is not None:
@@ -3176,13 +3166,10 @@ class _Checker:
 
     def route_conditions(self, value, path):
         if not isinstance(value, dict):
-            self.fail(path, "routes must map route names to conditions", "5.3.2")
+            raise self.doc.error(ConfigurationError, path,
+                                 "routes must map route names to conditions", "5.3.2")
         for name, cond in value.items():
             self.condition(cond, path + (name,))
-
-
-def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def stream_edges(data, known, default=None):
@@ -3919,15 +3906,17 @@ def _check_map(checker, params, path):
     # ConfigurationError at load time.
     given = [k for k in ("agent", "function", "transform") if params.get(k) is not None]
     if len(given) != 1:
-        checker.fail(path, "map needs exactly one of agent, function, transform"
-                     + (f" (got {', '.join(given)})" if given else ""))
+        raise checker.doc.error(ConfigurationError, path,
+                                "map needs exactly one of agent, function, transform"
+                                + (f" (got {', '.join(given)})" if given else ""), "5.3.2")
 
 
 def _check_transform(checker, params, path):
     if params.get("fn") is None and params.get("type") is None:
-        checker.fail(path, "transform needs `fn` or `type`", cls=StreamRoutingError)
+        raise checker.doc.error(StreamRoutingError, path, "transform needs `fn` or `type`", "5.3.2")
     if params.get("fn") is not None and params.get("type") is not None:
-        checker.fail(path, "transform takes `fn` or `type`, not both")
+        raise checker.doc.error(ConfigurationError, path,
+                                "transform takes `fn` or `type`, not both", "5.3.2")
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
@@ -3936,15 +3925,17 @@ def _check_transform(checker, params, path):
 
 def _check_sample(checker, params, path):
     if params.get("interval") is not None and params["interval"] <= 0:
-        checker.fail(path + ("interval",), "interval must be positive")
+        raise checker.doc.error(ConfigurationError, path + ("interval",),
+                                "interval must be positive", "5.3.2")
 
 
 def _check_graph_node(checker, params, path):
     graph = checker.routes.get(params.get("graph"))
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     if isinstance(nodes, dict) and params.get("node") not in nodes:
-        checker.fail(path + ("node",), f"graph {params.get('graph')!r} has no node "
-                     f"{params.get('node')!r}")
+        raise checker.doc.error(ConfigurationError, path + ("node",),
+                                f"graph {params.get('graph')!r} has no node "
+                                f"{params.get('node')!r}", "5.3.2")
 
 
 def _compile_located(doc, source, nparams, rt, path):
@@ -4297,18 +4288,20 @@ TRANSFORMS = {
 
 def check_transform_type(checker, kind, path):
     if not is_known(kind, TRANSFORMS):
-        checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
-                     "5.3.5")
+        raise checker.doc.error(ConfigurationError, path, f"unknown transform type {kind!r} "
+                                f"(one of {', '.join(TRANSFORMS)})", "5.3.5")
 
 
 def check_transform_params(checker, params, path):
     """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
     check_transform_type(checker, params.get("type") or "identity", path + ("type",))
     if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
-        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+        raise checker.doc.error(ConfigurationError, path + ("wrapper",),
+                                "wrapper must be a mapping", "5.3.5")
     for key in ("field", "template", "old", "new"):
         if isinstance(params.get(key), (dict, list)):
-            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+            raise checker.doc.error(ConfigurationError, path + (key,),
+                                    f"{key} must be a scalar", "5.3.5")
 
 
 def transform_stage(site, params, down):
@@ -5096,7 +5089,8 @@ class GraphRoute:
         self.cfg = cfg
         self.rt = rt
         self.path = tuple(path or ("routes", name))
-        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
+        self.entry = normalize_node_name(cfg.get("entry_point",
+                                                 GRAPH_FIELDS["entry_point"].default))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self.entry, self.nodes, self.edges, implicit_names(cfg))
@@ -5519,8 +5513,8 @@ def check_nodes(rt, graph_name, nodes, path, agent_names):
             raise doc.error(ConfigurationError, where + ("type",),
                             f"only the node named {node_type} may have type {node_type}", "6.2.1")
         if canonical in declared:
-            raise doc.error(ConfigurationError, where,
-                            f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+            raise doc.error(ConfigurationError, where, f"node '{node_name}' is declared twice "
+                            "(START/END name one node)", "6.4")
         declared[canonical] = node_type
     known = set(declared) | {START_NODE, END_NODE}
     for node_name, node_cfg in nodes.items():
@@ -5528,7 +5522,8 @@ def check_nodes(rt, graph_name, nodes, path, agent_names):
         node_type = declared[normalize_node_name(node_name)]
         fields = NODE_TYPES[node_type][1]
         check_fields(doc, node_cfg, NODE_COMMON_FIELDS, where)
-        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS, where + ("metadata",))
+        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS,
+                     where + ("metadata",))
         check_fields(doc, node_cfg, fields, where)
         extra = NODE_CHECKS.get(node_type)
         if extra is not None:
@@ -5987,7 +5982,8 @@ def node_message_router(graph, node, message, state):
     return None                                                  # §6.2.6.4: state unchanged
 
 
-RULES = Constraint(lambda value: isinstance(value, list) and bool(value), "a non-empty list of rules")
+RULES = Constraint(lambda value: isinstance(value, list) and bool(value),
+                   "a non-empty list of rules")
 ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
 MATCH_TYPE = Constraint(lambda value: isinstance(value, str) and value.lower() in MATCH_TYPES,
                         "one of " + ", ".join(MATCH_TYPES))
@@ -9009,7 +9005,7 @@ def validate_document(doc, rt, host_default_router=None):
                   default=host_parameter(doc, "default_router", host_default_router)[0])
     router = resolve_default_router(doc, rt, host_default_router)
     warn_conditions_at_load(rt)
-    check_providers(rt, doc.data["agents"])     # §12.1: what would fail agent creation, after every rule
+    check_providers(rt, doc.data["agents"])     # §12.1: creation failures come after the rules
     return router
 
 
@@ -9406,16 +9402,17 @@ def check_tool_execute(rt, tools, enabled, cpath):
     """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
     if tools is None:
         if enabled:
-            raise rt.error(ConfigurationError, cpath + ("tool_execute",),
-                           "tool_execute needs a 'tools' list of built-in tool names", "12.4")
+            raise rt.doc.error(ConfigurationError, cpath + ("tool_execute",),
+                               "tool_execute needs a 'tools' list of built-in tool names", "12.4")
         return []
     if not enabled:
         rt.warn("'tools' has no effect without tool_execute: true", section="12.4",
                 path=cpath + ("tools",))
     for i, name in enumerate(tools):
         if not isinstance(name, str) or name not in BUILTIN_TOOLS or name in TOOL_EXECUTE_EXCLUDED:
-            raise rt.error(ConfigurationError, cpath + ("tools", i),
-                           f"{name!r} is not a built-in tool that tool_execute may call", "12.4")
+            raise rt.doc.error(ConfigurationError, cpath + ("tools", i),
+                               f"{name!r} is not a built-in tool that tool_execute may call",
+                               "12.4")
     return list(tools)
 
 
@@ -9838,7 +9835,7 @@ def _configuration_refusal(exc, rt, path, section, what):
         line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
     message = f"{what}, line {line}: {text}"
     if rt is not None and path is not None:
-        err = rt.error(ConfigurationError, path, message, section)
+        err = rt.doc.error(ConfigurationError, path, message, section)
     else:
         err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
     err.code_line = line
@@ -10501,13 +10498,13 @@ def check_checkpoint_dir(rt, given, path):
               else "a path resolving outside the working directory on a safe host"
               if not rt.unsafe and not target.is_relative_to(base) else None)
     if reason is not None:
-        raise rt.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
-                       "6.6, §13.3")
+        raise rt.doc.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
+                           "6.6, §13.3")
     # INTERPRETATION I-170 §6.6: one that cannot be created is refused at load, located.
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
-        raise rt.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
-                       "not a directory", "6.6")
+        raise rt.doc.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
+                           "not a directory", "6.6")
 
 # §13.5 Shell execution --------------------------------------------------------------------
 def tool_shell(env, args):
@@ -12361,10 +12358,11 @@ def _schema_for_types(types):
 
 
 def _schema_fields(table):
-    """{field: (types, default)} -> JSON Schema properties, with defaults where they are JSON."""
+    """A field table ({name: Field}) -> JSON Schema properties, with the JSON defaults."""
     properties = {}
-    for field, (types, default) in table.items():
-        fragment = dict(_schema_for_types(types))
+    for field, row in table.items():
+        default = row.default
+        fragment = dict(_schema_for_types(row.constraint.types))
         if default is not None and not isinstance(default, (dict, list)):
             fragment["default"] = default
         properties[field] = fragment

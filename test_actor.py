@@ -144,7 +144,7 @@ def test_build_complaints_are_caught(monkeypatch):
     def rechecks(self, name, cfg, rt, path):
         real_init(self, name, cfg, rt, path)
         rt.warn("a constructor's own opinion", section="4.4", path=path)
-        raise rt.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
+        raise rt.doc.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
 
     monkeypatch.setattr(actor.LLMAgent, "__init__", rechecks)
     assert _build_complaints(llm, monkeypatch) == []           # refused before any construction
