@@ -7783,7 +7783,16 @@ PARAMETER_TYPES = {
     "agent_ref": param_pass,
     "component_ref": param_pass,
 }
-PARAMETER_KEYS = ("type", "default", "required", "values", "description")
+# The §8.6.1 declaration fields (`values` is what an enum needs, checked beside the rows).
+PARAMETER_TYPE = Constraint(lambda value: is_known(value, PARAMETER_TYPES),
+                            "one of " + ", ".join(PARAMETER_TYPES), (str,))
+PARAMETER_FIELDS = fields_by_name(
+    Field("type",        PARAMETER_TYPE, "string", "8.6.2"),
+    Field("default",     ANY,            None,     "8.6.1"),
+    Field("required",    ANY,            None,     "8.6.1"),
+    Field("values",      ANY,            None,     "8.6.1"),
+    Field("description", ANY,            None,     "8.6.1"),
+)
 
 
 def parameter_declarations(doc, decls, path, rt=None):
@@ -7806,15 +7815,12 @@ def parameter_declarations(doc, decls, path, rt=None):
         if not isinstance(decl, dict):
             raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
                             "8.6.1")
-        ptype = decl.get("type", "string")
-        if not is_known(ptype, PARAMETER_TYPES):
-            raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
-                            f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
-        if ptype == "enum" and not isinstance(decl.get("values"), list):
+        check_fields(doc, decl, PARAMETER_FIELDS, at)
+        if decl.get("type") == "enum" and not isinstance(decl.get("values"), list):
             raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
                             "8.6.1")
         for key in decl:
-            if key not in PARAMETER_KEYS:
+            if key not in PARAMETER_FIELDS:
                 warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
                      path=at + (key,))
     return decls
@@ -9027,8 +9033,17 @@ ROUTE_FIELDS = {
                "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
 }
 AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
-MERGE_FIELDS = ("sources", "target")                                        # §7.1
-SPLIT_FIELDS = ("source", "targets")                                        # §7.2
+# The fields of §7.1 and §7.2. A merge or split without them is refused at the merge or split
+# itself (§11.4), before the rows are read; names and conditions are then checked against the
+# document.
+MERGE_FIELDS = fields_by_name(
+    Field("sources", SEQUENCE, REQUIRED, "7.1"),
+    Field("target",  STRING,   REQUIRED, "7.1"),
+)
+SPLIT_FIELDS = fields_by_name(
+    Field("source",  ANY,     REQUIRED, "11.4, §7.2"),
+    Field("targets", MAPPING, None,     "7.2"),
+)
 
 
 def warn_unknown_fields(rt, mapping, known, path, section):
@@ -9123,17 +9138,11 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
-        if not isinstance(merge["target"], str):
-            raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
-                            "7.1")
         if merge.get("sources") is None:
             raise doc.error(ConfigurationError, path, "merge has no sources (a sequence of "
                             "stream names; an empty one is ignored)", "7.1")
-        sources = merge["sources"]
-        if not isinstance(sources, list):
-            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
-                            "7.1")
-        for j, source in enumerate(sources):
+        check_fields(doc, merge, MERGE_FIELDS, path)
+        for j, source in enumerate(merge["sources"]):
             if not is_known(source, known):
                 raise doc.error(ConfigurationError, path + ("sources", j),
                                 f"merge source '{source}' is not a known route or stream", "11.4")
@@ -9144,15 +9153,12 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
+        check_fields(doc, split, SPLIT_FIELDS, path)
         if not is_known(split["source"], known):
             raise doc.error(ConfigurationError, path + ("source",),
                             f"split source '{split['source']}' is not a known route or stream",
                             "11.4")
-        targets = split.get("targets")
-        if targets is not None and not isinstance(targets, dict):
-            raise doc.error(ConfigurationError, path + ("targets",),
-                            "targets must be a mapping of target name to condition", "7.2")
-        for target, cond in (targets or {}).items():
+        for target, cond in (split.get("targets") or {}).items():
             if cond is not None and not isinstance(cond, dict):
                 raise doc.error(ConfigurationError, path + ("targets", target),
                                 "a split target's condition must be a mapping with a `type` "
@@ -9164,6 +9170,13 @@ def check_merges_and_splits(doc, rt, known):
 
 
 # §11.5 Pipeline validation --------------------------------------------------------------
+# The names a §7.3 stage may give (its type is checked first; an inline graph's `config` is a
+# graph route, checked by check_graph; a stream stage's operators by the operator checker).
+PIPELINE_STAGE_FIELDS = fields_by_name(
+    Field("name",  STRING, None, "7.3"),
+    Field("graph", STRING, None, "7.3"),
+)
+
 def check_pipelines(doc, rt):
     """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
     pipelines = doc.data.get("pipelines")
@@ -9184,10 +9197,7 @@ def check_pipelines(doc, rt):
                 raise doc.error(ConfigurationError, path,
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
-            for field in ("name", "graph"):             # names, when given, are strings
-                if stage.get(field) is not None and not isinstance(stage[field], str):
-                    raise doc.error(ConfigurationError, path + (field,),
-                                    f"a stage's {field} must be a string", "7.3")
+            check_fields(doc, stage, PIPELINE_STAGE_FIELDS, path)
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
@@ -10678,7 +10688,7 @@ FORBIDDEN_FORMS = {
     "top-level graphs:": "check_top_level (§3.2)",
     "composite with strategy:": "check_composite (§4.6)",
     # §16.2
-    "dynamic_router node": "check_graph (§6)",
+    "dynamic_router node": "check_nodes (§6.2)",
     "list-form routes": "check_top_level (§3.2)",
     "top-level pipelines:": "accepted: I-065 in vectors/INTERPRETATIONS.md (Q1)",
     "inline expression in map function": "check_streams (§5.3.3)",
@@ -10691,7 +10701,7 @@ FORBIDDEN_FORMS = {
     "prompt and prompt_reference": "check_chain (§4.7)",
     "template and type": "expand_templates (§8.7)",
     "agent_template and template": "expand_templates (§8.7)",
-    "inline tool named like a built-in": "ToolAgent (§4.5.2)",
+    "inline tool named like a built-in": "check_tool_entry (§4.5.2)",
     "template_config with route fields": "expand_templates (§8.7)",
 }
 
