@@ -3069,13 +3069,11 @@ class _Checker:
                                  "params must be a mapping", "5.3.2")
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
-        for key, (check, default) in spec.items():
-            value = params.get(key)
-            if value is None and default is REQUIRED:
+        for key, row in spec.items():
+            if params.get(key) is None and row.default is REQUIRED:
                 raise self.doc.error(ConfigurationError, path,
                                      f"operator {kind!r} needs params.{key}", "5.3.2")
-            if value is not None:
-                check(self, value, path + (key,))
+        check_fields(self.doc, params, spec, path, null_is_default=True)
         if kind not in OPEN_PARAMS:
             for key in params:
                 if key not in spec:
@@ -3084,31 +3082,13 @@ class _Checker:
         if extra:
             extra(self, params, path)
 
-    # One check per parameter kind (the second element of each OPERATORS spec row) -----
-    def seconds(self, value, path):
-        if not SECONDS.test(value):
-            raise self.doc.error(ConfigurationError, path, f"must be {SECONDS.wording}", "5.3.2")
-
-    def count(self, value, path):
-        if not NON_NEGATIVE_INT.test(value):
-            raise self.doc.error(ConfigurationError, path,
-                                 f"must be {NON_NEGATIVE_INT.wording}", "5.3.2")
-
-    def text(self, value, path):
-        if not STRING.test(value):
-            raise self.doc.error(ConfigurationError, path, f"must be {STRING.wording}", "5.3.2")
-
+    # What parameters name or nest, once their rows have passed (OPERATOR_CHECKS) ----------
     def condition(self, value, path):
-        if not isinstance(value, dict):
-            raise self.doc.error(ConfigurationError, path,
-                                 "a condition is a mapping with a `type` key", "5.4")
+        if not CONDITION.test(value):
+            raise self.doc.error(ConfigurationError, path, f"must be {CONDITION.wording}", "5.4")
         wrong = condition_shape_error(value)
         if wrong is not None:
             raise self.doc.error(ConfigurationError, path + (wrong[0],), wrong[1], "5.4")
-
-    def mapping(self, value, path):
-        if not isinstance(value, dict):
-            raise self.doc.error(ConfigurationError, path, "must be a mapping", "5.3.2")
 
     def agent(self, value, path):
         if not is_known(value, self.agents):
@@ -3120,56 +3100,21 @@ class _Checker:
                                  f"unknown graph route {value!r}", "5.3.2")
 
     def function(self, value, path):
-        # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
-        # anything else is an inline expression, which §16.2 forbids.
-        if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
-            raise self.doc.error(ConfigurationError, path, "function must name a transformer; "
-                                 "inline expressions are forbidden here (use the transform "
-                                 "operator with fn)", "16.2")
         if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
             self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
                       "5.3.3")
 
-    def transform(self, value, path):
-        if not isinstance(value, dict):
-            raise self.doc.error(ConfigurationError, path,
-                                 "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_params(self, value, path)
-
-    def accumulator(self, value, path):
-        kind = value.get("type") if isinstance(value, dict) else None
-        if not is_known(kind, ACCUMULATORS):
-            raise self.doc.error(ConfigurationError, path, "accumulator type must be one of "
-                                 f"{', '.join(ACCUMULATORS)}", "5.3.6")
-
-    def target(self, value, path):
-        if not isinstance(value, str):
-            raise self.doc.error(ConfigurationError, path,
-                                 "a switch target names a stream", "5.3.2")
-        # §5.3.2: an unknown target is no-match at run time, not a load error.
-
     def cases(self, value, path):
-        if not isinstance(value, list):
-            raise self.doc.error(ConfigurationError, path, "cases must be a sequence", "5.3.2")
         for i, case in enumerate(value):
             if not isinstance(case, dict):
                 raise self.doc.error(ConfigurationError, path + (i,),
                                      "a case is a mapping with `condition`", "5.3.2")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
-            if case.get("target") is not None:
-                self.target(case["target"], path + (i, "target"))
+            if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
+                raise self.doc.error(ConfigurationError, path + (i, "target"),
+                                     f"target must be {STREAM_NAME.wording}", "5.3.2")
             self.operators(case.get("operators"), path + (i, "operators"))
-
-    def operator_list(self, value, path):
-        self.operators(value, path)
-
-    def route_conditions(self, value, path):
-        if not isinstance(value, dict):
-            raise self.doc.error(ConfigurationError, path,
-                                 "routes must map route names to conditions", "5.3.2")
-        for name, cond in value.items():
-            self.condition(cond, path + (name,))
 
 
 def stream_edges(data, known, default=None):
@@ -3333,9 +3278,9 @@ def build_chain(net, route, ops, path, down):
         op = ops[index]
         handler, spec = OPERATORS[op["type"]]
         params = dict(op.get("params") or {})
-        for key, (_check, default) in spec.items():
-            if params.get(key) is None and default is not REQUIRED:
-                params[key] = default
+        for key, row in spec.items():
+            if params.get(key) is None and row.default is not REQUIRED:
+                params[key] = row.default
         stage = handler(_OpSite(net, route, path + (index, "params"), ops, index), params, stage)
     return stage
 
@@ -3909,6 +3854,30 @@ def _check_map(checker, params, path):
         raise checker.doc.error(ConfigurationError, path,
                                 "map needs exactly one of agent, function, transform"
                                 + (f" (got {', '.join(given)})" if given else ""), "5.3.2")
+    if params.get("agent") is not None:
+        checker.agent(params["agent"], path + ("agent",))
+    elif params.get("function") is not None:
+        checker.function(params["function"], path + ("function",))
+    else:
+        check_transform_params(checker, params["transform"], path + ("transform",))
+
+
+def _check_filter(checker, params, path):
+    if params.get("condition") is not None:
+        checker.condition(params["condition"], path + ("condition",))
+
+
+def _check_switch(checker, params, path):
+    """switch and conditional_route: cases, nested operator lists, and (the bridge router)
+    route conditions."""
+    checker.cases(params.get("cases") or [], path + ("cases",))
+    checker.operators(params.get("default_operators"), path + ("default_operators",))
+    for name, cond in (params.get("routes") or {}).items():
+        checker.condition(cond, path + ("routes", name))
+
+
+def _check_graph(checker, params, path):
+    checker.graph(params["graph"], path + ("graph",))
 
 
 def _check_transform(checker, params, path):
@@ -3930,6 +3899,7 @@ def _check_sample(checker, params, path):
 
 
 def _check_graph_node(checker, params, path):
+    _check_graph(checker, params, path)
     graph = checker.routes.get(params.get("graph"))
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     if isinstance(nodes, dict) and params.get("node") not in nodes:
@@ -3950,50 +3920,100 @@ def _compile_located(doc, source, nparams, rt, path):
         raise
 
 
-# The §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
+# What an operator parameter may be (§5.3.2-§5.3.6), beyond the shared constraints; what a
+# name refers to and what a nested condition or operator list holds is OPERATOR_CHECKS' part.
+CONDITION = Constraint(lambda value: isinstance(value, dict),
+                       "a condition: a mapping with a `type` key", (dict,))
+TRANSFORM_SPEC = Constraint(lambda value: isinstance(value, dict), "a mapping with a `type` key",
+                            (dict,))
+ACCUMULATOR = Constraint(lambda value: isinstance(value, dict) and is_known(value.get("type"),
+                                                                            ACCUMULATORS),
+                         "a mapping whose `type` names an accumulator (§5.3.6)", (dict,))
+# INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
+# anything else is an inline expression, which §16.2 forbids.
+FUNCTION_REF = Constraint(lambda value: isinstance(value, str) and bool(FUNCTION_NAME.fullmatch(
+    value)), "the name of a transformer; inline expressions are forbidden here (use the "
+    "transform operator with fn)", (str,))
+STREAM_NAME = Constraint(lambda value: isinstance(value, str), "a stream name", (str,))
+CASES = Constraint(lambda value: isinstance(value, list), "a sequence of cases", (list,))
+OPERATOR_LIST = Constraint(lambda value: isinstance(value, list), "a sequence of operators",
+                           (list,))
+ROUTE_CONDITIONS = Constraint(lambda value: isinstance(value, dict),
+                              "a mapping of route names to conditions", (dict,))
+
+
+def _params(*rows):
+    """An operator's params table (fields_by_name, named short so OPERATORS' rows line up)."""
+    return fields_by_name(*rows)
+
+
+# The §5.3.2 table: operator -> (handler, its params as Field rows). Rows in the spec's order.
 OPERATORS = {
-    "map":               (op_map,               {"agent": (_Checker.agent, None),
-                                                 "function": (_Checker.function, None),
-                                                 "transform": (_Checker.transform, None)}),
-    "filter":            (op_filter,            {"condition": (_Checker.condition, None)}),
-    "transform":         (op_transform,         {"fn": (_Checker.text, None),
-                                                 "type": (_Checker.text, None)}),
-    "debounce":          (op_debounce,          {"duration": (_Checker.seconds, REQUIRED)}),
-    "throttle":          (op_throttle,          {"duration": (_Checker.seconds, REQUIRED)}),
-    "delay":             (op_delay,             {"duration": (_Checker.seconds, REQUIRED)}),
-    "buffer":            (op_buffer,            {"count": (_Checker.count, None),
-                                                 "timeout": (_Checker.seconds, 0.1),
-                                                 "time": (_Checker.seconds, None)}),
-    "scan":              (op_scan,              {"accumulator": (_Checker.accumulator, REQUIRED)}),
-    "reduce":            (op_reduce,            {"accumulator": (_Checker.accumulator, REQUIRED)}),
-    "switch":            (op_switch,            {"cases": (_Checker.cases, None),
-                                                 "default": (_Checker.target, None),
-                                                 "default_operators": (_Checker.operator_list, None)}),
-    "conditional_route": (op_conditional_route, {"cases": (_Checker.cases, None),
-                                                 "default": (_Checker.target, None),
-                                                 "default_operators": (_Checker.operator_list, None),
-                                                 "routes": (_Checker.route_conditions, None)}),
-    "catch":             (op_catch,             {}),
-    "retry":             (op_retry,             {"count": (_Checker.count, 3)}),
-    "distinct":          (op_distinct,          {}),
-    "take":              (op_take,              {"count": (_Checker.count, 1)}),
-    "skip":              (op_skip,              {"count": (_Checker.count, 1)}),
-    "sample":            (op_sample,            {"interval": (_Checker.seconds, 1.0)}),
-    "graph_execute":     (op_graph_execute,     {"graph": (_Checker.graph, REQUIRED)}),
-    "state_update":      (op_state_update,      {"graph": (_Checker.graph, REQUIRED)}),
-    "state_checkpoint":  (op_state_checkpoint,  {"graph": (_Checker.graph, REQUIRED)}),
-    "graph_node":        (op_graph_node,        {"graph": (_Checker.graph, REQUIRED),
-                                                 "node": (_Checker.text, REQUIRED)}),
+    "map":               (op_map,               _params(Field("agent", STRING, None, "5.3.4"),
+                                                        Field("function", FUNCTION_REF, None,
+                                                              "16.2"),
+                                                        Field("transform", TRANSFORM_SPEC, None,
+                                                              "5.3.5"))),
+    "filter":            (op_filter,            _params(Field("condition", CONDITION, None, "5.4"))),
+    "transform":         (op_transform,         _params(Field("fn", STRING, None, "5.3.2"),
+                                                        Field("type", STRING, None, "5.3.2"))),
+    "debounce":          (op_debounce,          _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "throttle":          (op_throttle,          _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "delay":             (op_delay,             _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "buffer":            (op_buffer,            _params(Field("count", NON_NEGATIVE_INT, None,
+                                                              "5.3.2"),
+                                                        Field("timeout", SECONDS, 0.1, "5.3.2"),
+                                                        Field("time", SECONDS, None, "5.3.2"))),
+    "scan":              (op_scan,              _params(Field("accumulator", ACCUMULATOR, REQUIRED,
+                                                              "5.3.6"))),
+    "reduce":            (op_reduce,            _params(Field("accumulator", ACCUMULATOR, REQUIRED,
+                                                              "5.3.6"))),
+    "switch":            (op_switch,            _params(Field("cases", CASES, None, "5.3.2"),
+                                                        Field("default", STREAM_NAME, None,
+                                                              "5.3.2"),
+                                                        Field("default_operators", OPERATOR_LIST,
+                                                              None, "5.3.2"))),
+    "conditional_route": (op_conditional_route, _params(Field("cases", CASES, None, "5.3.2"),
+                                                        Field("default", STREAM_NAME, None,
+                                                              "5.3.2"),
+                                                        Field("default_operators", OPERATOR_LIST,
+                                                              None, "5.3.2"),
+                                                        Field("routes", ROUTE_CONDITIONS, None,
+                                                              "5.3.2"))),
+    "catch":             (op_catch,             _params()),
+    "retry":             (op_retry,             _params(Field("count", NON_NEGATIVE_INT, 3,
+                                                              "5.3.2"))),
+    "distinct":          (op_distinct,          _params()),
+    "take":              (op_take,              _params(Field("count", NON_NEGATIVE_INT, 1,
+                                                              "5.3.2"))),
+    "skip":              (op_skip,              _params(Field("count", NON_NEGATIVE_INT, 1,
+                                                              "5.3.2"))),
+    "sample":            (op_sample,            _params(Field("interval", SECONDS, 1.0, "5.3.2"))),
+    "graph_execute":     (op_graph_execute,     _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "state_update":      (op_state_update,      _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "state_checkpoint":  (op_state_checkpoint,  _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "graph_node":        (op_graph_node,        _params(Field("graph", STRING, REQUIRED, "5.3.2"),
+                                                        Field("node", STRING, REQUIRED, "5.3.2"))),
 }
 
 # Operators whose params also carry keys of their own (transform-specific keys, §5.3.5).
 OPEN_PARAMS = {"transform"}
 
-# Checks that span several params of one operator.
+# Checks beyond the rows: what names refer to, nested conditions and operator lists, and
+# rules that span several params of one operator.
 OPERATOR_CHECKS = {
     "map": _check_map,
+    "filter": _check_filter,
     "transform": _check_transform,
+    "switch": _check_switch,
+    "conditional_route": _check_switch,
     "sample": _check_sample,
+    "graph_execute": _check_graph,
+    "state_update": _check_graph,
+    "state_checkpoint": _check_graph,
     "graph_node": _check_graph_node,
 }
 
@@ -12385,20 +12405,19 @@ def _any_case(words):
                                      for c in word) for word in words) + ")$"
 
 
-# One schema per kind of operator parameter check (the second element of each OPERATORS row).
-_CHECKER_SCHEMAS = {
-    "seconds": {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
-    "count": {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
-    "text": {"type": "string"}, "agent": {"type": "string"}, "graph": {"type": "string"},
-    "function": {"type": "string"}, "target": {"type": "string"},
-    "condition": {"$ref": "#/$defs/condition"}, "transform": {"type": "object",
-                                                              "required": ["type"]},
-    "accumulator": {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
-                    "required": ["type"]},
-    "cases": {"type": "array", "items": {"type": "object"}},
-    "operator_list": {"type": "array", "items": {"$ref": "#/$defs/operator"}},
-    "route_conditions": {"type": "object",
-                         "additionalProperties": {"$ref": "#/$defs/condition"}},
+# One schema per constraint an OPERATORS parameter row uses.
+_CONSTRAINT_SCHEMAS = {
+    SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    NON_NEGATIVE_INT: {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
+    STRING: {"type": "string"}, FUNCTION_REF: {"type": "string"},
+    STREAM_NAME: {"type": "string"},
+    CONDITION: {"$ref": "#/$defs/condition"}, TRANSFORM_SPEC: {"type": "object",
+                                                               "required": ["type"]},
+    ACCUMULATOR: {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
+                  "required": ["type"]},
+    CASES: {"type": "array", "items": {"type": "object"}},
+    OPERATOR_LIST: {"type": "array", "items": {"$ref": "#/$defs/operator"}},
+    ROUTE_CONDITIONS: {"type": "object", "additionalProperties": {"$ref": "#/$defs/condition"}},
 }
 
 
@@ -12409,9 +12428,8 @@ def config_schema():
         "anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]}}}
     operators = []
     for kind, (_handler, spec) in OPERATORS.items():
-        params = {key: _CHECKER_SCHEMAS.get(check.__name__, {}) for key, (check, _d) in
-                  spec.items()}
-        required = [key for key, (_c, default) in spec.items() if default is REQUIRED]
+        params = {key: _CONSTRAINT_SCHEMAS.get(row.constraint, {}) for key, row in spec.items()}
+        required = [key for key, row in spec.items() if row.default is REQUIRED]
         params_schema = {"type": "object", "properties": params}
         if required:
             params_schema["required"] = required
