@@ -959,7 +959,7 @@ def check_agent_name_style(rt, name, path):
         rt.warn(f"agent name '{name}' is outside [A-Za-z_][A-Za-z0-9_]*", section="4.2", path=path)
 
 # §4.4 LLM agents ----------------------------------------------------------------------
-# The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
+# The §4.4 field table (Field rows, read by check_config_fields). `model` defaults per provider
 # (§4.4.2), `api_key` from the environment (§4.4.1).
 LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
@@ -1387,7 +1387,7 @@ def render_system_prompt(agent, view, message):
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
 
-# The §4.5 field table: field -> (accepted Python types, default).
+# The §4.5 field table (Field rows, read by check_config_fields).
 TOOL_AGENT_FIELDS = fields_by_name(
     Field("tools",       SEQUENCE,         [],    "4.5"),
     Field("safe_mode",   BOOLEAN,          True,  "4.5"),
@@ -3892,12 +3892,6 @@ def _check_transform(checker, params, path):
         check_transform_params(checker, params, path)
 
 
-def _check_sample(checker, params, path):
-    if params.get("interval") is not None and params["interval"] <= 0:
-        raise checker.doc.error(ConfigurationError, path + ("interval",),
-                                "interval must be positive", "5.3.2")
-
-
 def _check_graph_node(checker, params, path):
     _check_graph(checker, params, path)
     graph = checker.routes.get(params.get("graph"))
@@ -3991,7 +3985,8 @@ OPERATORS = {
                                                               "5.3.2"))),
     "skip":              (op_skip,              _params(Field("count", NON_NEGATIVE_INT, 1,
                                                               "5.3.2"))),
-    "sample":            (op_sample,            _params(Field("interval", SECONDS, 1.0, "5.3.2"))),
+    "sample":            (op_sample,            _params(Field("interval", POSITIVE_SECONDS, 1.0,
+                                                              "5.3.2"))),
     "graph_execute":     (op_graph_execute,     _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
     "state_update":      (op_state_update,      _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
     "state_checkpoint":  (op_state_checkpoint,  _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
@@ -4010,7 +4005,6 @@ OPERATOR_CHECKS = {
     "transform": _check_transform,
     "switch": _check_switch,
     "conditional_route": _check_switch,
-    "sample": _check_sample,
     "graph_execute": _check_graph,
     "state_update": _check_graph,
     "state_checkpoint": _check_graph,
@@ -9046,9 +9040,7 @@ ROUTE_TYPES = ("stream", "graph", "bridge")
 ROUTE_FIELDS = {
     "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
                "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
-    "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
-              "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
-              "template_config", "publications"),
+    "graph": (*GRAPH_FIELDS, "publications"),          # §6.1's table, and publications (I-085)
     "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
                "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
 }
@@ -12408,6 +12400,7 @@ def _any_case(words):
 # One schema per constraint an OPERATORS parameter row uses.
 _CONSTRAINT_SCHEMAS = {
     SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    POSITIVE_SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
     NON_NEGATIVE_INT: {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
     STRING: {"type": "string"}, FUNCTION_REF: {"type": "string"},
     STREAM_NAME: {"type": "string"},
