@@ -281,10 +281,11 @@ REQUIRED = object()
 
 
 class Constraint:
-    __slots__ = ("test", "wording")
+    __slots__ = ("test", "wording", "types")
 
-    def __init__(self, test, wording):
+    def __init__(self, test, wording, types=()):
         self.test, self.wording = test, wording
+        self.types = types          # the Python types it admits, for --schema (HOST)
 
 
 class Field:
@@ -303,31 +304,39 @@ def _whole(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value):
+    """A finite number from a document (never a bool): NaN and infinities are refused like
+    out-of-range values (§1.3 item 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        isinstance(value, int) or math.isfinite(value))
+
+
 def is_seconds(value, positive=False):
-    """A duration or interval from a document: a finite number (never a bool), at least 0 (more
-    than 0 when `positive`). NaN and infinities are refused like negative numbers (§1.3 item 1)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value > 0 if positive else value >= 0
+    """A duration or interval from a document: a finite number, at least 0 (more than 0 when
+    `positive`)."""
+    return is_number(value) and (value > 0 if positive else value >= 0)
 
 
 ANY = Constraint(lambda value: True, "anything")
-BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean")
-STRING = Constraint(lambda value: isinstance(value, str), "a string")
-MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping")
-SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence")
-NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer")
-POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer")
-SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds")
+BOOLEAN = Constraint(lambda value: isinstance(value, bool), "a boolean", (bool,))
+STRING = Constraint(lambda value: isinstance(value, str), "a string", (str,))
+MAPPING = Constraint(lambda value: isinstance(value, dict), "a mapping", (dict,))
+SEQUENCE = Constraint(lambda value: isinstance(value, list), "a sequence", (list,))
+NON_NEGATIVE_INT = Constraint(lambda value: _whole(value) and value >= 0, "a non-negative integer",
+                              (int,))
+POSITIVE_INT = Constraint(lambda value: _whole(value) and value >= 1, "a positive integer", (int,))
+SECONDS = Constraint(is_seconds, "a finite, non-negative number of seconds", (int, float))
 POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
-                              "a finite, positive number of seconds")
+                              "a finite, positive number of seconds", (int, float))
 
 
-def check_fields(doc, cfg, table, path):
+def check_fields(doc, cfg, table, path, null_is_default=False):
     """Every row of `table` ({name: Field}) against the mapping `cfg` at `path`; raises the
-    located ConfigurationError for a missing required field or a value its constraint refuses."""
+    located ConfigurationError for a missing required field or a value its constraint refuses.
+    null_is_default: a null value takes the default whatever it is (the §4 agent tables)."""
     for field in table.values():
-        if field.name not in cfg or cfg[field.name] is None and field.default is None:
+        if field.name not in cfg or cfg[field.name] is None and (
+                null_is_default or field.default is None):
             if field.default is REQUIRED:
                 raise doc.error(ConfigurationError, path + (field.name,),
                                 f"{field.name} is required ({field.constraint.wording})",
@@ -559,9 +568,6 @@ class Runtime:
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
         self.warned_conditions = set()      # §5.4.1: condition sites already warned about
         self.phase_a_reads = set()          # §8.2: names the documents' Phase A reads
-
-    def error(self, cls, path, message, section=None):
-        return self.doc.error(cls, path, message, section)
 
     def warn(self, message, *, section=None, path=None):
         return warn(self, message, section=section, path=path)
@@ -954,34 +960,40 @@ def check_agent_name_style(rt, name, path):
         rt.warn(f"agent name '{name}' is outside [A-Za-z_][A-Za-z0-9_]*", section="4.2", path=path)
 
 # §4.4 LLM agents ----------------------------------------------------------------------
-# The §4.4 field table: field -> (accepted Python types, default). `model` defaults per provider
+# The §4.4 field table (Field rows, read by check_config_fields). `model` defaults per provider
 # (§4.4.2), `api_key` from the environment (§4.4.1).
-LLM_FIELDS = {
-    "provider":        ((str,),              "openai"),
-    "model":           ((str,),              None),
-    "temperature":     ((int, float),        0.7),
-    "max_tokens":      ((int,),              1000),
-    "system_prompt":   ((str,),              "You are a helpful assistant."),
-    "memory_enabled":  ((bool,),             False),
-    "max_history":     ((int,),              10),
-    "api_key":         ((str,),              None),
-    "template":        ((str,),              None),
-    "template_vars":   ((dict,),             {}),
-    "response_format": ((dict,),             None),
-}
+LLM_TEMPERATURE_RANGE = (0.0, 2.0)
+# INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
+TEMPERATURE = Constraint(lambda value: is_number(value) and (
+    LLM_TEMPERATURE_RANGE[0] <= value <= LLM_TEMPERATURE_RANGE[1]), "a number from 0.0 to 2.0",
+    (int, float))
+MODEL_NAME = Constraint(lambda value: isinstance(value, str) and value.strip() != "",
+                        "a non-empty string", (str,))
+LLM_FIELDS = fields_by_name(
+    Field("provider",        STRING,           "openai",                       "4.4"),
+    Field("model",           MODEL_NAME,       None,                           "4.4.2"),
+    Field("temperature",     TEMPERATURE,      0.7,                            "4.4"),
+    Field("max_tokens",      POSITIVE_INT,     1000,                           "4.4"),
+    Field("system_prompt",   STRING,           "You are a helpful assistant.", "4.4"),
+    Field("memory_enabled",  BOOLEAN,          False,                          "4.4"),
+    Field("max_history",     NON_NEGATIVE_INT, 10,                             "4.4.4"),
+    Field("api_key",         STRING,           None,                           "4.4"),
+    Field("template",        STRING,           None,                           "4.4"),
+    Field("template_vars",   MAPPING,          {},                             "4.4"),
+    Field("response_format", MAPPING,          None,                           "4.4"),
+)
 
 # Fields outside the §4.4 table that an llm agent also accepts: §4.9's per-agent context, and this
 # implementation's extensions (§1.3 MAY): `base_url` (OpenAI-compatible servers) and the
 # opt-in §12.4 tool-block processing (`tool_execute` + `tools`).
-LLM_EXTRA_FIELDS = {
-    "context":      ((dict,),  None),
-    "base_url":     ((str,),   None),
-    "tool_execute": ((bool,),  False),
-    "tools":        ((list,),  None),
-}
+LLM_EXTRA_FIELDS = fields_by_name(
+    Field("context",      MAPPING,  None,  "4.4"),
+    Field("base_url",     STRING,   None,  "4.4"),
+    Field("tool_execute", BOOLEAN,  False, "4.4"),
+    Field("tools",        SEQUENCE, None,  "4.4"),
+)
 
 LLM_AGENT_FIELDS = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
-LLM_TEMPERATURE_RANGE = (0.0, 2.0)
 
 # Capabilities (§4.11) every llm agent publishes; "structured-output" and "tool-execution" are
 # added when the provider / configuration offers them.
@@ -1123,8 +1135,8 @@ class LLMAgent:
 
 
 def check_llm(rt, name, config, cpath):
-    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, checked before any agent exists."""
-    values = _llm_check_fields(rt, config, cpath)
+    """§4.4 (with §4.4.1-§4.4.3, §12.4): an llm agent's config, before any agent exists."""
+    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
     warn_unparsable_template(rt, values["system_prompt"], cpath + ("system_prompt",))
     if values["template"] is not None:
         _llm_check_template(rt, values["template"], cpath + ("template",))
@@ -1139,59 +1151,25 @@ def check_llm(rt, name, config, cpath):
                                   cpath + ("response_format",))
     check_api_key(rt, provider, values["api_key"], cpath)
     if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
-        raise rt.error(ConfigurationError, cpath + ("base_url",),
-                       "base_url must be an http:// or https:// URL", "4.4")
+        raise rt.doc.error(ConfigurationError, cpath + ("base_url",),
+                           "base_url must be an http:// or https:// URL", "4.4")
 
 
 def field_values(config, fields):
     """A checked config's values by its field table: absent or null fields take the default."""
-    return {field: copy.deepcopy(default) if config.get(field) is None else config[field]
-            for field, (types, default) in fields.items()}
+    return {name: copy.deepcopy(row.default) if config.get(name) is None else config[name]
+            for name, row in fields.items()}
 
 
 def check_config_fields(rt, config, fields, cpath, section, kind):
-    """An agent config against its field table {field: (types, default)}: type errors are located
-    ConfigurationErrors (a bool is no number), absent or null fields take the default, unknown
-    fields are ignored with a warning. Returns field -> value."""
-    values = {}
-    for field, (types, default) in fields.items():
-        if field not in config or config[field] is None:
-            values[field] = copy.deepcopy(default)
-            continue
-        value = config[field]
-        bad_bool = isinstance(value, bool) and bool not in types
-        if bad_bool or not isinstance(value, types):
-            names = " or ".join(t.__name__ for t in types).replace("dict", "mapping")
-            raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a {names}, not {type(value).__name__}", section)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise rt.error(ConfigurationError, cpath + (field,),
-                           f"'{field}' must be a finite number, not {value}", section)
-        values[field] = value
+    """An agent config against its field table (check_fields, a null taking the default); unknown
+    fields are ignored with a warning. Returns field -> value, defaults in."""
+    check_fields(rt.doc, config, fields, cpath, null_is_default=True)
     for field in config:
         if field not in fields:
             rt.warn(f"unknown {kind} field '{field}' is ignored", section=section,
                     path=cpath + (field,))
-    return values
-
-
-def _llm_check_fields(rt, config, cpath):
-    """Type-check every known field, warn about unknown ones; returns field -> value (defaults in)."""
-    values = check_config_fields(rt, config, LLM_AGENT_FIELDS, cpath, "4.4", "llm agent")
-    low, high = LLM_TEMPERATURE_RANGE
-    # INTERPRETATION I-025 §4.4 (Q77): a temperature outside [0.0, 2.0] is rejected at load.
-    if not low <= values["temperature"] <= high:
-        raise rt.error(ConfigurationError, cpath + ("temperature",),
-                       f"temperature {values['temperature']} is outside [{low}, {high}]", "4.4")
-    if values["max_tokens"] < 1:
-        raise rt.error(ConfigurationError, cpath + ("max_tokens",), "max_tokens must be at least 1",
-                       "4.4")
-    if values["max_history"] < 0:
-        raise rt.error(ConfigurationError, cpath + ("max_history",),
-                       "max_history must not be negative", "4.4.4")
-    if values["model"] is not None and not values["model"].strip():
-        raise rt.error(ConfigurationError, cpath + ("model",), "model must not be empty", "4.4.2")
-    return values
+    return field_values(config, fields)
 
 
 def _llm_prompt_text(rt, name):
@@ -1208,8 +1186,8 @@ def _llm_prompt_text(rt, name):
 def _llm_check_template(rt, name, path):
     # INTERPRETATION I-033 §4.4 (Q85): a `template` naming no registered prompt is rejected at load.
     if _llm_prompt_text(rt, name) is None:
-        raise rt.error(ConfigurationError, path,
-                       f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
+        raise rt.doc.error(ConfigurationError, path,
+                           f"template '{name}' names no prompt in the prompts section", "4.4, 10.4")
 
 # §4.4.1 Providers -----------------------------------------------------------------------
 # The §4.4.1 table: provider -> environment variables consulted in order (first non-empty wins).
@@ -1240,9 +1218,9 @@ def check_providers(rt, agents):
         configured, used = resolve_provider(
             rt, field_values(cfg["config"], LLM_AGENT_FIELDS)["provider"])
         if configured not in PROVIDERS:
-            raise rt.error(AgentCreationError, path + ("config", "provider"),
-                           f"provider '{configured}' is not available in this host "
-                           f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
+            raise rt.doc.error(AgentCreationError, path + ("config", "provider"),
+                               f"provider '{configured}' is not available in this host "
+                               f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
             raise AgentCreationError(f"host provider override '{used}' is not available "
                                      f"(available: {', '.join(sorted(PROVIDERS))})",
@@ -1264,9 +1242,9 @@ def check_api_key(rt, provider, explicit, cpath):
     variables = PROVIDER_KEY_VARS.get(provider, ())
     if variables and resolve_api_key(rt, provider, explicit) is None:
         # INTERPRETATION I-023 §4.4.1 (Q75): reported at load, before any message.
-        raise rt.error(ConfigurationError, cpath,
-                       f"no API key for provider '{provider}': set the api_key field or the "
-                       f"environment variable {' or '.join(variables)}", "4.4.1")
+        raise rt.doc.error(ConfigurationError, cpath,
+                           f"no API key for provider '{provider}': set the api_key field or the "
+                           f"environment variable {' or '.join(variables)}", "4.4.1")
 
 
 # §4.4.2 Default models ----------------------------------------------------------------
@@ -1283,23 +1261,24 @@ def check_response_format(rt, rf, path):
     `json_schema: {name?, strict?, schema}` as §4.4.3 shows)."""
     kind = rf.get("type")
     if not isinstance(kind, str) or not kind:
-        raise rt.error(ConfigurationError, path + ("type",),
-                       "response_format needs a string 'type'", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("type",),
+                           "response_format needs a string 'type'", "4.4.3")
     if kind != "json_schema":
         return
     block = rf.get("json_schema")
     if not isinstance(block, dict):
-        raise rt.error(ConfigurationError, path + ("json_schema",),
-                       "response_format of type json_schema needs a 'json_schema' mapping", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema",),
+                           "response_format of type json_schema needs a 'json_schema' mapping",
+                           "4.4.3")
     if not isinstance(block.get("schema"), dict):
-        raise rt.error(ConfigurationError, path + ("json_schema", "schema"),
-                       "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "schema"),
+                           "json_schema needs a 'schema' mapping (a JSON Schema)", "4.4.3")
     if "name" in block and not isinstance(block["name"], str):
-        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
-                       "json_schema.name must be a string", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "name"),
+                           "json_schema.name must be a string", "4.4.3")
     if "strict" in block and not isinstance(block["strict"], bool):
-        raise rt.error(ConfigurationError, path + ("json_schema", "strict"),
-                       "json_schema.strict must be a boolean", "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "strict"),
+                           "json_schema.strict must be a boolean", "4.4.3")
 
 
 # Provider rules a §4.4.3 block must meet to be "conformant to the provider's mechanism".
@@ -1314,9 +1293,9 @@ def check_response_format_for(rt, provider, rf, path):
         return
     name = rf["json_schema"].get("name")
     if not isinstance(name, str) or not OPENAI_SCHEMA_NAME.fullmatch(name):
-        raise rt.error(ConfigurationError, path + ("json_schema", "name"),
-                       "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
-                       "4.4.3")
+        raise rt.doc.error(ConfigurationError, path + ("json_schema", "name"),
+                           "openai needs json_schema.name of 1-64 characters from A-Z a-z 0-9 _ -",
+                           "4.4.3")
 
 
 def check_structured_support(agent, rf):
@@ -1409,14 +1388,14 @@ def render_system_prompt(agent, view, message):
 # path rules (§4.5.4, §13.3), file_write (§4.5.5), the progress bar (§4.5.6), output (§4.5.7),
 # and the shell extension (§13.5).
 
-# The §4.5 field table: field -> (accepted Python types, default).
-TOOL_AGENT_FIELDS = {
-    "tools":       ((list,),        []),
-    "safe_mode":   ((bool,),        True),
-    "allow_shell": ((bool,),        False),
-    "timeout":     ((int, float),   1),
-    "context":     ((dict,),        {}),
-}
+# The §4.5 field table (Field rows, read by check_config_fields).
+TOOL_AGENT_FIELDS = fields_by_name(
+    Field("tools",       SEQUENCE,         [],    "4.5"),
+    Field("safe_mode",   BOOLEAN,          True,  "4.5"),
+    Field("allow_shell", BOOLEAN,          False, "4.5"),
+    Field("timeout",     POSITIVE_SECONDS, 1,     "4.5"),
+    Field("context",     MAPPING,          {},    "4.5"),
+)
 
 # The §4.11 capability identifiers a tool agent publishes, by the tool that brings them.
 TOOL_CAPABILITIES = {
@@ -1500,7 +1479,7 @@ class ToolAgent:
     type = "tool"
 
     def __init__(self, name, cfg, rt, path):
-        """Build from a configuration check_tool_agent has passed (§12.1: validate, then create)."""
+        """Build from a configuration check_tool_agent has passed (§12.1)."""
         self.name = name
         self.rt = rt
         self.path = tuple(path)
@@ -1918,14 +1897,12 @@ def check_tool_agent(rt, name, config, cpath):
     # INTERPRETATION I-041 §4.5 (Q86): `tools` is required; a tool agent without it is rejected at
     # load, because the table says "Required: Yes" and such an agent could only ever fail.
     if "tools" not in config:
-        raise rt.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list", "4.5")
+        raise rt.doc.error(ConfigurationError, cpath, f"tool agent '{name}' needs a `tools` list",
+                           "4.5")
     if config["tools"] is None:
-        raise rt.error(ConfigurationError, cpath + ("tools",), "'tools' must be a list of tools",
-                       "4.5")
+        raise rt.doc.error(ConfigurationError, cpath + ("tools",),
+                           "'tools' must be a list of tools", "4.5")
     values = check_config_fields(rt, config, TOOL_AGENT_FIELDS, cpath, "4.5", "tool agent")
-    if values["timeout"] <= 0:
-        raise rt.error(ConfigurationError, cpath + ("timeout",),
-                       "`timeout` must be a positive number of seconds", "4.5")
     if not values["tools"]:
         rt.warn(f"tool agent '{name}' lists no tools; every request will fail",
                 section="4.5", path=cpath + ("tools",))
@@ -1934,9 +1911,9 @@ def check_tool_agent(rt, name, config, cpath):
         path = cpath + ("tools", index)
         tool = check_tool_entry(rt, entry, path)
         if tool in seen:
-            raise rt.error(ConfigurationError, path,
-                           f"tool '{tool}' is listed twice; tool names are unique per agent",
-                           "4.5.2")
+            raise rt.doc.error(ConfigurationError, path,
+                               f"tool '{tool}' is listed twice; tool names are unique per agent",
+                               "4.5.2")
         seen.add(tool)
 
 
@@ -1946,21 +1923,21 @@ def check_tool_entry(rt, entry, path):
     if isinstance(entry, str):
         # INTERPRETATION I-042 §4.5.1: an unknown name is refused at load; names are case-sensitive.
         if entry not in BUILTIN_TOOLS and entry not in EXTENSION_TOOLS:
-            raise rt.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
-                           f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
+            raise rt.doc.error(ConfigurationError, path, f"unknown built-in tool '{entry}' "
+                               f"(known: {', '.join([*BUILTIN_TOOLS, *EXTENSION_TOOLS])})", "4.5.1")
         return entry
     if not isinstance(entry, dict):
-        raise rt.error(ConfigurationError, path,
-                       "a tool is a built-in name or a mapping {name, code}", "4.5")
+        raise rt.doc.error(ConfigurationError, path,
+                           "a tool is a built-in name or a mapping {name, code}", "4.5")
     name, code = entry.get("name"), entry.get("code")
     if not isinstance(name, str) or not name:
-        raise rt.error(ConfigurationError, path + ("name",),
-                       "an inline tool needs a non-empty string `name`", "4.5.2")
+        raise rt.doc.error(ConfigurationError, path + ("name",),
+                           "an inline tool needs a non-empty string `name`", "4.5.2")
     if code is None and (name in BUILTIN_TOOLS or name in EXTENSION_TOOLS):
         return name                       # {name: math} is the mapping form of `math`
     if not isinstance(code, str):
-        raise rt.error(ConfigurationError, path + ("code",),
-                       f"inline tool '{name}' needs a string `code` body", "4.5.2")
+        raise rt.doc.error(ConfigurationError, path + ("code",),
+                           f"inline tool '{name}' needs a string `code` body", "4.5.2")
     for key in entry:
         if key not in ("name", "code"):
             rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
@@ -1974,9 +1951,9 @@ def check_tool_entry(rt, entry, path):
     # UnsafeConfigurationError, because §1.3(2) wants configuration faults before any message
     # and §20 describes exactly this category.
     if not rt.unsafe:
-        raise rt.error(UnsafeConfigurationError, path + ("code",),
-                       f"inline tool '{name}' runs code, which needs the host in unsafe mode",
-                       "4.5.2, 13.1")
+        raise rt.doc.error(UnsafeConfigurationError, path + ("code",),
+                           f"inline tool '{name}' runs code, which needs the host in unsafe mode",
+                           "4.5.2, 13.1")
     compile_code(code, rt=rt, path=path + ("code",))        # the §13.2.1 allowlist
     return name
 
@@ -3001,8 +2978,8 @@ def make_agent(rt, name, cfg, path):
     except ActorError:
         raise
     except Exception as exc:  # boundary: a broken agent definition must not escape as a traceback
-        raise rt.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
-                       "12.1") from exc
+        raise rt.doc.error(AgentCreationError, path, f"agent '{name}' could not be created: {exc}",
+                           "12.1") from exc
 
 
 # =====================================================================================
@@ -3065,20 +3042,20 @@ class _Checker:
     def note(self, path, message, section="5.3.2"):
         self.rt.warn(message, section=section, path=path)
 
-    def fail(self, path, message, section="5.3.2", cls=ConfigurationError):
-        raise self.doc.error(cls, path, message, section)
-
     def stream_route(self, cfg, path):
         kind = cfg.get("stream_type", "cold")
         if not is_known(kind, STREAM_TYPES):
-            self.fail(path + ("stream_type",), f"unknown stream_type {kind!r} "
-                      f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
+            raise self.doc.error(ConfigurationError, path + ("stream_type",),
+                                 f"unknown stream_type {kind!r} "
+                                 f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
         size = cfg.get("buffer_size", 1)
-        if not _is_count(size) or size < 1:
-            self.fail(path + ("buffer_size",), "buffer_size must be a positive integer", "5.3.1")
+        if not POSITIVE_INT.test(size):
+            raise self.doc.error(ConfigurationError, path + ("buffer_size",),
+                                 f"buffer_size must be {POSITIVE_INT.wording}", "5.3.1")
         for field in ("metadata", "bridge"):
             if cfg.get(field) is not None and not isinstance(cfg[field], dict):
-                self.fail(path + (field,), f"{field} must be a mapping", "5.3")
+                raise self.doc.error(ConfigurationError, path + (field,),
+                                     f"{field} must be a mapping", "5.3")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -3087,7 +3064,8 @@ class _Checker:
         if ops is None:
             return
         if not isinstance(ops, list):
-            self.fail(path, "operators must be a sequence of operator mappings")
+            raise self.doc.error(ConfigurationError, path,
+                                 "operators must be a sequence of operator mappings", "5.3.2")
         for i, op in enumerate(ops):
             self.operator(op, path + (i,))
             if op["type"] == "retry" and _retried_map(ops, i) is None:
@@ -3096,24 +3074,26 @@ class _Checker:
 
     def operator(self, op, path):
         if not isinstance(op, dict) or not isinstance(op.get("type"), str):
-            self.fail(path, "an operator is a mapping with a string `type`")
+            raise self.doc.error(ConfigurationError, path,
+                                 "an operator is a mapping with a string `type`", "5.3.2")
         kind = op["type"]
         if kind not in OPERATORS:
-            self.fail(path + ("type",), f"unknown operator {kind!r}", cls=StreamRoutingError)
+            raise self.doc.error(StreamRoutingError, path + ("type",),
+                                 f"unknown operator {kind!r}", "5.3.2")
         for key in op:
             if key not in ("type", "params"):
                 self.note(path + (key,), f"unknown operator key {key!r} ignored")
         params = op.get("params") or {}
         if not isinstance(params, dict):
-            self.fail(path + ("params",), "params must be a mapping")
+            raise self.doc.error(ConfigurationError, path + ("params",),
+                                 "params must be a mapping", "5.3.2")
         path = path + ("params",)
         _handler, spec = OPERATORS[kind]
-        for key, (check, default) in spec.items():
-            value = params.get(key)
-            if value is None and default is REQUIRED:
-                self.fail(path, f"operator {kind!r} needs params.{key}")
-            if value is not None:
-                check(self, value, path + (key,))
+        for key, row in spec.items():
+            if params.get(key) is None and row.default is REQUIRED:
+                raise self.doc.error(ConfigurationError, path,
+                                     f"operator {kind!r} needs params.{key}", "5.3.2")
+        check_fields(self.doc, params, spec, path, null_is_default=True)
         if kind not in OPEN_PARAMS:
             for key in params:
                 if key not in spec:
@@ -3122,87 +3102,39 @@ class _Checker:
         if extra:
             extra(self, params, path)
 
-    # One check per parameter kind (the second element of each OPERATORS spec row) -----
-    def seconds(self, value, path):
-        if not is_seconds(value):
-            self.fail(path, "must be a finite, non-negative number of seconds")
-
-    def count(self, value, path):
-        if not _is_count(value):
-            self.fail(path, "must be a non-negative integer")
-
-    def text(self, value, path):
-        if not isinstance(value, str):
-            self.fail(path, "must be a string")
-
+    # What parameters name or nest, once their rows have passed (OPERATOR_CHECKS) ----------
     def condition(self, value, path):
-        if not isinstance(value, dict):
-            self.fail(path, "a condition is a mapping with a `type` key", "5.4")
+        if not CONDITION.test(value):
+            raise self.doc.error(ConfigurationError, path, f"must be {CONDITION.wording}", "5.4")
         wrong = condition_shape_error(value)
         if wrong is not None:
-            self.fail(path + (wrong[0],), wrong[1], "5.4")
-
-    def mapping(self, value, path):
-        if not isinstance(value, dict):
-            self.fail(path, "must be a mapping")
+            raise self.doc.error(ConfigurationError, path + (wrong[0],), wrong[1], "5.4")
 
     def agent(self, value, path):
         if not is_known(value, self.agents):
-            self.fail(path, f"unknown agent {value!r}", "5.3.4")
+            raise self.doc.error(ConfigurationError, path, f"unknown agent {value!r}", "5.3.4")
 
     def graph(self, value, path):
         if not is_known(value, self.graphs):
-            self.fail(path, f"unknown graph route {value!r}")
+            raise self.doc.error(ConfigurationError, path,
+                                 f"unknown graph route {value!r}", "5.3.2")
 
     def function(self, value, path):
-        # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
-        # anything else is an inline expression, which §16.2 forbids.
-        if not isinstance(value, str) or not FUNCTION_NAME.fullmatch(value):
-            self.fail(path, "function must name a transformer; inline expressions are forbidden "
-                      "here (use the transform operator with fn)", "16.2")
         if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
             self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
                       "5.3.3")
 
-    def transform(self, value, path):
-        if not isinstance(value, dict):
-            self.fail(path, "transform must be a mapping with a `type` key", "5.3.5")
-        check_transform_params(self, value, path)
-
-    def accumulator(self, value, path):
-        kind = value.get("type") if isinstance(value, dict) else None
-        if not is_known(kind, ACCUMULATORS):
-            self.fail(path, f"accumulator type must be one of {', '.join(ACCUMULATORS)}", "5.3.6")
-
-    def target(self, value, path):
-        if not isinstance(value, str):
-            self.fail(path, "a switch target names a stream")
-        # §5.3.2: an unknown target is no-match at run time, not a load error.
-
     def cases(self, value, path):
-        if not isinstance(value, list):
-            self.fail(path, "cases must be a sequence")
         for i, case in enumerate(value):
             if not isinstance(case, dict):
-                self.fail(path + (i,), "a case is a mapping with `condition`")
+                raise self.doc.error(ConfigurationError, path + (i,),
+                                     "a case is a mapping with `condition`", "5.3.2")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
-            if case.get("target") is not None:
-                self.target(case["target"], path + (i, "target"))
+            if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
+                raise self.doc.error(ConfigurationError, path + (i, "target"),
+                                     f"target must be {STREAM_NAME.wording}", "5.3.2")
             self.operators(case.get("operators"), path + (i, "operators"))
-
-    def operator_list(self, value, path):
-        self.operators(value, path)
-
-    def route_conditions(self, value, path):
-        if not isinstance(value, dict):
-            self.fail(path, "routes must map route names to conditions", "5.3.2")
-        for name, cond in value.items():
-            self.condition(cond, path + (name,))
-
-
-def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def stream_edges(data, known, default=None):
@@ -3366,9 +3298,9 @@ def build_chain(net, route, ops, path, down):
         op = ops[index]
         handler, spec = OPERATORS[op["type"]]
         params = dict(op.get("params") or {})
-        for key, (_check, default) in spec.items():
-            if params.get(key) is None and default is not REQUIRED:
-                params[key] = default
+        for key, row in spec.items():
+            if params.get(key) is None and row.default is not REQUIRED:
+                params[key] = row.default
         stage = handler(_OpSite(net, route, path + (index, "params"), ops, index), params, stage)
     return stage
 
@@ -3940,32 +3872,55 @@ def _check_map(checker, params, path):
     # ConfigurationError at load time.
     given = [k for k in ("agent", "function", "transform") if params.get(k) is not None]
     if len(given) != 1:
-        checker.fail(path, "map needs exactly one of agent, function, transform"
-                     + (f" (got {', '.join(given)})" if given else ""))
+        raise checker.doc.error(ConfigurationError, path,
+                                "map needs exactly one of agent, function, transform"
+                                + (f" (got {', '.join(given)})" if given else ""), "5.3.2")
+    if params.get("agent") is not None:
+        checker.agent(params["agent"], path + ("agent",))
+    elif params.get("function") is not None:
+        checker.function(params["function"], path + ("function",))
+    else:
+        check_transform_params(checker, params["transform"], path + ("transform",))
+
+
+def _check_filter(checker, params, path):
+    if params.get("condition") is not None:
+        checker.condition(params["condition"], path + ("condition",))
+
+
+def _check_switch(checker, params, path):
+    """switch and conditional_route: cases, nested operator lists, and (the bridge router)
+    route conditions."""
+    checker.cases(params.get("cases") or [], path + ("cases",))
+    checker.operators(params.get("default_operators"), path + ("default_operators",))
+    for name, cond in (params.get("routes") or {}).items():
+        checker.condition(cond, path + ("routes", name))
+
+
+def _check_graph(checker, params, path):
+    checker.graph(params["graph"], path + ("graph",))
 
 
 def _check_transform(checker, params, path):
     if params.get("fn") is None and params.get("type") is None:
-        checker.fail(path, "transform needs `fn` or `type`", cls=StreamRoutingError)
+        raise checker.doc.error(StreamRoutingError, path, "transform needs `fn` or `type`", "5.3.2")
     if params.get("fn") is not None and params.get("type") is not None:
-        checker.fail(path, "transform takes `fn` or `type`, not both")
+        raise checker.doc.error(ConfigurationError, path,
+                                "transform takes `fn` or `type`, not both", "5.3.2")
     if params.get("fn") is not None:
         _compile_located(checker.doc, params["fn"], 1, checker.rt, path + ("fn",))
     else:
         check_transform_params(checker, params, path)
 
 
-def _check_sample(checker, params, path):
-    if params.get("interval") is not None and params["interval"] <= 0:
-        checker.fail(path + ("interval",), "interval must be positive")
-
-
 def _check_graph_node(checker, params, path):
+    _check_graph(checker, params, path)
     graph = checker.routes.get(params.get("graph"))
     nodes = graph.get("nodes") if isinstance(graph, dict) else None
     if isinstance(nodes, dict) and params.get("node") not in nodes:
-        checker.fail(path + ("node",), f"graph {params.get('graph')!r} has no node "
-                     f"{params.get('node')!r}")
+        raise checker.doc.error(ConfigurationError, path + ("node",),
+                                f"graph {params.get('graph')!r} has no node "
+                                f"{params.get('node')!r}", "5.3.2")
 
 
 def _compile_located(doc, source, nparams, rt, path):
@@ -3980,50 +3935,100 @@ def _compile_located(doc, source, nparams, rt, path):
         raise
 
 
-# The §5.3.2 table: operator -> (handler, {param: (check, default)}). Rows in the spec's order.
+# What an operator parameter may be (§5.3.2-§5.3.6), beyond the shared constraints; what a
+# name refers to and what a nested condition or operator list holds is OPERATOR_CHECKS' part.
+CONDITION = Constraint(lambda value: isinstance(value, dict),
+                       "a condition: a mapping with a `type` key", (dict,))
+TRANSFORM_SPEC = Constraint(lambda value: isinstance(value, dict), "a mapping with a `type` key",
+                            (dict,))
+ACCUMULATOR = Constraint(lambda value: isinstance(value, dict) and is_known(value.get("type"),
+                                                                            ACCUMULATORS),
+                         "a mapping whose `type` names an accumulator (§5.3.6)", (dict,))
+# INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
+# anything else is an inline expression, which §16.2 forbids.
+FUNCTION_REF = Constraint(lambda value: isinstance(value, str) and bool(FUNCTION_NAME.fullmatch(
+    value)), "the name of a transformer; inline expressions are forbidden here (use the "
+    "transform operator with fn)", (str,))
+STREAM_NAME = Constraint(lambda value: isinstance(value, str), "a stream name", (str,))
+CASES = Constraint(lambda value: isinstance(value, list), "a sequence of cases", (list,))
+OPERATOR_LIST = Constraint(lambda value: isinstance(value, list), "a sequence of operators",
+                           (list,))
+ROUTE_CONDITIONS = Constraint(lambda value: isinstance(value, dict),
+                              "a mapping of route names to conditions", (dict,))
+
+
+def _params(*rows):
+    """An operator's params table (fields_by_name, named short so OPERATORS' rows line up)."""
+    return fields_by_name(*rows)
+
+
+# The §5.3.2 table: operator -> (handler, its params as Field rows). Rows in the spec's order.
 OPERATORS = {
-    "map":               (op_map,               {"agent": (_Checker.agent, None),
-                                                 "function": (_Checker.function, None),
-                                                 "transform": (_Checker.transform, None)}),
-    "filter":            (op_filter,            {"condition": (_Checker.condition, None)}),
-    "transform":         (op_transform,         {"fn": (_Checker.text, None),
-                                                 "type": (_Checker.text, None)}),
-    "debounce":          (op_debounce,          {"duration": (_Checker.seconds, REQUIRED)}),
-    "throttle":          (op_throttle,          {"duration": (_Checker.seconds, REQUIRED)}),
-    "delay":             (op_delay,             {"duration": (_Checker.seconds, REQUIRED)}),
-    "buffer":            (op_buffer,            {"count": (_Checker.count, None),
-                                                 "timeout": (_Checker.seconds, 0.1),
-                                                 "time": (_Checker.seconds, None)}),
-    "scan":              (op_scan,              {"accumulator": (_Checker.accumulator, REQUIRED)}),
-    "reduce":            (op_reduce,            {"accumulator": (_Checker.accumulator, REQUIRED)}),
-    "switch":            (op_switch,            {"cases": (_Checker.cases, None),
-                                                 "default": (_Checker.target, None),
-                                                 "default_operators": (_Checker.operator_list, None)}),
-    "conditional_route": (op_conditional_route, {"cases": (_Checker.cases, None),
-                                                 "default": (_Checker.target, None),
-                                                 "default_operators": (_Checker.operator_list, None),
-                                                 "routes": (_Checker.route_conditions, None)}),
-    "catch":             (op_catch,             {}),
-    "retry":             (op_retry,             {"count": (_Checker.count, 3)}),
-    "distinct":          (op_distinct,          {}),
-    "take":              (op_take,              {"count": (_Checker.count, 1)}),
-    "skip":              (op_skip,              {"count": (_Checker.count, 1)}),
-    "sample":            (op_sample,            {"interval": (_Checker.seconds, 1.0)}),
-    "graph_execute":     (op_graph_execute,     {"graph": (_Checker.graph, REQUIRED)}),
-    "state_update":      (op_state_update,      {"graph": (_Checker.graph, REQUIRED)}),
-    "state_checkpoint":  (op_state_checkpoint,  {"graph": (_Checker.graph, REQUIRED)}),
-    "graph_node":        (op_graph_node,        {"graph": (_Checker.graph, REQUIRED),
-                                                 "node": (_Checker.text, REQUIRED)}),
+    "map":               (op_map,               _params(Field("agent", STRING, None, "5.3.4"),
+                                                        Field("function", FUNCTION_REF, None,
+                                                              "16.2"),
+                                                        Field("transform", TRANSFORM_SPEC, None,
+                                                              "5.3.5"))),
+    "filter":            (op_filter,            _params(Field("condition", CONDITION, None, "5.4"))),
+    "transform":         (op_transform,         _params(Field("fn", STRING, None, "5.3.2"),
+                                                        Field("type", STRING, None, "5.3.2"))),
+    "debounce":          (op_debounce,          _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "throttle":          (op_throttle,          _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "delay":             (op_delay,             _params(Field("duration", SECONDS, REQUIRED,
+                                                              "5.3.2"))),
+    "buffer":            (op_buffer,            _params(Field("count", NON_NEGATIVE_INT, None,
+                                                              "5.3.2"),
+                                                        Field("timeout", SECONDS, 0.1, "5.3.2"),
+                                                        Field("time", SECONDS, None, "5.3.2"))),
+    "scan":              (op_scan,              _params(Field("accumulator", ACCUMULATOR, REQUIRED,
+                                                              "5.3.6"))),
+    "reduce":            (op_reduce,            _params(Field("accumulator", ACCUMULATOR, REQUIRED,
+                                                              "5.3.6"))),
+    "switch":            (op_switch,            _params(Field("cases", CASES, None, "5.3.2"),
+                                                        Field("default", STREAM_NAME, None,
+                                                              "5.3.2"),
+                                                        Field("default_operators", OPERATOR_LIST,
+                                                              None, "5.3.2"))),
+    "conditional_route": (op_conditional_route, _params(Field("cases", CASES, None, "5.3.2"),
+                                                        Field("default", STREAM_NAME, None,
+                                                              "5.3.2"),
+                                                        Field("default_operators", OPERATOR_LIST,
+                                                              None, "5.3.2"),
+                                                        Field("routes", ROUTE_CONDITIONS, None,
+                                                              "5.3.2"))),
+    "catch":             (op_catch,             _params()),
+    "retry":             (op_retry,             _params(Field("count", NON_NEGATIVE_INT, 3,
+                                                              "5.3.2"))),
+    "distinct":          (op_distinct,          _params()),
+    "take":              (op_take,              _params(Field("count", NON_NEGATIVE_INT, 1,
+                                                              "5.3.2"))),
+    "skip":              (op_skip,              _params(Field("count", NON_NEGATIVE_INT, 1,
+                                                              "5.3.2"))),
+    "sample":            (op_sample,            _params(Field("interval", POSITIVE_SECONDS, 1.0,
+                                                              "5.3.2"))),
+    "graph_execute":     (op_graph_execute,     _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "state_update":      (op_state_update,      _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "state_checkpoint":  (op_state_checkpoint,  _params(Field("graph", STRING, REQUIRED, "5.3.2"))),
+    "graph_node":        (op_graph_node,        _params(Field("graph", STRING, REQUIRED, "5.3.2"),
+                                                        Field("node", STRING, REQUIRED, "5.3.2"))),
 }
 
 # Operators whose params also carry keys of their own (transform-specific keys, §5.3.5).
 OPEN_PARAMS = {"transform"}
 
-# Checks that span several params of one operator.
+# Checks beyond the rows: what names refer to, nested conditions and operator lists, and
+# rules that span several params of one operator.
 OPERATOR_CHECKS = {
     "map": _check_map,
+    "filter": _check_filter,
     "transform": _check_transform,
-    "sample": _check_sample,
+    "switch": _check_switch,
+    "conditional_route": _check_switch,
+    "graph_execute": _check_graph,
+    "state_update": _check_graph,
+    "state_checkpoint": _check_graph,
     "graph_node": _check_graph_node,
 }
 
@@ -4327,18 +4332,20 @@ TRANSFORMS = {
 
 def check_transform_type(checker, kind, path):
     if not is_known(kind, TRANSFORMS):
-        checker.fail(path, f"unknown transform type {kind!r} (one of {', '.join(TRANSFORMS)})",
-                     "5.3.5")
+        raise checker.doc.error(ConfigurationError, path, f"unknown transform type {kind!r} "
+                                f"(one of {', '.join(TRANSFORMS)})", "5.3.5")
 
 
 def check_transform_params(checker, params, path):
     """§5.3.5 parameter shapes: wrapper a mapping; field, template, old, new scalars."""
     check_transform_type(checker, params.get("type") or "identity", path + ("type",))
     if params.get("wrapper") is not None and not isinstance(params["wrapper"], dict):
-        checker.fail(path + ("wrapper",), "wrapper must be a mapping", "5.3.5")
+        raise checker.doc.error(ConfigurationError, path + ("wrapper",),
+                                "wrapper must be a mapping", "5.3.5")
     for key in ("field", "template", "old", "new"):
         if isinstance(params.get(key), (dict, list)):
-            checker.fail(path + (key,), f"{key} must be a scalar", "5.3.5")
+            raise checker.doc.error(ConfigurationError, path + (key,),
+                                    f"{key} must be a scalar", "5.3.5")
 
 
 def transform_stage(site, params, down):
@@ -5143,7 +5150,8 @@ class GraphRoute:
         self.cfg = cfg
         self.rt = rt
         self.path = tuple(path or ("routes", name))
-        self.entry = normalize_node_name(cfg.get("entry_point", GRAPH_FIELDS["entry_point"].default))
+        self.entry = normalize_node_name(cfg.get("entry_point",
+                                                 GRAPH_FIELDS["entry_point"].default))
         self.nodes = build_nodes(self)                      # name -> GraphNode, start/end included
         self.edges = build_edges(self)                      # [GraphEdge] in declaration order
         self.analysis = analyse_graph(self.entry, self.nodes, self.edges, implicit_names(cfg))
@@ -5593,8 +5601,8 @@ def check_nodes(rt, graph_name, nodes, path, agent_names):
             raise doc.error(ConfigurationError, where + ("type",),
                             f"only the node named {node_type} may have type {node_type}", "6.2.1")
         if canonical in declared:
-            raise doc.error(ConfigurationError, where,
-                            f"node '{node_name}' is declared twice (START/END name one node)", "6.4")
+            raise doc.error(ConfigurationError, where, f"node '{node_name}' is declared twice "
+                            "(START/END name one node)", "6.4")
         declared[canonical] = node_type
     known = set(declared) | {START_NODE, END_NODE}
     for node_name, node_cfg in nodes.items():
@@ -5602,7 +5610,8 @@ def check_nodes(rt, graph_name, nodes, path, agent_names):
         node_type = declared[normalize_node_name(node_name)]
         fields = NODE_TYPES[node_type][1]
         check_fields(doc, node_cfg, NODE_COMMON_FIELDS, where)
-        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS, where + ("metadata",))
+        check_fields(doc, node_cfg.get("metadata") or {}, NODE_HISTORY_FIELDS,
+                     where + ("metadata",))
         check_fields(doc, node_cfg, fields, where)
         extra = NODE_CHECKS.get(node_type)
         if extra is not None:
@@ -6062,7 +6071,8 @@ def node_message_router(graph, node, message, state):
     return None                                                  # §6.2.6.4: state unchanged
 
 
-RULES = Constraint(lambda value: isinstance(value, list) and bool(value), "a non-empty list of rules")
+RULES = Constraint(lambda value: isinstance(value, list) and bool(value),
+                   "a non-empty list of rules")
 ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
 MATCH_TYPE = Constraint(lambda value: isinstance(value, str) and value.lower() in MATCH_TYPES,
                         "one of " + ", ".join(MATCH_TYPES))
@@ -7957,7 +7967,16 @@ PARAMETER_TYPES = {
     "agent_ref": param_pass,
     "component_ref": param_pass,
 }
-PARAMETER_KEYS = ("type", "default", "required", "values", "description")
+# The §8.6.1 declaration fields (`values` is what an enum needs, checked beside the rows).
+PARAMETER_TYPE = Constraint(lambda value: is_known(value, PARAMETER_TYPES),
+                            "one of " + ", ".join(PARAMETER_TYPES), (str,))
+PARAMETER_FIELDS = fields_by_name(
+    Field("type",        PARAMETER_TYPE, "string", "8.6.2"),
+    Field("default",     ANY,            None,     "8.6.1"),
+    Field("required",    ANY,            None,     "8.6.1"),
+    Field("values",      ANY,            None,     "8.6.1"),
+    Field("description", ANY,            None,     "8.6.1"),
+)
 
 
 def parameter_declarations(doc, decls, path, rt=None):
@@ -7980,15 +7999,12 @@ def parameter_declarations(doc, decls, path, rt=None):
         if not isinstance(decl, dict):
             raise doc.error(ConfigurationError, at, "a parameter declaration must be a mapping",
                             "8.6.1")
-        ptype = decl.get("type", "string")
-        if not is_known(ptype, PARAMETER_TYPES):
-            raise doc.error(ConfigurationError, at + ("type",), f"unknown parameter type "
-                            f"{ptype!r}; use one of {', '.join(PARAMETER_TYPES)}", "8.6.2")
-        if ptype == "enum" and not isinstance(decl.get("values"), list):
+        check_fields(doc, decl, PARAMETER_FIELDS, at)
+        if decl.get("type") == "enum" and not isinstance(decl.get("values"), list):
             raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
                             "8.6.1")
         for key in decl:
-            if key not in PARAMETER_KEYS:
+            if key not in PARAMETER_FIELDS:
                 warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
                      path=at + (key,))
     return decls
@@ -9199,7 +9215,7 @@ def validate_document(doc, rt, host_default_router=None):
                   default=host_parameter(doc, "default_router", host_default_router)[0])
     router = resolve_default_router(doc, rt, host_default_router)
     warn_conditions_at_load(rt)
-    check_providers(rt, doc.data["agents"])     # §12.1: what would fail agent creation, after every rule
+    check_providers(rt, doc.data["agents"])     # §12.1: creation failures come after the rules
     return router
 
 
@@ -9214,15 +9230,22 @@ ROUTE_TYPES = ("stream", "graph", "bridge")
 ROUTE_FIELDS = {
     "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
                "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
-    "graph": ("type", "nodes", "edges", "entry_point", "checkpointing", "checkpoint_dir",
-              "enable_time_travel", "parallel_execution", "state_class", "bridge", "metadata",
-              "template_config", "publications"),
+    "graph": (*GRAPH_FIELDS, "publications"),          # §6.1's table, and publications (I-085)
     "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
                "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
 }
 AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
-MERGE_FIELDS = ("sources", "target")                                        # §7.1
-SPLIT_FIELDS = ("source", "targets")                                        # §7.2
+# The fields of §7.1 and §7.2. A merge or split without them is refused at the merge or split
+# itself (§11.4), before the rows are read; names and conditions are then checked against the
+# document.
+MERGE_FIELDS = fields_by_name(
+    Field("sources", SEQUENCE, REQUIRED, "7.1"),
+    Field("target",  STRING,   REQUIRED, "7.1"),
+)
+SPLIT_FIELDS = fields_by_name(
+    Field("source",  ANY,     REQUIRED, "11.4, §7.2"),
+    Field("targets", MAPPING, None,     "7.2"),
+)
 
 
 def warn_unknown_fields(rt, mapping, known, path, section):
@@ -9317,17 +9340,11 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
-        if not isinstance(merge["target"], str):
-            raise doc.error(ConfigurationError, path + ("target",), "merge target must be a name",
-                            "7.1")
         if merge.get("sources") is None:
             raise doc.error(ConfigurationError, path, "merge has no sources (a sequence of "
                             "stream names; an empty one is ignored)", "7.1")
-        sources = merge["sources"]
-        if not isinstance(sources, list):
-            raise doc.error(ConfigurationError, path + ("sources",), "sources must be a sequence",
-                            "7.1")
-        for j, source in enumerate(sources):
+        check_fields(doc, merge, MERGE_FIELDS, path)
+        for j, source in enumerate(merge["sources"]):
             if not is_known(source, known):
                 raise doc.error(ConfigurationError, path + ("sources", j),
                                 f"merge source '{source}' is not a known route or stream", "11.4")
@@ -9338,15 +9355,12 @@ def check_merges_and_splits(doc, rt, known):
         warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
+        check_fields(doc, split, SPLIT_FIELDS, path)
         if not is_known(split["source"], known):
             raise doc.error(ConfigurationError, path + ("source",),
                             f"split source '{split['source']}' is not a known route or stream",
                             "11.4")
-        targets = split.get("targets")
-        if targets is not None and not isinstance(targets, dict):
-            raise doc.error(ConfigurationError, path + ("targets",),
-                            "targets must be a mapping of target name to condition", "7.2")
-        for target, cond in (targets or {}).items():
+        for target, cond in (split.get("targets") or {}).items():
             if cond is not None and not isinstance(cond, dict):
                 raise doc.error(ConfigurationError, path + ("targets", target),
                                 "a split target's condition must be a mapping with a `type` "
@@ -9358,6 +9372,13 @@ def check_merges_and_splits(doc, rt, known):
 
 
 # §11.5 Pipeline validation --------------------------------------------------------------
+# The names a §7.3 stage may give (its type is checked first; an inline graph's `config` is a
+# graph route, checked by check_graph; a stream stage's operators by the operator checker).
+PIPELINE_STAGE_FIELDS = fields_by_name(
+    Field("name",  STRING, None, "7.3"),
+    Field("graph", STRING, None, "7.3"),
+)
+
 def check_pipelines(doc, rt):
     """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
     pipelines = doc.data.get("pipelines")
@@ -9378,10 +9399,7 @@ def check_pipelines(doc, rt):
                 raise doc.error(ConfigurationError, path,
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
-            for field in ("name", "graph"):             # names, when given, are strings
-                if stage.get(field) is not None and not isinstance(stage[field], str):
-                    raise doc.error(ConfigurationError, path + (field,),
-                                    f"a stage's {field} must be a string", "7.3")
+            check_fields(doc, stage, PIPELINE_STAGE_FIELDS, path)
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
@@ -9611,16 +9629,17 @@ def check_tool_execute(rt, tools, enabled, cpath):
     """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
     if tools is None:
         if enabled:
-            raise rt.error(ConfigurationError, cpath + ("tool_execute",),
-                           "tool_execute needs a 'tools' list of built-in tool names", "12.4")
+            raise rt.doc.error(ConfigurationError, cpath + ("tool_execute",),
+                               "tool_execute needs a 'tools' list of built-in tool names", "12.4")
         return []
     if not enabled:
         rt.warn("'tools' has no effect without tool_execute: true", section="12.4",
                 path=cpath + ("tools",))
     for i, name in enumerate(tools):
         if not isinstance(name, str) or name not in BUILTIN_TOOLS or name in TOOL_EXECUTE_EXCLUDED:
-            raise rt.error(ConfigurationError, cpath + ("tools", i),
-                           f"{name!r} is not a built-in tool that tool_execute may call", "12.4")
+            raise rt.doc.error(ConfigurationError, cpath + ("tools", i),
+                               f"{name!r} is not a built-in tool that tool_execute may call",
+                               "12.4")
     return list(tools)
 
 
@@ -10043,7 +10062,7 @@ def _configuration_refusal(exc, rt, path, section, what):
         line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
     message = f"{what}, line {line}: {text}"
     if rt is not None and path is not None:
-        err = rt.error(ConfigurationError, path, message, section)
+        err = rt.doc.error(ConfigurationError, path, message, section)
     else:
         err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
     err.code_line = line
@@ -10706,13 +10725,13 @@ def check_checkpoint_dir(rt, given, path):
               else "a path resolving outside the working directory on a safe host"
               if not rt.unsafe and not target.is_relative_to(base) else None)
     if reason is not None:
-        raise rt.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
-                       "6.6, §13.3")
+        raise rt.doc.error(ConfigurationError, path, f"checkpoint_dir may not be {reason}: {given}",
+                           "6.6, §13.3")
     # INTERPRETATION I-170 §6.6: one that cannot be created is refused at load, located.
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
-        raise rt.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
-                       "not a directory", "6.6")
+        raise rt.doc.error(ConfigurationError, path, f"cannot create checkpoint_dir: {existing} is "
+                           "not a directory", "6.6")
 
 # §13.5 Shell execution --------------------------------------------------------------------
 def tool_shell(env, args):
@@ -10886,9 +10905,9 @@ FORBIDDEN_TOP_LEVEL = {
 FORBIDDEN_FORMS = {
     "top-level streams:": ("16.1", "check_top_level", "03-document/reject-top-level-streams"),
     "top-level graphs:": ("16.1", "check_top_level", "03-document/reject-top-level-graphs"),
-    "composite with strategy:": ("16.1", "check_agent",
+    "composite with strategy:": ("16.1", "check_composite",
                                  "04-agents/reject-composite-with-strategy"),
-    "dynamic_router node": ("16.2", "check_graph", "06-graph/reject-dynamic-router-node"),
+    "dynamic_router node": ("16.2", "check_nodes", "06-graph/reject-dynamic-router-node"),
     "list-form routes": ("16.2", "check_top_level", "03-document/reject-list-form-routes"),
     # INTERPRETATION I-065 §7.3 vs §16.2 (Q1): accepted, so its vector loads.
     "top-level pipelines:": ("16.2", "check_pipelines",
@@ -10910,7 +10929,7 @@ FORBIDDEN_FORMS = {
     "agent_template and template": ("16.3", "expand_templates",
                                     "08-templating/reject-agent-template-and-template"),
     # INTERPRETATION I-063 §16.3: the inline tool wins (the row's own words), so its vector loads.
-    "inline tool named like a built-in": ("16.3", "ToolAgent",
+    "inline tool named like a built-in": ("16.3", "check_tool_entry",
                                           "04-tools/inline-tool-named-like-builtin-shadows-it"),
     "template_config with route fields": ("16.3", "expand_templates",
                                           "08-templating/reject-route-template-with-operators"),
@@ -12581,10 +12600,11 @@ def _schema_for_types(types):
 
 
 def _schema_fields(table):
-    """{field: (types, default)} -> JSON Schema properties, with defaults where they are JSON."""
+    """A field table ({name: Field}) -> JSON Schema properties, with the JSON defaults."""
     properties = {}
-    for field, (types, default) in table.items():
-        fragment = dict(_schema_for_types(types))
+    for field, row in table.items():
+        default = row.default
+        fragment = dict(_schema_for_types(row.constraint.types))
         if default is not None and not isinstance(default, (dict, list)):
             fragment["default"] = default
         properties[field] = fragment
@@ -12597,20 +12617,20 @@ def _any_case(words):
                                      for c in word) for word in words) + ")$"
 
 
-# One schema per kind of operator parameter check (the second element of each OPERATORS row).
-_CHECKER_SCHEMAS = {
-    "seconds": {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
-    "count": {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
-    "text": {"type": "string"}, "agent": {"type": "string"}, "graph": {"type": "string"},
-    "function": {"type": "string"}, "target": {"type": "string"},
-    "condition": {"$ref": "#/$defs/condition"}, "transform": {"type": "object",
-                                                              "required": ["type"]},
-    "accumulator": {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
-                    "required": ["type"]},
-    "cases": {"type": "array", "items": {"type": "object"}},
-    "operator_list": {"type": "array", "items": {"$ref": "#/$defs/operator"}},
-    "route_conditions": {"type": "object",
-                         "additionalProperties": {"$ref": "#/$defs/condition"}},
+# One schema per constraint an OPERATORS parameter row uses.
+_CONSTRAINT_SCHEMAS = {
+    SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    POSITIVE_SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
+    NON_NEGATIVE_INT: {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
+    STRING: {"type": "string"}, FUNCTION_REF: {"type": "string"},
+    STREAM_NAME: {"type": "string"},
+    CONDITION: {"$ref": "#/$defs/condition"}, TRANSFORM_SPEC: {"type": "object",
+                                                               "required": ["type"]},
+    ACCUMULATOR: {"type": "object", "properties": {"type": {"enum": list(ACCUMULATORS)}},
+                  "required": ["type"]},
+    CASES: {"type": "array", "items": {"type": "object"}},
+    OPERATOR_LIST: {"type": "array", "items": {"$ref": "#/$defs/operator"}},
+    ROUTE_CONDITIONS: {"type": "object", "additionalProperties": {"$ref": "#/$defs/condition"}},
 }
 
 
@@ -12621,9 +12641,8 @@ def config_schema():
         "anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]}}}
     operators = []
     for kind, (_handler, spec) in OPERATORS.items():
-        params = {key: _CHECKER_SCHEMAS.get(check.__name__, {}) for key, (check, _d) in
-                  spec.items()}
-        required = [key for key, (_c, default) in spec.items() if default is REQUIRED]
+        params = {key: _CONSTRAINT_SCHEMAS.get(row.constraint, {}) for key, row in spec.items()}
+        required = [key for key, row in spec.items() if row.default is REQUIRED]
         params_schema = {"type": "object", "properties": params}
         if required:
             params_schema["required"] = required

@@ -144,13 +144,50 @@ def test_build_complaints_are_caught(monkeypatch):
     def rechecks(self, name, cfg, rt, path):
         real_init(self, name, cfg, rt, path)
         rt.warn("a constructor's own opinion", section="4.4", path=path)
-        raise rt.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
+        raise rt.doc.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
 
     monkeypatch.setattr(actor.LLMAgent, "__init__", rechecks)
     assert _build_complaints(llm, monkeypatch) == []           # refused before any construction
     fine = [VECTOR_DIR / "spec-examples" / "8.11-runtime-system-prompt.yaml"]
     assert [line.split(" ", 2)[1] for line in _build_complaints(fine, monkeypatch)] == \
         ["warning", "ConfigurationError"]
+
+
+# The field vocabulary (prelude): one checker reads every table row ------------------------------
+def _field_error(cfg, table, **kwargs):
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.check_fields(actor.Doc({}), cfg, table, ("here",), **kwargs)
+    return info.value
+
+
+def test_field_rows_say_what_is_required_and_what_a_value_must_be():
+    table = actor.fields_by_name(
+        actor.Field("name", actor.STRING, actor.REQUIRED, "6.2.2"),
+        actor.Field("delay", actor.SECONDS, 1.0, "6.2.2"),
+        actor.Field("label", actor.STRING, None, "6.4"))
+    actor.check_fields(actor.Doc({}), {"name": "a", "delay": 0, "label": None}, table, ("here",))
+    err = _field_error({}, table)
+    assert (err.path, err.section) == ("here.name", "6.2.2") and "required" in err.message
+    err = _field_error({"name": "a", "delay": -1}, table)
+    assert (err.path, err.section) == ("here.delay", "6.2.2")
+    assert err.message == "delay must be " + actor.SECONDS.wording
+    err = _field_error({"name": "a", "delay": None}, table)      # null is no number here
+    assert err.path == "here.delay"
+    actor.check_fields(actor.Doc({}), {"name": "a", "delay": None}, table, ("here",),
+                       null_is_default=True)                       # the §4 agent tables' reading
+    assert _field_error({"name": 1}, table).message == "name must be a string"
+
+
+@pytest.mark.parametrize("constraint, good, bad", [
+    (actor.SECONDS, [0, 2.5], [-1, float("nan"), float("inf"), True, "1"]),
+    (actor.POSITIVE_SECONDS, [0.1, 3], [0, -1, False]),
+    (actor.NON_NEGATIVE_INT, [0, 7, 10 ** 30], [-1, 1.0, True]),
+    (actor.POSITIVE_INT, [1], [0, 2.0]),
+    (actor.TEMPERATURE, [0, 2, 0.7], [2.01, -0.1, float("nan"), True]),
+])
+def test_shared_constraints(constraint, good, bad):
+    assert all(constraint.test(value) for value in good)
+    assert not any(constraint.test(value) for value in bad)
 
 
 def test_impl_protocol_agrees_with_in_process(tmp_path):
