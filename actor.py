@@ -9624,11 +9624,11 @@ class _Ticks(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         # A constant operand grows a value additively (bounded by the time ticks); two variables
-        # can double it on each step, and * ** << multiply it.
+        # can double it on each step, and * ** << multiply it, even two literals (9 ** 10**9).
         self.generic_visit(node)
         symbol = _SIZED_OPERATORS.get(type(node.op))
         constants = isinstance(node.left, ast.Constant) + isinstance(node.right, ast.Constant)
-        if symbol is None or constants == 2 or symbol == "+" and constants:
+        if symbol is None or symbol == "+" and constants:
             return node
         return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
 
