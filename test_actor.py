@@ -7453,6 +7453,42 @@ MUTATION_EQUIVALENT = {
         _BOUNDARY,
     '_retried_map: return None -> pass | return None':
         'the same value',
+    ': 1 -> 0 | CHECKPOINT_QUEUE = 1':
+        'the queue bound only paces the writer thread; listing files waits for it',
+    'check_graph: path = tuple(path) -> pass | path = tuple(path)':
+        'every caller passes a tuple',
+    'check_graph: if nodes is None and cfg.get(\'template_config\') is not None: -> pass | if nodes is None and cfg.get("template_config") is not None:':
+        'Phase B has replaced every template_config (top-level routes and composite components) before any check_graph',
+    'check_node: 0 -> -1 | fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")':
+        _MSG,
+    'RenderedLines._align: and -> or | elif rest.strip() and not any(mark in rest for mark in ("{{", "{%", "{#")):':
+        _MSG,
+    'RenderedLines._align: 1 -> 2 | origins.append((index + 1, same))':
+        _MSG,
+    'tag_free_names: 4096 -> 4095 | @functools.lru_cache(maxsize=4096)':
+        'a cache bound: the same values',
+    'walk_tags: close = text.find(\'%}\', close) if close >= 0 else -1 -> pass | close = text.find("%}", close) if close >= 0 else -1':
+        'the rest of the endraw tag is copied as plain text right after it: the same output',
+    'render_tree: and -> or | if isinstance(node, str) and has_template_syntax(node):':
+        'has_template_syntax refuses non-strings itself',
+    'mustache_render_nodes: raise TemplateError(\'MUSTACHE: partials nest deeper than 100\', section=\'9.2\') -> pass | raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")':
+        'the render budget stops the same recursion with the same TemplateError',
+    'check_routes: == -> != | "5.3" if kind == "stream" else "5.5")':
+        _MSG,
+    'check_routes: check_graph(doc, name, route, path, agent_names) -> pass | check_graph(doc, name, route, path, agent_names)':
+        'GraphRoute.__init__ runs the same check_graph while loading, before any message: the same documents fail with the same category',
+    'tool_blocks: 1 -> 2 | pos = start + 1':
+        "no opening marker can start one character after the '[' of another",
+    '_result_size: 0 -> -1 | else 0':
+        'a size under the cap either way',
+    '_sandbox_line: in -> not in | if tb.tb_frame.f_code.co_filename in (CODE_FILENAME, EXPRESSION_FILENAME):':
+        _MSG,
+    'Doc.locate: is not -> is | if lines is not None and mark[1] is not None:':
+        _MSG,
+    'check_sentinels: 0 -> 1 | col = index - (text.rfind("\\n", 0, index) + 1) + 1':
+        _MSG,
+    'guard_after_node: if node.type != \'agent\': -> pass | if node.type != "agent":':
+        'guard_after_node runs only for the nodes analyse_graph marks guarded_after, all of them agent nodes',
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
@@ -7497,6 +7533,16 @@ MUTATION_OUTSIDE_FORMAT = {
         "StreamNetwork(single_shot=...) is a host API argument (vectors set the run's single_shot)",
     'LLMAgent._base_url':
         'the vendor transport (vectors fake the LLM transport)',
+    'GraphRoute._continue: check_not_abandoned(f"graph \'{self.name}\'", \'6.7\') -> pass | check_not_abandoned(f"graph \'{self.name}\'", "6.7")':
+        'a call abandoned by a real-time timeout while its code still runs',
+    '_check_write: check_not_abandoned(\'inline code\') -> pass | check_not_abandoned("inline code")':
+        'a call abandoned by a real-time timeout while its code still runs',
+    'GraphRoute.resume':
+        'host API: Actor.resume (the vector format has no resume action)',
+    'topological_levels':
+        "§6.11 levels are kept for the host's analysis API; no run reads them",
+    'note_phase_a_reads: rt.phase_a_reads.update(unread) -> pass | rt.phase_a_reads.update(unread)':
+        'only the CLI reads the names (its warning about unread --set keys)',
 }
 
 
