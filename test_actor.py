@@ -7309,7 +7309,8 @@ def test_budget_does_not_leak_out_of_a_render():
 # Mutation score (issue 13): does the vector suite notice a changed behaviour? --------------------
 # Opt-in (`python -m pytest -m mutation -s`). Method, so that a run can be repeated:
 # - Mutation points are the nodes of actor.py's own AST between the `# §` banners (the HOST regions
-#   -- providers, loader, harness, CLI -- are left out): a comparison operator swapped (== !=, < <=,
+#   -- providers, loader, harness, CLI -- are left out, and so is the host code that sits inside a
+#   section, listed with its reason in MUTATION_HOST_CODE): a comparison operator swapped (== !=, < <=,
 #   > >=, in / not in, is / is not), `and` <-> `or`, a numeric constant +1 and -1, a `not` removed,
 #   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
 #   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
@@ -7544,6 +7545,53 @@ MUTATION_OUTSIDE_FORMAT = {
     'note_phase_a_reads: rt.phase_a_reads.update(unread) -> pass | rt.phase_a_reads.update(unread)':
         'only the CLI reads the names (its warning about unread --set keys)',
 }
+
+
+# Code inside the § sections that the standard does not define (the host side, like the HOST
+# regions): CLI text, the host's tracing and recovery hooks, the real vendor transport (vectors
+# fake the LLM transport above it). It is not sampled and its lines do not count towards a
+# section's share. "function" takes the whole function; "function | text" the statements of
+# that function whose line starts with text.
+_VENDOR = "the real vendor transport (retries, endpoint, token counts), below the faked one"
+MUTATION_HOST_CODE = {
+    "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
+    "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
+    "_PipelineEntry.describe": _CLI,
+    "StreamNetwork.watch": "the host's tracing hook",
+    "GraphRoute.resume": "the host's recovery call (Actor.resume, I-107)",
+    "note_phase_a_reads": "the CLI's hint about unread --set names (issue 16)",
+    "LLMAgent._base_url": _VENDOR,
+    "LLMAgent.__init__ | self.sleep = time.sleep": _VENDOR,
+    "LLMAgent.__init__ | self.jitter = random.random": _VENDOR,
+    "LLMAgent.__init__ | self.last_usage = None": _VENDOR,
+    "LLMAgent.invoke | self.last_usage = call.get(": _VENDOR,
+    'agent_mapper.succeed | if getattr(agent, "last_usage", None):': _VENDOR,
+    "ProgressFacility.__init__ | self.last = None": "an attribute only the host reads",
+    "ProgressFacility.update | self.last = line": "an attribute only the host reads",
+}
+
+
+def mutation_host_lines(tree, lines, entries=None):
+    """Line numbers of the MUTATION_HOST_CODE entries (a whole function, or the lines of the
+    statements an entry names, compound statements included)."""
+    wanted, out = set(MUTATION_HOST_CODE if entries is None else entries), set()
+
+    def visit(node, function):
+        for child in _ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+                inner = f"{function}.{child.name}" if function else child.name
+                if inner in wanted:
+                    out.update(range(child.lineno, child.end_lineno + 1))
+            elif isinstance(child, _ast.stmt) and function:
+                text = lines[child.lineno - 1].strip()
+                if any(entry.startswith(function + " | ") and text.startswith(entry[len(function) + 3:])
+                       for entry in wanted):
+                    out.update(range(child.lineno, child.end_lineno + 1))
+            visit(child, inner)
+
+    visit(tree, "")
+    return out
 
 
 def mutation_sections(lines):
@@ -7830,6 +7878,15 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
         assert point["apply"]() == points[index]["texts"]()
 
 
+def test_mutation_host_code_entries_name_code():
+    """Every MUTATION_HOST_CODE entry still names a function or statement of actor.py."""
+    source = Path(actor.__file__).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    tree = _ast.parse(source)
+    for entry in MUTATION_HOST_CODE:
+        assert mutation_host_lines(tree, lines, [entry]), f"{entry!r} names nothing in actor.py"
+
+
 @pytest.mark.mutation
 def test_mutation_score_of_the_vectors(request):
     """Prints the per-section share of sampled mutants of actor.py the vectors kill (see above)."""
@@ -7841,6 +7898,8 @@ def test_mutation_score_of_the_vectors(request):
     source = Path(actor_file).read_text(encoding="utf-8")
     lines = source.splitlines()
     sections = mutation_sections(lines)
+    for number in mutation_host_lines(_ast.parse(source), lines):
+        sections[number] = None
     points = mutation_points(_ast.parse(source), sections)
     identities = mutation_identities(points, lines)
     chosen = mutation_sample(points, identities, lines, size, seed)
