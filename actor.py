@@ -3989,6 +3989,7 @@ def hold_in_chain(obj, who):
     thread (a graph's parallel branch, §6.7, or a bounded worker): that link waits for this one,
     so waiting for it would deadlock. Re-entry on the same thread stays allowed.
     """
+    # INTERPRETATION I-171 §4.6, §6.7: the re-entered composite fails with an ExecutionError.
     me = threading.get_ident()
     held = _CHAIN_HOLDS.get()
     for other, ident in held:
