@@ -7490,6 +7490,8 @@ MUTATION_EQUIVALENT = {
         _MSG,
     'guard_after_node: if node.type != \'agent\': -> pass | if node.type != "agent":':
         'guard_after_node runs only for the nodes analyse_graph marks guarded_after, all of them agent nodes',
+    'flow_end: == -> != | if ch == quote == "\'" and masked.startswith("\'\'", i):':
+        'a doubled quote closes and reopens the quoted text at the same place: the same characters count as quoted',
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
