@@ -7546,6 +7546,8 @@ MUTATION_OUTSIDE_FORMAT = {
         "§6.11 levels are kept for the host's analysis API; no run reads them",
     'note_phase_a_reads: rt.phase_a_reads.update(unread) -> pass | rt.phase_a_reads.update(unread)':
         'only the CLI reads the names (its warning about unread --set keys)',
+    'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
+        'the vector format has no step after the Actor shuts down (§12.1 step 8)',
 }
 
 
