@@ -7492,6 +7492,8 @@ MUTATION_EQUIVALENT = {
         'guard_after_node runs only for the nodes analyse_graph marks guarded_after, all of them agent nodes',
     'flow_end: == -> != | if ch == quote == "\'" and masked.startswith("\'\'", i):':
         'a doubled quote closes and reopens the quoted text at the same place: the same characters count as quoted',
+    'tool_argument: 0 -> -1 | def tool_argument(args, name, index=0):':
+        _CACHED,
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
@@ -7548,6 +7550,8 @@ MUTATION_OUTSIDE_FORMAT = {
         'only the CLI reads the names (its warning about unread --set keys)',
     'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
+    'StreamNetwork.settle':
+        'real time: it waits only under a real clock (vectors run on a virtual one)',
 }
 
 
