@@ -4130,6 +4130,7 @@ def hold_in_chain(obj, who):
     thread (a graph's parallel branch, §6.7, or a bounded worker): that link waits for this one,
     so waiting for it would deadlock. Re-entry on the same thread stays allowed.
     """
+    # INTERPRETATION I-171 §4.6, §6.7: the re-entered composite fails with an ExecutionError.
     me = threading.get_ident()
     held = _CHAIN_HOLDS.get()
     for other, ident in held:
@@ -9994,11 +9995,11 @@ class _Ticks(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         # A constant operand grows a value additively (bounded by the time ticks); two variables
-        # can double it on each step, and * ** << multiply it.
+        # can double it on each step, and * ** << multiply it, even two literals (9 ** 10**9).
         self.generic_visit(node)
         symbol = _SIZED_OPERATORS.get(type(node.op))
         constants = isinstance(node.left, ast.Constant) + isinstance(node.right, ast.Constant)
-        if symbol is None or constants == 2 or symbol == "+" and constants:
+        if symbol is None or symbol == "+" and constants:
             return node
         return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
 

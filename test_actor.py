@@ -7478,7 +7478,8 @@ def test_budget_does_not_leak_out_of_a_render():
 # Mutation score (issue 13): does the vector suite notice a changed behaviour? --------------------
 # Opt-in (`python -m pytest -m mutation -s`). Method, so that a run can be repeated:
 # - Mutation points are the nodes of actor.py's own AST between the `# §` banners (the HOST regions
-#   -- providers, loader, harness, CLI -- are left out): a comparison operator swapped (== !=, < <=,
+#   -- providers, loader, harness, CLI -- are left out, and so is the host code that sits inside a
+#   section, listed with its reason in MUTATION_HOST_CODE): a comparison operator swapped (== !=, < <=,
 #   > >=, in / not in, is / is not), `and` <-> `or`, a numeric constant +1 and -1, a `not` removed,
 #   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
 #   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
@@ -7622,6 +7623,46 @@ MUTATION_EQUIVALENT = {
         _BOUNDARY,
     '_retried_map: return None -> pass | return None':
         'the same value',
+    ': 1 -> 0 | CHECKPOINT_QUEUE = 1':
+        'the queue bound only paces the writer thread; listing files waits for it',
+    'check_graph: path = tuple(path) -> pass | path = tuple(path)':
+        'every caller passes a tuple',
+    'check_graph: if nodes is None and cfg.get(\'template_config\') is not None: -> pass | if nodes is None and cfg.get("template_config") is not None:':
+        'Phase B has replaced every template_config (top-level routes and composite components) before any check_graph',
+    'check_node: 0 -> -1 | fail(where + ("condition", wrong[0]), wrong[1], "6.2.4, §5.4")':
+        _MSG,
+    'RenderedLines._align: and -> or | elif rest.strip() and not any(mark in rest for mark in ("{{", "{%", "{#")):':
+        _MSG,
+    'RenderedLines._align: 1 -> 2 | origins.append((index + 1, same))':
+        _MSG,
+    'tag_free_names: 4096 -> 4095 | @functools.lru_cache(maxsize=4096)':
+        'a cache bound: the same values',
+    'walk_tags: close = text.find(\'%}\', close) if close >= 0 else -1 -> pass | close = text.find("%}", close) if close >= 0 else -1':
+        'the rest of the endraw tag is copied as plain text right after it: the same output',
+    'render_tree: and -> or | if isinstance(node, str) and has_template_syntax(node):':
+        'has_template_syntax refuses non-strings itself',
+    'mustache_render_nodes: raise TemplateError(\'MUSTACHE: partials nest deeper than 100\', section=\'9.2\') -> pass | raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")':
+        'the render budget stops the same recursion with the same TemplateError',
+    'check_routes: == -> != | "5.3" if kind == "stream" else "5.5")':
+        _MSG,
+    'check_routes: check_graph(doc, name, route, path, agent_names) -> pass | check_graph(doc, name, route, path, agent_names)':
+        'GraphRoute.__init__ runs the same check_graph while loading, before any message: the same documents fail with the same category',
+    'tool_blocks: 1 -> 2 | pos = start + 1':
+        "no opening marker can start one character after the '[' of another",
+    '_result_size: 0 -> -1 | else 0':
+        'a size under the cap either way',
+    '_sandbox_line: in -> not in | if tb.tb_frame.f_code.co_filename in (CODE_FILENAME, EXPRESSION_FILENAME):':
+        _MSG,
+    'Doc.locate: is not -> is | if lines is not None and mark[1] is not None:':
+        _MSG,
+    'check_sentinels: 0 -> 1 | col = index - (text.rfind("\\n", 0, index) + 1) + 1':
+        _MSG,
+    'guard_after_node: if node.type != \'agent\': -> pass | if node.type != "agent":':
+        'guard_after_node runs only for the nodes analyse_graph marks guarded_after, all of them agent nodes',
+    'flow_end: == -> != | if ch == quote == "\'" and masked.startswith("\'\'", i):':
+        'a doubled quote closes and reopens the quoted text at the same place: the same characters count as quoted',
+    'tool_argument: 0 -> -1 | def tool_argument(args, name, index=0):':
+        _CACHED,
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
@@ -7666,7 +7707,68 @@ MUTATION_OUTSIDE_FORMAT = {
         "StreamNetwork(single_shot=...) is a host API argument (vectors set the run's single_shot)",
     'LLMAgent._base_url':
         'the vendor transport (vectors fake the LLM transport)',
+    'GraphRoute._continue: check_not_abandoned(f"graph \'{self.name}\'", \'6.7\') -> pass | check_not_abandoned(f"graph \'{self.name}\'", "6.7")':
+        'a call abandoned by a real-time timeout while its code still runs',
+    '_check_write: check_not_abandoned(\'inline code\') -> pass | check_not_abandoned("inline code")':
+        'a call abandoned by a real-time timeout while its code still runs',
+    'GraphRoute.resume':
+        'host API: Actor.resume (the vector format has no resume action)',
+    'topological_levels':
+        "§6.11 levels are kept for the host's analysis API; no run reads them",
+    'note_phase_a_reads: rt.phase_a_reads.update(unread) -> pass | rt.phase_a_reads.update(unread)':
+        'only the CLI reads the names (its warning about unread --set keys)',
+    'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
+        'the vector format has no step after the Actor shuts down (§12.1 step 8)',
+    'StreamNetwork.settle':
+        'real time: it waits only under a real clock (vectors run on a virtual one)',
 }
+
+
+# Code inside the § sections that the standard does not define (the host side, like the HOST
+# regions): CLI text, the host's tracing and recovery hooks, the real vendor transport (vectors
+# fake the LLM transport above it). It is not sampled and its lines do not count towards a
+# section's share. "function" takes the whole function; "function | text" the statements of
+# that function whose line starts with text.
+_VENDOR = "the real vendor transport (retries, endpoint, token counts), below the faked one"
+MUTATION_HOST_CODE = {
+    "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
+    "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
+    "_PipelineEntry.describe": _CLI,
+    "StreamNetwork.watch": "the host's tracing hook",
+    "GraphRoute.resume": "the host's recovery call (Actor.resume, I-107)",
+    "note_phase_a_reads": "the CLI's hint about unread --set names (issue 16)",
+    "LLMAgent._base_url": _VENDOR,
+    "LLMAgent.__init__ | self.sleep = time.sleep": _VENDOR,
+    "LLMAgent.__init__ | self.jitter = random.random": _VENDOR,
+    "LLMAgent.__init__ | self.last_usage = None": _VENDOR,
+    "LLMAgent.invoke | self.last_usage = call.get(": _VENDOR,
+    'agent_mapper.succeed | if getattr(agent, "last_usage", None):': _VENDOR,
+    "ProgressFacility.__init__ | self.last = None": "an attribute only the host reads",
+    "ProgressFacility.update | self.last = line": "an attribute only the host reads",
+}
+
+
+def mutation_host_lines(tree, lines, entries=None):
+    """Line numbers of the MUTATION_HOST_CODE entries (a whole function, or the lines of the
+    statements an entry names, compound statements included)."""
+    wanted, out = set(MUTATION_HOST_CODE if entries is None else entries), set()
+
+    def visit(node, function):
+        for child in _ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+                inner = f"{function}.{child.name}" if function else child.name
+                if inner in wanted:
+                    out.update(range(child.lineno, child.end_lineno + 1))
+            elif isinstance(child, _ast.stmt) and function:
+                text = lines[child.lineno - 1].strip()
+                if any(entry.startswith(function + " | ") and text.startswith(entry[len(function) + 3:])
+                       for entry in wanted):
+                    out.update(range(child.lineno, child.end_lineno + 1))
+            visit(child, inner)
+
+    visit(tree, "")
+    return out
 
 
 def mutation_sections(lines):
@@ -7953,6 +8055,15 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
         assert point["apply"]() == points[index]["texts"]()
 
 
+def test_mutation_host_code_entries_name_code():
+    """Every MUTATION_HOST_CODE entry still names a function or statement of actor.py."""
+    source = Path(actor.__file__).read_text(encoding="utf-8")
+    lines = source.splitlines()
+    tree = _ast.parse(source)
+    for entry in MUTATION_HOST_CODE:
+        assert mutation_host_lines(tree, lines, [entry]), f"{entry!r} names nothing in actor.py"
+
+
 @pytest.mark.mutation
 def test_mutation_score_of_the_vectors(request):
     """Prints the per-section share of sampled mutants of actor.py the vectors kill (see above)."""
@@ -7964,6 +8075,8 @@ def test_mutation_score_of_the_vectors(request):
     source = Path(actor_file).read_text(encoding="utf-8")
     lines = source.splitlines()
     sections = mutation_sections(lines)
+    for number in mutation_host_lines(_ast.parse(source), lines):
+        sections[number] = None
     points = mutation_points(_ast.parse(source), sections)
     identities = mutation_identities(points, lines)
     chosen = mutation_sample(points, identities, lines, size, seed)
