@@ -3019,7 +3019,8 @@ def check_streams(rt, agent_names, graph_names, default=None):
 
 
 class _Checker:
-    """Walks stream routes and operators; one method per config shape, errors located."""
+    """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
+    the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
 
     def __init__(self, doc, agents, graphs, known, routes, rt):
         self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
