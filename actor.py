@@ -2385,6 +2385,16 @@ def component_routes(components):
     return routes
 
 
+# The §4.6 config fields.
+# INTERPRETATION I-016 §4.6: expose_params is a mapping, published in metadata; overriding happens
+# only through template parameters (§8.10).
+COMPOSITE_FIELDS = fields_by_name(
+    Field("components",    MAPPING, REQUIRED, "4.6, §4.6.1"),
+    Field("routing",       MAPPING, REQUIRED, "4.6.2"),
+    Field("expose_params", MAPPING, None,     "4.6"),
+)
+
+
 def check_composite(rt, name, config, path):
     """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
     doc = rt.doc
@@ -2392,16 +2402,8 @@ def check_composite(rt, name, config, path):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
-    # INTERPRETATION I-016 §4.6: expose_params is a mapping, published in metadata; overriding happens
-    # only through template parameters (§8.10).
-    if "expose_params" in config and not isinstance(config["expose_params"], dict):
-        raise doc.error(ConfigurationError, path + ("expose_params",),
-                        "expose_params must be a mapping", "4.6")
-    components = config.get("components")
-    if not isinstance(components, dict):
-        raise doc.error(ConfigurationError, path + ("components",),
-                        "composite agents need a components mapping (agents, graphs, streams)",
-                        "4.6, §4.6.1")
+    check_fields(doc, config, COMPOSITE_FIELDS, path)
+    components = config["components"]
     for key, value in components.items():
         if key not in COMPONENT_KINDS.values():
             raise doc.error(ConfigurationError, path + ("components", key),
@@ -2416,10 +2418,7 @@ def check_composite(rt, name, config, path):
             check_agent_ref(doc, local, sub, lpath, composite_scope(doc, path), local_agents)
         else:
             check_agent(rt, local, sub, lpath)
-    routing = config.get("routing")
-    if not isinstance(routing, dict):
-        raise doc.error(ConfigurationError, path + ("routing",),
-                        "composite agents need routing with input and output", "4.6.2")
+    routing = config["routing"]
     for end in ("input", "output"):
         spec = routing.get(end)
         if not isinstance(spec, dict) or "type" not in spec or "name" not in spec:
@@ -2887,15 +2886,22 @@ CHAIN_PREFIX = "ChainAgent processed: "
 CHAIN_SEPARATOR = "->"   # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
 
 
+# The §4.7 config fields (prompts render at Phase C; prompt_reference names a prompts entry).
+STEP_LABELS = Constraint(lambda value: isinstance(value, list) and all(
+    isinstance(step, str) for step in value), "a sequence of strings", (list,))
+CHAIN_FIELDS = fields_by_name(
+    Field("steps",            STEP_LABELS, [],   "4.7"),
+    Field("prompt",           ANY,         None, "4.7"),
+    Field("prompt_reference", ANY,         None, "4.7, §10.4"),
+)
+
+
 def check_chain(rt, name, config, path):
     doc = rt.doc
     if "prompt" in config and "prompt_reference" in config:
         raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
                         "not both", "4.7, §16.3")
-    steps = config.get("steps", [])
-    if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
-        raise doc.error(ConfigurationError, path + ("steps",),
-                        "steps must be a sequence of strings", "4.7")
+    check_fields(doc, config, CHAIN_FIELDS, path)
     ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
     if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
@@ -3033,7 +3039,8 @@ def check_streams(rt, agent_names, graph_names, default=None):
 
 
 class _Checker:
-    """Walks stream routes and operators; one method per config shape, errors located."""
+    """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
+    the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
 
     def __init__(self, doc, agents, graphs, known, routes, rt):
         self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
@@ -3043,19 +3050,7 @@ class _Checker:
         self.rt.warn(message, section=section, path=path)
 
     def stream_route(self, cfg, path):
-        kind = cfg.get("stream_type", "cold")
-        if not is_known(kind, STREAM_TYPES):
-            raise self.doc.error(ConfigurationError, path + ("stream_type",),
-                                 f"unknown stream_type {kind!r} "
-                                 f"(one of {', '.join(STREAM_TYPES)})", "5.3.1")
-        size = cfg.get("buffer_size", 1)
-        if not POSITIVE_INT.test(size):
-            raise self.doc.error(ConfigurationError, path + ("buffer_size",),
-                                 f"buffer_size must be {POSITIVE_INT.wording}", "5.3.1")
-        for field in ("metadata", "bridge"):
-            if cfg.get(field) is not None and not isinstance(cfg[field], dict):
-                raise self.doc.error(ConfigurationError, path + (field,),
-                                     f"{field} must be a mapping", "5.3")
+        check_fields(self.doc, cfg, STREAM_ROUTE_FIELDS, path)
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -3315,6 +3310,24 @@ STREAM_TYPES = {
     "hot": 1,
     "replay": None,
 }
+
+# The §5.3 fields of a stream route. type, the name lists and template_config are check_routes'
+# (§11.3, §5.5, §8.7); operators are the operator checker's (§5.3.2); a bridge is check_bridge's.
+STREAM_TYPE = Constraint(lambda value: is_known(value, STREAM_TYPES),
+                         "one of " + ", ".join(STREAM_TYPES), (str,))
+STREAM_ROUTE_FIELDS = fields_by_name(
+    Field("type",            ANY,          None,   "5.3"),
+    Field("stream_type",     STREAM_TYPE,  "cold", "5.3.1"),
+    Field("operators",       ANY,          None,   "5.3.2"),
+    Field("subscriptions",   ANY,          None,   "5.5"),
+    Field("publications",    ANY,          None,   "5.5"),
+    Field("agents",          ANY,          None,   "5.3"),
+    Field("initial_value",   ANY,          None,   "5.3.1"),
+    Field("buffer_size",     POSITIVE_INT, 1,      "5.3.1"),
+    Field("bridge",          MAPPING,      None,   "5.3"),
+    Field("metadata",        MAPPING,      None,   "5.3"),
+    Field("template_config", ANY,          None,   "8.7"),
+)
 
 _NO_VALUE = object()
 
@@ -9229,8 +9242,7 @@ ROUTE_TYPES = ("stream", "graph", "bridge")
 # Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
 # silently.
 ROUTE_FIELDS = {
-    "stream": ("type", "stream_type", "operators", "subscriptions", "publications", "agents",
-               "initial_value", "buffer_size", "bridge", "metadata", "template_config"),
+    "stream": tuple(STREAM_ROUTE_FIELDS),
     "graph": (*GRAPH_FIELDS, "publications"),          # §6.1's table, and publications (I-085)
     "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
                "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
