@@ -4985,10 +4985,9 @@ class GraphParticipant(_Node):
 
 
 def default_router(rt):
-    """The §9.3 default_router: a host/Runtime setting first, else the document's key."""
-    name = rt.default_router
-    if name is None and isinstance(rt.doc.data, dict):
-        name = rt.doc.data.get("default_router")
+    """The §9.3 default_router of the network being built: host_parameter's one precedence (the
+    Runtime's setting, then the document's top-level key, then its cleveragents block)."""
+    name = host_parameter(rt.doc, "default_router", rt.default_router)[0]
     return name if isinstance(name, str) else None
 
 
