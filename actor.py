@@ -44,10 +44,10 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
     §3 DOCUMENT STRUCTURE: 3.1 3.2 3.4
     §4 AGENTS: 4.1 4.2 4.4 4.4.1 4.4.2 4.4.3 4.4.4 4.4.5 4.4.6 4.5 4.5.1 4.5.2 4.5.3 4.5.4 4.5.5
-            4.5.6 4.5.7 4.6 4.7 4.8 4.9 4.11 4.3
+            4.5.6 4.5.7 4.6 4.6.1 4.6.2 4.6.3 4.7 4.8 4.9 4.11 4.3
     §5 ROUTES -- COMMON CONCEPTS: 5.1 5.2 5.3 5.3.1 5.3.2 5.3.3 5.3.4 5.3.5 5.3.6 5.4 5.4.1 5.5 5.6
-    §6 GRAPH ROUTES: 6.1 6.2 6.2.1 6.2.2 6.2.3 6.2.4 6.2.5 6.2.6 6.3 6.4 6.5 6.6 6.7 6.8 6.9 6.10
-            6.11
+    §6 GRAPH ROUTES: 6.1 6.2 6.2.1 6.2.2 6.2.3 6.2.4 6.2.5 6.2.6 6.2.6.1 6.2.6.2 6.2.6.3 6.2.6.4 6.3
+            6.4 6.5 6.6 6.7 6.8 6.9 6.10 6.11
     §7 INTER-ROUTE COMPOSITION: 7.1 7.2 7.3
     §8 TEMPLATES AND INSTANCES: 8.1 8.2 8.3 8.4 8.5 8.6 8.7 8.8 8.9 8.10 8.11 8.12
     §9 ACTOR PARAMETERS: 9.2 9.3 9.4
@@ -2321,68 +2321,9 @@ def tool_output(value):
     return value if isinstance(value, str) else str(value)
 
 # §4.6 Composite agents ----------------------------------------------------------------
-
 COMPONENT_KINDS = {"agent": "agents", "graph": "graphs", "stream": "streams"}
-
 # Per §4.11: the capability a graph or stream component publishes (agents publish their own list).
 COMPONENT_CAPABILITIES = {"graphs": "stateful-workflow", "streams": "reactive-processing"}
-
-
-class ComponentDoc(Doc):
-    """The document a composite's components are checked and built from: `agents` and `routes`
-    (graphs and streams) as the top-level sections would hold them, while every error and warning
-    is located at the component's real place under agents.<name>.config.components."""
-
-    def __init__(self, data, outer, path):
-        super().__init__(data, outer.marks, outer.files)
-        self.outer = outer
-        self.base = tuple(path)
-        components = path + ("components",)
-        self.prefixes = {("agents",): components + ("agents",)}
-        for kind in ("graphs", "streams"):
-            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
-                self.prefixes[("routes", local)] = components + (kind, local)
-
-    def outer_path(self, path):
-        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
-        routes.<local>...) moved under the composite's components."""
-        path = tuple(path or ())
-        if path[:len(self.base)] == self.base:
-            return path
-        for size in (2, 1):
-            head = self.prefixes.get(path[:size])
-            if head is not None and len(path) >= size:
-                return head + path[size:]
-        return path
-
-    def locate(self, path):
-        return self.outer.locate(self.outer_path(path))
-
-    def error(self, cls, path, message, section=None):
-        return self.outer.error(cls, self.outer_path(path), message, section)
-
-
-def outer_get(data, path):
-    """The value at `path` inside nested mappings, or None."""
-    for key in path:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data
-
-
-def component_routes(components):
-    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
-    routes = {}
-    for kind in ("graphs", "streams"):
-        for local, route in (components.get(kind) or {}).items():
-            route = dict(route) if isinstance(route, dict) else route
-            if isinstance(route, dict) and route.get("type") is None:
-                route["type"] = kind[:-1]
-            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
-                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
-            routes[local] = route
-    return routes
 
 
 # The §4.6 config fields.
@@ -2442,6 +2383,63 @@ def check_composite(rt, name, config, path):
                     path=path + ("routing", key))
     check_component_routes(rt, config, path)
 
+# §4.6.1 Components -----------------------------------------------------------------------
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        self.base = tuple(path)
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
+        path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def component_routes(components):
+    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            route = dict(route) if isinstance(route, dict) else route
+            if isinstance(route, dict) and route.get("type") is None:
+                route["type"] = kind[:-1]
+            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
+                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
+            routes[local] = route
+    return routes
+
 
 def composite_scope(doc, path):
     """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
@@ -2476,57 +2474,6 @@ def check_agent_ref(doc, local, cfg, path, scope, siblings):
         raise doc.error(ConfigurationError, path + ("ref",),
                         f"ref {target!r} names another ref component; name the agent itself",
                         "8.7.1")
-
-
-def check_composite_self_reference(doc):
-    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
-    not stand for the composite it sits in, an enclosing one, or -- through other composites'
-    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
-    # INTERPRETATION I-015 §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
-    # that maps the composite again may be bounded by its own conditions, so it is left alone.
-    top = doc.data["agents"]
-    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
-
-    def walk(owner, cfg, path, chain):
-        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
-        first (the Actor's agents, then each enclosing composite's locals)."""
-        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
-            return
-        components = (cfg.get("config") or {}).get("components")
-        local = components.get("agents") if isinstance(components, dict) else None
-        if not isinstance(local, dict):
-            return
-        for lname, sub in local.items():
-            lpath = path + ("config", "components", "agents", lname)
-            if not is_agent_ref(sub):
-                walk(owner, sub, lpath, chain + [(local, lname)])
-                continue
-            target = sub["ref"]
-            scopes = [(local, None)] + list(reversed(chain))
-            for depth, (scope, on_path) in enumerate(scopes):
-                if isinstance(target, str) and target in scope:
-                    if target == on_path:
-                        raise doc.error(ConfigurationError, lpath + ("ref",),
-                                        f"ref '{target}' names a composite that contains it, "
-                                        "so invoking it would never end", "4.6, §8.7.1")
-                    if depth == len(scopes) - 1:            # an agent of the Actor
-                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
-                    break
-
-    for name, cfg in top.items():
-        walk(name, cfg, ("agents", name), [(top, name)])
-    # INTERPRETATION I-168 §4.6, §8.7.1: a ref that leads back to its composite fails the load.
-    for start in edges:                     # a ref cycle through several composites
-        seen, todo = {start}, [start]
-        while todo:
-            for target, where in edges.get(todo.pop(), []):
-                if target == start:
-                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
-                                    f"composite '{start}' through other composites' refs, so "
-                                    "invoking it would never end", "4.6, §8.7.1")
-                if target not in seen:
-                    seen.add(target)
-                    todo.append(target)
 
 
 class AgentRef:
@@ -2614,7 +2561,7 @@ def component_runtime(rt, sub_doc, clock):
         message, section=section, path=None if path is None else sub_doc.outer_path(path))
     return inner
 
-
+# §4.6.2 Routing --------------------------------------------------------------------------
 COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
 
 
@@ -2879,6 +2826,57 @@ class CompositeAgent:
     def _stream_reply(self, name, marks):
         emitted = self._emitted[name][marks[name]:]
         return emitted[-1].content if emitted else ""
+
+# §4.6.3 Restrictions ---------------------------------------------------------------------
+def check_composite_self_reference(doc):
+    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
+    not stand for the composite it sits in, an enclosing one, or -- through other composites'
+    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
+    # INTERPRETATION I-015 §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
+    # that maps the composite again may be bounded by its own conditions, so it is left alone.
+    top = doc.data["agents"]
+    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
+
+    def walk(owner, cfg, path, chain):
+        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
+        first (the Actor's agents, then each enclosing composite's locals)."""
+        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
+            return
+        components = (cfg.get("config") or {}).get("components")
+        local = components.get("agents") if isinstance(components, dict) else None
+        if not isinstance(local, dict):
+            return
+        for lname, sub in local.items():
+            lpath = path + ("config", "components", "agents", lname)
+            if not is_agent_ref(sub):
+                walk(owner, sub, lpath, chain + [(local, lname)])
+                continue
+            target = sub["ref"]
+            scopes = [(local, None)] + list(reversed(chain))
+            for depth, (scope, on_path) in enumerate(scopes):
+                if isinstance(target, str) and target in scope:
+                    if target == on_path:
+                        raise doc.error(ConfigurationError, lpath + ("ref",),
+                                        f"ref '{target}' names a composite that contains it, "
+                                        "so invoking it would never end", "4.6, §8.7.1")
+                    if depth == len(scopes) - 1:            # an agent of the Actor
+                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
+                    break
+
+    for name, cfg in top.items():
+        walk(name, cfg, ("agents", name), [(top, name)])
+    # INTERPRETATION I-168 §4.6, §8.7.1: a ref that leads back to its composite fails the load.
+    for start in edges:                     # a ref cycle through several composites
+        seen, todo = {start}, [start]
+        while todo:
+            for target, where in edges.get(todo.pop(), []):
+                if target == start:
+                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
+                                    f"composite '{start}' through other composites' refs, so "
+                                    "invoking it would never end", "4.6, §8.7.1")
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
 
 
 # §4.7 Chain agents -----------------------------------------------------------------------
@@ -5942,6 +5940,54 @@ def check_subgraph_node(rt, graph_name, node_name, cfg, where, agent_names, know
                            "must name a graph route in `graph`", "6.2.5")
 
 # §6.2.6 Message router nodes -----------------------------------------------------------
+RULES = Constraint(lambda value: isinstance(value, list) and bool(value),
+                   "a non-empty list of rules")
+ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
+
+
+class RouterRule:
+    """A message_router rule with its regex compiled at setup."""
+
+    __slots__ = ("match", "extract", "pattern", "regex", "target", "extract_message",
+                 "separator", "set_state")
+
+    def __init__(self, rule):
+        self.match, self.extract = MATCH_TYPES[str(rule["match_type"]).lower()]
+        self.pattern = str(rule["pattern"])
+        self.regex = re.compile(self.pattern) if self.match is match_regex else None
+        self.target = normalize_node_name(rule["target"])
+        self.extract_message = bool(rule.get("extract_message", True))
+        self.separator = str(rule.get("separator", ":"))
+        self.set_state = rule.get("set_state")
+
+
+def compile_router_rules(cfg, path):
+    return tuple(RouterRule(rule) for rule in cfg.get("rules") or ())
+
+
+def node_message_router(graph, node, message, state):
+    """§6.2.6 first matching rule sets next_node, rewrites the message, applies set_state.
+
+    `{type: message_router, rules: [{match_type: prefix, pattern: CODE, target: code,
+    extract_message: true, separator: ":", set_state: {...}}]}`
+    """
+    text = message if isinstance(message, str) else str(message)
+    for rule in node.rules:                                     # §6.2.6.1 declaration order
+        found = rule.match(text, rule.pattern, rule.regex)
+        if not found:
+            continue
+        extracted = rule.extract(text, rule.pattern, rule.separator, found) \
+            if rule.extract_message else text
+        # INTERPRETATION I-100 §6.2.6.3 (Q35): set_state is written into state.metadata.
+        return NodeResult(extracted, metadata={"next_node": rule.target},
+                          set_state=rule.set_state, last_content=extracted)
+    return None                                                  # §6.2.6.4: state unchanged
+
+# §6.2.6.1 Rule evaluation order ----------------------------------------------------------
+# Pointer banner: node_message_router (above) tries node.rules in declaration order and the
+# first rule that matches decides; later rules are not evaluated.
+
+# §6.2.6.2 Match types --------------------------------------------------------------------
 def match_prefix(text, pattern, regex):
     return text.startswith(pattern)
 
@@ -6002,22 +6048,6 @@ MATCH_TYPES = {
 }
 
 
-class RouterRule:
-    """A message_router rule with its regex compiled at setup."""
-
-    __slots__ = ("match", "extract", "pattern", "regex", "target", "extract_message",
-                 "separator", "set_state")
-
-    def __init__(self, rule):
-        self.match, self.extract = MATCH_TYPES[str(rule["match_type"]).lower()]
-        self.pattern = str(rule["pattern"])
-        self.regex = re.compile(self.pattern) if self.match is match_regex else None
-        self.target = normalize_node_name(rule["target"])
-        self.extract_message = bool(rule.get("extract_message", True))
-        self.separator = str(rule.get("separator", ":"))
-        self.set_state = rule.get("set_state")
-
-
 # INTERPRETATION I-113, I-165 §6.2.6.2: a shape that may backtrack is warned at load, not refused.
 def regex_may_backtrack(pattern):
     """Whether `pattern` has a shape on which Python's regex engine may take exponential or
@@ -6061,32 +6091,6 @@ def regex_may_backtrack(pattern):
     return risky(parsed, False)
 
 
-def compile_router_rules(cfg, path):
-    return tuple(RouterRule(rule) for rule in cfg.get("rules") or ())
-
-
-def node_message_router(graph, node, message, state):
-    """§6.2.6 first matching rule sets next_node, rewrites the message, applies set_state.
-
-    `{type: message_router, rules: [{match_type: prefix, pattern: CODE, target: code,
-    extract_message: true, separator: ":", set_state: {...}}]}`
-    """
-    text = message if isinstance(message, str) else str(message)
-    for rule in node.rules:                                     # §6.2.6.1 declaration order
-        found = rule.match(text, rule.pattern, rule.regex)
-        if not found:
-            continue
-        extracted = rule.extract(text, rule.pattern, rule.separator, found) \
-            if rule.extract_message else text
-        # INTERPRETATION I-100 §6.2.6.3 (Q35): set_state is written into state.metadata.
-        return NodeResult(extracted, metadata={"next_node": rule.target},
-                          set_state=rule.set_state, last_content=extracted)
-    return None                                                  # §6.2.6.4: state unchanged
-
-
-RULES = Constraint(lambda value: isinstance(value, list) and bool(value),
-                   "a non-empty list of rules")
-ROUTER_NODE_FIELDS = fields_by_name(Field("rules", RULES, REQUIRED, "6.2.6"))
 MATCH_TYPE = Constraint(lambda value: isinstance(value, str) and value.lower() in MATCH_TYPES,
                         "one of " + ", ".join(MATCH_TYPES))
 ROUTER_RULE_FIELDS = fields_by_name(
@@ -6131,6 +6135,15 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
             raise doc.error(ConfigurationError, at + ("target",), f"target '{rule['target']}' is "
                             f"not a node of graph '{graph_name}'", "6.2.6")
 
+# §6.2.6.3 State updates ------------------------------------------------------------------
+# Pointer banner: a matching rule's set_state travels in its NodeResult and is written into
+# state.metadata by the §6.3 update (I-100); check_message_router_node (above) refuses keys an
+# Actor may not write.
+
+# §6.2.6.4 Routing effect -----------------------------------------------------------------
+# Pointer banner: the match puts next_node in the node's metadata (cleared when a run starts,
+# I-098 in §6.3), which the edges leaving the router may read through context_value conditions
+# (§6.5); node_message_router returns None when no rule matches, so the state stays as it was.
 
 # The §6.2 table: node type (matched case-insensitively) -> (handler, the type's own fields).
 # Rows in the spec's order.
@@ -6151,6 +6164,7 @@ NODE_CHECKS = {
     "subgraph": check_subgraph_node,
     "message_router": check_message_router_node,
 }
+
 
 # §6.3 Graph state -------------------------------------------------------------------------
 # The §6.3.1 table: field -> default (a fresh copy per state).
