@@ -57,7 +57,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §13 SECURITY MODEL: 13.1 13.2 13.2.1 13.2.2 13.2.3 13.3 13.5
     §14 ENVIRONMENT VARIABLE INTERPOLATION: 14.1 14.3
     §15 RESERVED NAMES: 15.1 15.2 15.4 15.5 15.6
-    §16 FORBIDDEN PATTERNS
+    §16 FORBIDDEN PATTERNS: 16.1 16.2 16.3
     HOST -- providers
     HOST -- load / Actor / render
     HOST -- the vector harness
@@ -10920,19 +10920,25 @@ def check_reserved_stream_references(doc):
 # =====================================================================================
 # §16 FORBIDDEN PATTERNS
 # =====================================================================================
-# The §16 rows: forbidden form -> (its §16 list, the check that enforces it, the vector that pins
-# it). Every rule is enforced where its own section's fields are checked; this table only says
-# where, and test_forbidden_forms_table_is_true keeps it true (the check exists, the vector exists
-# and is a load_error vector, or a loading one for the two accepted forms).
-FORBIDDEN_TOP_LEVEL = {
+# Each §16 row: forbidden form -> (its §16 list, the check that enforces it, the vector that pins
+# it). Every rule is enforced where its own section's fields are checked; these tables only say
+# where, and test_forbidden_forms_table_is_true keeps them true (the check exists, the vector
+# exists and is a load_error vector, or a loading one for the two accepted forms).
+
+# §16.1 Forbidden top-level constructs ----------------------------------------------------
+FORBIDDEN_TOP_LEVEL = {          # read by check_top_level: section -> what to use instead
     "streams": "use routes with type: stream",
     "graphs": "use routes with type: graph",
 }
-FORBIDDEN_FORMS = {
+FORBIDDEN_TOP_LEVEL_ROWS = {
     "top-level streams:": ("16.1", "check_top_level", "03-document/reject-top-level-streams"),
     "top-level graphs:": ("16.1", "check_top_level", "03-document/reject-top-level-graphs"),
     "composite with strategy:": ("16.1", "check_composite",
                                  "04-agents/reject-composite-with-strategy"),
+}
+
+# §16.2 Forbidden forms -------------------------------------------------------------------
+FORBIDDEN_FORM_ROWS = {
     "dynamic_router node": ("16.2", "check_nodes", "06-graph/reject-dynamic-router-node"),
     "list-form routes": ("16.2", "check_top_level", "03-document/reject-list-form-routes"),
     # INTERPRETATION I-065 §7.3 vs §16.2 (Q1): accepted, so its vector loads.
@@ -10949,6 +10955,10 @@ FORBIDDEN_FORMS = {
                                     "04-agents/reject-composite-shorthand-routing"),
     "templates with structural expressions": ("16.2", "expand_templates",
                                               "08-templating/reject-structural-loop-in-templates"),
+}
+
+# §16.3 Forbidden field combinations ------------------------------------------------------
+FORBIDDEN_COMBINATION_ROWS = {
     "prompt and prompt_reference": ("16.3", "check_chain",
                                     "04-agents/reject-chain-prompt-and-reference"),
     "template and type": ("16.3", "expand_templates", "08-templating/reject-template-and-type"),
@@ -10960,6 +10970,7 @@ FORBIDDEN_FORMS = {
     "template_config with route fields": ("16.3", "expand_templates",
                                           "08-templating/reject-route-template-with-operators"),
 }
+FORBIDDEN_FORMS = {**FORBIDDEN_TOP_LEVEL_ROWS, **FORBIDDEN_FORM_ROWS, **FORBIDDEN_COMBINATION_ROWS}
 
 
 # =====================================================================================
