@@ -5011,6 +5011,13 @@ BRIDGE_EXPRESSIONS = {
 BRIDGE_CONDITION_EXPRESSIONS = {
     "custom_predicate": 2,      # (message, route configuration)
 }
+# The §5.6 fields whose shape is checked (the expressions above compile in the sandbox).
+BRIDGE_FIELDS = fields_by_name(
+    Field("upgrade_conditions",     MAPPING, None, "5.6"),
+    Field("downgrade_conditions",   MAPPING, None, "5.6"),
+    Field("preserve_subscriptions", BOOLEAN, None, "5.6"),
+    Field("preserve_checkpointing", BOOLEAN, None, "5.6"),
+)
 
 
 def check_bridge(doc, cfg, path, rt=None):
@@ -5019,16 +5026,12 @@ def check_bridge(doc, cfg, path, rt=None):
     {type: bridge, upgrade_conditions: {custom_predicate: "lambda m, cfg: ..."},
      state_extractor: "lambda s: ...", state_flattener: "lambda s: ..."}
     """
+    check_fields(doc, cfg, BRIDGE_FIELDS, path)
     for key, nparams in BRIDGE_EXPRESSIONS.items():
         if cfg.get(key) is not None:
             _compile_located(doc, cfg[key], nparams, rt, path + (key,))
     for group in ("upgrade_conditions", "downgrade_conditions"):
-        conds = cfg.get(group)
-        if conds is None:
-            continue
-        if not isinstance(conds, dict):
-            raise doc.error(ConfigurationError, path + (group,), f"{group} must be a mapping",
-                            "5.6")
+        conds = cfg.get(group) or {}
         for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
             if conds.get(key) is not None:
                 _compile_located(doc, conds[key], nparams, rt, path + (group, key))
