@@ -330,6 +330,9 @@ POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
                               "a finite, positive number of seconds", (int, float))
 
 
+# INTERPRETATION I-172 §4.4, §5.3.2, §6.1 (issue 14): null takes the default in agent configs and
+# operator params (null_is_default); elsewhere it stands for "not given" only where there is no
+# default, and a field with a default must hold a value of its type.
 def check_fields(doc, cfg, table, path, null_is_default=False):
     """Every row of `table` ({name: Field}) against the mapping `cfg` at `path`; raises the
     located ConfigurationError for a missing required field or a value its constraint refuses.
