@@ -800,11 +800,24 @@ def merge_marks(marks, extra, data_before, extra_data):
 # §3.2 Top-level sections ---------------------------------------------------------------
 # section -> required? Rows in the spec's order. `cleveragents` and `version` are read too: the
 # former carries the §9 parameters in the spec's own examples (§9.2, §18.9), the latter is §9.6.
-TOP_LEVEL_SECTIONS = {
-    "agents": True, "routes": True, "merges": False, "splits": False, "templates": False,
-    "instances": False, "context": False, "prompts": False, "pipelines": False,
-    "template_strings": False, "name": False,
-}
+# The §3.2 sections as field rows. Each section's own content is checked under its banner; here
+# only the shape of name, agents and routes (§11.1 items 1-2).
+NON_EMPTY_MAPPING = Constraint(lambda value: isinstance(value, dict) and bool(value),
+                               "a non-empty mapping", (dict,))
+TOP_LEVEL_FIELDS = fields_by_name(
+    Field("agents",           NON_EMPTY_MAPPING, REQUIRED, "11.1, §3.3"),
+    Field("routes",           NON_EMPTY_MAPPING, REQUIRED, "11.1"),
+    Field("merges",           ANY,               None,     "7.1"),
+    Field("splits",           ANY,               None,     "7.2"),
+    Field("templates",        ANY,               None,     "8.6"),
+    Field("instances",        ANY,               None,     "8.7"),
+    Field("context",          ANY,               None,     "10.1"),
+    Field("prompts",          ANY,               None,     "10.4"),
+    Field("pipelines",        ANY,               None,     "7.3"),
+    Field("template_strings", ANY,               None,     "8.9"),
+    Field("name",             STRING,            None,     "3.2"),
+)
+TOP_LEVEL_SECTIONS = {name: row.default is REQUIRED for name, row in TOP_LEVEL_FIELDS.items()}
 HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
 
 
@@ -838,23 +851,10 @@ def check_top_level(doc, rt):
         # INTERPRETATION I-020 §3.2, §1.3 (Q87): unknown keys are ignored with a located warning.
         if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
             rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
-    if doc.data.get("name") is not None and not isinstance(doc.data["name"], str):
-        raise doc.error(ConfigurationError, ("name",), "the Actor's name must be a string, not "
-                        f"{type(doc.data['name']).__name__}", "3.2")
-    if "agents" not in doc.data:
-        raise doc.error(ConfigurationError, (), "the agents section is required", "11.1")
-    if not isinstance(doc.data["agents"], dict) or not doc.data["agents"]:
-        raise doc.error(ConfigurationError, ("agents",),
-                        "agents must be a non-empty mapping of agent definitions", "11.1, §3.3")
-    routes = doc.data.get("routes")
-    if routes is None:
-        raise doc.error(ConfigurationError, (), "the routes section is required", "11.1")
-    if isinstance(routes, list):
+    if isinstance(doc.data.get("routes"), list):
         raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
                         "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
-    if not isinstance(routes, dict) or not routes:
-        raise doc.error(ConfigurationError, ("routes",), "routes must be a non-empty mapping",
-                        "11.1")
+    check_fields(doc, doc.data, TOP_LEVEL_FIELDS, ())
 
 
 # §3.4 The default router requirement ------------------------------------------------
@@ -12642,13 +12642,16 @@ def _schema_for_types(types):
     return fragment if names == ["string"] else {"anyOf": [fragment, _ENV_REFERENCE]}
 
 
-def _schema_fields(table):
-    """A field table ({name: Field}) -> JSON Schema properties, with the JSON defaults."""
+def _schema_fields(table, null_is_default=False):
+    """A field table ({name: Field}) -> JSON Schema properties, with the JSON defaults; a null is
+    accepted where check_fields reads it as "not given" (I-172)."""
     properties = {}
     for field, row in table.items():
         default = row.default
         fragment = dict(_schema_for_types(row.constraint.types))
-        if default is not None and not isinstance(default, (dict, list)):
+        if null_is_default or default is None:
+            fragment = {"anyOf": [fragment, {"type": "null"}]}
+        if default is not None and default is not REQUIRED and not isinstance(default, (dict, list)):
             fragment["default"] = default
         properties[field] = fragment
     return properties
@@ -12712,7 +12715,8 @@ def config_schema():
                   if kind in ("agent", "subgraph")]}
     edge = {"type": "object", "required": ["source", "target"], "properties": {
         "source": {"type": "string"}, "target": {"type": "string"},
-        "condition": {"$ref": "#/$defs/condition"}, "metadata": {"type": "object"},
+        "condition": {"anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]},
+        "metadata": {"type": "object"},
         "description": {"type": "string"}}}
     graph_props = {
         "nodes": {"type": "object", "minProperties": 1, "additionalProperties": node},
@@ -12736,8 +12740,8 @@ def config_schema():
                                     if kind == "graph" else {})}}
                        for kind, props in route_kinds.items()]}
     agent_types = list(AGENT_TYPES) + ["template_instance"]
-    configs = {"llm": _schema_fields({**LLM_FIELDS, **LLM_EXTRA_FIELDS}),
-               "tool": _schema_fields(TOOL_AGENT_FIELDS)}
+    configs = {"llm": _schema_fields({**LLM_FIELDS, **LLM_EXTRA_FIELDS}, null_is_default=True),
+               "tool": _schema_fields(TOOL_AGENT_FIELDS, null_is_default=True)}
     agent = {"type": "object",      # a §4.8 template instance may name its template alone
              "anyOf": [{"required": ["type"]}, {"required": ["template"]},
                        {"required": ["agent_template"]}],
