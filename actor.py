@@ -4268,15 +4268,18 @@ def agent_mapper(site, name, down):
         if type(reply) is PendingReply:     # the composite answers later (§4.6.2)
             reply.then(lambda value: succeed(msg, ctx, value), lambda exc: failed(msg, exc))
             return
-        # succeed(msg, ctx, reply), inlined, with copy_metadata's answer for the usual metadata
-        # (the context alone, which is shared): issue 15 measured 0.25 us of a 3.4 us send().
-        out = Message(reply, metadata.copy() if len(metadata) == 1 and "context" in metadata
-                      else copy_metadata(metadata), route, msg.timestamp)
-        out.metadata["processed_by"] = name
-        out.metadata["context"] = ctx
+        # succeed(msg, ctx, reply), inlined. For the usual metadata, the shared context alone,
+        # copy_metadata plus the two keys is this one literal (issue 15 measured the inlining
+        # at 0.25 us of a 3.4 us send(), the literal at 0.1 us more).
+        if len(metadata) == 1 and "context" in metadata:
+            meta = {"context": ctx, "processed_by": name}
+        else:
+            meta = copy_metadata(metadata)
+            meta["processed_by"] = name
+            meta["context"] = ctx
         if reports_usage and agent.last_usage:      # HOST: the vendor's token counts
-            out.metadata["usage"] = agent.last_usage
-        down.next(out)
+            meta["usage"] = agent.last_usage
+        down.next(Message(reply, meta, route, msg.timestamp))
 
     finish = getattr(agent, "finish_pending", None)
 
