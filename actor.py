@@ -1004,6 +1004,7 @@ class LLMAgent:
 
     type = "llm"
     reads_context = True            # prompts render with it; history may come from it (§4.4.4)
+    writes_context = False          # it only reads: the §6.2.2 node context needs no copies
 
     def __init__(self, name, cfg, rt, path):
         """Build from a configuration check_llm has passed (§12.1: validate, then create)."""
@@ -1528,6 +1529,9 @@ class ToolAgent:
         self.reads_context = self.allow_shell or any(
             tool.reads_context if tool is not None else tool_name not in CONTEXT_FREE_TOOLS
             for tool_name, tool in self.tools.items())
+        # Built-ins only read the context; inline code that can reach it may also write it.
+        self.writes_context = any(tool is not None and tool.reads_context
+                                  for tool in self.tools.values())
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
 
@@ -2559,6 +2563,10 @@ class AgentRef:
     @property
     def reads_context(self):
         return getattr(self.agent, "reads_context", True)
+
+    @property
+    def writes_context(self):
+        return getattr(self.agent, "writes_context", True)
 
     def __init__(self, name, target, scope):
         self.name, self.target, self.scope = name, target, scope
@@ -5713,8 +5721,9 @@ class NodeContext(dict):
         return written, touched - written.keys()
 
 
-def agent_node_context(node, state, message):
-    """§6.2.2 item 2: the context mapping an agent node hands to its agent (a NodeContext)."""
+def agent_node_context(node, state, message, writes=True):
+    """§6.2.2 item 2: the context mapping an agent node hands to its agent: a NodeContext, or a
+    plain dict for an agent that cannot write it (`writes` false: nothing to note or copy back)."""
     metadata = state["metadata"]
     messages = state["messages"]
     # INTERPRETATION I-095 §6.2.2 (Q30): the history is the conversation before the message the node
@@ -5727,20 +5736,28 @@ def agent_node_context(node, state, message):
     # keys the node adds win over both. The mapping is filled through dict's own methods, so
     # that only the agent's writes are noted.
     nested = metadata.get("context")
-    ctx = NodeContext(nested) if isinstance(nested, dict) else NodeContext()
-    _dict_update(ctx, metadata)
     # INTERPRETATION I-116 §6.2.2 items 2-3: the reserved keys are key-level; the history list is
     # new per call, its entries the state's own records (by reference, §10.2).
     # graph_state is a picture of the state (§6.2.2 item 2): its own metadata dict, so that an
     # agent writing into it cannot reach the live state, nor a parallel sibling's view (§6.7).
-    _dict_update(ctx, {
+    # (Kept for readers too: a SIMPLE prompt expression may call a dict's methods, §13.2.2.)
+    reserved = {
         "graph_state": {"messages": history, "metadata": dict(metadata),
                         "current_node": state["current_node"],
                         "execution_count": state["execution_count"], "error": state["error"]},
         "conversation_history": history,
-        "full_context": True})
+        "full_context": True}
     if len(history) < end:
-        _dict_update(ctx, {"_history_truncated": True, "_history_original_length": end})
+        reserved["_history_truncated"] = True
+        reserved["_history_original_length"] = end
+    if not writes:
+        # One dict display instead of a NodeContext filled in three updates (issue 15 measured
+        # 2.1 -> x.x us a context): an agent that cannot write has no writes to note.
+        return {**nested, **metadata, **reserved} if isinstance(nested, dict) \
+            else {**metadata, **reserved}
+    ctx = NodeContext(nested) if isinstance(nested, dict) else NodeContext()
+    _dict_update(ctx, metadata)
+    _dict_update(ctx, reserved)
     return ctx                          # from here on, the agent's writes are noted
 
 
@@ -5768,6 +5785,9 @@ def node_agent(graph, node, message, state):
     # cannot (reads_context false, e.g. a tool agent with only CONTEXT_FREE_TOOLS) gets an
     # empty mapping; what it returns, and items 3-4 below, are the same either way.
     builds = getattr(agent, "reads_context", True)
+    # An agent that reads but cannot write (an LLM agent, built-in tools) gets a plain dict: no
+    # writes to note, no failed attempt's keys to drop, nothing but item 4 to copy back.
+    writes = builds and getattr(agent, "writes_context", True)
     # INTERPRETATION I-110 §6.2.2 (Q45): the agent renders Phase C with this node-built context.
     # INTERPRETATION I-109 §6.2.2 (Q44): raised errors are retried; `timeout` bounds each attempt; a
     # failed attempt's written or removed keys are dropped (objects changed in place stay
@@ -5775,7 +5795,7 @@ def node_agent(graph, node, message, state):
     attempt = 0
     while True:
         # An agent that cannot read its context cannot write it either: a plain empty dict.
-        ctx = agent_node_context(node, state, message) if builds else {}
+        ctx = agent_node_context(node, state, message, writes) if builds else {}
         try:
             if node.timeout is None:
                 reply = agent.invoke(message, ctx)
@@ -5793,7 +5813,7 @@ def node_agent(graph, node, message, state):
                 time.sleep(node.retry_delay)        # a real wait between attempts
     if reply.__class__ is not str:
         reply = str(reply)
-    if builds and ctx.touched:                                  # most agents write nothing
+    if writes and ctx.touched:                                  # most agents write nothing
         changes, removed = ctx.changes()
         changes["last_agent_node"] = node.name                 # §6.2.2 item 4
     else:

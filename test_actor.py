@@ -4834,12 +4834,14 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
-@pytest.mark.parametrize("reads_context", [False, True], ids=["context-free", "context-reading"])
-def test_graph_bench_linear_ten_nodes(reads_context):
+@pytest.mark.parametrize("reads_context, writes_context", [(False, False), (True, False), (True, True)],
+                         ids=["context-free", "context-reading", "context-writing"])
+def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
     calling the same agents directly (the floor). ToolAgent(echo) cannot read its context, so
-    its nodes build none (§6.2.2, reads_context); the second run marks the same agents as
-    context readers, which shows what building the §6.2.2 context costs per node. Prints the
+    its nodes build none (§6.2.2, reads_context); the other runs mark the same agents as
+    context readers (a plain dict, as an LLM agent gets) and as writers (a NodeContext that
+    notes writes), which shows what building the §6.2.2 context costs per node. Prints the
     figures; timings are not asserted."""
     import gc
     import time as _time
@@ -4852,8 +4854,8 @@ def test_graph_bench_linear_ten_nodes(reads_context):
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
     for agent in agents:
-        assert agent.reads_context is False
-        agent.reads_context = reads_context
+        assert agent.reads_context is False and agent.writes_context is False
+        agent.reads_context, agent.writes_context = reads_context, writes_context
     message, rounds = "echo hi", 1000
 
     def floor_loop():
@@ -4881,7 +4883,8 @@ def test_graph_bench_linear_ten_nodes(reads_context):
         gc.enable()
     assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    kind = "context built" if reads_context else "context-free, none built"
+    kind = ("context built, writes noted" if writes_context else "context built") \
+        if reads_context else "context-free, none built"
     print(f"\n[graphs bench] ToolAgent(echo) x10 ({kind}): floor {best['floor']:.2f} us/node, "
           f"graph {best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
           f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x)")
