@@ -4060,6 +4060,48 @@ def test_tool_agent_reads_context_flag(config, reads):
     assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).reads_context is reads
 
 
+@pytest.mark.parametrize("config, writes", [
+    ({"tools": ["echo", "progress_bar", "file_read"]}, False),     # built-ins only read
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),
+    ({"tools": [{"name": "t", "code": "context['k'] = 1"}]}, True),
+    ({"tools": ["echo", {"name": "t", "code": "result = len(locals())"}]}, True),
+])
+def test_tool_agent_writes_context_flag(config, writes):
+    data = {"agents": {"t": {"type": "tool", "config": config}}}
+    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).writes_context is writes
+
+
+def test_graph_reader_and_writer_agents_see_the_same_context():
+    """§6.2.2 item 2: an agent that cannot write its context (writes_context false) gets a plain
+    dict with the same keys, in the same order, and the same values as a writer's NodeContext;
+    only the writer's writes reach the state (item 3)."""
+    seen = {}
+
+    def make(label, writes):
+        def agent(content, ctx):
+            seen[label] = (type(ctx), copy.deepcopy(list(ctx.items())))
+            if writes:
+                ctx["mark"] = label
+            return content
+        return agent
+
+    for label, writes in (("reader", False), ("writer", True)):
+        rt, g = make_graph(linear("a", a={"metadata": {"max_history_messages": 1}}),
+                           {"a": make(label, writes)}, context={"user": "ada"})
+        rt.agents["a"].reads_context, rt.agents["a"].writes_context = True, writes
+        g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(2))
+        run = g.run("hello")
+        assert run.state["metadata"].get("mark") == (label if writes else None)
+    assert seen["reader"][0] is dict and seen["writer"][0] is actor.NodeContext
+    assert seen["reader"][1] == seen["writer"][1]
+    assert dict(seen["reader"][1])["_history_truncated"] is True
+
+
+def test_llm_agent_reads_but_never_writes_its_context():
+    assert actor.LLMAgent.reads_context is True and actor.LLMAgent.writes_context is False
+
+
 def test_graph_node_with_context_free_agent_still_records_and_writes_back():
     """§6.2.2 items 3-4 hold when no context is built: last_agent_node is recorded, the reply
     joins the messages, and a context-reading agent after it still gets the full context."""
