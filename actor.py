@@ -94,14 +94,12 @@ except ImportError:                        # Python 3.10
     import sre_parse as _regex_parser
     import sre_constants as _regex_constants
 import string
-import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 import weakref
 from collections import ChainMap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 try:
@@ -1541,9 +1539,9 @@ class ToolAgent:
             text = content if content.__class__ is str else message_text(content)
             return tool_output(self.tools[self.sole_tool].call(text, self.rt, ctx, self.limits))
         name, args, input_data = tool_request(self, content)
-        return self.run_tool(name, args, ctx, input_data=input_data)
+        return self.run_tool(name, args, ctx, input_data)
 
-    def run_tool(self, name, args, ctx, *, input_data=None):
+    def run_tool(self, name, args, ctx, input_data=None):
         """Run one allowed tool by name with normalised `args` (also used by §12.4)."""
         env = ToolEnv(self.rt, ctx, self.limits)
         inline = self.tools.get(name)
@@ -6479,6 +6477,7 @@ class CheckpointWriter:
     graph's thread); a state marshal cannot carry is sent as JSON text."""
 
     def __init__(self):
+        import subprocess       # on first use: start-up pays for none (issue 15)
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKPOINT_WRITER_PROGRAM],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.waiting, self.failure = False, None
@@ -6527,6 +6526,7 @@ class CheckpointWriter:
     @staticmethod
     def stop(proc):
         """End of input: the writer finishes what it holds and exits."""
+        import subprocess       # (imported by __init__ already)
         try:
             proc.stdin.close()
             proc.wait(timeout=10)
@@ -6609,6 +6609,8 @@ def run_next_node_set(graph, admitted, state, settle):
             # INTERPRETATION I-120 §6.7: one worker per parallel:true node, so that a whole subset
             # really runs at once (item 3), however few processors the host has.
             size = sum(1 for node in graph.nodes.values() if node.parallel)
+            # on first use: start-up pays for none (issue 15)
+            from concurrent.futures import ThreadPoolExecutor
             pool = graph._pool = ThreadPoolExecutor(max_workers=max(2, size),
                                                     thread_name_prefix=f"graph-{graph.name}")
         futures = []
@@ -10470,6 +10472,7 @@ class Worker:
         boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
                 f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
         here = os.path.dirname(os.path.abspath(__file__))
+        import subprocess       # on first use: start-up pays for none (issue 15)
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -10756,6 +10759,7 @@ def tool_shell(env, args):
         raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
     if not env.rt.unsafe:
         raise env.fail("shell execution needs the host in unsafe mode", "13.5")
+    import subprocess           # on first use: start-up pays for none (issue 15)
     try:
         done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
                               capture_output=True, text=True, timeout=env.timeout)
@@ -12040,6 +12044,7 @@ def read_vector(path):
 def observe_with(impl, vector, timeout):
     """Run another implementation on one vector (the --impl protocol) and parse its JSON report.
     Its stderr lands in the report's `stderr`; a run past `timeout` is killed with its children."""
+    import subprocess           # on first use: start-up pays for none (issue 15)
     proc = subprocess.Popen(impl, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -12069,6 +12074,7 @@ def _show(value):
 def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT):
     """Read, lint, run and judge one vector file: a record {path, name, sections, verdict (pass,
     fail, error, skip), failures, message, expected, observed, lint warnings}."""
+    import subprocess           # on first use: start-up pays for none (issue 15)
     record = {"path": str(path), "name": Path(path).stem, "sections": [], "verdict": "error",
               "failures": [], "message": None, "expected": None, "observed": None,
               "lint": []}
@@ -12148,6 +12154,7 @@ def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None, *, jobs=1, o
             print_vector_record(record, out)
 
     if impl and jobs > 1 and len(files) > 1:
+        from concurrent.futures import ThreadPoolExecutor       # on first use (issue 15)
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="vector") as pool:
             for future in [pool.submit(run_one_vector, f, impl, timeout) for f in files]:
                 report(future.result())

@@ -4750,7 +4750,8 @@ def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
             node["parallel"] = rng.random() < 0.6
         messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
         cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
-    monkeypatch.setattr(actor, "ThreadPoolExecutor", NoThreads)
+    import concurrent.futures                # actor.py imports the pool class where it is used
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
     for cfg, messages, threaded in cases:
         assert threaded == _observe(cfg, messages, parallel=True), cfg
 
