@@ -4222,7 +4222,8 @@ def agent_mapper(site, name, down):
                                           method=method))
     retries = retry_count(site)
     # Only an agent that reports token counts has the attribute; asking any other with getattr
-    # raises and catches an AttributeError per message (issue 15: 0.12 us of a 3.3 us send()).
+    # raises and catches an AttributeError per message (issue 15: with the literal below, the
+    # mapper went from 0.81 to 0.74 us a message).
     reports_usage = hasattr(agent, "last_usage")
 
     def with_retries(content, ctx):
@@ -4276,7 +4277,7 @@ def agent_mapper(site, name, down):
             return
         # succeed(msg, ctx, reply), inlined. For the usual metadata, the shared context alone,
         # copy_metadata plus the two keys is this one literal (issue 15 measured the inlining
-        # at 0.25 us of a 3.4 us send(), the literal at 0.1 us more).
+        # at 0.25 us of a 3.4 us send(); see reports_usage above for the literal).
         if len(metadata) == 1 and "context" in metadata:
             meta = {"context": ctx, "processed_by": name}
         else:
@@ -5750,7 +5751,7 @@ def agent_node_context(node, state, message, writes=True):
         reserved["_history_original_length"] = end
     if not writes:
         # One dict display instead of a NodeContext filled in three updates (issue 15 measured
-        # 2.1 -> x.x us a context): an agent that cannot write has no writes to note.
+        # 1.66 -> 1.47 us a context): an agent that cannot write has no writes to note.
         return {**nested, **metadata, **reserved} if isinstance(nested, dict) \
             else {**metadata, **reserved}
     ctx = NodeContext(nested) if isinstance(nested, dict) else NodeContext()
@@ -11451,8 +11452,8 @@ class Actor:
         """Submit one message (to `target`, else the default router / __input__, §3.4) and run it
         to quiescence."""
         # _begin() and _end(), inlined, and the lock taken without `with`: send() is the hot
-        # path (issue 15 measured 0.14 us of a 3.4 us send() for the two calls, 0.07 us for
-        # the `with`)
+        # path (issue 15 measured 0.14 us of a 3.4 us send() for the two calls; without the
+        # `with` the Actor's own share went from 0.61 to 0.53 us)
         turn = self._turn
         turn.acquire()
         try:
