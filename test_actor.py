@@ -4097,6 +4097,48 @@ def test_tool_agent_reads_context_flag(config, reads):
     assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).reads_context is reads
 
 
+@pytest.mark.parametrize("config, writes", [
+    ({"tools": ["echo", "progress_bar", "file_read"]}, False),     # built-ins only read
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),
+    ({"tools": [{"name": "t", "code": "context['k'] = 1"}]}, True),
+    ({"tools": ["echo", {"name": "t", "code": "result = len(locals())"}]}, True),
+])
+def test_tool_agent_writes_context_flag(config, writes):
+    data = {"agents": {"t": {"type": "tool", "config": config}}}
+    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).writes_context is writes
+
+
+def test_graph_reader_and_writer_agents_see_the_same_context():
+    """§6.2.2 item 2: an agent that cannot write its context (writes_context false) gets a plain
+    dict with the same keys, in the same order, and the same values as a writer's NodeContext;
+    only the writer's writes reach the state (item 3)."""
+    seen = {}
+
+    def make(label, writes):
+        def agent(content, ctx):
+            seen[label] = (type(ctx), copy.deepcopy(list(ctx.items())))
+            if writes:
+                ctx["mark"] = label
+            return content
+        return agent
+
+    for label, writes in (("reader", False), ("writer", True)):
+        rt, g = make_graph(linear("a", a={"metadata": {"max_history_messages": 1}}),
+                           {"a": make(label, writes)}, context={"user": "ada"})
+        rt.agents["a"].reads_context, rt.agents["a"].writes_context = True, writes
+        g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(2))
+        run = g.run("hello")
+        assert run.state["metadata"].get("mark") == (label if writes else None)
+    assert seen["reader"][0] is dict and seen["writer"][0] is actor.NodeContext
+    assert seen["reader"][1] == seen["writer"][1]
+    assert dict(seen["reader"][1])["_history_truncated"] is True
+
+
+def test_llm_agent_reads_but_never_writes_its_context():
+    assert actor.LLMAgent.reads_context is True and actor.LLMAgent.writes_context is False
+
+
 def test_graph_node_with_context_free_agent_still_records_and_writes_back():
     """§6.2.2 items 3-4 hold when no context is built: last_agent_node is recorded, the reply
     joins the messages, and a context-reading agent after it still gets the full context."""
@@ -4745,7 +4787,8 @@ def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
             node["parallel"] = rng.random() < 0.6
         messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
         cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
-    monkeypatch.setattr(actor, "ThreadPoolExecutor", NoThreads)
+    import concurrent.futures                # actor.py imports the pool class where it is used
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
     for cfg, messages, threaded in cases:
         assert threaded == _observe(cfg, messages, parallel=True), cfg
 
@@ -4871,12 +4914,14 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 
 # Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
-@pytest.mark.parametrize("reads_context", [False, True], ids=["context-free", "context-reading"])
-def test_graph_bench_linear_ten_nodes(reads_context):
+@pytest.mark.parametrize("reads_context, writes_context", [(False, False), (True, False), (True, True)],
+                         ids=["context-free", "context-reading", "context-writing"])
+def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     """Per-node step cost of a 10-node linear graph of tool-agent nodes, next to a bare loop
     calling the same agents directly (the floor). ToolAgent(echo) cannot read its context, so
-    its nodes build none (§6.2.2, reads_context); the second run marks the same agents as
-    context readers, which shows what building the §6.2.2 context costs per node. Prints the
+    its nodes build none (§6.2.2, reads_context); the other runs mark the same agents as
+    context readers (a plain dict, as an LLM agent gets) and as writers (a NodeContext that
+    notes writes), which shows what building the §6.2.2 context costs per node. Prints the
     figures; timings are not asserted."""
     import gc
     import time as _time
@@ -4889,8 +4934,8 @@ def test_graph_bench_linear_ten_nodes(reads_context):
     graph = actor.GraphRoute("main", cfg, rt)
     agents = [rt.agents[n] for n in names]
     for agent in agents:
-        assert agent.reads_context is False
-        agent.reads_context = reads_context
+        assert agent.reads_context is False and agent.writes_context is False
+        agent.reads_context, agent.writes_context = reads_context, writes_context
     message, rounds = "echo hi", 1000
 
     def floor_loop():
@@ -4918,7 +4963,8 @@ def test_graph_bench_linear_ten_nodes(reads_context):
         gc.enable()
     assert graph.run(message, rt.context, pure=True).output == "hi"    # the graph really ran
     overhead = best["graph"] - best["floor"]
-    kind = "context built" if reads_context else "context-free, none built"
+    kind = ("context built, writes noted" if writes_context else "context built") \
+        if reads_context else "context-free, none built"
     print(f"\n[graphs bench] ToolAgent(echo) x10 ({kind}): floor {best['floor']:.2f} us/node, "
           f"graph {best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
           f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x)")
