@@ -7788,7 +7788,8 @@ MUTATION_HOST_CODE = {
     "LLMAgent.__init__ | self.jitter = random.random": _VENDOR,
     "LLMAgent.__init__ | self.last_usage = None": _VENDOR,
     "LLMAgent.invoke | self.last_usage = call.get(": _VENDOR,
-    'agent_mapper.succeed | if getattr(agent, "last_usage", None):': _VENDOR,
+    "agent_mapper.succeed | if reports_usage and agent.last_usage:": _VENDOR,
+    "agent_mapper.on_next | if reports_usage and agent.last_usage:": _VENDOR,
     "ProgressFacility.__init__ | self.last = None": "an attribute only the host reads",
     "ProgressFacility.update | self.last = line": "an attribute only the host reads",
 }
