@@ -7505,9 +7505,6 @@ _CLI = "CLI-only output (--describe text, --diagram)"
 MUTATION_OUTSIDE_FORMAT = {
     "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
     "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
-    "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
-    "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
-    "_PipelineEntry.describe": _CLI,
     "RealClock.advance": "real time (vectors run on a virtual clock)",
     "GraphNode.__init__: self.retry_delay = float(policy.get('delay', 1.0)) if "
     "isinstance(policy, dict) else 0.0 -> pass | "
@@ -7523,35 +7520,20 @@ MUTATION_OUTSIDE_FORMAT = {
     "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
     '"graph" for c in routes.values())':
         "only the §6.10 internal streams differ, and a document may not reference them",
-    "StreamNetwork.watch": "the host's tracing API",
     "run_budgeted: _BUDGET.budget = previous -> pass | _BUDGET.budget = previous":
         "timing: the leaked budget fails a later render only once its real deadline has passed",
     "Stream._deliver: 0 -> -1 | del self.memory[0]":
         "hot/replay memory reaches late subscribers only, added through the host's API",
-    'LLMAgent.__init__: self.sleep = time.sleep -> pass | self.sleep = time.sleep             # retry back-off; tests inject a recorder':
-        'the vendor transport (vectors fake the LLM transport)',
-    'LLMAgent.invoke: self.last_usage = call.get(\'usage\') -> pass | self.last_usage = call.get("usage")     # the vendor\'s token counts, for the reply\'s map':
-        'the vendor transport (vectors fake the LLM transport)',
     'resolve_api_key: return rt.env[var] -> return None | return rt.env[var]':
         'the key reaches only the vendor transport, which vectors fake',
-    'ProgressFacility.__init__: self.last = None -> pass | self.last = None':
-        "the host's own API: only the host reads `last`",
-    'agent_mapper.succeed: out.metadata[\'usage\'] = agent.last_usage -> pass | out.metadata["usage"] = agent.last_usage':
-        "the vendor's token counts (vectors fake the LLM transport)",
     'StreamNetwork.single_shot: return bool(self._single_shot) -> return None | return bool(self._single_shot)':
         "StreamNetwork(single_shot=...) is a host API argument (vectors set the run's single_shot)",
-    'LLMAgent._base_url':
-        'the vendor transport (vectors fake the LLM transport)',
     'GraphRoute._continue: check_not_abandoned(f"graph \'{self.name}\'", \'6.7\') -> pass | check_not_abandoned(f"graph \'{self.name}\'", "6.7")':
         'a call abandoned by a real-time timeout while its code still runs',
     '_check_write: check_not_abandoned(\'inline code\') -> pass | check_not_abandoned("inline code")':
         'a call abandoned by a real-time timeout while its code still runs',
-    'GraphRoute.resume':
-        'host API: Actor.resume (the vector format has no resume action)',
     'topological_levels':
         "§6.11 levels are kept for the host's analysis API; no run reads them",
-    'note_phase_a_reads: rt.phase_a_reads.update(unread) -> pass | rt.phase_a_reads.update(unread)':
-        'only the CLI reads the names (its warning about unread --set keys)',
     'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
     'StreamNetwork.settle':
