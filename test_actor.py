@@ -7498,6 +7498,8 @@ MUTATION_EQUIVALENT = {
         'a doubled quote closes and reopens the quoted text at the same place: the same characters count as quoted',
     'tool_argument: 0 -> -1 | def tool_argument(args, name, index=0):':
         _CACHED,
+    'CompositeAgent._on_output: if not mine and self._current is not None: -> pass | if not mine and self._current is not None:':
+        "unreachable from a configuration: _dispatch marks what it sends, operators copy metadata, a hot stream's initial value arrives while the composite is built (before any call), and internal streams cannot be subscribed; no vector or test reaches the branch",
 }
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
