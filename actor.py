@@ -577,8 +577,9 @@ class Runtime:
 
 # §3.1 File format -------------------------------------------------------------------------
 # YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
-# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when present;
-# the resolver and the construction below are ours in both cases, so the results are identical.
+# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when
+# present; the resolver and the construction below are ours in both cases, so the results are
+# identical.
 
 _YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 # INTERPRETATION I-164 §3.1 (issue 11): every YAML text (the document, Phase A's output,
@@ -1116,14 +1117,15 @@ class LLMAgent:
         if self.tool_execute:
             output = process_tool_blocks(rt, reply, self.tools, ctx)
         if self.memory_enabled:
-            # INTERPRETATION I-028, I-029 §4.4.4 (Q78): the formatted message as sent, and the response with its
-            # §12.4 blocks already replaced.
+            # INTERPRETATION I-028, I-029 §4.4.4 (Q78): the formatted message as sent, and the
+            # response with its §12.4 blocks already replaced.
             self.memory.record(user, output)
         return output
 
     def _base_url(self):
         """Agent `base_url` > the provider's *_BASE_URL variables in rt.env > the vendor default."""
-        # INTERPRETATION I-035 §4.4.1: `base_url` and the *_BASE_URL variables are extensions (§1.3).
+        # INTERPRETATION I-035 §4.4.1: `base_url` and the *_BASE_URL variables are extensions
+        # (§1.3).
         if self.base_url:
             return self.base_url
         adapter = PROVIDERS[self.provider]
@@ -1286,8 +1288,8 @@ OPENAI_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def check_response_format_for(rt, provider, rf, path):
     """§4.4.3 at load: OpenAI's json_schema requires a `name` of 1-64 letters, digits, _ or -."""
-    # INTERPRETATION I-032 §4.4.3: "conformant to the provider's mechanism" is checked at load where a
-    # vendor states a hard rule: OpenAI requires json_schema.name; the others have no slot for it.
+    # INTERPRETATION I-032 §4.4.3: "conformant to the provider's mechanism" is checked at load where
+    # a vendor states a hard rule: OpenAI requires json_schema.name; the others have no slot for it.
     if provider != "openai" or rf.get("type") != "json_schema":
         return
     name = rf["json_schema"].get("name")
@@ -1300,7 +1302,8 @@ def check_response_format_for(rt, provider, rf, path):
 def check_structured_support(agent, rf):
     """§4.4.3: a provider without a structured-output mechanism for this `type` is an execution
     error, signalled per invocation (the adapters' `structured` sets say what each can do)."""
-    # INTERPRETATION I-031 §4.4.3: "does not support" is judged per provider and response_format type.
+    # INTERPRETATION I-031 §4.4.3: "does not support" is judged per provider and response_format
+    # type.
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
@@ -1341,8 +1344,9 @@ def history_from_context(ctx):
 
     Entries are mappings with `role` and `content`.
     """
-    # INTERPRETATION I-030 §4.4.4: role `assistant` stays, `system` entries are left out (the agent's own
-    # system prompt fills that slot), any other role (graph node names, `human`) is sent as `user`.
+    # INTERPRETATION I-030 §4.4.4: role `assistant` stays, `system` entries are left out (the
+    # agent's own system prompt fills that slot), any other role (graph node names, `human`) is sent
+    # as `user`.
     history = ctx.get("conversation_history")
     if not isinstance(history, list):
         return []
@@ -1748,7 +1752,8 @@ def tool_json_parse(env, args):
                            f"column {exc.colno})", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
-    # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii off).
+    # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii
+    # off).
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 
@@ -1983,10 +1988,10 @@ class InlineTool:
 
     def run(self, input_data, env):
         """Run the body with input_data, message, context (by reference) and result=None."""
-        # INTERPRETATION I-052, I-158 §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid by the
-        # invocation context (invocation wins); keys it sets or deletes land in the invocation
-        # context (the global one in streams) as they are written, so later steps see them
-        # (§4.5.7) -- unless the call was abandoned by its timeout (§5.3.4).
+        # INTERPRETATION I-052, I-158 §4.5 vs §4.5.2 (Q79): the body sees the agent context overlaid
+        # by the invocation context (invocation wins); keys it sets or deletes land in the
+        # invocation context (the global one in streams) as they are written, so later steps see
+        # them (§4.5.7) -- unless the call was abandoned by its timeout (§5.3.4).
         progress = progress_function(env)
         base = env.limits.context
         variables = {"input_data": input_data, "message": input_data, "result": None,
@@ -2025,8 +2030,8 @@ def tool_request(agent, content):
     """
     tools = agent.tools
     text = content if isinstance(content, str) else message_text(content)
-    # INTERPRETATION I-053 §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's only
-    # tool is inline; with built-ins beside it, every tool is reached by name (else the listed
+    # INTERPRETATION I-053 §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's
+    # only tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
     if agent.sole_inline:
         return agent.sole_tool, None, text
@@ -2047,8 +2052,8 @@ def tool_request(agent, content):
             raise ExecutionError("the `tool` key of a tool request must be a tool name",
                                  path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
-    # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the command
-    # form, as written.
+    # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the
+    # command form, as written.
     head = text.split(None, 1)          # the first word; the rest is split only when needed
     name = head[0] if head else ""
     if agent.sole_tool is not None and name not in tools and name not in BUILTIN_TOOLS \
@@ -2462,8 +2467,9 @@ def is_agent_ref(cfg):
 
 def check_agent_ref(doc, local, cfg, path, scope, siblings):
     """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
-    # INTERPRETATION I-015 §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent in
-    # scope (this composite's others first, then outward); an unknown name is a ConfigurationError.
+    # INTERPRETATION I-015 §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent
+    # in scope (this composite's others first, then outward); an unknown name is a
+    # ConfigurationError.
     target = cfg["ref"]
     extra = sorted(set(cfg) - {"ref"})
     if extra:
@@ -3250,8 +3256,8 @@ class StreamRoute(_Node):
         self.ended = False
 
     def emit(self, msg):
-        # INTERPRETATION I-081 §12.2.1 (Q23): source_stream is re-stamped with the emitting stream at
-        # every hop, so `source_is` can name any route.
+        # INTERPRETATION I-081 §12.2.1 (Q23): source_stream is re-stamped with the emitting stream
+        # at every hop, so `source_is` can name any route.
         if msg.source_stream != self.name:
             msg = msg.copy(source_stream=self.name)
         self.out.next(msg)
@@ -3604,8 +3610,8 @@ def op_switch(site, params, down):
     {type: switch, params: {cases: [{condition: c, target: <stream>, operators: [...]}],
      default: <stream>, default_operators: [...]}}
     """
-    # INTERPRETATION I-070 §5.3.2 switch (Q12): a case whose target is unknown counts as no-match and
-    # evaluation goes on with the next case; a forwarded message leaves this route; a matching
+    # INTERPRETATION I-070 §5.3.2 switch (Q12): a case whose target is unknown counts as no-match
+    # and evaluation goes on with the next case; a forwarded message leaves this route; a matching
     # case with neither operators nor target passes the message on unchanged.
     net, rt, path, route = site.net, site.rt, site.path, site.route
     inline = Stage(down.next, _no_completion)
@@ -3653,8 +3659,8 @@ def op_conditional_route(site, params, down):
 
     {type: conditional_route, params: {routes: {<route>: <condition>, ...}, default: <route>}}
     """
-    # INTERPRETATION I-066 §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when the
-    # operator's params carry a `routes` mapping; each message goes to the first route (in
+    # INTERPRETATION I-066 §5.3.2 conditional_route (Q10): the route "engages a graph bridge" when
+    # the operator's params carry a `routes` mapping; each message goes to the first route (in
     # declaration order) whose condition holds under the bridge rules of §5.4.1 (unknown type:
     # no-match), else to `default`, else on down this route.
     if not isinstance(params.get("routes"), dict):
@@ -4524,7 +4530,8 @@ def cond_custom(cond, subject, rt):
 
 
 # The §5.4 table: type -> (evaluator, subsystems that honour it). Rows in the spec's order.
-# INTERPRETATION I-019 §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read as a slip.
+# INTERPRETATION I-019 §5.4 `never` (Q9): false wherever honoured; the "(returns True)" note is read
+# as a slip.
 CONDITIONS = {
     "always":               (cond_always,               {"stream", "bridge", "edge", "node"}),
     "never":                (cond_never,                {"node", "stream"}),
@@ -4695,9 +4702,9 @@ class StreamNetwork:
     @property
     def single_shot(self):
         """Whether this run is single-shot (§5.3.2 debounce cap, §12.2.4)."""
-        # INTERPRETATION I-089 §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host says
-        # so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the CLI
-        # with -m messages); vectors and the API are not single-shot.
+        # INTERPRETATION I-089 §5.3.2 debounce, §12.2.4 (Q95): a run is single-shot when the host
+        # says so: StreamNetwork(single_shot=True), or rt.single_shot set at any time (e.g. by the
+        # CLI with -m messages); vectors and the API are not single-shot.
         if self._single_shot is not None:
             return bool(self._single_shot)
         return self.rt.single_shot
@@ -4732,8 +4739,8 @@ class StreamNetwork:
         return push_if
 
     def _implicit_graph_output(self):
-        # INTERPRETATION I-086 §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline) that
-        # no merge, split or next stage reads from sends each run's output (GraphRun.output) to
+        # INTERPRETATION I-086 §6.1, §3.3 (Q28): a graph route (or last graph stage of a pipeline)
+        # that no merge, split or next stage reads from sends each run's output (GraphRun.output) to
         # __output__, however it was fed (merge, split, default router, send(target=...)).
         read = {s for (s, _t) in self.edges}
         for name, node in list(self.nodes.items()):
@@ -4822,8 +4829,8 @@ class StreamNetwork:
 
     def complete(self):
         """End the input (Q27): completion flows through every link, so reduce/buffer flush."""
-        # INTERPRETATION I-084 §5.5 (Q27): __input__ completes when the host ends input; each node then
-        # completes once all its sources have, and nodes only reachable by send(target=...) or
+        # INTERPRETATION I-084 §5.5 (Q27): __input__ completes when the host ends input; each node
+        # then completes once all its sources have, and nodes only reachable by send(target=...) or
         # a switch complete in topological order after their upstream.
         for name in self.order:
             self.deliver(self.nodes[name].finish)
@@ -5005,8 +5012,9 @@ def default_router(rt):
 def publication_links(routes):
     """§5.5: each publication target receives every emission of its route (a graph route's
     emissions are its runs' outputs)."""
-    # INTERPRETATION I-085 §5.5, §6.1: a graph route may declare publications too (the issue's "graph
-    # routes ... emit to their publications"); §6.1's table lists none, §5.5 speaks of streams.
+    # INTERPRETATION I-085 §5.5, §6.1: a graph route may declare publications too (the issue's
+    # "graph routes ... emit to their publications"); §6.1's table lists none, §5.5 speaks of
+    # streams.
     links = []
     for name, cfg in routes.items():
         if route_type(cfg) in ("stream", "graph"):
@@ -5115,7 +5123,8 @@ def check_graph(rt, name, cfg, path, agent_names):
         check_checkpoint_dir(rt, cfg["checkpoint_dir"], path + ("checkpoint_dir",))
 
 
-# INTERPRETATION I-092 §6.1 (Q28): a run's consumer-facing result is its latest output (last_output).
+# INTERPRETATION I-092 §6.1 (Q28): a run's consumer-facing result is its latest output
+# (last_output).
 class GraphRun:
     """What one execution of a graph route gives back.
 
@@ -5373,8 +5382,8 @@ class GraphRoute:
 
     def _next_nodes(self, results):
         """§6.5: every edge whose condition holds, in declaration order; end closes a branch."""
-        # INTERPRETATION I-105 §6.5 (Q40): level by level; reaching end closes one branch, and the run
-        # ends when no branch is left. (_continue takes a lone unconditional edge itself.)
+        # INTERPRETATION I-105 §6.5 (Q40): level by level; reaching end closes one branch, and the
+        # run ends when no branch is left. (_continue takes a lone unconditional edge itself.)
         frontier, taken = [], set()
         state = self.state
         for node, output in results:
@@ -5757,8 +5766,8 @@ def agent_node_context(node, state, message, writes=True):
     if end and messages[-1].get("content") == message:
         end -= 1
     history = trim_history(messages, node.max_history_messages, node.max_history_chars, end)
-    # INTERPRETATION I-098 §6.2.2 (Q33): a top-level metadata key wins over a nested context key; the
-    # keys the node adds win over both. The mapping is filled through dict's own methods, so
+    # INTERPRETATION I-098 §6.2.2 (Q33): a top-level metadata key wins over a nested context key;
+    # the keys the node adds win over both. The mapping is filled through dict's own methods, so
     # that only the agent's writes are noted.
     nested = metadata.get("context")
     # INTERPRETATION I-116 §6.2.2 items 2-3: the reserved keys are key-level; the history list is
@@ -6038,7 +6047,8 @@ def match_exact(text, pattern, regex):
 
 def extract_prefix(text, pattern, separator, found):
     """Strip `pattern + separator` (or `pattern` alone when the separator is absent)."""
-    # INTERPRETATION I-114 §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> " fix").
+    # INTERPRETATION I-114 §6.2.6.2: whitespace after the stripped part is kept ("CODE fix" -> "
+    # fix").
     if separator and text.startswith(pattern + separator):
         return text[len(pattern) + len(separator):]
     return text[len(pattern):]
@@ -6230,14 +6240,17 @@ def warn_state_class(rt, cfg, path):
 def begin_run(state, content, ctx):
     """A run starts: the global context joins the state, the input joins the messages."""
     metadata = state["metadata"]
-    # INTERPRETATION I-097 §6.3.1 (Q32): state.metadata.context is the invocation context, by reference.
+    # INTERPRETATION I-097 §6.3.1 (Q32): state.metadata.context is the invocation context, by
+    # reference.
     metadata["context"] = ctx
-    # INTERPRETATION I-098 §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the start.
+    # INTERPRETATION I-098 §6.2.6.4 (Q33): next_node is a per-run routing signal, cleared at the
+    # start.
     metadata.pop("next_node", None)
     if isinstance(ctx, dict):
         ctx.pop("next_node", None)
     metadata["current_message"] = content
-    # INTERPRETATION I-095 §6.2.1 (Q30): the start node's message joins state.messages as a user entry.
+    # INTERPRETATION I-095 §6.2.1 (Q30): the start node's message joins state.messages as a user
+    # entry.
     messages = state["messages"]
     messages.append({"role": "user", "content": content})
     if len(messages) > MAX_STATE_MESSAGES:
@@ -6436,8 +6449,8 @@ def write_checkpoint(graph, state, wait=True):
     """Persist the full state atomically (temp file + rename) as checkpoint_<ts>-<seq>.json;
     wait=False only hands the write to the graph's writer process. Returns the path (a Path
     when waited for)."""
-    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json; the
-    # sequence continues past the newest file already there, so names stay unique and sortable.
+    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
+    # the sequence continues past the newest file already there, so names stay unique and sortable.
     try:
         # os.path, not pathlib, on the every-tenth-update path (issue 15: 5 us a checkpoint)
         final = os.path.join(graph.checkpoint_dir, checkpoint_name(graph))
@@ -6601,8 +6614,8 @@ def restore_checkpoint(graph, path=None):
     for key in state:
         if key in data:
             state[key] = data[key]
-    # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run re-attaches
-    # the live context (Q32).
+    # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run
+    # re-attaches the live context (Q32).
     graph.state = state
     return path
 
@@ -6980,9 +6993,9 @@ def split_links(net, data):
     return links
 
 # §7.3 The pipelines section -------------------------------------------------------------
-# INTERPRETATION I-065 §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a message
-# sent to the pipeline's name (send(target=...), a merge or split target, the default router)
-# enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
+# INTERPRETATION I-065 §7.3 vs §16.2 (Q1): pipelines are accepted and wired stage to stage: a
+# message sent to the pipeline's name (send(target=...), a merge or split target, the default
+# router) enters stage 1, and the output of stage N feeds stage N+1. Stage-local link names
 # (publications naming non-routes, input_from, output_to, subscriptions) are advisory;
 # publications naming a route or built-in stream are honoured.
 def check_pipeline_stages(doc, pipelines, routes, checker):
@@ -7387,7 +7400,8 @@ def filter_split(value, sep=None, maxsplit=-1):
     return str(value).split(sep, maxsplit)
 
 
-# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with it).
+# Table of §8.3 (2): the filters that MUST exist (the rest of Jinja2's standard filters come with
+# it).
 FILTERS = {
     "tojson": filter_tojson,
     "yaml": filter_tojson,          # "equivalent to tojson": JSON is flow-style YAML
@@ -7403,8 +7417,8 @@ FILTERS = {
 
 # §8.4 Deferred rendering and field protection -------------------------------------------
 # Which fields are runtime-bearing: rendered per invocation (Phase C), so protected at Phase A.
-# INTERPRETATION I-123 §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's `prompt`
-# (§4.7 renders it with the per-message `message`, which cannot exist at load).
+# INTERPRETATION I-123 §8.4 (Q48): system_prompt, prompts.<name>.content and the chain agent's
+# `prompt` (§4.7 renders it with the per-message `message`, which cannot exist at load).
 RUNTIME_FIELDS = {   # (where, field) -> §: the fields that render at Phase C (§8.4)
     ("agents", "system_prompt"): "4.4.6",     # agents.<name>.config.system_prompt
     ("agents", "prompt"): "4.7",              # a chain agent's config.prompt
@@ -7426,8 +7440,8 @@ def is_runtime_field(keys):
     """keys: the mapping keys from the document root down to a scalar. True only for the §8.4
     fields: an agent's config.system_prompt / config.prompt (agents.<name>.config.<field>, also
     a composite's components.agents.<name>.config.<field>) and prompts.<name>.content."""
-    # INTERPRETATION I-123 §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a context
-    # value, a template instance's params) is ordinary data and renders at Phase A.
+    # INTERPRETATION I-123 §8.4 (defect 11): a key named prompt or system_prompt elsewhere (a
+    # context value, a template instance's params) is ordinary data and renders at Phase A.
     if len(keys) == 3 and keys[0] == "prompts":
         return ("prompts", keys[2]) in RUNTIME_FIELDS
     return (len(keys) >= 4 and ("agents", keys[-1]) in RUNTIME_FIELDS
@@ -7918,7 +7932,8 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     return "".join(out)
 
 # §8.5 Document-level template storage ----------------------------------------------------
-# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use them.
+# Reserved by §8.5: tags a host may put on a stored, still-unrendered document; users MUST NOT use
+# them.
 RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing",
                           "__jinja_template__", "__is_template__")
 
@@ -8207,14 +8222,15 @@ class Expansion:
                 if "template" in cfg:
                     raise self.doc.error(ConfigurationError, path, "`agent_template` and "
                                          "`template` on the same agent", "16.3")
-                # INTERPRETATION I-093, I-139 §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says MUST.
+                # INTERPRETATION I-093, I-139 §4.1/§4.8 vs §16.2 (Q2 (b)): rejected, as §16.2 says
+                # MUST.
                 raise self.doc.error(ConfigurationError, path + ("agent_template",),
                                      "`agent_template` is a forbidden form; use `template`",
                                      "16.2")
             if "template" not in cfg:
                 break
-            # INTERPRETATION I-144 §4.8 vs §16.3 (new): `type: template_instance` is the internal tag,
-            # not a competing form, so it may stand beside `template`.
+            # INTERPRETATION I-144 §4.8 vs §16.3 (new): `type: template_instance` is the internal
+            # tag, not a competing form, so it may stand beside `template`.
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
@@ -8242,8 +8258,8 @@ class Expansion:
             raise self.doc.error(ConfigurationError, path + ("template_config",),
                                  "template_config needs `template` (and `params`)", "8.7")
         name = tc["template"]
-        # INTERPRETATION I-129 §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then comes
-        # from the template's kind; when given it picks the kind and must match.
+        # INTERPRETATION I-129 §5.1/§11.3 vs §8.7 (Q54 (b)+(c)): `type` may be omitted and then
+        # comes from the template's kind; when given it picks the kind and must match.
         declared = str(cfg["type"]).lower() if "type" in cfg else None
         if declared is not None and declared not in ROUTE_KIND:
             raise self.doc.error(ConfigurationError, path + ("type",), "only graph and stream "
@@ -8609,8 +8625,9 @@ def jinja2_module():
 def _jinja_classes(jinja2):
     """The two classes the JINJA2 environment is built from (they subclass jinja2's own)."""
 
-    # INTERPRETATION I-125 §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or dereferenced
-    # and are false in conditions; the seed context is the §8.3 built-ins plus any render context.
+    # INTERPRETATION I-125 §8.12 vs §8.11 (Q50 (c)): undefined names fail when printed or
+    # dereferenced and are false in conditions; the seed context is the §8.3 built-ins plus any
+    # render context.
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
         but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x %}`)."""
@@ -8683,7 +8700,8 @@ def template_loop(iterable):
         yield item
 
 
-# INTERPRETATION I-134 §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept as is.
+# INTERPRETATION I-134 §4.4.6 (Q59 (a)): keep_trailing_newline -- text outside expressions is kept
+# as is.
 @functools.lru_cache(maxsize=None)
 def jinja_environment():
     """§9.2 JINJA2: one sandboxed environment per process (a pure memo, never mutated after build).
@@ -8901,8 +8919,8 @@ def render_mustache(text, variables, partials=None):
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-# INTERPRETATION I-161 §9.2 (T1, README Security): the format pass reads the template's own text only.
-# What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
+# INTERPRETATION I-161 §9.2 (T1, README Security): the format pass reads the template's own text
+# only. What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
 # message "what is {api_token}?" prints as written.
 @functools.lru_cache(maxsize=4096)
 def simple_parts(text):
@@ -8988,8 +9006,8 @@ def simple_format(text, variables):
     return "".join(out)
 
 
-# INTERPRETATION I-135 §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at Phase C
-# only, with the Phase C rendering context as the named parameters.
+# INTERPRETATION I-135 §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at
+# Phase C only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
     return run_budgeted(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
@@ -9045,9 +9063,9 @@ def render(text, variables, engine="JINJA2", partials=None):
 # See §3.4 above (resolve_default_router): the host parameter wins over cleveragents.default_router.
 
 # §9.4 unsafe --------------------------------------------------------------------------------
-# INTERPRETATION I-004 §9.4 (Q91, decided): a declaration fails closed. Only an explicit false -- false,
-# 0, null, an empty value, or the words false/no/off/0 in any case -- leaves unsafe undeclared;
-# any other value (`unsafe: enabled`, `unsafe: [x]`) says the Actor needs unsafe mode.
+# INTERPRETATION I-004 §9.4 (Q91, decided): a declaration fails closed. Only an explicit false --
+# false, 0, null, an empty value, or the words false/no/off/0 in any case -- leaves unsafe
+# undeclared; any other value (`unsafe: enabled`, `unsafe: [x]`) says the Actor needs unsafe mode.
 UNSAFE_FALSE_WORDS = ("false", "no", "off", "0", "")
 
 
@@ -9110,7 +9128,8 @@ def build_global_context(doc, host_context, host_unsafe):
 
 
 # §10.3 Reserved context keys -------------------------------------------------------------
-# Keys only the host may set. INTERPRETATION I-005 §10.3 (Q84): declaring them in context.global is an error.
+# Keys only the host may set. INTERPRETATION I-005 §10.3 (Q84): declaring them in context.global is
+# an error.
 HOST_ONLY_CONTEXT_KEYS = {"_temperature_override": "4.4.5, §10.3", "_unsafe_mode": "10.3, §13.3"}
 RESERVED_CONTEXT_KEYS = (
     "_temperature_override", "_unsafe_mode", "auto_finish_active", "auto_finish_state",
@@ -9669,9 +9688,9 @@ DEBOUNCE_SINGLE_SHOT_CAP = 0.05     # §5.3.2 debounce in a single-shot run: sec
 # and sequential siblings see earlier writes (§6.2.2).
 
 # §12.4 Tool command processing in outputs --------------------------------------------------
-# INTERPRETATION I-037 §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes blocks,
-# and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of the
-# invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
+# INTERPRETATION I-037 §12.4 (Q81): opt-in. Only an llm agent with `tool_execute: true` processes
+# blocks, and only for the built-in tools it lists in `tools`; the tools run under the §13 rules of
+# the invocation (run_builtin_tool checks host mode and `_unsafe_mode`). `shell` is never offered
 # here, since §13.5 ties it to a tool agent's `allow_shell`.
 TOOL_EXECUTE_OPEN, TOOL_EXECUTE_CLOSE = "[TOOL_EXECUTE:", "[/TOOL_EXECUTE]"
 # INTERPRETATION I-040 §12.4 item 3: one readable text replaces any block that cannot run.
@@ -9707,8 +9726,8 @@ def sanitize_tool_payload(text):
 
     A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
     """
-    # INTERPRETATION I-038 §12.4 item 2: "literal backslashes" are all backslashes inside string values,
-    # so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
+    # INTERPRETATION I-038 §12.4 item 2: "literal backslashes" are all backslashes inside string
+    # values, so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
     out = []
     in_string = False
     for i, ch in enumerate(text):
@@ -9778,8 +9797,8 @@ def tool_blocks(text):
 def _tool_block_result(rt, name, payload, allowed, ctx):
     if name not in allowed:
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
-    # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run with
-    # its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
+    # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run
+    # with its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
     try:
         args = json.loads(payload)
     except json.JSONDecodeError:
@@ -9800,8 +9819,8 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
 # §12.5 Routing prefix conventions -------------------------------------------------------
 # The §12.5 table: the routing prefixes stripped from content leaving through __output__. An entry
 # ending in "_" is a family (GOTO_<TARGET>:); the others are fixed tokens.
-# INTERPRETATION I-090 §12.5 (Q96): on __output__ only, one leading listed token is stripped up to and
-# including its first colon, with the blanks after it. A host extends the list by setting
+# INTERPRETATION I-090 §12.5 (Q96): on __output__ only, one leading listed token is stripped up to
+# and including its first colon, with the blanks after it. A host extends the list by setting
 # rt.routing_prefixes (same syntax) before the network is built.
 ROUTING_PREFIXES = (
     "GOTO_",
@@ -9831,8 +9850,8 @@ def strip_routing_prefix(text, extra=None):
     return text[match.end():] if match else text
 
 # §12.6 Loop detection in stream routes ----------------------------------------------------
-# INTERPRETATION I-083 §12.6 (Q25, decided): a cycle of static links (publications, merges, splits, the
-# default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError
+# INTERPRETATION I-083 §12.6 (Q25, decided): a cycle of static links (publications, merges, splits,
+# the default router, switch/bridge-router targets) is rejected at load with a StreamRoutingError
 # unless a `take` bounds it: some link of the cycle leaves a stream route after a top-level take
 # of that route (bounded_by_take). Such a cycle loads, and a message goes round at most `count`
 # times, since the take passes `count` messages in all. Other operators (filters, switches) are
@@ -9990,7 +10009,8 @@ def _shape_refusal(node, names):
     match node:
         case ast.Name(id=name) if name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
-        # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at load.
+        # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at
+        # load.
         case ast.Name(id=name, ctx=ast.Load()) if names is not None and name not in names:
             return f"the name '{name}' (not a built-in of this sandbox, an input or a variable " \
                    f"the code sets)"
@@ -10253,8 +10273,8 @@ SANDBOX_TYPES = {cls: cls for cls in (bool, int, float, str, list, tuple, dict, 
 
 def builtin_type(*args):
     """§13.2.1 type: the one-argument form, for the classes in SANDBOX_TYPES."""
-    # INTERPRETATION I-150 §13.2.1: type() inspects; it never creates (three arguments) and never hands
-    # out a class the tables do not already expose.
+    # INTERPRETATION I-150 §13.2.1: type() inspects; it never creates (three arguments) and never
+    # hands out a class the tables do not already expose.
     if len(args) != 1:
         raise TypeError("type() takes exactly one argument in the sandbox")
     cls = dict if type(args[0]) is ContextView else type(args[0])
@@ -10346,7 +10366,8 @@ INLINE_CODE_BUILTINS = {
 }
 
 # §13.2.2 Restricted built-ins for expression evaluation ---------------------------------
-# The §13.2.2 table: the built-ins of inline expressions -- these and no others, in the spec's order.
+# The §13.2.2 table: the built-ins of inline expressions -- these and no others, in the spec's
+# order.
 EXPRESSION_BUILTINS = {
     # Type constructors
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
@@ -10363,7 +10384,8 @@ EXPRESSION_BUILTINS = {
 # (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
 
-# The names the rewritten code calls; double-underscore names, so sandboxed source never spells them.
+# The names the rewritten code calls; double-underscore names, so sandboxed source never spells
+# them.
 _HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
           "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
           "__sb_json__": SANDBOX_JSON}
@@ -10428,9 +10450,9 @@ def run_code(unit, variables, *, timeout=1.0):
     return namespace
 
 
-# INTERPRETATION I-156 §13.2.2: an inline expression is a lambda taking the caller's number of positional
-# arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument anonymous
-# function", with no default values (they would run at load, outside any worker).
+# INTERPRETATION I-156 §13.2.2: an inline expression is a lambda taking the caller's number of
+# positional arguments (transform fn 1, custom_predicate 2), as §5.3.2 describes "a single-argument
+# anonymous function", with no default values (they would run at load, outside any worker).
 def _lambda_refusal(tree, nparams):
     node = tree.body
     if not isinstance(node, ast.Lambda):
@@ -10481,8 +10503,8 @@ def eval_expression_text(source, names, timeout=1.0):
 # parent enforces each deadline by killing the worker, which works whatever the worker's GIL is
 # doing; a crashed or killed worker becomes an ExecutionError and the next call gets a fresh one.
 # Values cross as JSON with tuples, sets and non-text keys tagged; the reply is decoded into plain
-# data only. INTERPRETATION I-154 §13.2 (new: isolation): print output and progress_bar calls made by
-# the code are forwarded to the parent as they happen.
+# data only. INTERPRETATION I-154 §13.2 (new: isolation): print output and progress_bar calls made
+# by the code are forwarded to the parent as they happen.
 WORKER_MEMORY = 1 << 30           # bytes of address space a worker may add to its start-up size
 WORKER_GRACE = 0.5                # seconds past a call's own deadline before the parent kills
 WORKER_START = 60.0               # seconds a new worker may take to start (a busy machine)
@@ -10721,8 +10743,9 @@ ISOLATION = {"none": InProcessSandbox, "process": ProcessSandbox}
 def host_refusal(env, given, op):
     """§13.3: why the host's mode refuses `given` for `op`, or None (the agent layer is §4.5.4)."""
     absolute, traversal, tilde = path_facts(given)
-    # INTERPRETATION I-058 §13.3: `~` is refused by both file tools in every mode; home expansion would
-    # read the process environment, which the Actor never sees (rt.env is its only environment).
+    # INTERPRETATION I-058 §13.3: `~` is refused by both file tools in every mode; home expansion
+    # would read the process environment, which the Actor never sees (rt.env is its only
+    # environment).
     if tilde:
         return f"{op} rejects paths beginning with ~ (no home-directory expansion)"
     if env.unsafe_host:
@@ -11263,7 +11286,8 @@ class AnthropicAdapter(ProviderAdapter):
                                 "content": messages[-1]["content"] + "\n\n" + entry["content"]}
             else:
                 messages.append(dict(entry))
-        # INTERPRETATION I-036 §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent as 1.
+        # INTERPRETATION I-036 §4.4: Anthropic takes temperatures in [0, 1]; larger values are sent
+        # as 1.
         body = {"model": request["model"], "max_tokens": request["max_tokens"],
                 "messages": messages, "temperature": min(max(request["temperature"], 0.0), 1.0)}
         if request["system"]:
