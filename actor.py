@@ -38,7 +38,10 @@ How actor.py is organised: load() runs six passes, in §12.1's order (start_acto
     run     Actor.send/advance/complete (HOST) drive messages; configuration code, expressions
             and templates run in the §13.2 sandbox (in-process or in worker processes).
 Each rule lives under the banner of the section that states it; the threat model the sandbox
-answers is in README "Security".
+answers is in README "Security". Field tables (agents, operators, nodes, edges, routes, merges,
+splits, pipeline stages, template parameters, top-level sections) are rows of Field(name,
+constraint, default, §) read by one checker, check_fields (PRELUDE); every located error is raised
+as `raise doc.error(category, path, message, section)`.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
