@@ -224,7 +224,8 @@ class Doc:
         self.rendered = rendered or {}
 
     def locate(self, path):
-        """The mark of the longest known prefix of `path` (file, line, col) or (file, None, None)."""
+        """The mark of the longest known prefix of `path` (file, line, col) or (file, None,
+        None)."""
         path = tuple(path or ())
         while path and path not in self.marks:
             path = path[:-1]
@@ -606,7 +607,8 @@ _Y12_NULL = re.compile(r"~|null|Null|NULL|")
 
 
 class Yaml12Loader(_YamlLoaderBase):
-    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 == 10)."""
+    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 ==
+    10)."""
 
     yaml_implicit_resolvers = {}
 
@@ -838,7 +840,8 @@ def host_parameter(doc, key, host_value):
 
 
 def check_top_level(doc, rt):
-    """§3.1, §11.1 (item 1), §3.2, §16.1: the document is a mapping; known, forbidden and unknown sections."""
+    """§3.1, §11.1 (item 1), §3.2, §16.1: the document is a mapping; known, forbidden and unknown
+    sections."""
     if not isinstance(doc.data, dict):
         kind = "empty" if doc.data is None else type(doc.data).__name__
         raise doc.error(ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
@@ -870,11 +873,12 @@ def inputs_feed(data):
 
 
 def resolve_default_router(doc, rt, host_value):
-    """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed routes.
+    """§3.4, §9.3, §11.1 (item 6): the designated route, or None when __input__ merges/splits feed
+    routes.
 
-    INTERPRETATION I-002 §3.4 (Q7): a merge or split from __input__ also satisfies the requirement (the
-    §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated name
-    that is not a route is an error.
+    INTERPRETATION I-002 §3.4 (Q7): a merge or split from __input__ also satisfies the requirement
+    (the §3.3 minimum Actor and every §18 example rely on it); with neither, a warning. A designated
+    name that is not a route is an error.
     """
     name, path = host_parameter(doc, "default_router", host_value)
     if name is not None:
@@ -1343,7 +1347,8 @@ class ConversationMemory:
 
 
 def history_from_context(ctx):
-    """§4.4.4: with memory off, `conversation_history` from the invoking context, for this call only.
+    """§4.4.4: with memory off, `conversation_history` from the invoking context, for this call
+    only.
 
     Entries are mappings with `role` and `content`.
     """
@@ -7385,7 +7390,8 @@ def filter_selectattr(items, attr, op=None, value=None):
 
 # INTERPRETATION I-131 §8.3 (Q56 (a)): default(d) replaces None as well as undefined.
 def filter_default(value, default_value="", boolean=False):
-    """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also falsy."""
+    """§8.3 default(d): d when the value is undefined or None (Q56 (a)); boolean=True: also
+    falsy."""
     if _undefined(value) or value is None or (boolean and not value):
         return default_value
     return value
@@ -7911,8 +7917,8 @@ def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJ
     fields an expression is protected unless every name it reads is bound at Phase A -- by an
     enclosing {% for %}, a {% set %}, or the supplied render context (never `context` or
     `message`):
-    INTERPRETATION I-121, I-122 §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a generated
-    worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
+    INTERPRETATION I-121, I-122 §8.4 vs §18.6/§18.8 (Q47 (b), Q46 (b)): so `{{ loop.index }}` in a
+    generated worker's prompt is rendered at load, `{{ context.topic }}` waits for Phase C.
     Under MUSTACHE or SIMPLE a runtime field is written in that dialect, so only tags that
     read Phase A names (not built-ins) and nothing else are rendered at load.
     """
@@ -7959,7 +7965,8 @@ def check_reserved_template_keys(doc):
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
 def param_string(value):
-    """string: the canonical text of the value (YAML spelling for booleans, null and collections)."""
+    """string: the canonical text of the value (YAML spelling for booleans, null and
+    collections)."""
     if isinstance(value, str):
         return value
     if value is None or isinstance(value, (bool, list, dict)):
@@ -8060,8 +8067,8 @@ def parameter_declarations(doc, decls, path, rt=None):
     """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
 
     A templates entry without the block was refused at registration (Q83); a template_strings
-    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared instance
-    parameter is passed through with a warning (bind_parameters). The sequence form is
+    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form is
     forbidden (§16.2).
     """
     if decls is None:
@@ -8198,8 +8205,8 @@ class Expansion:
         return table
 
     def move_instances(self, instances):
-        """INTERPRETATION I-130 §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read as
-        {name: {template, params}} and moved into `agents`, with a deprecation warning."""
+        """INTERPRETATION I-130 §3.2 vs §8.7 (Q55 (b)): the deprecated `instances:` section is read
+        as {name: {template, params}} and moved into `agents`, with a deprecation warning."""
         warn(self.rt, "the `instances` section is deprecated; declare instances inline under "
              "agents (template: ..., params: ...)", section="8.7", path=("instances",))
         if not isinstance(instances, dict):
@@ -8433,8 +8440,8 @@ def render_tree(expansion, node, variables, path, keys):
 
 
 def dropped_if_block(value, expansion, variables, path, runtime_field):
-    """Step 7. INTERPRETATION I-127 §8.8 (Q52 (b)): a list item or mapping entry whose whole value is
-    one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
+    """Step 7. INTERPRETATION I-127 §8.8 (Q52 (b)): a list item or mapping entry whose whole value
+    is one {% if %}...{% endif %} block that renders to nothing is removed from the structure."""
     if not (isinstance(value, str) and WHOLE_IF_BLOCK.fullmatch(value)):
         return False
     return render_phase_b(expansion, value, variables, path, runtime_field).strip() == ""
@@ -8633,7 +8640,8 @@ def _jinja_classes(jinja2):
     # render context.
     class RuntimeUndefined(jinja2.Undefined):
         """Q50 (c): an undefined name fails when printed, iterated for output or dereferenced,
-        but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x %}`)."""
+        but is simply false in conditions, `default` and comparisons (§8.11's `{% if context.x
+        %}`)."""
 
         __slots__ = ()
         __str__ = jinja2.Undefined._fail_with_undefined_error
@@ -8658,8 +8666,8 @@ def _jinja_classes(jinja2):
           dict.update(context, {...}) changed the context;
         - T3: the §13.2 budget: every call and every loop step ticks the render's deadline, and
           + * ** go through the size check of the sandbox's operators.
-        INTERPRETATION I-160 §8.11 (new: templates are read-only): the immutable sandbox, because the
-        rendering context holds the live context by reference, and a prompt that could call
+        INTERPRETATION I-160 §8.11 (new: templates are read-only): the immutable sandbox, because
+        the rendering context holds the live context by reference, and a prompt that could call
         context.update() could set host-only keys such as _unsafe_mode (§10.3).
         """
 
@@ -8721,7 +8729,8 @@ def jinja_environment():
 
 @functools.lru_cache(maxsize=4096)
 def jinja_template(text):
-    """Compiled template by source text: the hot path (Phase C, once per message) never re-parses."""
+    """Compiled template by source text: the hot path (Phase C, once per message) never
+    re-parses."""
     return jinja_environment().from_string(text)
 
 
@@ -9247,8 +9256,8 @@ def refuse_host_keys(mapping, where):
 def collect_prompts(doc):
     """§10.4: name -> template text, long form only.
 
-    INTERPRETATION I-006 §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other value
-    without a `content` key is skipped silently.
+    INTERPRETATION I-006 §10.4 vs §16.2 (Q4): a plain string (the short form) is rejected; any other
+    value without a `content` key is skipped silently.
     """
     prompts = {}
     section = doc.data.get("prompts")
@@ -9337,8 +9346,8 @@ def warn_unknown_fields(rt, mapping, known, path, section):
 def stream_names(doc):
     """Names a subscription, publication, merge or split may use.
 
-    INTERPRETATION I-007 §5.5 vs §11.4 (Q26): every merge and split target counts as known, since merges and
-    splits create their missing targets.
+    INTERPRETATION I-007 §5.5 vs §11.4 (Q26): every merge and split target counts as known, since
+    merges and splits create their missing targets.
     """
     names = set(doc.data["routes"]) | set(RESERVED_STREAM_NAMES)
     for merge in as_list(doc.data.get("merges")):
@@ -9361,7 +9370,8 @@ def is_known(name, known):
 
 
 def check_routes(doc, rt, agent_names):
-    """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower case."""
+    """§5.1, §11.3, §15.4: every route typed, its references known. Normalises `type` to lower
+    case."""
     routes = doc.data["routes"]
     known = stream_names(doc)
     for name, route in routes.items():
@@ -10767,8 +10777,8 @@ def host_refusal(env, given, op):
 def tool_path(env, given, op):
     """Check `given` against both layers and resolve it against rt.workdir (never the process cwd).
 
-    INTERPRETATION I-057 §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the agent's
-    `safe_mode` rules and the host's mode both allow it.
+    INTERPRETATION I-057 §4.5.4 vs §13.3 (Q69): both layers apply; a path passes only when the
+    agent's `safe_mode` rules and the host's mode both allow it.
     """
     if not isinstance(given, str) or not given.strip():
         raise env.fail(f"{op} needs a `file` path string", "4.5.1")
@@ -11659,10 +11669,10 @@ def load(*paths, text=None, render_context=None, unsafe=False, env=None, templat
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
-    the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by default.
-    routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or "X_" for a
-    family X_<NAME>:). isolation: "none" (default) or "process" -- configuration code, expressions
-    and templates then run in worker processes under OS limits (§13.2, README Security).
+    the LLM transport. context: host invocation-context keys (§10.3). clock: a VirtualClock by
+    default. routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or
+    "X_" for a family X_<NAME>:). isolation: "none" (default) or "process" -- configuration code,
+    expressions and templates then run in worker processes under OS limits (§13.2, README Security).
     """
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
@@ -11852,7 +11862,8 @@ def _observe(vector):
 
 
 def same(expect, got):
-    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an int."""
+    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an
+    int."""
     if isinstance(expect, bool) or isinstance(got, bool):
         return type(expect) is type(got) and expect == got
     if isinstance(expect, (int, float)) and isinstance(got, (int, float)):
