@@ -7556,8 +7556,8 @@ def test_budget_does_not_leak_out_of_a_render():
 #   the reason and left out of the score; those the vector format cannot reach (real time, the
 #   network, the host's API, a step after shutdown) in MUTATION_OUTSIDE_FORMAT, kept in the score
 #   and counted apart. MUTATION_REPORT=path writes every survivor there.
-# - Last measured (seed 13, 200 mutants): vectors/README.md "Mutation score" has the table and the
-#   commit; a second seed (14) is reported beside it.
+# - Last measured (seed 13, 200 mutants, at d2f9ba7): 161 killed, 31 equivalent, 8 outside the
+#   format, 95 %; vectors/README.md "Mutation score" has the table and a second seed (14).
 import ast as _ast
 import faulthandler
 import importlib.util as _importlib_util
