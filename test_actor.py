@@ -2,11 +2,34 @@
 
 Sections mirror actor.py's banners. Run: `pytest -q` (benchmarks: `pytest -m bench -s`).
 """
+import ast
+import builtins
+import collections
+import copy
+import email.utils
+import faulthandler
+import gc
+import hashlib
+import http.server
+import importlib.util
+import io
+import json
 import os
+import random
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actor  # noqa: E402
@@ -16,425 +39,88 @@ SHARED = HERE.parent / "shared"
 
 
 # =====================================================================================
-# The vector suite (foundation)
+# PRELUDE -- shared by several sections, so it comes first
 # =====================================================================================
-VECTOR_DIR = HERE / "vectors"
-VECTOR_FILES = actor.collect_vector_files([VECTOR_DIR])
 
 
-def _vector_id(path):
-    return path.stem
+# §20 Error taxonomy -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", VECTOR_FILES, ids=_vector_id)
-def test_vector(path):
-    vector = actor.read_vector(path)
-    errors, _ = actor.lint_vector(vector, path.stem)
-    assert not errors, errors
-    failures = actor.judge_vector(vector, actor.observe_vector(vector))
-    assert not failures, "\n".join(
-        f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
+def _mutations(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _mutations(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _mutations(value, prefix + (i,))
 
 
-def _spec_headings():
-    text = (SHARED / "spec" / "actor-configuration-standard.md").read_text(encoding="utf-8")
-    import re
-    return set(re.findall(r"^(\d+(?:\.\d+)*)\.? ", text, flags=re.M))
-
-
-def test_vector_suite_lint():
-    """Names unique and equal to stems; descriptions present tense, short, no 'should'; real
-    sections; every step asserts something; no unknown keys."""
-    headings = _spec_headings() if (SHARED / "spec").exists() else None
-    names = {}
-    problems = []
-    for path in VECTOR_FILES:
-        vector = actor.read_vector(path)
-        errors, warnings = actor.lint_vector(vector, path.stem)
-        problems += [f"{path}: {e}" for e in errors + warnings]
-        name = vector.get("name")
-        if name in names:
-            problems.append(f"{path}: name '{name}' also used by {names[name]}")
-        names[name] = path
-        desc = vector.get("description") or ""
-        if len(desc) >= 150 or "should" in desc.lower():
-            problems.append(f"{path}: description must be under 150 chars without 'should'")
-        for section in vector.get("spec") or []:
-            if headings is not None and str(section) not in headings:
-                problems.append(f"{path}: spec section {section} is not a heading of the standard")
-        for i, step in enumerate(vector.get("steps") or []):
-            if not any(k in step for k in actor.STEP_CHECKS):
-                problems.append(f"{path}: steps[{i}] asserts nothing")
-    assert not problems, "\n".join(problems)
-
-
-# §11, §12.1 One validation pass, then a build that trusts it --------------------------------
-# The build steps of §12.1 (agents, graph routes, the stream network, a composite's components):
-# nothing they run may reject the configuration or warn about it; the check pass (validate_document
-# and what it calls) has said everything there is to say before the first of them starts.
-def _build_codes():
-    return {actor.make_agent.__code__, actor.GraphRoute.__init__.__code__,
-            actor.StreamNetwork.__init__.__code__, actor.CompositeAgent._build.__code__}
-
-
-class _Loaded(actor.ActorError):
-    """Stops a vector once loaded: the steps run no build code."""
-
-
-def _build_complaints(vectors, monkeypatch):
-    """Load each vector as the harness does (composites wired too); returns the errors and
-    warnings that came from inside a build step, as 'vector: what (where)' lines."""
-    codes, found, current = _build_codes(), [], [None]
-
-    def inside_build(frame):
-        while frame is not None:
-            if frame.f_code in codes:
-                return frame.f_code.co_name
-            frame = frame.f_back
-        return None
-
-    real_warn, real_start = actor.warn, actor.start_actor
-
-    def spy_warn(rt, message, **kwargs):
-        step = inside_build(sys._getframe(1))
-        if step:
-            found.append(f"{current[0]}: warning {message!r} (in {step})")
-        return real_warn(rt, message, **kwargs)
-
-    def wire(agents):
-        for agent in list(agents.values()):
-            if isinstance(agent, actor.CompositeAgent):
-                agent._build()
-                wire(agent.local_agents)
-
-    def start(*args, **kwargs):
+def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
+    """Bad input gets a §20 error, never a Python traceback: every vector config with one or two
+    values replaced by a value of another shape (seeded, so the run is repeatable)."""
+    rng = random.Random(20261130)
+    shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
+              {"type": None}]
+    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    crashes = []
+    for _ in range(400):
+        vector = rng.choice(vectors)
+        cfg = copy.deepcopy(vector["config"])
+        for _ in range(rng.randint(1, 2)):
+            places = [p for p in _mutations(cfg) if p]
+            where = rng.choice(places)
+            node = cfg
+            for part in where[:-1]:
+                node = node[part]
+            node[where[-1]] = copy.deepcopy(rng.choice(shapes))
+        host = vector.get("host") or {}
         try:
-            loaded = real_start(*args, **kwargs)
-            wire(loaded.rt.agents)
-        except actor.ActorError as exc:
-            tb, frames = exc.__traceback__, []
-            while tb is not None:
-                frames.append(tb.tb_frame)
-                tb = tb.tb_next
-            step = next((f.f_code.co_name for f in frames if f.f_code in codes), None)
-            if step:
-                found.append(f"{current[0]}: {exc.category} {exc.message!r} (in {step})")
-            raise
-        raise _Loaded("loaded")
-
-    monkeypatch.setattr(actor, "warn", spy_warn)
-    monkeypatch.setattr(actor, "start_actor", start)
-    for path in vectors:
-        current[0] = path.stem
-        actor.observe_vector(actor.read_vector(path))
-    return found
+            a = actor.start_actor([("f.yaml", json.dumps(cfg))], unsafe=bool(host.get("unsafe")),
+                                  env=host.get("env") or {}, workdir=tmp_path,
+                                  llm_transport=actor.FakeTransport({}))
+            a.send("hello")
+            a.close()
+        except actor.ActorError:
+            pass
+        except Exception as exc:  # the bug this test exists to catch
+            crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {json.dumps(cfg)[:200]}")
+    assert not crashes, "\n".join(crashes[:10])
 
 
-def test_build_steps_never_reject_or_warn_about_a_vector_configuration(monkeypatch):
-    """Issue 14: every vector's configuration is judged by the check pass alone; agent, graph,
-    network and composite construction take it as checked (no error, no warning from them)."""
-    assert not _build_complaints(VECTOR_FILES, monkeypatch)
+# §12.2.1 Message ----------------------------------------------------------------------------------
 
 
-def test_build_complaints_are_caught(monkeypatch):
-    """The detector above sees a check left in a constructor, and a warning given there."""
-    llm = [VECTOR_DIR / "04-llm" / "reject-llm-temperature-out-of-range.yaml"]
-    real_init = actor.LLMAgent.__init__
-
-    def rechecks(self, name, cfg, rt, path):
-        real_init(self, name, cfg, rt, path)
-        rt.warn("a constructor's own opinion", section="4.4", path=path)
-        raise rt.doc.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
-
-    monkeypatch.setattr(actor.LLMAgent, "__init__", rechecks)
-    assert _build_complaints(llm, monkeypatch) == []           # refused before any construction
-    fine = [VECTOR_DIR / "spec-examples" / "8.11-runtime-system-prompt.yaml"]
-    assert [line.split(" ", 2)[1] for line in _build_complaints(fine, monkeypatch)] == \
-        ["warning", "ConfigurationError"]
+def test_message_copy_keeps_context_by_reference_and_copies_the_rest():
+    """§12.2.1: metadata.context by reference; other values copied one level deep."""
+    ctx, tags, nested = {"k": 1}, ["a"], {"inner": ["x"]}
+    msg = actor.Message("c", {"context": ctx, "tags": tags, "nested": nested, "n": 1})
+    twin = msg.copy(content="d")
+    assert twin.metadata["context"] is ctx
+    assert twin.metadata["tags"] == tags and twin.metadata["tags"] is not tags
+    assert twin.metadata["nested"] is not nested and twin.metadata["nested"]["inner"] is nested["inner"]
+    assert (twin.content, msg.content, twin.source_stream) == ("d", "c", "__input__")
 
 
-# The field vocabulary (prelude): one checker reads every table row ------------------------------
-def _field_error(cfg, table, **kwargs):
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.check_fields(actor.Doc({}), cfg, table, ("here",), **kwargs)
-    return info.value
-
-
-def test_field_rows_say_what_is_required_and_what_a_value_must_be():
-    table = actor.fields_by_name(
-        actor.Field("name", actor.STRING, actor.REQUIRED, "6.2.2"),
-        actor.Field("delay", actor.SECONDS, 1.0, "6.2.2"),
-        actor.Field("label", actor.STRING, None, "6.4"))
-    actor.check_fields(actor.Doc({}), {"name": "a", "delay": 0, "label": None}, table, ("here",))
-    err = _field_error({}, table)
-    assert (err.path, err.section) == ("here.name", "6.2.2") and "required" in err.message
-    err = _field_error({"name": "a", "delay": -1}, table)
-    assert (err.path, err.section) == ("here.delay", "6.2.2")
-    assert err.message == "delay must be " + actor.SECONDS.wording
-    err = _field_error({"name": "a", "delay": None}, table)      # null is no number here
-    assert err.path == "here.delay"
-    actor.check_fields(actor.Doc({}), {"name": "a", "delay": None}, table, ("here",),
-                       null_is_default=True)                       # the §4 agent tables' reading
-    assert _field_error({"name": 1}, table).message == "name must be a string"
-
-
-@pytest.mark.parametrize("constraint, good, bad", [
-    (actor.SECONDS, [0, 2.5], [-1, float("nan"), float("inf"), True, "1"]),
-    (actor.POSITIVE_SECONDS, [0.1, 3], [0, -1, False]),
-    (actor.NON_NEGATIVE_INT, [0, 7, 10 ** 30], [-1, 1.0, True]),
-    (actor.POSITIVE_INT, [1], [0, 2.0]),
-    (actor.TEMPERATURE, [0, 2, 0.7], [2.01, -0.1, float("nan"), True]),
-])
-def test_shared_constraints(constraint, good, bad):
-    assert all(constraint.test(value) for value in good)
-    assert not any(constraint.test(value) for value in bad)
-
-
-def test_impl_protocol_agrees_with_in_process(tmp_path):
-    """--impl "python actor.py --run-vector" passes exactly what --vectors passes (sampled)."""
-    import io
-    sample = [p for p in VECTOR_FILES if p.parent.name in ("03-document", "14-env")][:12]
-    assert sample
-    out_a, out_b = io.StringIO(), io.StringIO()
-    a = actor.run_vectors(sample, out=out_a)
-    b = actor.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
-                          out=out_b)
-    assert a == b, out_a.getvalue() + out_b.getvalue()
-
-
-def test_judge_deep_subset_rules():
-    assert actor.subset({"a": 1}, {"a": 1.0, "b": 2})
-    assert not actor.subset({"a": "1"}, {"a": 1})
-    assert not actor.subset({"a": True}, {"a": "true"})
-    assert not actor.subset({"a": True}, {"a": 1})
-    assert not actor.subset([1, 2], [1, 2, 3])
-    assert actor.subset([{"x": 1}], [{"x": 1, "y": 2}])
-    assert actor.same([], [])
-    assert not actor.same([], ["x"])
-
-
-def test_harness_reports_failures_and_summary(tmp_path):
-    import io
-    bad = tmp_path / "bad-expectation.yaml"
-    bad.write_text((VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
-                   .replace("name: minimal-valid-actor", "name: bad-expectation")
-                   .replace("ChainAgent processed: hi->tagged", "something else"))
-    out = io.StringIO()
-    assert actor.run_vectors([bad], out=out) == (0, 1)
-    text = out.getvalue()
-    assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
-
-
-def _extension_vectors():
-    """Our vectors that use each format extension (vectors/README.md)."""
-    found = {}
-    for path in VECTOR_FILES:
-        for name in actor.vector_extensions(actor.read_vector(path)):
-            found.setdefault(name, []).append(path)
-    return found
-
-
-def test_every_format_extension_has_a_vector():
-    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
-
-
-def _mutated(vector, step, key, value):
-    import copy
-    vector = copy.deepcopy(vector)
-    if step is None:
-        vector[key] = value
-    else:
-        vector["steps"][step][key] = value
-    return vector
-
-
-@pytest.mark.parametrize("stem, step, key, value", [
-    ("warn-unknown-top-level-section", None, "warnings", [{"section": "3.3"}]),
-    ("warn-unknown-top-level-section", 0, "warnings", [{"section": "3.2"}]),
-    ("guard-recursion-bound-warns", 0, "warnings", [{"section": "6.8"}, {"section": "6.8"}]),
-    ("guard-recursion-bound-warns", 0, "warnings", []),
-    ("describe-tool-agent-metadata", 0, "describe", {"agents": {"calc": {"type": "llm"}}}),
-    ("describe-tool-agent-metadata", 0, "describe",
-     {"agents": {"calc": {"capabilities": ["tool-execution"]}}}),
-    ("send-target-enters-named-route", 1, "target", "via_input"),
-    ("send-after-input-completes-raises", 2, "raises", "ExecutionError"),
-    ("send-after-input-completes-raises", 1, "raises", "StreamRoutingError"),
-    ("checkpoint-written-every-ten-state-updates", 8, "files_matching",
-     {"ck/checkpoint_*.json": 1}),
-    ("graph-rewind-returns-earlier-state", 2, "rewind", {"graph": "main", "steps": 1}),
-    ("graph-restore-returns-checkpointed-state", 2, "advance", 0),
-    ("debounce-capped-in-single-shot-run", None, "host", {"single_shot": False}),
-])
-def test_each_format_extension_can_fail(stem, step, key, value):
-    """Each extension is judged: the vector passes as written, and fails once the expectation (or
-    the action) is changed."""
-    path = next(p for p in VECTOR_FILES if p.stem == stem)
-    vector = actor.read_vector(path)
-    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
-    bad = _mutated(vector, step, key, value)
-    if key == "advance":
-        del bad["steps"][step]["restore"]
-    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
-
-
-def test_describe_capabilities_compare_as_sets():
-    got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
-    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"b": {}}}, got)
-
-
-def test_lint_rejects_malformed_extensions():
-    base = {"name": "n", "spec": ["5.1"], "description": "d", "config": {}}
-    bad_steps = [
-        {"send": "x", "target": 3, "outputs": []},
-        {"advance": 1, "target": "r", "outputs": []},
-        {"rewind": {"graph": "g", "steps": "2"}, "outputs": []},
-        {"rewind": "g", "outputs": []},
-        {"restore": {}, "outputs": []},
-        {"send": "x", "raises": "Oops"},
-        {"send": "x", "files_matching": {"*": "1"}},
-        {"send": "x", "warnings": [{"section": 3.2}]},
-        {"send": "x", "warnings": [{"text": "y"}]},
-        {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
-    ]
-    for step in bad_steps:
-        errors, _ = actor.lint_vector({**base, "steps": [step]})
-        assert errors, step
-    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
-        {"send": "x", "outputs": []}]})
-    assert errors
-    good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
-        {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
-        {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
-        {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
-    assert actor.lint_vector(good) == ([], [])
-
-
-def _write_impl_without_extensions(tmp_path):
-    """An --impl that reports like actor.py but lists no extension (an older implementation)."""
-    script = tmp_path / "older_impl.py"
-    script.write_text(
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(HERE)!r})\n"
-        "import actor\n"
-        "report = actor.observe_vector(json.load(sys.stdin))\n"
-        "report.pop('extensions')\n"
-        "print(json.dumps(report))\n")
-    return f'"{sys.executable}" "{script}"'
-
-
-def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
-    import io
-    found = _extension_vectors()
-    sample = [found["rewind"][0], found["single_shot"][0],
-              VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
-    out = io.StringIO()
-    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
-                             out=out) == (1, 0)
-    lines = out.getvalue().splitlines()
-    assert lines[0].startswith("SKIP") and "rewind" in lines[0]
-    assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
-    assert lines[2].startswith("PASS") and lines[-1] == "1 passed, 0 failed, 2 skipped"
-
-
-def _vector_folder(tmp_path):
-    """A folder of three vectors: two pass, one fails, one of them prints from inline code."""
-    folder = tmp_path / "vs"
-    folder.mkdir()
-    good = (VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
-    (folder / "minimal-valid-actor.yaml").write_text(good)
-    (folder / "bad-expectation.yaml").write_text(
-        good.replace("name: minimal-valid-actor", "name: bad-expectation")
-        .replace("ChainAgent processed: hi->tagged", "something else"))
-    (folder / "inline-print.yaml").write_text("""name: inline-print
-spec: ['4.5.2']
-description: Inline code prints while answering.
-host: {unsafe: true}
-config:
-  agents:
-    t: {type: tool, config: {tools: [{name: run, code: "print('NOISE-42')\\nresult = input_data"}]}}
-  routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}}
-  merges: [{sources: [__input__], target: main}]
-steps:
-- send: hi
-  outputs: [hi]
-""")
-    return folder
-
-
-def test_cli_vectors_json_report_in_parallel(tmp_path):
-    """--impl with -j 3 and --json: one object per vector in file order, verdicts, what was
-    expected and observed; inline print output lands in the report, not on the runner's stderr."""
-    import json
-    folder = _vector_folder(tmp_path)
-    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
-    r = run_cli("--vectors", str(folder), "--impl", impl, "-j", "3", "--json")
-    assert r.returncode == 1 and "NOISE-42" not in r.stderr and "Traceback" not in r.stderr
-    report = json.loads(r.stdout)
-    assert (report["passed"], report["failed"], report["skipped"]) == (2, 1, 0)
-    by_name = {v["name"]: v for v in report["vectors"]}
-    assert [v["name"] for v in report["vectors"]] == [
-        "bad-expectation", "inline-print", "minimal-valid-actor"]
-    bad = by_name["bad-expectation"]
-    assert bad["verdict"] == "fail" and bad["sections"] == ["3.3", "5.3.4", "7.1"]
-    assert bad["expected"]["steps"][0]["outputs"] == ["something else"]
-    assert bad["observed"]["steps"][0]["outputs"] == ["ChainAgent processed: hi->tagged"]
-    assert bad["failures"][0]["field"] == "outputs"
-    assert "NOISE-42" in by_name["inline-print"]["observed"]["stderr"]
-    assert by_name["minimal-valid-actor"]["verdict"] == "pass"
-
-
-def test_cli_vectors_in_process_capture_print_output(tmp_path):
-    folder = _vector_folder(tmp_path)
-    r = run_cli("--vectors", str(folder / "inline-print.yaml"))
-    assert (r.returncode, r.stderr) == (0, "")
-    assert r.stdout.splitlines()[-1] == "1 passed, 0 failed"
-
-
-def test_cli_vectors_list_only_skip(tmp_path):
-    folder = _vector_folder(tmp_path)
-    r = run_cli("--vectors", str(folder), "--list")
-    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
-    assert "minimal-valid-actor.yaml  [§3.3, §5.3.4, §7.1]" in r.stdout
-    r = run_cli("--vectors", str(folder), "--list", "--only", "*-print", "--only", "minimal-*")
-    assert [Path(line.split()[0]).stem for line in r.stdout.splitlines()] == [
-        "inline-print", "minimal-valid-actor"]
-    r = run_cli("--vectors", str(folder), "--skip", "bad-*")
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed"
-    r = run_cli("--vectors", str(tmp_path), "--only", "vs/bad-*")
-    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "0 passed, 1 failed"
-
-
-def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
-    """The command line raises the recursion limit only to run (long route chains), never to load:
-    through --run-vector and --check a document nested 3,000 deep is refused as by the API."""
-    import io
-    sample = [p for p in VECTOR_FILES if p.stem.startswith("reject-too-deep-nesting")]
-    assert len(sample) == 2
-    out = io.StringIO()
-    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
-    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
-    deep = tmp_path / "deep.yaml"
-    deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
-                    "routes: {m: {type: stream}}\n")
-    r = run_cli("--check", str(deep))
-    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
-    (tmp_path / "empty").mkdir()
-    for path in (tmp_path / "empty", tmp_path / "missing"):
-        r = run_cli("--vectors", str(path))
-        assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
+def test_emissions_between_calls_belong_to_no_result():
+    """A Result holds exactly what its own call emitted (§12.2.1 messages, host side)."""
+    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {m: {type: stream, publications: [__output__]}}\n"
+                        "merges: [{sources: [__input__], target: m}]\n")
+    a.network.send("stray")                     # outside any call
+    first = a.send("one")
+    assert [m.content for m in first.outputs] == ["one"]
+    assert [m.content for m in a.send("two").outputs] == ["two"]
+    assert [m.content for m in first.outputs] == ["one"]
 
 
 # =====================================================================================
-# §3 DOCUMENT STRUCTURE, §11, §14, §15, §16 (foundation)
+# §3 DOCUMENT STRUCTURE
 # =====================================================================================
+
+
 def _banner_outline(src):
     """[(top-level banner title, [subsection numbers...])] in file order."""
-    import re
     lines, outline = src.split("\n"), []
     for i, line in enumerate(lines):
         if i and lines[i - 1].startswith("# =====") and re.match(
@@ -449,7 +135,6 @@ def _banner_outline(src):
 def test_map_matches_banners():
     """The module docstring's Map lists every banner (top level and subsections), in file order,
     and only banners start with '# §'."""
-    import re
     src = (HERE / "actor.py").read_text(encoding="utf-8")
     outline = _banner_outline(src)
     doc_map = actor.__doc__.split("Map", 1)[1].split("\n", 1)[1]
@@ -467,96 +152,7 @@ def test_map_matches_banners():
     assert not strays, strays
 
 
-def test_forbidden_forms_table_is_true():
-    """§16: FORBIDDEN_FORMS says where each row is enforced and which vector pins it; the check
-    exists, the vector exists, and it expects a load failure (the two accepted rows load)."""
-    accepted = {"top-level pipelines:", "inline tool named like a built-in"}
-    assert {row[0] for row in actor.FORBIDDEN_FORMS.values()} == {"16.1", "16.2", "16.3"}
-    for form, (section, check, stem) in actor.FORBIDDEN_FORMS.items():
-        assert callable(getattr(actor, check, None)), (form, check)
-        vector = actor.read_vector(HERE / "vectors" / f"{stem}.yaml")
-        assert any(str(s).startswith(section) for s in vector["spec"]), (form, vector["spec"])
-        if form in accepted:
-            assert "load_error" not in vector, form
-        else:
-            assert vector.get("load_error") == "ConfigurationError", form
-
-
-def test_no_module_level_name_is_defined_twice():
-    """One of each (STYLE §6): a second top-level def, class or constant with the same name would
-    silently replace the first."""
-    import ast
-    import collections
-    tree = ast.parse((HERE / "actor.py").read_text(encoding="utf-8"))
-    names = collections.Counter()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names[node.name] += 1
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    assert [name for name, count in names.items() if count > 1] == []
-
-
-def _interpretation_entries():
-    """vectors/INTERPRETATIONS.md as {id: (heading, pinned-by text)}."""
-    import re
-    text = (VECTOR_DIR / "INTERPRETATIONS.md").read_text(encoding="utf-8")
-    entries = {}
-    for m in re.finditer(r"^### (I-\d{3})\b([^\n]*)\n(.*?)(?=^#{2,3} |\Z)", text, re.S | re.M):
-        iid, heading, body = m.groups()
-        assert iid not in entries, f"{iid} twice"
-        pinned = re.search(r"^- \*\*Pinned by:\*\* (.*)$", body, re.M)
-        assert pinned, f"{iid} has no 'Pinned by' line"
-        entries[iid] = (heading, pinned.group(1))
-    return entries
-
-
-def test_interpretations_are_linked():
-    """STYLE §11: each decision has one id, shared by vectors/INTERPRETATIONS.md, the code's
-    INTERPRETATION tag and the vectors that pin it. Every id in the code has an entry, every entry
-    is used by a code tag and names at least one existing vector or test function, each vector
-    an entry names carries its id, and every vector's `interpretation` id exists."""
-    import re
-    entries = _interpretation_entries()
-    assert len(entries) > 150
-    ids = sorted(entries)
-    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
-    src = (HERE / "actor.py").read_text(encoding="utf-8")
-    untagged = [line.strip() for line in src.splitlines()
-                if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
-    assert not untagged, f"INTERPRETATION without an id: {untagged}"
-    tagged = re.findall(r"INTERPRETATION (I-\d{3}(?:, I-\d{3})*) §", src)
-    assert len(tagged) == len(re.findall(r"\bINTERPRETATION\b", src)), \
-        "every tag is `INTERPRETATION I-nnn §x.y`"
-    in_code = {i for group in tagged for i in group.split(", ")}
-    assert sorted(in_code - set(entries)) == [], "ids in actor.py with no entry"
-    assert sorted(set(entries) - in_code) == [], "entries no INTERPRETATION tag uses"
-    test_names = set(re.findall(r"^def (test_\w+)", (HERE / "test_actor.py").read_text(
-        encoding="utf-8"), re.M))
-    carried = {}
-    for path in VECTOR_DIR.rglob("*.yaml"):
-        value = actor.parse_yaml(path.read_text(encoding="utf-8"), str(path))[0].get(
-            "interpretation")
-        carried[path.relative_to(VECTOR_DIR).with_suffix("").as_posix()] = (
-            [] if value is None else [value] if isinstance(value, str) else value)
-    unknown = {v: i for v, i in carried.items() if set(i) - set(entries)}
-    assert not unknown, f"vectors naming no entry: {unknown}"
-    problems = []
-    for iid, (heading, pinned) in entries.items():
-        vectors = re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", pinned)
-        tests = re.findall(r"\b(test_[\w*]+)", pinned)
-        if not vectors and not tests:
-            problems.append(f"{iid}: pinned by nothing")
-        problems += [f"{iid}: no vector {v}" for v in vectors if v not in carried]
-        problems += [f"{iid}: {v} lacks `interpretation: {iid}`" for v in vectors
-                     if v in carried and iid not in carried[v]]
-        problems += [f"{iid}: no test {t}" for t in tests
-                     if not any(re.fullmatch(t.replace("*", r"\w*"), n) for n in test_names)]
-    assert not problems, problems
-
-
 def test_every_cited_section_exists():
-    import re
     if not (SHARED / "spec").exists():
         pytest.skip("the standard is not beside the project")
     headings = _spec_headings()
@@ -584,7 +180,6 @@ def test_yaml_pure_and_c_loaders_agree():
 
 
 def yaml_module():
-    import yaml
     return yaml
 
 
@@ -641,7 +236,6 @@ def test_deep_merge_marks_point_at_the_later_file(tmp_path):
 
 
 def run_cli(*args, stdin=""):
-    import subprocess
     return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], input=stdin,
                           capture_output=True, text=True, timeout=60)
 
@@ -666,7 +260,6 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     assert r.returncode == 0 and r.stdout.splitlines() == [
         "ChainAgent processed: one->s", "ChainAgent processed: two->s"]
     r = run_cli(str(cfg), "--json", stdin="x\ny\n")
-    import json
     lines = [json.loads(l) for l in r.stdout.splitlines()]
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
 
@@ -678,19 +271,6 @@ def test_cli_runs_the_18_4_example_end_to_end():
     assert (r.returncode, r.stdout) == (0, "PREFIX: hello\n")
     r = run_cli(str(example), "-m", "hello")
     assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr and "§9.4" in r.stderr
-
-
-def test_cli_runs_the_triage_graph_example():
-    """examples/triage-graph.yaml: a message-router graph (§6.2.6) answered offline, each message
-    routed by its prefix; --diagram draws the router's edges with their conditions."""
-    example = str(HERE / "examples" / "triage-graph.yaml")
-    r = run_cli(example, "-m", "MATH: 6 * 7", "-m", "CODE: fix it", "-m", "hello")
-    assert (r.returncode, r.stderr) == (0, "")
-    assert r.stdout.splitlines() == ["42", "ChainAgent processed:  fix it->read->patch->test",
-                                     "hello"]
-    r = run_cli("--diagram", example)
-    assert r.returncode == 0
-    assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
 
 
 def test_cli_trace_prints_each_stream_message_and_graph_step():
@@ -708,41 +288,10 @@ def test_cli_trace_prints_each_stream_message_and_graph_step():
         "trace: __output__: '42'"]
 
 
-def test_watch_sees_messages_before_their_targets_and_graph_events_once():
-    """Actor.watch in mixed mode: a stream's message is seen before what its targets make of
-    it, and each graph event once (the §6.10 streams are not watched twice)."""
-    a = actor.load(text="""
-agents:
-  t: {type: chain, config: {steps: [x]}}
-  e: {type: tool, config: {tools: [echo]}}
-routes:
-  g:
-    type: graph
-    nodes: {n1: {type: agent, agent: t}}
-    edges: [{source: start, target: n1}, {source: n1, target: end}]
-  s:
-    type: stream
-    operators: [{type: map, params: {agent: e}}]
-    publications: [__output__]
-merges: [{sources: [__input__], target: g}, {sources: [g], target: s}]
-""")
-    seen = []
-    a.watch(lambda stream, msg: seen.append(actor.trace_line(stream, msg)))
-    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
-    assert seen == [
-        "trace: __input__: 'hi'",
-        "trace: graph g started: 'hi'",
-        "trace: graph g node n1 #1: 'ChainAgent processed: hi->x'",
-        "trace: graph g finished: n1",
-        "trace: g: 'ChainAgent processed: hi->x'",
-        "trace: s: 'ChainAgent processed: hi->x'",
-        "trace: __output__: 'ChainAgent processed: hi->x'"]
-
 def test_readme_first_command_runs_offline():
     """The README's first command, as written after its install step: the chat example through
     the fake provider, no key needed, run from the repository's root."""
     import shlex
-    import subprocess
     readme = (HERE / "README.md").read_text(encoding="utf-8")
     block = readme[readme.index("```sh\n") + 6:readme.index("```", readme.index("```sh\n") + 6)]
     first, second = block.strip().splitlines()
@@ -762,7 +311,6 @@ def test_readme_first_command_runs_offline():
 def test_readme_is_short_and_its_configuration_is_the_hello_example():
     """Issue 16: a README a newcomer reads in five minutes (at most 20 KB); its annotated
     configuration is examples/hello.yaml word for word, and runs as the README says."""
-    import re
     readme = (HERE / "README.md").read_text(encoding="utf-8")
     assert len(readme.encode("utf-8")) <= 20_000
     block = re.search(r"## A configuration\n\n```yaml\n(.*?)```", readme, re.S).group(1)
@@ -778,87 +326,6 @@ def test_cli_check_accepts_the_examples():
     for example in sorted((HERE / "examples").glob("*.yaml")):
         r = run_cli("--check", "--unsafe", "--provider", "fake", str(example))
         assert (r.returncode, r.stdout.strip()) == (0, "ok"), (example, r.stderr)
-
-
-def test_cli_describe_text_and_json():
-    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
-    import json
-    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
-    assert r.returncode == 0
-    assert "agent echo_tool (tool): tool-execution" in r.stdout
-    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
-    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
-    info = json.loads(r.stdout)
-    meta = info["agents"]["echo_tool"]["metadata"]
-    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
-    assert info["routes"] == {"main": "stream"}
-
-
-def test_host_extends_routing_prefixes():
-    """§12.5: the host may extend the list of prefixes stripped from __output__."""
-    text = ("agents: {a: {type: chain}}\nroutes: {m: {type: stream, publications: [__output__]}}\n"
-            "merges: [{sources: [__input__], target: m}]\n")
-    plain = actor.load(text=text)
-    assert [m.content for m in plain.send("NOTE: hi").outputs] == ["NOTE: hi"]
-    assert [m.content for m in plain.send("GOTO_X: hi").outputs] == ["hi"]
-    extended = actor.load(text=text, routing_prefixes=["NOTE:"])
-    assert [m.content for m in extended.send("NOTE: hi").outputs] == ["hi"]
-
-
-def test_message_copy_keeps_context_by_reference_and_copies_the_rest():
-    """§12.2.1: metadata.context by reference; other values copied one level deep."""
-    ctx, tags, nested = {"k": 1}, ["a"], {"inner": ["x"]}
-    msg = actor.Message("c", {"context": ctx, "tags": tags, "nested": nested, "n": 1})
-    twin = msg.copy(content="d")
-    assert twin.metadata["context"] is ctx
-    assert twin.metadata["tags"] == tags and twin.metadata["tags"] is not tags
-    assert twin.metadata["nested"] is not nested and twin.metadata["nested"]["inner"] is nested["inner"]
-    assert (twin.content, msg.content, twin.source_stream) == ("d", "c", "__input__")
-
-
-def _mutations(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _mutations(value, prefix + (key,))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _mutations(value, prefix + (i,))
-
-
-def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
-    """Bad input gets a §20 error, never a Python traceback: every vector config with one or two
-    values replaced by a value of another shape (seeded, so the run is repeatable)."""
-    import copy
-    import json
-    import random
-    rng = random.Random(20261130)
-    shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
-              {"type": None}]
-    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
-    crashes = []
-    for _ in range(400):
-        vector = rng.choice(vectors)
-        cfg = copy.deepcopy(vector["config"])
-        for _ in range(rng.randint(1, 2)):
-            places = [p for p in _mutations(cfg) if p]
-            where = rng.choice(places)
-            node = cfg
-            for part in where[:-1]:
-                node = node[part]
-            node[where[-1]] = copy.deepcopy(rng.choice(shapes))
-        host = vector.get("host") or {}
-        try:
-            a = actor.start_actor([("f.yaml", json.dumps(cfg))], unsafe=bool(host.get("unsafe")),
-                                  env=host.get("env") or {}, workdir=tmp_path,
-                                  llm_transport=actor.FakeTransport({}))
-            a.send("hello")
-            a.close()
-        except actor.ActorError:
-            pass
-        except Exception as exc:  # the bug this test exists to catch
-            crashes.append(f"{vector['name']}: {type(exc).__name__}: {exc}: {json.dumps(cfg)[:200]}")
-    assert not crashes, "\n".join(crashes[:10])
 
 
 _CHAIN_ROUTE = ("agents: {a: {type: chain}}\n"
@@ -890,7 +357,6 @@ def test_cli_one_clock_same_outputs_as_the_api(tmp_path):
 def test_cli_timers_fire_while_input_stays_open(tmp_path):
     """A delayed message appears on stdout while stdin is still open: the timer fires as real
     time passes, not when the input ends."""
-    import subprocess
     cfg = _cli_config(tmp_path, "[{type: delay, params: {duration: 0.2}}]")
     proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -908,28 +374,7 @@ def test_cli_timers_fire_while_input_stays_open(tmp_path):
             stream.close()
 
 
-def test_cli_error_reply_goes_to_stderr_once(tmp_path):
-    """The §5.3.4 "Error: ..." reply (error: true) is no answer: plain output puts it on stderr,
-    once, though it is on __output__ and __error__; --json keeps both on stdout."""
-    import json
-    cfg = tmp_path / "math.yaml"
-    cfg.write_text("agents: {t: {type: tool, config: {tools: [math]}}}\n"
-                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], "
-                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
-    r = run_cli(str(cfg), "-m", "1/0", "-m", "2+2")
-    assert (r.returncode, r.stdout) == (1, "4\n")
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "ZeroDivisionError" in lines[0]
-    r = run_cli(str(cfg), "-m", "1/0", "--json")
-    lines = [json.loads(line) for line in r.stdout.splitlines()]
-    assert r.returncode == 1 and r.stderr == ""
-    assert sorted(line["stream"] for line in lines) == ["__error__", "__output__"]
-    assert all(line["metadata"]["error"] is True for line in lines)
-
-
 def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
-    import signal
-    import subprocess
     cfg = _cli_config(tmp_path, "[]")
     err = tmp_path / "err.txt"
     r = subprocess.run(f'seq 1 200000 | "{sys.executable}" "{HERE / "actor.py"}" "{cfg}" '
@@ -946,37 +391,6 @@ def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, errors = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in errors
-
-
-def test_cli_check_needs_no_api_key(tmp_path):
-    """--check reports a missing key as a warning with the --provider fake hint and checks the
-    rest; a run still fails at load (§4.4.1); --strict makes the warning an error."""
-    cfg = tmp_path / "llm.yaml"
-    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai}}}\n"
-                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
-                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
-    import subprocess
-
-    def cli(*args):
-        return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], env=env,
-                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    r = cli("--check", str(cfg))
-    assert (r.returncode, r.stdout) == (0, "ok\n")
-    assert "warning" in r.stderr and "OPENAI_API_KEY" in r.stderr and "--provider fake" in r.stderr
-    r = cli("--check", "--strict", str(cfg))
-    assert r.returncode == 2 and "--strict" in r.stderr
-    r = cli(str(cfg), "-m", "hi")
-    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "--provider fake" in r.stderr
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(cfg.read_text().replace("agent: talk", "agent: ghost"))
-    r = cli("--check", str(bad))
-    assert r.returncode == 2 and "unknown agent 'ghost'" in r.stderr   # the rest is checked
-    r = cli(str(cfg), "--provider", "fake", "-m", "hi")
-    assert (r.returncode, r.stdout) == (0, "hi\n")
-    for option in ("--describe", "--diagram"):          # nothing is sent: no key needed
-        r = cli(option, str(cfg))
-        assert r.returncode == 0 and "talk" in r.stdout and "--provider fake" in r.stderr
 
 
 @pytest.mark.parametrize("replace, expect", [
@@ -1115,16 +529,23 @@ def test_token_usage_reported_by_the_vendor_is_kept(llm_server, llm_render, prov
 # is no keyword; a quoted string holds no '"', and '#name;' / '#123;' are entity codes in it.
 MERMAID_KEYWORDS = {"end", "graph", "flowchart", "subgraph", "style", "class", "classdef",
                     "click", "linkstyle", "interpolate", "call", "href", "default", "direction"}
+
+
 MERMAID_ID = r"[A-Za-z][A-Za-z0-9_]*"
+
+
 MERMAID_STR = r'"[^"\n`<>]*"'
+
+
 MERMAID_SHAPE = (rf'(?:\[{MERMAID_STR}\]|\(\({MERMAID_STR}\)\)|\(\[{MERMAID_STR}\]\)|'
                  rf'\[\[{MERMAID_STR}\]\]|\{{{MERMAID_STR}\}}|\(\(entry\)\))')
+
+
 MERMAID_ARROW = rf'(?:-->|-->\|{MERMAID_STR}\||-\. [a-z]+ \.->)'
 
 
 def _mermaid_statements(text):
     """Parse --diagram output with the grammar above: (kind, ids, quoted strings) per line."""
-    import re
     lines = text.splitlines()
     assert lines[0] == "flowchart LR"
     parsed, depth = [], 0
@@ -1152,7 +573,6 @@ def _mermaid_statements(text):
 
 def _mermaid_unescape(text):
     import html
-    import re
     return html.unescape(re.sub(r"#(quot|amp|lt|gt|\d+);",
                                 lambda m: f"&{m.group(1)};" if not m.group(1).isdigit()
                                 else f"&#{m.group(1)};", text))
@@ -1168,7 +588,6 @@ def test_diagram_parses_for_every_legal_name_and_keeps_names_apart(tmp_path):
     """--diagram: with routes and graph nodes named after Mermaid keywords and with - _ # " < `
     in them, every line follows the flowchart grammar, each name gets its own id, and each
     label reads back as the name."""
-    import json
     routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
     nodes = [n for n in MERMAID_HARD_NAMES if n.lower() not in ("end", "start")]
     routes["g-1"] = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in nodes},
@@ -1208,8 +627,6 @@ MERMAID_JS = os.environ.get("ACTOR_MERMAID_MODULES")     # a node_modules with m
 def test_diagram_parses_with_mermaid_js(tmp_path):
     """The real parser (mermaid.parse under jsdom) accepts --diagram for the hard names and the
     examples."""
-    import json
-    import subprocess
     routes = {n: {"type": "stream", "publications": ["__output__"]} for n in MERMAID_HARD_NAMES}
     cfg = tmp_path / "names.yaml"
     cfg.write_text(json.dumps({"agents": {"a": {"type": "chain"}}, "routes": routes, "merges": [
@@ -1250,9 +667,6 @@ def test_cli_interactive_prompt_blank_lines_reset_and_quit(tmp_path):
     """On a terminal: the prompt shows the Actor's name, a blank line is not sent, /reset says
     what it cleared, /quit ends with status 0."""
     pty = pytest.importorskip("pty")
-    import select
-    import subprocess
-    import time
     cfg = tmp_path / "mem.yaml"
     cfg.write_text("name: helper\nagents: {talk: {type: llm, config: {provider: fake, "
                    "memory_enabled: true}}}\nroutes: {main: {type: stream, operators: [{type: "
@@ -1305,7 +719,6 @@ def test_reset_forgets_memory_and_graph_state():
 def _vector_documents():
     """(name, document) for every vector that loads, several configs merged (§3.1); documents
     templated at Phase A are left out (their text is no YAML until rendered)."""
-    import copy
     for path in VECTOR_FILES:
         vector = actor.read_vector(path)
         if "load_error" in vector:
@@ -1369,7 +782,6 @@ def test_schema_rejects_structural_faults():
 
 
 def test_cli_schema_prints_json_schema():
-    import json
     r = run_cli("--schema")
     schema = json.loads(r.stdout)
     assert r.returncode == 0 and schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
@@ -1392,6 +804,8 @@ _FUZZ_TEXT = {
     "@deep-map@": "{a: " * 500 + "1" + "}" * 500, "@deep-env@": "[" * 500 + '"${FUZZ}"' + "]" * 500,
     "@nan@": ".nan", "@inf@": ".inf", "@unknown-tag@": "!python/object x",
 }
+
+
 _FUZZ_VALUES = [
     float("nan"), float("inf"), float("-inf"), -1, 0, 10 ** 40, True, None, "", [], {}, "\0",
     "a\0b", "\ud800", "x\udfff", "__output__", "__input__", "__g_node_n__", "__x", "${FUZZ_UNSET}",
@@ -1420,7 +834,6 @@ def _fuzz_places(node, prefix=()):
 
 def _fuzz_text(cfg):
     """The config as JSON text (lone surrogates and NULs kept raw), markers spliced as YAML."""
-    import json
     text = json.dumps(cfg, ensure_ascii=False, allow_nan=False, default=str) \
         if not _has_non_finite(cfg) else _json_with_non_finite(cfg)
     for marker, raw in _FUZZ_TEXT.items():
@@ -1439,7 +852,6 @@ def _has_non_finite(node):
 
 
 def _json_with_non_finite(cfg):
-    import json
     return json.dumps(cfg, ensure_ascii=False, default=str).replace(
         "-Infinity", "-.inf").replace("Infinity", ".inf").replace("NaN", ".nan")
 
@@ -1450,7 +862,6 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     under a ${VAR}), reserved and internal names, unset ${VARs}, template syntax, dangling refs,
     moved, dropped or duplicated keys -- whatever load(), send(), advance() and complete() do,
     only an ActorError escapes. Seeded (derandomized), a few seconds."""
-    import copy
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
     vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
@@ -1531,14 +942,12 @@ def test_cli_version_and_help():
 
 
 # =====================================================================================
-# §4.4 LLM agents and HOST providers (llm)
+# §4 AGENTS
 # =====================================================================================
-# [llm]
-import http.server  # noqa: E402
-import json  # noqa: E402
-import threading  # noqa: E402
-import email.utils  # noqa: E402
-import time  # noqa: E402
+
+
+# §4.4 LLM agents ----------------------------------------------------------------------------------
+
 
 LLM_KEY = "sk-test-SECRET-4242"
 
@@ -1633,7 +1042,6 @@ def _sleeps(agent, jitter=0.0):
     return waits
 
 
-# §4.4 LLM agents: fields, defaults, metadata ------------------------------------------------
 def test_llm_defaults_and_metadata(llm_render):
     agent = _llm_agent({})
     assert (agent.provider, agent.model) == ("openai", "gpt-3.5-turbo")
@@ -1701,7 +1109,42 @@ def test_llm_host_fake_provider_needs_no_key(llm_render):
     assert agent.invoke("hello", {}) == "hello"
 
 
-# §4.4.3 Structured output --------------------------------------------------------------------
+# §4.4.1 Providers ---------------------------------------------------------------------------------
+
+
+def test_cli_check_needs_no_api_key(tmp_path):
+    """--check reports a missing key as a warning with the --provider fake hint and checks the
+    rest; a run still fails at load (§4.4.1); --strict makes the warning an error."""
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("agents: {talk: {type: llm, config: {provider: openai}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: talk}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], env=env,
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = cli("--check", str(cfg))
+    assert (r.returncode, r.stdout) == (0, "ok\n")
+    assert "warning" in r.stderr and "OPENAI_API_KEY" in r.stderr and "--provider fake" in r.stderr
+    r = cli("--check", "--strict", str(cfg))
+    assert r.returncode == 2 and "--strict" in r.stderr
+    r = cli(str(cfg), "-m", "hi")
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "--provider fake" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("agent: talk", "agent: ghost"))
+    r = cli("--check", str(bad))
+    assert r.returncode == 2 and "unknown agent 'ghost'" in r.stderr   # the rest is checked
+    r = cli(str(cfg), "--provider", "fake", "-m", "hi")
+    assert (r.returncode, r.stdout) == (0, "hi\n")
+    for option in ("--describe", "--diagram"):          # nothing is sent: no key needed
+        r = cli(option, str(cfg))
+        assert r.returncode == 0 and "talk" in r.stdout and "--provider fake" in r.stderr
+
+
+# §4.4.3 Structured output -------------------------------------------------------------------------
+
+
 SCHEMA_RF = {"type": "json_schema",
              "json_schema": {"name": "t", "strict": True,
                              "schema": {"type": "object", "properties": {"x": {"type": "string"}},
@@ -1723,7 +1166,9 @@ def test_llm_structured_output_unsupported_type_is_execution_error(llm_render):
     assert rt.llm_log == []
 
 
-# §4.4.4 Memory and history -------------------------------------------------------------------
+# §4.4.4 Memory and history ------------------------------------------------------------------------
+
+
 def test_llm_memory_order_and_truncation_in_entries(llm_render):
     rt = _llm_rt(llm_transport=actor.FakeTransport({"a": ["r1", "r2", "r3"]}))
     agent = _llm_agent({"memory_enabled": True, "max_history": 3}, rt)
@@ -1786,7 +1231,60 @@ def test_llm_memory_is_thread_safe(llm_render):
                                                         "content": user["content"]}
 
 
-# §4.4.5 Temperature override -----------------------------------------------------------------
+def test_concurrency_timed_out_llm_reply_is_not_remembered():
+    """§4.4.4 item 4, §6.2.2 timeout: the retry answers; the first attempt's late reply, which
+    arrives after its timeout, is dropped instead of joining the agent's memory."""
+    before = set(threading.enumerate())
+    a = actor.load(text="""
+agents:
+  w: {type: llm, config: {provider: fake, memory_enabled: true}}
+routes:
+  main:
+    type: graph
+    nodes:
+      a: {type: agent, agent: w, timeout: 0.1, retry_policy: {max_retries: 1, delay: 0}}
+    edges: [{source: start, target: a}, {source: a, target: end}]
+merges: [{sources: [__input__], target: main}]
+""")
+    transport = a.rt.llm_transport = _GateTransport(slow="w")
+    assert [m.content for m in a.send("hi").outputs] == ["w:hi"]
+    transport.release.set()
+    _join_new_threads(before)
+    assert a.rt.agents["w"].history == [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "w:hi"}]
+
+
+def test_concurrency_memory_keeps_whole_exchanges_under_concurrent_calls():
+    """§4.4.4: sixteen concurrent invocations of one memory agent leave sixteen whole
+    user/assistant pairs, each reply next to its own message."""
+    n = 16
+    barrier = threading.Barrier(n, timeout=2)
+
+    class Meet:
+        def complete(self, request):
+            barrier.wait()
+            return "re:" + request["messages"][-1]["content"]
+
+    a = actor.load(text="agents: {w: {type: llm, config: {provider: fake, memory_enabled: true,"
+                        " max_history: 100}}}\nroutes: {s: {type: stream}}\n")
+    a.rt.llm_transport = Meet()
+    agent = a.rt.agents["w"]
+    threads = [threading.Thread(target=agent.invoke, args=(f"m{i}", {})) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    history = agent.history
+    assert len(history) == 2 * n and len(a.rt.llm_log) == n
+    pairs = list(zip(history[::2], history[1::2]))
+    assert all(u["role"] == "user" and r == {"role": "assistant", "content": "re:" + u["content"]}
+               for u, r in pairs)
+    assert sorted(u["content"] for u, _ in pairs) == sorted(f"m{i}" for i in range(n))
+
+
+# §4.4.5 Temperature override ----------------------------------------------------------------------
+
+
 def test_llm_temperature_override(llm_render):
     rt = _llm_rt(llm_transport=actor.FakeTransport({}))
     agent = _llm_agent({"temperature": 0.3}, rt)
@@ -1797,7 +1295,9 @@ def test_llm_temperature_override(llm_render):
         agent.invoke("z", {"_temperature_override": "hot"})
 
 
-# §4.4.6 System prompt rendering (needs [templating]'s render_runtime) --------------------------
+# §4.4.6 System prompt rendering -------------------------------------------------------------------
+
+
 def test_llm_system_prompt_rendered_and_fallback():
     if not hasattr(actor, "render_runtime"):
         pytest.skip("render_runtime arrives with [templating]")
@@ -1819,7 +1319,5500 @@ def test_llm_template_formats_user_message(llm_render):
         _llm_agent({"template": "nope"}, rt, name="b")
 
 
-# HOST -- providers: OpenAI Chat Completions over a local server -------------------------------
+# §4.5 Tool agents ---------------------------------------------------------------------------------
+
+
+def _tool_rt(tmp_path, unsafe=False):
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=unsafe)
+    rt.progress = actor.ProgressFacility(stream=io.StringIO())
+    return rt
+
+
+def _tool_agent(rt, config, name="t"):
+    return _checked(rt, name, {"type": "tool", "config": config})
+
+
+ALL_BUILTINS = ["echo", "math", "json_parse", "http_request", "file_read", "file_write",
+                "progress_bar"]
+
+
+def test_builtin_tools_table_follows_spec_order():
+    assert list(actor.BUILTIN_TOOLS) == ALL_BUILTINS
+    assert all(fn.__name__ == "tool_" + name for name, fn in actor.BUILTIN_TOOLS.items())
+
+
+def test_tool_agent_defaults_capabilities_and_metadata(tmp_path):
+    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["math", "file_read", "http_request"]})
+    assert (agent.safe_mode, agent.allow_shell, agent.timeout, agent.context) == (True, False, 1, {})
+    assert agent.capabilities == ["tool-execution", "math-evaluation", "file-operations",
+                                  "http-requests"]
+    assert agent.metadata == {
+        "name": "t", "type": "tool", "capabilities": agent.capabilities, "reactive": True,
+        "tools": ["math", "file_read", "http_request"], "allow_shell": False,
+        "safe_mode": True, "timeout": 1}
+    shell = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"], "allow_shell": True})
+    assert "command-execution" in shell.capabilities
+
+
+@pytest.mark.parametrize("config, where", [
+    ({}, "agents.t.config"),
+    ({"tools": "echo"}, "agents.t.config.tools"),
+    ({"tools": ["ecko"]}, "agents.t.config.tools[0]"),
+    ({"tools": ["echo", "echo"]}, "agents.t.config.tools[1]"),
+    ({"tools": [{"code": "result = 1"}]}, "agents.t.config.tools[0].name"),
+    ({"tools": [{"name": "x"}]}, "agents.t.config.tools[0].code"),
+    ({"tools": [3]}, "agents.t.config.tools[0]"),
+    ({"tools": ["echo"], "timeout": 0}, "agents.t.config.timeout"),
+    ({"tools": ["echo"], "timeout": "5"}, "agents.t.config.timeout"),
+    ({"tools": ["echo"], "safe_mode": "no"}, "agents.t.config.safe_mode"),
+    ({"tools": ["echo"], "allow_shell": 1}, "agents.t.config.allow_shell"),
+    ({"tools": ["echo"], "context": []}, "agents.t.config.context"),
+])
+def test_tool_agent_rejects_bad_config_with_location(tmp_path, config, where):
+    with pytest.raises(actor.ConfigurationError) as info:
+        _tool_agent(_tool_rt(tmp_path), config)
+    assert info.value.path == where
+
+
+def test_tool_agent_warns_on_unknown_field_and_empty_tools(tmp_path):
+    rt = _tool_rt(tmp_path)
+    _tool_agent(rt, {"tools": [], "retries": 3})
+    assert any("retries" in w for w in rt.warnings)
+    assert any("no tools" in w for w in rt.warnings)
+
+
+def test_inline_tool_on_safe_host_is_refused_at_load(tmp_path):
+    with pytest.raises(actor.UnsafeConfigurationError) as info:
+        _tool_agent(_tool_rt(tmp_path), {"tools": [{"name": "x", "code": "result = 1"}]})
+    assert info.value.path == "agents.t.config.tools[0].code"
+
+
+# §4.5.1 Built-in tools ----------------------------------------------------------------------------
+
+
+def _call(agent, message, ctx=None):
+    return agent.invoke(message, {} if ctx is None else ctx)
+
+
+def _fails(agent, message, ctx=None):
+    with pytest.raises(actor.ExecutionError) as info:
+        agent.invoke(message, {} if ctx is None else ctx)
+    return info.value
+
+
+@pytest.fixture
+def utilities(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path), {"tools": list(ALL_BUILTINS)})
+
+
+@pytest.mark.parametrize("message, expected", [
+    ('{"tool": "echo", "args": {"text": "a  b"}}', "a  b"),
+    ('{"tool": "echo", "args": ["a", "b"]}', "a b"),
+    ('{"tool": "echo", "args": "solo"}', "solo"),
+    ('{"tool": "echo"}', ""),
+    ("echo   hello    world", "hello world"),
+])
+def test_echo(utilities, message, expected):
+    assert _call(utilities, message) == expected
+
+
+@pytest.mark.parametrize("expression, expected", [
+    ("2 + 2 * 3", "8"), ("(2 + 2) * 3", "12"), ("10 / 4", "2.5"), ("7 // 2", "3"), ("7 % 4", "3"),
+    ("2 ** 10", "1024"), ("-3 + +1", "-2"), ("abs(-2.5)", "2.5"), ("round(2.567, 2)", "2.57"),
+    ("min(3, 1, 2)", "1"), ("max([1, 5, 3])", "5"), ("sum([1, 2, 3])", "6"), ("pow(2, 8)", "256"),
+    ("pow(3, 200, 7)", "2"), ("int(7.9)", "7"), ("float(2)", "2.0"), ("1.5e3", "1500.0"),
+])
+def test_math_evaluates_restricted_arithmetic(utilities, expression, expected):
+    request = json.dumps({"tool": "math", "args": {"expression": expression}})
+    assert _call(utilities, request) == expected
+    assert _call(utilities, json.dumps({"tool": "math", "args": [expression]})) == expected
+
+
+@pytest.mark.parametrize("expression", [
+    "__import__('os').system('true')", "open('x')", "x + 1", "(1).__class__", "'a' * 3",
+    "True + 1", "[x for x in range(3)]", "lambda: 1", "eval('1')", "2 ** 100000", "9 ** 9 ** 9",
+    "pow(10, 5000)", "(2 ** 4000) * (2 ** 4000)", "1 / 0", "10.0 ** 400", "1 if 1 else 2",
+    "abs(x=1)", "round()", "(" * 300 + "1" + ")" * 300, "1 +", "", "a.b", "{1: 2}", "1 < 2",
+    "[1] * 10 ** 9", "sum([[1]] * 10 ** 9, [])", "-[1]", "[1, 2] + [3]", "max([])",
+])
+def test_math_refuses_everything_else(utilities, expression):
+    _fails(utilities, json.dumps({"tool": "math", "args": {"expression": expression}}))
+
+
+def test_math_never_evaluates_side_effects(utilities, tmp_path):
+    _fails(utilities, json.dumps({"tool": "math", "args": {
+        "expression": "__import__('pathlib').Path('pwned').touch()"}}))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_json_parse_reindents_with_two_spaces(utilities):
+    out = _call(utilities, json.dumps({"tool": "json_parse", "args": {"json": '{"a":[1,{"b":"é"}]}'}}))
+    assert out == '{\n  "a": [\n    1,\n    {\n      "b": "é"\n    }\n  ]\n}'
+    assert _call(utilities, 'json_parse [1,2]') == "[\n  1,\n  2\n]"
+    _fails(utilities, json.dumps({"tool": "json_parse", "args": ["{oops"]}))
+    _fails(utilities, '{"tool": "json_parse"}')
+
+
+@pytest.fixture
+def http_server():
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length).decode() if length else ""
+            seen.append({"method": self.command, "path": self.path, "body": body,
+                         "content_type": self.headers.get("Content-Type"),
+                         "x_token": self.headers.get("X-Token")})
+            status = 404 if self.path == "/missing" else 200
+            payload = ("not here" if status == 404 else f"{self.command} {self.path}").encode()
+            if self.path == "/latin1":
+                payload = "café".encode("latin-1")
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; charset=latin-1")
+            else:
+                self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        do_GET = do_POST = do_PUT = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_request_get_post_and_error_status(utilities, http_server):
+    base, seen = http_server
+    assert _call(utilities, json.dumps({"tool": "http_request", "args": {"url": base + "/a"}})) \
+        == "Status: 200\n\nGET /a"
+    out = _call(utilities, json.dumps({"tool": "http_request", "args": {
+        "url": base + "/p", "method": "post", "headers": {"X-Token": "k"}, "data": {"n": 1}}}))
+    assert out == "Status: 200\n\nPOST /p"
+    assert seen[-1] == {"method": "POST", "path": "/p", "body": '{"n": 1}',
+                        "content_type": "application/json", "x_token": "k"}
+    assert _call(utilities, f"http_request {base}/missing") == "Status: 404\n\nnot here"
+    assert _call(utilities, f"http_request {base}/latin1") == "Status: 200\n\ncafé"
+
+
+def test_http_request_failures_are_execution_errors(utilities, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _fails(utilities, f"http_request http://127.0.0.1:{port}/")
+    (tmp_path / "secret.txt").write_text("s")
+    _fails(utilities, f"http_request file://{tmp_path}/secret.txt")
+    _fails(utilities, '{"tool": "http_request", "args": {}}')
+
+
+def test_file_read_header_format(tmp_path, utilities):
+    (tmp_path / "notes.md").write_text("# Title\nbody\n", encoding="utf-8")
+    assert _call(utilities, "file_read notes.md") == (
+        "[FILE_READ_SUCCESS]📄 File: notes.md | Lines: 2 | Size: 13 chars\n"
+        "[FILE_CONTENT_START]\n# Title\nbody\n\n[FILE_CONTENT_END]")
+    (tmp_path / "empty.txt").write_text("")
+    assert _call(utilities, '{"tool": "file_read", "args": {"file": "empty.txt"}}') == (
+        "[FILE_READ_SUCCESS]📄 File: empty.txt | Lines: 0 | Size: 0 chars\n"
+        "[FILE_CONTENT_START]\n\n[FILE_CONTENT_END]")
+
+
+def test_file_read_is_relative_to_the_actor_workdir_not_the_process_cwd(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a.txt").write_text("inside")
+    (tmp_path / "a.txt").write_text("cwd")
+    monkeypatch.chdir(tmp_path)
+    agent = _tool_agent(_tool_rt(work), {"tools": ["file_read", "echo"]})
+    assert "inside" in _call(agent, "file_read a.txt")
+
+
+def test_file_read_failures(tmp_path, utilities):
+    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "dir").mkdir()
+    for message in ("file_read nope.txt", "file_read bin.dat", "file_read dir", "file_read"):
+        _fails(utilities, message)
+
+
+# §4.5.2 Inline tools ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plain_exec(monkeypatch):
+    """Replace the sandbox by plain exec so this region tests only the tool agent's part."""
+    calls = []
+
+    def compile_code(source, *, rt=None, path=None):
+        return compile(source, "<inline>", "exec")
+
+    def run_code(unit, variables, *, timeout=1.0):
+        calls.append(timeout)
+        namespace = dict(variables)
+        exec(unit, {"json": json}, namespace)
+        return namespace
+
+    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
+    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
+    return calls
+
+
+def _inline(tmp_path, *tools, **config):
+    rt = _tool_rt(tmp_path, unsafe=True)
+    return _tool_agent(rt, dict(config, tools=list(tools)))
+
+
+def test_inline_single_tool_gets_whole_message(tmp_path, plain_exec):
+    agent = _inline(tmp_path, {"name": "shout", "code": 'result = str(input_data).upper() + "!"'},
+                    timeout=5)
+    assert _call(agent, "hello world") == "HELLO WORLD!"
+    assert _call(agent, '{"tool": "other"}') == '{"TOOL": "OTHER"}!'
+    assert plain_exec == [5, 5]
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("result = 42", "42"), ("output = 'o'", "o"), ("response = 'r'", "r"), ("answer = 'a'", "a"),
+    ("output = 'o'\nanswer = 'a'", "o"), ("response = None\nanswer = 'a'", "a"), ("x = 1", ""),
+    ("result = message == input_data", "True"), ("result = {'k': [1]}", "{'k': [1]}"),
+    ("result = ''\noutput = 'o'", ""),
+])
+def test_inline_result_fallbacks_and_coercion(tmp_path, plain_exec, code, expected):
+    agent = _inline(tmp_path, {"name": "t", "code": code})
+    assert _call(agent, "m") == expected
+
+
+def test_inline_context_is_by_reference_and_invocation_wins(tmp_path, plain_exec):
+    code = ("result = f\"{context['who']}/{context['own']}\"\n"
+            "context['topic'] = input_data\ncontext['log'].append(1)\ndel context['gone']")
+    agent = _inline(tmp_path, {"name": "t", "code": code},
+                    context={"who": "agent", "own": "mine", "log": []})
+    ctx = {"who": "invocation", "gone": 1, "log": []}
+    assert _call(agent, "ai", ctx) == "invocation/mine"
+    assert ctx == {"who": "invocation", "topic": "ai", "log": [1]}
+    assert agent.context == {"who": "agent", "own": "mine", "log": []}
+
+
+def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
+    agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
+    assert _call(agent, "rev abc  def") == "fed cba"
+    assert _call(agent, '{"tool": "rev", "args": "xyz"}') == "zyx"
+    assert _call(agent, '{"tool": "rev", "args": {"a": 1}}') == '}1 :"a"{'
+    assert _call(agent, "echo hi") == "hi"
+
+
+def test_inline_tool_shadowing_a_builtin_wins_with_a_warning(tmp_path, plain_exec):
+    agent = _inline(tmp_path, "echo", {"name": "math", "code": "result = 'inline'"})
+    assert _call(agent, "math 1 + 1") == "inline"
+    assert any("§16.3" in w and "math" in w for w in agent.rt.warnings)
+
+
+def test_inline_code_drives_the_progress_facility(tmp_path, plain_exec):
+    code = ("progress_bar(current=1, total=2, stage='s')\n"
+            "result = progress_bar(current=2)")
+    agent = _inline(tmp_path, {"name": "t", "code": code})
+    assert _call(agent, "x") == "█" * 24 + " 100.0% (2/2) s"
+    assert agent.rt.progress.stream.getvalue().count("\r") == 2
+
+
+def test_inline_errors_propagate_as_execution_errors(tmp_path, monkeypatch):
+    def compile_code(source, *, rt=None, path=None):
+        return source
+
+    def run_code(unit, variables, *, timeout=1.0):
+        raise actor.ExecutionError("boom")
+
+    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
+    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
+    agent = _inline(tmp_path, {"name": "t", "code": "x"})
+    _fails(agent, "anything")
+
+
+def test_inline_runaway_code_times_out_and_the_agent_keeps_serving(tmp_path):
+    agent = _inline(tmp_path, "echo", {"name": "spin", "code": "while True:\n    pass\n"},
+                    timeout=0.2)
+    started = time.monotonic()
+    assert "time limit of 0.2 s" in str(_fails(agent, "spin"))     # the 0.2 s budget stopped it
+    assert time.monotonic() - started < HANG_GUARD
+    assert _call(agent, "echo next") == "next"
+
+
+def test_inline_forbidden_construct_is_refused_at_load(tmp_path):
+    with pytest.raises(actor.ConfigurationError):
+        _inline(tmp_path, {"name": "t", "code": "import os\nresult = os.getcwd()\n"})
+
+
+def test_sandbox_limits_hold_in_unsafe_mode():
+    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
+            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
+            "                while True:\n                    pass\n"
+            "            result = 'ok:' + input_data\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    a = actor.load(text=text, unsafe=True)
+    first = a.send("spin")
+    assert len(first.errors) == 1
+    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
+    assert "resource exhausted" in first.errors[0].content
+    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
+
+
+# §4.5.3 Tool invocation protocol ------------------------------------------------------------------
+
+
+def test_protocol_invalid_json_is_the_spec_error(utilities):
+    error = _fails(utilities, '  {"tool": "echo", }  ')
+    assert error.message == "Invalid JSON in tool request"
+    deep = '{"a": ' * 100000 + "1" + "}" * 100000
+    assert _fails(utilities, deep).message == "Invalid JSON in tool request"
+    assert actor.INVALID_JSON_IN_TOOL_REQUEST == "Invalid JSON in tool request"
+
+
+def test_protocol_unknown_or_unlisted_tool_fails(tmp_path):
+    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo", "math"]})
+    for message in ("json_parse {}", '{"tool": "file_read", "args": ["x"]}', "hello there", "",
+                    '{"tool": 3}', '{"no_tool": 1}', "[1, 2]"):
+        _fails(agent, message)
+
+
+def test_protocol_single_builtin_takes_any_message(tmp_path):
+    echo = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"]})
+    assert _call(echo, "hello   world") == "hello   world"
+    assert _call(echo, '{"a": 1}') == '{"a": 1}'
+    assert _call(echo, "echo  hi") == "hi"
+    _fails(echo, "math 1 + 1")              # names another tool: step 5 still applies
+    calc = _tool_agent(_tool_rt(tmp_path), {"tools": ["math"]})
+    assert _call(calc, "2 + 3") == "5"
+
+
+def test_protocol_accepts_structured_content_and_coerces_output(utilities):
+    assert _call(utilities, {"tool": "math", "args": {"expression": "6*7"}}) == "42"
+    assert actor.tool_output(None) == ""
+    assert actor.tool_output(3) == "3"
+    assert actor.tool_output({"a": 1}) == "{'a': 1}"
+    assert actor.tool_output("s") == "s"
+
+
+def test_run_builtin_tool_for_tool_execute_blocks(tmp_path):
+    rt = _tool_rt(tmp_path)
+    assert actor.run_builtin_tool(rt, "math", {"expression": "1+1"}, {}) == "2"
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "shell", {"command": "true"}, {})
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "file_write", {"file": "x", "content": "y"}, {})
+    agent = _tool_agent(rt, {"tools": ["echo"]})
+    assert actor.run_builtin_tool(rt, "echo", {"text": "hi"}, {}, agent=agent) == "hi"
+    with pytest.raises(actor.ExecutionError):
+        actor.run_builtin_tool(rt, "math", {"expression": "1"}, {}, agent=agent)
+
+
+# §4.5.4 Safe-mode restrictions --------------------------------------------------------------------
+
+
+def _safety_agent(tmp_path, unsafe, safe_mode=True, allow_shell=False):
+    return _tool_agent(_tool_rt(tmp_path, unsafe=unsafe),
+                       {"tools": ["file_read", "file_write", "echo"], "safe_mode": safe_mode,
+                        "allow_shell": allow_shell})
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """tmp/work (the actor's directory) with sub/a.txt, and tmp/outside.txt beside it."""
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "a.txt").write_text("A")
+    (work / "top.txt").write_text("T")
+    (tmp_path / "outside.txt").write_text("O")
+    return work
+
+
+# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
+FILE_READ_CASES = [
+    (False, False, True, "sub/a.txt", True),
+    (False, False, True, "sub/../top.txt", False),
+    (False, False, True, "../outside.txt", False),
+    (False, False, True, "ABS", False),
+    (False, True, True, "ABS", False),          # Q69: the host layer still refuses
+    (True, False, True, "ABS", False),
+    (True, True, True, "ABS", True),            # §13.3 unsafe mode permits absolute paths
+    (True, True, True, "../outside.txt", False),  # safe_mode still refuses traversal
+    (True, True, False, "../outside.txt", True),  # both layers relaxed
+    (False, False, False, "../outside.txt", False),  # safe_mode false cannot relax the host
+    (False, False, False, "ABS", False),
+    (False, False, True, "~/x.txt", False),
+    (True, True, False, "~/x.txt", False),
+    (False, False, True, "a..b.txt", True),     # `..` inside a name is not traversal
+]
+
+
+@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_READ_CASES)
+def test_file_read_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
+    (tree / "a..b.txt").write_text("dots")
+    if given == "ABS":
+        given = str(tree.parent / "outside.txt")
+    agent = _safety_agent(tree, unsafe, safe_mode)
+    ctx = {"_unsafe_mode": True} if flag else {}
+    message = json.dumps({"tool": "file_read", "args": {"file": given}})
+    if allowed:
+        assert _call(agent, message, ctx).startswith("[FILE_READ_SUCCESS]")
+    else:
+        _fails(agent, message, ctx)
+
+
+def test_file_read_refuses_symlinks_leaving_the_workdir_in_safe_mode(tree):
+    (tree / "link.txt").symlink_to(tree.parent / "outside.txt")
+    (tree / "inner").symlink_to(tree / "sub")
+    agent = _safety_agent(tree, unsafe=False)
+    error = _fails(agent, "file_read link.txt")
+    assert error.section == "13.3"
+    assert "A" in _call(agent, "file_read inner/a.txt")
+    unsafe = _safety_agent(tree, unsafe=True)
+    assert "O" in _call(unsafe, "file_read link.txt", {"_unsafe_mode": True})
+
+
+# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
+FILE_WRITE_CASES = [
+    (True, True, True, "new.txt", True),
+    (True, True, True, "sub/deeper/new.txt", True),
+    (True, False, True, "new.txt", False),      # §4.5.4: needs _unsafe_mode in the context
+    (True, False, False, "new.txt", False),     # ... whatever safe_mode says
+    (False, True, True, "new.txt", False),      # Q69: and the host in unsafe mode (§13.3)
+    (False, True, False, "new.txt", False),
+    (True, True, True, "../escape.txt", False),
+    (True, True, False, "../escape.txt", False),  # §13.3: `..` refused even in unsafe mode
+    (True, True, True, "sub/../new.txt", False),
+    (True, True, True, "~/new.txt", False),
+    (True, True, False, "~/new.txt", False),
+    (True, True, True, "ABS", True),            # outside the directory: waived by _unsafe_mode
+]
+
+
+@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_WRITE_CASES)
+def test_file_write_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
+    if given == "ABS":
+        given = str(tree.parent / "abs.txt")
+    agent = _safety_agent(tree, unsafe, safe_mode)
+    ctx = {"_unsafe_mode": True} if flag else {}
+    message = json.dumps({"tool": "file_write", "args": {"file": given, "content": "x"}})
+    before = sorted(p for p in tree.parent.rglob("*"))
+    if allowed:
+        assert _call(agent, message, ctx) == f"Successfully wrote 1 characters to {given}"
+        target = Path(given) if Path(given).is_absolute() else tree / given
+        assert target.read_text() == "x"
+    else:
+        _fails(agent, message, ctx)
+        assert sorted(p for p in tree.parent.rglob("*")) == before
+
+
+# §4.5.5 file_write modes --------------------------------------------------------------------------
+
+
+UNSAFE_CTX = {"_unsafe_mode": True}
+
+
+def _write(agent, **args):
+    return _call(agent, json.dumps({"tool": "file_write", "args": args}), dict(UNSAFE_CTX))
+
+
+@pytest.fixture
+def writer(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path, unsafe=True), {"tools": ["file_write", "echo"]})
+
+
+def test_file_write_mode_w_overwrites(writer, tmp_path):
+    (tmp_path / "f.txt").write_text("old\n")
+    assert _write(writer, file="f.txt", content="new") == "Successfully wrote 3 characters to f.txt"
+    assert (tmp_path / "f.txt").read_text() == "new"
+    assert _call(writer, "file_write g.txt two words", dict(UNSAFE_CTX)) == \
+        "Successfully wrote 9 characters to g.txt"
+    assert (tmp_path / "g.txt").read_text() == "two words"
+
+
+@pytest.mark.parametrize("existing, content, expected", [
+    ("abc", "def", "abcdef"),
+    ("intro\n", "# Two\n", "intro\n\n# Two\n"),
+    ("intro", "# Two\n", "intro\n\n# Two\n"),
+    ("intro\n\n", "# Two\n", "intro\n\n# Two\n"),
+    (None, "# One\n", "# One\n"),
+    ("", "# One\n", "# One\n"),
+])
+def test_file_write_mode_a_appends_with_markdown_separator(writer, tmp_path, existing, content,
+                                                            expected):
+    if existing is not None:
+        (tmp_path / "f.md").write_text(existing)
+    assert _write(writer, file="f.md", content=content, mode="a") == \
+        f"Successfully appended {len(content)} characters to f.md"
+    assert (tmp_path / "f.md").read_text() == expected
+
+
+@pytest.mark.parametrize("position, line, expected", [
+    ("start", 1, "X\n1\n2\n3\n"),
+    ("end", 4, "1\n2\n3\nX\n"),
+    (None, 4, "1\n2\n3\nX\n"),
+    (2, 2, "1\nX\n2\n3\n"),
+    ("3", 3, "1\n2\nX\n3\n"),
+    (0, 1, "X\n1\n2\n3\n"),
+    (-5, 1, "X\n1\n2\n3\n"),
+    (99, 4, "1\n2\n3\nX\n"),
+])
+def test_file_write_insert_positions(writer, tmp_path, position, line, expected):
+    (tmp_path / "f.txt").write_text("1\n2\n3\n")
+    args = {"file": "f.txt", "content": "X", "mode": "insert"}
+    if position is not None:
+        args["position"] = position
+    assert _write(writer, **args) == f"Successfully inserted 1 characters at line {line} in f.txt"
+    assert (tmp_path / "f.txt").read_text() == expected
+
+
+def test_file_write_insert_edges(writer, tmp_path):
+    (tmp_path / "f.txt").write_text("1\n2")
+    _write(writer, file="f.txt", content="X\n", mode="insert")
+    assert (tmp_path / "f.txt").read_text() == "1\n2\nX\n"
+    assert _write(writer, file="n.txt", content="a", mode="insert", position=7) == \
+        "Successfully inserted 1 characters at line 1 in n.txt"
+    assert (tmp_path / "n.txt").read_text() == "a\n"
+    _fails(writer, json.dumps({"tool": "file_write", "args": {
+        "file": "f.txt", "content": "x", "mode": "insert", "position": "middle"}}), UNSAFE_CTX)
+    _fails(writer, json.dumps({"tool": "file_write", "args": {
+        "file": "f.txt", "content": "x", "mode": "x"}}), UNSAFE_CTX)
+
+
+def test_concurrency_file_write_inserts_from_many_threads_keep_every_line(tmp_path):
+    """§4.5.5 insert reads the file and writes it back: sixteen writers at once (they meet at a
+    barrier) take turns, so every line arrives."""
+    n = 16
+    a = actor.load(text="agents: {t: {type: tool, config: {tools: [file_write]}}}\n"
+                        "routes: {s: {type: stream}}\n", workdir=tmp_path, unsafe=True,
+                   context={"_unsafe_mode": True})
+    barrier = threading.Barrier(n, timeout=2)
+    replies = {}
+
+    def insert(i):
+        barrier.wait()
+        replies[i] = actor.run_builtin_tool(a.rt, "file_write", {
+            "file": "doc.md", "content": f"line {i}", "mode": "insert", "position": "end"},
+            a.context)
+    threads = [threading.Thread(target=insert, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert all(reply.startswith("Successfully inserted") for reply in replies.values())
+    lines = (tmp_path / "doc.md").read_text().splitlines()
+    assert sorted(lines) == sorted(f"line {i}" for i in range(n))
+
+
+# §4.5.6 The progress-bar facility -----------------------------------------------------------------
+
+
+def _bar(agent, ctx=None, **args):
+    return _call(agent, json.dumps({"tool": "progress_bar", "args": args}), ctx)
+
+
+@pytest.fixture
+def progress(tmp_path):
+    return _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
+
+
+def test_progress_bar_rendering(progress):
+    line = _bar(progress, current=1, total=3, stage="drafting", message="intro")
+    assert line == "█" * 8 + "░" * 16 + " 33.3% (1/3) drafting • intro"
+    assert progress.rt.progress.stream.getvalue() == "\r" + line
+    assert _bar(progress, current=3, total=3, stage="", message="") == "█" * 24 + " 100.0% (3/3)"
+    assert progress.rt.progress.stream.getvalue().endswith("(3/3)\n")
+    assert _bar(progress, current=2, total=7, stage="s", message="") == \
+        "██████" + "░" * 18 + " 28.6% (2/7) s"
+
+
+def test_progress_bar_defaults_and_clamping(progress):
+    assert _bar(progress) == "░" * 24 + " 0.0% (0/1)"
+    assert _bar(progress, current=5) == "█" * 24 + " 100.0% (1/1)"
+    assert _bar(progress, current=-2, total=4) == "░" * 24 + " 0.0% (0/4)"
+    assert _bar(progress, current=9) == "█" * 24 + " 100.0% (4/4)"
+    assert _bar(progress, total=8, remaining=2) == "█" * 18 + "░" * 6 + " 75.0% (6/8)"
+
+
+def test_progress_bar_argument_synonyms(progress):
+    assert _bar(progress, phase="p", done=1, steps=2, label="l").endswith(" 50.0% (1/2) p • l")
+    # the snapshot keeps the message "l" until a call gives another one
+    assert _bar(progress, sections_completed=1, sections_total=4, stage="s").endswith("(1/4) s • l")
+    assert _bar(progress, completed_sections=["a", "b"], message="m").endswith("(2/4) s • m")
+    assert _call(progress, "progress_bar 3 6").startswith("█" * 12 + "░" * 12 + " 50.0% (3/6)")
+    _fails(progress, "progress_bar lots")
+
+
+def test_progress_bar_infers_from_context_hooks(progress):
+    ctx = {"writing_stage": "writing", "section_paths": ["a", "b", "c", "d"],
+           "current_section_index": 1}
+    assert _bar(progress, ctx) == "██████" + "░" * 18 + " 25.0% (1/4) writing"
+    ctx = {"section_paths": ["a", "b"], "current_latex_index": 2}
+    assert _bar(progress, ctx).startswith("█" * 24 + " 100.0% (2/2)")
+    assert _bar(progress, ctx, stage="explicit", current=1).endswith("(1/2) explicit")
+
+
+def test_progress_bar_is_one_thread_safe_facility_per_runtime(tmp_path):
+    rt = _tool_rt(tmp_path)
+    agents = [_tool_agent(rt, {"tools": ["progress_bar", "echo"]}, name=f"p{i}") for i in range(2)]
+    other = _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
+    _bar(agents[0], current=1, total=10)
+    assert _bar(agents[1], stage="x").endswith("(1/10) x")      # same snapshot
+    assert _bar(other).endswith("(0/1)")                       # another Actor's own snapshot
+    errors = []
+
+    def worker(n):
+        try:
+            for i in range(50):
+                _bar(agents[n % 2], current=i % 11, total=10, message=f"w{n}")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    written = rt.progress.stream.getvalue()
+    renders = [chunk.rstrip("\n") for chunk in written.split("\r") if chunk]
+    assert len(renders) == 2 + 8 * 50
+    assert all(len(r.split(" ")[0]) == 24 for r in renders)   # no interleaved writes
+
+
+def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path)
+    agent = _tool_agent(rt, {"tools": ["progress_bar", "echo"]})
+    line = _bar(agent, current=1, total=1)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "\r" + line + "\n"
+
+
+def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
+    """§4.5.6: concurrent updates each write one whole line and leave one caller's snapshot."""
+    n = 32
+    out = io.StringIO()
+    facility = actor.ProgressFacility(stream=out)
+    barrier = threading.Barrier(n, timeout=2)
+    lines = {}
+
+    def update(i):
+        barrier.wait()
+        lines[i] = facility.update({"stage": f"s{i}", "current": i, "total": n,
+                                    "message": f"m{i}"}, {})
+    threads = [threading.Thread(target=update, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    expected = {i: actor.progress_render(f"s{i}", i, n, f"m{i}") for i in range(n)}
+    assert lines == expected
+    written = out.getvalue().split("\r")[1:]
+    assert sorted(w.rstrip("\n") for w in written) == sorted(expected.values())
+    i = facility.current
+    assert (facility.stage, facility.total, facility.message) == (f"s{i}", n, f"m{i}")
+    assert facility.last == expected[i]
+
+
+def test_concurrency_progress_bar_inside_a_composite_is_the_actors_one():
+    """§4.5.6: one snapshot per Actor: a composite's tool drives the host's facility too."""
+    a = actor.load(text="""
+agents:
+  c:
+    type: composite
+    config:
+      components:
+        agents:
+          t: {type: tool, config: {tools: [progress_bar]}}
+      routing: {input: {type: agent, name: t}, output: {type: agent, name: t}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    out = io.StringIO()
+    a.rt.progress = actor.ProgressFacility(stream=out)
+    line = actor.progress_render(None, 1, 4, None)
+    result = a.send('{"tool": "progress_bar", "args": {"current": 1, "total": 4}}')
+    assert [m.content for m in result.outputs] == [line]
+    assert out.getvalue() == "\r" + line and a.rt.progress.current == 1
+
+
+# §4.6 Composite agents ----------------------------------------------------------------------------
+
+
+COMPOSITE_TEXT = """\
+agents:
+  box:
+    type: composite
+    config:
+      expose_params: {depth: medium}
+      components:
+        agents:
+          calc: {type: tool, config: {tools: [math]}}
+          tag: {type: chain, config: {steps: [t]}}
+        graphs:
+          flow:
+            nodes: {work: {type: agent, agent: tag}}
+            edges: [{source: start, target: work}, {source: work, target: end}]
+        streams:
+          s:
+            operators: [{type: map, params: {agent: %s}}]
+      routing:
+        input: {type: stream, name: s}
+        output: {type: graph, name: flow}
+  late: {type: chain, config: {steps: [late]}}
+routes:
+  main:
+    type: stream
+    operators: [{type: map, params: {agent: box}}]
+    publications: [__output__]
+"""
+
+
+def test_composite_capabilities_are_the_union_of_its_components():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        union = ["composite"]
+        for cap in (box.local_agents["calc"].capabilities + box.local_agents["tag"].capabilities
+                    + ["stateful-workflow", "reactive-processing"]):
+            union += [cap] if cap not in union else []
+        assert box.capabilities == union
+        assert {"math-evaluation", "chain-processing"} <= set(union)
+        assert box.metadata["capabilities"] == box.capabilities
+        assert box.metadata["reactive"] is True and box.metadata["type"] == "composite"
+        assert box.metadata["components"] == {"agents": ["calc", "tag"], "graphs": ["flow"],
+                                              "streams": ["s"]}
+        assert box.metadata["expose_params"] == {"depth": "medium"}
+        # stream `s` maps through `late`, an Actor agent declared after the composite
+        assert [m.content for m in team.send("x").outputs] == [
+            "ChainAgent processed: ChainAgent processed: x->late->t"]
+    finally:
+        team.close()
+
+
+def test_agent_name_outside_the_recommended_class_warns_4_2():
+    text = ("agents:\n  my-agent: {type: chain}\n  fine_1: {type: chain}\n"
+            "routes:\n  main:\n    type: stream\n"
+            "    operators: [{type: map, params: {agent: my-agent}}]\n")
+    team = actor.load(text=text, default_router="main")
+    try:
+        flagged = [w for w in team.rt.warnings if "§4.2" in w]
+        assert len(flagged) == 1 and "my-agent" in flagged[0]
+    finally:
+        team.close()
+
+
+def test_composite_component_errors_are_located_at_the_component():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=COMPOSITE_TEXT % "ghost", default_router="main")
+    err = info.value
+    assert err.path == "agents.box.config.components.streams.s.operators[0].params.agent"
+    assert err.line == COMPOSITE_TEXT.splitlines().index(
+        "            operators: [{type: map, params: {agent: %s}}]") + 1
+    bad_local = COMPOSITE_TEXT.replace("calc: {type: tool, config: {tools: [math]}}",
+                                       "calc: {type: llm, config: {provider: fake, temperature: 9}}")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=bad_local % "late", default_router="main")
+    assert info.value.path == "agents.box.config.components.agents.calc.config.temperature"
+    assert info.value.line == 8
+
+
+def test_composite_components_are_wired_once_and_serve_concurrent_calls():
+    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
+    try:
+        box = team.rt.agents["box"]
+        results = []
+
+        def call(i):
+            results.append(box.invoke(f"m{i}", {}))
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        network = box.network
+        assert sorted(results) == sorted(f"ChainAgent processed: ChainAgent processed: m{i}"
+                                         "->late->t" for i in range(8))
+        box.invoke("again", {})
+        assert box.network is network
+        box.close()
+        assert all(not node.out.observers for node in network.nodes.values())
+    finally:
+        team.close()
+
+
+# §4.6.2 Routing -----------------------------------------------------------------------------------
+
+
+def test_composite_late_output_on_the_real_clock_and_inside_a_graph():
+    """§4.6.2 item 4: on the real clock the call completes when the delayed output emits, in a
+    stream map and inside a graph node alike; on the virtual clock a graph node cannot wait, so
+    it gets "" and the late message is warned about, never raised."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {streams: {s: {operators: [{type: delay, params: {duration: 0.05}}]}}}
+      routing: {input: {type: stream, name: s}, output: {type: stream, name: s}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+  g:
+    type: graph
+    nodes: {n: {type: agent, agent: c}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+merges: [{sources: [__input__], target: main}]
+"""
+    with actor.load(text=text, clock=actor.RealClock()) as team:
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+        assert [m.content for m in team.send("node", target="g").outputs] == ["node"]
+    with actor.load(text=text) as team:
+        assert [m.content for m in team.send("node", target="g").outputs] == [""]
+        assert team.advance(1).outputs == []
+        assert any("no caller" in w for w in team.rt.warnings)
+
+
+# §4.6.3 Restrictions ------------------------------------------------------------------------------
+
+
+def test_composite_routing_strategy_is_warned_and_ignored():
+    """§4.6.3, §16.1: strategy beside config is refused; inside routing it is warned about, located
+    at the key, and the composite still answers."""
+    text = """\
+agents:
+  c:
+    type: composite
+    config:
+      components: {agents: {inner: {type: tool, config: {tools: [echo]}}}}
+      routing:
+        input: {type: agent, name: inner}
+        output: {type: agent, name: inner}
+        strategy: sequential
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+"""
+    team = actor.load(text=text)
+    try:
+        warned = [w for w in team.rt.warnings if "routing.strategy" in w]
+        assert len(warned) == 1 and warned[0].startswith("<text>:9: ") and "§4.6.3" in warned[0]
+        assert [m.content for m in team.send("hi").outputs] == ["hi"]
+    finally:
+        team.close()
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("        strategy: sequential\n", "").replace(
+            "    type: composite\n", "    type: composite\n    strategy: sequential\n"))
+    assert caught.value.path == "agents.c.strategy" and caught.value.line == 4
+
+
+# §4.11 Capabilities and metadata ------------------------------------------------------------------
+
+
+def test_cli_describe_text_and_json():
+    """§4.11 from the command line: agents with type, capabilities and metadata; routes."""
+    r = run_cli("--describe", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    assert r.returncode == 0
+    assert "agent echo_tool (tool): tool-execution" in r.stdout
+    assert "route main (stream)" in r.stdout and "    reactive: true" in r.stdout
+    r = run_cli("--describe", "--json", "--unsafe", str(HERE / "examples" / "inline-tool.yaml"))
+    info = json.loads(r.stdout)
+    meta = info["agents"]["echo_tool"]["metadata"]
+    assert meta["name"] == "echo_tool" and meta["type"] == "tool" and meta["reactive"] is True
+    assert info["routes"] == {"main": "stream"}
+
+
+# =====================================================================================
+# §5 ROUTES -- COMMON CONCEPTS
+# =====================================================================================
+
+
+def test_agent_mapper_real_clock_success_and_failure():
+    """The worker-thread path returns replies and carries agent errors back as messages."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise ValueError("no good")
+        return content.upper()
+    agent = _FakeAgent("a", fn)
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                          agents=[agent], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("ok")
+    net.send("bad")
+    assert [m.content for m in outputs] == ["OK", "Error: no good"]
+    assert [m.content for m in errors] == ["Error: no good"]
+
+
+def test_settle_waits_for_timers_under_real_clock():
+    """settle() lets a short real delay fire before returning."""
+    net, outputs, _, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 0.02}}]),
+                                     merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    assert outputs == []
+    net.settle()
+    assert [m.content for m in outputs] == ["x"]
+
+
+def test_graph_route_fed_by_merge_emits_run_output():
+    """Q28: a graph route that is a merge target sends GraphRun.output to __output__."""
+    graph = _FakeGraph()
+    net, outputs, errors, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}, "s": {"type": "stream"}},
+        graphs={"g": graph}, merges=[{"sources": ["__input__"], "target": "g"}])
+    net.send("hi")
+    net.send("explode")
+    assert [m.content for m in outputs] == ["out: hi"]
+    assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
+    assert errors[0].metadata["error_type"] == "ExecutionError"
+    assert graph.runs == [("hi", False), ("explode", False)]
+    net.send("direct", target="g")
+    assert [m.content for m in outputs] == ["out: hi", "out: direct"]
+
+
+def test_check_streams_errors_are_located():
+    """Load-time operator errors carry the config path and the source location."""
+    text = ("agents:\n  a: {type: tool, config: {tools: [echo]}}\nroutes:\n  main:\n"
+            "    type: stream\n    operators:\n      - type: map\n        params: {agent: a}\n"
+            "      - type: mapp\n")
+    data = actor.yaml.safe_load(text)
+    doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
+                    ["team.yaml"])
+    with pytest.raises(actor.StreamRoutingError) as info:
+        actor.check_streams(actor.Runtime(doc), {"a"}, set())
+    err = info.value
+    assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
+    assert err.section == "5.3.2"
+
+
+def test_send_to_named_route_and_errors():
+    """send(target=route) enters that route directly; unknown targets and a completed input raise."""
+    net, outputs, _, _ = _stream_net(
+        {"a": {"type": "stream", "operators": [{"type": "map", "params": {
+            "transform": {"type": "format", "template": "a:{content}"}}}],
+               "publications": ["__output__"]}})
+    net.send("x", target="a")
+    assert [m.content for m in outputs] == ["a:x"]
+    with pytest.raises(actor.RoutingError):
+        net.send("x", target="nowhere")
+    net.complete()
+    with pytest.raises(actor.StreamRoutingError):
+        net.send("y")
+
+
+def test_retry_without_agent_map_warns():
+    net, _, _, rt = _stream_net(_main([{"type": "retry", "params": {"count": 2}}]),
+                                merges=_FROM_INPUT)
+    assert any("retry has no agent map" in w for w in rt.warnings)
+
+
+def test_mermaid_lines_show_routes_links_and_conditions():
+    net, _, _, _ = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}],
+                  "publications": ["__output__"]},
+         "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
+        splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
+    lines = net.mermaid()
+    assert 's_main["main: map(a)"]' in lines and "s_____input____ --> s_main" in lines
+    assert "s_main --> s_____output____" in lines
+    assert "s_main -->|\"content_contains 'x'\"| s_lane" in lines
+
+
+# §5.3.1 Stream types ------------------------------------------------------------------------------
+
+
+def test_hot_and_replay_streams_replay_to_late_subscribers():
+    """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
+    net, _, _, _ = _stream_net(
+        {"hot": {"type": "stream", "stream_type": "hot", "initial_value": "seed"},
+         "rep": {"type": "stream", "stream_type": "replay", "buffer_size": 2},
+         "cold": {"type": "stream"}},
+        merges=[{"sources": ["__input__"], "target": t} for t in ("hot", "rep", "cold")])
+    late = {name: [] for name in ("hot", "rep", "cold")}
+    net.subscribe("hot", lambda m: late["hot"].append(m.content))
+    assert late["hot"] == ["seed"]
+    for content in ("a", "b", "c"):
+        net.send(content)
+    for name in late:
+        net.subscribe(name, lambda m, name=name: late[name].append(m.content))
+    assert late == {"hot": ["seed", "a", "b", "c", "c"], "rep": ["b", "c"], "cold": []}
+
+
+# §5.3.2 Operators ---------------------------------------------------------------------------------
+
+
+# Unit tests build a Runtime by hand with tiny fake agents and graphs, so they exercise the stream
+# layer alone; the vectors under vectors/05-streams, 07-composition and 18-examples go end to end.
+
+class _FakeAgent:
+    """An agent (§4 interface) whose reply comes from `fn(content, ctx)`."""
+
+    def __init__(self, name, fn=None):
+        self.name, self.type, self.capabilities, self.metadata = name, "fake", [], {}
+        self.fn = fn or (lambda content, ctx: content)
+        self.calls = []
+
+    def invoke(self, content, ctx):
+        self.calls.append(content)
+        return self.fn(content, ctx)
+
+
+class _FakeRun:
+    def __init__(self, output, state, history):
+        self.output, self.state, self.history = output, state, history
+        # every message of these fake states is new with the run (GraphRun.replies, Q34)
+        self.replies = [m for m in state.get("messages", []) if m.get("role") == "assistant"]
+
+
+class _FakeGraph:
+    """The [graphs] GraphRoute interface, recording what the stream layer asks of it."""
+
+    def __init__(self):
+        self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
+        self.observers = []            # §6.10 node-event listeners (none are fired here)
+
+    def internal_stream_names(self):
+        return []
+
+    def run(self, content, ctx, *, pure=False):
+        self.runs.append((content, pure))
+        if content == "explode":
+            raise actor.ExecutionError("graph exploded")
+        state = {"messages": [{"role": "user", "content": content},
+                              {"role": "assistant", "content": f"graph: {content}"}]}
+        return _FakeRun(f"out: {content}", state, ["start", "work", "end"])
+
+    def run_node(self, node, content, ctx):
+        self.nodes_run.append(node)
+        return f"{node}({content})"
+
+    def update_state(self, content):
+        self.updates.append(content)
+
+    def checkpoint(self):
+        self.checkpoints_made += 1
+
+
+def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
+    """A StreamNetwork over `routes` (+ merges/splits/...), with outputs and errors collected."""
+    doc = actor.Doc({"agents": {a.name: {"type": "tool"} for a in agents}, "routes": routes, **data})
+    rt = actor.Runtime(doc, clock=clock)
+    for agent in agents:
+        rt.agents[agent.name] = agent
+    rt.graphs.update(graphs or {})
+    actor.check_streams(rt, rt.agents, rt.graphs)       # the check pass, as load runs it
+    net = actor.StreamNetwork(rt)
+    outputs, errors = [], []
+    net.on_output(outputs.append)
+    net.on_error(errors.append)
+    return net, outputs, errors, rt
+
+
+def _main(ops, **extra):
+    return {"main": {"type": "stream", "operators": ops, "publications": ["__output__"], **extra}}
+
+
+_FROM_INPUT = [{"sources": ["__input__"], "target": "main"}]
+
+
+def test_operators_table_lists_every_spec_operator():
+    """§5.3.2: one OPERATORS row per operator the standard defines, in the spec's order."""
+    assert list(actor.OPERATORS) == [
+        "map", "filter", "transform", "debounce", "throttle", "delay", "buffer", "scan", "reduce",
+        "switch", "conditional_route", "catch", "retry", "distinct", "take", "skip", "sample",
+        "graph_execute", "state_update", "state_checkpoint", "graph_node"]
+    assert list(actor.TRANSFORMS) == ["extract", "wrap", "format", "replace", "identity"]
+    assert list(actor.ACCUMULATORS) == ["collect", "concat", "sum"]
+
+
+def test_debounce_capped_in_single_shot_runs():
+    """§5.3.2 (Q95): single-shot runs cap debounce at 50 ms."""
+    doc = actor.Doc({"agents": {}, "routes": _main(
+        [{"type": "debounce", "params": {"duration": 5.0}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    net = actor.StreamNetwork(rt, single_shot=True)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("x")
+    rt.clock.advance(0.04)
+    assert outputs == []
+    rt.clock.advance(0.01)
+    assert [m.content for m in outputs] == ["x"]
+    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
+                                         merges=_FROM_INPUT)
+    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
+    net2.send("y")
+    rt2.clock.advance(0.05)
+    assert [m.content for m in outputs2] == ["y"]
+
+
+def test_graph_bridge_operators():
+    """§5.3.2 graph_execute, state_update, state_checkpoint, graph_node."""
+    graph = _FakeGraph()
+    ops = [{"type": "state_update", "params": {"graph": "g"}},
+           {"type": "state_checkpoint", "params": {"graph": "g"}},
+           {"type": "graph_node", "params": {"graph": "g", "node": "work"}},
+           {"type": "graph_execute", "params": {"graph": "g"}}]
+    net, outputs, _, _ = _stream_net(
+        {**_main(ops), "g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}},
+        graphs={"g": graph}, merges=_FROM_INPUT)
+    net.send("x")
+    assert graph.updates == ["x"] and graph.checkpoints_made == 1 and graph.nodes_run == ["work"]
+    (out,) = outputs
+    assert out.content == "graph: work(x)"
+    meta = out.metadata
+    assert meta["state_updated"] is True and meta["checkpointed"] is True
+    assert meta["node"] == "work" and meta["graph"] == "g"
+    assert meta["execution_history"] == ["start", "work", "end"]
+    assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
+    assert meta["source"] == actor.BRIDGE_SOURCE        # §12.2.1: the originating subsystem
+
+
+def test_graph_execute_without_messages_forwards_state():
+    """§5.3.2 graph_execute: no assistant message -> the whole final state is the content."""
+    class Stateless(_FakeGraph):
+        def run(self, content, ctx, *, pure=False):
+            return _FakeRun("o", {"messages": [], "metadata": {"k": 1}}, [])
+    net, outputs, _, _ = _stream_net(
+        {**_main([{"type": "graph_execute", "params": {"graph": "g"}}]),
+         "g": {"type": "graph", "nodes": {}}}, graphs={"g": Stateless()}, merges=_FROM_INPUT)
+    net.send("x")
+    assert outputs[0].content == {"messages": [], "metadata": {"k": 1}}
+
+
+# §5.3.3 Function references -----------------------------------------------------------------------
+
+
+def test_registered_function_applies():
+    """§5.3.3: a host-registered transformer (rt.functions) maps content."""
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "function": "text.shout"}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.functions = {"text.shout": lambda content: content.upper() + "!"}
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hey")
+    assert [m.content for m in outputs] == ["HEY!"]
+
+
+# §5.3.4 Agent mappers -----------------------------------------------------------------------------
+
+
+def test_cli_error_reply_goes_to_stderr_once(tmp_path):
+    """The §5.3.4 "Error: ..." reply (error: true) is no answer: plain output puts it on stderr,
+    once, though it is on __output__ and __error__; --json keeps both on stdout."""
+    cfg = tmp_path / "math.yaml"
+    cfg.write_text("agents: {t: {type: tool, config: {tools: [math]}}}\n"
+                   "routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli(str(cfg), "-m", "1/0", "-m", "2+2")
+    assert (r.returncode, r.stdout) == (1, "4\n")
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "ZeroDivisionError" in lines[0]
+    r = run_cli(str(cfg), "-m", "1/0", "--json")
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 1 and r.stderr == ""
+    assert sorted(line["stream"] for line in lines) == ["__error__", "__output__"]
+    assert all(line["metadata"]["error"] is True for line in lines)
+
+
+def test_agent_mapper_resolves_message_context_first():
+    """§5.3.4(1): metadata.context wins over the global context; the reference is kept."""
+    seen = []
+    agent = _FakeAgent("a", lambda content, ctx: seen.append(ctx) or "ok")
+    net, outputs, _, rt = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
+                                      agents=[agent], merges=_FROM_INPUT)
+    rt.context["k"] = "global"
+    own = {"k": "own"}
+    net.send("x", metadata={"context": own})
+    net.send("y")
+    assert seen[0] is own and seen[1] is rt.context
+    assert outputs[0].metadata["context"] is own and outputs[1].metadata["context"] is rt.context
+    assert outputs[0].metadata["processed_by"] == "a"
+
+
+def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
+    """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: time.sleep(0.2) or "late")
+    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                          agents=[slow], merges=_FROM_INPUT,
+                                          clock=actor.RealClock())
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_concurrency_timed_out_inline_tool_writes_nothing_back(monkeypatch):
+    """§5.3.4 item 3: the map emits "Processing timed out"; the abandoned body, released later,
+    does not write its context key into the live global context."""
+    before = set(threading.enumerate())
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
+    inside, release = threading.Event(), threading.Event()
+
+    class Hold:
+        def write(self, text):
+            inside.set()
+            release.wait(2)
+
+        def flush(self):
+            pass
+
+    a = actor.load(text="""
+agents:
+  t:
+    type: tool
+    config:
+      tools: [{name: run, code: "progress_bar(current=1, total=2)\\ncontext['late'] = 1\\nresult = 'ok'"}]
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""", unsafe=True, clock=actor.RealClock())
+    a.rt.progress = actor.ProgressFacility(stream=Hold())
+    result = a.send("x")
+    assert [m.content for m in result.outputs] == [actor.PROCESSING_TIMED_OUT]
+    assert inside.is_set()
+    release.set()
+    _join_new_threads(before)
+    assert "late" not in a.context
+
+
+def test_concurrency_timed_out_composite_stops_its_graph_and_leaves_context_alone(monkeypatch):
+    """§5.3.4 with nested bounds: a composite's graph, abandoned mid-run, takes no further step,
+    its inner bounded call records no memory, and it never rewrites the live context."""
+    before = set(threading.enumerate())
+    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
+    a = actor.load(text="""
+agents:
+  w1: {type: llm, config: {provider: fake, memory_enabled: true}}
+  w2: {type: llm, config: {provider: fake}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes:
+              n1: {type: agent, agent: w1, timeout: 2, retry_policy: {max_retries: 0}}
+              n2: {type: agent, agent: w2}
+            edges: [{source: start, target: n1}, {source: n1, target: n2}, {source: n2, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""", clock=actor.RealClock(), context={"keep": 1})
+    transport = a.rt.llm_transport = _GateTransport(slow="w1")
+    assert [m.content for m in a.send("x").outputs] == [actor.PROCESSING_TIMED_OUT]
+    context_before = dict(a.context)
+    transport.release.set()
+    _join_new_threads(before)
+    assert transport.calls == ["w1"]                    # n2 never ran
+    assert a.rt.agents["w1"].history == []
+    assert a.context == context_before and a.context["keep"] == 1
+
+
+# §5.4 Conditions ----------------------------------------------------------------------------------
+
+
+def test_custom_condition_calls_a_host_registered_function():
+    """§5.4 custom: `function` names a callable the host registered; unregistered is false."""
+    rt = actor.Runtime(actor.Doc({}))
+    rt.functions = {"busy": lambda state: len(state["messages"]) > 1}
+    cond = {"type": "custom", "function": "busy"}
+    assert actor.evaluate_condition(cond, "node", {"messages": [1, 2], "metadata": {}}, rt)
+    assert not actor.evaluate_condition(cond, "node", {"messages": [1], "metadata": {}}, rt)
+    assert not actor.evaluate_condition({"type": "custom", "function": "nope"}, "node",
+                                        {"messages": [1, 2], "metadata": {}}, rt)
+    assert actor.evaluate_condition({"type": "custom", "function": lambda state: True}, "node",
+                                    {"messages": [], "metadata": {}}, rt)
+
+
+# §5.4.1 Subsystem-specific behavior ---------------------------------------------------------------
+
+
+def test_unhonoured_condition_warns_once_per_site():
+    """§5.4.1: the SHOULD-warning for an unknown type comes once per condition, not per message."""
+    cond = {"type": "no_such_type"}
+    net, outputs, _, rt = _stream_net(_main([{"type": "filter", "params": {"condition": cond}}]),
+                                      merges=_FROM_INPUT)
+    for text in ("a", "b", "c"):
+        net.send(text)
+    assert [m.content for m in outputs] == ["a", "b", "c"]
+    assert len([w for w in rt.warnings if "no_such_type" in w]) == 1
+
+
+# §5.5 Subscriptions and publications --------------------------------------------------------------
+
+
+def test_subscribing_to_an_unknown_stream_is_a_routing_error():
+    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {m: {type: stream, publications: [__output__]}}\n"
+                        "merges: [{sources: [__input__], target: m}]\n")
+    with pytest.raises(actor.RoutingError) as info:
+        a.subscribe("__m_control__", print)
+    assert "no stream named '__m_control__'" in str(info.value) and "__output__" in str(info.value)
+
+
+# =====================================================================================
+# §6 GRAPH ROUTES
+# =====================================================================================
+
+
+def test_no_module_level_name_is_defined_twice():
+    """One of each (STYLE §6): a second top-level def, class or constant with the same name would
+    silently replace the first."""
+    tree = ast.parse((HERE / "actor.py").read_text(encoding="utf-8"))
+    names = collections.Counter()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names[node.name] += 1
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    assert [name for name, count in names.items() if count > 1] == []
+
+
+# §6.1 Graph route structure -----------------------------------------------------------------------
+
+
+class FakeAgent:
+    """An agent whose reply is fn(content, ctx); records every call."""
+
+    def __init__(self, name, fn):
+        self.name, self.type, self.fn = name, "tool", fn
+        self.capabilities, self.metadata, self.calls = [], {"name": name}, []
+
+    def invoke(self, content, ctx):
+        self.calls.append((content, dict(ctx)))
+        return self.fn(content, ctx)
+
+
+def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main"):
+    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}."""
+    agents = agents or {}
+    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {name: cfg, **(routes or {})}}
+    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
+    rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
+    rt.context.update(context or {})
+    actor.check_graph(rt, name, cfg, ("routes", name), set(agents))
+    graph = actor.GraphRoute(name, cfg, rt, ("routes", name))
+    rt.graphs[name] = graph
+    return rt, graph
+
+
+def linear(*names, **node_extra):
+    """A start -> n1 -> ... -> end graph of agent nodes named after their agents."""
+    nodes = {n: {"type": "agent", "agent": n, **node_extra.get(n, {})} for n in names}
+    chain = ["start", *names, "end"]
+    edges = [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]
+    return {"type": "graph", "nodes": nodes, "edges": edges}
+
+
+def echo(tag):
+    return lambda content, ctx: f"{tag}({content})"
+
+
+def check_fails(cfg, agents=("a",), routes=None):
+    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {"main": cfg, **(routes or {})}}
+    doc = actor.Doc(data)
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.check_graph(actor.Runtime(doc), "main", cfg, ("routes", "main"), set(agents))
+    return info.value
+
+
+def test_graph_linear_run_passes_each_output_on():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    run = g.run("x")
+    assert run.output == "b(a(x))"
+    assert run.history == ["a", "b"]
+    assert [m["role"] for m in run.state["messages"]] == ["user", "assistant", "assistant"]
+    assert run.state["execution_count"] == 2
+
+
+def test_graph_entry_point_may_be_a_declared_node():
+    cfg = linear("a", "b")
+    cfg["entry_point"] = "b"
+    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")})
+    assert g.run("x").output == "b(x)"
+
+
+def test_graph_unknown_keys_warn():
+    cfg = linear("a")
+    cfg["nodes"]["a"]["colour"] = "red"
+    cfg["edges"][0]["weight"] = 2
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
+
+
+def test_graph_run_node_applies_one_node():
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert g.run_node("b", "m") == "b(m)"
+    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
+    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
+    with pytest.raises(actor.ExecutionError):
+        g.run_node("ghost", "m")
+
+
+def test_graph_resume_without_interrupted_run_does_nothing():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    run = g.resume()
+    assert run.history == [] and run.output == ""
+    g.run("x")
+    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
+
+
+# §6.2 Nodes ---------------------------------------------------------------------------------------
+
+
+def test_graph_node_types_are_case_insensitive():
+    cfg = linear("a")
+    cfg["nodes"]["a"]["type"] = "AGENT"
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert g.run("x").output == "a(x)"
+
+
+def test_graph_check_rejects_dangling_edge_target_with_location():
+    cfg = linear("a")
+    cfg["edges"][1]["target"] = "fnial"
+    err = check_fails(cfg)
+    assert err.path == "routes.main.edges[1].target"
+    assert "fnial" in err.message and "6.4" in err.section
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda c: c["nodes"]["a"].update(agent="ghost"), "routes.main.nodes.a.agent"),
+    (lambda c: c["nodes"]["a"].update(type="dynamic_router"), "routes.main.nodes.a.type"),
+    (lambda c: c["nodes"]["a"].update(type="teleport"), "routes.main.nodes.a.type"),
+    (lambda c: c.update(nodes={}), "routes.main.nodes"),
+    (lambda c: c.update(entry_point="nowhere"), "routes.main.entry_point"),
+    (lambda c: c.update(checkpointing=True), "routes.main.checkpoint_dir"),
+    (lambda c: c["edges"][0].update(source="ghost"), "routes.main.edges[0].source"),
+    (lambda c: c["nodes"].update(start={"type": "agent", "agent": "a"}), "routes.main.nodes.start"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "regex", "pattern": "(", "target": "a"}]}),
+     "routes.main.nodes.r.rules[0].pattern"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "glob", "pattern": "x", "target": "a"}]}),
+     "routes.main.nodes.r.rules[0].match_type"),
+    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
+        {"match_type": "exact", "pattern": "x", "target": "nope"}]}),
+     "routes.main.nodes.r.rules[0].target"),
+    (lambda c: c["nodes"].update(s={"type": "subgraph", "graph": "missing"}),
+     "routes.main.nodes.s.graph"),
+    (lambda c: c["nodes"]["a"].update(retry_policy={"max_retries": -1}),
+     "routes.main.nodes.a.retry_policy.max_retries"),
+])
+def test_graph_check_rejects(mutate, where):
+    cfg = linear("a")
+    mutate(cfg)
+    assert check_fails(cfg).path == where
+
+
+def test_graph_start_end_normalisation_and_declared_start():
+    cfg = linear("a")
+    cfg["edges"] = [{"source": "START", "target": "a"}, {"source": "a", "target": "END"}]
+    cfg["nodes"]["START"] = {"type": "start"}
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert g.run("x").output == "a(x)"
+    assert list(g.nodes) == ["start", "a", "end"]
+
+
+# §6.2.2 Agent nodes -------------------------------------------------------------------------------
+
+
+def test_graph_agent_node_context_is_built_per_6_2_2():
+    cfg = linear("a", a={"metadata": {"max_history_messages": 2}})
+    seen = {}
+
+    def agent(content, ctx):
+        seen.update(ctx)
+        ctx["mood"] = "good"                 # propagated
+        ctx["full_context"] = "tampered"     # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent}, context={"user": "ada"})
+    g.state["metadata"]["topic"] = "t"
+    g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(3))
+    g.run("hello")
+    assert seen["full_context"] is True
+    assert seen["user"] == "ada" and seen["topic"] == "t"          # nested flattened + top level
+    assert [m["content"] for m in seen["conversation_history"]] == ["1", "2"]   # input excluded
+    assert seen["graph_state"]["messages"] == seen["conversation_history"]
+    assert seen["_history_truncated"] is True and seen["_history_original_length"] == 3
+    meta = g.state["metadata"]
+    assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
+    assert "full_context" not in meta and "graph_state" not in meta
+    assert rt.context["mood"] == "good"                            # §6.9 write-back
+
+
+def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
+    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
+    cfg = linear("a")
+
+    def agent(content, ctx):
+        ctx.update({"u": 1}, v=2)
+        ctx.setdefault("w", 3)
+        ctx.setdefault("topic", "ignored")   # present: no write
+        ctx |= {"x": 4}
+        del ctx["old"]
+        ctx.pop("gone")
+        ctx.pop("never", None)
+        ctx["graph_state"] = {}             # reserved: not propagated
+        return "ok"
+
+    rt, g = make_graph(cfg, {"a": agent})
+    g.state["metadata"].update(topic="t", old=1, gone=2)
+    g.run("hello")
+    meta = g.state["metadata"]
+    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
+    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
+    assert "graph_state" not in meta and "never" not in meta
+
+
+def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
+    seen = {}
+    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
+        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
+    g.run("hello")
+    assert seen["isdict"] and seen["dump"]["full_context"] is True
+    assert g.state["metadata"]["last_agent_node"] == "a"
+    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
+
+
+def test_graph_history_entries_are_the_states_own_records():
+    """§6.2.2 items 2-3 (I-116, vectors/INTERPRETATIONS.md): reserved keys are key-level -- rebinding or
+    removing conversation_history never reaches the state -- while the entries in the trimmed
+    list are the state's own message records, shared by reference like every object in a
+    context (§10.2): an agent that edits one in place edits state.messages."""
+    def agent(content, ctx):
+        ctx["conversation_history"][0]["content"] = "edited"      # in place: shared
+        ctx["conversation_history"] = []                           # rebinding: not propagated
+        del ctx["graph_state"]
+        return "ok"
+
+    rt, g = make_graph(linear("a"), {"a": agent})
+    g.state["messages"].append({"role": "user", "content": "before"})
+    g.run("hello")
+    assert [m["content"] for m in g.state["messages"]] == ["edited", "hello", "ok"]
+    meta = g.state["metadata"]
+    assert "conversation_history" not in meta and "graph_state" not in meta
+
+
+def test_graph_history_trimmed_by_chars():
+    cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
+    seen = {}
+    rt, g = make_graph(cfg, {"a": lambda c, ctx: seen.update(ctx) or "ok"})
+    g.state["messages"].extend([{"role": "user", "content": "abcd"}, {"role": "user", "content": "ef"}])
+    g.run("xyz")
+    assert [m["content"] for m in seen["conversation_history"]] == ["ef"]
+    assert seen["_history_original_length"] == 2
+
+
+class _UnreadableContext(dict):
+    """A context mapping that fails on any read: proves a tool never looks at its context."""
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("the context was read")
+
+    __getitem__ = get = __contains__ = __iter__ = keys = items = values = __len__ = _refuse
+    copy = __or__ = __ror__ = _refuse
+
+
+@pytest.mark.parametrize("request_text, expected", [
+    ("echo hi there", "hi there"),
+    ('{"tool": "math", "args": {"expression": "2 + 3 * 4"}}', "14"),
+    ('{"tool": "json_parse", "args": {"json": "[1, 2]"}}', "[\n  1,\n  2\n]"),
+    ('{"tool": "http_request", "args": {"url": "ftp://example.invalid/"}}', actor.ExecutionError),
+])
+def test_context_free_tools_never_read_their_context(request_text, expected):
+    """§6.2.2: an agent node builds no context for a tool agent whose tools are all in
+    CONTEXT_FREE_TOOLS; this holds only if those tools really never read it."""
+    data = {"agents": {"t": {"type": "tool", "config": {"tools": sorted(actor.CONTEXT_FREE_TOOLS)}}}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    agent = actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t"))
+    assert agent.reads_context is False
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            agent.invoke(request_text, _UnreadableContext())
+    else:
+        assert agent.invoke(request_text, _UnreadableContext()) == expected
+
+
+@pytest.mark.parametrize("config, reads", [
+    ({"tools": ["echo", "math"]}, False),
+    ({"tools": ["echo", "progress_bar"]}, True),
+    ({"tools": ["echo", "file_read"]}, True),
+    ({"tools": ["echo"], "allow_shell": True}, True),
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),      # issue 15: names none
+    ({"tools": [{"name": "t", "code": "result = context.get('k')"}]}, True),
+    ({"tools": [{"name": "t", "code": "result = len(locals())"}]}, True),
+    ({"tools": [{"name": "t", "code": "result = progress_bar(current=1)"}]}, True),
+])
+def test_tool_agent_reads_context_flag(config, reads):
+    data = {"agents": {"t": {"type": "tool", "config": config}}}
+    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).reads_context is reads
+
+
+@pytest.mark.parametrize("config, writes", [
+    ({"tools": ["echo", "progress_bar", "file_read"]}, False),     # built-ins only read
+    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),
+    ({"tools": [{"name": "t", "code": "context['k'] = 1"}]}, True),
+    ({"tools": ["echo", {"name": "t", "code": "result = len(locals())"}]}, True),
+])
+def test_tool_agent_writes_context_flag(config, writes):
+    data = {"agents": {"t": {"type": "tool", "config": config}}}
+    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
+    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).writes_context is writes
+
+
+def test_graph_reader_and_writer_agents_see_the_same_context():
+    """§6.2.2 item 2: an agent that cannot write its context (writes_context false) gets a plain
+    dict with the same keys, in the same order, and the same values as a writer's NodeContext;
+    only the writer's writes reach the state (item 3)."""
+    seen = {}
+
+    def make(label, writes):
+        def agent(content, ctx):
+            seen[label] = (type(ctx), copy.deepcopy(list(ctx.items())))
+            if writes:
+                ctx["mark"] = label
+            return content
+        return agent
+
+    for label, writes in (("reader", False), ("writer", True)):
+        rt, g = make_graph(linear("a", a={"metadata": {"max_history_messages": 1}}),
+                           {"a": make(label, writes)}, context={"user": "ada"})
+        rt.agents["a"].reads_context, rt.agents["a"].writes_context = True, writes
+        g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(2))
+        run = g.run("hello")
+        assert run.state["metadata"].get("mark") == (label if writes else None)
+    assert seen["reader"][0] is dict and seen["writer"][0] is actor.NodeContext
+    assert seen["reader"][1] == seen["writer"][1]
+    assert dict(seen["reader"][1])["_history_truncated"] is True
+
+
+def test_llm_agent_reads_but_never_writes_its_context():
+    assert actor.LLMAgent.reads_context is True and actor.LLMAgent.writes_context is False
+
+
+def test_graph_node_with_context_free_agent_still_records_and_writes_back():
+    """§6.2.2 items 3-4 hold when no context is built: last_agent_node is recorded, the reply
+    joins the messages, and a context-reading agent after it still gets the full context."""
+    names = ("quiet", "reader")
+    data = {"agents": {"quiet": {"type": "tool", "config": {"tools": ["echo"]}},
+                       "reader": {"type": "tool", "config": {"tools": ["echo", "progress_bar"]}}},
+            "routes": {"main": linear(*names)}}
+    rt = actor.Runtime(actor.Doc(data), env={})
+    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+    seen = []
+    reader = rt.agents["reader"]
+    original = reader.invoke
+    reader.invoke = lambda content, ctx: seen.append(dict(ctx)) or original(content, ctx)
+    graph = actor.GraphRoute("main", data["routes"]["main"], rt, ("routes", "main"))
+    run = graph.run("echo echo hi", {"who": "ada"})
+    assert run.output == "hi" and run.history == ["quiet", "reader"]
+    assert seen[0]["full_context"] is True and seen[0]["who"] == "ada"
+    assert seen[0]["last_agent_node"] == "quiet"
+    assert [m["content"] for m in seen[0]["conversation_history"]] == ["echo echo hi"]
+    assert run.state["metadata"]["last_agent_node"] == "reader"
+
+
+def test_chain_agent_reads_context_only_with_a_prompt():
+    rt = actor.Runtime(actor.Doc({"agents": {}}), env={})
+    plain = actor.ChainAgent("c", {"config": {"steps": ["x"]}}, rt, ("agents", "c"))
+    prompted = actor.ChainAgent("p", {"config": {"steps": ["x"], "prompt": "{{ who }}: {{ message }}"}},
+                                rt, ("agents", "p"))
+    assert plain.reads_context is False and prompted.reads_context is True
+    assert prompted.invoke("hi", {"who": "ada"}) == "ChainAgent processed: ada: hi->x"
+
+
+def test_graph_agent_retry_policy_retries_raised_errors():
+    attempts = []
+
+    def flaky(content, ctx):
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise RuntimeError("boom")
+        return "fine"
+
+    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 2, "delay": 0}}),
+                       {"a": flaky})
+    assert g.run("x").output == "fine" and len(attempts) == 3
+
+
+def test_graph_agent_failure_after_retries_sets_state_error():
+    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 1, "delay": 0}}),
+                       {"a": lambda c, ctx: 1 / 0})
+    with pytest.raises(actor.ExecutionError):
+        g.run("x")
+    assert "division" in g.state["error"]
+
+
+def test_graph_agent_timeout_is_per_attempt():
+    release = threading.Event()
+    rt, g = make_graph(linear("a", a={"timeout": 0.05}),
+                       {"a": lambda c, ctx: release.wait(30) and "late"})
+    with pytest.raises(actor.ExecutionError, match="timed out"):
+        g.run("x")          # returns although the agent is still blocked (no clock read here)
+    release.set()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
+    """§6.2.2: handing a context-free agent an empty mapping instead of the built context is
+    unobservable -- the same random graphs give the same outputs, context and state when every
+    agent is made to get the full context (an agent wrongly taken for a non-reader, such as the
+    prompted chain agent `tell`, would answer differently)."""
+    rng = random.Random(100 + seed)
+    for _ in range(60):
+        cfg = _random_graph(rng)
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        assert _observe(cfg, messages) == _observe(cfg, messages, all_read_context=True), cfg
+
+
+# §6.2.3 Function and tool nodes -------------------------------------------------------------------
+
+
+def test_graph_function_tool_conditional_subgraph_nodes():
+    cfg = {"type": "graph", "nodes": {
+        "s": {"type": "function", "function": "summarize"},
+        "r": {"type": "function", "function": "route"},
+        "v": {"type": "function", "function": "validate"},
+        "u": {"type": "function", "function": "no_such_function"},
+        "t": {"type": "tool", "tools": ["search", "calc"]},
+        "c": {"type": "conditional", "condition": {"type": "message_count", "value": 1,
+                                                   "operator": "eq"}},
+        "g": {"type": "subgraph", "graph": "other"}},
+        "edges": [{"source": a, "target": b} for a, b in zip(
+            ["start", "s", "r", "v", "u", "t", "c", "g"], ["s", "r", "v", "u", "t", "c", "g", "end"])]}
+    other = linear("a")
+    rt, g = make_graph(cfg, {"a": echo("a")}, routes={"other": other})
+    run = g.run("is it?")
+    meta = run.state["metadata"]
+    assert run.output == "is it?"
+    assert meta["summary"] == "Summary of 1 messages"
+    assert meta["route"] == "question" and meta["valid"] is True
+    assert meta["tool_results"] == [{"tool": "search", "result": "Executed search"},
+                                    {"tool": "calc", "result": "Executed calc"}]
+    assert meta["condition_result"] is True
+    assert meta["subgraph"] == "other" and meta["subgraph_pending"] is True
+    assert run.state["execution_count"] == 7
+
+
+# §6.2.6 Message router nodes ----------------------------------------------------------------------
+
+
+def test_cli_runs_the_triage_graph_example():
+    """examples/triage-graph.yaml: a message-router graph (§6.2.6) answered offline, each message
+    routed by its prefix; --diagram draws the router's edges with their conditions."""
+    example = str(HERE / "examples" / "triage-graph.yaml")
+    r = run_cli(example, "-m", "MATH: 6 * 7", "-m", "CODE: fix it", "-m", "hello")
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines() == ["42", "ChainAgent processed:  fix it->read->patch->test",
+                                     "hello"]
+    r = run_cli("--diagram", example)
+    assert r.returncode == 0
+    assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
+
+
+def test_router_regex_backtracking_shapes_are_warned():
+    """Issue 11: alternation under a repeat and adjacent unbounded repeats are warned too; the
+    usual routing patterns are not."""
+    risky = ("(a|ab)*c", "(foo|bar)+x", r"\w+\w*!", ".*.*x", r"^(\d+)+$")
+    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!")
+    assert [actor.regex_may_backtrack(p) for p in risky] == [True] * len(risky)
+    assert [actor.regex_may_backtrack(p) for p in plain] == [False] * len(plain)
+
+
+# §6.2.6.2 Match types -----------------------------------------------------------------------------
+
+
+def test_router_regex_with_nested_repeats_is_warned_at_load():
+    """§6.2.6.2: a regex rule repeating a repetition ((a+)+) may backtrack exponentially on a
+    crafted message, in C and past any deadline: warned at load with its location."""
+    def router(pattern):
+        return {"type": "graph", "nodes": {
+            "r": {"type": "message_router", "rules": [
+                {"match_type": "regex", "pattern": pattern, "target": "a"}]},
+            "a": {"type": "agent", "agent": "a"}},
+            "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
+                      {"source": "a", "target": "end"}]}
+    rt, g = make_graph(router("^(\\\\w+\\\\s?)*$"), {"a": echo("a")})
+    assert any("routes.main.nodes.r.rules[0].pattern" in w and "exponential" in w
+               and "§6.2.6.2" in w for w in rt.warnings)
+    rt, g = make_graph(router("^CODE:(.*)$"), {"a": echo("a")})
+    assert not any("exponential" in w for w in rt.warnings)
+    assert [actor.regex_may_backtrack(p) for p in ("(a+)+$", "(a|b)*c", "(?:a+){3}", "(x*)*")] \
+        == [True, False, False, True]
+
+
+# §6.3 Graph state ---------------------------------------------------------------------------------
+
+
+def test_graph_state_messages_capped_at_50():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    for i in range(30):
+        g.run(str(i))
+    assert len(g.state["messages"]) == 50
+    assert g.state["messages"][-1]["content"] == "a(29)"
+
+
+@pytest.mark.parametrize("mode, update, field, expected", [
+    ("merge", {"metadata": {"d": {"y": 2}, "l": [2]}}, "metadata", {"d": {"x": 1, "y": 2}, "l": [1, 2]}),
+    ("replace", {"metadata": {"d": {"y": 2}}}, "metadata", {"d": {"y": 2}}),
+    ("append", {"messages": {"role": "user", "content": "m"}}, "messages",
+     [{"role": "user", "content": "m"}]),
+    ("merge", {"colour": "red"}, "metadata", {"d": {"x": 1}, "l": [1], "colour": "red"}),
+])
+def test_graph_state_update_modes(mode, update, field, expected):
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.state["metadata"].update({"d": {"x": 1}, "l": [1]})
+    g.update_state(update, mode)
+    assert g.state[field] == expected
+    assert g.state["execution_count"] == 1
+
+
+def test_graph_state_update_caps_messages_under_replace():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.update_state({"messages": [{"role": "user", "content": i} for i in range(60)]}, "replace")
+    assert len(g.state["messages"]) == 50 and g.state["messages"][0]["content"] == 10
+
+
+def test_graph_state_update_from_text():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    g.update_state('{"metadata": {"k": 1}}')
+    g.update_state("plain words")
+    assert g.state["metadata"]["k"] == 1
+    assert g.state["messages"][-1] == {"role": "user", "content": "plain words"}
+
+
+def test_graph_unknown_state_class_falls_back_with_warning():
+    cfg = linear("a")
+    cfg["state_class"] = "my.Schema"
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    assert set(g.state) == {"messages", "metadata", "current_node", "execution_count", "error"}
+    assert any("my.Schema" in w for w in rt.warnings)
+
+
+# §6.5 Edge conditions -----------------------------------------------------------------------------
+
+
+def test_graph_fan_out_runs_every_satisfied_edge_before_end():
+    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": n} for n in "abc"},
+           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"},
+                     {"source": "a", "target": "b"}, {"source": "a", "target": "c"},
+                     {"source": "b", "target": "end"}, {"source": "c", "target": "end"}]}
+    rt, g = make_graph(cfg, {n: echo(n) for n in "abc"})
+    run = g.run("x")
+    assert run.history == ["a", "b", "c"] and run.output == "c(a(x))"
+
+
+def test_graph_context_value_reads_nested_context_with_deep_equality():
+    cfg = linear("a", "b")
+    cfg["edges"][1]["condition"] = {"type": "context_value", "key": "tags", "value": ["x", {"y": 1}]}
+    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")}, context={"tags": ["x", {"y": 1}]})
+    assert g.run("m").history == ["a", "b"]
+    rt.context["tags"] = ["x"]
+    assert g.run("n").history == ["a"]
+
+
+# §6.6 Checkpointing and time travel ---------------------------------------------------------------
+
+
+def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
+    cfg = linear(*[f"n{i}" for i in range(4)])
+    cfg.update(checkpointing=True, checkpoint_dir="ck/main")
+    rt, g = make_graph(cfg, {f"n{i}": echo(str(i)) for i in range(4)}, workdir=tmp_path)
+    assert (tmp_path / "ck/main").is_dir()
+    g.run("a"), g.run("b")                       # 8 updates: none yet
+    assert g.checkpoints() == []
+    g.run("c")                                   # updates 9..12: one checkpoint at 10
+    files = g.checkpoints()
+    assert len(files) == 1 and re.fullmatch(r"checkpoint_\d{8}T\d{6}\.\d{6}Z-\d{6}\.json",
+                                            files[0].name)
+    assert json.loads(files[0].read_text())["execution_count"] == 10
+    g.run("d"), g.run("e")                       # 20
+    assert len(g.checkpoints()) == 2 and g.checkpoints()[-1].name > files[0].name
+    assert not list((tmp_path / "ck/main").glob(".*"))          # no temp file left behind
+    g.restore(files[0])
+    assert g.state["execution_count"] == 10
+    g.restore()
+    assert g.state["execution_count"] == 20
+    assert g.checkpoint().name > g.checkpoints()[-2].name
+
+
+def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
+    """Issue 15: the tenth update hands its checkpoint to the writer process and the run goes on;
+    the writer writes it whole (a temporary file renamed), and listing the checkpoints waits for
+    it."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
+    writer = g.checkpoint_writer()
+    os.kill(writer.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(10):
+            g.run(str(i))                  # returns although the writer is stopped
+        assert g.state["execution_count"] == 10
+        assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
+    finally:
+        os.kill(writer.proc.pid, signal.SIGCONT)
+    found = g.checkpoints()
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    g.close()
+    assert writer.proc.poll() == 0                                       # the writer has stopped
+
+
+def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
+    """Issue 15: a checkpoint handed to the writer process is written even when the Actor's own
+    process dies right after (kill -9), whole."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    for _ in range(500):                   # the orphaned writer finishes on its own time
+        found = list((tmp_path / "ck").glob("checkpoint_*.json"))
+        if found:
+            break
+        time.sleep(0.02)
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+
+
+CRASH_SCRIPT = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
+       "nodes": {"a": {"type": "agent", "agent": "a"}},
+       "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"}]}
+class Agent:
+    name, type, capabilities, metadata = "a", "tool", [], {}
+    def invoke(self, content, ctx):
+        return content
+rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
+                   workdir=sys.argv[2])
+rt.agents = {"a": Agent()}
+graph = actor.GraphRoute("g", cfg, rt)
+for i in range(10):
+    graph.run(str(i))                      # the tenth update hands over a checkpoint
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_graph_checkpoint_file_is_the_states_json(tmp_path):
+    """Issue 15: the state crosses to the writer process marshalled (or as JSON text when marshal
+    cannot carry it); either way the file holds the state's JSON as the graph's thread would
+    have written it."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
+    g.run("hi \u00e9\n\"q\"")
+    for extra in ({"n": (1, 2.5, None), 3: {"set": {7}}, "raw": b"x"}, {"obj": object()}):
+        g.state["metadata"].update(extra)
+        path = g.checkpoint()
+        assert path.read_text(encoding="utf-8") == json.dumps(g.state, default=str,
+                                                              ensure_ascii=False)
+    g.state["metadata"]["bad"] = {(1, 2): "a tuple key"}
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.checkpoint()
+    g.state["metadata"]["bad"] = {(1, 2): object()}
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.checkpoint()
+    g.close()
+
+
+def test_graph_time_travel_rewinds_and_evicts_fifo():
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    for i in range(120):
+        g.run(str(i))
+    assert len(g.snapshots) == 100 and g.snapshots[0]["execution_count"] == 21
+    g.rewind(3)
+    assert g.state["execution_count"] == 117
+    assert g.state["messages"][-1]["content"] == "a(116)"
+    with pytest.raises(actor.ApplicationError):
+        g.rewind(500)
+
+
+def test_graph_rewind_needs_time_travel():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    with pytest.raises(actor.ApplicationError):
+        g.rewind(1)
+
+
+KILL_SCRIPT = r'''
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import actor
+class Agent:
+    def __init__(self, name): self.name, self.type, self.capabilities, self.metadata = name, "tool", [], {}
+    def invoke(self, content, ctx):
+        if self.name == "n14" and sys.argv[3] == "kill":
+            graph.wait_for_checkpoints()     # the update-10 checkpoint is on disk: now crash
+            os.kill(os.getpid(), signal.SIGKILL)
+        return content + "+" + self.name
+names = [f"n{i}" for i in range(20)]
+chain = ["start", *names, "end"]
+cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
+       "nodes": {n: {"type": "agent", "agent": n} for n in names},
+       "edges": [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]}
+rt = actor.Runtime(actor.Doc({"agents": {n: {"type": "tool"} for n in names}, "routes": {"g": cfg}}),
+                   env={}, workdir=sys.argv[2])
+rt.agents = {n: Agent(n) for n in names}
+graph = actor.GraphRoute("g", cfg, rt)
+if sys.argv[3] == "kill":
+    graph.run("go")
+else:
+    path = graph.restore()
+    print(path.name, graph.state["execution_count"], graph.state["current_node"])
+    run = graph.resume()
+    print(run.output)
+    print(",".join(run.history))
+'''
+
+
+def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    killed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "kill"],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode != 0                       # died mid-run at node n14
+    assert len(list((tmp_path / "ck").glob("checkpoint_*.json"))) == 1
+    resumed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "resume"],
+                             capture_output=True, text=True, timeout=60)
+    assert resumed.returncode == 0, resumed.stderr
+    first, output, history = resumed.stdout.splitlines()
+    assert first.endswith(" 10 n9")
+    assert output == "go" + "".join(f"+n{i}" for i in range(20))
+    assert history == ",".join(f"n{i}" for i in range(10, 20))
+
+
+def test_checkpoint_dir_that_cannot_be_written_is_an_actor_error(tmp_path):
+    """§6.6 item 1: a checkpoint_dir that cannot be created is a located ConfigurationError at
+    load; one that stops being writable later fails the run that checkpoints next (the writer
+    thread reports its failure there, issue 15) with an ExecutionError on __error__."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  g:
+    type: graph
+    checkpointing: true
+    checkpoint_dir: cp
+    nodes: {n: {type: agent, agent: e}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+    publications: [__output__]
+merges: [{sources: [__input__], target: g}]
+"""
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(actor.ConfigurationError) as caught:
+        actor.load(text=text.replace("checkpoint_dir: cp", "checkpoint_dir: taken/cp"),
+                   workdir=tmp_path)
+    assert caught.value.path == "routes.g.checkpoint_dir" and caught.value.line == 6
+    with actor.load(text=text, workdir=tmp_path) as team:
+        shutil.rmtree(tmp_path / "cp")
+        (tmp_path / "cp").write_text("in the way")
+        errors = [m for i in range(2 * actor.CHECKPOINT_EVERY)
+                  for m in team.send(f"m{i}").errors]
+        assert [m.metadata["error_type"] for m in errors] == ["ExecutionError"]
+        assert "cannot write a checkpoint" in errors[0].content
+
+
+# §6.7 Parallel execution --------------------------------------------------------------------------
+
+
+def _fan_out(parallel_execution, parallel=True, wait=10.0):
+    """Runs p and q, each waiting (up to `wait` s) for the other to be running too; returns how
+    many ran at once (2: concurrently, 1: one after the other) -- no clock is read."""
+    lock, both, running = threading.Lock(), threading.Event(), {"now": 0, "most": 0}
+    cfg = {"type": "graph", "parallel_execution": parallel_execution,
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": parallel} for n in ("p", "q")},
+           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
+                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
+
+    def agent(tag):
+        def run(content, ctx):
+            with lock:
+                running["now"] += 1
+                running["most"] = max(running["most"], running["now"])
+                if running["now"] == 2:
+                    both.set()
+            both.wait(wait)
+            with lock:
+                running["now"] -= 1
+            return f"{tag}:{content}"
+        return run
+    rt, g = make_graph(cfg, {"p": agent("p"), "q": agent("q")})
+    run = g.run("x")
+    return running["most"], run
+
+
+def test_graph_parallel_nodes_run_concurrently_and_join_in_order():
+    at_once, run = _fan_out(True)
+    assert at_once == 2
+    assert run.history == ["p", "q"] and run.output == "q:x"
+    assert [m["content"] for m in run.state["messages"][-2:]] == ["p:x", "q:x"]
+
+
+def test_graph_parallel_execution_false_is_sequential():
+    at_once, run = _fan_out(False, wait=0.1)
+    assert at_once == 1 and run.history == ["p", "q"]
+
+
+def test_graph_nodes_without_parallel_flag_are_sequential():
+    at_once, run = _fan_out(True, parallel=False, wait=0.1)
+    assert at_once == 1
+
+
+def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
+    """§6.7 items 3-4: p and q (parallel) overlap and are joined; s (not parallel) runs after."""
+    lock, both, events, running = threading.Lock(), threading.Event(), [], {"n": 0}
+
+    def slow(tag):
+        def agent(content, ctx):
+            with lock:
+                events.append(("begin", tag))
+                running["n"] += 1
+                if running["n"] == 2:
+                    both.set()
+            if tag in "pq":
+                both.wait(10)           # p and q wait for each other: they must overlap
+            with lock:
+                running["n"] -= 1
+                events.append(("end", tag))
+            return f"{tag}:{content}"
+        return agent
+
+    cfg = {"type": "graph",
+           "nodes": {"s": {"type": "agent", "agent": "s"},
+                     **{n: {"type": "agent", "agent": n, "parallel": True} for n in ("p", "q")}},
+           "edges": [{"source": "start", "target": t} for t in ("s", "p", "q")]
+           + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
+    rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
+    run = g.run("x")
+    # Applied as they finish: the joined subset in edge order, then s, which sees their writes.
+    assert run.history == ["p", "q", "s"]
+    assert both.is_set()                                        # p and q overlapped
+    assert events.index(("begin", "s")) > max(events.index(("end", "p")),
+                                              events.index(("end", "q")))   # s after the join
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
+    """§6.7, §12.3: parallel branches are joined and applied in declaration order, each reading the
+    state from before its step, so real worker threads give what the same subset run one by one
+    on the calling thread gives (the no-thread fallback); random graphs, about half the nodes
+    parallel."""
+
+    class NoThreads:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("no thread")
+
+        def shutdown(self, *args, **kwargs):
+            pass
+
+    rng = random.Random(200 + seed)
+    cases = []
+    for _ in range(50):
+        cfg = _random_graph(rng)
+        for node in cfg["nodes"].values():
+            node["parallel"] = rng.random() < 0.6
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
+    import concurrent.futures                # actor.py imports the pool class where it is used
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
+    for cfg, messages, threaded in cases:
+        assert threaded == _observe(cfg, messages, parallel=True), cfg
+
+
+def _join_new_threads(before, timeout=2.0):
+    """Join every thread started since `before` (timed-out workers), graph pool workers aside."""
+    threads = [t for t in threading.enumerate()
+               if t not in before and not t.name.startswith("graph-")]
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads)
+
+
+class _GateTransport:
+    """A fake LLM transport: the first call of agent `slow` blocks until `release` is set; every
+    call is recorded and answers `<agent>:<user message>`."""
+
+    def __init__(self, slow=None):
+        self.slow, self.release, self.entered = slow, threading.Event(), threading.Event()
+        self.calls, self._first = [], True
+
+    def complete(self, request):
+        self.calls.append(request["agent"])
+        if request["agent"] == self.slow and self._first:
+            self._first = False
+            self.entered.set()
+            self.release.wait(2)
+            return "late"
+        return f"{request['agent']}:{request['messages'][-1]['content']}"
+
+
+def test_concurrency_parallel_results_merge_in_declaration_order_whatever_finishes_first():
+    """§6.7: eight branches meet at a barrier (so they really overlap), finish in reverse order,
+    and still join in declaration order: the last declared writer of a key wins."""
+    names = [f"n{i}" for i in range(8)]
+    barrier = threading.Barrier(len(names), timeout=2)
+    finished = []
+    order = {n: threading.Event() for n in names}
+
+    def branch(name):
+        def agent(content, ctx):
+            barrier.wait()                      # all eight are running at once
+            later = names[names.index(name) + 1:]
+            if later:                           # finish after every later-declared branch
+                order[later[0]].wait(2)
+            ctx["who"] = name
+            ctx[f"seen_{name}"] = True
+            finished.append(name)
+            order[name].set()
+            return f"{name}:{content}"
+        return agent
+
+    cfg = {"type": "graph",
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
+           "edges": [{"source": "start", "target": n} for n in names]
+           + [{"source": n, "target": "end"} for n in names]}
+    rt, g = make_graph(cfg, {n: branch(n) for n in names})
+    for _ in range(3):
+        finished.clear()
+        for event in order.values():
+            event.clear()
+        run = g.run("x")
+        assert finished == names[::-1]                       # they did finish in reverse
+        assert run.history == names                          # ...and joined in declaration order
+        assert [m["content"] for m in run.state["messages"][-8:]] == [f"{n}:x" for n in names]
+        assert run.state["metadata"]["who"] == "n7" and rt.context["who"] == "n7"
+        assert all(rt.context[f"seen_{n}"] for n in names)
+        assert run.output == "n7:x"
+
+
+def test_concurrency_parallel_branch_cannot_reach_live_state_through_graph_state():
+    """§6.7, §6.2.2: graph_state is a picture; a branch writing into it neither shows the write to
+    its sibling nor changes the state (only the context keys it sets join, in order)."""
+    wrote = threading.Event()
+
+    def writer(content, ctx):
+        ctx["graph_state"]["metadata"]["leak"] = "p"
+        wrote.set()
+        return "p"
+
+    def reader(content, ctx):
+        assert wrote.wait(2)
+        return str(ctx["graph_state"]["metadata"].get("leak"))
+
+    cfg = {"type": "graph",
+           "nodes": {"p": {"type": "agent", "agent": "p", "parallel": True},
+                     "q": {"type": "agent", "agent": "q", "parallel": True}},
+           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
+                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
+    rt, g = make_graph(cfg, {"p": writer, "q": reader})
+    run = g.run("x")
+    assert run.output == "None"
+    assert "leak" not in run.state["metadata"] and "leak" not in rt.context
+
+
+def test_concurrency_composite_entered_from_its_own_parallel_branch_errors_not_deadlocks():
+    """§6.7 + §4.6: a composite whose graph runs itself on a parallel branch would wait for
+    itself forever; the branch fails with an ExecutionError instead."""
+    a = actor.load(text="""
+agents:
+  e: {type: tool, config: {tools: [echo]}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes:
+              n: {type: agent, agent: c, parallel: true}
+              m: {type: agent, agent: e, parallel: true}
+            edges: [{source: start, target: n}, {source: start, target: m},
+                    {source: n, target: end}, {source: m, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(result=a.send("hi")), daemon=True)
+    worker.start()
+    worker.join(2)
+    assert not worker.is_alive(), "deadlocked"
+    errors = box["result"].errors
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+    assert "deadlock" in errors[0].content
+    a.close()
+
+
+def test_concurrency_host_calls_from_two_threads_keep_their_own_results():
+    """Actor: a second host thread's send() waits for the first, so neither call loses or steals
+    the other's outputs."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain}
+routes:
+  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
+merges: [{sources: [__input__], target: main}]
+""")
+    emitted, second_done = threading.Event(), threading.Event()
+
+    def slow_hook(msg):                 # the first call pauses right after its emission
+        if msg.content.endswith("first"):
+            emitted.set()
+            second_done.wait(0.3)       # returns at once if the second call (wrongly) ran
+    a.network.on_output(slow_hook)
+    results = {}
+
+    def call(text):
+        results[text] = [m.content for m in a.send(text).outputs]
+        if text == "second":
+            second_done.set()
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    assert emitted.wait(2)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    first.join(2)
+    second.join(2)
+    assert results == {"first": ["ChainAgent processed: first"],
+                       "second": ["ChainAgent processed: second"]}
+
+
+def test_concurrency_parallel_llm_nodes_log_every_request():
+    """§6.7: eight LLM branches at once (they meet at a barrier): every request reaches
+    rt.llm_log (the order across branches is not promised) and the results join in order."""
+    names = [f"w{i}" for i in range(8)]
+    barrier = threading.Barrier(len(names), timeout=2)
+
+    class Meet:
+        def complete(self, request):
+            barrier.wait()
+            return request["agent"]
+
+    agents = "\n".join(f"  {n}: {{type: llm, config: {{provider: fake}}}}" for n in names)
+    nodes = "\n".join(f"      {n}: {{type: agent, agent: {n}, parallel: true}}" for n in names)
+    edges = ", ".join(f"{{source: start, target: {n}}}, {{source: {n}, target: end}}"
+                      for n in names)
+    a = actor.load(text=f"agents:\n{agents}\nroutes:\n  main:\n    type: graph\n    nodes:\n"
+                        f"{nodes}\n    edges: [{edges}]\nmerges: [{{sources: [__input__], "
+                        f"target: main}}]\n")
+    a.rt.llm_transport = Meet()
+    assert [m.content for m in a.send("x").outputs] == ["w7"]
+    assert sorted(r["agent"] for r in a.rt.llm_log) == names
+    assert a.context["last_agent_node"] == "w7"
+    a.close()
+
+
+def test_concurrency_warnings_and_timers_from_many_threads_are_all_kept():
+    """rt.warn and clock.call_later from sixteen threads at once: every warning is kept whole,
+    and every timer fires once, in (time, sequence) order, when the host advances the clock."""
+    n, each = 16, 50
+    rt = actor.Runtime(actor.Doc({}), env={})
+    barrier = threading.Barrier(n, timeout=2)
+    fired = []
+
+    def work(i):
+        barrier.wait()
+        for k in range(each):
+            rt.warn(f"w{i}.{k}")
+            timer = rt.clock.call_later((i * each + k) % 7, lambda i=i, k=k: fired.append((i, k)))
+            assert timer.when == (i * each + k) % 7
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert sorted(rt.warnings) == sorted(f"warning: w{i}.{k}" for i in range(n) for k in range(each))
+    rt.clock.advance(10)
+    assert sorted(fired) == [(i, k) for i in range(n) for k in range(each)]
+    whens = [(i * each + k) % 7 for i, k in fired]
+    assert whens == sorted(whens)                       # due order, whichever thread scheduled
+    assert [k for i, k in fired if i == 3 and (3 * each + k) % 7 == 2] == \
+        sorted(k for k in range(each) if (3 * each + k) % 7 == 2)   # one thread's order kept
+
+
+def test_concurrency_branches_run_inline_when_no_worker_thread_can_start():
+    """§6.7: when the pool cannot start a thread (closed, or no memory for a stack), the branches
+    not submitted run on the caller; the submitted one is joined; results keep their order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class OneThread(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            if self.used:
+                raise RuntimeError("can't start new thread")
+            self.used = True
+            return super().submit(*args, **kwargs)
+    names = ["p", "q", "r"]
+    cfg = {"type": "graph",
+           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
+           "edges": [{"source": "start", "target": n} for n in names]
+           + [{"source": n, "target": "end"} for n in names]}
+    rt, g = make_graph(cfg, {n: echo(n) for n in names})
+    g._pool = OneThread()
+    g._pool.used = False
+    run = g.run("x")
+    assert run.history == names and run.output == "r(x)"
+    assert [len(rt.agents[n].calls) for n in names] == [1, 1, 1]
+    g.close()
+
+
+# §6.8 Loop and cycle detection --------------------------------------------------------------------
+
+
+def _loop(agent_fn, context=None, extra_nodes=0):
+    cfg = {"type": "graph", "nodes": {"a": {"type": "agent", "agent": "a"}},
+           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "a"}]}
+    return make_graph(cfg, {"a": agent_fn}, context=context)
+
+
+def test_graph_guard_revisit_stops_on_same_fingerprint():
+    rt, g = _loop(lambda c, ctx: "same")
+    run = g.run("x")
+    assert run.stopped == "revisit" and run.history == ["a", "a"] and run.output == "same"
+
+
+def test_graph_guard_fingerprint_is_first_200_chars():
+    counter = iter(range(10 ** 6))
+    rt, g = _loop(lambda c, ctx: "p" * 200 + str(next(counter)))
+    run = g.run("x")
+    assert run.stopped == "revisit" and len(run.history) == 2 and run.output.endswith("p1")
+
+
+def test_graph_guard_recursion_bound_warns_and_returns_latest_output():
+    counter = iter(range(10 ** 6))
+    rt, g = _loop(lambda c, ctx: str(next(counter)))
+    run = g.run("x")
+    assert run.stopped == "recursion" and len(run.history) == 2000 and run.output == "1999"
+    assert any("recursion" in w for w in rt.warnings)
+
+
+def test_graph_guard_auto_finish_active_relaxes_revisit():
+    rt, g = _loop(lambda c, ctx: "same", context={"auto_finish_active": True})
+    run = g.run("x")
+    assert run.stopped == "recursion" and len(run.history) == 2000
+
+
+def _ping_pong(reply, context=None):
+    cfg = {"type": "graph", "nodes": {
+        "r": {"type": "message_router", "rules": [
+            {"match_type": "prefix", "pattern": "GOTO_A", "target": "a"}]},
+        "a": {"type": "agent", "agent": "a"}},
+        "edges": [{"source": "start", "target": "r"},
+                  {"source": "r", "target": "a",
+                   "condition": {"type": "context_value", "key": "next_node", "value": "a"}},
+                  {"source": "a", "target": "r"}]}
+    return make_graph(cfg, {"a": reply}, context=context)
+
+
+def test_graph_guard_router_ping_pong_stops():
+    counter = iter(range(100))
+    rt, g = _ping_pong(lambda c, ctx: f"GOTO_A:{next(counter)}")
+    run = g.run("GOTO_A:start")
+    assert run.stopped == "ping-pong" and run.history == ["r", "a", "r", "a"]
+    assert run.output == "GOTO_A:1"
+
+
+def test_graph_guard_agent_return_without_routing():
+    rt, g = _ping_pong(lambda c, ctx: "plain answer")
+    run = g.run("GOTO_A:hi")
+    assert run.stopped == "return-without-routing" and run.output == "plain answer"
+    assert run.history == ["r", "a"]
+
+
+# §6.9 Pure graph mode -----------------------------------------------------------------------------
+
+
+def test_pure_graph_mode_runs_pure():
+    """§6.9: when every route is a graph, the default router runs it with pure=True."""
+    graph = _FakeGraph()
+    doc = actor.Doc({"agents": {}, "routes": {"g": {"type": "graph", "nodes": {}}}})
+    rt = actor.Runtime(doc)
+    rt.graphs["g"] = graph
+    rt.default_router = "g"
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("hi")
+    assert graph.runs == [("hi", True)] and [m.content for m in outputs] == ["out: hi"]
+
+
+def test_graph_pure_mode_replaces_active_context():
+    def agent(content, ctx):
+        ctx["stage"] = "two"
+        return "done"
+
+    rt, g = make_graph(linear("a"), {"a": agent}, context={"stage": "one", "keep": 1})
+    live = rt.context
+    g.run("x", rt.context, pure=True)
+    assert rt.context is live
+    assert rt.context["stage"] == "two" and rt.context["keep"] == 1     # top level wins (Q33)
+    assert rt.context["last_output"] == "done" and "context" not in rt.context
+    g.state["metadata"]["next_node"] = "stale"
+    g.run("y", rt.context, pure=True)
+    assert "next_node" not in rt.context                               # per-run signal
+
+
+_DIFF_AGENTS = {
+    "chain": {"type": "chain", "config": {"steps": ["x"]}},
+    "echo": {"type": "tool", "config": {"tools": ["echo"]}},
+    "calc": {"type": "tool", "config": {"tools": ["math"]}},
+    "go": {"type": "chain", "config": {"steps": ["GOTO_B"]}},
+    "tell": {"type": "chain", "config": {"steps": ["t"], "prompt": (
+        "{{ last_agent_node | default('-') }}/{{ conversation_history | length }}/{{ message }}")}},
+}
+
+
+def _random_graph(rng):
+    """A small random graph: agent, router, function and conditional nodes; edges with and
+    without conditions, cycles allowed (the §6.8 guards end every run)."""
+    names = [f"n{i}" for i in range(rng.randint(1, 5))]
+    nodes = {}
+    for name in names:
+        kind = rng.choice(["agent", "agent", "agent", "router", "function", "conditional"])
+        if kind == "agent":
+            nodes[name] = {"type": "agent", "agent": rng.choice(sorted(_DIFF_AGENTS))}
+        elif kind == "router":
+            nodes[name] = {"type": "message_router", "rules": [
+                {"match_type": rng.choice(["prefix", "contains", "regex", "exact", "suffix"]),
+                 "pattern": rng.choice(["GOTO", "x", "hi", ".*", "2"]), "target": rng.choice(names)}]}
+        elif kind == "function":
+            nodes[name] = {"type": "function",
+                           "function": rng.choice(["summarize", "route", "validate", "nope"])}
+        else:
+            nodes[name] = {"type": "conditional",
+                           "condition": {"type": "content_contains", "pattern": "x"}}
+    edges = [{"source": "start", "target": names[0]}]
+    for name in names:
+        for _ in range(rng.randint(1, 2)):
+            edge = {"source": name, "target": rng.choice(names + ["end", "end"])}
+            if rng.random() < 0.4:
+                edge["condition"] = rng.choice([
+                    {"type": "content_contains", "pattern": "x"},
+                    {"type": "context_value", "key": "next_node", "value": rng.choice(names)},
+                    {"type": "has_messages"}, {"type": "message_count", "min": 3}])
+            edges.append(edge)
+    return {"type": "graph", "nodes": nodes, "edges": edges}
+
+
+def _observe(cfg, messages, *, mixed=False, all_read_context=False, parallel=None):
+    """Outputs and errors per message, then the final context and state messages, as JSON."""
+    if parallel is not None:
+        cfg = {**cfg, "parallel_execution": parallel}
+    doc = {"agents": _DIFF_AGENTS, "routes": {"g": cfg},
+           "merges": [{"sources": ["__input__"], "target": "g"}]}
+    if mixed:                               # one stream route beside the graph: mixed mode
+        doc["routes"]["s"] = {"type": "stream", "publications": []}
+    a = actor.load(text=json.dumps(doc))
+    if all_read_context:
+        for agent in a.rt.agents.values():
+            agent.reads_context = True
+    seen = []
+    for content in messages:
+        result = a.send(content)
+        seen.append(([m.content for m in result.outputs], [m.content for m in result.errors]))
+    final = {k: v for k, v in a.context.items() if k != "context"}
+    state_messages = a.rt.graphs["g"].state["messages"]
+    a.close()
+    return json.dumps([seen, final, state_messages], default=str, sort_keys=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
+    """§6.9: "externally observable semantics MUST be identical" -- 60 random graphs per seed,
+    three messages each, run in pure graph mode and beside a stream route."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        cfg = _random_graph(rng)
+        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
+        assert _observe(cfg, messages) == _observe(cfg, messages, mixed=True), cfg
+
+
+def test_pure_graph_mode_creates_no_internal_streams():
+    a = actor.load(text="""
+agents:
+  t: {type: chain}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+merges: [{sources: [__input__], target: g}]
+""")
+    assert not [n for n in a.network.nodes if n.startswith("__g_")]
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi"]
+
+
+# §6.10 Graph-internal streams ---------------------------------------------------------------------
+
+
+def test_watch_sees_messages_before_their_targets_and_graph_events_once():
+    """Actor.watch in mixed mode: a stream's message is seen before what its targets make of
+    it, and each graph event once (the §6.10 streams are not watched twice)."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+  e: {type: tool, config: {tools: [echo]}}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+  s:
+    type: stream
+    operators: [{type: map, params: {agent: e}}]
+    publications: [__output__]
+merges: [{sources: [__input__], target: g}, {sources: [g], target: s}]
+""")
+    seen = []
+    a.watch(lambda stream, msg: seen.append(actor.trace_line(stream, msg)))
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
+    assert seen == [
+        "trace: __input__: 'hi'",
+        "trace: graph g started: 'hi'",
+        "trace: graph g node n1 #1: 'ChainAgent processed: hi->x'",
+        "trace: graph g finished: n1",
+        "trace: g: 'ChainAgent processed: hi->x'",
+        "trace: s: 'ChainAgent processed: hi->x'",
+        "trace: __output__: 'ChainAgent processed: hi->x'"]
+
+
+def test_graph_internal_stream_names_and_node_events():
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    assert g.internal_stream_names() == ["__main_node_start__", "__main_node_a__",
+                                         "__main_node_end__", "__main_control__", "__main_state__"]
+    events = []
+    g.observers.append(lambda stream, msg: events.append(
+        (stream, msg.content, msg.metadata.get("node"))))
+    g.run("x")
+    assert events == [("__main_control__", {"event": "started", "input": "x"}, None),
+                      ("__main_node_a__", "a(x)", "a"),
+                      ("__main_control__", {"event": "finished", "guard": None, "output": "a(x)",
+                                            "history": ["a"]}, None)]
+    events.clear()
+    g.resume()                             # the last run ended: resume steps nowhere
+    assert [e[1]["event"] for e in events] == ["resumed", "finished"]
+    assert events[0][1] == {"event": "resumed", "node": "a", "input": "a(x)"}
+
+
+def test_mixed_mode_creates_graph_internal_streams():
+    """§6.10: beside stream routes, each graph gets per-node, control and state streams."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes: {n1: {type: agent, agent: t}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    names = sorted(n for n in a.network.nodes if n.startswith("__g_"))
+    assert names == ["__g_control__", "__g_node_end__", "__g_node_n1__", "__g_node_start__",
+                     "__g_state__"]
+    seen = []
+    a.network.subscribe("__g_node_n1__", lambda m: seen.append((m.source_stream, m.content)))
+    a.network.subscribe("__g_state__", lambda m: seen.append((m.source_stream, sorted(m.content))))
+    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
+    assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
+    assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+
+
+def _control_events(graph_yaml, content):
+    a = actor.load(text=f"""
+agents:
+  chain: {{type: chain, config: {{steps: [x]}}}}
+  echo: {{type: tool, config: {{tools: [echo]}}}}
+  calc: {{type: tool, config: {{tools: [math]}}}}
+routes:
+  g:
+    type: graph
+{graph_yaml}
+  s: {{type: stream, publications: [__output__]}}
+merges: [{{sources: [__input__], target: g}}]
+""")
+    events = []
+    a.subscribe("__g_control__", events.append)
+    result = a.send(content)
+    assert all(m.source_stream == "__g_control__" and m.metadata["graph"] == "g"
+               and m.metadata["context"] is a.context for m in events)
+    return [m.content for m in events], result
+
+
+def test_mixed_mode_control_stream_carries_run_lifecycle():
+    """§6.10 (I-118, vectors/INTERPRETATIONS.md): __<graph>_control__ carries each run's lifecycle --
+    started, then finished, stopped (naming the §6.8 guard) or failed -- with graph and context."""
+    events, result = _control_events("""
+    nodes: {n1: {type: agent, agent: chain}}
+    edges: [{source: start, target: n1}, {source: n1, target: end}]""", "hi")
+    assert [m.content for m in result.outputs] == ["ChainAgent processed: hi->x"]
+    assert events == [{"event": "started", "input": "hi"},
+                      {"event": "finished", "guard": None, "output": "ChainAgent processed: hi->x",
+                       "history": ["n1"]}]
+
+    events, result = _control_events("""
+    nodes: {e: {type: agent, agent: echo}}
+    edges: [{source: start, target: e}, {source: e, target: e}]""", "hi")
+    assert events[1] == {"event": "stopped", "guard": "revisit", "output": "hi", "history": ["e"]}
+
+    events, result = _control_events("""
+    nodes: {c: {type: agent, agent: calc}}
+    edges: [{source: start, target: c}, {source: c, target: end}]""", "2 +")
+    assert result.outputs == [] and len(result.errors) == 1
+    assert events[1]["event"] == "failed" and events[1]["error_type"] == "ExecutionError"
+    assert "math" in events[1]["error"] and events[1]["history"] == []
+
+
+def test_mixed_mode_node_events_carry_graph_node_count_and_context():
+    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
+    execution, a router that matched nothing included) and the invocation context by reference."""
+    a = actor.load(text="""
+agents:
+  t: {type: chain, config: {steps: [x]}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
+      n1: {type: agent, agent: t}
+    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
+  s: {type: stream, publications: [__output__]}
+merges: [{sources: [__input__], target: g}]
+""")
+    events = []
+    for node in ("r", "n1"):
+        a.network.subscribe(f"__g_node_{node}__", events.append)
+    a.send("hi")
+    a.send("GO:there")
+    assert [(m.source_stream, m.content) for m in events] == [
+        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
+        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
+    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
+        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
+    assert all(m.metadata["graph"] == "g" for m in events)
+    assert all(m.metadata["context"] is a.rt.context for m in events)
+    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
+    assert copied.metadata["context"] is a.rt.context
+
+
+# §6.11 Graph analysis -----------------------------------------------------------------------------
+
+
+def test_graph_analysis_cycles_levels_unreachable():
+    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in "bcdz"},
+           "edges": [{"source": "start", "target": "b"}, {"source": "b", "target": "c"},
+                     {"source": "c", "target": "b"}, {"source": "c", "target": "d"},
+                     {"source": "d", "target": "end"}]}
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    an = g.analysis
+    assert an.has_cycles and [(e.source, e.target) for e in an.back_edges] == [("c", "b")]
+    assert an.levels == [["start", "z"], ["b"], ["c"], ["d"], ["end"]]
+    assert an.unreachable == ["z"] and any("z" in w and "6.11" in w for w in rt.warnings)
+    assert [e.source for e in an.reverse["b"]] == ["start", "c"]
+
+
+def test_graph_mermaid_pins_18_3():
+    cfg = {"type": "graph", "entry_point": "start", "nodes": {
+        "router": {"type": "message_router", "rules": [
+            {"match_type": "prefix", "pattern": "CODE", "target": "code"},
+            {"match_type": "prefix", "pattern": "RESEARCH", "target": "research"},
+            {"match_type": "suffix", "pattern": "", "target": "default", "extract_message": False}]},
+        "code": {"type": "agent", "agent": "code_agent"},
+        "research": {"type": "agent", "agent": "research_agent"},
+        "default": {"type": "agent", "agent": "default_agent"}},
+        "edges": [{"source": "start", "target": "router"}]
+        + [{"source": "router", "target": t,
+            "condition": {"type": "context_value", "key": "next_node", "value": t}}
+           for t in ("code", "research", "default")]
+        + [{"source": t, "target": "end"} for t in ("code", "research", "default")]}
+    rt, g = make_graph(cfg, {a: echo(a) for a in ("code_agent", "research_agent", "default_agent")})
+    assert g.mermaid() == [
+        'subgraph G_main["graph main"]',
+        '  g_main_S_start(["start"])',
+        '  g_main_S_router{"router: message_router"}',
+        '  g_main_S_code["code: agent code_agent"]',
+        '  g_main_S_research["research: agent research_agent"]',
+        '  g_main_S_default["default: agent default_agent"]',
+        '  g_main_S_end(["end"])',
+        '  g_main_E((entry)) --> g_main_S_start',
+        '  g_main_S_start --> g_main_S_router',
+        '  g_main_S_router -->|"next_node = code"| g_main_S_code',
+        '  g_main_S_router -->|"next_node = research"| g_main_S_research',
+        '  g_main_S_router -->|"next_node = default"| g_main_S_default',
+        '  g_main_S_code --> g_main_S_end',
+        '  g_main_S_research --> g_main_S_end',
+        '  g_main_S_default --> g_main_S_end',
+        'end']
+
+
+def _load_vector_config(stem):
+    path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
+    return actor.read_vector(path)["config"]
+
+
+def test_graph_actor_diagram_shows_18_3_graph():
+    a = actor.load(text=json.dumps(_load_vector_config("18.3-message-router-graph")),
+                   env={"OPENAI_API_KEY": "test"})
+    text = a.diagram()
+    assert text.startswith("flowchart LR\n")
+    lines = text.splitlines()
+    block = lines.index('  subgraph G_main["graph main"]')
+    assert lines[block + 1:block + 4] == ['    g_main_S_start(["start"])',
+                                          '    g_main_S_router{"router: message_router"}',
+                                          '    g_main_S_code["code: agent code_agent"]']
+    assert '    g_main_S_router -->|"next_node = research"| g_main_S_research' in lines
+    assert '  s_main -. runs .-> g_main_E' in lines        # the route node runs the body
+
+
+def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
+    cfg = linear("a", "b", "c", "d", "e")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    doc = {"agents": {n: {"type": "llm", "config": {"provider": "openai"}} for n in "abcde"},
+           "routes": {"main": cfg}, "merges": [{"sources": ["__input__"], "target": "main"}]}
+    a = actor.load(text=json.dumps(doc), env={"OPENAI_API_KEY": "test"}, workdir=tmp_path,
+                   llm={})
+    assert a.send("one").outputs[0].content == "one"       # unscripted fake replies echo
+    a.send("two")
+    files = a.checkpoints("main")
+    assert len(files) == 1 and files[0].parent == tmp_path / "ck"
+    graph = a.rt.graphs["main"]
+    assert graph.state["execution_count"] == 10
+    a.rewind("main", 4)
+    assert graph.state["execution_count"] == 6
+    a.restore("main")
+    assert graph.state["execution_count"] == 10
+    assert [m["content"] for m in graph.state["messages"]][-2:] == ["two", "two"]
+
+
+# =====================================================================================
+# §7 INTER-ROUTE COMPOSITION
+# =====================================================================================
+
+
+# §7.3 The pipelines section -----------------------------------------------------------------------
+
+
+def test_pipeline_graph_stage_uses_named_graph():
+    """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
+    graph = _FakeGraph()
+    net, outputs, _, _ = _stream_net(
+        {"g": {"type": "graph", "nodes": {}}, "s": {"type": "stream"}}, graphs={"g": graph},
+        merges=[{"sources": ["__input__"], "target": "p"}],
+        pipelines={"p": {"stages": [{"type": "stream", "name": "one"},
+                                    {"type": "graph", "graph": "g"},
+                                    {"type": "stream", "name": "three",
+                                     "publications": ["__output__"]}]}})
+    net.send("x")
+    assert [m.content for m in outputs] == ["out: x"]
+
+
+# =====================================================================================
+# §8 TEMPLATES AND INSTANCES
+# =====================================================================================
+
+
+def test_mustache_optional_modules_are_skipped_by_name():
+    if MUSTACHE_SPEC is None:
+        pytest.skip("shared/conformance/mustache-spec not present")
+    optional = sorted(p.name for p in MUSTACHE_SPEC.glob("~*.json"))
+    read = {f"{m}.json" for m in MUSTACHE_REQUIRED + MUSTACHE_SHOULD}
+    assert optional and not read & set(optional)
+
+
+# §8.1 Document-level templating (Phase A) ---------------------------------------------------------
+
+
+def test_has_template_syntax():
+    assert actor.has_template_syntax("a {{ b }}") and actor.has_template_syntax("{% if %}")
+    assert actor.has_template_syntax("{# c #}") and not actor.has_template_syntax("{a: {b: 1}}")
+
+
+def test_protection_covers_plain_quoted_and_block_scalars():
+    text = ("agents:\n  a:\n    config:\n      system_prompt: Hi {{ context.x }}\n"
+            "      model: \"{{ m }}\"\n  b:\n    config:\n      system_prompt: \"{{ message }}\"\n"
+            "  c:\n    config:\n      system_prompt: |\n        {% if context.y %}\n"
+            "        y\n        {% endif %}\n      prompt: >\n        {{ message }}\n"
+            "prompts:\n  p:\n    content: '{{ context.z }}'\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out                   # not a runtime field: Phase A renders it
+    assert out.count(actor.TEMPLATE_START) == 4 and out.count(actor.BLOCK_START) == 2
+    assert actor.restore_markers(out) == text
+
+
+def test_yaml_error_after_phase_a_names_the_raw_line():
+    text = "{% set x = 1 %}\nagents: {}\nroutes:\n  main: [unclosed\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text)
+    assert "does not parse as YAML" in info.value.message
+    assert info.value.line in (4, 5)                            # the flow sequence or the end
+
+
+def test_rendered_lines_map_each_output_line_to_its_source():
+    raw = "a: 1\n{% for i in [1, 2] %}\nb{{ i }}: x\n{% endfor %}\nc: {{ 3 }}\n"
+    rendered = actor.render_document(raw)
+    lines = actor.RenderedLines(raw, rendered)
+    out = rendered.split("\n")
+    origins = [lines.origin(n, 1)[0] for n in range(1, len(out) + 1)]
+    by_text = dict(zip(out, origins))
+    assert by_text["a: 1"] == 1 and by_text["b1: x"] == 3 and by_text["b2: x"] == 3
+    assert by_text["c: 3"] == 5
+    assert lines.origin(1, 4) == (1, 4) and lines.origin(len(out) + 5, 1) == (None, None)
+
+
+def test_protection_leaves_names_bound_at_phase_a_q47():
+    text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
+            "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
+            "{{ ms | length }} for {{ context.user }} and {{ who }}\n{% endfor %}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{ m }}" in out and "{{ loop.index }} of" in out and "{{ ms | length }}" in out
+    assert "{{ context.user }}" not in out and "{{ who }}" not in out
+    out = actor.protect_runtime_fields(text, {"who": "W", "context": {}})
+    assert "{{ who }}" in out and "{{ context.user }}" not in out
+
+
+def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
+    text = ("agents:\n  a:\n    config:\n      system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
+            "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
+            "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
+    out = actor.restore_markers(actor.render_document(text))
+    assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
+    assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
+    # a statement reading a load-time name stays at Phase A (Phase C could not run it either)
+    head = "agents:\n  a:\n    config:\n      system_prompt: "
+    text = head + "\"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
+    out = actor.restore_markers(actor.render_document(text, {"ms": ["p", "q"]}))
+    assert out == head + "\"{{ context[x] }}{{ context[x] }}\"\n"
+
+
+def test_protection_keeps_template_bodies_whole_q49():
+    text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
+            "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
+            "template_strings:\n  agents:\n    s: |\n      {% for i in range(2) %}\n"
+            "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
+    out = actor.protect_runtime_fields(text)
+    assert "{{" not in out and "{%" not in out
+
+
+def test_mask_tags_keeps_offsets_and_lines():
+    text = "a: {{ x }}\n{% for i in y %}\nb: '{{ \"q\" }}'\n{# c\nd #}\n{% endfor %}\n"
+    masked = actor.mask_tags(text)
+    assert len(masked) == len(text) and masked.count("\n") == text.count("\n")
+    assert "{" not in masked and "a: xxxxxxx" in masked and "b: 'xxxxxxxxx'" in masked
+
+
+def test_protection_finds_flow_mappings_and_list_items():
+    text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
+            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    config:\n      system_prompt: {{ message }}\n")
+    out = actor.protect_runtime_fields(text)
+    assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
+    assert "system_prompt: <<<TEMPLATE_START>>> message" in out
+    # statements inside lines: the blanked text is not YAML, so the line scan reads the flows
+    text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
+            "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
+            "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
+            "  l:\n    config: {components: {agents: {m: {config: {prompt: \"{{ context.d }}\"}}}}}\n"
+            "  n:\n    params: {system_prompt: \"{{ e }}\"}\n")
+    with pytest.raises(yaml.YAMLError):
+        yaml.compose(actor.mask_tags(text))
+    out = actor.protect_runtime_fields(text)
+    # four §8.4 fields; a template instance's params.system_prompt is ordinary data (Phase A)
+    assert out.count(actor.TEMPLATE_START) == 4 and "{% if e %}" in out
+    assert 'params: {system_prompt: "{{ e }}"}' in out
+    assert actor.restore_markers(out) == text
+
+
+def test_region_stops_at_a_statement_line_left_of_its_key():
+    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    config:\n      system_prompt: |\n"
+            "        {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
+    out = actor.protect_runtime_fields(text, {"ms": [1]})
+    assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
+    rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
+    assert rendered.count("{% if context.x %}x{% endif %}") == 2 and "{% endfor" not in rendered
+
+
+def test_structural_statement_in_templates_is_rejected_q3():
+    text = ("templates:\n  agents:\n    t:\n      type: llm\n      config:\n"
+            "        {% if x %}\n        model: a\n        {% endif %}\n"
+            "        system_prompt: |\n          {% if y %}ok{% endif %}\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document(text, None, "JINJA2")
+    assert info.value.line == 6
+    actor.render_document(text.replace("        {% if x %}\n", "").replace(
+        "        {% endif %}\n", ""), None, "JINJA2")
+
+
+def test_render_document_strips_comments_honours_raw_and_locates_failures():
+    text = "{# gone #}\na: {{ 1 + 1 }}\nb: '{% raw %}{{ keep }}{% endraw %}'\n"
+    assert actor.render_document(text, None, "JINJA2") == "\na: 2\nb: '{{ keep }}'\n"
+    assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.render_document("a: 1\nb: {{ nope }}\n", None, "JINJA2")
+    assert info.value.line == 2 and info.value.section == "8.12"
+    assert actor.render_document("n: {{ n }}\n", {"n": 3}, "JINJA2") == "n: 3\n"
+
+
+def test_restore_sentinels_in_keys_and_values():
+    s, e = actor.TEMPLATE_START, actor.TEMPLATE_END
+    data = {f"k{s}x{e}": [f"{actor.BLOCK_START} if a {actor.BLOCK_END}", 3]}
+    assert actor.restore_sentinels(data) == {"k{{x}}": ["{% if a %}", 3]}
+
+
+def test_reserved_template_keys_rejected_anywhere():
+    for key in actor.RESERVED_TEMPLATE_KEYS:
+        doc = actor.Doc({"agents": {"a": {"type": "llm", "config": {key: True}}}})
+        with pytest.raises(actor.ConfigurationError) as info:
+            actor.check_reserved_template_keys(doc)
+        assert info.value.path == f"agents.a.config.{key}"
+
+
+def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
+    actor.jinja_environment.cache_clear()
+    actor.jinja_template.cache_clear()
+    def missing():
+        raise actor.TemplateError(actor.JINJA2_MISSING, section="9.2")
+    monkeypatch.setattr(actor, "jinja2_module", missing)
+    try:
+        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
+            actor.render("{{ a }}", {"a": 1})
+        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
+        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
+    finally:
+        actor.jinja_environment.cache_clear()
+        actor.jinja_template.cache_clear()
+
+
+def test_protection_in_flow_and_json_documents():
+    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
+           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
+                                                      "model": "{{ 'gpt' }}"}}}}
+    out = actor.render_document(json.dumps(doc), None, "JINJA2")
+    data = actor.restore_sentinels(json.loads(out))
+    assert data["templates"] == doc["templates"]
+    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
+
+
+def test_phase_a_under_mustache_protects_runtime_fields():
+    """Q61: under MUSTACHE, Phase A renders Mustache; a runtime field keeps its Phase C tags and
+    renders only the tags that read Phase A names."""
+    text = ("agents:\n  a:\n    config:\n      model: \"{{who}}\"\n"
+            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
+    out = actor.restore_markers(actor.render_document(text, {"who": "Ada"}, "MUSTACHE"))
+    assert 'model: "Ada"' in out
+    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in out
+    text = "{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n      system_prompt: \"{{ 1 + 1 }}\"\n"
+    assert "{{ 1 + 1 }}" not in actor.restore_markers(actor.render_document(text, None, "JINJA2"))
+
+
+# §8.2 Document-level rendering lifecycle ----------------------------------------------------------
+
+
+_LOOPED = """{% set n = 2 %}
+agents:
+{% for i in range(n) %}
+  a{{ i }}:
+    type: tool
+    config: {tools: [echo], timeout: {{ 0 if i else 1 }}}
+{% endfor %}
+routes:
+  main:
+    type: graph
+    nodes:
+      x: {type: agent, agent: a0}
+    edges:
+      - {source: start, target: x}
+      - {source: x, target: fnial}
+"""
+
+
+def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
+    """§8.2/§8.12: a document rendered by Phase A is parsed as rendered text, but errors point
+    at the raw file's line: an unchanged line keeps its column, a line with an expression gets
+    none, and a line a loop produced points at the loop body."""
+    path = tmp_path / "team.yaml"
+    edge_only = _LOOPED.replace("0 if i else 1", "1 + i")       # every timeout positive
+    path.write_text(edge_only)
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)
+    assert (info.value.line, info.value.col) == (15, 21)        # the edge, unchanged by rendering
+    assert "fnial" in info.value.message
+    path.write_text(_LOOPED.replace("target: fnial", "target: end"))
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)                                        # a1 has timeout 0 (second pass)
+    assert info.value.path == "agents.a1.config.timeout"
+    assert (info.value.line, info.value.col) == (6, None)
+    assert str(info.value).startswith(f"{path}:6: ConfigurationError")
+    path.write_bytes(edge_only.replace("\n", "\r\n").encode())   # Windows line ends
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(path)
+    assert (info.value.line, info.value.col) == (15, 21)
+
+
+# §8.6 The templates section (Phase B) -------------------------------------------------------------
+
+
+def _expand(data, engine="JINJA2"):
+    doc = actor.Doc(data)
+    actor.expand_templates(doc, None, engine=engine)
+    return doc.data
+
+
+def _one_param(ptype, value, **decl):
+    data = {"templates": {"agents": {"t": {
+        "parameters": {"p": {"type": ptype, **decl}}, "type": "llm",
+        "config": {"v": "{{ p | tojson }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"p": value}}}}
+    rendered = _expand(data)["agents"]["a"]["config"]["v"]
+    return json.loads(rendered) if isinstance(rendered, str) else rendered
+
+
+@pytest.mark.parametrize("ptype, value, expected", [
+    ("string", 42, "42"), ("string", True, "true"),
+    ("int", "42", 42), ("int", 7.0, 7), ("float", "3.5", 3.5), ("float", 2, 2.0),
+    ("boolean", "YES", True), ("boolean", "on", True), ("boolean", "1", True),
+    ("boolean", "off", False), ("boolean", "False", False), ("boolean", "0", False),
+    ("boolean", "maybe", True), ("boolean", 0, False), ("boolean", [], False),
+    ("list", "x", ["x"]), ("list", [1, 2], [1, 2]), ("dict", {"a": 1}, {"a": 1}),
+])
+def test_parameter_type_coercions_8_6_2(ptype, value, expected):
+    assert _one_param(ptype, value) == expected
+
+
+def test_parameter_mismatches_are_configuration_errors():
+    for ptype, value, extra in (("int", "x", {}), ("float", "x", {}), ("int", True, {}),
+                                ("int", "2.5", {}),
+                                ("enum", "z", {"values": ["a", "b"]})):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _one_param(ptype, value, **extra)
+        assert info.value.path == "agents.a.params.p"
+    assert _one_param("enum", "b", values=["a", "b"]) == "b"
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("colour", "x")
+    with pytest.raises(actor.ConfigurationError):
+        _one_param("enum", "a")          # enum without values
+
+
+def test_required_missing_default_filled_and_sequence_form_rejected():
+    base = {"templates": {"agents": {"t": {
+        "parameters": {"need": {"type": "string", "required": True},
+                       "opt": {"type": "int", "default": "5"}},
+        "type": "llm", "config": {"a": "{{ need }}", "b": "{{ opt }}"}}}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**base, "agents": {"x": {"template": "t"}}})
+    assert info.value.path == "agents.x.params"
+    out = _expand({**copy.deepcopy(base), "agents": {"x": {"template": "t", "params": {"need": "n"}}}})
+    assert out["agents"]["x"] == {"type": "llm", "config": {"a": "n", "b": 5}}
+    bad = copy.deepcopy(base)
+    bad["templates"]["agents"]["t"]["parameters"] = [{"name": "need"}]
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**bad, "agents": {"x": {"template": "t"}}})
+    assert "16.2" in info.value.section
+
+
+def test_instantiation_does_not_mutate_the_template_and_drops_parameters():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "{{ d }}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "one"}},
+                       "b": {"template": "t", "params": {"d": "two"}}}}
+    out = _expand(data)
+    assert out["agents"]["a"]["config"]["s"] == "one" and out["agents"]["b"]["config"]["s"] == "two"
+    assert "parameters" not in out["agents"]["a"]
+    assert out["templates"]["agents"]["t"]["config"]["s"] == "{{ d }}"
+
+
+def test_rendered_scalars_are_coerced_step_6():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "b": "{{ 'TRUE' }}", "i": "{{ 40 + 2 }}", "f": "{{ 3.25 }}", "l": "{{ [1, 2] | tojson }}",
+        "m": '{{ {"k": 1} | tojson }}', "s": "{{ 'plain' }}", "literal": "42"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
+                   "literal": "42"}
+
+
+def test_empty_if_blocks_are_removed_step_7_q52():
+    data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
+        "type": "llm", "config": {
+            "memory_enabled": "{% if mem %}true{% endif %}",
+            "tools": ["a", "{% if mem %}b{% endif %}"]}}}},
+        "agents": {"on": {"template": "t", "params": {"mem": "yes"}},
+                   "off": {"template": "t", "params": {"mem": "no"}}}}
+    out = _expand(data)["agents"]
+    assert out["on"]["config"] == {"memory_enabled": True, "tools": ["a", "b"]}
+    assert out["off"]["config"] == {"tools": ["a"]}
+
+
+def test_runtime_expressions_survive_phase_b_q49():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+        "type": "llm", "config": {"system_prompt":
+            "{{ d }} {% if context.x %}{{ context.x }}{% endif %} {{ message }}"}}}},
+        "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    prompt = _expand(data)["agents"]["a"]["config"]["system_prompt"]
+    assert prompt == "law {% if context.x %}{{ context.x }}{% endif %} {{ message }}"
+
+
+def test_phase_b_render_failure_is_configuration_error():
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm",
+                                            "config": {"model": "{{ nope }}"}}}},
+            "agents": {"a": {"template": "t"}}}
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand(data)
+    assert info.value.section == "8.12"
+
+
+def test_forbidden_instance_forms():
+    tpl = {"agents": {"t": {"parameters": {}, "type": "llm", "config": {}}}}
+    for agent, section in (({"agent_template": "t"}, "16.2"),
+                           ({"agent_template": "t", "template": "t"}, "16.3"),
+                           ({"template": "t", "type": "llm"}, "16.3"),
+                           ({"template": "unknown"}, "8.7")):
+        with pytest.raises(actor.ConfigurationError) as info:
+            _expand({"templates": copy.deepcopy(tpl), "agents": {"a": agent}})
+        assert info.value.section == section, agent
+    out = _expand({"templates": copy.deepcopy(tpl),
+                   "agents": {"a": {"template": "t", "type": "template_instance"}}})
+    assert out["agents"]["a"]["type"] == "llm"
+
+
+def test_route_templates_via_template_config_q54():
+    graph = {"parameters": {"who": {"type": "agent_ref", "required": True}},
+             "entry_point": "start", "nodes": {"n": {"type": "agent", "agent": "{{ who }}"}},
+             "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]}
+    base = {"templates": {"graphs": {"g": graph}}, "agents": {"x": {"type": "llm"}}}
+    out = _expand({**copy.deepcopy(base), "routes": {"main": {
+        "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert out["routes"]["main"]["type"] == "graph"
+    assert out["routes"]["main"]["nodes"]["n"]["agent"] == "x"
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "graph", "nodes": {},
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    assert info.value.section == "16.3"
+    with pytest.raises(actor.ConfigurationError):
+        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "stream",
+                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
+    with pytest.raises(actor.ConfigurationError) as info:
+        _expand({**copy.deepcopy(base), "routes": {"main": {
+            "template_config": {"template": "g", "params": {"who": "ghost"}}}}})
+    assert info.value.section == "8.7.1"
+
+
+def test_composite_scope_resolves_before_the_actor_8_7_1():
+    data = {"templates": {"agents": {"wrap": {
+        "parameters": {"inner": {"type": "agent_ref", "required": True}},
+        "type": "chain", "config": {"steps": ["{{ inner }}"]}}}},
+        "agents": {"box": {"type": "composite", "config": {
+            "components": {"agents": {"local": {"type": "llm"},
+                                      "w": {"template": "wrap", "params": {"inner": "local"}}}},
+            "routing": {"input": {"type": "agent", "name": "w"},
+                        "output": {"type": "agent", "name": "w"}}}}}}
+    out = _expand(data)
+    assert out["agents"]["box"]["config"]["components"]["agents"]["w"]["config"]["steps"] == ["local"]
+    data["agents"]["top"] = {"template": "wrap", "params": {"inner": "local"}}
+    with pytest.raises(actor.ConfigurationError):
+        _expand(data)      # `local` exists only inside the composite
+
+
+def test_template_strings_single_and_several_definitions_q53():
+    body = ("parameters:\n  n:\n    type: int\n    default: 2\n"
+            "{% for i in range(n) %}\nw{{ i }}:\n  type: llm\n{% endfor %}\n")
+    single = "parameters:\n  m:\n    type: string\ntype: llm\nconfig:\n  model: {{ m }}\n"
+    out = _expand({"template_strings": {"agents": {"team": body, "one": single}},
+                   "agents": {"t": {"template": "team", "params": {"n": "3"}},
+                              "o": {"template": "one", "params": {"m": "gpt"}}}})
+    team = out["agents"]["t"]
+    assert team["type"] == "composite"
+    assert list(team["config"]["components"]["agents"]) == ["w0", "w1", "w2"]
+    assert team["config"]["routing"]["input"]["name"] == "w0"
+    assert out["agents"]["o"] == {"type": "llm", "config": {"model": "gpt"}}
+
+
+def test_deprecated_instances_section_moves_into_agents_q55(caplog):
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm"}}},
+            "instances": {"x": {"template": "t"}}, "agents": {}}
+    assert _expand(data)["agents"]["x"] == {"type": "llm"}
+    assert "deprecated" in caplog.text
+
+
+@pytest.mark.parametrize("engine, prompt, expected", [
+    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
+     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
+    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
+])
+def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
+    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
+        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
+                                            "config": {"system_prompt": prompt}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
+
+
+def test_phase_b_in_mustache():
+    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
+                                            "type": "llm", "config": {"s": "In {{d}}"}}}},
+            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
+    assert _expand(data, "MUSTACHE")["agents"]["a"]["config"]["s"] == "In law"
+
+
+# §8.11 Runtime template rendering (Phase C) -------------------------------------------------------
+
+
+def _rt(engine="JINJA2"):
+    rt = actor.Runtime(actor.Doc({}))
+    rt.engine = engine
+    return rt
+
+
+def test_render_runtime_variables_8_11():
+    rt = _rt()
+    text = "{{ context.topic }}={{ topic }} {{ message }} {{ len(message) }}"
+    assert actor.render_runtime(rt, text, {"topic": "T"}, "hey") == "T=T hey 3"
+    assert actor.render_runtime(rt, "{{ message }}", {}, actor.Message("m")) == "m"
+
+
+def test_render_runtime_failure_warns_and_returns_literal_8_12():
+    rt = _rt()
+    text = "Hi {{ context.who.name }}"
+    assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
+    assert rt.warnings and "8.12" in rt.warnings[0]
+
+
+def test_render_runtime_mustache_partials_are_the_prompts():
+    rt = _rt("MUSTACHE")
+    rt.prompts = {"sig": "-- {{context.team}}"}
+    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
+
+
+def test_render_runtime_in_mustache_and_simple():
+    assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
+        "Hi Ada Ada"
+    assert actor.render_runtime(_rt("SIMPLE"), "Hi {u}: {message}", {"u": "Ada"}, "m") == "Hi Ada: m"
+    rt = _rt("SIMPLE")
+    assert actor.render_runtime(rt, "Hi {nobody}", {}, "m") == "Hi {nobody}" and rt.warnings
+
+
+def test_simple_expression_cannot_change_the_live_context():
+    """INTERPRETATION §8.11 (templates are read-only) holds for SIMPLE's expressions too."""
+    context = {"mode": "safe", "inner": {"k": 1}}
+    for source in ("{{ context.update({'mode': 'x'}) }}", "{{ inner.update({'k': 2}) }}",
+                   "{{ context['inner'].pop('k') }}", "{{ context.update({'_unsafe_mode': 1}) }}"):
+        with pytest.raises(actor.TemplateError, match="may not change the context"):
+            actor.render(source, actor.runtime_variables(context, "m"), "SIMPLE")
+    assert context == {"mode": "safe", "inner": {"k": 1}}
+
+
+# =====================================================================================
+# §9 ACTOR PARAMETERS
+# =====================================================================================
+
+
+# §9.2 template_engine -----------------------------------------------------------------------------
+
+
+def _mustache_spec_dir():
+    for base in (HERE, *HERE.parents):
+        folder = base / "shared" / "conformance" / "mustache-spec"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+MUSTACHE_SPEC = _mustache_spec_dir()
+
+
+MUSTACHE_REQUIRED = ("comments", "interpolation", "sections", "inverted")
+
+
+MUSTACHE_SHOULD = ("delimiters", "partials")
+
+
+def _mustache_cases():
+    cases = []
+    if MUSTACHE_SPEC is None:
+        return cases
+    for module in MUSTACHE_REQUIRED + MUSTACHE_SHOULD:
+        path = MUSTACHE_SPEC / f"{module}.json"
+        if path.exists():
+            for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
+                cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
+    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
+        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
+            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
+    return cases
+
+
+@pytest.mark.conformance
+@pytest.mark.skipif(MUSTACHE_SPEC is None, reason="shared/conformance/mustache-spec not present")
+@pytest.mark.parametrize("case", _mustache_cases())
+def test_mustache_conformance(case):
+    """The official Mustache spec data, read in place. The optional `~` modules (lambdas,
+    dynamic names, inheritance) are not read: §9.2 MUSTACHE promises none of them."""
+    got = actor.render(case["template"], case["data"], "MUSTACHE", case.get("partials"))
+    assert got == case["expected"], case["desc"]
+
+
+def test_jinja2_keeps_trailing_newline_q59():
+    assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
+    assert actor.render("plain\n\n", {}) == "plain\n\n"
+
+
+def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing }}", {})
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ missing.attr }}", {})
+    assert actor.render("{% if missing %}x{% else %}y{% endif %}", {}) == "y"
+    assert actor.render("{% if ctx.n > 5 %}x{% endif %}ok", {"ctx": {}}) == "ok"
+    assert actor.render("{{ missing | default('d') }}", {}) == "d"
+
+
+def test_jinja2_sandbox_blocks_python_internals():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
+
+
+def test_range_is_capped_in_every_dialect():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ range(10 ** 9) | list | length }}", {})
+    with pytest.raises(actor.ConfigurationError):
+        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
+    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
+
+
+def test_jinja2_compiles_each_text_once():
+    actor.jinja_template.cache_clear()
+    for _ in range(3):
+        actor.render("{{ a }}-{{ b }}", {"a": 1, "b": 2})
+    info = actor.jinja_template.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_builtins_of_8_3_table():
+    text = ("{{ range(3) | list }} {{ len('abc') }} {{ enumerate('ab') | list }} "
+            "{{ zip([1, 2], 'ab') | list }} {{ min(3, 1) }} {{ max([3, 9]) }} {{ sum([1, 2]) }} "
+            "{{ abs(-2) }} {{ round(2.6) }} {{ int('7') }} {{ float('1.5') }} {{ str(3) }} "
+            "{{ bool(0) }} {{ list('ab') }} {{ dict(a=1) }}")
+    assert actor.render(text, {}) == ("[0, 1, 2] 3 [(0, 'a'), (1, 'b')] [(1, 'a'), (2, 'b')] 1 9 3 "
+                                     "2 3 7 1.5 3 False ['a', 'b'] {'a': 1}")
+
+
+def test_filter_tojson_is_single_line_plain_json_q58():
+    out = actor.render("{{ v | tojson }}", {"v": {"a": "<b> & 'c'", "n": [1, None]}})
+    assert out == '{"a": "<b> & \'c\'", "n": [1, null]}'
+    assert actor.render("{{ v | yaml }}", {"v": "x"}) == '"x"'
+    assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
+
+
+def test_filter_indent_indents_every_line_q57():
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "  a\n  b\n  \n  c"
+    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n"}) == "  a\n  b\n"
+    assert actor.render("{{ t | indent(2, false, false) }}", {"t": "a\n\nb"}) == "a\n\n  b"
+    assert actor.filter_indent("x", "> ") == "> x"
+
+
+def test_filter_sum_attribute_and_selectattr_operators():
+    items = [{"n": "a", "v": 1}, {"n": "b", "v": 2}, {"n": "c", "v": 3}]
+    assert actor.render("{{ items | sum('v') }}", {"items": items}) == "6"
+    assert actor.render("{{ items | sum(attribute='v') }}", {"items": items}) == "6"
+    expected = {"==": "b", "!=": "ac", ">": "c", "<": "a", ">=": "bc", "<=": "ab"}
+    for op, names in expected.items():
+        text = "{% for i in items | selectattr('v', '" + op + "', 2) %}{{ i.n }}{% endfor %}"
+        assert actor.render(text, {"items": items}) == names, op
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ items | selectattr('v', '~', 2) | list }}", {"items": items})
+
+
+def test_filter_default_treats_none_as_missing_q56():
+    assert actor.render("{{ v | default('x') }}", {"v": None}) == "x"
+    assert actor.render("{{ v | default('x') }}", {"v": ""}) == ""
+    assert actor.render("{{ v | default('x', true) }}", {"v": ""}) == "x"
+
+
+def test_filter_length_split_and_standard_filters():
+    assert actor.render("{{ 'a,b' | split(',') | length }}", {}) == "2"
+    assert actor.render("{{ 'a b' | split }}", {}) == "['a', 'b']"
+    assert actor.render("{{ ' Hi ' | trim | upper }} {{ ['a', 'b'] | join('+') }}", {}) == "HI a+b"
+
+
+def test_render_rejects_unknown_engine_and_non_mapping_variables():
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", {}, engine="ERB")
+    with pytest.raises(actor.TemplateError):
+        actor.render("x", ["a"], engine="JINJA2")
+    assert actor.render("{{ n }}", {"n": 1}, engine="jinja2") == "1"
+
+
+def test_mustache_core_forms():
+    data = {"name": "<b>", "a": {"b": {"c": "deep"}}, "items": [1, 2], "no": False,
+            "person": {"first": "Ada"}}
+    text = ("{{name}}|{{{name}}}|{{& name}}|{{a.b.c}}|{{#items}}[{{.}}]{{/items}}|"
+            "{{^no}}none{{/no}}|{{#person}}{{first}}{{/person}}|{{! comment }}end")
+    assert actor.render(text, data, "MUSTACHE") == (
+        "&lt;b&gt;|<b>|<b>|deep|[1][2]|none|Ada|end")
+
+
+def test_mustache_root_may_be_any_value():
+    assert actor.render("{{#.}}<{{.}}>{{/.}}", ["x", "y"], "MUSTACHE") == "<x><y>"
+    assert actor.render("{{.}}!", "hi", "MUSTACHE") == "hi!"
+
+
+def test_mustache_standalone_lines_delimiters_and_partials():
+    text = "begin\n  {{#show}}\n  line\n  {{/show}}\n{{=<% %>=}}\n<% x %>\n  <%> part %>\nend"
+    out = actor.render(text, {"show": True, "x": 1, "y": 2}, "MUSTACHE",
+                       partials={"part": "p{{y}}\nq\n"})
+    assert out == "begin\n  line\n1\n  p2\n  q\nend"
+
+
+def test_mustache_errors_are_template_errors():
+    for text in ("{{#a}}open", "{{/a}}", "{{name", "{{=<% =}}"):
+        with pytest.raises(actor.TemplateError):
+            actor.render(text, {"a": 1}, "MUSTACHE")
+
+
+def test_simple_format_pass_and_unknown_names():
+    variables = {"name": "Ada", "team": {"city": "Rome", "zip": [1, 2]}}
+    assert actor.render("Hi {name} of {team[city]}, {team.zip[1]}", variables, "SIMPLE") == \
+        "Hi Ada of Rome, 2"
+    with pytest.raises(actor.TemplateError, match="unknown name"):
+        actor.render("Hi {nobody}", {}, "SIMPLE")
+    with pytest.raises(actor.TemplateError):
+        actor.render("{name.__class__}", {"name": "x"}, "SIMPLE")
+
+
+@pytest.mark.skipif(not hasattr(actor, "eval_expression_text"),
+                    reason="needs the sandbox's eval_expression_text (§13.2.2)")
+def test_simple_expression_pass_uses_the_expression_sandbox():
+    assert actor.render("{{ n * 2 }} and {n}", {"n": 21}, "SIMPLE") == "42 and 21"
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ __import__('os') }}", {}, "SIMPLE")
+
+
+def test_simple_expressions_use_the_sandbox_builtins_not_the_template_ones():
+    """§9.2 SIMPLE: the §8.3 callables in the rendering context are not the expression's."""
+    variables = actor.runtime_variables({"n": 2}, "m")
+    assert actor.render("{{ sum([n, 3]) }}", variables, "SIMPLE") == "5"
+    with pytest.raises(actor.TemplateError, match="NameError"):
+        actor.render("{{ range(3) }}", variables, "SIMPLE")
+
+
+# =====================================================================================
+# §10 CONTEXT
+# =====================================================================================
+
+
+# §10.3 Reserved context keys ----------------------------------------------------------------------
+
+
+# T2 -- the host-only context keys (§10.3): refused as they are written, whatever writes them.
+def test_context_view_reads_writes_and_overlay():
+    base, data = {"a": 1, "shared": "base"}, {"shared": "call", "nested": {"k": 1}}
+    view = actor.ContextView(data, base)
+    assert view["a"] == 1 and view["shared"] == "call" and sorted(view) == ["a", "nested", "shared"]
+    assert len(view) == 3 and "a" in view and view.get("missing") is None
+    view["b"] = 2
+    view["nested"]["k"] = 5
+    del view["shared"]
+    assert data == {"nested": {"k": 5}, "b": 2} and base == {"a": 1, "shared": "base"}
+    view["copy"] = view["nested"]          # a view never lands in the host's data
+    assert type(data["copy"]) is dict and data["copy"] is data["nested"]
+    assert view == {"a": 1, "shared": "base", "nested": {"k": 5}, "b": 2, "copy": {"k": 5}}
+    assert actor.run_code(actor.compile_code(
+        "result = (isinstance(context, dict), type(context) is dict, json.dumps(context),"
+        " dict(context))"), sandbox_vars(context={"x": {"y": 1}}))["result"] == (
+        True, True, '{"x": {"y": 1}}', {"x": {"y": 1}})
+
+
+# =====================================================================================
+# §11 VALIDATION RULES
+# =====================================================================================
+
+
+# The build steps of §12.1 (agents, graph routes, the stream network, a composite's components):
+# nothing they run may reject the configuration or warn about it; the check pass (validate_document
+# and what it calls) has said everything there is to say before the first of them starts.
+def _build_codes():
+    return {actor.make_agent.__code__, actor.GraphRoute.__init__.__code__,
+            actor.StreamNetwork.__init__.__code__, actor.CompositeAgent._build.__code__}
+
+
+class _Loaded(actor.ActorError):
+    """Stops a vector once loaded: the steps run no build code."""
+
+
+def _build_complaints(vectors, monkeypatch):
+    """Load each vector as the harness does (composites wired too); returns the errors and
+    warnings that came from inside a build step, as 'vector: what (where)' lines."""
+    codes, found, current = _build_codes(), [], [None]
+
+    def inside_build(frame):
+        while frame is not None:
+            if frame.f_code in codes:
+                return frame.f_code.co_name
+            frame = frame.f_back
+        return None
+
+    real_warn, real_start = actor.warn, actor.start_actor
+
+    def spy_warn(rt, message, **kwargs):
+        step = inside_build(sys._getframe(1))
+        if step:
+            found.append(f"{current[0]}: warning {message!r} (in {step})")
+        return real_warn(rt, message, **kwargs)
+
+    def wire(agents):
+        for agent in list(agents.values()):
+            if isinstance(agent, actor.CompositeAgent):
+                agent._build()
+                wire(agent.local_agents)
+
+    def start(*args, **kwargs):
+        try:
+            loaded = real_start(*args, **kwargs)
+            wire(loaded.rt.agents)
+        except actor.ActorError as exc:
+            tb, frames = exc.__traceback__, []
+            while tb is not None:
+                frames.append(tb.tb_frame)
+                tb = tb.tb_next
+            step = next((f.f_code.co_name for f in frames if f.f_code in codes), None)
+            if step:
+                found.append(f"{current[0]}: {exc.category} {exc.message!r} (in {step})")
+            raise
+        raise _Loaded("loaded")
+
+    monkeypatch.setattr(actor, "warn", spy_warn)
+    monkeypatch.setattr(actor, "start_actor", start)
+    for path in vectors:
+        current[0] = path.stem
+        actor.observe_vector(actor.read_vector(path))
+    return found
+
+
+def test_build_steps_never_reject_or_warn_about_a_vector_configuration(monkeypatch):
+    """Issue 14: every vector's configuration is judged by the check pass alone; agent, graph,
+    network and composite construction take it as checked (no error, no warning from them)."""
+    assert not _build_complaints(VECTOR_FILES, monkeypatch)
+
+
+def test_build_complaints_are_caught(monkeypatch):
+    """The detector above sees a check left in a constructor, and a warning given there."""
+    llm = [VECTOR_DIR / "04-llm" / "reject-llm-temperature-out-of-range.yaml"]
+    real_init = actor.LLMAgent.__init__
+
+    def rechecks(self, name, cfg, rt, path):
+        real_init(self, name, cfg, rt, path)
+        rt.warn("a constructor's own opinion", section="4.4", path=path)
+        raise rt.doc.error(actor.ConfigurationError, path, "a constructor's own rule", "4.4")
+
+    monkeypatch.setattr(actor.LLMAgent, "__init__", rechecks)
+    assert _build_complaints(llm, monkeypatch) == []           # refused before any construction
+    fine = [VECTOR_DIR / "spec-examples" / "8.11-runtime-system-prompt.yaml"]
+    assert [line.split(" ", 2)[1] for line in _build_complaints(fine, monkeypatch)] == \
+        ["warning", "ConfigurationError"]
+
+
+def _field_error(cfg, table, **kwargs):
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.check_fields(actor.Doc({}), cfg, table, ("here",), **kwargs)
+    return info.value
+
+
+def test_field_rows_say_what_is_required_and_what_a_value_must_be():
+    table = actor.fields_by_name(
+        actor.Field("name", actor.STRING, actor.REQUIRED, "6.2.2"),
+        actor.Field("delay", actor.SECONDS, 1.0, "6.2.2"),
+        actor.Field("label", actor.STRING, None, "6.4"))
+    actor.check_fields(actor.Doc({}), {"name": "a", "delay": 0, "label": None}, table, ("here",))
+    err = _field_error({}, table)
+    assert (err.path, err.section) == ("here.name", "6.2.2") and "required" in err.message
+    err = _field_error({"name": "a", "delay": -1}, table)
+    assert (err.path, err.section) == ("here.delay", "6.2.2")
+    assert err.message == "delay must be " + actor.SECONDS.wording
+    err = _field_error({"name": "a", "delay": None}, table)      # null is no number here
+    assert err.path == "here.delay"
+    actor.check_fields(actor.Doc({}), {"name": "a", "delay": None}, table, ("here",),
+                       null_is_default=True)                       # the §4 agent tables' reading
+    assert _field_error({"name": 1}, table).message == "name must be a string"
+
+
+@pytest.mark.parametrize("constraint, good, bad", [
+    (actor.SECONDS, [0, 2.5], [-1, float("nan"), float("inf"), True, "1"]),
+    (actor.POSITIVE_SECONDS, [0.1, 3], [0, -1, False]),
+    (actor.NON_NEGATIVE_INT, [0, 7, 10 ** 30], [-1, 1.0, True]),
+    (actor.POSITIVE_INT, [1], [0, 2.0]),
+    (actor.TEMPERATURE, [0, 2, 0.7], [2.01, -0.1, float("nan"), True]),
+])
+def test_shared_constraints(constraint, good, bad):
+    assert all(constraint.test(value) for value in good)
+    assert not any(constraint.test(value) for value in bad)
+
+
+def test_impl_protocol_agrees_with_in_process(tmp_path):
+    """--impl "python actor.py --run-vector" passes exactly what --vectors passes (sampled)."""
+    sample = [p for p in VECTOR_FILES if p.parent.name in ("03-document", "14-env")][:12]
+    assert sample
+    out_a, out_b = io.StringIO(), io.StringIO()
+    a = actor.run_vectors(sample, out=out_a)
+    b = actor.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
+                          out=out_b)
+    assert a == b, out_a.getvalue() + out_b.getvalue()
+
+
+def test_judge_deep_subset_rules():
+    assert actor.subset({"a": 1}, {"a": 1.0, "b": 2})
+    assert not actor.subset({"a": "1"}, {"a": 1})
+    assert not actor.subset({"a": True}, {"a": "true"})
+    assert not actor.subset({"a": True}, {"a": 1})
+    assert not actor.subset([1, 2], [1, 2, 3])
+    assert actor.subset([{"x": 1}], [{"x": 1, "y": 2}])
+    assert actor.same([], [])
+    assert not actor.same([], ["x"])
+
+
+def test_harness_reports_failures_and_summary(tmp_path):
+    bad = tmp_path / "bad-expectation.yaml"
+    bad.write_text((VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
+                   .replace("name: minimal-valid-actor", "name: bad-expectation")
+                   .replace("ChainAgent processed: hi->tagged", "something else"))
+    out = io.StringIO()
+    assert actor.run_vectors([bad], out=out) == (0, 1)
+    text = out.getvalue()
+    assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
+
+
+def _extension_vectors():
+    """Our vectors that use each format extension (vectors/README.md)."""
+    found = {}
+    for path in VECTOR_FILES:
+        for name in actor.vector_extensions(actor.read_vector(path)):
+            found.setdefault(name, []).append(path)
+    return found
+
+
+def test_every_format_extension_has_a_vector():
+    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
+
+
+def _mutated(vector, step, key, value):
+    vector = copy.deepcopy(vector)
+    if step is None:
+        vector[key] = value
+    else:
+        vector["steps"][step][key] = value
+    return vector
+
+
+@pytest.mark.parametrize("stem, step, key, value", [
+    ("warn-unknown-top-level-section", None, "warnings", [{"section": "3.3"}]),
+    ("warn-unknown-top-level-section", 0, "warnings", [{"section": "3.2"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", [{"section": "6.8"}, {"section": "6.8"}]),
+    ("guard-recursion-bound-warns", 0, "warnings", []),
+    ("describe-tool-agent-metadata", 0, "describe", {"agents": {"calc": {"type": "llm"}}}),
+    ("describe-tool-agent-metadata", 0, "describe",
+     {"agents": {"calc": {"capabilities": ["tool-execution"]}}}),
+    ("send-target-enters-named-route", 1, "target", "via_input"),
+    ("send-after-input-completes-raises", 2, "raises", "ExecutionError"),
+    ("send-after-input-completes-raises", 1, "raises", "StreamRoutingError"),
+    ("checkpoint-written-every-ten-state-updates", 8, "files_matching",
+     {"ck/checkpoint_*.json": 1}),
+    ("graph-rewind-returns-earlier-state", 2, "rewind", {"graph": "main", "steps": 1}),
+    ("graph-restore-returns-checkpointed-state", 2, "advance", 0),
+    ("debounce-capped-in-single-shot-run", None, "host", {"single_shot": False}),
+])
+def test_each_format_extension_can_fail(stem, step, key, value):
+    """Each extension is judged: the vector passes as written, and fails once the expectation (or
+    the action) is changed."""
+    path = next(p for p in VECTOR_FILES if p.stem == stem)
+    vector = actor.read_vector(path)
+    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
+    bad = _mutated(vector, step, key, value)
+    if key == "advance":
+        del bad["steps"][step]["restore"]
+    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
+
+
+def test_describe_capabilities_compare_as_sets():
+    got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
+    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
+    assert not actor.describe_matches({"agents": {"b": {}}}, got)
+
+
+def test_lint_rejects_malformed_extensions():
+    base = {"name": "n", "spec": ["5.1"], "description": "d", "config": {}}
+    bad_steps = [
+        {"send": "x", "target": 3, "outputs": []},
+        {"advance": 1, "target": "r", "outputs": []},
+        {"rewind": {"graph": "g", "steps": "2"}, "outputs": []},
+        {"rewind": "g", "outputs": []},
+        {"restore": {}, "outputs": []},
+        {"send": "x", "raises": "Oops"},
+        {"send": "x", "files_matching": {"*": "1"}},
+        {"send": "x", "warnings": [{"section": 3.2}]},
+        {"send": "x", "warnings": [{"text": "y"}]},
+        {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
+    ]
+    for step in bad_steps:
+        errors, _ = actor.lint_vector({**base, "steps": [step]})
+        assert errors, step
+    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
+        {"send": "x", "outputs": []}]})
+    assert errors
+    good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
+        {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
+        {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
+        {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
+    assert actor.lint_vector(good) == ([], [])
+
+
+def _write_impl_without_extensions(tmp_path):
+    """An --impl that reports like actor.py but lists no extension (an older implementation)."""
+    script = tmp_path / "older_impl.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import actor\n"
+        "report = actor.observe_vector(json.load(sys.stdin))\n"
+        "report.pop('extensions')\n"
+        "print(json.dumps(report))\n")
+    return f'"{sys.executable}" "{script}"'
+
+
+def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
+    found = _extension_vectors()
+    sample = [found["rewind"][0], found["single_shot"][0],
+              VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
+    out = io.StringIO()
+    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
+                             out=out) == (1, 0)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("SKIP") and "rewind" in lines[0]
+    assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
+    assert lines[2].startswith("PASS") and lines[-1] == "1 passed, 0 failed, 2 skipped"
+
+
+def _vector_folder(tmp_path):
+    """A folder of three vectors: two pass, one fails, one of them prints from inline code."""
+    folder = tmp_path / "vs"
+    folder.mkdir()
+    good = (VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml").read_text()
+    (folder / "minimal-valid-actor.yaml").write_text(good)
+    (folder / "bad-expectation.yaml").write_text(
+        good.replace("name: minimal-valid-actor", "name: bad-expectation")
+        .replace("ChainAgent processed: hi->tagged", "something else"))
+    (folder / "inline-print.yaml").write_text("""name: inline-print
+spec: ['4.5.2']
+description: Inline code prints while answering.
+host: {unsafe: true}
+config:
+  agents:
+    t: {type: tool, config: {tools: [{name: run, code: "print('NOISE-42')\\nresult = input_data"}]}}
+  routes: {main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}}
+  merges: [{sources: [__input__], target: main}]
+steps:
+- send: hi
+  outputs: [hi]
+""")
+    return folder
+
+
+def test_cli_vectors_json_report_in_parallel(tmp_path):
+    """--impl with -j 3 and --json: one object per vector in file order, verdicts, what was
+    expected and observed; inline print output lands in the report, not on the runner's stderr."""
+    folder = _vector_folder(tmp_path)
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    r = run_cli("--vectors", str(folder), "--impl", impl, "-j", "3", "--json")
+    assert r.returncode == 1 and "NOISE-42" not in r.stderr and "Traceback" not in r.stderr
+    report = json.loads(r.stdout)
+    assert (report["passed"], report["failed"], report["skipped"]) == (2, 1, 0)
+    by_name = {v["name"]: v for v in report["vectors"]}
+    assert [v["name"] for v in report["vectors"]] == [
+        "bad-expectation", "inline-print", "minimal-valid-actor"]
+    bad = by_name["bad-expectation"]
+    assert bad["verdict"] == "fail" and bad["sections"] == ["3.3", "5.3.4", "7.1"]
+    assert bad["expected"]["steps"][0]["outputs"] == ["something else"]
+    assert bad["observed"]["steps"][0]["outputs"] == ["ChainAgent processed: hi->tagged"]
+    assert bad["failures"][0]["field"] == "outputs"
+    assert "NOISE-42" in by_name["inline-print"]["observed"]["stderr"]
+    assert by_name["minimal-valid-actor"]["verdict"] == "pass"
+
+
+def test_cli_vectors_in_process_capture_print_output(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder / "inline-print.yaml"))
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.splitlines()[-1] == "1 passed, 0 failed"
+
+
+def test_cli_vectors_list_only_skip(tmp_path):
+    folder = _vector_folder(tmp_path)
+    r = run_cli("--vectors", str(folder), "--list")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
+    assert "minimal-valid-actor.yaml  [§3.3, §5.3.4, §7.1]" in r.stdout
+    r = run_cli("--vectors", str(folder), "--list", "--only", "*-print", "--only", "minimal-*")
+    assert [Path(line.split()[0]).stem for line in r.stdout.splitlines()] == [
+        "inline-print", "minimal-valid-actor"]
+    r = run_cli("--vectors", str(folder), "--skip", "bad-*")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed"
+    r = run_cli("--vectors", str(tmp_path), "--only", "vs/bad-*")
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "0 passed, 1 failed"
+
+
+def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
+    """The command line raises the recursion limit only to run (long route chains), never to load:
+    through --run-vector and --check a document nested 3,000 deep is refused as by the API."""
+    sample = [p for p in VECTOR_FILES if p.stem.startswith("reject-too-deep-nesting")]
+    assert len(sample) == 2
+    out = io.StringIO()
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
+                    "routes: {m: {type: stream}}\n")
+    r = run_cli("--check", str(deep))
+    assert r.returncode == 2 and "ConfigurationError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        r = run_cli("--vectors", str(path))
+        assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
+
+
+def _interpretation_entries():
+    """vectors/INTERPRETATIONS.md as {id: (heading, pinned-by text)}."""
+    text = (VECTOR_DIR / "INTERPRETATIONS.md").read_text(encoding="utf-8")
+    entries = {}
+    for m in re.finditer(r"^### (I-\d{3})\b([^\n]*)\n(.*?)(?=^#{2,3} |\Z)", text, re.S | re.M):
+        iid, heading, body = m.groups()
+        assert iid not in entries, f"{iid} twice"
+        pinned = re.search(r"^- \*\*Pinned by:\*\* (.*)$", body, re.M)
+        assert pinned, f"{iid} has no 'Pinned by' line"
+        entries[iid] = (heading, pinned.group(1))
+    return entries
+
+
+def test_interpretations_are_linked():
+    """STYLE §11: each decision has one id, shared by vectors/INTERPRETATIONS.md, the code's
+    INTERPRETATION tag and the vectors that pin it. Every id in the code has an entry, every entry
+    is used by a code tag and names at least one existing vector or test function, each vector
+    an entry names carries its id, and every vector's `interpretation` id exists."""
+    entries = _interpretation_entries()
+    assert len(entries) > 150
+    ids = sorted(entries)
+    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
+    src = (HERE / "actor.py").read_text(encoding="utf-8")
+    untagged = [line.strip() for line in src.splitlines()
+                if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
+    assert not untagged, f"INTERPRETATION without an id: {untagged}"
+    tagged = re.findall(r"INTERPRETATION (I-\d{3}(?:, I-\d{3})*) §", src)
+    assert len(tagged) == len(re.findall(r"\bINTERPRETATION\b", src)), \
+        "every tag is `INTERPRETATION I-nnn §x.y`"
+    in_code = {i for group in tagged for i in group.split(", ")}
+    assert sorted(in_code - set(entries)) == [], "ids in actor.py with no entry"
+    assert sorted(set(entries) - in_code) == [], "entries no INTERPRETATION tag uses"
+    test_names = set(re.findall(r"^def (test_\w+)", (HERE / "test_actor.py").read_text(
+        encoding="utf-8"), re.M))
+    carried = {}
+    for path in VECTOR_DIR.rglob("*.yaml"):
+        value = actor.parse_yaml(path.read_text(encoding="utf-8"), str(path))[0].get(
+            "interpretation")
+        carried[path.relative_to(VECTOR_DIR).with_suffix("").as_posix()] = (
+            [] if value is None else [value] if isinstance(value, str) else value)
+    unknown = {v: i for v, i in carried.items() if set(i) - set(entries)}
+    assert not unknown, f"vectors naming no entry: {unknown}"
+    problems = []
+    for iid, (heading, pinned) in entries.items():
+        vectors = re.findall(r"`([0-9a-z][\w.-]*/[\w.-]+?)(?:\.yaml)?`", pinned)
+        tests = re.findall(r"\b(test_[\w*]+)", pinned)
+        if not vectors and not tests:
+            problems.append(f"{iid}: pinned by nothing")
+        problems += [f"{iid}: no vector {v}" for v in vectors if v not in carried]
+        problems += [f"{iid}: {v} lacks `interpretation: {iid}`" for v in vectors
+                     if v in carried and iid not in carried[v]]
+        problems += [f"{iid}: no test {t}" for t in tests
+                     if not any(re.fullmatch(t.replace("*", r"\w*"), n) for n in test_names)]
+    assert not problems, problems
+
+
+# =====================================================================================
+# §12 RUNTIME BEHAVIOR
+# =====================================================================================
+
+
+# §12.1 Lifecycle ----------------------------------------------------------------------------------
+
+
+def test_close_disposes_subscriptions():
+    """§12.1 step 8: after close() nothing reaches the host hooks."""
+    net, outputs, _, _ = _stream_net(_main([]), merges=_FROM_INPUT)
+    net.close()
+    net.send("x")
+    assert outputs == []
+
+
+def test_concurrency_close_does_not_wait_for_a_timed_out_composite_call():
+    """§12.1 step 8: close() returns while a timed-out composite call still holds the composite;
+    the call, released later, ends on its own."""
+    before = set(threading.enumerate())
+    a = actor.load(text="""
+agents:
+  w: {type: llm, config: {provider: fake}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:
+            nodes: {n: {type: agent, agent: w}}
+            edges: [{source: start, target: n}, {source: n, target: end}]
+      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
+routes:
+  main:
+    type: graph
+    nodes: {a: {type: agent, agent: c, timeout: 0.1, retry_policy: {max_retries: 0}}}
+    edges: [{source: start, target: a}, {source: a, target: end}]
+merges: [{sources: [__input__], target: main}]
+""")
+    transport = a.rt.llm_transport = _GateTransport(slow="w")
+    assert "timed out" in a.send("hi").errors[0].content
+    closer = threading.Thread(target=a.close, daemon=True)
+    closer.start()
+    closer.join(1)
+    closed = not closer.is_alive()
+    transport.release.set()
+    _join_new_threads(before)
+    assert closed
+
+
+def test_concurrency_close_stops_every_graph_worker():
+    """§12.1 step 8: after close() the worker threads of every graph end, a composite's own graph
+    included (none is left behind)."""
+    fan = """
+            nodes: {p: {type: agent, agent: p, parallel: true}, q: {type: agent, agent: q,
+                    parallel: true}}
+            edges: [{source: start, target: p}, {source: start, target: q},
+                    {source: p, target: end}, {source: q, target: end}]"""
+    a = actor.load(text=f"""
+agents:
+  p: {{type: chain}}
+  q: {{type: chain}}
+  c:
+    type: composite
+    config:
+      components:
+        graphs:
+          g:{fan}
+      routing: {{input: {{type: graph, name: g}}, output: {{type: graph, name: g}}}}
+routes:
+  main:
+    type: graph
+    nodes: {{p: {{type: agent, agent: c, parallel: true}}, q: {{type: agent, agent: q, parallel: true}}}}
+    edges: [{{source: start, target: p}}, {{source: start, target: q}},
+            {{source: p, target: end}}, {{source: q, target: end}}]
+merges: [{{sources: [__input__], target: main}}]
+""")
+    assert len(a.send("x").outputs) == 1
+    composite = a.rt.agents["c"]
+    workers = list(a.rt.graphs["main"]._pool._threads) \
+        + list(composite.inner.graphs["g"]._pool._threads)
+    assert any(w.name.startswith("graph-g") for w in workers)
+    a.close()
+    for worker in workers:
+        worker.join(2)
+    assert not any(worker.is_alive() for worker in workers)
+
+
+# §12.2 Message flow -------------------------------------------------------------------------------
+
+
+def test_stream_with_one_observer_rewires_when_another_subscribes():
+    """The single-observer shortcut of Stream.next gives way to fan-out, in order (§12.2.2)."""
+    stream, seen = actor.Stream("s"), []
+    stream.subscribe(lambda msg: seen.append(("a", msg.content)))
+    stream.next(actor.Message(1))
+    stream.subscribe(lambda msg: seen.append(("b", msg.content)))
+    stream.next(actor.Message(2))
+    stream.dispose()
+    stream.next(actor.Message(3))
+    assert seen == [("a", 1), ("a", 2), ("b", 2)]
+
+
+# §12.2.3 Error handling ---------------------------------------------------------------------------
+
+
+def test_error_message_is_one_per_failure_and_stream_continues():
+    """§12.2.3 (Q92, Q93): one __error__ message per failure; the next message still flows."""
+    def fn(content, ctx):
+        if content == "bad":
+            raise actor.ExecutionError("it broke")
+        return content
+    net, outputs, errors, _ = _stream_net(
+        _main([{"type": "map", "params": {"agent": "a"}}, {"type": "catch", "params": {}}]),
+        agents=[_FakeAgent("a", fn)], merges=_FROM_INPUT)
+    net.send("bad")
+    net.send("good")
+    assert [m.content for m in outputs] == ["good"]
+    assert [(m.content, m.metadata["error"], m.metadata["error_type"]) for m in errors] == [
+        ("Error: it broke", True, "ExecutionError")]
+    assert errors[0].source_stream == "main"
+
+
+# §12.2.4 Timeouts ---------------------------------------------------------------------------------
+
+
+def test_agent_mapper_soft_timeout_in_single_shot_runs(monkeypatch):
+    """§12.2.4: a single-shot run bounds each agent call by the soft timeout (an ExecutionError)."""
+    monkeypatch.setattr(actor, "SOFT_TIMEOUT", 0.05)
+    slow = _FakeAgent("slow", lambda content, ctx: time.sleep(0.2) or "late")
+    net, outputs, errors, rt = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
+                                           agents=[slow], merges=_FROM_INPUT,
+                                           clock=actor.RealClock())
+    rt.single_shot = True
+    net.send("x")
+    assert [m.content for m in outputs] == [actor.SOFT_TIMEOUT_TEXT]
+    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
+    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+def test_settle_reports_soft_timeout():
+    """§12.2.4: waiting beyond the soft bound signals an ExecutionError on __error__."""
+    net, outputs, errors, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 60}}]),
+                                          merges=_FROM_INPUT, clock=actor.RealClock())
+    net.send("x")
+    net.settle(timeout=0.01)
+    assert outputs == [] and errors[0].metadata["error_type"] == "ExecutionError"
+
+
+# §12.4 Tool command processing in outputs ---------------------------------------------------------
+
+
+@pytest.fixture
+def fake_tools(monkeypatch):
+    calls = []
+
+    def run(rt, name, args, ctx, agent=None):
+        calls.append((name, args))
+        if name == "json_parse":
+            raise actor.ExecutionError("tool failed")
+        return f"<{name}:{args.get('text', '')}>"
+
+    monkeypatch.setattr(actor, "run_builtin_tool", run, raising=False)
+    monkeypatch.setattr(actor, "BUILTIN_TOOLS", {"echo": run, "math": run, "json_parse": run,
+                                                 "shell": run}, raising=False)
+    return calls
+
+
+def test_tool_blocks_reverse_order_and_multiline(fake_tools):
+    text = ('A [TOOL_EXECUTE:echo] {"text": "one"} [/TOOL_EXECUTE] B '
+            '[TOOL_EXECUTE:math]\n{\n  "text": "two"\n}\n[/TOOL_EXECUTE] C')
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo", "math"], {})
+    assert out == "A <echo:one> B <math:two> C"
+    assert [name for name, _ in fake_tools] == ["math", "echo"]
+
+
+def test_tool_block_sanitising(fake_tools):
+    text = '[TOOL_EXECUTE:echo] {"text": "line1\nline2\t\\section "quoted" end"} [/TOOL_EXECUTE]'
+    out = actor.process_tool_blocks(_llm_rt(), text, ["echo"], {})
+    assert out == '<echo:line1\nline2\t\\section "quoted" end>'
+    assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
+
+
+def test_tool_block_errors_substituted(fake_tools):
+    rt = _llm_rt()
+    out = actor.process_tool_blocks(rt, "[TOOL_EXECUTE:echo] {broken [/TOOL_EXECUTE]", ["echo"], {})
+    assert out.startswith("Error executing tool 'echo': invalid JSON")
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:math] {"text": "1"} [/TOOL_EXECUTE]',
+                                    ["echo"], {})
+    assert out == "Error executing tool 'math': the tool is not allowed for this agent"
+    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:json_parse] {} [/TOOL_EXECUTE]!',
+                                    ["json_parse"], {})
+    assert out == "Error executing tool 'json_parse': tool failed!"
+    assert actor.process_tool_blocks(rt, '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]', ["echo"], {}) \
+        == '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]'
+
+
+def test_tool_execute_is_opt_in_and_checked(fake_tools, llm_render):
+    reply = '[TOOL_EXECUTE:echo] {"text": "x"} [/TOOL_EXECUTE]'
+    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [reply], "b": [reply]}))
+    assert _llm_agent({}, rt).invoke("q", {}) == reply
+    agent = _llm_agent({"tool_execute": True, "tools": ["echo"]}, rt, name="b")
+    assert agent.invoke("q", {}) == "<echo:x>" and "tool-execution" in agent.capabilities
+    for config in ({"tool_execute": True}, {"tool_execute": True, "tools": ["nope"]},
+                   {"tool_execute": True, "tools": ["shell"]}):
+        with pytest.raises(actor.ConfigurationError):
+            _llm_agent(config, rt, name="c")
+
+
+# §12.5 Routing prefix conventions -----------------------------------------------------------------
+
+
+def test_host_extends_routing_prefixes():
+    """§12.5: the host may extend the list of prefixes stripped from __output__."""
+    text = ("agents: {a: {type: chain}}\nroutes: {m: {type: stream, publications: [__output__]}}\n"
+            "merges: [{sources: [__input__], target: m}]\n")
+    plain = actor.load(text=text)
+    assert [m.content for m in plain.send("NOTE: hi").outputs] == ["NOTE: hi"]
+    assert [m.content for m in plain.send("GOTO_X: hi").outputs] == ["hi"]
+    extended = actor.load(text=text, routing_prefixes=["NOTE:"])
+    assert [m.content for m in extended.send("NOTE: hi").outputs] == ["hi"]
+
+
+def test_routing_prefixes_can_be_extended_by_the_host():
+    """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
+    assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
+    assert actor.strip_routing_prefix("SET_topic:AI") == "AI"
+    assert actor.strip_routing_prefix("FINAL: x") == "FINAL: x"
+    assert actor.strip_routing_prefix("FINAL: x", ["FINAL:"]) == "x"
+    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
+        "transform": {"type": "format", "template": "FINAL: {content}"}}}]), "merges": _FROM_INPUT})
+    rt = actor.Runtime(doc)
+    rt.routing_prefixes = ["FINAL:"]
+    net = actor.StreamNetwork(rt)
+    outputs = []
+    net.on_output(outputs.append)
+    net.send("done")
+    assert [m.content for m in outputs] == ["done"]
+
+
+# §12.6 Loop detection in stream routes ------------------------------------------------------------
+
+
+def test_error_feedback_loop_is_cut():
+    """§12.6: an __error__ handler that fails again reaches the host once, without recursion."""
+    def fail(content, ctx):
+        raise ValueError("again")
+    net, _, errors, rt = _stream_net(
+        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]},
+         "handler": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]}},
+        agents=[_FakeAgent("a", fail)],
+        merges=[{"sources": ["__input__"], "target": "main"},
+                {"sources": ["__error__"], "target": "handler"}])
+    net.send("x")
+    assert [m.content for m in errors] == ["Error: again", "Error: again"]
+    assert any("feedback loop" in w for w in rt.warnings)
+
+
+def test_flow_deeper_than_the_stack_is_one_stream_routing_error():
+    """§12.6 (Q25): a take-bounded cycle loads; one whose count outruns the Python stack stops with
+    a single StreamRoutingError on __error__ instead of a RecursionError out of send()."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  a: {type: stream, operators: [{type: take, params: {count: %d}}], publications: [b, __output__]}
+  b: {type: stream, operators: [{type: map, params: {agent: e}}], publications: [a]}
+merges: [{sources: [__input__], target: a}]
+"""
+    with actor.load(text=text % 4) as team:
+        assert [m.content for m in team.send("x").outputs] == ["x"] * 4
+    with actor.load(text=text % 100000) as team:
+        result = team.send("x")
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
+    # a chain of 3000 routes loads (the cycle check and the completion order use no recursion);
+    # a timer that feeds it reports the same way from advance()
+    chain = "\n".join(f"  r{i}: {{type: stream, publications: [r{i + 1}]}}" for i in range(1, 3000))
+    with actor.load(text=f"""\
+agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
+routes:
+  r0: {{type: stream, operators: [{{type: delay, params: {{duration: 1}}}}], publications: [r1]}}
+{chain}
+  r3000: {{type: stream, publications: [__output__]}}
+merges: [{{sources: [__input__], target: r0}}]
+""") as team:
+        assert team.send("x").errors == []
+        result = team.advance(1)
+        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
+
+
+# =====================================================================================
+# §13 SECURITY MODEL
+# =====================================================================================
+
+
+# §13.2 Sandboxed code execution -------------------------------------------------------------------
+
+
+try:
+    import resource as _resource  # noqa: E402  (POSIX: the memory bound of the runaway cases)
+except ImportError:
+    _resource = None
+
+
+# Not a timing assertion: what stopped a runaway is asserted from its error ("resource exhausted:
+# time limit of 0.2 s" names the budget that fired). HANG_GUARD only turns a runaway that some
+# other, far later, bound ended into a failure instead of a slow pass; it is far above any delay a
+# busy 2-core CI machine adds.
+HANG_GUARD = 60.0
+
+
+def sandbox_vars(**extra):
+    """The §4.5.2 item 3 variables, as the tool agent passes them."""
+    return {"input_data": "hello", "message": "hello", "context": {}, "result": None, **extra}
+
+
+def sandbox_run(source, *, timeout=1.0, **extra):
+    return actor.run_code(actor.compile_code(source), sandbox_vars(**extra), timeout=timeout)
+
+
+def sandbox_still_serves():
+    """The next legitimate call after an attack or a runaway body is answered normally."""
+    ns = sandbox_run("import json\nresult = json.dumps({'up': input_data.upper()})")
+    assert ns["result"] == '{"up": "HELLO"}'
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """One ProcessSandbox (isolation="process") shared by this region's worker tests."""
+    sandbox = actor.ProcessSandbox()
+    yield sandbox
+    sandbox.close()
+
+
+def worker_run(workers, source, *, timeout=1.0, context=None, input_data="hello"):
+    """Run a body in a worker as an inline tool would; returns the §4.5.7 text."""
+    context = {} if context is None else context
+    variables = sandbox_vars(input_data=input_data, message=input_data,
+                             context=actor.ContextView(context))
+    return workers.run_code(actor.compile_code(source), variables, timeout, lambda **k: "bar")
+
+
+def worker_still_serves(workers):
+    assert worker_run(workers, "result = input_data.upper() + '!'") == "HELLO!"
+
+
+# T2 -- capability escapes publicly known for Python sandboxes. MARKER is a file each payload
+# tries to create; the context carries a sentinel each one tries to change. Every attempt is
+# refused at load (ConfigurationError) or fails when run (ExecutionError), without effect, in both
+# modes.
+SANDBOX_ESCAPES = {
+    "subclasses-walk-tuple":
+        "for c in ().__class__.__bases__[0].__subclasses__():\n"
+        "    if c.__name__ == '_wrap_close':\n"
+        "        c.__init__.__globals__['system']('touch MARKER')",
+    "subclasses-walk-mro": "x = [].__class__.__mro__[-1].__subclasses__()",
+    "subclasses-walk-str": "x = ''.__class__.__mro__[1].__subclasses__()",
+    "subclasses-via-type": "x = type(()).__bases__[0].__subclasses__()",
+    "subclasses-via-int": "x = int.__subclasses__()",
+    "subclasses-in-comprehension": "x = [c for c in ().__class__.__base__.__subclasses__()]",
+    "starred-subclasses": "x = [*().__class__.__mro__]",
+    "lambda-globals": "(lambda: 0).__globals__['__builtins__']['open']('MARKER', 'w')",
+    "lambda-code-object": "x = (lambda: 0).__code__.co_consts",
+    "def-globals": "def f():\n    pass\nf.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "func-globals-py2-name": "x = (lambda: 0).func_globals",
+    "function-dict": "def f():\n    pass\nx = f.__dict__",
+    "print-self-builtins-module": "print.__self__.open('MARKER', 'w')",
+    "len-self-import": "len.__self__.__import__('os').system('touch MARKER')",
+    "sorted-self": "x = sorted.__self__",
+    "bound-method-self": "x = [].append.__self__",
+    "call-self": "x = max.__call__.__self__",
+    "context-get-self": "x = context.get.__self__.__class__",
+    "context-class": "x = context.__class__.__base__.__subclasses__()",
+    "json-loads-globals": "json.loads.__globals__['__builtins__']['open']('MARKER', 'w')",
+    "json-dumps-globals": "x = json.dumps.__globals__['sys']",
+    "json-decoder-attribute": "x = json.decoder.scanner",
+    "json-module-attributes": "x = json.codecs",
+    "json-error-init-globals": "x = json.JSONDecodeError.__init__.__globals__['sys']",
+    "json-facility-class": "x = json.__class__.__init__",
+    "json-hook-kwarg": "x = json.loads('{}', object_hook=print)",
+    "json-cls-kwarg": "x = json.dumps({}, cls=type)",
+    "json-facility-overwrite": "json.loads = lambda s: 'pwned'",
+    "json-facility-delete": "del json.loads",
+    "import-json-alias-globals": "import json as j\nx = j.loads.__globals__",
+    "import-os": "import os\nos.system('touch MARKER')",
+    "import-subprocess": "import subprocess",
+    "from-os-import": "from os import system",
+    "import-json-submodule": "import json.decoder",
+    "from-json-import-module-attribute": "from json import decoder",
+    "dunder-import": "__import__('os').system('touch MARKER')",
+    "builtins-dict": "__builtins__['open']('MARKER', 'w')",
+    "builtins-attribute": "x = __builtins__.open",
+    "eval": "eval(\"open('MARKER', 'w')\")",
+    "exec": "exec(\"open('MARKER', 'w')\")",
+    "compile": "x = compile('1', 'f', 'eval')",
+    "open": "open('MARKER', 'w').write('x')",
+    "getattr-dunder": "x = getattr((), '__class__')",
+    "vars-json": "x = vars(json)",
+    "dir-json": "x = dir(json)",
+    "globals": "x = globals()['__builtins__']",
+    "locals-builtins-key": "x = locals()['__builtins__']['open']",
+    "locals-builtins-get": "x = locals().get('__builtins__')['open']('MARKER', 'w')",
+    "locals-guard-names": "x = locals()['__sb_method__']",
+    "guard-helper-by-name": "__sb_method__(print, '__self__')",
+    "format-string-attribute": "x = '{0.__class__.__base__.__subclasses__}'.format(())",
+    "format-map-attribute": "x = '{f.__globals__}'.format_map({'f': len})",
+    "format-via-str-class": "x = str.format('{0.__class__}', 1)",
+    "fstring-attribute": "x = f'{(lambda: 0).__globals__}'",
+    "fstring-conversion-attribute": "x = f'{().__class__!r}'",
+    "fullwidth-dunder": "x = ().__\uff43lass__",
+    "math-bold-dunder": "x = ().__\U0001d41c\U0001d425ass__",
+    "fullwidth-eval": "x = \uff45\uff56\uff41\uff4c('1')",
+    "fullwidth-builtins-name": "x = __\uff42uiltins__",
+    "type-three-args": "X = type('X', (), {})",
+    "type-of-type": "X = type(type(0))('X', (), {})",
+    "type-of-builtin-call": "x = type(print)(1)",
+    "type-of-range-dodges-limit": "x = type(range(1))(10**12)",
+    "class-definition": "class X:\n    pass",
+    "metaclass-hook": "class M(type):\n    pass\nclass X(metaclass=M):\n    pass",
+    "exception-subclass-del": "class E(ValueError):\n    def __del__(self):\n        pass",
+    "generator-function-frame": "def g():\n    yield 1\nx = g().gi_frame.f_back.f_globals",
+    "generator-expression-frame": "g = (i for i in [1])\nx = g.gi_frame.f_back.f_globals",
+    "generator-code": "g = (i for i in [1])\nx = g.gi_code",
+    "join-generator-frames": "x = ''.join(str(g.gi_frame) for g in [(i for i in [1])])",
+    "lambda-yield": "x = lambda: (yield)",
+    "traceback-frame":
+        "try:\n    int('x')\nexcept ValueError as e:\n"
+        "    x = e.__traceback__.tb_frame.f_back.f_globals",
+    "traceback-via-attribute-name":
+        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
+    "with-traceback": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.with_traceback(None)",
+    "exception-args-class": "x = ValueError('a').__class__.__init__.__globals__",
+    "global-statement": "global __builtins__",
+    "global-plain": "def f():\n    global context\n    context = {}\nf()",
+    "nonlocal-statement": "def f():\n    x = 1\n    def g():\n        nonlocal x\n    return g",
+    "with-statement": "with open('MARKER', 'w') as f:\n    pass",
+    "async-function": "async def f():\n    pass",
+    "mro-method": "x = str.mro()",
+    "mro-via-type": "x = type(1).mro()",
+    "breakpoint": "breakpoint()",
+    "input": "x = input()",
+    "memoryview": "x = memoryview(b'x')",
+    "object-subclasses": "x = object.__subclasses__()",
+    "super": "x = super()",
+    "match-class-attribute": "match ():\n    case tuple(__class__=c):\n        pass",
+    "private-attribute": "x = json._private",
+    "module-attribute": "x = print.__module__",
+    "operator-attrgetter": "import operator\nx = operator.attrgetter('__class__')(1)",
+    "id-builtin": "x = id(1)",
+    "percent-format-escape": "x = '%(a)s' % {'a': ().__class__}",
+    "enumerate-new": "x = enumerate.__new__",
+    "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
+    "dunder-variable": "__builtins__ = {'open': 1}",
+    "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
+    "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
+    # Round 3: attributes set on the shared built-in functions outlived the call (a channel
+    # between calls and Actors: print.shared = context).
+    "builtin-attribute-store": "print.shared = context",
+    "json-function-attribute-store": "json.loads.x = 1",
+    "builtin-attribute-augmented": "sum.n += 1",
+    "builtin-attribute-delete": "del range.x",
+    "attribute-loop-target": "for type.x in [context]:\n    pass",
+    "json-error-class-attribute-store": "json.JSONDecodeError.msg = 'poisoned'",
+    # Round 4 (issue 11): what the allowlist refuses by not listing it.
+    "type-of-function-builds-functions": "def f():\n    pass\nF = type(f)",
+    "type-of-json-facility": "x = type(json)()",
+    "class-pattern-calls-a-type": "match input_data:\n    case str(x):\n        pass",
+    "exception-name-not-listed": "try:\n    pass\nexcept Exception:\n    pass",
+    "base-exception-name": "try:\n    pass\nexcept BaseException:\n    pass",
+    "codec-through-encode": "x = 'a'.encode('punycode')",
+    "to-bytes-method": "x = (1).to_bytes(4, 'big')",
+    "from-bytes-classmethod": "x = int.from_bytes(b'a', 'big')",
+    "maketrans-through-str-type": "x = str.maketrans('a', 'b')",
+    "sandbox-hook-rebound": "__sb_tick__ = lambda: True\nwhile True:\n    pass",
+    "sandbox-hook-called": "__sb_op__('*', 'a', 10**10)",
+    "dict-unbound-update-on-context": "dict.update(context, {'_unsafe_mode': True})",
+    "context-host-key-through-update": "context.update({'_unsafe_mode': True})",
+    "context-host-key-through-setdefault": "context.setdefault('_unsafe_mode', True)",
+    "context-host-key-nested-in-a-list": "context['rows'] = [{'_unsafe_mode': True}]",
+    "locals-of-context-view": "x = context.data",
+    "walrus-builtins": "(b := __builtins__)",
+    "starred-dunder-call": "x = [*locals()['__builtins__']]",
+}
+
+
+def _sandbox_intact():
+    """What an escape would change: the real builtins, the json module, the sandbox tables."""
+    return (builtins.open, json.loads, actor.SANDBOX_JSON.loads, actor.SANDBOX_JSON.dumps,
+            tuple(actor.INLINE_CODE_BUILTINS.items()), tuple(actor.EXPRESSION_BUILTINS.items()))
+
+
+def test_sandbox_escape_corpus_is_large_enough():
+    assert len(SANDBOX_ESCAPES) >= 100
+    assert len(set(SANDBOX_ESCAPES.values())) == len(SANDBOX_ESCAPES)
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_ESCAPES.values()), ids=list(SANDBOX_ESCAPES))
+def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
+    monkeypatch.chdir(tmp_path)
+    before = _sandbox_intact()
+    context = {"sentinel": "intact"}
+    try:
+        unit = actor.compile_code(source)
+    except actor.ConfigurationError as exc:
+        assert exc.code_line >= 1
+    else:
+        with pytest.raises(actor.ExecutionError):
+            actor.run_code(unit, sandbox_vars(context=context), timeout=0.5)
+    assert not (tmp_path / "MARKER").exists()
+    assert context == {"sentinel": "intact"}
+    assert _sandbox_intact() == before
+    sandbox_still_serves()
+
+
+_RUNNABLE_ESCAPES = {}
+
+
+for _name, _source in SANDBOX_ESCAPES.items():
+    try:
+        actor.compile_code(_source)
+    except actor.ConfigurationError:
+        continue
+    _RUNNABLE_ESCAPES[_name] = _source
+
+
+def test_sandbox_most_escapes_are_refused_at_load():
+    """Refusals follow from the allowlist: almost every published escape never runs at all."""
+    assert len(_RUNNABLE_ESCAPES) <= len(SANDBOX_ESCAPES) // 5, sorted(_RUNNABLE_ESCAPES)
+
+
+@pytest.mark.parametrize("source", list(_RUNNABLE_ESCAPES.values()), ids=list(_RUNNABLE_ESCAPES))
+def test_sandbox_escape_fails_in_a_worker(workers, source):
+    """The escapes that load fail in a worker too (isolation="process"), without effect."""
+    context = {"sentinel": "intact"}
+    with pytest.raises(actor.ExecutionError):
+        worker_run(workers, source, context=context, timeout=0.5)
+    assert context == {"sentinel": "intact"} and not os.path.exists("/MARKER")
+    worker_still_serves(workers)
+
+
+@pytest.mark.parametrize("source", [
+    "open('MARKER', 'w')", "__import__('os').system('touch MARKER')", "eval('1')",
+    "import os\nos.system('touch MARKER')", "__builtins__['open']('MARKER', 'w')",
+    "while True:\n    pass"])
+def test_sandbox_layers_hold_without_the_allowlist_check(tmp_path, monkeypatch, source):
+    """Defence in depth: with the load-time allowlist switched off, the built-in table, the
+    ticks and the absent import machinery still hold."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(actor, "_check_tree", lambda tree, names: None)
+    try:
+        unit = actor.compile_code(source)
+    except actor.ConfigurationError:   # `import os` has no json to bind to: refused anyway
+        return
+    with pytest.raises(actor.ExecutionError):
+        actor.run_code(unit, sandbox_vars(), timeout=0.2)
+    assert not (tmp_path / "MARKER").exists()
+
+
+SANDBOX_EXPRESSION_ESCAPES = {
+    "class-walk": "lambda x: ().__class__.__base__.__subclasses__()",
+    "lambda-globals": "lambda x: (lambda: 0).__globals__",
+    "print": "lambda x: print(x)",
+    "type": "lambda x: type(x)",
+    "locals": "lambda x: locals()",
+    "import": "lambda x: __import__('os')",
+    "format": "lambda x: '{0.__class__}'.format(x)",
+    "range-not-in-table": "lambda x: range(3)",
+    "json-not-in-table": "lambda x: json.loads(x)",
+    "fullwidth": "lambda x: x.__\uff43lass__",
+    "walrus-builtins": "lambda x: (b := __builtins__)",
+    "default-argument-walk": "lambda x, y=().__class__: y",
+    "default-argument-bomb": "lambda x, y=10**10**10: y",
+    "default-argument-runs-at-load": "lambda x, y=[0 for a in range(10**9)]: y",
+    "class-pattern": "lambda x: [y for y in [x] if (y := str(y))]",
+    "keyword-only-argument": "lambda x, *, y: y",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_EXPRESSION_ESCAPES.values()),
+                         ids=list(SANDBOX_EXPRESSION_ESCAPES))
+def test_sandbox_expression_escape_fails(source):
+    try:
+        unit = actor.compile_expression(source)
+    except actor.ConfigurationError:
+        pass
+    else:
+        with pytest.raises(actor.ExecutionError):
+            unit("hello")
+    assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
+
+
+# T3 in-process -- Python-level runaways: each stops at its timeout (HANG_GUARD catches a miss) through the
+# budget's ticks or its size check, without a large allocation, and the next call is served.
+SANDBOX_RUNAWAYS = {
+    "while-true": "while True:\n    pass",
+    "while-true-one-line": "while True: pass",
+    "huge-range-loop": "for i in range(10**12):\n    pass",
+    "long-range-loop": "n = 0\nfor i in range(10**7):\n    n += 1",
+    "c-level-sum-of-range": "x = sum(range(10**12))",
+    "power-tower": "x = 10**10**10",
+    "power-by-variables": "a = 10\nb = 10**9\nx = a ** b",
+    "int-product-growth": "x = 3\nwhile True:\n    x = x * x",
+    "shift-bomb": "x = 1 << 10**10",
+    "string-repeat": "x = 'a' * 10**10",
+    "string-repeat-by-variable": "n = 10**10\nx = 'a' * n",
+    "list-repeat": "x = [0] * 10**10",
+    "string-doubling": "x = 'a'\nfor i in range(64):\n    x += x",
+    "string-doubling-by-addition": "x = 'a'\nfor i in range(64):\n    x = x + x",
+    "list-doubling-in-place": "x = [0]\nfor i in range(64):\n    x += x",
+    "item-doubling": "d = {'s': 'a'}\nfor i in range(64):\n    d['s'] += d['s']",
+    "repeat-in-place": "x = 'ab'\nx *= 10**10",
+    "json-separators": "x = json.dumps([0] * 10**6, separators=(' ' * 10**6, ':'))",
+    "json-indent": "x = json.dumps([[0]] * 10**6, indent=10**6)",
+    "nested-text-recursion": "a = []\nfor i in range(10**5):\n    a = [a]\nb = str(a)",
+    "deep-recursion": "def f(n):\n    return f(n + 1)\nf(0)",
+    "lambda-recursion": "f = lambda n: f(n + 1)\nf(0)",
+    "exponential-recursion-with-except":
+        "def f():\n    try:\n        f()\n    except:\n        f()\nf()",
+    "bare-except-keeps-looping":
+        "while True:\n    try:\n        while True:\n            pass\n    except:\n        pass",
+    "finally-keeps-looping":
+        "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
+    "except-type-expression-loops":
+        "def f():\n    while True:\n        pass\n"
+        "try:\n    while True:\n        pass\nexcept f():\n    pass",
+    "nested-comprehension":
+        "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
+    "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
+    "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
+    "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
+    "match-in-a-loop": "while True:\n    match input_data:\n        case 'never':\n            pass",
+}
+
+
+@pytest.mark.parametrize("source", list(SANDBOX_RUNAWAYS.values()), ids=list(SANDBOX_RUNAWAYS))
+def test_sandbox_runaway_is_stopped(capsys, source):
+    timeout = 0.2
+
+    def peak_kib():
+        return _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss if _resource else 0
+    rss_before = peak_kib()
+    start = time.monotonic()
+    with pytest.raises(actor.ExecutionError):      # a guard stopped it (in-process, a miss hangs)
+        sandbox_run(source, timeout=timeout)
+    assert time.monotonic() - start < HANG_GUARD
+    assert peak_kib() - rss_before < 400 * 1024
+    assert capsys.readouterr().out == ""
+    sandbox_still_serves()
+
+
+def test_sandbox_exhaustion_is_one_error_kind():
+    """One ExecutionError kind when the budget runs out: "resource exhausted: <what>"."""
+    for source in ("while True:\n    pass", "x = 'a' * 10**10", "def f():\n    f()\nf()"):
+        with pytest.raises(actor.ExecutionError, match="resource exhausted: "):
+            sandbox_run(source, timeout=0.2)
+
+
+# T3 with isolation="process" -- single C-level operations on attacker-built structures, which no
+# in-process budget can pre-empt (hashing, comparing, printing, long division, allocation,
+# iterator chains that recurse in C): in a worker each ends as an ExecutionError (the worker
+# killed at the deadline, dead of a crash, or out of its address space) and the next call is
+# served by a fresh worker.
+_DEEP = "t = ()\nfor i in range(10**6):\n    t = (t,)\n"
+
+
+_HEAVY = "a = [0]\nb = [0]\nfor i in range(60):\n    a = [a, a]\n    b = [b, b]\n"
+
+
+_BIG = "x = int('f' * 10**7, 16)\n"
+
+
+ISOLATED_RUNAWAYS = {
+    # hashing a deep tuple (CPython 3.11 recurses in C: a crash), through every path
+    "deep-tuple-dict-key": _DEEP + "d = {t: 1}",
+    "deep-tuple-set-alias": _DEEP + "s = set\nx = s([t])",
+    "deep-tuple-type-of-dict": _DEEP + "x = type({})([(t, 1)])",
+    "deep-tuple-sorted-key-set": _DEEP + "x = sorted([(t,)], key=set)",
+    "deep-tuple-mapping-pattern":
+        _DEEP + "match {t: 1}:\n    case {'k': 1}:\n        pass\nx = {t: 1}",
+    "deep-tuple-in-set-literal": _DEEP + "x = {t}",
+    "deep-tuple-membership": _DEEP + "x = t in {1: 2}",
+    # comparing aliased structures (2**60 steps in C)
+    "aliased-equality": _HEAVY + "x = a == b",
+    "aliased-sort": _HEAVY + "x = sorted([a, b])",
+    "aliased-max": _HEAVY + "x = max(a, b)",
+    "aliased-index": _HEAVY + "x = [a].index(b)",
+    "aliased-match-value": _HEAVY + "match [a]:\n    case [[0]]:\n        pass\nx = a < b",
+    "aliased-membership": "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l] * 10**5\nx = m in y",
+    # printing aliased or deep structures
+    "aliasing-str": "x = [0] * 10**6\ny = [x] * 10**6\nz = str(y)",
+    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
+    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
+    "aliased-result": "x = [0] * 10**6\nresult = [x] * 10**6",
+    "aliased-fallback-name": "x = [0] * 10**6\noutput = [x] * 10**6",
+    "aliased-context-write": "x = [0] * 10**6\ncontext['x'] = [x] * 10**6",
+    "deep-result": "a = []\nfor i in range(10**6):\n    a = [a]\nresult = a",
+    # long integer division and rounding
+    "round-huge-int-negative-digits": _BIG + "y = round(x, -10**6)",
+    "round-small-int-huge-digits": "y = round(1, -30000000)",
+    "long-floor-division": _BIG + "y = x // (x >> 20000000)",
+    "long-modulo": _BIG + "y = x % (x >> 20000000)",
+    "long-division-augmented": _BIG + "x //= x >> 20000000",
+    # allocations the operators' size check does not see
+    "ljust-pad": "x = 'a'.ljust(10**10)",
+    "unbound-ljust": "x = str.ljust('a', 10**10)",
+    "fstring-width": "x = f'{1:>{10**10}}'",
+    "printf-width": "x = '%*d' % (10**10, 1)",
+    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
+    "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
+    "replace-growth": "x = ('a' * 10**7).replace('', 'b' * 1000)",
+    "join-growth": "x = 'a' * 10**6\ny = ''.join([x] * 10**6)",
+    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
+    "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
+    # lazy iterators chained deep (recursion in C when consumed: a crash)
+    "generator-expression-chain":
+        "z = [1]\nfor i in range(10**6):\n    z = (x for x in z)\nresult = list(z)",
+    "zip-chain": "z = [1]\nfor i in range(10**6):\n    z = zip(z)\nresult = list(z)",
+    "enumerate-chain": "z = [1]\nfor i in range(10**6):\n    z = enumerate(z)\nresult = max(z)",
+}
+
+
+@pytest.mark.parametrize("source", list(ISOLATED_RUNAWAYS.values()), ids=list(ISOLATED_RUNAWAYS))
+def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkeypatch, source):
+    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
+    timeout = 0.3
+    start = time.monotonic()
+    with pytest.raises(actor.ExecutionError):
+        worker_run(workers, source, timeout=timeout)
+    assert time.monotonic() - start < HANG_GUARD
+    worker_still_serves(workers)
+
+
+def test_isolation_end_to_end(capsys):
+    """load(isolation="process"): inline code, its context writes, print and progress_bar, a
+    transform fn and a Phase C prompt all run in workers; a crash is an error on __error__ and
+    the next message is answered."""
+    text = """
+agents:
+  t:
+    type: tool
+    config:
+      timeout: 30     # the crash, not the budget, must end the call
+      tools:
+        - name: body
+          code: |
+            if input_data == 'crash':
+                t = ()
+                for i in range(10**6):
+                    t = (t,)
+                d = {t: 1}
+            context['seen'] = context.get('seen', 0) + 1
+            print('diag', input_data)
+            result = progress_bar(current=1, total=2, stage='s') + '|' + input_data
+  chat:
+    type: llm
+    config: {provider: openai, api_key: k, system_prompt: "Topic {{ context.topic }}."}
+routes:
+  main:
+    type: stream
+    operators:
+      - {type: transform, params: {fn: "lambda x: x.strip().lower()"}}
+      - {type: map, params: {agent: t}}
+      - {type: map, params: {agent: chat}}
+    publications: [__output__]
+context:
+  global: {topic: bees}
+merges: [{sources: [__input__], target: main}]
+"""
+    a = actor.load(text=text, unsafe=True, provider="fake", isolation="process")
+    try:
+        a.rt.progress = actor.ProgressFacility(stream=io.StringIO())
+        first = a.send("  HELLO ")
+        assert [m.content for m in first.outputs] == ["████████████░░░░░░░░░░░░ 50.0% (1/2) s|hello"]
+        assert a.context["seen"] == 1
+        assert a.rt.llm_log[-1]["system"] == "Topic bees."
+        assert "diag hello" in capsys.readouterr().err
+        crashed = a.send("crash")
+        assert [m.metadata["error_type"] for m in crashed.errors] == ["ExecutionError"]
+        assert "worker process died" in crashed.errors[0].content
+        assert [m.content for m in a.send("again").outputs][0].endswith("|again")
+        assert a.context["seen"] == 2
+    finally:
+        a.close()
+
+
+def test_isolation_phase_a_and_b_render_in_a_worker():
+    tail = ("routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: a}}]\n"
+            "    publications: [__output__]\nmerges: [{sources: [__input__], target: main}]\n")
+    phase_a = "agents:\n  a: {type: chain, config: {steps: [\"{{ n * 21 }}\"]}}\n" + tail
+    phase_b = ("templates:\n  agents:\n    c:\n      parameters:\n        label: {type: string}\n"
+               "      type: chain\n      config:\n        steps: [\"{{ label }}-{{ label|upper }}\"]\n"
+               "agents:\n  a:\n    template: c\n    params: {label: x}\n" + tail)
+    for text, context, expected in ((phase_a, {"n": 2}, "42"), (phase_b, None, "x-X")):
+        a = actor.load(text=text, render_context=context, isolation="process")
+        try:
+            assert [m.content for m in a.send("m").outputs] == [f"ChainAgent processed: m->{expected}"]
+        finally:
+            a.close()
+    with pytest.raises(actor.ConfigurationError, match="resource exhausted"):
+        actor.load(text="{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}"
+                        "{% endfor %}" + phase_a, render_context={"n": 1}, isolation="process")
+
+
+def test_cli_isolate_keeps_serving_after_a_worker_crash(tmp_path):
+    """`python actor.py --isolate`: a body that crashes its worker costs one message only."""
+    config = tmp_path / "c.yaml"
+    config.write_text("agents:\n  t:\n    type: tool\n    config:\n      timeout: 30\n"
+                      "      tools:\n        - name: shout\n          code: |\n"
+                      "            if input_data == 'crash':\n"
+                      "                t = ()\n                for i in range(10**6):\n"
+                      "                    t = (t,)\n                d = {t: 1}\n"
+                      "            result = str(input_data).upper() + '!'\n"
+                      "routes:\n  main:\n    type: stream\n"
+                      "    operators: [{type: map, params: {agent: t}}]\n"
+                      "    publications: [__output__]\n"
+                      "merges: [{sources: [__input__], target: main}]\n")
+    done = subprocess.run([sys.executable, actor.__file__, str(config), "--unsafe", "--isolate",
+                           "-m", "hello", "-m", "crash", "-m", "again"],
+                          capture_output=True, text=True, timeout=300)
+    assert "HELLO!" in done.stdout and "AGAIN!" in done.stdout
+    assert "worker process died" in done.stdout + done.stderr
+
+
+def test_isolation_values_cross_as_tagged_json():
+    value = {"a": (1, [2, {3}]), 4: None, "s": frozenset({"x"}), "f": 1.5, "b": True}
+    assert actor.unwire(json.loads(json.dumps(actor.wire(value)))) == value
+    with pytest.raises(TypeError):
+        actor.wire(object())
+
+
+def test_isolation_unknown_value_is_a_configuration_error():
+    with pytest.raises(actor.ConfigurationError, match="isolation"):
+        actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
+                        "routes: {main: {type: stream, operators: [{type: map, params: "
+                        "{agent: e}}], publications: [__output__]}}\n", isolation="thread")
+
+
+@pytest.mark.parametrize("source", [
+    "context['context']['_unsafe_mode'] = True",
+    "context['graph_state']['metadata']['_unsafe_mode'] = True",
+    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
+    "del context['context']['_unsafe_mode']",
+    "context['items'] = [{'_temperature_override': 9}]",
+    "context['context'].update(_unsafe_mode=True)",
+    "context['_unsafe_mode'] = True", "del context['_temperature_override']",
+    "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)"])
+def test_host_only_keys_are_refused_when_written(source):
+    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
+    context = {"_unsafe_mode": False, "_temperature_override": 0.5, "context": glob,
+               "graph_state": {"metadata": metadata}}
+    with pytest.raises(actor.ExecutionError, match="host"):
+        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
+    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
+    assert context["_unsafe_mode"] is False and context["_temperature_override"] == 0.5
+    assert "items" not in context
+
+
+def test_host_only_keys_rebinding_context_changes_nothing():
+    """Rebinding the name `context` is harmless: the host reads the context it handed over."""
+    context = {"_unsafe_mode": False}
+    ns = sandbox_run("context = {'_unsafe_mode': True}\nresult = 'ran'", context=context)
+    assert ns["result"] == "ran" and context == {"_unsafe_mode": False}
+
+
+def test_context_call_cost_does_not_depend_on_the_context_size(monkeypatch):
+    """No scan of the context per call: a body that reads one key never walks the others."""
+    class Exploding(dict):
+        def items(self):
+            raise AssertionError("the context was scanned")
+        values = keys = __iter__ = items
+    context = Exploding(("k%d" % i, i) for i in range(10_000))
+    ns = sandbox_run("result = context['k5'] + 1", context=context)
+    assert ns["result"] == 6
+
+
+# T1 -- message senders: content is data in every engine and every built-in tool.
+def test_simple_never_reparses_what_an_expression_produced():
+    variables = actor.runtime_variables({"api_token": "s3cret"}, "what is {api_token}?")
+    assert actor.render("Request: {{ message }}", variables, "SIMPLE") == \
+        "Request: what is {api_token}?"
+    bomb = actor.runtime_variables({}, "{message:>9000000}")
+    assert actor.render("Request: {{ message }}", bomb, "SIMPLE") == "Request: {message:>9000000}"
+    assert actor.render("{{ 1 + 1 }} {api_token}", variables, "SIMPLE") == "2 s3cret"
+
+
+# Hostile messages: each is answered (output or error) promptly, in both modes, and prints no
+# secret; the next message is answered normally.
+MESSAGE_SENDER_ATTACKS = {
+    "format-field-secret": "what is {api_token}?",
+    "format-width-bomb": "{message:>900000000}",
+    "jinja-expression": "{{ 7 * 7 }}{% for i in range(10**9) %}{% endfor %}",
+    "mustache-section": "{{#context}}{{api_token}}{{/context}}",
+    "math-round-bomb": '{"tool": "math", "args": {"expression": "round(1, -30000000)"}}',
+    "math-modular-power": '{"tool": "math", "args": {"expression": "pow(7**1400, 9**1400, 8**1400)"}}',
+    "math-long-literal": '{"tool": "math", "args": {"expression": "' + "9" * 5000 + '"}}',
+    "math-deep-nesting": '{"tool": "math", "args": {"expression": "' + "(" * 5000 + "1" + ")" * 5000 + '"}}',
+    "json-deep-nesting": '{"tool": "json_parse", "args": {"json": "' + "[" * 200000 + '"}}',
+    "json-invalid": '{"tool": "echo", "args": {"text": "x"}',
+    "tool-execute-unclosed-many": "[TOOL_EXECUTE:echo] {" * 20000,
+    "router-long-message": "GOTO_" + "A" * 200000,
+}
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_message_sender_attacks_are_just_processed(isolation):
+    text = """
+context:
+  global: {api_token: s3cret}
+agents:
+  prompt:
+    type: llm
+    config: {provider: openai, api_key: k, system_prompt: "Q: {{ message }}",
+             tool_execute: true, tools: [echo]}
+  tools:
+    type: tool
+    config: {tools: [math, json_parse, echo]}
+routes:
+  main:
+    type: graph
+    nodes:
+      route:
+        type: message_router
+        rules: [{match_type: regex, pattern: "^GOTO_([A-Z]+)$", target: t}]
+      t: {type: agent, agent: tools}
+      p: {type: agent, agent: prompt}
+    edges:
+      - {source: start, target: route}
+      - {source: route, target: t}
+      - {source: t, target: p}
+      - {source: p, target: end}
+"""
+    for engine in ("JINJA2", "SIMPLE", "MUSTACHE"):
+        a = actor.load(text=text, provider="fake", template_engine=engine, isolation=isolation,
+                       default_router="main")
+        try:
+            for name, message in MESSAGE_SENDER_ATTACKS.items():
+                start = time.monotonic()
+                result = a.send(message)
+                assert time.monotonic() - start < HANG_GUARD, name
+                assert result.outputs or result.errors, name
+                sent = " ".join(r["system"] + str(r["messages"]) for r in a.rt.llm_log)
+                assert "s3cret" not in sent, (engine, name)
+            last = a.send('{"tool": "echo", "args": {"text": "hello"}}')
+            assert last.outputs and not last.errors and a.rt.llm_log[-1]["system"] == "Q: hello"
+        finally:
+            a.close()
+
+
+def test_mustache_parsing_is_linear_in_the_number_of_tags():
+    """A template of many standalone-looking tags on one long line parses in linear time (T1:
+    prompts may be long): counted in characters the scanner reads, not in seconds."""
+    scanned = {"n": 0}
+
+    class Counting(str):
+        def find(self, sub, start=0, end=None):
+            found = str.find(self, sub, start, len(self) if end is None else end)
+            scanned["n"] += (len(self) if found < 0 else found) - start
+            return found
+
+        def rfind(self, sub, start=0, end=None):
+            end = len(self) if end is None else end
+            found = str.rfind(self, sub, start, end)
+            scanned["n"] += end - max(found, start)
+            return found
+    text = "{{#a}}x{{/a}}" * 5000
+    actor.mustache_parse(Counting(text))
+    assert scanned["n"] <= 3 * len(text)
+
+
+# The two tables, exactly.
+def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
+    assert set(actor.INLINE_CODE_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
+        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
+        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
+    ns = sandbox_run(
+        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
+        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
+        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
+        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
+        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
+        "          json.loads('[1]'), json.dumps([1])]\n"
+        "x = 1\n")
+    assert ns["result"][-2:] == [[1], "[1]"]
+
+
+@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
+                                  "callable", "pow", "repr", "format", "bytes", "Exception",
+                                  "open", "getattr", "vars", "globals", "object", "id"])
+def test_sandbox_other_builtins_are_refused_at_load(name):   # §13.2.1 "no other facilities"
+    with pytest.raises(actor.ConfigurationError, match=f"the name '{name}'"):
+        actor.compile_code(f"x = {name}")
+
+
+def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
+    assert set(actor.EXPRESSION_BUILTINS) == {
+        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
+        "abs", "all", "any", "len", "max", "min", "round", "sum"}
+    unit = actor.compile_expression(
+        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
+        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
+    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
+                          1, True, True, 2, "b", "a", 2, 3]
+    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
+                 "ValueError"):
+        with pytest.raises(actor.ConfigurationError, match="the name"):
+            actor.compile_expression(f"lambda x: {name}")
+
+
+def test_sandbox_attribute_allowlist_is_methods_of_value_types():
+    """Every allowed attribute is a method of a built-in value type or of the json facility."""
+    owners = (str, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
+    for attr in actor.SANDBOX_ATTRIBUTES:
+        assert any(hasattr(owner, attr) for owner in owners), attr
+    for refused in ("format", "format_map", "encode", "mro", "gi_frame", "args_", "__class__"):
+        assert refused not in actor.SANDBOX_ATTRIBUTES
+
+
+def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
+    for source, what in (("x = 1\nclass A:\n    pass", "ClassDef"),
+                         ("x = 1\nwith y:\n    pass", "With"),
+                         ("def f():\n    yield 1", "Yield"),
+                         ("def f():\n    global g", "Global"),
+                         ("match 1:\n    case int():\n        pass", "MatchClass"),
+                         ("async def f():\n    pass", "AsyncFunctionDef")):
+        with pytest.raises(actor.ConfigurationError, match=what) as info:
+            actor.compile_code(source)
+        assert info.value.code_line >= 1
+    assert sandbox_run("match [1, {'k': 2}]:\n    case [1, {'k': v}]:\n        result = v\n"
+                       "    case _:\n        result = 0")["result"] == 2
+
+
+def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
+    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
+    assert public == {"loads", "dumps", "JSONDecodeError"}
+    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
+                     "    result = 'bad: ' + str(e.args[0][:5])")
+    assert ns["result"] == "bad: Expec"
+    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
+                     "sort_keys=True, indent=2)")
+    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
+
+
+def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
+    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
+    with pytest.raises(actor.ConfigurationError):
+        actor.compile_code("import json, os")
+
+
+# Load-time refusal: located, with the line inside the body (Q71 (c)).
+def test_sandbox_refusal_names_the_body_line():
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
+    assert info.value.code_line == 3 and "line 3" in str(info.value)
+    assert info.value.path == "agents.t.code"
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.compile_code("x = 1\nif x\n")
+    assert info.value.code_line == 2
+
+
+def test_sandbox_refusal_is_located_in_the_document():
+    text = ("context:\n  global:\n    unsafe: true\n"
+            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
+            "          code: |\n            x = 1\n            y = ().__class__\n"
+            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
+            "        params: {agent: t}\n    publications: [__output__]\n"
+            "merges:\n  - sources: [__input__]\n    target: main\n")
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text, unsafe=True)
+    assert info.value.code_line == 2 and info.value.line is not None
+
+
+def test_sandbox_decorators_are_plain_calls():
+    """A decorator is a call of a sandbox value: no line of the threat model refuses it."""
+    ns = sandbox_run("def twice(f):\n    return lambda x: f(f(x))\n@twice\n"
+                     "def inc(x):\n    return x + 1\nresult = inc(1)")
+    assert ns["result"] == 3
+
+
+def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
+    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
+
+
+def test_sandbox_type_hands_out_only_exposed_classes():
+    ns = sandbox_run("result = (type(1) is int, type('a') is str, type(range(2)) is range,"
+                     " type(None)(), type(ValueError('v')) is ValueError)")
+    assert ns["result"] == (True, True, True, None, True)
+    for source in ("x = type(len)", "x = type(type(1))", "def f():\n    pass\nx = type(f)",
+                   "x = type('X', (), {})", "x = type(json)", "x = type(reversed([]))"):
+        with pytest.raises(actor.ExecutionError, match="TypeError"):
+            sandbox_run(source)
+
+
+def test_sandbox_locals_is_a_copy_without_builtins():
+    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
+                     "result = (sorted(x), sorted(locals()))")
+    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
+
+
+def test_sandbox_functions_reach_only_the_sandbox_namespace():
+    unit = actor.compile_code("def f():\n    return 1\nresult = f")
+    fn = actor.run_code(unit, sandbox_vars())["result"]
+    assert fn.__globals__["__builtins__"] is actor._CODE_BUILTINS
+    assert set(actor._CODE_BUILTINS) - set(actor.INLINE_CODE_BUILTINS) == set(actor._HOOKS)
+    assert all(name.startswith("__sb_") for name in actor._HOOKS)
+    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
+    with pytest.raises(actor.Exhausted):   # the host calling it outside a sandboxed run
+        fn()
+
+
+def test_sandbox_print_goes_to_stderr(capsys):
+    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "diag-1\n"
+
+
+def test_sandbox_context_by_reference_and_aug_assign_in_place():
+    context = {"items": [1]}
+    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
+                "context['n'] = 1\ncontext['n'] *= 5", context=context)
+    assert context == {"items": [1, 2, 3], "n": 5}
+
+
+def test_sandbox_bare_except_does_not_catch_a_limit():
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
+    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
+
+
+def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
+    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
+        sandbox_run("x = {}\ny = x['missing']")
+
+
+def test_sandbox_operators_keep_their_meaning():
+    """The size check changes no result: repetition, concatenation, powers, in-place forms."""
+    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\nn = 3\ns = 'ab'\n"
+                      "l = [1]\nalias = l\nl += [2]\nl *= 2\ns *= n\n"
+                      "result = ('a' in words, 1 in [1] in [[1]], len(rows), 2 ** 10, n ** n,"
+                      " 1 << n, s + s, l, alias is l, 'x' * -1, 3 * 'y')")
+    assert out["result"] == (True, True, 1000, 1024, 27, 8, "abababababab", [1, 2, 1, 2],
+                             True, "", "yyy")
+
+
+def test_sandbox_compiles_once(monkeypatch):
+    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
+    unit = actor.compile_code("result = input_data[::-1]")
+    expr = actor.compile_expression("lambda x: x * 2")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("parsed or compiled on the hot path")
+    monkeypatch.setattr(actor.ast, "parse", refuse)
+    monkeypatch.setattr(builtins, "compile", refuse)
+    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
+    assert expr("ab") == "abab"
+
+
+def test_sandbox_expression_arity_and_shape():
+    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
+    assert actor.compile_expression("lambda *a: len(a)", nparams=2)(1, 2) == 2
+    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
+                            ("lambda a: a", 2), ("lambda a:", 1), ("lambda a, b=1: a", 1)):
+        with pytest.raises(actor.ConfigurationError):
+            actor.compile_expression(source, nparams=nparams)
+
+
+def test_sandbox_expression_runaway_and_size():
+    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
+    start = time.monotonic()
+    with pytest.raises(actor.ExecutionError, match="time limit"):
+        unit(list(range(1000)), timeout=0.2)
+    assert time.monotonic() - start < HANG_GUARD
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.compile_expression("lambda x: x * 10**10")("ab")
+    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
+
+
+def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
+    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
+    assert actor.eval_expression_text("name.upper()", names) == "ADA"
+    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("__import__('os')", names)
+    with pytest.raises(actor.ConfigurationError):
+        actor.eval_expression_text("name.__class__", names)
+    for source in ("open('x')", "chr(1)"):
+        with pytest.raises(actor.ExecutionError, match="NameError"):
+            actor.eval_expression_text(source, names)
+
+
+# Controls: the §18.9 and §18.10 inline code runs unchanged in every branch (the vectors run one
+# branch each; the §4.5.2 and §18.4 examples are vectors only).
+
+
+def test_sandbox_control_workflow_dispatch():   # §18.9, workflow_controller
+    source = (
+        'text = (input_data or "").strip()\n'
+        'if text.startswith("!"):\n'
+        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
+        'else:\n'
+        '    stage = context.get("workflow_stage") or "intro"\n'
+        '    result = f"GOTO_{stage.upper()}:{text}"\n')
+    unit = actor.compile_code(source)
+    assert actor.run_code(unit, sandbox_vars(input_data="!next"))["result"] == \
+        "GOTO_COMMAND_HANDLER:!next"
+    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_INTRO:hi"
+
+
+def test_sandbox_control_handle_command():   # §18.9, command_handler
+    source = (
+        'text = (input_data or "").strip()\n'
+        'parts = text.split(maxsplit=1)\n'
+        'command = parts[0]\n'
+        'if command == "!next":\n'
+        '    stage_order = context.get("stage_order", [])\n'
+        '    current = context.get("workflow_stage") or "intro"\n'
+        '    try:\n'
+        '        idx = stage_order.index(current)\n'
+        '        if idx + 1 < len(stage_order):\n'
+        '            next_stage = stage_order[idx + 1]\n'
+        '            context["workflow_stage"] = next_stage\n'
+        '            result = f"GOTO_{next_stage.upper()}:"\n'
+        '        else:\n'
+        '            result = "COMMAND_OUTPUT:Final stage already reached."\n'
+        '    except ValueError:\n'
+        '        result = "COMMAND_OUTPUT:Unknown current stage."\n'
+        'elif command == "!stage":\n'
+        '    result = f"COMMAND_OUTPUT:Current stage is {context.get(\'workflow_stage\')}"\n'
+        'else:\n'
+        '    result = f"COMMAND_OUTPUT:Unknown command {command}"\n')
+    unit = actor.compile_code(source)
+    context = {"stage_order": ["intro", "discovery", "done"], "workflow_stage": "intro"}
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "GOTO_DISCOVERY:"
+    assert context["workflow_stage"] == "discovery"
+    assert actor.run_code(unit, sandbox_vars(input_data="!stage", context=context))["result"] == \
+        "COMMAND_OUTPUT:Current stage is discovery"
+    context["workflow_stage"] = "elsewhere"
+    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown current stage."
+    assert actor.run_code(unit, sandbox_vars(input_data="!x", context=context))["result"] == \
+        "COMMAND_OUTPUT:Unknown command !x"
+
+
+def test_sandbox_control_triage():   # §18.10
+    source = (
+        'text = (input_data or "").lower()\n'
+        'if "tax" in text:\n'
+        '    result = "GOTO_TAX_ADVISOR:" + input_data\n'
+        'elif "stock" in text or "invest" in text:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n'
+        'elif "bitcoin" in text or "crypto" in text:\n'
+        '    result = "GOTO_CRYPTO_ADVISOR:" + input_data\n'
+        'else:\n'
+        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n')
+    unit = actor.compile_code(source)
+    for text, expected in (("Tax help", "GOTO_TAX_ADVISOR:Tax help"),
+                           ("crypto?", "GOTO_CRYPTO_ADVISOR:crypto?"),
+                           ("hello", "GOTO_INVESTING_ADVISOR:hello")):
+        assert actor.run_code(unit, sandbox_vars(input_data=text))["result"] == expected
+
+
+# Jinja2 server-side template injection payloads (published SSTI corpora), through the §8.3
+# rendering namespace: each must fail as a TemplateError, leave the context as it was, and the
+# next render must work (T2 for templates; the size ones are T3).
+JINJA_SSTI = {
+    "unbound-str-format-environ": "{{ str.format('{0.__init__.__globals__[os].environ}', cycler) }}",
+    "unbound-str-format-builtins":
+        "{{ str.format('{0.__globals__[__builtins__][open]}', lipsum) }}",
+    "unbound-format-map": "{{ str.format_map('{a.__class__}', {'a': 1}) }}",
+    "unbound-format-attr-filter": "{{ (str|attr('format'))('{0.__class__}', 1) }}",
+    "unbound-format-set": "{% set f = str.format %}{{ f('{0.__class__}', 1) }}",
+    "bound-format-attr-filter": "{{ ('{0.__class__}'|attr('format'))(1) }}",
+    "bound-format-set": "{% set f = '{0.__class__}'.format %}{{ f(1) }}",
+    "format-map-bound": "{{ '{a.__class__}'.format_map({'a': 1}) }}",
+    "class-mro-subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "attr-filter-escaped-dunder": "{{ ''|attr('\\x5f\\x5fclass\\x5f\\x5f') }}",
+    "cycler-globals-os": "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "joiner-globals-os": "{{ joiner.__init__.__globals__.os.popen('id').read() }}",
+    "namespace-globals-os": "{{ namespace.__init__.__globals__.os.popen('id').read() }}",
+    "lipsum-globals-os": "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "self-template-reference": "{{ self._TemplateReference__context }}",
+    "builtin-self": "{{ round.__self__ }}",
+    "type-mro": "{{ str.mro() }}",
+    "request-application": "{{ request.application.__globals__.__builtins__ }}",
+    "config-items": "{{ config.items() }}",
+    "context-update-host-key": "{{ context.update({'_unsafe_mode': True}) }}",
+    "context-pop": "{{ context.pop('sentinel') }}",
+    "context-setdefault": "{% set x = context.setdefault('_unsafe_mode', True) %}x",
+    "nested-list-append": "{{ context.items_list.append(1) }}",
+    "unbound-dict-update": "{{ dict.update(context, {'_unsafe_mode': True}) }}",
+    "unbound-dict-clear": "{{ dict.clear(context) }}",
+    "unbound-list-append": "{{ list.append(context.items_list, 1) }}",
+    "unbound-method-attr-filter": "{{ (dict|attr('pop'))(context, 'sentinel') }}",
+    "power-tower": "{{ 10 ** 100000000 }}",
+    "string-repetition": "{{ 'a' * 10**10 }}",
+}
+
+
+def _ssti_context():
+    return {"sentinel": "intact", "items_list": [0]}
+
+
+@pytest.mark.parametrize("source", list(JINJA_SSTI.values()), ids=list(JINJA_SSTI))
+def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
+    context = _ssti_context()
+    start = time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        actor.render(source, actor.runtime_variables(context, "m"), "JINJA2")
+    assert time.monotonic() - start < HANG_GUARD
+    assert context == _ssti_context()
+    assert actor.render("{{ context.sentinel }} {{ '{}-{}'.format(1, 2) }} {{ 2 ** 10 }}",
+                        actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
+
+
+# T3 for templates: Python-level runaways stop at the render deadline (TEMPLATE_TIME_LIMIT,
+# lowered here); the C-level ones (ISOLATED_TEMPLATE_RUNAWAYS) need a worker.
+TEMPLATE_RUNAWAYS = {
+    ("JINJA2", "macro-calls-itself-twice"):
+        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ f(60) }}",
+    ("JINJA2", "nested-loops"):
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    ("JINJA2", "nested-loops-over-a-list"):
+        "{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}{% endfor %}{% endfor %}",
+    ("JINJA2", "recursive-loop"):
+        "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
+    ("JINJA2", "string-repetition"): "{{ 'a' * 10**10 }}",
+    ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
+    ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
+}
+
+
+ISOLATED_TEMPLATE_RUNAWAYS = {
+    ("JINJA2", "lazy-filter-chain"):
+        "{% set ns = namespace(z=[1]) %}{% for i in range(1000) %}{% for j in range(1000) %}"
+        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}",
+    ("JINJA2", "round-long-division"): "{{ round(int('f' * 10**7, 16), -10**6) }}",
+    ("JINJA2", "sum-concatenation"): "{{ sum([[0] * 1000] * 10000, []) }}",
+    ("JINJA2", "aliased-printing"): "{% set x = [0] * 10**5 %}{{ [x] * 10**5 }}",
+    ("SIMPLE", "format-width"): "{message:>9999999999}",
+    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
+}
+
+
+def _template_variables():
+    nested = {"a": False}
+    for _ in range(40):
+        nested = {"a": nested}
+    return {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
+
+
+@pytest.mark.parametrize("engine,name", list(TEMPLATE_RUNAWAYS), ids=[
+    f"{engine}-{name}" for engine, name in TEMPLATE_RUNAWAYS])
+def test_template_runaway_is_stopped(monkeypatch, engine, name):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
+    source = TEMPLATE_RUNAWAYS[(engine, name)]
+    partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
+    start = time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        actor.render(source, _template_variables(), engine, partials=partials)
+    assert time.monotonic() - start < HANG_GUARD
+    assert actor.render("{{ message }}", {"message": "ok"}, engine) == "ok"
+
+
+@pytest.mark.parametrize("engine,name", list(ISOLATED_TEMPLATE_RUNAWAYS), ids=[
+    f"{engine}-{name}" for engine, name in ISOLATED_TEMPLATE_RUNAWAYS])
+def test_isolated_template_runaway_is_stopped(workers, monkeypatch, engine, name):
+    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.3)
+    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
+    source = ISOLATED_TEMPLATE_RUNAWAYS[(engine, name)]
+    start = time.monotonic()
+    with pytest.raises(actor.TemplateError):
+        workers.render(source, _template_variables(), engine)
+    assert time.monotonic() - start < HANG_GUARD
+    assert workers.render("{{ message }}", {"message": "ok"}, engine) == "ok"
+
+
+def test_template_limits_leave_ordinary_templates_alone():
+    variables = actor.runtime_variables({"items": [{"n": 1}, {"n": 2}], "k": "v"}, "msg")
+    assert actor.render("{% for i in items %}{{ i.n * 2 }}{% endfor %}|{{ 'ab' * 2 }}|"
+                        "{{ sum([1, 2]) }}|{{ round(1234, -2) }}|{{ items|sum(attribute='n') }}|"
+                        "{{ 7 // 2 }}{{ 7 % 4 }}|{% set ns = namespace(c=0) %}"
+                        "{% for i in range(3) %}{% set ns.c = ns.c + i %}{% endfor %}{{ ns.c }}",
+                        variables, "JINJA2") == "24|abab|3|1200|3|33|3"
+    assert actor.render("{{#items}}{{n}}{{/items}}", variables, "MUSTACHE") == "12"
+    assert actor.render("{{ [1, 2]|map('string')|join(',') }} {{ [1, none]|select|list }} "
+                        "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
+                        "{{ zip('ab', [1, 2])|list }}", variables,
+                        "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
+    assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
+
+
+def test_budget_does_not_leak_out_of_a_render():
+    with pytest.raises(actor.TemplateError):
+        actor.render("{{ 'a' * 10**10 }}", {}, "JINJA2")
+    assert getattr(actor._BUDGET, "budget", None) is None
+
+
+# §13.5 Shell execution ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unsafe, allow_shell, safe_mode, command, ok", [
+    (True, True, True, "echo hi", True),
+    (True, True, False, "echo hi", True),
+    (False, True, True, "echo hi", False),       # host safe
+    (True, False, True, "echo hi", False),       # allow_shell false
+    (True, True, False, "rm -f x", False),       # blocklist in every mode
+    (True, True, False, "echo RM", False),
+    (True, True, False, "echo formatted", False),
+    (True, True, False, "kill -0 1", False),
+    (True, True, False, "exit 3", False),        # a failing command is an error
+])
+def test_shell_gates_and_blocklist(tmp_path, unsafe, allow_shell, safe_mode, command, ok):
+    (tmp_path / "x").write_text("keep")
+    rt = _tool_rt(tmp_path, unsafe=unsafe)
+    agent = _tool_agent(rt, {"tools": ["echo", "shell"], "allow_shell": allow_shell,
+                             "safe_mode": safe_mode})
+    message = json.dumps({"tool": "shell", "args": {"command": command}})
+    if ok:
+        assert _call(agent, message) == "hi\n"
+    else:
+        _fails(agent, message)
+    assert (tmp_path / "x").read_text() == "keep"
+
+
+def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch):
+    monkeypatch.chdir("/")
+    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=True, env={"GREETING": "hey"})
+    agent = _tool_agent(rt, {"tools": ["echo"], "allow_shell": True, "timeout": 0.2})
+    assert _call(agent, "shell pwd").strip() == str(tmp_path.resolve())
+    assert _call(agent, 'shell echo "$GREETING"') == "hey\n"
+    assert "timed out after 0.2 s" in str(_fails(agent, "shell sleep 30"))   # killed at 0.2 s
+
+
+# =====================================================================================
+# §16 FORBIDDEN PATTERNS
+# =====================================================================================
+
+
+def test_forbidden_forms_table_is_true():
+    """§16: FORBIDDEN_FORMS says where each row is enforced and which vector pins it; the check
+    exists, the vector exists, and it expects a load failure (the two accepted rows load)."""
+    accepted = {"top-level pipelines:", "inline tool named like a built-in"}
+    assert {row[0] for row in actor.FORBIDDEN_FORMS.values()} == {"16.1", "16.2", "16.3"}
+    for form, (section, check, stem) in actor.FORBIDDEN_FORMS.items():
+        assert callable(getattr(actor, check, None)), (form, check)
+        vector = actor.read_vector(HERE / "vectors" / f"{stem}.yaml")
+        assert any(str(s).startswith(section) for s in vector["spec"]), (form, vector["spec"])
+        if form in accepted:
+            assert "load_error" not in vector, form
+        else:
+            assert vector.get("load_error") == "ConfigurationError", form
+
+
+# =====================================================================================
+# HOST -- providers
+# =====================================================================================
+
+
 def test_openai_wire_format(llm_server, llm_render):
     llm_server.replies.append(_openai_ok("pong"))
     rt = _llm_rt()
@@ -1909,7 +6902,6 @@ def test_openai_refusal_is_error(llm_server, llm_render):
         _llm_agent({"base_url": llm_server.url}).invoke("x", {})
 
 
-# HOST -- providers: Anthropic Messages -------------------------------------------------------
 def test_anthropic_wire_format(llm_server, llm_render):
     llm_server.replies.append((200, {}, {
         "id": "m1", "type": "message", "role": "assistant", "model": "claude-x",
@@ -1982,7 +6974,6 @@ def test_anthropic_spend_limit_not_retried(llm_server, llm_render):
     assert waits == [] and len(llm_server.requests) == 1
 
 
-# HOST -- providers: Gemini generateContent ---------------------------------------------------
 def test_google_wire_format(llm_server, llm_render):
     llm_server.replies.append((200, {}, {"candidates": [{"index": 0, "finishReason": "STOP",
                                                          "content": {"role": "model", "parts": [
@@ -2039,7 +7030,6 @@ def test_google_blocked_prompt_is_error(llm_server, llm_render):
         agent.invoke("x", {})
 
 
-# HOST -- providers: retries, errors, key hygiene ---------------------------------------------
 def test_retry_after_headers_honoured(llm_server, llm_render):
     llm_server.replies += [(429, {"retry-after": "3"}, {"error": {"code": "rate_limit_exceeded",
                                                                    "message": "slow"}}),
@@ -2294,1366 +7284,65 @@ def test_fake_transport_scripted_then_echo():
     assert transport.complete(dict(request, agent="other")) == "hi"
 
 
-# §12.4 Tool command processing in outputs ----------------------------------------------------
-@pytest.fixture
-def fake_tools(monkeypatch):
-    calls = []
-
-    def run(rt, name, args, ctx, agent=None):
-        calls.append((name, args))
-        if name == "json_parse":
-            raise actor.ExecutionError("tool failed")
-        return f"<{name}:{args.get('text', '')}>"
-
-    monkeypatch.setattr(actor, "run_builtin_tool", run, raising=False)
-    monkeypatch.setattr(actor, "BUILTIN_TOOLS", {"echo": run, "math": run, "json_parse": run,
-                                                 "shell": run}, raising=False)
-    return calls
+# =====================================================================================
+# HOST -- the vector harness
+# =====================================================================================
 
 
-def test_tool_blocks_reverse_order_and_multiline(fake_tools):
-    text = ('A [TOOL_EXECUTE:echo] {"text": "one"} [/TOOL_EXECUTE] B '
-            '[TOOL_EXECUTE:math]\n{\n  "text": "two"\n}\n[/TOOL_EXECUTE] C')
-    out = actor.process_tool_blocks(_llm_rt(), text, ["echo", "math"], {})
-    assert out == "A <echo:one> B <math:two> C"
-    assert [name for name, _ in fake_tools] == ["math", "echo"]
+VECTOR_DIR = HERE / "vectors"
 
 
-def test_tool_block_sanitising(fake_tools):
-    text = '[TOOL_EXECUTE:echo] {"text": "line1\nline2\t\\section "quoted" end"} [/TOOL_EXECUTE]'
-    out = actor.process_tool_blocks(_llm_rt(), text, ["echo"], {})
-    assert out == '<echo:line1\nline2\t\\section "quoted" end>'
-    assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
+VECTOR_FILES = actor.collect_vector_files([VECTOR_DIR])
 
 
-def test_tool_block_errors_substituted(fake_tools):
-    rt = _llm_rt()
-    out = actor.process_tool_blocks(rt, "[TOOL_EXECUTE:echo] {broken [/TOOL_EXECUTE]", ["echo"], {})
-    assert out.startswith("Error executing tool 'echo': invalid JSON")
-    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:math] {"text": "1"} [/TOOL_EXECUTE]',
-                                    ["echo"], {})
-    assert out == "Error executing tool 'math': the tool is not allowed for this agent"
-    out = actor.process_tool_blocks(rt, '[TOOL_EXECUTE:json_parse] {} [/TOOL_EXECUTE]!',
-                                    ["json_parse"], {})
-    assert out == "Error executing tool 'json_parse': tool failed!"
-    assert actor.process_tool_blocks(rt, '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]', ["echo"], {}) \
-        == '[TOOL_EXECUTE:echo] [1] [/TOOL_EXECUTE]'
+def _vector_id(path):
+    return path.stem
 
 
-def test_tool_execute_is_opt_in_and_checked(fake_tools, llm_render):
-    reply = '[TOOL_EXECUTE:echo] {"text": "x"} [/TOOL_EXECUTE]'
-    rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [reply], "b": [reply]}))
-    assert _llm_agent({}, rt).invoke("q", {}) == reply
-    agent = _llm_agent({"tool_execute": True, "tools": ["echo"]}, rt, name="b")
-    assert agent.invoke("q", {}) == "<echo:x>" and "tool-execution" in agent.capabilities
-    for config in ({"tool_execute": True}, {"tool_execute": True, "tools": ["nope"]},
-                   {"tool_execute": True, "tools": ["shell"]}):
-        with pytest.raises(actor.ConfigurationError):
-            _llm_agent(config, rt, name="c")
+@pytest.mark.parametrize("path", VECTOR_FILES, ids=_vector_id)
+def test_vector(path):
+    vector = actor.read_vector(path)
+    errors, _ = actor.lint_vector(vector, path.stem)
+    assert not errors, errors
+    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    assert not failures, "\n".join(
+        f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
+
+
+def _spec_headings():
+    text = (SHARED / "spec" / "actor-configuration-standard.md").read_text(encoding="utf-8")
+    return set(re.findall(r"^(\d+(?:\.\d+)*)\.? ", text, flags=re.M))
+
+
+def test_vector_suite_lint():
+    """Names unique and equal to stems; descriptions present tense, short, no 'should'; real
+    sections; every step asserts something; no unknown keys."""
+    headings = _spec_headings() if (SHARED / "spec").exists() else None
+    names = {}
+    problems = []
+    for path in VECTOR_FILES:
+        vector = actor.read_vector(path)
+        errors, warnings = actor.lint_vector(vector, path.stem)
+        problems += [f"{path}: {e}" for e in errors + warnings]
+        name = vector.get("name")
+        if name in names:
+            problems.append(f"{path}: name '{name}' also used by {names[name]}")
+        names[name] = path
+        desc = vector.get("description") or ""
+        if len(desc) >= 150 or "should" in desc.lower():
+            problems.append(f"{path}: description must be under 150 chars without 'should'")
+        for section in vector.get("spec") or []:
+            if headings is not None and str(section) not in headings:
+                problems.append(f"{path}: spec section {section} is not a heading of the standard")
+        for i, step in enumerate(vector.get("steps") or []):
+            if not any(k in step for k in actor.STEP_CHECKS):
+                problems.append(f"{path}: steps[{i}] asserts nothing")
+    assert not problems, "\n".join(problems)
 
 
 # =====================================================================================
-# §4.5 Tool agents, §13.3, §13.5 (tools)
+# Benchmarks (`pytest -m bench -s`; skipped by default), in banner order
 # =====================================================================================
-# §4.5 Tool agents ----------------------------------------------------------------------
-import io as _io
-import json
-import threading as _threading
-
-
-def _tool_rt(tmp_path, unsafe=False):
-    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=unsafe)
-    rt.progress = actor.ProgressFacility(stream=_io.StringIO())
-    return rt
-
-
-def _tool_agent(rt, config, name="t"):
-    return _checked(rt, name, {"type": "tool", "config": config})
-
-
-ALL_BUILTINS = ["echo", "math", "json_parse", "http_request", "file_read", "file_write",
-                "progress_bar"]
-
-
-def test_builtin_tools_table_follows_spec_order():
-    assert list(actor.BUILTIN_TOOLS) == ALL_BUILTINS
-    assert all(fn.__name__ == "tool_" + name for name, fn in actor.BUILTIN_TOOLS.items())
-
-
-def test_tool_agent_defaults_capabilities_and_metadata(tmp_path):
-    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["math", "file_read", "http_request"]})
-    assert (agent.safe_mode, agent.allow_shell, agent.timeout, agent.context) == (True, False, 1, {})
-    assert agent.capabilities == ["tool-execution", "math-evaluation", "file-operations",
-                                  "http-requests"]
-    assert agent.metadata == {
-        "name": "t", "type": "tool", "capabilities": agent.capabilities, "reactive": True,
-        "tools": ["math", "file_read", "http_request"], "allow_shell": False,
-        "safe_mode": True, "timeout": 1}
-    shell = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"], "allow_shell": True})
-    assert "command-execution" in shell.capabilities
-
-
-@pytest.mark.parametrize("config, where", [
-    ({}, "agents.t.config"),
-    ({"tools": "echo"}, "agents.t.config.tools"),
-    ({"tools": ["ecko"]}, "agents.t.config.tools[0]"),
-    ({"tools": ["echo", "echo"]}, "agents.t.config.tools[1]"),
-    ({"tools": [{"code": "result = 1"}]}, "agents.t.config.tools[0].name"),
-    ({"tools": [{"name": "x"}]}, "agents.t.config.tools[0].code"),
-    ({"tools": [3]}, "agents.t.config.tools[0]"),
-    ({"tools": ["echo"], "timeout": 0}, "agents.t.config.timeout"),
-    ({"tools": ["echo"], "timeout": "5"}, "agents.t.config.timeout"),
-    ({"tools": ["echo"], "safe_mode": "no"}, "agents.t.config.safe_mode"),
-    ({"tools": ["echo"], "allow_shell": 1}, "agents.t.config.allow_shell"),
-    ({"tools": ["echo"], "context": []}, "agents.t.config.context"),
-])
-def test_tool_agent_rejects_bad_config_with_location(tmp_path, config, where):
-    with pytest.raises(actor.ConfigurationError) as info:
-        _tool_agent(_tool_rt(tmp_path), config)
-    assert info.value.path == where
-
-
-def test_tool_agent_warns_on_unknown_field_and_empty_tools(tmp_path):
-    rt = _tool_rt(tmp_path)
-    _tool_agent(rt, {"tools": [], "retries": 3})
-    assert any("retries" in w for w in rt.warnings)
-    assert any("no tools" in w for w in rt.warnings)
-
-
-def test_inline_tool_on_safe_host_is_refused_at_load(tmp_path):
-    with pytest.raises(actor.UnsafeConfigurationError) as info:
-        _tool_agent(_tool_rt(tmp_path), {"tools": [{"name": "x", "code": "result = 1"}]})
-    assert info.value.path == "agents.t.config.tools[0].code"
-
-
-# §4.5.1 Built-in tools ------------------------------------------------------------------
-def _call(agent, message, ctx=None):
-    return agent.invoke(message, {} if ctx is None else ctx)
-
-
-def _fails(agent, message, ctx=None):
-    with pytest.raises(actor.ExecutionError) as info:
-        agent.invoke(message, {} if ctx is None else ctx)
-    return info.value
-
-
-@pytest.fixture
-def utilities(tmp_path):
-    return _tool_agent(_tool_rt(tmp_path), {"tools": list(ALL_BUILTINS)})
-
-
-@pytest.mark.parametrize("message, expected", [
-    ('{"tool": "echo", "args": {"text": "a  b"}}', "a  b"),
-    ('{"tool": "echo", "args": ["a", "b"]}', "a b"),
-    ('{"tool": "echo", "args": "solo"}', "solo"),
-    ('{"tool": "echo"}', ""),
-    ("echo   hello    world", "hello world"),
-])
-def test_echo(utilities, message, expected):
-    assert _call(utilities, message) == expected
-
-
-@pytest.mark.parametrize("expression, expected", [
-    ("2 + 2 * 3", "8"), ("(2 + 2) * 3", "12"), ("10 / 4", "2.5"), ("7 // 2", "3"), ("7 % 4", "3"),
-    ("2 ** 10", "1024"), ("-3 + +1", "-2"), ("abs(-2.5)", "2.5"), ("round(2.567, 2)", "2.57"),
-    ("min(3, 1, 2)", "1"), ("max([1, 5, 3])", "5"), ("sum([1, 2, 3])", "6"), ("pow(2, 8)", "256"),
-    ("pow(3, 200, 7)", "2"), ("int(7.9)", "7"), ("float(2)", "2.0"), ("1.5e3", "1500.0"),
-])
-def test_math_evaluates_restricted_arithmetic(utilities, expression, expected):
-    request = json.dumps({"tool": "math", "args": {"expression": expression}})
-    assert _call(utilities, request) == expected
-    assert _call(utilities, json.dumps({"tool": "math", "args": [expression]})) == expected
-
-
-@pytest.mark.parametrize("expression", [
-    "__import__('os').system('true')", "open('x')", "x + 1", "(1).__class__", "'a' * 3",
-    "True + 1", "[x for x in range(3)]", "lambda: 1", "eval('1')", "2 ** 100000", "9 ** 9 ** 9",
-    "pow(10, 5000)", "(2 ** 4000) * (2 ** 4000)", "1 / 0", "10.0 ** 400", "1 if 1 else 2",
-    "abs(x=1)", "round()", "(" * 300 + "1" + ")" * 300, "1 +", "", "a.b", "{1: 2}", "1 < 2",
-    "[1] * 10 ** 9", "sum([[1]] * 10 ** 9, [])", "-[1]", "[1, 2] + [3]", "max([])",
-])
-def test_math_refuses_everything_else(utilities, expression):
-    _fails(utilities, json.dumps({"tool": "math", "args": {"expression": expression}}))
-
-
-def test_math_never_evaluates_side_effects(utilities, tmp_path):
-    _fails(utilities, json.dumps({"tool": "math", "args": {
-        "expression": "__import__('pathlib').Path('pwned').touch()"}}))
-    assert not (tmp_path / "pwned").exists()
-
-
-def test_json_parse_reindents_with_two_spaces(utilities):
-    out = _call(utilities, json.dumps({"tool": "json_parse", "args": {"json": '{"a":[1,{"b":"é"}]}'}}))
-    assert out == '{\n  "a": [\n    1,\n    {\n      "b": "é"\n    }\n  ]\n}'
-    assert _call(utilities, 'json_parse [1,2]') == "[\n  1,\n  2\n]"
-    _fails(utilities, json.dumps({"tool": "json_parse", "args": ["{oops"]}))
-    _fails(utilities, '{"tool": "json_parse"}')
-
-
-# §4.5.1 http_request against a local server ----------------------------------------------
-@pytest.fixture
-def http_server():
-    import http.server
-
-    seen = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def _answer(self):
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length).decode() if length else ""
-            seen.append({"method": self.command, "path": self.path, "body": body,
-                         "content_type": self.headers.get("Content-Type"),
-                         "x_token": self.headers.get("X-Token")})
-            status = 404 if self.path == "/missing" else 200
-            payload = ("not here" if status == 404 else f"{self.command} {self.path}").encode()
-            if self.path == "/latin1":
-                payload = "café".encode("latin-1")
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; charset=latin-1")
-            else:
-                self.send_response(status)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        do_GET = do_POST = do_PUT = _answer
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = _threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    server.shutdown()
-    server.server_close()
-
-
-def test_http_request_get_post_and_error_status(utilities, http_server):
-    base, seen = http_server
-    assert _call(utilities, json.dumps({"tool": "http_request", "args": {"url": base + "/a"}})) \
-        == "Status: 200\n\nGET /a"
-    out = _call(utilities, json.dumps({"tool": "http_request", "args": {
-        "url": base + "/p", "method": "post", "headers": {"X-Token": "k"}, "data": {"n": 1}}}))
-    assert out == "Status: 200\n\nPOST /p"
-    assert seen[-1] == {"method": "POST", "path": "/p", "body": '{"n": 1}',
-                        "content_type": "application/json", "x_token": "k"}
-    assert _call(utilities, f"http_request {base}/missing") == "Status: 404\n\nnot here"
-    assert _call(utilities, f"http_request {base}/latin1") == "Status: 200\n\ncafé"
-
-
-def test_http_request_failures_are_execution_errors(utilities, tmp_path):
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    _fails(utilities, f"http_request http://127.0.0.1:{port}/")
-    (tmp_path / "secret.txt").write_text("s")
-    _fails(utilities, f"http_request file://{tmp_path}/secret.txt")
-    _fails(utilities, '{"tool": "http_request", "args": {}}')
-
-
-# §4.5.1 file_read -----------------------------------------------------------------------
-def test_file_read_header_format(tmp_path, utilities):
-    (tmp_path / "notes.md").write_text("# Title\nbody\n", encoding="utf-8")
-    assert _call(utilities, "file_read notes.md") == (
-        "[FILE_READ_SUCCESS]📄 File: notes.md | Lines: 2 | Size: 13 chars\n"
-        "[FILE_CONTENT_START]\n# Title\nbody\n\n[FILE_CONTENT_END]")
-    (tmp_path / "empty.txt").write_text("")
-    assert _call(utilities, '{"tool": "file_read", "args": {"file": "empty.txt"}}') == (
-        "[FILE_READ_SUCCESS]📄 File: empty.txt | Lines: 0 | Size: 0 chars\n"
-        "[FILE_CONTENT_START]\n\n[FILE_CONTENT_END]")
-
-
-def test_file_read_is_relative_to_the_actor_workdir_not_the_process_cwd(tmp_path, monkeypatch):
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "a.txt").write_text("inside")
-    (tmp_path / "a.txt").write_text("cwd")
-    monkeypatch.chdir(tmp_path)
-    agent = _tool_agent(_tool_rt(work), {"tools": ["file_read", "echo"]})
-    assert "inside" in _call(agent, "file_read a.txt")
-
-
-def test_file_read_failures(tmp_path, utilities):
-    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00")
-    (tmp_path / "dir").mkdir()
-    for message in ("file_read nope.txt", "file_read bin.dat", "file_read dir", "file_read"):
-        _fails(utilities, message)
-
-
-def _safety_agent(tmp_path, unsafe, safe_mode=True, allow_shell=False):
-    return _tool_agent(_tool_rt(tmp_path, unsafe=unsafe),
-                       {"tools": ["file_read", "file_write", "echo"], "safe_mode": safe_mode,
-                        "allow_shell": allow_shell})
-
-
-# §4.5.4 Safe-mode restrictions and §13.3 Filesystem boundaries ---------------------------
-@pytest.fixture
-def tree(tmp_path):
-    """tmp/work (the actor's directory) with sub/a.txt, and tmp/outside.txt beside it."""
-    work = tmp_path / "work"
-    (work / "sub").mkdir(parents=True)
-    (work / "sub" / "a.txt").write_text("A")
-    (work / "top.txt").write_text("T")
-    (tmp_path / "outside.txt").write_text("O")
-    return work
-
-
-# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
-FILE_READ_CASES = [
-    (False, False, True, "sub/a.txt", True),
-    (False, False, True, "sub/../top.txt", False),
-    (False, False, True, "../outside.txt", False),
-    (False, False, True, "ABS", False),
-    (False, True, True, "ABS", False),          # Q69: the host layer still refuses
-    (True, False, True, "ABS", False),
-    (True, True, True, "ABS", True),            # §13.3 unsafe mode permits absolute paths
-    (True, True, True, "../outside.txt", False),  # safe_mode still refuses traversal
-    (True, True, False, "../outside.txt", True),  # both layers relaxed
-    (False, False, False, "../outside.txt", False),  # safe_mode false cannot relax the host
-    (False, False, False, "ABS", False),
-    (False, False, True, "~/x.txt", False),
-    (True, True, False, "~/x.txt", False),
-    (False, False, True, "a..b.txt", True),     # `..` inside a name is not traversal
-]
-
-
-@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_READ_CASES)
-def test_file_read_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
-    (tree / "a..b.txt").write_text("dots")
-    if given == "ABS":
-        given = str(tree.parent / "outside.txt")
-    agent = _safety_agent(tree, unsafe, safe_mode)
-    ctx = {"_unsafe_mode": True} if flag else {}
-    message = json.dumps({"tool": "file_read", "args": {"file": given}})
-    if allowed:
-        assert _call(agent, message, ctx).startswith("[FILE_READ_SUCCESS]")
-    else:
-        _fails(agent, message, ctx)
-
-
-def test_file_read_refuses_symlinks_leaving_the_workdir_in_safe_mode(tree):
-    (tree / "link.txt").symlink_to(tree.parent / "outside.txt")
-    (tree / "inner").symlink_to(tree / "sub")
-    agent = _safety_agent(tree, unsafe=False)
-    error = _fails(agent, "file_read link.txt")
-    assert error.section == "13.3"
-    assert "A" in _call(agent, "file_read inner/a.txt")
-    unsafe = _safety_agent(tree, unsafe=True)
-    assert "O" in _call(unsafe, "file_read link.txt", {"_unsafe_mode": True})
-
-
-# (host unsafe, ctx _unsafe_mode, safe_mode, path, allowed?)
-FILE_WRITE_CASES = [
-    (True, True, True, "new.txt", True),
-    (True, True, True, "sub/deeper/new.txt", True),
-    (True, False, True, "new.txt", False),      # §4.5.4: needs _unsafe_mode in the context
-    (True, False, False, "new.txt", False),     # ... whatever safe_mode says
-    (False, True, True, "new.txt", False),      # Q69: and the host in unsafe mode (§13.3)
-    (False, True, False, "new.txt", False),
-    (True, True, True, "../escape.txt", False),
-    (True, True, False, "../escape.txt", False),  # §13.3: `..` refused even in unsafe mode
-    (True, True, True, "sub/../new.txt", False),
-    (True, True, True, "~/new.txt", False),
-    (True, True, False, "~/new.txt", False),
-    (True, True, True, "ABS", True),            # outside the directory: waived by _unsafe_mode
-]
-
-
-@pytest.mark.parametrize("unsafe, flag, safe_mode, given, allowed", FILE_WRITE_CASES)
-def test_file_write_path_rules(tree, unsafe, flag, safe_mode, given, allowed):
-    if given == "ABS":
-        given = str(tree.parent / "abs.txt")
-    agent = _safety_agent(tree, unsafe, safe_mode)
-    ctx = {"_unsafe_mode": True} if flag else {}
-    message = json.dumps({"tool": "file_write", "args": {"file": given, "content": "x"}})
-    before = sorted(p for p in tree.parent.rglob("*"))
-    if allowed:
-        assert _call(agent, message, ctx) == f"Successfully wrote 1 characters to {given}"
-        target = Path(given) if Path(given).is_absolute() else tree / given
-        assert target.read_text() == "x"
-    else:
-        _fails(agent, message, ctx)
-        assert sorted(p for p in tree.parent.rglob("*")) == before
-
-
-# §4.5.5 file_write modes ---------------------------------------------------------------
-UNSAFE_CTX = {"_unsafe_mode": True}
-
-
-def _write(agent, **args):
-    return _call(agent, json.dumps({"tool": "file_write", "args": args}), dict(UNSAFE_CTX))
-
-
-@pytest.fixture
-def writer(tmp_path):
-    return _tool_agent(_tool_rt(tmp_path, unsafe=True), {"tools": ["file_write", "echo"]})
-
-
-def test_file_write_mode_w_overwrites(writer, tmp_path):
-    (tmp_path / "f.txt").write_text("old\n")
-    assert _write(writer, file="f.txt", content="new") == "Successfully wrote 3 characters to f.txt"
-    assert (tmp_path / "f.txt").read_text() == "new"
-    assert _call(writer, "file_write g.txt two words", dict(UNSAFE_CTX)) == \
-        "Successfully wrote 9 characters to g.txt"
-    assert (tmp_path / "g.txt").read_text() == "two words"
-
-
-@pytest.mark.parametrize("existing, content, expected", [
-    ("abc", "def", "abcdef"),
-    ("intro\n", "# Two\n", "intro\n\n# Two\n"),
-    ("intro", "# Two\n", "intro\n\n# Two\n"),
-    ("intro\n\n", "# Two\n", "intro\n\n# Two\n"),
-    (None, "# One\n", "# One\n"),
-    ("", "# One\n", "# One\n"),
-])
-def test_file_write_mode_a_appends_with_markdown_separator(writer, tmp_path, existing, content,
-                                                            expected):
-    if existing is not None:
-        (tmp_path / "f.md").write_text(existing)
-    assert _write(writer, file="f.md", content=content, mode="a") == \
-        f"Successfully appended {len(content)} characters to f.md"
-    assert (tmp_path / "f.md").read_text() == expected
-
-
-@pytest.mark.parametrize("position, line, expected", [
-    ("start", 1, "X\n1\n2\n3\n"),
-    ("end", 4, "1\n2\n3\nX\n"),
-    (None, 4, "1\n2\n3\nX\n"),
-    (2, 2, "1\nX\n2\n3\n"),
-    ("3", 3, "1\n2\nX\n3\n"),
-    (0, 1, "X\n1\n2\n3\n"),
-    (-5, 1, "X\n1\n2\n3\n"),
-    (99, 4, "1\n2\n3\nX\n"),
-])
-def test_file_write_insert_positions(writer, tmp_path, position, line, expected):
-    (tmp_path / "f.txt").write_text("1\n2\n3\n")
-    args = {"file": "f.txt", "content": "X", "mode": "insert"}
-    if position is not None:
-        args["position"] = position
-    assert _write(writer, **args) == f"Successfully inserted 1 characters at line {line} in f.txt"
-    assert (tmp_path / "f.txt").read_text() == expected
-
-
-def test_file_write_insert_edges(writer, tmp_path):
-    (tmp_path / "f.txt").write_text("1\n2")
-    _write(writer, file="f.txt", content="X\n", mode="insert")
-    assert (tmp_path / "f.txt").read_text() == "1\n2\nX\n"
-    assert _write(writer, file="n.txt", content="a", mode="insert", position=7) == \
-        "Successfully inserted 1 characters at line 1 in n.txt"
-    assert (tmp_path / "n.txt").read_text() == "a\n"
-    _fails(writer, json.dumps({"tool": "file_write", "args": {
-        "file": "f.txt", "content": "x", "mode": "insert", "position": "middle"}}), UNSAFE_CTX)
-    _fails(writer, json.dumps({"tool": "file_write", "args": {
-        "file": "f.txt", "content": "x", "mode": "x"}}), UNSAFE_CTX)
-
-
-# §4.5.6 The progress-bar facility -------------------------------------------------------
-def _bar(agent, ctx=None, **args):
-    return _call(agent, json.dumps({"tool": "progress_bar", "args": args}), ctx)
-
-
-@pytest.fixture
-def progress(tmp_path):
-    return _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
-
-
-def test_progress_bar_rendering(progress):
-    line = _bar(progress, current=1, total=3, stage="drafting", message="intro")
-    assert line == "█" * 8 + "░" * 16 + " 33.3% (1/3) drafting • intro"
-    assert progress.rt.progress.stream.getvalue() == "\r" + line
-    assert _bar(progress, current=3, total=3, stage="", message="") == "█" * 24 + " 100.0% (3/3)"
-    assert progress.rt.progress.stream.getvalue().endswith("(3/3)\n")
-    assert _bar(progress, current=2, total=7, stage="s", message="") == \
-        "██████" + "░" * 18 + " 28.6% (2/7) s"
-
-
-def test_progress_bar_defaults_and_clamping(progress):
-    assert _bar(progress) == "░" * 24 + " 0.0% (0/1)"
-    assert _bar(progress, current=5) == "█" * 24 + " 100.0% (1/1)"
-    assert _bar(progress, current=-2, total=4) == "░" * 24 + " 0.0% (0/4)"
-    assert _bar(progress, current=9) == "█" * 24 + " 100.0% (4/4)"
-    assert _bar(progress, total=8, remaining=2) == "█" * 18 + "░" * 6 + " 75.0% (6/8)"
-
-
-def test_progress_bar_argument_synonyms(progress):
-    assert _bar(progress, phase="p", done=1, steps=2, label="l").endswith(" 50.0% (1/2) p • l")
-    # the snapshot keeps the message "l" until a call gives another one
-    assert _bar(progress, sections_completed=1, sections_total=4, stage="s").endswith("(1/4) s • l")
-    assert _bar(progress, completed_sections=["a", "b"], message="m").endswith("(2/4) s • m")
-    assert _call(progress, "progress_bar 3 6").startswith("█" * 12 + "░" * 12 + " 50.0% (3/6)")
-    _fails(progress, "progress_bar lots")
-
-
-def test_progress_bar_infers_from_context_hooks(progress):
-    ctx = {"writing_stage": "writing", "section_paths": ["a", "b", "c", "d"],
-           "current_section_index": 1}
-    assert _bar(progress, ctx) == "██████" + "░" * 18 + " 25.0% (1/4) writing"
-    ctx = {"section_paths": ["a", "b"], "current_latex_index": 2}
-    assert _bar(progress, ctx).startswith("█" * 24 + " 100.0% (2/2)")
-    assert _bar(progress, ctx, stage="explicit", current=1).endswith("(1/2) explicit")
-
-
-def test_progress_bar_is_one_thread_safe_facility_per_runtime(tmp_path):
-    rt = _tool_rt(tmp_path)
-    agents = [_tool_agent(rt, {"tools": ["progress_bar", "echo"]}, name=f"p{i}") for i in range(2)]
-    other = _tool_agent(_tool_rt(tmp_path), {"tools": ["progress_bar", "echo"]})
-    _bar(agents[0], current=1, total=10)
-    assert _bar(agents[1], stage="x").endswith("(1/10) x")      # same snapshot
-    assert _bar(other).endswith("(0/1)")                       # another Actor's own snapshot
-    errors = []
-
-    def worker(n):
-        try:
-            for i in range(50):
-                _bar(agents[n % 2], current=i % 11, total=10, message=f"w{n}")
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [_threading.Thread(target=worker, args=(n,)) for n in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
-    written = rt.progress.stream.getvalue()
-    renders = [chunk.rstrip("\n") for chunk in written.split("\r") if chunk]
-    assert len(renders) == 2 + 8 * 50
-    assert all(len(r.split(" ")[0]) == 24 for r in renders)   # no interleaved writes
-
-
-def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
-    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path)
-    agent = _tool_agent(rt, {"tools": ["progress_bar", "echo"]})
-    line = _bar(agent, current=1, total=1)
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == "\r" + line + "\n"
-
-
-# §4.5.3 Tool invocation protocol -------------------------------------------------------
-def test_protocol_invalid_json_is_the_spec_error(utilities):
-    error = _fails(utilities, '  {"tool": "echo", }  ')
-    assert error.message == "Invalid JSON in tool request"
-    deep = '{"a": ' * 100000 + "1" + "}" * 100000
-    assert _fails(utilities, deep).message == "Invalid JSON in tool request"
-    assert actor.INVALID_JSON_IN_TOOL_REQUEST == "Invalid JSON in tool request"
-
-
-def test_protocol_unknown_or_unlisted_tool_fails(tmp_path):
-    agent = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo", "math"]})
-    for message in ("json_parse {}", '{"tool": "file_read", "args": ["x"]}', "hello there", "",
-                    '{"tool": 3}', '{"no_tool": 1}', "[1, 2]"):
-        _fails(agent, message)
-
-
-def test_protocol_single_builtin_takes_any_message(tmp_path):
-    echo = _tool_agent(_tool_rt(tmp_path), {"tools": ["echo"]})
-    assert _call(echo, "hello   world") == "hello   world"
-    assert _call(echo, '{"a": 1}') == '{"a": 1}'
-    assert _call(echo, "echo  hi") == "hi"
-    _fails(echo, "math 1 + 1")              # names another tool: step 5 still applies
-    calc = _tool_agent(_tool_rt(tmp_path), {"tools": ["math"]})
-    assert _call(calc, "2 + 3") == "5"
-
-
-def test_protocol_accepts_structured_content_and_coerces_output(utilities):
-    assert _call(utilities, {"tool": "math", "args": {"expression": "6*7"}}) == "42"
-    assert actor.tool_output(None) == ""
-    assert actor.tool_output(3) == "3"
-    assert actor.tool_output({"a": 1}) == "{'a': 1}"
-    assert actor.tool_output("s") == "s"
-
-
-def test_run_builtin_tool_for_tool_execute_blocks(tmp_path):
-    rt = _tool_rt(tmp_path)
-    assert actor.run_builtin_tool(rt, "math", {"expression": "1+1"}, {}) == "2"
-    with pytest.raises(actor.ExecutionError):
-        actor.run_builtin_tool(rt, "shell", {"command": "true"}, {})
-    with pytest.raises(actor.ExecutionError):
-        actor.run_builtin_tool(rt, "file_write", {"file": "x", "content": "y"}, {})
-    agent = _tool_agent(rt, {"tools": ["echo"]})
-    assert actor.run_builtin_tool(rt, "echo", {"text": "hi"}, {}, agent=agent) == "hi"
-    with pytest.raises(actor.ExecutionError):
-        actor.run_builtin_tool(rt, "math", {"expression": "1"}, {}, agent=agent)
-
-
-# §4.5.2 Inline tools (the tool side, with a stand-in for the §13.2 sandbox) ----------------
-@pytest.fixture
-def plain_exec(monkeypatch):
-    """Replace the sandbox by plain exec so this region tests only the tool agent's part."""
-    calls = []
-
-    def compile_code(source, *, rt=None, path=None):
-        return compile(source, "<inline>", "exec")
-
-    def run_code(unit, variables, *, timeout=1.0):
-        calls.append(timeout)
-        namespace = dict(variables)
-        exec(unit, {"json": json}, namespace)
-        return namespace
-
-    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
-    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
-    return calls
-
-
-def _inline(tmp_path, *tools, **config):
-    rt = _tool_rt(tmp_path, unsafe=True)
-    return _tool_agent(rt, dict(config, tools=list(tools)))
-
-
-def test_inline_single_tool_gets_whole_message(tmp_path, plain_exec):
-    agent = _inline(tmp_path, {"name": "shout", "code": 'result = str(input_data).upper() + "!"'},
-                    timeout=5)
-    assert _call(agent, "hello world") == "HELLO WORLD!"
-    assert _call(agent, '{"tool": "other"}') == '{"TOOL": "OTHER"}!'
-    assert plain_exec == [5, 5]
-
-
-@pytest.mark.parametrize("code, expected", [
-    ("result = 42", "42"), ("output = 'o'", "o"), ("response = 'r'", "r"), ("answer = 'a'", "a"),
-    ("output = 'o'\nanswer = 'a'", "o"), ("response = None\nanswer = 'a'", "a"), ("x = 1", ""),
-    ("result = message == input_data", "True"), ("result = {'k': [1]}", "{'k': [1]}"),
-    ("result = ''\noutput = 'o'", ""),
-])
-def test_inline_result_fallbacks_and_coercion(tmp_path, plain_exec, code, expected):
-    agent = _inline(tmp_path, {"name": "t", "code": code})
-    assert _call(agent, "m") == expected
-
-
-def test_inline_context_is_by_reference_and_invocation_wins(tmp_path, plain_exec):
-    code = ("result = f\"{context['who']}/{context['own']}\"\n"
-            "context['topic'] = input_data\ncontext['log'].append(1)\ndel context['gone']")
-    agent = _inline(tmp_path, {"name": "t", "code": code},
-                    context={"who": "agent", "own": "mine", "log": []})
-    ctx = {"who": "invocation", "gone": 1, "log": []}
-    assert _call(agent, "ai", ctx) == "invocation/mine"
-    assert ctx == {"who": "invocation", "topic": "ai", "log": [1]}
-    assert agent.context == {"who": "agent", "own": "mine", "log": []}
-
-
-def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
-    agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
-    assert _call(agent, "rev abc  def") == "fed cba"
-    assert _call(agent, '{"tool": "rev", "args": "xyz"}') == "zyx"
-    assert _call(agent, '{"tool": "rev", "args": {"a": 1}}') == '}1 :"a"{'
-    assert _call(agent, "echo hi") == "hi"
-
-
-def test_inline_tool_shadowing_a_builtin_wins_with_a_warning(tmp_path, plain_exec):
-    agent = _inline(tmp_path, "echo", {"name": "math", "code": "result = 'inline'"})
-    assert _call(agent, "math 1 + 1") == "inline"
-    assert any("§16.3" in w and "math" in w for w in agent.rt.warnings)
-
-
-def test_inline_code_drives_the_progress_facility(tmp_path, plain_exec):
-    code = ("progress_bar(current=1, total=2, stage='s')\n"
-            "result = progress_bar(current=2)")
-    agent = _inline(tmp_path, {"name": "t", "code": code})
-    assert _call(agent, "x") == "█" * 24 + " 100.0% (2/2) s"
-    assert agent.rt.progress.stream.getvalue().count("\r") == 2
-
-
-def test_inline_errors_propagate_as_execution_errors(tmp_path, monkeypatch):
-    def compile_code(source, *, rt=None, path=None):
-        return source
-
-    def run_code(unit, variables, *, timeout=1.0):
-        raise actor.ExecutionError("boom")
-
-    monkeypatch.setattr(actor, "compile_code", compile_code, raising=False)
-    monkeypatch.setattr(actor, "run_code", run_code, raising=False)
-    agent = _inline(tmp_path, {"name": "t", "code": "x"})
-    _fails(agent, "anything")
-
-
-def test_inline_runaway_code_times_out_and_the_agent_keeps_serving(tmp_path):
-    import time as _time
-    agent = _inline(tmp_path, "echo", {"name": "spin", "code": "while True:\n    pass\n"},
-                    timeout=0.2)
-    started = _time.monotonic()
-    assert "time limit of 0.2 s" in str(_fails(agent, "spin"))     # the 0.2 s budget stopped it
-    assert _time.monotonic() - started < HANG_GUARD
-    assert _call(agent, "echo next") == "next"
-
-
-def test_inline_forbidden_construct_is_refused_at_load(tmp_path):
-    with pytest.raises(actor.ConfigurationError):
-        _inline(tmp_path, {"name": "t", "code": "import os\nresult = os.getcwd()\n"})
-
-
-# §13.5 Shell execution --------------------------------------------------------------------
-@pytest.mark.parametrize("unsafe, allow_shell, safe_mode, command, ok", [
-    (True, True, True, "echo hi", True),
-    (True, True, False, "echo hi", True),
-    (False, True, True, "echo hi", False),       # host safe
-    (True, False, True, "echo hi", False),       # allow_shell false
-    (True, True, False, "rm -f x", False),       # blocklist in every mode
-    (True, True, False, "echo RM", False),
-    (True, True, False, "echo formatted", False),
-    (True, True, False, "kill -0 1", False),
-    (True, True, False, "exit 3", False),        # a failing command is an error
-])
-def test_shell_gates_and_blocklist(tmp_path, unsafe, allow_shell, safe_mode, command, ok):
-    (tmp_path / "x").write_text("keep")
-    rt = _tool_rt(tmp_path, unsafe=unsafe)
-    agent = _tool_agent(rt, {"tools": ["echo", "shell"], "allow_shell": allow_shell,
-                             "safe_mode": safe_mode})
-    message = json.dumps({"tool": "shell", "args": {"command": command}})
-    if ok:
-        assert _call(agent, message) == "hi\n"
-    else:
-        _fails(agent, message)
-    assert (tmp_path / "x").read_text() == "keep"
-
-
-def test_shell_runs_in_workdir_with_actor_env_and_timeout(tmp_path, monkeypatch):
-    monkeypatch.chdir("/")
-    rt = actor.Runtime(actor.Doc({}), workdir=tmp_path, unsafe=True, env={"GREETING": "hey"})
-    agent = _tool_agent(rt, {"tools": ["echo"], "allow_shell": True, "timeout": 0.2})
-    assert _call(agent, "shell pwd").strip() == str(tmp_path.resolve())
-    assert _call(agent, 'shell echo "$GREETING"') == "hey\n"
-    assert "timed out after 0.2 s" in str(_fails(agent, "shell sleep 30"))   # killed at 0.2 s
-
-
-# §4.6 Composite agents, §4.11 capabilities ------------------------------------------------
-COMPOSITE_TEXT = """\
-agents:
-  box:
-    type: composite
-    config:
-      expose_params: {depth: medium}
-      components:
-        agents:
-          calc: {type: tool, config: {tools: [math]}}
-          tag: {type: chain, config: {steps: [t]}}
-        graphs:
-          flow:
-            nodes: {work: {type: agent, agent: tag}}
-            edges: [{source: start, target: work}, {source: work, target: end}]
-        streams:
-          s:
-            operators: [{type: map, params: {agent: %s}}]
-      routing:
-        input: {type: stream, name: s}
-        output: {type: graph, name: flow}
-  late: {type: chain, config: {steps: [late]}}
-routes:
-  main:
-    type: stream
-    operators: [{type: map, params: {agent: box}}]
-    publications: [__output__]
-"""
-
-
-def test_composite_capabilities_are_the_union_of_its_components():
-    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
-    try:
-        box = team.rt.agents["box"]
-        union = ["composite"]
-        for cap in (box.local_agents["calc"].capabilities + box.local_agents["tag"].capabilities
-                    + ["stateful-workflow", "reactive-processing"]):
-            union += [cap] if cap not in union else []
-        assert box.capabilities == union
-        assert {"math-evaluation", "chain-processing"} <= set(union)
-        assert box.metadata["capabilities"] == box.capabilities
-        assert box.metadata["reactive"] is True and box.metadata["type"] == "composite"
-        assert box.metadata["components"] == {"agents": ["calc", "tag"], "graphs": ["flow"],
-                                              "streams": ["s"]}
-        assert box.metadata["expose_params"] == {"depth": "medium"}
-        # stream `s` maps through `late`, an Actor agent declared after the composite
-        assert [m.content for m in team.send("x").outputs] == [
-            "ChainAgent processed: ChainAgent processed: x->late->t"]
-    finally:
-        team.close()
-
-
-def test_agent_name_outside_the_recommended_class_warns_4_2():
-    text = ("agents:\n  my-agent: {type: chain}\n  fine_1: {type: chain}\n"
-            "routes:\n  main:\n    type: stream\n"
-            "    operators: [{type: map, params: {agent: my-agent}}]\n")
-    team = actor.load(text=text, default_router="main")
-    try:
-        flagged = [w for w in team.rt.warnings if "§4.2" in w]
-        assert len(flagged) == 1 and "my-agent" in flagged[0]
-    finally:
-        team.close()
-
-
-def test_composite_component_errors_are_located_at_the_component():
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(text=COMPOSITE_TEXT % "ghost", default_router="main")
-    err = info.value
-    assert err.path == "agents.box.config.components.streams.s.operators[0].params.agent"
-    assert err.line == COMPOSITE_TEXT.splitlines().index(
-        "            operators: [{type: map, params: {agent: %s}}]") + 1
-    bad_local = COMPOSITE_TEXT.replace("calc: {type: tool, config: {tools: [math]}}",
-                                       "calc: {type: llm, config: {provider: fake, temperature: 9}}")
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(text=bad_local % "late", default_router="main")
-    assert info.value.path == "agents.box.config.components.agents.calc.config.temperature"
-    assert info.value.line == 8
-
-
-def test_composite_components_are_wired_once_and_serve_concurrent_calls():
-    team = actor.load(text=COMPOSITE_TEXT % "late", default_router="main")
-    try:
-        box = team.rt.agents["box"]
-        results = []
-
-        def call(i):
-            results.append(box.invoke(f"m{i}", {}))
-        threads = [_threading.Thread(target=call, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        network = box.network
-        assert sorted(results) == sorted(f"ChainAgent processed: ChainAgent processed: m{i}"
-                                         "->late->t" for i in range(8))
-        box.invoke("again", {})
-        assert box.network is network
-        box.close()
-        assert all(not node.out.observers for node in network.nodes.values())
-    finally:
-        team.close()
-
-
-def test_composite_late_output_on_the_real_clock_and_inside_a_graph():
-    """§4.6.2 item 4: on the real clock the call completes when the delayed output emits, in a
-    stream map and inside a graph node alike; on the virtual clock a graph node cannot wait, so
-    it gets "" and the late message is warned about, never raised."""
-    text = """\
-agents:
-  c:
-    type: composite
-    config:
-      components: {streams: {s: {operators: [{type: delay, params: {duration: 0.05}}]}}}
-      routing: {input: {type: stream, name: s}, output: {type: stream, name: s}}
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
-  g:
-    type: graph
-    nodes: {n: {type: agent, agent: c}}
-    edges: [{source: start, target: n}, {source: n, target: end}]
-merges: [{sources: [__input__], target: main}]
-"""
-    with actor.load(text=text, clock=actor.RealClock()) as team:
-        assert [m.content for m in team.send("hi").outputs] == ["hi"]
-        assert [m.content for m in team.send("node", target="g").outputs] == ["node"]
-    with actor.load(text=text) as team:
-        assert [m.content for m in team.send("node", target="g").outputs] == [""]
-        assert team.advance(1).outputs == []
-        assert any("no caller" in w for w in team.rt.warnings)
-
-
-def test_composite_routing_strategy_is_warned_and_ignored():
-    """§4.6.3, §16.1: strategy beside config is refused; inside routing it is warned about, located
-    at the key, and the composite still answers."""
-    text = """\
-agents:
-  c:
-    type: composite
-    config:
-      components: {agents: {inner: {type: tool, config: {tools: [echo]}}}}
-      routing:
-        input: {type: agent, name: inner}
-        output: {type: agent, name: inner}
-        strategy: sequential
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-"""
-    team = actor.load(text=text)
-    try:
-        warned = [w for w in team.rt.warnings if "routing.strategy" in w]
-        assert len(warned) == 1 and warned[0].startswith("<text>:9: ") and "§4.6.3" in warned[0]
-        assert [m.content for m in team.send("hi").outputs] == ["hi"]
-    finally:
-        team.close()
-    with pytest.raises(actor.ConfigurationError) as caught:
-        actor.load(text=text.replace("        strategy: sequential\n", "").replace(
-            "    type: composite\n", "    type: composite\n    strategy: sequential\n"))
-    assert caught.value.path == "agents.c.strategy" and caught.value.line == 4
-
-# =====================================================================================
-# §5, §7, §12.2 Streams (streams)
-# =====================================================================================
-# Unit tests build a Runtime by hand with tiny fake agents and graphs, so they exercise the stream
-# layer alone; the vectors under vectors/05-streams, 07-composition and 18-examples go end to end.
-
-class _FakeAgent:
-    """An agent (§4 interface) whose reply comes from `fn(content, ctx)`."""
-
-    def __init__(self, name, fn=None):
-        self.name, self.type, self.capabilities, self.metadata = name, "fake", [], {}
-        self.fn = fn or (lambda content, ctx: content)
-        self.calls = []
-
-    def invoke(self, content, ctx):
-        self.calls.append(content)
-        return self.fn(content, ctx)
-
-
-class _FakeRun:
-    def __init__(self, output, state, history):
-        self.output, self.state, self.history = output, state, history
-        # every message of these fake states is new with the run (GraphRun.replies, Q34)
-        self.replies = [m for m in state.get("messages", []) if m.get("role") == "assistant"]
-
-
-class _FakeGraph:
-    """The [graphs] GraphRoute interface, recording what the stream layer asks of it."""
-
-    def __init__(self):
-        self.runs, self.updates, self.checkpoints_made, self.nodes_run = [], [], 0, []
-        self.observers = []            # §6.10 node-event listeners (none are fired here)
-
-    def internal_stream_names(self):
-        return []
-
-    def run(self, content, ctx, *, pure=False):
-        self.runs.append((content, pure))
-        if content == "explode":
-            raise actor.ExecutionError("graph exploded")
-        state = {"messages": [{"role": "user", "content": content},
-                              {"role": "assistant", "content": f"graph: {content}"}]}
-        return _FakeRun(f"out: {content}", state, ["start", "work", "end"])
-
-    def run_node(self, node, content, ctx):
-        self.nodes_run.append(node)
-        return f"{node}({content})"
-
-    def update_state(self, content):
-        self.updates.append(content)
-
-    def checkpoint(self):
-        self.checkpoints_made += 1
-
-
-def _stream_net(routes, *, agents=(), graphs=None, clock=None, **data):
-    """A StreamNetwork over `routes` (+ merges/splits/...), with outputs and errors collected."""
-    doc = actor.Doc({"agents": {a.name: {"type": "tool"} for a in agents}, "routes": routes, **data})
-    rt = actor.Runtime(doc, clock=clock)
-    for agent in agents:
-        rt.agents[agent.name] = agent
-    rt.graphs.update(graphs or {})
-    actor.check_streams(rt, rt.agents, rt.graphs)       # the check pass, as load runs it
-    net = actor.StreamNetwork(rt)
-    outputs, errors = [], []
-    net.on_output(outputs.append)
-    net.on_error(errors.append)
-    return net, outputs, errors, rt
-
-
-def _main(ops, **extra):
-    return {"main": {"type": "stream", "operators": ops, "publications": ["__output__"], **extra}}
-
-
-_FROM_INPUT = [{"sources": ["__input__"], "target": "main"}]
-
-
-def test_operators_table_lists_every_spec_operator():
-    """§5.3.2: one OPERATORS row per operator the standard defines, in the spec's order."""
-    assert list(actor.OPERATORS) == [
-        "map", "filter", "transform", "debounce", "throttle", "delay", "buffer", "scan", "reduce",
-        "switch", "conditional_route", "catch", "retry", "distinct", "take", "skip", "sample",
-        "graph_execute", "state_update", "state_checkpoint", "graph_node"]
-    assert list(actor.TRANSFORMS) == ["extract", "wrap", "format", "replace", "identity"]
-    assert list(actor.ACCUMULATORS) == ["collect", "concat", "sum"]
-
-
-def test_agent_mapper_resolves_message_context_first():
-    """§5.3.4(1): metadata.context wins over the global context; the reference is kept."""
-    seen = []
-    agent = _FakeAgent("a", lambda content, ctx: seen.append(ctx) or "ok")
-    net, outputs, _, rt = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
-                                      agents=[agent], merges=_FROM_INPUT)
-    rt.context["k"] = "global"
-    own = {"k": "own"}
-    net.send("x", metadata={"context": own})
-    net.send("y")
-    assert seen[0] is own and seen[1] is rt.context
-    assert outputs[0].metadata["context"] is own and outputs[1].metadata["context"] is rt.context
-    assert outputs[0].metadata["processed_by"] == "a"
-
-
-def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
-    """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
-    import time as _time
-    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
-    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
-                                          agents=[slow], merges=_FROM_INPUT,
-                                          clock=actor.RealClock())
-    net.send("x")
-    assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
-    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
-    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
-
-
-def test_agent_mapper_soft_timeout_in_single_shot_runs(monkeypatch):
-    """§12.2.4: a single-shot run bounds each agent call by the soft timeout (an ExecutionError)."""
-    import time as _time
-    monkeypatch.setattr(actor, "SOFT_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: _time.sleep(0.2) or "late")
-    net, outputs, errors, rt = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
-                                           agents=[slow], merges=_FROM_INPUT,
-                                           clock=actor.RealClock())
-    rt.single_shot = True
-    net.send("x")
-    assert [m.content for m in outputs] == [actor.SOFT_TIMEOUT_TEXT]
-    assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
-    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
-
-
-def test_agent_mapper_real_clock_success_and_failure():
-    """The worker-thread path returns replies and carries agent errors back as messages."""
-    def fn(content, ctx):
-        if content == "bad":
-            raise ValueError("no good")
-        return content.upper()
-    agent = _FakeAgent("a", fn)
-    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "a"}}]),
-                                          agents=[agent], merges=_FROM_INPUT,
-                                          clock=actor.RealClock())
-    net.send("ok")
-    net.send("bad")
-    assert [m.content for m in outputs] == ["OK", "Error: no good"]
-    assert [m.content for m in errors] == ["Error: no good"]
-
-
-def test_error_message_is_one_per_failure_and_stream_continues():
-    """§12.2.3 (Q92, Q93): one __error__ message per failure; the next message still flows."""
-    def fn(content, ctx):
-        if content == "bad":
-            raise actor.ExecutionError("it broke")
-        return content
-    net, outputs, errors, _ = _stream_net(
-        _main([{"type": "map", "params": {"agent": "a"}}, {"type": "catch", "params": {}}]),
-        agents=[_FakeAgent("a", fn)], merges=_FROM_INPUT)
-    net.send("bad")
-    net.send("good")
-    assert [m.content for m in outputs] == ["good"]
-    assert [(m.content, m.metadata["error"], m.metadata["error_type"]) for m in errors] == [
-        ("Error: it broke", True, "ExecutionError")]
-    assert errors[0].source_stream == "main"
-
-
-def test_error_feedback_loop_is_cut():
-    """§12.6: an __error__ handler that fails again reaches the host once, without recursion."""
-    def fail(content, ctx):
-        raise ValueError("again")
-    net, _, errors, rt = _stream_net(
-        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]},
-         "handler": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}]}},
-        agents=[_FakeAgent("a", fail)],
-        merges=[{"sources": ["__input__"], "target": "main"},
-                {"sources": ["__error__"], "target": "handler"}])
-    net.send("x")
-    assert [m.content for m in errors] == ["Error: again", "Error: again"]
-    assert any("feedback loop" in w for w in rt.warnings)
-
-
-def test_flow_deeper_than_the_stack_is_one_stream_routing_error():
-    """§12.6 (Q25): a take-bounded cycle loads; one whose count outruns the Python stack stops with
-    a single StreamRoutingError on __error__ instead of a RecursionError out of send()."""
-    text = """\
-agents: {e: {type: tool, config: {tools: [echo]}}}
-routes:
-  a: {type: stream, operators: [{type: take, params: {count: %d}}], publications: [b, __output__]}
-  b: {type: stream, operators: [{type: map, params: {agent: e}}], publications: [a]}
-merges: [{sources: [__input__], target: a}]
-"""
-    with actor.load(text=text % 4) as team:
-        assert [m.content for m in team.send("x").outputs] == ["x"] * 4
-    with actor.load(text=text % 100000) as team:
-        result = team.send("x")
-        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
-    # a chain of 3000 routes loads (the cycle check and the completion order use no recursion);
-    # a timer that feeds it reports the same way from advance()
-    chain = "\n".join(f"  r{i}: {{type: stream, publications: [r{i + 1}]}}" for i in range(1, 3000))
-    with actor.load(text=f"""\
-agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
-routes:
-  r0: {{type: stream, operators: [{{type: delay, params: {{duration: 1}}}}], publications: [r1]}}
-{chain}
-  r3000: {{type: stream, publications: [__output__]}}
-merges: [{{sources: [__input__], target: r0}}]
-""") as team:
-        assert team.send("x").errors == []
-        result = team.advance(1)
-        assert [m.metadata["error_type"] for m in result.errors] == ["StreamRoutingError"]
-
-
-def test_hot_and_replay_streams_replay_to_late_subscribers():
-    """§5.3.1 (Q22): hot replays the latest value (initial_value seeds it), replay the last N."""
-    net, _, _, _ = _stream_net(
-        {"hot": {"type": "stream", "stream_type": "hot", "initial_value": "seed"},
-         "rep": {"type": "stream", "stream_type": "replay", "buffer_size": 2},
-         "cold": {"type": "stream"}},
-        merges=[{"sources": ["__input__"], "target": t} for t in ("hot", "rep", "cold")])
-    late = {name: [] for name in ("hot", "rep", "cold")}
-    net.subscribe("hot", lambda m: late["hot"].append(m.content))
-    assert late["hot"] == ["seed"]
-    for content in ("a", "b", "c"):
-        net.send(content)
-    for name in late:
-        net.subscribe(name, lambda m, name=name: late[name].append(m.content))
-    assert late == {"hot": ["seed", "a", "b", "c", "c"], "rep": ["b", "c"], "cold": []}
-
-
-def test_debounce_capped_in_single_shot_runs():
-    """§5.3.2 (Q95): single-shot runs cap debounce at 50 ms."""
-    doc = actor.Doc({"agents": {}, "routes": _main(
-        [{"type": "debounce", "params": {"duration": 5.0}}]), "merges": _FROM_INPUT})
-    rt = actor.Runtime(doc)
-    net = actor.StreamNetwork(rt, single_shot=True)
-    outputs = []
-    net.on_output(outputs.append)
-    net.send("x")
-    rt.clock.advance(0.04)
-    assert outputs == []
-    rt.clock.advance(0.01)
-    assert [m.content for m in outputs] == ["x"]
-    net2, outputs2, _, rt2 = _stream_net(_main([{"type": "debounce", "params": {"duration": 5.0}}]),
-                                         merges=_FROM_INPUT)
-    rt2.single_shot = True          # a host may say so after load (the CLI with -m messages)
-    net2.send("y")
-    rt2.clock.advance(0.05)
-    assert [m.content for m in outputs2] == ["y"]
-
-
-def test_settle_waits_for_timers_under_real_clock():
-    """settle() lets a short real delay fire before returning."""
-    net, outputs, _, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 0.02}}]),
-                                     merges=_FROM_INPUT, clock=actor.RealClock())
-    net.send("x")
-    assert outputs == []
-    net.settle()
-    assert [m.content for m in outputs] == ["x"]
-
-
-def test_settle_reports_soft_timeout():
-    """§12.2.4: waiting beyond the soft bound signals an ExecutionError on __error__."""
-    net, outputs, errors, _ = _stream_net(_main([{"type": "delay", "params": {"duration": 60}}]),
-                                          merges=_FROM_INPUT, clock=actor.RealClock())
-    net.send("x")
-    net.settle(timeout=0.01)
-    assert outputs == [] and errors[0].metadata["error_type"] == "ExecutionError"
-
-
-def test_graph_route_fed_by_merge_emits_run_output():
-    """Q28: a graph route that is a merge target sends GraphRun.output to __output__."""
-    graph = _FakeGraph()
-    net, outputs, errors, _ = _stream_net(
-        {"g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}, "s": {"type": "stream"}},
-        graphs={"g": graph}, merges=[{"sources": ["__input__"], "target": "g"}])
-    net.send("hi")
-    net.send("explode")
-    assert [m.content for m in outputs] == ["out: hi"]
-    assert outputs[0].source_stream == "g" and outputs[0].metadata["graph"] == "g"
-    assert errors[0].metadata["error_type"] == "ExecutionError"
-    assert graph.runs == [("hi", False), ("explode", False)]
-    net.send("direct", target="g")
-    assert [m.content for m in outputs] == ["out: hi", "out: direct"]
-
-
-def test_pure_graph_mode_runs_pure():
-    """§6.9: when every route is a graph, the default router runs it with pure=True."""
-    graph = _FakeGraph()
-    doc = actor.Doc({"agents": {}, "routes": {"g": {"type": "graph", "nodes": {}}}})
-    rt = actor.Runtime(doc)
-    rt.graphs["g"] = graph
-    rt.default_router = "g"
-    net = actor.StreamNetwork(rt)
-    outputs = []
-    net.on_output(outputs.append)
-    net.send("hi")
-    assert graph.runs == [("hi", True)] and [m.content for m in outputs] == ["out: hi"]
-
-
-def test_graph_bridge_operators():
-    """§5.3.2 graph_execute, state_update, state_checkpoint, graph_node."""
-    graph = _FakeGraph()
-    ops = [{"type": "state_update", "params": {"graph": "g"}},
-           {"type": "state_checkpoint", "params": {"graph": "g"}},
-           {"type": "graph_node", "params": {"graph": "g", "node": "work"}},
-           {"type": "graph_execute", "params": {"graph": "g"}}]
-    net, outputs, _, _ = _stream_net(
-        {**_main(ops), "g": {"type": "graph", "nodes": {"work": {"type": "agent"}}}},
-        graphs={"g": graph}, merges=_FROM_INPUT)
-    net.send("x")
-    assert graph.updates == ["x"] and graph.checkpoints_made == 1 and graph.nodes_run == ["work"]
-    (out,) = outputs
-    assert out.content == "graph: work(x)"
-    meta = out.metadata
-    assert meta["state_updated"] is True and meta["checkpointed"] is True
-    assert meta["node"] == "work" and meta["graph"] == "g"
-    assert meta["execution_history"] == ["start", "work", "end"]
-    assert meta["final_state"]["messages"][-1]["content"] == "graph: work(x)"
-    assert meta["source"] == actor.BRIDGE_SOURCE        # §12.2.1: the originating subsystem
-
-
-def test_graph_execute_without_messages_forwards_state():
-    """§5.3.2 graph_execute: no assistant message -> the whole final state is the content."""
-    class Stateless(_FakeGraph):
-        def run(self, content, ctx, *, pure=False):
-            return _FakeRun("o", {"messages": [], "metadata": {"k": 1}}, [])
-    net, outputs, _, _ = _stream_net(
-        {**_main([{"type": "graph_execute", "params": {"graph": "g"}}]),
-         "g": {"type": "graph", "nodes": {}}}, graphs={"g": Stateless()}, merges=_FROM_INPUT)
-    net.send("x")
-    assert outputs[0].content == {"messages": [], "metadata": {"k": 1}}
-
-
-def test_check_streams_errors_are_located():
-    """Load-time operator errors carry the config path and the source location."""
-    text = ("agents:\n  a: {type: tool, config: {tools: [echo]}}\nroutes:\n  main:\n"
-            "    type: stream\n    operators:\n      - type: map\n        params: {agent: a}\n"
-            "      - type: mapp\n")
-    data = actor.yaml.safe_load(text)
-    doc = actor.Doc(data, {("routes", "main", "operators", 1, "type"): ("team.yaml", 9, 15)},
-                    ["team.yaml"])
-    with pytest.raises(actor.StreamRoutingError) as info:
-        actor.check_streams(actor.Runtime(doc), {"a"}, set())
-    err = info.value
-    assert (err.path, err.file, err.line) == ("routes.main.operators[1].type", "team.yaml", 9)
-    assert err.section == "5.3.2"
-
-
-def test_send_to_named_route_and_errors():
-    """send(target=route) enters that route directly; unknown targets and a completed input raise."""
-    net, outputs, _, _ = _stream_net(
-        {"a": {"type": "stream", "operators": [{"type": "map", "params": {
-            "transform": {"type": "format", "template": "a:{content}"}}}],
-               "publications": ["__output__"]}})
-    net.send("x", target="a")
-    assert [m.content for m in outputs] == ["a:x"]
-    with pytest.raises(actor.RoutingError):
-        net.send("x", target="nowhere")
-    net.complete()
-    with pytest.raises(actor.StreamRoutingError):
-        net.send("y")
-
-
-def test_pipeline_graph_stage_uses_named_graph():
-    """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
-    graph = _FakeGraph()
-    net, outputs, _, _ = _stream_net(
-        {"g": {"type": "graph", "nodes": {}}, "s": {"type": "stream"}}, graphs={"g": graph},
-        merges=[{"sources": ["__input__"], "target": "p"}],
-        pipelines={"p": {"stages": [{"type": "stream", "name": "one"},
-                                    {"type": "graph", "graph": "g"},
-                                    {"type": "stream", "name": "three",
-                                     "publications": ["__output__"]}]}})
-    net.send("x")
-    assert [m.content for m in outputs] == ["out: x"]
-
-
-def test_routing_prefixes_can_be_extended_by_the_host():
-    """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
-    assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
-    assert actor.strip_routing_prefix("SET_topic:AI") == "AI"
-    assert actor.strip_routing_prefix("FINAL: x") == "FINAL: x"
-    assert actor.strip_routing_prefix("FINAL: x", ["FINAL:"]) == "x"
-    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
-        "transform": {"type": "format", "template": "FINAL: {content}"}}}]), "merges": _FROM_INPUT})
-    rt = actor.Runtime(doc)
-    rt.routing_prefixes = ["FINAL:"]
-    net = actor.StreamNetwork(rt)
-    outputs = []
-    net.on_output(outputs.append)
-    net.send("done")
-    assert [m.content for m in outputs] == ["done"]
-
-
-def test_retry_without_agent_map_warns():
-    net, _, _, rt = _stream_net(_main([{"type": "retry", "params": {"count": 2}}]),
-                                merges=_FROM_INPUT)
-    assert any("retry has no agent map" in w for w in rt.warnings)
-
-
-def test_registered_function_applies():
-    """§5.3.3: a host-registered transformer (rt.functions) maps content."""
-    doc = actor.Doc({"agents": {}, "routes": _main([{"type": "map", "params": {
-        "function": "text.shout"}}]), "merges": _FROM_INPUT})
-    rt = actor.Runtime(doc)
-    rt.functions = {"text.shout": lambda content: content.upper() + "!"}
-    net = actor.StreamNetwork(rt)
-    outputs = []
-    net.on_output(outputs.append)
-    net.send("hey")
-    assert [m.content for m in outputs] == ["HEY!"]
-
-
-def test_mermaid_lines_show_routes_links_and_conditions():
-    net, _, _, _ = _stream_net(
-        {"main": {"type": "stream", "operators": [{"type": "map", "params": {"agent": "a"}}],
-                  "publications": ["__output__"]},
-         "lane": {"type": "stream"}}, agents=[_FakeAgent("a")], merges=_FROM_INPUT,
-        splits=[{"source": "main", "targets": {"lane": {"type": "content_contains", "text": "x"}}}])
-    lines = net.mermaid()
-    assert 's_main["main: map(a)"]' in lines and "s_____input____ --> s_main" in lines
-    assert "s_main --> s_____output____" in lines
-    assert "s_main -->|\"content_contains 'x'\"| s_lane" in lines
-
-
-def test_close_disposes_subscriptions():
-    """§12.1 step 8: after close() nothing reaches the host hooks."""
-    net, outputs, _, _ = _stream_net(_main([]), merges=_FROM_INPUT)
-    net.close()
-    net.send("x")
-    assert outputs == []
-
-
-def test_custom_condition_calls_a_host_registered_function():
-    """§5.4 custom: `function` names a callable the host registered; unregistered is false."""
-    rt = actor.Runtime(actor.Doc({}))
-    rt.functions = {"busy": lambda state: len(state["messages"]) > 1}
-    cond = {"type": "custom", "function": "busy"}
-    assert actor.evaluate_condition(cond, "node", {"messages": [1, 2], "metadata": {}}, rt)
-    assert not actor.evaluate_condition(cond, "node", {"messages": [1], "metadata": {}}, rt)
-    assert not actor.evaluate_condition({"type": "custom", "function": "nope"}, "node",
-                                        {"messages": [1, 2], "metadata": {}}, rt)
-    assert actor.evaluate_condition({"type": "custom", "function": lambda state: True}, "node",
-                                    {"messages": [], "metadata": {}}, rt)
-
-
-def test_unhonoured_condition_warns_once_per_site():
-    """§5.4.1: the SHOULD-warning for an unknown type comes once per condition, not per message."""
-    cond = {"type": "no_such_type"}
-    net, outputs, _, rt = _stream_net(_main([{"type": "filter", "params": {"condition": cond}}]),
-                                      merges=_FROM_INPUT)
-    for text in ("a", "b", "c"):
-        net.send(text)
-    assert [m.content for m in outputs] == ["a", "b", "c"]
-    assert len([w for w in rt.warnings if "no_such_type" in w]) == 1
-
-
-def test_stream_with_one_observer_rewires_when_another_subscribes():
-    """The single-observer shortcut of Stream.next gives way to fan-out, in order (§12.2.2)."""
-    stream, seen = actor.Stream("s"), []
-    stream.subscribe(lambda msg: seen.append(("a", msg.content)))
-    stream.next(actor.Message(1))
-    stream.subscribe(lambda msg: seen.append(("b", msg.content)))
-    stream.next(actor.Message(2))
-    stream.dispose()
-    stream.next(actor.Message(3))
-    assert seen == [("a", 1), ("a", 2), ("b", 2)]
-
-
-def test_emissions_between_calls_belong_to_no_result():
-    """A Result holds exactly what its own call emitted (§12.2.1 messages, host side)."""
-    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
-                        "routes: {m: {type: stream, publications: [__output__]}}\n"
-                        "merges: [{sources: [__input__], target: m}]\n")
-    a.network.send("stray")                     # outside any call
-    first = a.send("one")
-    assert [m.content for m in first.outputs] == ["one"]
-    assert [m.content for m in a.send("two").outputs] == ["two"]
-    assert [m.content for m in first.outputs] == ["one"]
 
 
 def _bench_actor():
@@ -3669,14 +7358,13 @@ def _rates(fns, n=5000, rounds=10):
     machine slows some rounds; interleaving keeps the comparison fair). Time is the calling
     thread's CPU time: every fn here runs on that thread alone (virtual clock, no workers), and
     on a shared machine it varies far less than the wall clock."""
-    import time as _time
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = _time.thread_time()
+            start = time.thread_time()
             for _i in range(n):
                 fn()
-            best[name] = min(best[name], _time.thread_time() - start)
+            best[name] = min(best[name], time.thread_time() - start)
     return {name: n / seconds for name, seconds in best.items()}
 
 
@@ -3769,8 +7457,6 @@ def test_bench_start_up_against_import_yaml(tmp_path):
     each as a fresh process, best of seven interleaved runs (the issue keeps <= 1.5x). Bytecode
     is cached (in tmp_path), as it is for an installed module, even where the environment says
     PYTHONDONTWRITEBYTECODE: compiling actor.py alone takes longer than importing yaml."""
-    import subprocess
-    import time as _time
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(tmp_path)
     commands = {"import yaml": [sys.executable, "-c", "import yaml"],
@@ -3778,10 +7464,10 @@ def test_bench_start_up_against_import_yaml(tmp_path):
     best = {label: float("inf") for label in commands}
     for _ in range(7):
         for label, command in commands.items():
-            started = _time.perf_counter()
+            started = time.perf_counter()
             done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True,
                                   timeout=60)
-            best[label] = min(best[label], _time.perf_counter() - started)
+            best[label] = min(best[label], time.perf_counter() - started)
             assert done.returncode == 0, done.stderr
     print(f"\n[start-up bench] python -m actor --check examples/echo.yaml {best['--check']:.3f} s, "
           f"python -c 'import yaml' {best['import yaml']:.3f} s "
@@ -3792,7 +7478,6 @@ def test_bench_start_up_against_import_yaml(tmp_path):
 def test_bench_load_thousand_agents_against_libyaml():
     """Issue 15: actor.load() of a document with 1,000 tool agents against libyaml (CSafeLoader)
     parsing the same text, best of five interleaved rounds (the issue keeps <= 1.5x)."""
-    import time as _time
     loader = getattr(yaml, "CSafeLoader", None)
     if loader is None:
         pytest.skip("PyYAML was built without libyaml")
@@ -3804,1115 +7489,18 @@ def test_bench_load_thousand_agents_against_libyaml():
     best = {label: float("inf") for label in runs}
     for _ in range(5):
         for label, fn in runs.items():
-            started = _time.perf_counter()
+            started = time.perf_counter()
             fn()
-            best[label] = min(best[label], _time.perf_counter() - started)
+            best[label] = min(best[label], time.perf_counter() - started)
     assert len(actor.load(text=text).rt.agents) == 1000
     print(f"\n[load bench] 1,000 agents: actor.load() {best['load'] * 1e3:.1f} ms, libyaml "
           f"{best['libyaml'] * 1e3:.1f} ms ({best['load'] / best['libyaml']:.2f}x; issue 15 keeps "
           f"<= 1.5x)")
 
 
-# =====================================================================================
-# §6 Graph routes (graphs)
-# =====================================================================================
-# [graphs] Unit tests build a Runtime by hand with small fake agents (no loader needed); the
-# vectors under vectors/06-graph and vectors/18-examples run through the shared harness.
-import json  # noqa: E402
-import re  # noqa: E402
+# §6.2.2 Agent nodes -------------------------------------------------------------------------------
 
-class FakeAgent:
-    """An agent whose reply is fn(content, ctx); records every call."""
 
-    def __init__(self, name, fn):
-        self.name, self.type, self.fn = name, "tool", fn
-        self.capabilities, self.metadata, self.calls = [], {"name": name}, []
-
-    def invoke(self, content, ctx):
-        self.calls.append((content, dict(ctx)))
-        return self.fn(content, ctx)
-
-
-def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main"):
-    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}."""
-    agents = agents or {}
-    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {name: cfg, **(routes or {})}}
-    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
-    rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
-    rt.context.update(context or {})
-    actor.check_graph(rt, name, cfg, ("routes", name), set(agents))
-    graph = actor.GraphRoute(name, cfg, rt, ("routes", name))
-    rt.graphs[name] = graph
-    return rt, graph
-
-
-def linear(*names, **node_extra):
-    """A start -> n1 -> ... -> end graph of agent nodes named after their agents."""
-    nodes = {n: {"type": "agent", "agent": n, **node_extra.get(n, {})} for n in names}
-    chain = ["start", *names, "end"]
-    edges = [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]
-    return {"type": "graph", "nodes": nodes, "edges": edges}
-
-
-def echo(tag):
-    return lambda content, ctx: f"{tag}({content})"
-
-
-def check_fails(cfg, agents=("a",), routes=None):
-    data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {"main": cfg, **(routes or {})}}
-    doc = actor.Doc(data)
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.check_graph(actor.Runtime(doc), "main", cfg, ("routes", "main"), set(agents))
-    return info.value
-
-
-# §6.1 Graph route structure ----------------------------------------------------------------
-def test_graph_linear_run_passes_each_output_on():
-    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
-    run = g.run("x")
-    assert run.output == "b(a(x))"
-    assert run.history == ["a", "b"]
-    assert [m["role"] for m in run.state["messages"]] == ["user", "assistant", "assistant"]
-    assert run.state["execution_count"] == 2
-
-
-def test_graph_entry_point_may_be_a_declared_node():
-    cfg = linear("a", "b")
-    cfg["entry_point"] = "b"
-    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")})
-    assert g.run("x").output == "b(x)"
-
-
-def test_graph_unknown_keys_warn():
-    cfg = linear("a")
-    cfg["nodes"]["a"]["colour"] = "red"
-    cfg["edges"][0]["weight"] = 2
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    assert any("colour" in w for w in rt.warnings) and any("weight" in w for w in rt.warnings)
-
-
-def test_graph_run_node_applies_one_node():
-    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
-    assert g.run_node("b", "m") == "b(m)"
-    assert g.state["execution_count"] == 1 and g.state["metadata"]["last_agent_node"] == "b"
-    assert g.run_node("END", "m") == "m" and g.state["execution_count"] == 1
-    with pytest.raises(actor.ExecutionError):
-        g.run_node("ghost", "m")
-
-
-def test_graph_resume_without_interrupted_run_does_nothing():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    run = g.resume()
-    assert run.history == [] and run.output == ""
-    g.run("x")
-    assert g.resume().history == []          # the last run reached its end: a's edge leads to end
-
-
-# §6.2 Nodes ----------------------------------------------------------------------------------
-def test_graph_node_types_are_case_insensitive():
-    cfg = linear("a")
-    cfg["nodes"]["a"]["type"] = "AGENT"
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    assert g.run("x").output == "a(x)"
-
-
-def test_graph_check_rejects_dangling_edge_target_with_location():
-    cfg = linear("a")
-    cfg["edges"][1]["target"] = "fnial"
-    err = check_fails(cfg)
-    assert err.path == "routes.main.edges[1].target"
-    assert "fnial" in err.message and "6.4" in err.section
-
-
-@pytest.mark.parametrize("mutate, where", [
-    (lambda c: c["nodes"]["a"].update(agent="ghost"), "routes.main.nodes.a.agent"),
-    (lambda c: c["nodes"]["a"].update(type="dynamic_router"), "routes.main.nodes.a.type"),
-    (lambda c: c["nodes"]["a"].update(type="teleport"), "routes.main.nodes.a.type"),
-    (lambda c: c.update(nodes={}), "routes.main.nodes"),
-    (lambda c: c.update(entry_point="nowhere"), "routes.main.entry_point"),
-    (lambda c: c.update(checkpointing=True), "routes.main.checkpoint_dir"),
-    (lambda c: c["edges"][0].update(source="ghost"), "routes.main.edges[0].source"),
-    (lambda c: c["nodes"].update(start={"type": "agent", "agent": "a"}), "routes.main.nodes.start"),
-    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
-        {"match_type": "regex", "pattern": "(", "target": "a"}]}),
-     "routes.main.nodes.r.rules[0].pattern"),
-    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
-        {"match_type": "glob", "pattern": "x", "target": "a"}]}),
-     "routes.main.nodes.r.rules[0].match_type"),
-    (lambda c: c["nodes"].update(r={"type": "message_router", "rules": [
-        {"match_type": "exact", "pattern": "x", "target": "nope"}]}),
-     "routes.main.nodes.r.rules[0].target"),
-    (lambda c: c["nodes"].update(s={"type": "subgraph", "graph": "missing"}),
-     "routes.main.nodes.s.graph"),
-    (lambda c: c["nodes"]["a"].update(retry_policy={"max_retries": -1}),
-     "routes.main.nodes.a.retry_policy.max_retries"),
-])
-def test_graph_check_rejects(mutate, where):
-    cfg = linear("a")
-    mutate(cfg)
-    assert check_fails(cfg).path == where
-
-
-def test_graph_start_end_normalisation_and_declared_start():
-    cfg = linear("a")
-    cfg["edges"] = [{"source": "START", "target": "a"}, {"source": "a", "target": "END"}]
-    cfg["nodes"]["START"] = {"type": "start"}
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    assert g.run("x").output == "a(x)"
-    assert list(g.nodes) == ["start", "a", "end"]
-
-
-# §6.2.2 Agent nodes ----------------------------------------------------------------------
-def test_graph_agent_node_context_is_built_per_6_2_2():
-    cfg = linear("a", a={"metadata": {"max_history_messages": 2}})
-    seen = {}
-
-    def agent(content, ctx):
-        seen.update(ctx)
-        ctx["mood"] = "good"                 # propagated
-        ctx["full_context"] = "tampered"     # reserved: not propagated
-        return "ok"
-
-    rt, g = make_graph(cfg, {"a": agent}, context={"user": "ada"})
-    g.state["metadata"]["topic"] = "t"
-    g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(3))
-    g.run("hello")
-    assert seen["full_context"] is True
-    assert seen["user"] == "ada" and seen["topic"] == "t"          # nested flattened + top level
-    assert [m["content"] for m in seen["conversation_history"]] == ["1", "2"]   # input excluded
-    assert seen["graph_state"]["messages"] == seen["conversation_history"]
-    assert seen["_history_truncated"] is True and seen["_history_original_length"] == 3
-    meta = g.state["metadata"]
-    assert meta["mood"] == "good" and meta["last_agent_node"] == "a"
-    assert "full_context" not in meta and "graph_state" not in meta
-    assert rt.context["mood"] == "good"                            # §6.9 write-back
-
-
-def test_graph_agent_node_context_changes_reach_state_by_every_dict_write():
-    """§6.2.2 item 3: each way of writing or removing a key is seen (NodeContext notes it)."""
-    cfg = linear("a")
-
-    def agent(content, ctx):
-        ctx.update({"u": 1}, v=2)
-        ctx.setdefault("w", 3)
-        ctx.setdefault("topic", "ignored")   # present: no write
-        ctx |= {"x": 4}
-        del ctx["old"]
-        ctx.pop("gone")
-        ctx.pop("never", None)
-        ctx["graph_state"] = {}             # reserved: not propagated
-        return "ok"
-
-    rt, g = make_graph(cfg, {"a": agent})
-    g.state["metadata"].update(topic="t", old=1, gone=2)
-    g.run("hello")
-    meta = g.state["metadata"]
-    assert {k: meta.get(k) for k in "uvwx"} == {"u": 1, "v": 2, "w": 3, "x": 4}
-    assert meta["topic"] == "t" and "old" not in meta and "gone" not in meta
-    assert "graph_state" not in meta and "never" not in meta
-
-
-def test_graph_agent_node_context_is_a_plain_mapping_to_readers():
-    seen = {}
-    rt, g = make_graph(linear("a"), {"a": lambda c, ctx: seen.update(
-        dump=json.loads(json.dumps(ctx, default=str)), isdict=isinstance(ctx, dict)) or "ok"})
-    g.run("hello")
-    assert seen["isdict"] and seen["dump"]["full_context"] is True
-    assert g.state["metadata"]["last_agent_node"] == "a"
-    assert not {"dump", "isdict"} & set(g.state["metadata"])     # nothing written, nothing copied
-
-
-def test_graph_history_entries_are_the_states_own_records():
-    """§6.2.2 items 2-3 (I-116, vectors/INTERPRETATIONS.md): reserved keys are key-level -- rebinding or
-    removing conversation_history never reaches the state -- while the entries in the trimmed
-    list are the state's own message records, shared by reference like every object in a
-    context (§10.2): an agent that edits one in place edits state.messages."""
-    def agent(content, ctx):
-        ctx["conversation_history"][0]["content"] = "edited"      # in place: shared
-        ctx["conversation_history"] = []                           # rebinding: not propagated
-        del ctx["graph_state"]
-        return "ok"
-
-    rt, g = make_graph(linear("a"), {"a": agent})
-    g.state["messages"].append({"role": "user", "content": "before"})
-    g.run("hello")
-    assert [m["content"] for m in g.state["messages"]] == ["edited", "hello", "ok"]
-    meta = g.state["metadata"]
-    assert "conversation_history" not in meta and "graph_state" not in meta
-
-
-def test_graph_history_trimmed_by_chars():
-    cfg = linear("a", a={"metadata": {"max_history_chars": 5}})
-    seen = {}
-    rt, g = make_graph(cfg, {"a": lambda c, ctx: seen.update(ctx) or "ok"})
-    g.state["messages"].extend([{"role": "user", "content": "abcd"}, {"role": "user", "content": "ef"}])
-    g.run("xyz")
-    assert [m["content"] for m in seen["conversation_history"]] == ["ef"]
-    assert seen["_history_original_length"] == 2
-
-
-class _UnreadableContext(dict):
-    """A context mapping that fails on any read: proves a tool never looks at its context."""
-
-    def _refuse(self, *args, **kwargs):
-        raise AssertionError("the context was read")
-
-    __getitem__ = get = __contains__ = __iter__ = keys = items = values = __len__ = _refuse
-    copy = __or__ = __ror__ = _refuse
-
-
-@pytest.mark.parametrize("request_text, expected", [
-    ("echo hi there", "hi there"),
-    ('{"tool": "math", "args": {"expression": "2 + 3 * 4"}}', "14"),
-    ('{"tool": "json_parse", "args": {"json": "[1, 2]"}}', "[\n  1,\n  2\n]"),
-    ('{"tool": "http_request", "args": {"url": "ftp://example.invalid/"}}', actor.ExecutionError),
-])
-def test_context_free_tools_never_read_their_context(request_text, expected):
-    """§6.2.2: an agent node builds no context for a tool agent whose tools are all in
-    CONTEXT_FREE_TOOLS; this holds only if those tools really never read it."""
-    data = {"agents": {"t": {"type": "tool", "config": {"tools": sorted(actor.CONTEXT_FREE_TOOLS)}}}}
-    rt = actor.Runtime(actor.Doc(data), env={})
-    agent = actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t"))
-    assert agent.reads_context is False
-    if isinstance(expected, type):
-        with pytest.raises(expected):
-            agent.invoke(request_text, _UnreadableContext())
-    else:
-        assert agent.invoke(request_text, _UnreadableContext()) == expected
-
-
-@pytest.mark.parametrize("config, reads", [
-    ({"tools": ["echo", "math"]}, False),
-    ({"tools": ["echo", "progress_bar"]}, True),
-    ({"tools": ["echo", "file_read"]}, True),
-    ({"tools": ["echo"], "allow_shell": True}, True),
-    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),      # issue 15: names none
-    ({"tools": [{"name": "t", "code": "result = context.get('k')"}]}, True),
-    ({"tools": [{"name": "t", "code": "result = len(locals())"}]}, True),
-    ({"tools": [{"name": "t", "code": "result = progress_bar(current=1)"}]}, True),
-])
-def test_tool_agent_reads_context_flag(config, reads):
-    data = {"agents": {"t": {"type": "tool", "config": config}}}
-    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
-    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).reads_context is reads
-
-
-@pytest.mark.parametrize("config, writes", [
-    ({"tools": ["echo", "progress_bar", "file_read"]}, False),     # built-ins only read
-    ({"tools": [{"name": "t", "code": "result = 1"}]}, False),
-    ({"tools": [{"name": "t", "code": "context['k'] = 1"}]}, True),
-    ({"tools": ["echo", {"name": "t", "code": "result = len(locals())"}]}, True),
-])
-def test_tool_agent_writes_context_flag(config, writes):
-    data = {"agents": {"t": {"type": "tool", "config": config}}}
-    rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True)
-    assert actor.ToolAgent("t", data["agents"]["t"], rt, ("agents", "t")).writes_context is writes
-
-
-def test_graph_reader_and_writer_agents_see_the_same_context():
-    """§6.2.2 item 2: an agent that cannot write its context (writes_context false) gets a plain
-    dict with the same keys, in the same order, and the same values as a writer's NodeContext;
-    only the writer's writes reach the state (item 3)."""
-    seen = {}
-
-    def make(label, writes):
-        def agent(content, ctx):
-            seen[label] = (type(ctx), copy.deepcopy(list(ctx.items())))
-            if writes:
-                ctx["mark"] = label
-            return content
-        return agent
-
-    for label, writes in (("reader", False), ("writer", True)):
-        rt, g = make_graph(linear("a", a={"metadata": {"max_history_messages": 1}}),
-                           {"a": make(label, writes)}, context={"user": "ada"})
-        rt.agents["a"].reads_context, rt.agents["a"].writes_context = True, writes
-        g.state["messages"].extend({"role": "user", "content": str(i)} for i in range(2))
-        run = g.run("hello")
-        assert run.state["metadata"].get("mark") == (label if writes else None)
-    assert seen["reader"][0] is dict and seen["writer"][0] is actor.NodeContext
-    assert seen["reader"][1] == seen["writer"][1]
-    assert dict(seen["reader"][1])["_history_truncated"] is True
-
-
-def test_llm_agent_reads_but_never_writes_its_context():
-    assert actor.LLMAgent.reads_context is True and actor.LLMAgent.writes_context is False
-
-
-def test_graph_node_with_context_free_agent_still_records_and_writes_back():
-    """§6.2.2 items 3-4 hold when no context is built: last_agent_node is recorded, the reply
-    joins the messages, and a context-reading agent after it still gets the full context."""
-    names = ("quiet", "reader")
-    data = {"agents": {"quiet": {"type": "tool", "config": {"tools": ["echo"]}},
-                       "reader": {"type": "tool", "config": {"tools": ["echo", "progress_bar"]}}},
-            "routes": {"main": linear(*names)}}
-    rt = actor.Runtime(actor.Doc(data), env={})
-    rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
-    seen = []
-    reader = rt.agents["reader"]
-    original = reader.invoke
-    reader.invoke = lambda content, ctx: seen.append(dict(ctx)) or original(content, ctx)
-    graph = actor.GraphRoute("main", data["routes"]["main"], rt, ("routes", "main"))
-    run = graph.run("echo echo hi", {"who": "ada"})
-    assert run.output == "hi" and run.history == ["quiet", "reader"]
-    assert seen[0]["full_context"] is True and seen[0]["who"] == "ada"
-    assert seen[0]["last_agent_node"] == "quiet"
-    assert [m["content"] for m in seen[0]["conversation_history"]] == ["echo echo hi"]
-    assert run.state["metadata"]["last_agent_node"] == "reader"
-
-
-def test_chain_agent_reads_context_only_with_a_prompt():
-    rt = actor.Runtime(actor.Doc({"agents": {}}), env={})
-    plain = actor.ChainAgent("c", {"config": {"steps": ["x"]}}, rt, ("agents", "c"))
-    prompted = actor.ChainAgent("p", {"config": {"steps": ["x"], "prompt": "{{ who }}: {{ message }}"}},
-                                rt, ("agents", "p"))
-    assert plain.reads_context is False and prompted.reads_context is True
-    assert prompted.invoke("hi", {"who": "ada"}) == "ChainAgent processed: ada: hi->x"
-
-
-def test_graph_agent_retry_policy_retries_raised_errors():
-    attempts = []
-
-    def flaky(content, ctx):
-        attempts.append(1)
-        if len(attempts) < 3:
-            raise RuntimeError("boom")
-        return "fine"
-
-    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 2, "delay": 0}}),
-                       {"a": flaky})
-    assert g.run("x").output == "fine" and len(attempts) == 3
-
-
-def test_graph_agent_failure_after_retries_sets_state_error():
-    rt, g = make_graph(linear("a", a={"retry_policy": {"max_retries": 1, "delay": 0}}),
-                       {"a": lambda c, ctx: 1 / 0})
-    with pytest.raises(actor.ExecutionError):
-        g.run("x")
-    assert "division" in g.state["error"]
-
-
-def test_graph_agent_timeout_is_per_attempt():
-    release = threading.Event()
-    rt, g = make_graph(linear("a", a={"timeout": 0.05}),
-                       {"a": lambda c, ctx: release.wait(30) and "late"})
-    with pytest.raises(actor.ExecutionError, match="timed out"):
-        g.run("x")          # returns although the agent is still blocked (no clock read here)
-    release.set()
-
-
-# §6.2.3 Function and tool nodes; §6.2.4; §6.2.5 ----------------------------------------------
-def test_graph_function_tool_conditional_subgraph_nodes():
-    cfg = {"type": "graph", "nodes": {
-        "s": {"type": "function", "function": "summarize"},
-        "r": {"type": "function", "function": "route"},
-        "v": {"type": "function", "function": "validate"},
-        "u": {"type": "function", "function": "no_such_function"},
-        "t": {"type": "tool", "tools": ["search", "calc"]},
-        "c": {"type": "conditional", "condition": {"type": "message_count", "value": 1,
-                                                   "operator": "eq"}},
-        "g": {"type": "subgraph", "graph": "other"}},
-        "edges": [{"source": a, "target": b} for a, b in zip(
-            ["start", "s", "r", "v", "u", "t", "c", "g"], ["s", "r", "v", "u", "t", "c", "g", "end"])]}
-    other = linear("a")
-    rt, g = make_graph(cfg, {"a": echo("a")}, routes={"other": other})
-    run = g.run("is it?")
-    meta = run.state["metadata"]
-    assert run.output == "is it?"
-    assert meta["summary"] == "Summary of 1 messages"
-    assert meta["route"] == "question" and meta["valid"] is True
-    assert meta["tool_results"] == [{"tool": "search", "result": "Executed search"},
-                                    {"tool": "calc", "result": "Executed calc"}]
-    assert meta["condition_result"] is True
-    assert meta["subgraph"] == "other" and meta["subgraph_pending"] is True
-    assert run.state["execution_count"] == 7
-
-
-# §6.2.6 Message router nodes ----------------------------------------------------------------
-
-
-def test_router_regex_with_nested_repeats_is_warned_at_load():
-    """§6.2.6.2: a regex rule repeating a repetition ((a+)+) may backtrack exponentially on a
-    crafted message, in C and past any deadline: warned at load with its location."""
-    def router(pattern):
-        return {"type": "graph", "nodes": {
-            "r": {"type": "message_router", "rules": [
-                {"match_type": "regex", "pattern": pattern, "target": "a"}]},
-            "a": {"type": "agent", "agent": "a"}},
-            "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
-                      {"source": "a", "target": "end"}]}
-    rt, g = make_graph(router("^(\\\\w+\\\\s?)*$"), {"a": echo("a")})
-    assert any("routes.main.nodes.r.rules[0].pattern" in w and "exponential" in w
-               and "§6.2.6.2" in w for w in rt.warnings)
-    rt, g = make_graph(router("^CODE:(.*)$"), {"a": echo("a")})
-    assert not any("exponential" in w for w in rt.warnings)
-    assert [actor.regex_may_backtrack(p) for p in ("(a+)+$", "(a|b)*c", "(?:a+){3}", "(x*)*")] \
-        == [True, False, False, True]
-
-
-def test_router_regex_backtracking_shapes_are_warned():
-    """Issue 11: alternation under a repeat and adjacent unbounded repeats are warned too; the
-    usual routing patterns are not."""
-    risky = ("(a|ab)*c", "(foo|bar)+x", r"\w+\w*!", ".*.*x", r"^(\d+)+$")
-    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!")
-    assert [actor.regex_may_backtrack(p) for p in risky] == [True] * len(risky)
-    assert [actor.regex_may_backtrack(p) for p in plain] == [False] * len(plain)
-
-
-# §6.3 Graph state ----------------------------------------------------------------------------
-def test_graph_state_messages_capped_at_50():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    for i in range(30):
-        g.run(str(i))
-    assert len(g.state["messages"]) == 50
-    assert g.state["messages"][-1]["content"] == "a(29)"
-
-
-@pytest.mark.parametrize("mode, update, field, expected", [
-    ("merge", {"metadata": {"d": {"y": 2}, "l": [2]}}, "metadata", {"d": {"x": 1, "y": 2}, "l": [1, 2]}),
-    ("replace", {"metadata": {"d": {"y": 2}}}, "metadata", {"d": {"y": 2}}),
-    ("append", {"messages": {"role": "user", "content": "m"}}, "messages",
-     [{"role": "user", "content": "m"}]),
-    ("merge", {"colour": "red"}, "metadata", {"d": {"x": 1}, "l": [1], "colour": "red"}),
-])
-def test_graph_state_update_modes(mode, update, field, expected):
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    g.state["metadata"].update({"d": {"x": 1}, "l": [1]})
-    g.update_state(update, mode)
-    assert g.state[field] == expected
-    assert g.state["execution_count"] == 1
-
-
-def test_graph_state_update_caps_messages_under_replace():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    g.update_state({"messages": [{"role": "user", "content": i} for i in range(60)]}, "replace")
-    assert len(g.state["messages"]) == 50 and g.state["messages"][0]["content"] == 10
-
-
-def test_graph_state_update_from_text():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    g.update_state('{"metadata": {"k": 1}}')
-    g.update_state("plain words")
-    assert g.state["metadata"]["k"] == 1
-    assert g.state["messages"][-1] == {"role": "user", "content": "plain words"}
-
-
-def test_graph_unknown_state_class_falls_back_with_warning():
-    cfg = linear("a")
-    cfg["state_class"] = "my.Schema"
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    assert set(g.state) == {"messages", "metadata", "current_node", "execution_count", "error"}
-    assert any("my.Schema" in w for w in rt.warnings)
-
-
-# §6.5 Edge conditions -------------------------------------------------------------------------
-def test_graph_fan_out_runs_every_satisfied_edge_before_end():
-    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": n} for n in "abc"},
-           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"},
-                     {"source": "a", "target": "b"}, {"source": "a", "target": "c"},
-                     {"source": "b", "target": "end"}, {"source": "c", "target": "end"}]}
-    rt, g = make_graph(cfg, {n: echo(n) for n in "abc"})
-    run = g.run("x")
-    assert run.history == ["a", "b", "c"] and run.output == "c(a(x))"
-
-
-def test_graph_context_value_reads_nested_context_with_deep_equality():
-    cfg = linear("a", "b")
-    cfg["edges"][1]["condition"] = {"type": "context_value", "key": "tags", "value": ["x", {"y": 1}]}
-    rt, g = make_graph(cfg, {"a": echo("a"), "b": echo("b")}, context={"tags": ["x", {"y": 1}]})
-    assert g.run("m").history == ["a", "b"]
-    rt.context["tags"] = ["x"]
-    assert g.run("n").history == ["a"]
-
-
-# §6.6 Checkpointing and time travel ----------------------------------------------------------
-def test_graph_checkpoint_every_ten_updates_and_restore(tmp_path):
-    cfg = linear(*[f"n{i}" for i in range(4)])
-    cfg.update(checkpointing=True, checkpoint_dir="ck/main")
-    rt, g = make_graph(cfg, {f"n{i}": echo(str(i)) for i in range(4)}, workdir=tmp_path)
-    assert (tmp_path / "ck/main").is_dir()
-    g.run("a"), g.run("b")                       # 8 updates: none yet
-    assert g.checkpoints() == []
-    g.run("c")                                   # updates 9..12: one checkpoint at 10
-    files = g.checkpoints()
-    assert len(files) == 1 and re.fullmatch(r"checkpoint_\d{8}T\d{6}\.\d{6}Z-\d{6}\.json",
-                                            files[0].name)
-    assert json.loads(files[0].read_text())["execution_count"] == 10
-    g.run("d"), g.run("e")                       # 20
-    assert len(g.checkpoints()) == 2 and g.checkpoints()[-1].name > files[0].name
-    assert not list((tmp_path / "ck/main").glob(".*"))          # no temp file left behind
-    g.restore(files[0])
-    assert g.state["execution_count"] == 10
-    g.restore()
-    assert g.state["execution_count"] == 20
-    assert g.checkpoint().name > g.checkpoints()[-2].name
-
-
-def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
-    """Issue 15: the tenth update hands its checkpoint to the writer process and the run goes on;
-    the writer writes it whole (a temporary file renamed), and listing the checkpoints waits for
-    it."""
-    import signal
-    cfg = linear("a")
-    cfg.update(checkpointing=True, checkpoint_dir="ck")
-    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    writer = g.checkpoint_writer()
-    os.kill(writer.proc.pid, signal.SIGSTOP)
-    try:
-        for i in range(10):
-            g.run(str(i))                  # returns although the writer is stopped
-        assert g.state["execution_count"] == 10
-        assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
-    finally:
-        os.kill(writer.proc.pid, signal.SIGCONT)
-    found = g.checkpoints()
-    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
-    g.close()
-    assert writer.proc.poll() == 0                                       # the writer has stopped
-
-
-def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
-    """Issue 15: a checkpoint handed to the writer process is written even when the Actor's own
-    process dies right after (kill -9), whole."""
-    import subprocess
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    for _ in range(500):                   # the orphaned writer finishes on its own time
-        found = list((tmp_path / "ck").glob("checkpoint_*.json"))
-        if found:
-            break
-        time.sleep(0.02)
-    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
-
-
-CRASH_SCRIPT = r'''
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-import actor
-cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
-       "nodes": {"a": {"type": "agent", "agent": "a"}},
-       "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "end"}]}
-class Agent:
-    name, type, capabilities, metadata = "a", "tool", [], {}
-    def invoke(self, content, ctx):
-        return content
-rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
-                   workdir=sys.argv[2])
-rt.agents = {"a": Agent()}
-graph = actor.GraphRoute("g", cfg, rt)
-for i in range(10):
-    graph.run(str(i))                      # the tenth update hands over a checkpoint
-os.kill(os.getpid(), signal.SIGKILL)
-'''
-
-
-def test_graph_checkpoint_file_is_the_states_json(tmp_path):
-    """Issue 15: the state crosses to the writer process marshalled (or as JSON text when marshal
-    cannot carry it); either way the file holds the state's JSON as the graph's thread would
-    have written it."""
-    cfg = linear("a")
-    cfg.update(checkpointing=True, checkpoint_dir="ck")
-    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    g.run("hi \u00e9\n\"q\"")
-    for extra in ({"n": (1, 2.5, None), 3: {"set": {7}}, "raw": b"x"}, {"obj": object()}):
-        g.state["metadata"].update(extra)
-        path = g.checkpoint()
-        assert path.read_text(encoding="utf-8") == json.dumps(g.state, default=str,
-                                                              ensure_ascii=False)
-    g.state["metadata"]["bad"] = {(1, 2): "a tuple key"}
-    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
-        g.checkpoint()
-    g.state["metadata"]["bad"] = {(1, 2): object()}
-    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
-        g.checkpoint()
-    g.close()
-
-
-def test_graph_time_travel_rewinds_and_evicts_fifo():
-    cfg = linear("a")
-    cfg["enable_time_travel"] = True
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    for i in range(120):
-        g.run(str(i))
-    assert len(g.snapshots) == 100 and g.snapshots[0]["execution_count"] == 21
-    g.rewind(3)
-    assert g.state["execution_count"] == 117
-    assert g.state["messages"][-1]["content"] == "a(116)"
-    with pytest.raises(actor.ApplicationError):
-        g.rewind(500)
-
-
-def test_graph_rewind_needs_time_travel():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    with pytest.raises(actor.ApplicationError):
-        g.rewind(1)
-
-
-KILL_SCRIPT = r'''
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-import actor
-class Agent:
-    def __init__(self, name): self.name, self.type, self.capabilities, self.metadata = name, "tool", [], {}
-    def invoke(self, content, ctx):
-        if self.name == "n14" and sys.argv[3] == "kill":
-            graph.wait_for_checkpoints()     # the update-10 checkpoint is on disk: now crash
-            os.kill(os.getpid(), signal.SIGKILL)
-        return content + "+" + self.name
-names = [f"n{i}" for i in range(20)]
-chain = ["start", *names, "end"]
-cfg = {"type": "graph", "checkpointing": True, "checkpoint_dir": "ck",
-       "nodes": {n: {"type": "agent", "agent": n} for n in names},
-       "edges": [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]}
-rt = actor.Runtime(actor.Doc({"agents": {n: {"type": "tool"} for n in names}, "routes": {"g": cfg}}),
-                   env={}, workdir=sys.argv[2])
-rt.agents = {n: Agent(n) for n in names}
-graph = actor.GraphRoute("g", cfg, rt)
-if sys.argv[3] == "kill":
-    graph.run("go")
-else:
-    path = graph.restore()
-    print(path.name, graph.state["execution_count"], graph.state["current_node"])
-    run = graph.resume()
-    print(run.output)
-    print(",".join(run.history))
-'''
-
-
-def test_graph_kill_and_restore_resumes_from_last_checkpoint(tmp_path):
-    import subprocess
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
-    killed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "kill"],
-                            capture_output=True, text=True, timeout=60)
-    assert killed.returncode != 0                       # died mid-run at node n14
-    assert len(list((tmp_path / "ck").glob("checkpoint_*.json"))) == 1
-    resumed = subprocess.run([sys.executable, str(script), str(HERE), str(tmp_path), "resume"],
-                             capture_output=True, text=True, timeout=60)
-    assert resumed.returncode == 0, resumed.stderr
-    first, output, history = resumed.stdout.splitlines()
-    assert first.endswith(" 10 n9")
-    assert output == "go" + "".join(f"+n{i}" for i in range(20))
-    assert history == ",".join(f"n{i}" for i in range(10, 20))
-
-
-def test_checkpoint_dir_that_cannot_be_written_is_an_actor_error(tmp_path):
-    """§6.6 item 1: a checkpoint_dir that cannot be created is a located ConfigurationError at
-    load; one that stops being writable later fails the run that checkpoints next (the writer
-    thread reports its failure there, issue 15) with an ExecutionError on __error__."""
-    import shutil
-    text = """\
-agents: {e: {type: tool, config: {tools: [echo]}}}
-routes:
-  g:
-    type: graph
-    checkpointing: true
-    checkpoint_dir: cp
-    nodes: {n: {type: agent, agent: e}}
-    edges: [{source: start, target: n}, {source: n, target: end}]
-    publications: [__output__]
-merges: [{sources: [__input__], target: g}]
-"""
-    (tmp_path / "taken").write_text("a file")
-    with pytest.raises(actor.ConfigurationError) as caught:
-        actor.load(text=text.replace("checkpoint_dir: cp", "checkpoint_dir: taken/cp"),
-                   workdir=tmp_path)
-    assert caught.value.path == "routes.g.checkpoint_dir" and caught.value.line == 6
-    with actor.load(text=text, workdir=tmp_path) as team:
-        shutil.rmtree(tmp_path / "cp")
-        (tmp_path / "cp").write_text("in the way")
-        errors = [m for i in range(2 * actor.CHECKPOINT_EVERY)
-                  for m in team.send(f"m{i}").errors]
-        assert [m.metadata["error_type"] for m in errors] == ["ExecutionError"]
-        assert "cannot write a checkpoint" in errors[0].content
-
-
-# §6.7 Parallel execution -----------------------------------------------------------------------
-def _fan_out(parallel_execution, parallel=True, wait=10.0):
-    """Runs p and q, each waiting (up to `wait` s) for the other to be running too; returns how
-    many ran at once (2: concurrently, 1: one after the other) -- no clock is read."""
-    lock, both, running = threading.Lock(), threading.Event(), {"now": 0, "most": 0}
-    cfg = {"type": "graph", "parallel_execution": parallel_execution,
-           "nodes": {n: {"type": "agent", "agent": n, "parallel": parallel} for n in ("p", "q")},
-           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
-                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
-
-    def agent(tag):
-        def run(content, ctx):
-            with lock:
-                running["now"] += 1
-                running["most"] = max(running["most"], running["now"])
-                if running["now"] == 2:
-                    both.set()
-            both.wait(wait)
-            with lock:
-                running["now"] -= 1
-            return f"{tag}:{content}"
-        return run
-    rt, g = make_graph(cfg, {"p": agent("p"), "q": agent("q")})
-    run = g.run("x")
-    return running["most"], run
-
-
-def test_graph_parallel_nodes_run_concurrently_and_join_in_order():
-    at_once, run = _fan_out(True)
-    assert at_once == 2
-    assert run.history == ["p", "q"] and run.output == "q:x"
-    assert [m["content"] for m in run.state["messages"][-2:]] == ["p:x", "q:x"]
-
-
-def test_graph_parallel_execution_false_is_sequential():
-    at_once, run = _fan_out(False, wait=0.1)
-    assert at_once == 1 and run.history == ["p", "q"]
-
-
-def test_graph_nodes_without_parallel_flag_are_sequential():
-    at_once, run = _fan_out(True, parallel=False, wait=0.1)
-    assert at_once == 1
-
-
-def test_graph_mixed_next_node_set_joins_parallel_subset_before_the_rest():
-    """§6.7 items 3-4: p and q (parallel) overlap and are joined; s (not parallel) runs after."""
-    lock, both, events, running = threading.Lock(), threading.Event(), [], {"n": 0}
-
-    def slow(tag):
-        def agent(content, ctx):
-            with lock:
-                events.append(("begin", tag))
-                running["n"] += 1
-                if running["n"] == 2:
-                    both.set()
-            if tag in "pq":
-                both.wait(10)           # p and q wait for each other: they must overlap
-            with lock:
-                running["n"] -= 1
-                events.append(("end", tag))
-            return f"{tag}:{content}"
-        return agent
-
-    cfg = {"type": "graph",
-           "nodes": {"s": {"type": "agent", "agent": "s"},
-                     **{n: {"type": "agent", "agent": n, "parallel": True} for n in ("p", "q")}},
-           "edges": [{"source": "start", "target": t} for t in ("s", "p", "q")]
-           + [{"source": t, "target": "end"} for t in ("s", "p", "q")]}
-    rt, g = make_graph(cfg, {n: slow(n) for n in "spq"})
-    run = g.run("x")
-    # Applied as they finish: the joined subset in edge order, then s, which sees their writes.
-    assert run.history == ["p", "q", "s"]
-    assert both.is_set()                                        # p and q overlapped
-    assert events.index(("begin", "s")) > max(events.index(("end", "p")),
-                                              events.index(("end", "q")))   # s after the join
-
-
-# §6.8 Loop and cycle detection ------------------------------------------------------------------
-def _loop(agent_fn, context=None, extra_nodes=0):
-    cfg = {"type": "graph", "nodes": {"a": {"type": "agent", "agent": "a"}},
-           "edges": [{"source": "start", "target": "a"}, {"source": "a", "target": "a"}]}
-    return make_graph(cfg, {"a": agent_fn}, context=context)
-
-
-def test_graph_guard_revisit_stops_on_same_fingerprint():
-    rt, g = _loop(lambda c, ctx: "same")
-    run = g.run("x")
-    assert run.stopped == "revisit" and run.history == ["a", "a"] and run.output == "same"
-
-
-def test_graph_guard_fingerprint_is_first_200_chars():
-    counter = iter(range(10 ** 6))
-    rt, g = _loop(lambda c, ctx: "p" * 200 + str(next(counter)))
-    run = g.run("x")
-    assert run.stopped == "revisit" and len(run.history) == 2 and run.output.endswith("p1")
-
-
-def test_graph_guard_recursion_bound_warns_and_returns_latest_output():
-    counter = iter(range(10 ** 6))
-    rt, g = _loop(lambda c, ctx: str(next(counter)))
-    run = g.run("x")
-    assert run.stopped == "recursion" and len(run.history) == 2000 and run.output == "1999"
-    assert any("recursion" in w for w in rt.warnings)
-
-
-def test_graph_guard_auto_finish_active_relaxes_revisit():
-    rt, g = _loop(lambda c, ctx: "same", context={"auto_finish_active": True})
-    run = g.run("x")
-    assert run.stopped == "recursion" and len(run.history) == 2000
-
-
-def _ping_pong(reply, context=None):
-    cfg = {"type": "graph", "nodes": {
-        "r": {"type": "message_router", "rules": [
-            {"match_type": "prefix", "pattern": "GOTO_A", "target": "a"}]},
-        "a": {"type": "agent", "agent": "a"}},
-        "edges": [{"source": "start", "target": "r"},
-                  {"source": "r", "target": "a",
-                   "condition": {"type": "context_value", "key": "next_node", "value": "a"}},
-                  {"source": "a", "target": "r"}]}
-    return make_graph(cfg, {"a": reply}, context=context)
-
-
-def test_graph_guard_router_ping_pong_stops():
-    counter = iter(range(100))
-    rt, g = _ping_pong(lambda c, ctx: f"GOTO_A:{next(counter)}")
-    run = g.run("GOTO_A:start")
-    assert run.stopped == "ping-pong" and run.history == ["r", "a", "r", "a"]
-    assert run.output == "GOTO_A:1"
-
-
-def test_graph_guard_agent_return_without_routing():
-    rt, g = _ping_pong(lambda c, ctx: "plain answer")
-    run = g.run("GOTO_A:hi")
-    assert run.stopped == "return-without-routing" and run.output == "plain answer"
-    assert run.history == ["r", "a"]
-
-
-# §6.9 Pure graph mode ---------------------------------------------------------------------------
-def test_graph_pure_mode_replaces_active_context():
-    def agent(content, ctx):
-        ctx["stage"] = "two"
-        return "done"
-
-    rt, g = make_graph(linear("a"), {"a": agent}, context={"stage": "one", "keep": 1})
-    live = rt.context
-    g.run("x", rt.context, pure=True)
-    assert rt.context is live
-    assert rt.context["stage"] == "two" and rt.context["keep"] == 1     # top level wins (Q33)
-    assert rt.context["last_output"] == "done" and "context" not in rt.context
-    g.state["metadata"]["next_node"] = "stale"
-    g.run("y", rt.context, pure=True)
-    assert "next_node" not in rt.context                               # per-run signal
-
-
-_DIFF_AGENTS = {
-    "chain": {"type": "chain", "config": {"steps": ["x"]}},
-    "echo": {"type": "tool", "config": {"tools": ["echo"]}},
-    "calc": {"type": "tool", "config": {"tools": ["math"]}},
-    "go": {"type": "chain", "config": {"steps": ["GOTO_B"]}},
-    "tell": {"type": "chain", "config": {"steps": ["t"], "prompt": (
-        "{{ last_agent_node | default('-') }}/{{ conversation_history | length }}/{{ message }}")}},
-}
-
-
-def _random_graph(rng):
-    """A small random graph: agent, router, function and conditional nodes; edges with and
-    without conditions, cycles allowed (the §6.8 guards end every run)."""
-    names = [f"n{i}" for i in range(rng.randint(1, 5))]
-    nodes = {}
-    for name in names:
-        kind = rng.choice(["agent", "agent", "agent", "router", "function", "conditional"])
-        if kind == "agent":
-            nodes[name] = {"type": "agent", "agent": rng.choice(sorted(_DIFF_AGENTS))}
-        elif kind == "router":
-            nodes[name] = {"type": "message_router", "rules": [
-                {"match_type": rng.choice(["prefix", "contains", "regex", "exact", "suffix"]),
-                 "pattern": rng.choice(["GOTO", "x", "hi", ".*", "2"]), "target": rng.choice(names)}]}
-        elif kind == "function":
-            nodes[name] = {"type": "function",
-                           "function": rng.choice(["summarize", "route", "validate", "nope"])}
-        else:
-            nodes[name] = {"type": "conditional",
-                           "condition": {"type": "content_contains", "pattern": "x"}}
-    edges = [{"source": "start", "target": names[0]}]
-    for name in names:
-        for _ in range(rng.randint(1, 2)):
-            edge = {"source": name, "target": rng.choice(names + ["end", "end"])}
-            if rng.random() < 0.4:
-                edge["condition"] = rng.choice([
-                    {"type": "content_contains", "pattern": "x"},
-                    {"type": "context_value", "key": "next_node", "value": rng.choice(names)},
-                    {"type": "has_messages"}, {"type": "message_count", "min": 3}])
-            edges.append(edge)
-    return {"type": "graph", "nodes": nodes, "edges": edges}
-
-
-def _observe(cfg, messages, *, mixed=False, all_read_context=False, parallel=None):
-    """Outputs and errors per message, then the final context and state messages, as JSON."""
-    if parallel is not None:
-        cfg = {**cfg, "parallel_execution": parallel}
-    doc = {"agents": _DIFF_AGENTS, "routes": {"g": cfg},
-           "merges": [{"sources": ["__input__"], "target": "g"}]}
-    if mixed:                               # one stream route beside the graph: mixed mode
-        doc["routes"]["s"] = {"type": "stream", "publications": []}
-    a = actor.load(text=json.dumps(doc))
-    if all_read_context:
-        for agent in a.rt.agents.values():
-            agent.reads_context = True
-    seen = []
-    for content in messages:
-        result = a.send(content)
-        seen.append(([m.content for m in result.outputs], [m.content for m in result.errors]))
-    final = {k: v for k, v in a.context.items() if k != "context"}
-    state_messages = a.rt.graphs["g"].state["messages"]
-    a.close()
-    return json.dumps([seen, final, state_messages], default=str, sort_keys=True)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_graph_pure_and_mixed_modes_are_observably_identical(seed):
-    """§6.9: "externally observable semantics MUST be identical" -- 60 random graphs per seed,
-    three messages each, run in pure graph mode and beside a stream route."""
-    import random
-    rng = random.Random(seed)
-    for _ in range(60):
-        cfg = _random_graph(rng)
-        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
-        assert _observe(cfg, messages) == _observe(cfg, messages, mixed=True), cfg
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_graph_parallel_branches_give_what_one_thread_gives(seed, monkeypatch):
-    """§6.7, §12.3: parallel branches are joined and applied in declaration order, each reading the
-    state from before its step, so real worker threads give what the same subset run one by one
-    on the calling thread gives (the no-thread fallback); random graphs, about half the nodes
-    parallel."""
-    import random
-
-    class NoThreads:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def submit(self, *args, **kwargs):
-            raise RuntimeError("no thread")
-
-        def shutdown(self, *args, **kwargs):
-            pass
-
-    rng = random.Random(200 + seed)
-    cases = []
-    for _ in range(50):
-        cfg = _random_graph(rng)
-        for node in cfg["nodes"].values():
-            node["parallel"] = rng.random() < 0.6
-        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
-        cases.append((cfg, messages, _observe(cfg, messages, parallel=True)))
-    import concurrent.futures                # actor.py imports the pool class where it is used
-    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", NoThreads)
-    for cfg, messages, threaded in cases:
-        assert threaded == _observe(cfg, messages, parallel=True), cfg
-
-@pytest.mark.parametrize("seed", range(3))
-def test_graph_context_skipped_for_non_readers_changes_nothing(seed):
-    """§6.2.2: handing a context-free agent an empty mapping instead of the built context is
-    unobservable -- the same random graphs give the same outputs, context and state when every
-    agent is made to get the full context (an agent wrongly taken for a non-reader, such as the
-    prompted chain agent `tell`, would answer differently)."""
-    import random
-    rng = random.Random(100 + seed)
-    for _ in range(60):
-        cfg = _random_graph(rng)
-        messages = [rng.choice(["hi", "2 + 2", "GOTO_x", "x", "hello?"]) for _ in range(3)]
-        assert _observe(cfg, messages) == _observe(cfg, messages, all_read_context=True), cfg
-
-
-# §6.10 Graph-internal streams -------------------------------------------------------------------
-def test_graph_internal_stream_names_and_node_events():
-    rt, g = make_graph(linear("a"), {"a": echo("a")})
-    assert g.internal_stream_names() == ["__main_node_start__", "__main_node_a__",
-                                         "__main_node_end__", "__main_control__", "__main_state__"]
-    events = []
-    g.observers.append(lambda stream, msg: events.append(
-        (stream, msg.content, msg.metadata.get("node"))))
-    g.run("x")
-    assert events == [("__main_control__", {"event": "started", "input": "x"}, None),
-                      ("__main_node_a__", "a(x)", "a"),
-                      ("__main_control__", {"event": "finished", "guard": None, "output": "a(x)",
-                                            "history": ["a"]}, None)]
-    events.clear()
-    g.resume()                             # the last run ended: resume steps nowhere
-    assert [e[1]["event"] for e in events] == ["resumed", "finished"]
-    assert events[0][1] == {"event": "resumed", "node": "a", "input": "a(x)"}
-
-
-# §6.11 Graph analysis -----------------------------------------------------------------------
-def test_graph_analysis_cycles_levels_unreachable():
-    cfg = {"type": "graph", "nodes": {n: {"type": "agent", "agent": "a"} for n in "bcdz"},
-           "edges": [{"source": "start", "target": "b"}, {"source": "b", "target": "c"},
-                     {"source": "c", "target": "b"}, {"source": "c", "target": "d"},
-                     {"source": "d", "target": "end"}]}
-    rt, g = make_graph(cfg, {"a": echo("a")})
-    an = g.analysis
-    assert an.has_cycles and [(e.source, e.target) for e in an.back_edges] == [("c", "b")]
-    assert an.levels == [["start", "z"], ["b"], ["c"], ["d"], ["end"]]
-    assert an.unreachable == ["z"] and any("z" in w and "6.11" in w for w in rt.warnings)
-    assert [e.source for e in an.reverse["b"]] == ["start", "c"]
-
-
-def test_graph_mermaid_pins_18_3():
-    cfg = {"type": "graph", "entry_point": "start", "nodes": {
-        "router": {"type": "message_router", "rules": [
-            {"match_type": "prefix", "pattern": "CODE", "target": "code"},
-            {"match_type": "prefix", "pattern": "RESEARCH", "target": "research"},
-            {"match_type": "suffix", "pattern": "", "target": "default", "extract_message": False}]},
-        "code": {"type": "agent", "agent": "code_agent"},
-        "research": {"type": "agent", "agent": "research_agent"},
-        "default": {"type": "agent", "agent": "default_agent"}},
-        "edges": [{"source": "start", "target": "router"}]
-        + [{"source": "router", "target": t,
-            "condition": {"type": "context_value", "key": "next_node", "value": t}}
-           for t in ("code", "research", "default")]
-        + [{"source": t, "target": "end"} for t in ("code", "research", "default")]}
-    rt, g = make_graph(cfg, {a: echo(a) for a in ("code_agent", "research_agent", "default_agent")})
-    assert g.mermaid() == [
-        'subgraph G_main["graph main"]',
-        '  g_main_S_start(["start"])',
-        '  g_main_S_router{"router: message_router"}',
-        '  g_main_S_code["code: agent code_agent"]',
-        '  g_main_S_research["research: agent research_agent"]',
-        '  g_main_S_default["default: agent default_agent"]',
-        '  g_main_S_end(["end"])',
-        '  g_main_E((entry)) --> g_main_S_start',
-        '  g_main_S_start --> g_main_S_router',
-        '  g_main_S_router -->|"next_node = code"| g_main_S_code',
-        '  g_main_S_router -->|"next_node = research"| g_main_S_research',
-        '  g_main_S_router -->|"next_node = default"| g_main_S_default',
-        '  g_main_S_code --> g_main_S_end',
-        '  g_main_S_research --> g_main_S_end',
-        '  g_main_S_default --> g_main_S_end',
-        'end']
-
-
-def _load_vector_config(stem):
-    path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
-    return actor.read_vector(path)["config"]
-
-
-def test_graph_actor_diagram_shows_18_3_graph():
-    a = actor.load(text=json.dumps(_load_vector_config("18.3-message-router-graph")),
-                   env={"OPENAI_API_KEY": "test"})
-    text = a.diagram()
-    assert text.startswith("flowchart LR\n")
-    lines = text.splitlines()
-    block = lines.index('  subgraph G_main["graph main"]')
-    assert lines[block + 1:block + 4] == ['    g_main_S_start(["start"])',
-                                          '    g_main_S_router{"router: message_router"}',
-                                          '    g_main_S_code["code: agent code_agent"]']
-    assert '    g_main_S_router -->|"next_node = research"| g_main_S_research' in lines
-    assert '  s_main -. runs .-> g_main_E' in lines        # the route node runs the body
-
-
-def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
-    cfg = linear("a", "b", "c", "d", "e")
-    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
-    doc = {"agents": {n: {"type": "llm", "config": {"provider": "openai"}} for n in "abcde"},
-           "routes": {"main": cfg}, "merges": [{"sources": ["__input__"], "target": "main"}]}
-    a = actor.load(text=json.dumps(doc), env={"OPENAI_API_KEY": "test"}, workdir=tmp_path,
-                   llm={})
-    assert a.send("one").outputs[0].content == "one"       # unscripted fake replies echo
-    a.send("two")
-    files = a.checkpoints("main")
-    assert len(files) == 1 and files[0].parent == tmp_path / "ck"
-    graph = a.rt.graphs["main"]
-    assert graph.state["execution_count"] == 10
-    a.rewind("main", 4)
-    assert graph.state["execution_count"] == 6
-    a.restore("main")
-    assert graph.state["execution_count"] == 10
-    assert [m["content"] for m in graph.state["messages"]][-2:] == ["two", "two"]
-
-
-# Benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 @pytest.mark.parametrize("reads_context, writes_context", [(False, False), (True, False), (True, True)],
                          ids=["context-free", "context-reading", "context-writing"])
@@ -4923,8 +7511,6 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     context readers (a plain dict, as an LLM agent gets) and as writers (a NodeContext that
     notes writes), which shows what building the §6.2.2 context costs per node. Prints the
     figures; timings are not asserted."""
-    import gc
-    import time as _time
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
     data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
@@ -4955,9 +7541,9 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
             fn()
             times = []
             for _ in range(15):
-                started = _time.perf_counter()
+                started = time.perf_counter()
                 fn()
-                times.append(_time.perf_counter() - started)
+                times.append(time.perf_counter() - started)
             best[label] = min(times) / (rounds * 10) * 1e6
     finally:
         gc.enable()
@@ -4976,7 +7562,6 @@ def test_graph_bench_checkpointing_cost(tmp_path):
     the same graph without it, over 10,000 updates (5,000 runs) in interleaved rounds, best round
     each, wall time (the writer process works beside the graph). The writer's start, once per
     graph, is printed apart."""
-    import time as _time
 
     def graph(checkpointing):
         cfg = linear("a", "b")
@@ -4984,21 +7569,21 @@ def test_graph_bench_checkpointing_cost(tmp_path):
             cfg.update(checkpointing=True, checkpoint_dir="ck")
         return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path)[1]
     graphs = {"off": graph(False), "on": graph(True)}
-    started = _time.perf_counter()
+    started = time.perf_counter()
     graphs["on"].checkpoint_writer().put(tmp_path / "ck" / "first.json", {})
     graphs["on"].flush_checkpoints()
-    start_ms = (_time.perf_counter() - started) * 1e3
+    start_ms = (time.perf_counter() - started) * 1e3
     figures = {"off": float("inf"), "on": float("inf")}
     cpu = {"off": float("inf"), "on": float("inf")}
     runs = 10_000 // 2                           # two state updates a run
     for _ in range(3):
         for label, g in graphs.items():
-            started, thread_started = _time.perf_counter(), _time.thread_time()
+            started, thread_started = time.perf_counter(), time.thread_time()
             for i in range(runs):
                 g.run("x")
             g.flush_checkpoints()
-            figures[label] = min(figures[label], (_time.perf_counter() - started) / runs * 1e6)
-            cpu[label] = min(cpu[label], (_time.thread_time() - thread_started) / runs * 1e6)
+            figures[label] = min(figures[label], (time.perf_counter() - started) / runs * 1e6)
+            cpu[label] = min(cpu[label], (time.thread_time() - thread_started) / runs * 1e6)
     assert len(graphs["on"].checkpoints()) == 3 * runs * 2 // actor.CHECKPOINT_EVERY
     graphs["on"].close()
     print(f"\n[graphs bench] two-node echo graph, 10,000 updates: {figures['off']:.1f} us/run "
@@ -5018,7 +7603,6 @@ def test_graph_bench_against_langgraph_state_graph():
     is not importable; timings are not asserted."""
     lg = pytest.importorskip("langgraph.graph")
     from typing import TypedDict
-    import time as _time
     names = [f"n{i}" for i in range(10)]
 
     class State(TypedDict):
@@ -5051,10 +7635,10 @@ def test_graph_bench_against_langgraph_state_graph():
         fn()                                     # warm up
         best = float("inf")
         for _ in range(repeats):
-            started = _time.thread_time()
+            started = time.thread_time()
             for _i in range(rounds):
                 fn()
-            best = min(best, _time.thread_time() - started)
+            best = min(best, time.thread_time() - started)
         return best / (rounds * len(names)) * 1e6
 
     for label, tool, target in (("ToolAgent(echo)", "echo", 60),
@@ -5074,2519 +7658,110 @@ def test_graph_bench_against_langgraph_state_graph():
               f">= {target}x)")
 
 
-def test_mixed_mode_creates_graph_internal_streams():
-    """§6.10: beside stream routes, each graph gets per-node, control and state streams."""
-    a = actor.load(text="""
-agents:
-  t: {type: chain, config: {steps: [x]}}
-routes:
-  g:
-    type: graph
-    nodes: {n1: {type: agent, agent: t}}
-    edges: [{source: start, target: n1}, {source: n1, target: end}]
-  s: {type: stream, publications: [__output__]}
-merges: [{sources: [__input__], target: g}]
-""")
-    names = sorted(n for n in a.network.nodes if n.startswith("__g_"))
-    assert names == ["__g_control__", "__g_node_end__", "__g_node_n1__", "__g_node_start__",
-                     "__g_state__"]
-    seen = []
-    a.network.subscribe("__g_node_n1__", lambda m: seen.append((m.source_stream, m.content)))
-    a.network.subscribe("__g_state__", lambda m: seen.append((m.source_stream, sorted(m.content))))
-    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi->x"]
-    assert seen[0] == ("__g_node_n1__", "ChainAgent processed: hi->x")
-    assert seen[1][0] == "__g_state__" and "messages" in seen[1][1]
+def _best_us(fn, n):
+    """Best of five rounds of n // 5 calls, in microseconds per call (an unloaded machine's)."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        best = min(best, (time.perf_counter() - start) / (n // 5) * 1e6)
+    return best
 
 
-def _control_events(graph_yaml, content):
-    a = actor.load(text=f"""
-agents:
-  chain: {{type: chain, config: {{steps: [x]}}}}
-  echo: {{type: tool, config: {{tools: [echo]}}}}
-  calc: {{type: tool, config: {{tools: [math]}}}}
-routes:
-  g:
-    type: graph
-{graph_yaml}
-  s: {{type: stream, publications: [__output__]}}
-merges: [{{sources: [__input__], target: g}}]
-""")
-    events = []
-    a.subscribe("__g_control__", events.append)
-    result = a.send(content)
-    assert all(m.source_stream == "__g_control__" and m.metadata["graph"] == "g"
-               and m.metadata["context"] is a.context for m in events)
-    return [m.content for m in events], result
+@pytest.mark.bench
+def test_sandbox_bench_per_call_against_restrictedpython_and_bare_exec():
+    """One body, three runners: bare exec, RestrictedPython (the `bench` extra) and run_code;
+    then run_code with contexts of 0 to 10,000 keys, and one call through isolation="process"."""
+    source = 'result = str(input_data).upper() + "!"\n'
+    unit = actor.compile_code(source)
+    plain = compile(source, "<plain>", "exec")
+    empty = {}
+    rows = [("bare exec", _best_us(lambda: exec(plain, sandbox_vars(context=empty)), 50000))]
+    try:
+        from RestrictedPython import compile_restricted, safe_globals
+        from RestrictedPython.Eval import default_guarded_getattr
+        restricted = compile_restricted(source, "<restricted>", "exec")
+        glb = {**safe_globals, "_getattr_": default_guarded_getattr}
+        rows.append(("RestrictedPython", _best_us(
+            lambda: exec(restricted, {**glb, **sandbox_vars(context=empty)}), 50000)))
+    except ImportError:
+        rows.append(("RestrictedPython", float("nan")))
+    for keys in (0, 100, 1000, 10000):
+        context = {f"k{i}": i for i in range(keys)}
+        rows.append((f"actor.py run_code, context of {keys} keys", _best_us(
+            lambda: actor.run_code(unit, sandbox_vars(context=context)), 50000)))
+    workers = actor.ProcessSandbox()
+    try:
+        variables = sandbox_vars(context=actor.ContextView({}))
+        workers.run_code(unit, variables, 1.0, None)
+        rows.append(('actor.py isolation="process"', _best_us(
+            lambda: workers.run_code(unit, variables, 1.0, None), 2000)))
+    finally:
+        workers.close()
+    print("\n[sandbox bench] one call of " + source.strip())
+    for label, us in rows:
+        print(f"  {label:<44} {us:8.2f} us")
 
 
-def test_mixed_mode_control_stream_carries_run_lifecycle():
-    """§6.10 (I-118, vectors/INTERPRETATIONS.md): __<graph>_control__ carries each run's lifecycle --
-    started, then finished, stopped (naming the §6.8 guard) or failed -- with graph and context."""
-    events, result = _control_events("""
-    nodes: {n1: {type: agent, agent: chain}}
-    edges: [{source: start, target: n1}, {source: n1, target: end}]""", "hi")
-    assert [m.content for m in result.outputs] == ["ChainAgent processed: hi->x"]
-    assert events == [{"event": "started", "input": "hi"},
-                      {"event": "finished", "guard": None, "output": "ChainAgent processed: hi->x",
-                       "history": ["n1"]}]
-
-    events, result = _control_events("""
-    nodes: {e: {type: agent, agent: echo}}
-    edges: [{source: start, target: e}, {source: e, target: e}]""", "hi")
-    assert events[1] == {"event": "stopped", "guard": "revisit", "output": "hi", "history": ["e"]}
-
-    events, result = _control_events("""
-    nodes: {c: {type: agent, agent: calc}}
-    edges: [{source: start, target: c}, {source: c, target: end}]""", "2 +")
-    assert result.outputs == [] and len(result.errors) == 1
-    assert events[1]["event"] == "failed" and events[1]["error_type"] == "ExecutionError"
-    assert "math" in events[1]["error"] and events[1]["history"] == []
-
-
-def test_subscribing_to_an_unknown_stream_is_a_routing_error():
-    a = actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
-                        "routes: {m: {type: stream, publications: [__output__]}}\n"
-                        "merges: [{sources: [__input__], target: m}]\n")
-    with pytest.raises(actor.RoutingError) as info:
-        a.subscribe("__m_control__", print)
-    assert "no stream named '__m_control__'" in str(info.value) and "__output__" in str(info.value)
-
-def test_mixed_mode_node_events_carry_graph_node_count_and_context():
-    """§6.10 node events carry the §12.2.1 keys: graph, node, a per-node execution_count (every
-    execution, a router that matched nothing included) and the invocation context by reference."""
-    a = actor.load(text="""
-agents:
-  t: {type: chain, config: {steps: [x]}}
-routes:
-  g:
-    type: graph
-    nodes:
-      r: {type: message_router, rules: [{match_type: prefix, pattern: "GO", target: n1}]}
-      n1: {type: agent, agent: t}
-    edges: [{source: start, target: r}, {source: r, target: n1}, {source: n1, target: end}]
-  s: {type: stream, publications: [__output__]}
-merges: [{sources: [__input__], target: g}]
-""")
-    events = []
-    for node in ("r", "n1"):
-        a.network.subscribe(f"__g_node_{node}__", events.append)
-    a.send("hi")
-    a.send("GO:there")
-    assert [(m.source_stream, m.content) for m in events] == [
-        ("__g_node_r__", "hi"), ("__g_node_n1__", "ChainAgent processed: hi->x"),
-        ("__g_node_r__", "there"), ("__g_node_n1__", "ChainAgent processed: there->x")]
-    assert [(m.metadata["node"], m.metadata["execution_count"]) for m in events] == [
-        ("r", 1), ("n1", 1), ("r", 2), ("n1", 2)]
-    assert all(m.metadata["graph"] == "g" for m in events)
-    assert all(m.metadata["context"] is a.rt.context for m in events)
-    copied = events[0].copy(content="other")                   # §12.2.1: context by reference
-    assert copied.metadata["context"] is a.rt.context
-
-
-def test_pure_graph_mode_creates_no_internal_streams():
-    a = actor.load(text="""
-agents:
-  t: {type: chain}
-routes:
-  g:
-    type: graph
-    nodes: {n1: {type: agent, agent: t}}
-    edges: [{source: start, target: n1}, {source: n1, target: end}]
-merges: [{sources: [__input__], target: g}]
-""")
-    assert not [n for n in a.network.nodes if n.startswith("__g_")]
-    assert [m.content for m in a.send("hi").outputs] == ["ChainAgent processed: hi"]
-
-
-# §6.7, §5.3.4, §12.2.4, §4.4.4, §4.5.6 Concurrency stress tests ---------------------------------
-# Each test forces the overlap it needs with barriers and events (never with sleeps), and asserts
-# outcomes, never timings. Threads a test leaves behind (timed-out workers) are released and joined.
-import threading  # noqa: E402
-
-
-def _join_new_threads(before, timeout=2.0):
-    """Join every thread started since `before` (timed-out workers), graph pool workers aside."""
-    threads = [t for t in threading.enumerate()
-               if t not in before and not t.name.startswith("graph-")]
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads)
-
-
-class _GateTransport:
-    """A fake LLM transport: the first call of agent `slow` blocks until `release` is set; every
-    call is recorded and answers `<agent>:<user message>`."""
-
-    def __init__(self, slow=None):
-        self.slow, self.release, self.entered = slow, threading.Event(), threading.Event()
-        self.calls, self._first = [], True
-
-    def complete(self, request):
-        self.calls.append(request["agent"])
-        if request["agent"] == self.slow and self._first:
-            self._first = False
-            self.entered.set()
-            self.release.wait(2)
-            return "late"
-        return f"{request['agent']}:{request['messages'][-1]['content']}"
-
-
-def test_concurrency_parallel_results_merge_in_declaration_order_whatever_finishes_first():
-    """§6.7: eight branches meet at a barrier (so they really overlap), finish in reverse order,
-    and still join in declaration order: the last declared writer of a key wins."""
-    names = [f"n{i}" for i in range(8)]
-    barrier = threading.Barrier(len(names), timeout=2)
-    finished = []
-    order = {n: threading.Event() for n in names}
-
-    def branch(name):
-        def agent(content, ctx):
-            barrier.wait()                      # all eight are running at once
-            later = names[names.index(name) + 1:]
-            if later:                           # finish after every later-declared branch
-                order[later[0]].wait(2)
-            ctx["who"] = name
-            ctx[f"seen_{name}"] = True
-            finished.append(name)
-            order[name].set()
-            return f"{name}:{content}"
-        return agent
-
-    cfg = {"type": "graph",
-           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
-           "edges": [{"source": "start", "target": n} for n in names]
-           + [{"source": n, "target": "end"} for n in names]}
-    rt, g = make_graph(cfg, {n: branch(n) for n in names})
-    for _ in range(3):
-        finished.clear()
-        for event in order.values():
-            event.clear()
-        run = g.run("x")
-        assert finished == names[::-1]                       # they did finish in reverse
-        assert run.history == names                          # ...and joined in declaration order
-        assert [m["content"] for m in run.state["messages"][-8:]] == [f"{n}:x" for n in names]
-        assert run.state["metadata"]["who"] == "n7" and rt.context["who"] == "n7"
-        assert all(rt.context[f"seen_{n}"] for n in names)
-        assert run.output == "n7:x"
-
-
-def test_concurrency_parallel_branch_cannot_reach_live_state_through_graph_state():
-    """§6.7, §6.2.2: graph_state is a picture; a branch writing into it neither shows the write to
-    its sibling nor changes the state (only the context keys it sets join, in order)."""
-    wrote = threading.Event()
-
-    def writer(content, ctx):
-        ctx["graph_state"]["metadata"]["leak"] = "p"
-        wrote.set()
-        return "p"
-
-    def reader(content, ctx):
-        assert wrote.wait(2)
-        return str(ctx["graph_state"]["metadata"].get("leak"))
-
-    cfg = {"type": "graph",
-           "nodes": {"p": {"type": "agent", "agent": "p", "parallel": True},
-                     "q": {"type": "agent", "agent": "q", "parallel": True}},
-           "edges": [{"source": "start", "target": "p"}, {"source": "start", "target": "q"},
-                     {"source": "p", "target": "end"}, {"source": "q", "target": "end"}]}
-    rt, g = make_graph(cfg, {"p": writer, "q": reader})
-    run = g.run("x")
-    assert run.output == "None"
-    assert "leak" not in run.state["metadata"] and "leak" not in rt.context
-
-
-def test_concurrency_timed_out_llm_reply_is_not_remembered():
-    """§4.4.4 item 4, §6.2.2 timeout: the retry answers; the first attempt's late reply, which
-    arrives after its timeout, is dropped instead of joining the agent's memory."""
-    before = set(threading.enumerate())
-    a = actor.load(text="""
-agents:
-  w: {type: llm, config: {provider: fake, memory_enabled: true}}
-routes:
-  main:
-    type: graph
-    nodes:
-      a: {type: agent, agent: w, timeout: 0.1, retry_policy: {max_retries: 1, delay: 0}}
-    edges: [{source: start, target: a}, {source: a, target: end}]
-merges: [{sources: [__input__], target: main}]
-""")
-    transport = a.rt.llm_transport = _GateTransport(slow="w")
-    assert [m.content for m in a.send("hi").outputs] == ["w:hi"]
-    transport.release.set()
-    _join_new_threads(before)
-    assert a.rt.agents["w"].history == [{"role": "user", "content": "hi"},
-                                         {"role": "assistant", "content": "w:hi"}]
-
-
-def test_concurrency_timed_out_inline_tool_writes_nothing_back(monkeypatch):
-    """§5.3.4 item 3: the map emits "Processing timed out"; the abandoned body, released later,
-    does not write its context key into the live global context."""
-    before = set(threading.enumerate())
-    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
-    inside, release = threading.Event(), threading.Event()
-
-    class Hold:
-        def write(self, text):
-            inside.set()
-            release.wait(2)
-
-        def flush(self):
-            pass
-
-    a = actor.load(text="""
-agents:
-  t:
-    type: tool
-    config:
-      tools: [{name: run, code: "progress_bar(current=1, total=2)\\ncontext['late'] = 1\\nresult = 'ok'"}]
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-""", unsafe=True, clock=actor.RealClock())
-    a.rt.progress = actor.ProgressFacility(stream=Hold())
-    result = a.send("x")
-    assert [m.content for m in result.outputs] == [actor.PROCESSING_TIMED_OUT]
-    assert inside.is_set()
-    release.set()
-    _join_new_threads(before)
-    assert "late" not in a.context
-
-
-def test_concurrency_timed_out_composite_stops_its_graph_and_leaves_context_alone(monkeypatch):
-    """§5.3.4 with nested bounds: a composite's graph, abandoned mid-run, takes no further step,
-    its inner bounded call records no memory, and it never rewrites the live context."""
-    before = set(threading.enumerate())
-    monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.1)
-    a = actor.load(text="""
-agents:
-  w1: {type: llm, config: {provider: fake, memory_enabled: true}}
-  w2: {type: llm, config: {provider: fake}}
-  c:
-    type: composite
-    config:
-      components:
-        graphs:
-          g:
-            nodes:
-              n1: {type: agent, agent: w1, timeout: 2, retry_policy: {max_retries: 0}}
-              n2: {type: agent, agent: w2}
-            edges: [{source: start, target: n1}, {source: n1, target: n2}, {source: n2, target: end}]
-      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-""", clock=actor.RealClock(), context={"keep": 1})
-    transport = a.rt.llm_transport = _GateTransport(slow="w1")
-    assert [m.content for m in a.send("x").outputs] == [actor.PROCESSING_TIMED_OUT]
-    context_before = dict(a.context)
-    transport.release.set()
-    _join_new_threads(before)
-    assert transport.calls == ["w1"]                    # n2 never ran
-    assert a.rt.agents["w1"].history == []
-    assert a.context == context_before and a.context["keep"] == 1
-
-
-def test_concurrency_composite_entered_from_its_own_parallel_branch_errors_not_deadlocks():
-    """§6.7 + §4.6: a composite whose graph runs itself on a parallel branch would wait for
-    itself forever; the branch fails with an ExecutionError instead."""
-    a = actor.load(text="""
-agents:
-  e: {type: tool, config: {tools: [echo]}}
-  c:
-    type: composite
-    config:
-      components:
-        graphs:
-          g:
-            nodes:
-              n: {type: agent, agent: c, parallel: true}
-              m: {type: agent, agent: e, parallel: true}
-            edges: [{source: start, target: n}, {source: start, target: m},
-                    {source: n, target: end}, {source: m, target: end}]
-      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-""")
-    box = {}
-    worker = threading.Thread(target=lambda: box.update(result=a.send("hi")), daemon=True)
-    worker.start()
-    worker.join(2)
-    assert not worker.is_alive(), "deadlocked"
-    errors = box["result"].errors
-    assert len(errors) == 1 and errors[0].metadata["error_type"] == "ExecutionError"
-    assert "deadlock" in errors[0].content
-    a.close()
-
-
-def test_concurrency_close_does_not_wait_for_a_timed_out_composite_call():
-    """§12.1 step 8: close() returns while a timed-out composite call still holds the composite;
-    the call, released later, ends on its own."""
-    before = set(threading.enumerate())
-    a = actor.load(text="""
-agents:
-  w: {type: llm, config: {provider: fake}}
-  c:
-    type: composite
-    config:
-      components:
-        graphs:
-          g:
-            nodes: {n: {type: agent, agent: w}}
-            edges: [{source: start, target: n}, {source: n, target: end}]
-      routing: {input: {type: graph, name: g}, output: {type: graph, name: g}}
-routes:
-  main:
-    type: graph
-    nodes: {a: {type: agent, agent: c, timeout: 0.1, retry_policy: {max_retries: 0}}}
-    edges: [{source: start, target: a}, {source: a, target: end}]
-merges: [{sources: [__input__], target: main}]
-""")
-    transport = a.rt.llm_transport = _GateTransport(slow="w")
-    assert "timed out" in a.send("hi").errors[0].content
-    closer = threading.Thread(target=a.close, daemon=True)
-    closer.start()
-    closer.join(1)
-    closed = not closer.is_alive()
-    transport.release.set()
-    _join_new_threads(before)
-    assert closed
-
-
-def test_concurrency_host_calls_from_two_threads_keep_their_own_results():
-    """Actor: a second host thread's send() waits for the first, so neither call loses or steals
-    the other's outputs."""
-    a = actor.load(text="""
-agents:
-  t: {type: chain}
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: t}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-""")
-    emitted, second_done = threading.Event(), threading.Event()
-
-    def slow_hook(msg):                 # the first call pauses right after its emission
-        if msg.content.endswith("first"):
-            emitted.set()
-            second_done.wait(0.3)       # returns at once if the second call (wrongly) ran
-    a.network.on_output(slow_hook)
+@pytest.mark.bench
+def test_sandbox_bench_graph_node_inline_tool_against_echo():
+    """A 10-node linear graph whose nodes are inline-tool agents vs echo-tool agents."""
+    names = [f"n{i}" for i in range(10)]
+    edges = [{"source": a, "target": b} for a, b in zip(["start", *names], [*names, "end"])]
     results = {}
-
-    def call(text):
-        results[text] = [m.content for m in a.send(text).outputs]
-        if text == "second":
-            second_done.set()
-    first = threading.Thread(target=call, args=("first",))
-    first.start()
-    assert emitted.wait(2)
-    second = threading.Thread(target=call, args=("second",))
-    second.start()
-    first.join(2)
-    second.join(2)
-    assert results == {"first": ["ChainAgent processed: first"],
-                       "second": ["ChainAgent processed: second"]}
-
-
-def test_concurrency_memory_keeps_whole_exchanges_under_concurrent_calls():
-    """§4.4.4: sixteen concurrent invocations of one memory agent leave sixteen whole
-    user/assistant pairs, each reply next to its own message."""
-    n = 16
-    barrier = threading.Barrier(n, timeout=2)
-
-    class Meet:
-        def complete(self, request):
-            barrier.wait()
-            return "re:" + request["messages"][-1]["content"]
-
-    a = actor.load(text="agents: {w: {type: llm, config: {provider: fake, memory_enabled: true,"
-                        " max_history: 100}}}\nroutes: {s: {type: stream}}\n")
-    a.rt.llm_transport = Meet()
-    agent = a.rt.agents["w"]
-    threads = [threading.Thread(target=agent.invoke, args=(f"m{i}", {})) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2)
-    history = agent.history
-    assert len(history) == 2 * n and len(a.rt.llm_log) == n
-    pairs = list(zip(history[::2], history[1::2]))
-    assert all(u["role"] == "user" and r == {"role": "assistant", "content": "re:" + u["content"]}
-               for u, r in pairs)
-    assert sorted(u["content"] for u, _ in pairs) == sorted(f"m{i}" for i in range(n))
-
-
-def test_concurrency_parallel_llm_nodes_log_every_request():
-    """§6.7: eight LLM branches at once (they meet at a barrier): every request reaches
-    rt.llm_log (the order across branches is not promised) and the results join in order."""
-    names = [f"w{i}" for i in range(8)]
-    barrier = threading.Barrier(len(names), timeout=2)
-
-    class Meet:
-        def complete(self, request):
-            barrier.wait()
-            return request["agent"]
-
-    agents = "\n".join(f"  {n}: {{type: llm, config: {{provider: fake}}}}" for n in names)
-    nodes = "\n".join(f"      {n}: {{type: agent, agent: {n}, parallel: true}}" for n in names)
-    edges = ", ".join(f"{{source: start, target: {n}}}, {{source: {n}, target: end}}"
-                      for n in names)
-    a = actor.load(text=f"agents:\n{agents}\nroutes:\n  main:\n    type: graph\n    nodes:\n"
-                        f"{nodes}\n    edges: [{edges}]\nmerges: [{{sources: [__input__], "
-                        f"target: main}}]\n")
-    a.rt.llm_transport = Meet()
-    assert [m.content for m in a.send("x").outputs] == ["w7"]
-    assert sorted(r["agent"] for r in a.rt.llm_log) == names
-    assert a.context["last_agent_node"] == "w7"
-    a.close()
-
-
-def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
-    """§4.5.6: concurrent updates each write one whole line and leave one caller's snapshot."""
-    import io
-    n = 32
-    out = io.StringIO()
-    facility = actor.ProgressFacility(stream=out)
-    barrier = threading.Barrier(n, timeout=2)
-    lines = {}
-
-    def update(i):
-        barrier.wait()
-        lines[i] = facility.update({"stage": f"s{i}", "current": i, "total": n,
-                                    "message": f"m{i}"}, {})
-    threads = [threading.Thread(target=update, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2)
-    expected = {i: actor.progress_render(f"s{i}", i, n, f"m{i}") for i in range(n)}
-    assert lines == expected
-    written = out.getvalue().split("\r")[1:]
-    assert sorted(w.rstrip("\n") for w in written) == sorted(expected.values())
-    i = facility.current
-    assert (facility.stage, facility.total, facility.message) == (f"s{i}", n, f"m{i}")
-    assert facility.last == expected[i]
-
-
-def test_concurrency_progress_bar_inside_a_composite_is_the_actors_one():
-    """§4.5.6: one snapshot per Actor: a composite's tool drives the host's facility too."""
-    import io
-    a = actor.load(text="""
-agents:
-  c:
-    type: composite
-    config:
-      components:
-        agents:
-          t: {type: tool, config: {tools: [progress_bar]}}
-      routing: {input: {type: agent, name: t}, output: {type: agent, name: t}}
-routes:
-  main: {type: stream, operators: [{type: map, params: {agent: c}}], publications: [__output__]}
-merges: [{sources: [__input__], target: main}]
-""")
-    out = io.StringIO()
-    a.rt.progress = actor.ProgressFacility(stream=out)
-    line = actor.progress_render(None, 1, 4, None)
-    result = a.send('{"tool": "progress_bar", "args": {"current": 1, "total": 4}}')
-    assert [m.content for m in result.outputs] == [line]
-    assert out.getvalue() == "\r" + line and a.rt.progress.current == 1
-
-
-def test_concurrency_file_write_inserts_from_many_threads_keep_every_line(tmp_path):
-    """§4.5.5 insert reads the file and writes it back: sixteen writers at once (they meet at a
-    barrier) take turns, so every line arrives."""
-    n = 16
-    a = actor.load(text="agents: {t: {type: tool, config: {tools: [file_write]}}}\n"
-                        "routes: {s: {type: stream}}\n", workdir=tmp_path, unsafe=True,
-                   context={"_unsafe_mode": True})
-    barrier = threading.Barrier(n, timeout=2)
-    replies = {}
-
-    def insert(i):
-        barrier.wait()
-        replies[i] = actor.run_builtin_tool(a.rt, "file_write", {
-            "file": "doc.md", "content": f"line {i}", "mode": "insert", "position": "end"},
-            a.context)
-    threads = [threading.Thread(target=insert, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2)
-    assert all(reply.startswith("Successfully inserted") for reply in replies.values())
-    lines = (tmp_path / "doc.md").read_text().splitlines()
-    assert sorted(lines) == sorted(f"line {i}" for i in range(n))
-
-
-def test_concurrency_warnings_and_timers_from_many_threads_are_all_kept():
-    """rt.warn and clock.call_later from sixteen threads at once: every warning is kept whole,
-    and every timer fires once, in (time, sequence) order, when the host advances the clock."""
-    n, each = 16, 50
-    rt = actor.Runtime(actor.Doc({}), env={})
-    barrier = threading.Barrier(n, timeout=2)
-    fired = []
-
-    def work(i):
-        barrier.wait()
-        for k in range(each):
-            rt.warn(f"w{i}.{k}")
-            timer = rt.clock.call_later((i * each + k) % 7, lambda i=i, k=k: fired.append((i, k)))
-            assert timer.when == (i * each + k) % 7
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2)
-    assert sorted(rt.warnings) == sorted(f"warning: w{i}.{k}" for i in range(n) for k in range(each))
-    rt.clock.advance(10)
-    assert sorted(fired) == [(i, k) for i in range(n) for k in range(each)]
-    whens = [(i * each + k) % 7 for i, k in fired]
-    assert whens == sorted(whens)                       # due order, whichever thread scheduled
-    assert [k for i, k in fired if i == 3 and (3 * each + k) % 7 == 2] == \
-        sorted(k for k in range(each) if (3 * each + k) % 7 == 2)   # one thread's order kept
-
-
-def test_concurrency_close_stops_every_graph_worker():
-    """§12.1 step 8: after close() the worker threads of every graph end, a composite's own graph
-    included (none is left behind)."""
-    fan = """
-            nodes: {p: {type: agent, agent: p, parallel: true}, q: {type: agent, agent: q,
-                    parallel: true}}
-            edges: [{source: start, target: p}, {source: start, target: q},
-                    {source: p, target: end}, {source: q, target: end}]"""
-    a = actor.load(text=f"""
-agents:
-  p: {{type: chain}}
-  q: {{type: chain}}
-  c:
-    type: composite
-    config:
-      components:
-        graphs:
-          g:{fan}
-      routing: {{input: {{type: graph, name: g}}, output: {{type: graph, name: g}}}}
-routes:
-  main:
-    type: graph
-    nodes: {{p: {{type: agent, agent: c, parallel: true}}, q: {{type: agent, agent: q, parallel: true}}}}
-    edges: [{{source: start, target: p}}, {{source: start, target: q}},
-            {{source: p, target: end}}, {{source: q, target: end}}]
-merges: [{{sources: [__input__], target: main}}]
-""")
-    assert len(a.send("x").outputs) == 1
-    composite = a.rt.agents["c"]
-    workers = list(a.rt.graphs["main"]._pool._threads) \
-        + list(composite.inner.graphs["g"]._pool._threads)
-    assert any(w.name.startswith("graph-g") for w in workers)
-    a.close()
-    for worker in workers:
-        worker.join(2)
-    assert not any(worker.is_alive() for worker in workers)
-
-
-def test_concurrency_branches_run_inline_when_no_worker_thread_can_start():
-    """§6.7: when the pool cannot start a thread (closed, or no memory for a stack), the branches
-    not submitted run on the caller; the submitted one is joined; results keep their order."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    class OneThread(ThreadPoolExecutor):
-        def submit(self, *args, **kwargs):
-            if self.used:
-                raise RuntimeError("can't start new thread")
-            self.used = True
-            return super().submit(*args, **kwargs)
-    names = ["p", "q", "r"]
-    cfg = {"type": "graph",
-           "nodes": {n: {"type": "agent", "agent": n, "parallel": True} for n in names},
-           "edges": [{"source": "start", "target": n} for n in names]
-           + [{"source": n, "target": "end"} for n in names]}
-    rt, g = make_graph(cfg, {n: echo(n) for n in names})
-    g._pool = OneThread()
-    g._pool.used = False
-    run = g.run("x")
-    assert run.history == names and run.output == "r(x)"
-    assert [len(rt.agents[n].calls) for n in names] == [1, 1, 1]
-    g.close()
+    for label, tool in (("echo tool", "echo"),
+                        ("inline tool", {"name": "t", "code": "result = input_data"}),
+                        ("context-reading inline tool",
+                         {"name": "t", "code": "result = context.get('x', input_data)"})):
+        data = {"agents": {"a": {"type": "tool", "config": {"tools": [tool]}}},
+                "routes": {"main": {"type": "graph", "edges": edges,
+                                    "nodes": {n: {"type": "agent", "agent": "a"} for n in names}}}}
+        a = actor.load(text=yaml.safe_dump(data), unsafe=True, default_router="main")
+        graph = a.rt.graphs["main"]
+        graph.run("echo hi", a.rt.context, pure=True)
+        results[label] = _best_us(lambda: graph.run("echo hi", a.rt.context, pure=True), 2000) / 10
+    print(f"\n[sandbox bench] graph node: echo tool {results['echo tool']:.2f} us/node, "
+          f"inline tool {results['inline tool']:.2f} us/node "
+          f"({results['inline tool'] / results['echo tool']:.2f}x), one that reads the context "
+          f"{results['context-reading inline tool']:.2f} us/node "
+          f"({results['context-reading inline tool'] / results['echo tool']:.2f}x: the §6.2.2 "
+          f"context is built for it)")
 
 
 # =====================================================================================
-# §8, §9.2 Templating (templating)
+# Mutation score of the vectors (issue 13; `pytest -m mutation -s`)
 # =====================================================================================
-import copy  # noqa: E402  (Phase B tests copy fixtures)
-import json  # noqa: E402
-import yaml  # noqa: E402
 
-
-def _mustache_spec_dir():
-    for base in (HERE, *HERE.parents):
-        folder = base / "shared" / "conformance" / "mustache-spec"
-        if folder.is_dir():
-            return folder
-    return None
-
-
-MUSTACHE_SPEC = _mustache_spec_dir()
-MUSTACHE_REQUIRED = ("comments", "interpolation", "sections", "inverted")
-MUSTACHE_SHOULD = ("delimiters", "partials")
-
-
-def _mustache_cases():
-    cases = []
-    if MUSTACHE_SPEC is None:
-        return cases
-    for module in MUSTACHE_REQUIRED + MUSTACHE_SHOULD:
-        path = MUSTACHE_SPEC / f"{module}.json"
-        if path.exists():
-            for test in json.loads(path.read_text(encoding="utf-8"))["tests"]:
-                cases.append(pytest.param(test, id=f"{module}: {test['name']}"))
-    for path in sorted(MUSTACHE_SPEC.glob("~*.json")):
-        cases.append(pytest.param(None, id=path.stem, marks=pytest.mark.skip(
-            reason=f"{path.name}: optional Mustache module, not part of the §9.2 dialect")))
-    return cases
-
-
-@pytest.mark.conformance
-@pytest.mark.skipif(MUSTACHE_SPEC is None, reason="shared/conformance/mustache-spec not present")
-@pytest.mark.parametrize("case", _mustache_cases())
-def test_mustache_conformance(case):
-    """The official Mustache spec data, read in place. The optional `~` modules (lambdas,
-    dynamic names, inheritance) are not read: §9.2 MUSTACHE promises none of them."""
-    got = actor.render(case["template"], case["data"], "MUSTACHE", case.get("partials"))
-    assert got == case["expected"], case["desc"]
-
-
-def test_mustache_optional_modules_are_skipped_by_name():
-    if MUSTACHE_SPEC is None:
-        pytest.skip("shared/conformance/mustache-spec not present")
-    optional = sorted(p.name for p in MUSTACHE_SPEC.glob("~*.json"))
-    read = {f"{m}.json" for m in MUSTACHE_REQUIRED + MUSTACHE_SHOULD}
-    assert optional and not read & set(optional)
-
-
-# §9.2 JINJA2 ---------------------------------------------------------------------------------
-def test_jinja2_keeps_trailing_newline_q59():
-    assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
-    assert actor.render("plain\n\n", {}) == "plain\n\n"
-
-
-def test_jinja2_undefined_fails_when_printed_but_is_false_in_conditions_q50():
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ missing }}", {})
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ missing.attr }}", {})
-    assert actor.render("{% if missing %}x{% else %}y{% endif %}", {}) == "y"
-    assert actor.render("{% if ctx.n > 5 %}x{% endif %}ok", {"ctx": {}}) == "ok"
-    assert actor.render("{{ missing | default('d') }}", {}) == "d"
-
-
-def test_jinja2_sandbox_blocks_python_internals():
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ ''.__class__.__mro__[1].__subclasses__() }}", {})
-
-
-def test_range_is_capped_in_every_dialect():
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ range(10 ** 9) | list | length }}", {})
-    with pytest.raises(actor.ConfigurationError):
-        actor.render_document("n: {{ range(10 ** 9) | list | length }}\n", None, "JINJA2")
-    assert actor.render("{{ range(2, 8, 3) | list }}", {}) == "[2, 5]"
-
-
-def test_jinja2_compiles_each_text_once():
-    actor.jinja_template.cache_clear()
-    for _ in range(3):
-        actor.render("{{ a }}-{{ b }}", {"a": 1, "b": 2})
-    info = actor.jinja_template.cache_info()
-    assert (info.misses, info.hits) == (1, 2)
-
-
-def test_builtins_of_8_3_table():
-    text = ("{{ range(3) | list }} {{ len('abc') }} {{ enumerate('ab') | list }} "
-            "{{ zip([1, 2], 'ab') | list }} {{ min(3, 1) }} {{ max([3, 9]) }} {{ sum([1, 2]) }} "
-            "{{ abs(-2) }} {{ round(2.6) }} {{ int('7') }} {{ float('1.5') }} {{ str(3) }} "
-            "{{ bool(0) }} {{ list('ab') }} {{ dict(a=1) }}")
-    assert actor.render(text, {}) == ("[0, 1, 2] 3 [(0, 'a'), (1, 'b')] [(1, 'a'), (2, 'b')] 1 9 3 "
-                                     "2 3 7 1.5 3 False ['a', 'b'] {'a': 1}")
-
-
-def test_filter_tojson_is_single_line_plain_json_q58():
-    out = actor.render("{{ v | tojson }}", {"v": {"a": "<b> & 'c'", "n": [1, None]}})
-    assert out == '{"a": "<b> & \'c\'", "n": [1, null]}'
-    assert actor.render("{{ v | yaml }}", {"v": "x"}) == '"x"'
-    assert actor.render("{{ v | tojson }}", {"v": None}) == "null"
-
-
-def test_filter_indent_indents_every_line_q57():
-    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n\nc"}) == "  a\n  b\n  \n  c"
-    assert actor.render("{{ t | indent(2) }}", {"t": "a\nb\n"}) == "  a\n  b\n"
-    assert actor.render("{{ t | indent(2, false, false) }}", {"t": "a\n\nb"}) == "a\n\n  b"
-    assert actor.filter_indent("x", "> ") == "> x"
-
-
-def test_filter_sum_attribute_and_selectattr_operators():
-    items = [{"n": "a", "v": 1}, {"n": "b", "v": 2}, {"n": "c", "v": 3}]
-    assert actor.render("{{ items | sum('v') }}", {"items": items}) == "6"
-    assert actor.render("{{ items | sum(attribute='v') }}", {"items": items}) == "6"
-    expected = {"==": "b", "!=": "ac", ">": "c", "<": "a", ">=": "bc", "<=": "ab"}
-    for op, names in expected.items():
-        text = "{% for i in items | selectattr('v', '" + op + "', 2) %}{{ i.n }}{% endfor %}"
-        assert actor.render(text, {"items": items}) == names, op
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ items | selectattr('v', '~', 2) | list }}", {"items": items})
-
-
-def test_filter_default_treats_none_as_missing_q56():
-    assert actor.render("{{ v | default('x') }}", {"v": None}) == "x"
-    assert actor.render("{{ v | default('x') }}", {"v": ""}) == ""
-    assert actor.render("{{ v | default('x', true) }}", {"v": ""}) == "x"
-
-
-def test_filter_length_split_and_standard_filters():
-    assert actor.render("{{ 'a,b' | split(',') | length }}", {}) == "2"
-    assert actor.render("{{ 'a b' | split }}", {}) == "['a', 'b']"
-    assert actor.render("{{ ' Hi ' | trim | upper }} {{ ['a', 'b'] | join('+') }}", {}) == "HI a+b"
-
-
-def test_render_rejects_unknown_engine_and_non_mapping_variables():
-    with pytest.raises(actor.TemplateError):
-        actor.render("x", {}, engine="ERB")
-    with pytest.raises(actor.TemplateError):
-        actor.render("x", ["a"], engine="JINJA2")
-    assert actor.render("{{ n }}", {"n": 1}, engine="jinja2") == "1"
-
-
-# §9.2 MUSTACHE -------------------------------------------------------------------------------
-def test_mustache_core_forms():
-    data = {"name": "<b>", "a": {"b": {"c": "deep"}}, "items": [1, 2], "no": False,
-            "person": {"first": "Ada"}}
-    text = ("{{name}}|{{{name}}}|{{& name}}|{{a.b.c}}|{{#items}}[{{.}}]{{/items}}|"
-            "{{^no}}none{{/no}}|{{#person}}{{first}}{{/person}}|{{! comment }}end")
-    assert actor.render(text, data, "MUSTACHE") == (
-        "&lt;b&gt;|<b>|<b>|deep|[1][2]|none|Ada|end")
-
-
-def test_mustache_root_may_be_any_value():
-    assert actor.render("{{#.}}<{{.}}>{{/.}}", ["x", "y"], "MUSTACHE") == "<x><y>"
-    assert actor.render("{{.}}!", "hi", "MUSTACHE") == "hi!"
-
-
-def test_mustache_standalone_lines_delimiters_and_partials():
-    text = "begin\n  {{#show}}\n  line\n  {{/show}}\n{{=<% %>=}}\n<% x %>\n  <%> part %>\nend"
-    out = actor.render(text, {"show": True, "x": 1, "y": 2}, "MUSTACHE",
-                       partials={"part": "p{{y}}\nq\n"})
-    assert out == "begin\n  line\n1\n  p2\n  q\nend"
-
-
-def test_mustache_errors_are_template_errors():
-    for text in ("{{#a}}open", "{{/a}}", "{{name", "{{=<% =}}"):
-        with pytest.raises(actor.TemplateError):
-            actor.render(text, {"a": 1}, "MUSTACHE")
-
-
-# §9.2 SIMPLE ---------------------------------------------------------------------------------
-def test_simple_format_pass_and_unknown_names():
-    variables = {"name": "Ada", "team": {"city": "Rome", "zip": [1, 2]}}
-    assert actor.render("Hi {name} of {team[city]}, {team.zip[1]}", variables, "SIMPLE") == \
-        "Hi Ada of Rome, 2"
-    with pytest.raises(actor.TemplateError, match="unknown name"):
-        actor.render("Hi {nobody}", {}, "SIMPLE")
-    with pytest.raises(actor.TemplateError):
-        actor.render("{name.__class__}", {"name": "x"}, "SIMPLE")
-
-
-@pytest.mark.skipif(not hasattr(actor, "eval_expression_text"),
-                    reason="needs the sandbox's eval_expression_text (§13.2.2)")
-def test_simple_expression_pass_uses_the_expression_sandbox():
-    assert actor.render("{{ n * 2 }} and {n}", {"n": 21}, "SIMPLE") == "42 and 21"
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ __import__('os') }}", {}, "SIMPLE")
-
-
-# §8.1-§8.5 Phase A ---------------------------------------------------------------------------
-def test_has_template_syntax():
-    assert actor.has_template_syntax("a {{ b }}") and actor.has_template_syntax("{% if %}")
-    assert actor.has_template_syntax("{# c #}") and not actor.has_template_syntax("{a: {b: 1}}")
-
-
-def test_protection_covers_plain_quoted_and_block_scalars():
-    text = ("agents:\n  a:\n    config:\n      system_prompt: Hi {{ context.x }}\n"
-            "      model: \"{{ m }}\"\n  b:\n    config:\n      system_prompt: \"{{ message }}\"\n"
-            "  c:\n    config:\n      system_prompt: |\n        {% if context.y %}\n"
-            "        y\n        {% endif %}\n      prompt: >\n        {{ message }}\n"
-            "prompts:\n  p:\n    content: '{{ context.z }}'\n")
-    out = actor.protect_runtime_fields(text)
-    assert "{{ m }}" in out                   # not a runtime field: Phase A renders it
-    assert out.count(actor.TEMPLATE_START) == 4 and out.count(actor.BLOCK_START) == 2
-    assert actor.restore_markers(out) == text
-
-
-_LOOPED = """{% set n = 2 %}
-agents:
-{% for i in range(n) %}
-  a{{ i }}:
-    type: tool
-    config: {tools: [echo], timeout: {{ 0 if i else 1 }}}
-{% endfor %}
-routes:
-  main:
-    type: graph
-    nodes:
-      x: {type: agent, agent: a0}
-    edges:
-      - {source: start, target: x}
-      - {source: x, target: fnial}
-"""
-
-
-def test_errors_after_phase_a_name_the_line_the_author_wrote(tmp_path):
-    """§8.2/§8.12: a document rendered by Phase A is parsed as rendered text, but errors point
-    at the raw file's line: an unchanged line keeps its column, a line with an expression gets
-    none, and a line a loop produced points at the loop body."""
-    path = tmp_path / "team.yaml"
-    edge_only = _LOOPED.replace("0 if i else 1", "1 + i")       # every timeout positive
-    path.write_text(edge_only)
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(path)
-    assert (info.value.line, info.value.col) == (15, 21)        # the edge, unchanged by rendering
-    assert "fnial" in info.value.message
-    path.write_text(_LOOPED.replace("target: fnial", "target: end"))
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(path)                                        # a1 has timeout 0 (second pass)
-    assert info.value.path == "agents.a1.config.timeout"
-    assert (info.value.line, info.value.col) == (6, None)
-    assert str(info.value).startswith(f"{path}:6: ConfigurationError")
-    path.write_bytes(edge_only.replace("\n", "\r\n").encode())   # Windows line ends
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(path)
-    assert (info.value.line, info.value.col) == (15, 21)
-
-
-def test_yaml_error_after_phase_a_names_the_raw_line():
-    text = "{% set x = 1 %}\nagents: {}\nroutes:\n  main: [unclosed\n"
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(text=text)
-    assert "does not parse as YAML" in info.value.message
-    assert info.value.line in (4, 5)                            # the flow sequence or the end
-
-
-def test_rendered_lines_map_each_output_line_to_its_source():
-    raw = "a: 1\n{% for i in [1, 2] %}\nb{{ i }}: x\n{% endfor %}\nc: {{ 3 }}\n"
-    rendered = actor.render_document(raw)
-    lines = actor.RenderedLines(raw, rendered)
-    out = rendered.split("\n")
-    origins = [lines.origin(n, 1)[0] for n in range(1, len(out) + 1)]
-    by_text = dict(zip(out, origins))
-    assert by_text["a: 1"] == 1 and by_text["b1: x"] == 3 and by_text["b2: x"] == 3
-    assert by_text["c: 3"] == 5
-    assert lines.origin(1, 4) == (1, 4) and lines.origin(len(out) + 5, 1) == (None, None)
-
-
-def test_protection_leaves_names_bound_at_phase_a_q47():
-    text = ("{% set ms = ['x', 'y'] %}\nagents:\n{% for m in ms %}\n  w{{ loop.index }}:\n"
-            "    config:\n      system_prompt: |\n        I am {{ m }} #{{ loop.index }} of "
-            "{{ ms | length }} for {{ context.user }} and {{ who }}\n{% endfor %}\n")
-    out = actor.protect_runtime_fields(text)
-    assert "{{ m }}" in out and "{{ loop.index }} of" in out and "{{ ms | length }}" in out
-    assert "{{ context.user }}" not in out and "{{ who }}" not in out
-    out = actor.protect_runtime_fields(text, {"who": "W", "context": {}})
-    assert "{{ who }}" in out and "{{ context.user }}" not in out
-
-
-def test_statement_feeding_a_deferred_tag_is_deferred_too_q47():
-    text = ("agents:\n  a:\n    config:\n      system_prompt: \"{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}"
-            "{% endfor %}|{% for o in [1] %}{{ o }}{% endfor %}|{% set k = 2 %}{{ k ~ message }}"
-            "|{% for x in context.l %}{{ loop.index }}{% endfor %}\"\n")
-    out = actor.restore_markers(actor.render_document(text))
-    assert "{% for op in ['<'] %}{{ op }}{{ context.n ~ op }}{% endfor %}" in out
-    assert "|1|{% set k = 2 %}{{ k ~ message }}|{% for x in context.l %}{{ loop.index }}" in out
-    # a statement reading a load-time name stays at Phase A (Phase C could not run it either)
-    head = "agents:\n  a:\n    config:\n      system_prompt: "
-    text = head + "\"{% for x in ms %}{{ context[x] }}{% endfor %}\"\n"
-    out = actor.restore_markers(actor.render_document(text, {"ms": ["p", "q"]}))
-    assert out == head + "\"{{ context[x] }}{{ context[x] }}\"\n"
-
-
-def test_protection_keeps_template_bodies_whole_q49():
-    text = ("templates:\n  agents:\n    t:\n      parameters: {m: {type: string}}\n"
-            "      type: llm\n      config:\n        model: \"{{ m }}\"\n"
-            "template_strings:\n  agents:\n    s: |\n      {% for i in range(2) %}\n"
-            "      w{{ i }}: {type: llm}\n      {% endfor %}\nagents: {}\n")
-    out = actor.protect_runtime_fields(text)
-    assert "{{" not in out and "{%" not in out
-
-
-def test_mask_tags_keeps_offsets_and_lines():
-    text = "a: {{ x }}\n{% for i in y %}\nb: '{{ \"q\" }}'\n{# c\nd #}\n{% endfor %}\n"
-    masked = actor.mask_tags(text)
-    assert len(masked) == len(text) and masked.count("\n") == text.count("\n")
-    assert "{" not in masked and "a: xxxxxxx" in masked and "b: 'xxxxxxxxx'" in masked
-
-
-def test_protection_finds_flow_mappings_and_list_items():
-    text = ("agents:\n{% for i in range(2) %}\n  w{{ i }}: {config: {system_prompt: "
-            "\"{{ i }} {{ context.a }}\"}}\n{% endfor %}\n  x:\n    config:\n      system_prompt: {{ message }}\n")
-    out = actor.protect_runtime_fields(text)
-    assert '"{{ i }} <<<TEMPLATE_START>>> context.a' in out and "w{{ i }}" in out
-    assert "system_prompt: <<<TEMPLATE_START>>> message" in out
-    # statements inside lines: the blanked text is not YAML, so the line scan reads the flows
-    text = ("agents:\n  a: {config: {system_prompt: \"{{ context.a }}\"}}\n"
-            "  {% if e %}b: {config: {system_prompt: '{{ context.b }}'}}{% endif %}\n"
-            "  c:\n    config: {model: m,\n      system_prompt: \"{{ message }}\"}\n"
-            "  l:\n    config: {components: {agents: {m: {config: {prompt: \"{{ context.d }}\"}}}}}\n"
-            "  n:\n    params: {system_prompt: \"{{ e }}\"}\n")
-    with pytest.raises(yaml.YAMLError):
-        yaml.compose(actor.mask_tags(text))
-    out = actor.protect_runtime_fields(text)
-    # four §8.4 fields; a template instance's params.system_prompt is ordinary data (Phase A)
-    assert out.count(actor.TEMPLATE_START) == 4 and "{% if e %}" in out
-    assert 'params: {system_prompt: "{{ e }}"}' in out
-    assert actor.restore_markers(out) == text
-
-
-def test_region_stops_at_a_statement_line_left_of_its_key():
-    text = ("agents:\n  {% for m in ms %}\n  w{{ m }}:\n    config:\n      system_prompt: |\n"
-            "        {% if context.x %}x{% endif %} {{ m }}\n  {% endfor %}\n")
-    out = actor.protect_runtime_fields(text, {"ms": [1]})
-    assert out.endswith("<<<BLOCK_START>>> endif <<<BLOCK_END>>> {{ m }}\n  {% endfor %}\n")
-    rendered = actor.restore_markers(actor.render_document(text, {"ms": [1, 2]}))
-    assert rendered.count("{% if context.x %}x{% endif %}") == 2 and "{% endfor" not in rendered
-
-
-def test_structural_statement_in_templates_is_rejected_q3():
-    text = ("templates:\n  agents:\n    t:\n      type: llm\n      config:\n"
-            "        {% if x %}\n        model: a\n        {% endif %}\n"
-            "        system_prompt: |\n          {% if y %}ok{% endif %}\n")
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.render_document(text, None, "JINJA2")
-    assert info.value.line == 6
-    actor.render_document(text.replace("        {% if x %}\n", "").replace(
-        "        {% endif %}\n", ""), None, "JINJA2")
-
-
-def test_render_document_strips_comments_honours_raw_and_locates_failures():
-    text = "{# gone #}\na: {{ 1 + 1 }}\nb: '{% raw %}{{ keep }}{% endraw %}'\n"
-    assert actor.render_document(text, None, "JINJA2") == "\na: 2\nb: '{{ keep }}'\n"
-    assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.render_document("a: 1\nb: {{ nope }}\n", None, "JINJA2")
-    assert info.value.line == 2 and info.value.section == "8.12"
-    assert actor.render_document("n: {{ n }}\n", {"n": 3}, "JINJA2") == "n: 3\n"
-
-
-def test_restore_sentinels_in_keys_and_values():
-    s, e = actor.TEMPLATE_START, actor.TEMPLATE_END
-    data = {f"k{s}x{e}": [f"{actor.BLOCK_START} if a {actor.BLOCK_END}", 3]}
-    assert actor.restore_sentinels(data) == {"k{{x}}": ["{% if a %}", 3]}
-
-
-def test_reserved_template_keys_rejected_anywhere():
-    for key in actor.RESERVED_TEMPLATE_KEYS:
-        doc = actor.Doc({"agents": {"a": {"type": "llm", "config": {key: True}}}})
-        with pytest.raises(actor.ConfigurationError) as info:
-            actor.check_reserved_template_keys(doc)
-        assert info.value.path == f"agents.a.config.{key}"
-
-
-def test_without_jinja2_only_configs_that_need_it_fail(monkeypatch):
-    actor.jinja_environment.cache_clear()
-    actor.jinja_template.cache_clear()
-    def missing():
-        raise actor.TemplateError(actor.JINJA2_MISSING, section="9.2")
-    monkeypatch.setattr(actor, "jinja2_module", missing)
-    try:
-        with pytest.raises(actor.TemplateError, match="pip install jinja2"):
-            actor.render("{{ a }}", {"a": 1})
-        assert actor.render("{{a}}", {"a": 1}, "MUSTACHE") == "1"
-        assert actor.render_document("a: 1\n", None, "JINJA2") == "a: 1\n"
-    finally:
-        actor.jinja_environment.cache_clear()
-        actor.jinja_template.cache_clear()
-
-
-def test_protection_in_flow_and_json_documents():
-    import json as _json
-    doc = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
-                                          "type": "chain", "config": {"steps": ["{{ d }}"]}}}},
-           "agents": {"a": {"type": "llm", "config": {"system_prompt": "{{ context.x }}",
-                                                      "model": "{{ 'gpt' }}"}}}}
-    out = actor.render_document(_json.dumps(doc), None, "JINJA2")
-    data = actor.restore_sentinels(_json.loads(out))
-    assert data["templates"] == doc["templates"]
-    assert data["agents"]["a"]["config"] == {"system_prompt": "{{ context.x }}", "model": "gpt"}
-
-
-def test_phase_a_under_mustache_protects_runtime_fields():
-    """Q61: under MUSTACHE, Phase A renders Mustache; a runtime field keeps its Phase C tags and
-    renders only the tags that read Phase A names."""
-    text = ("agents:\n  a:\n    config:\n      model: \"{{who}}\"\n"
-            "      system_prompt: \"{{ who }} {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}\"\n")
-    out = actor.restore_markers(actor.render_document(text, {"who": "Ada"}, "MUSTACHE"))
-    assert 'model: "Ada"' in out
-    assert "Ada {{#context.x}}{{message}}{{/context.x}} {{ 1 + 1 }}" in out
-    text = "{% set who = 'Ada' %}\nagents:\n  a:\n    config:\n      system_prompt: \"{{ 1 + 1 }}\"\n"
-    assert "{{ 1 + 1 }}" not in actor.restore_markers(actor.render_document(text, None, "JINJA2"))
-
-
-# §8.6-§8.10 Phase B --------------------------------------------------------------------------
-def _expand(data, engine="JINJA2"):
-    doc = actor.Doc(data)
-    actor.expand_templates(doc, None, engine=engine)
-    return doc.data
-
-
-def _one_param(ptype, value, **decl):
-    data = {"templates": {"agents": {"t": {
-        "parameters": {"p": {"type": ptype, **decl}}, "type": "llm",
-        "config": {"v": "{{ p | tojson }}"}}}},
-        "agents": {"a": {"template": "t", "params": {"p": value}}}}
-    rendered = _expand(data)["agents"]["a"]["config"]["v"]
-    return json.loads(rendered) if isinstance(rendered, str) else rendered
-
-
-@pytest.mark.parametrize("ptype, value, expected", [
-    ("string", 42, "42"), ("string", True, "true"),
-    ("int", "42", 42), ("int", 7.0, 7), ("float", "3.5", 3.5), ("float", 2, 2.0),
-    ("boolean", "YES", True), ("boolean", "on", True), ("boolean", "1", True),
-    ("boolean", "off", False), ("boolean", "False", False), ("boolean", "0", False),
-    ("boolean", "maybe", True), ("boolean", 0, False), ("boolean", [], False),
-    ("list", "x", ["x"]), ("list", [1, 2], [1, 2]), ("dict", {"a": 1}, {"a": 1}),
-])
-def test_parameter_type_coercions_8_6_2(ptype, value, expected):
-    assert _one_param(ptype, value) == expected
-
-
-def test_parameter_mismatches_are_configuration_errors():
-    for ptype, value, extra in (("int", "x", {}), ("float", "x", {}), ("int", True, {}),
-                                ("int", "2.5", {}),
-                                ("enum", "z", {"values": ["a", "b"]})):
-        with pytest.raises(actor.ConfigurationError) as info:
-            _one_param(ptype, value, **extra)
-        assert info.value.path == "agents.a.params.p"
-    assert _one_param("enum", "b", values=["a", "b"]) == "b"
-    with pytest.raises(actor.ConfigurationError):
-        _one_param("colour", "x")
-    with pytest.raises(actor.ConfigurationError):
-        _one_param("enum", "a")          # enum without values
-
-
-def test_required_missing_default_filled_and_sequence_form_rejected():
-    base = {"templates": {"agents": {"t": {
-        "parameters": {"need": {"type": "string", "required": True},
-                       "opt": {"type": "int", "default": "5"}},
-        "type": "llm", "config": {"a": "{{ need }}", "b": "{{ opt }}"}}}}}
-    with pytest.raises(actor.ConfigurationError) as info:
-        _expand({**base, "agents": {"x": {"template": "t"}}})
-    assert info.value.path == "agents.x.params"
-    out = _expand({**copy.deepcopy(base), "agents": {"x": {"template": "t", "params": {"need": "n"}}}})
-    assert out["agents"]["x"] == {"type": "llm", "config": {"a": "n", "b": 5}}
-    bad = copy.deepcopy(base)
-    bad["templates"]["agents"]["t"]["parameters"] = [{"name": "need"}]
-    with pytest.raises(actor.ConfigurationError) as info:
-        _expand({**bad, "agents": {"x": {"template": "t"}}})
-    assert "16.2" in info.value.section
-
-
-def test_instantiation_does_not_mutate_the_template_and_drops_parameters():
-    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
-                                            "type": "llm", "config": {"s": "{{ d }}"}}}},
-            "agents": {"a": {"template": "t", "params": {"d": "one"}},
-                       "b": {"template": "t", "params": {"d": "two"}}}}
-    out = _expand(data)
-    assert out["agents"]["a"]["config"]["s"] == "one" and out["agents"]["b"]["config"]["s"] == "two"
-    assert "parameters" not in out["agents"]["a"]
-    assert out["templates"]["agents"]["t"]["config"]["s"] == "{{ d }}"
-
-
-def test_rendered_scalars_are_coerced_step_6():
-    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
-        "b": "{{ 'TRUE' }}", "i": "{{ 40 + 2 }}", "f": "{{ 3.25 }}", "l": "{{ [1, 2] | tojson }}",
-        "m": '{{ {"k": 1} | tojson }}', "s": "{{ 'plain' }}", "literal": "42"}}}},
-        "agents": {"a": {"template": "t"}}}
-    cfg = _expand(data)["agents"]["a"]["config"]
-    assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
-                   "literal": "42"}
-
-
-def test_empty_if_blocks_are_removed_step_7_q52():
-    data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
-        "type": "llm", "config": {
-            "memory_enabled": "{% if mem %}true{% endif %}",
-            "tools": ["a", "{% if mem %}b{% endif %}"]}}}},
-        "agents": {"on": {"template": "t", "params": {"mem": "yes"}},
-                   "off": {"template": "t", "params": {"mem": "no"}}}}
-    out = _expand(data)["agents"]
-    assert out["on"]["config"] == {"memory_enabled": True, "tools": ["a", "b"]}
-    assert out["off"]["config"] == {"tools": ["a"]}
-
-
-def test_runtime_expressions_survive_phase_b_q49():
-    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
-        "type": "llm", "config": {"system_prompt":
-            "{{ d }} {% if context.x %}{{ context.x }}{% endif %} {{ message }}"}}}},
-        "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
-    prompt = _expand(data)["agents"]["a"]["config"]["system_prompt"]
-    assert prompt == "law {% if context.x %}{{ context.x }}{% endif %} {{ message }}"
-
-
-def test_phase_b_render_failure_is_configuration_error():
-    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm",
-                                            "config": {"model": "{{ nope }}"}}}},
-            "agents": {"a": {"template": "t"}}}
-    with pytest.raises(actor.ConfigurationError) as info:
-        _expand(data)
-    assert info.value.section == "8.12"
-
-
-def test_forbidden_instance_forms():
-    tpl = {"agents": {"t": {"parameters": {}, "type": "llm", "config": {}}}}
-    for agent, section in (({"agent_template": "t"}, "16.2"),
-                           ({"agent_template": "t", "template": "t"}, "16.3"),
-                           ({"template": "t", "type": "llm"}, "16.3"),
-                           ({"template": "unknown"}, "8.7")):
-        with pytest.raises(actor.ConfigurationError) as info:
-            _expand({"templates": copy.deepcopy(tpl), "agents": {"a": agent}})
-        assert info.value.section == section, agent
-    out = _expand({"templates": copy.deepcopy(tpl),
-                   "agents": {"a": {"template": "t", "type": "template_instance"}}})
-    assert out["agents"]["a"]["type"] == "llm"
-
-
-def test_route_templates_via_template_config_q54():
-    graph = {"parameters": {"who": {"type": "agent_ref", "required": True}},
-             "entry_point": "start", "nodes": {"n": {"type": "agent", "agent": "{{ who }}"}},
-             "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]}
-    base = {"templates": {"graphs": {"g": graph}}, "agents": {"x": {"type": "llm"}}}
-    out = _expand({**copy.deepcopy(base), "routes": {"main": {
-        "template_config": {"template": "g", "params": {"who": "x"}}}}})
-    assert out["routes"]["main"]["type"] == "graph"
-    assert out["routes"]["main"]["nodes"]["n"]["agent"] == "x"
-    with pytest.raises(actor.ConfigurationError) as info:
-        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "graph", "nodes": {},
-                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
-    assert info.value.section == "16.3"
-    with pytest.raises(actor.ConfigurationError):
-        _expand({**copy.deepcopy(base), "routes": {"main": {"type": "stream",
-                 "template_config": {"template": "g", "params": {"who": "x"}}}}})
-    with pytest.raises(actor.ConfigurationError) as info:
-        _expand({**copy.deepcopy(base), "routes": {"main": {
-            "template_config": {"template": "g", "params": {"who": "ghost"}}}}})
-    assert info.value.section == "8.7.1"
-
-
-def test_composite_scope_resolves_before_the_actor_8_7_1():
-    data = {"templates": {"agents": {"wrap": {
-        "parameters": {"inner": {"type": "agent_ref", "required": True}},
-        "type": "chain", "config": {"steps": ["{{ inner }}"]}}}},
-        "agents": {"box": {"type": "composite", "config": {
-            "components": {"agents": {"local": {"type": "llm"},
-                                      "w": {"template": "wrap", "params": {"inner": "local"}}}},
-            "routing": {"input": {"type": "agent", "name": "w"},
-                        "output": {"type": "agent", "name": "w"}}}}}}
-    out = _expand(data)
-    assert out["agents"]["box"]["config"]["components"]["agents"]["w"]["config"]["steps"] == ["local"]
-    data["agents"]["top"] = {"template": "wrap", "params": {"inner": "local"}}
-    with pytest.raises(actor.ConfigurationError):
-        _expand(data)      # `local` exists only inside the composite
-
-
-def test_template_strings_single_and_several_definitions_q53():
-    body = ("parameters:\n  n:\n    type: int\n    default: 2\n"
-            "{% for i in range(n) %}\nw{{ i }}:\n  type: llm\n{% endfor %}\n")
-    single = "parameters:\n  m:\n    type: string\ntype: llm\nconfig:\n  model: {{ m }}\n"
-    out = _expand({"template_strings": {"agents": {"team": body, "one": single}},
-                   "agents": {"t": {"template": "team", "params": {"n": "3"}},
-                              "o": {"template": "one", "params": {"m": "gpt"}}}})
-    team = out["agents"]["t"]
-    assert team["type"] == "composite"
-    assert list(team["config"]["components"]["agents"]) == ["w0", "w1", "w2"]
-    assert team["config"]["routing"]["input"]["name"] == "w0"
-    assert out["agents"]["o"] == {"type": "llm", "config": {"model": "gpt"}}
-
-
-def test_deprecated_instances_section_moves_into_agents_q55(caplog):
-    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm"}}},
-            "instances": {"x": {"template": "t"}}, "agents": {}}
-    assert _expand(data)["agents"]["x"] == {"type": "llm"}
-    assert "deprecated" in caplog.text
-
-
-@pytest.mark.parametrize("engine, prompt, expected", [
-    ("MUSTACHE", "{{d}} / {{{d}}} / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}",
-     "law / law / {{context.u}}{{#context.x}}!{{/context.x}}{{! c }}"),
-    ("SIMPLE", "{{ len(d) }} {{ context['u'] }} {message}", "3 {{ context['u'] }} {message}"),
-])
-def test_runtime_expressions_survive_phase_b_in_other_dialects(engine, prompt, expected):
-    if engine == "SIMPLE" and not hasattr(actor, "eval_expression_text"):
-        pytest.skip("needs the sandbox's eval_expression_text (§13.2.2)")
-    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}}, "type": "llm",
-                                            "config": {"system_prompt": prompt}}}},
-            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
-    assert _expand(data, engine)["agents"]["a"]["config"]["system_prompt"] == expected
-
-
-def test_phase_b_in_mustache():
-    data = {"templates": {"agents": {"t": {"parameters": {"d": {"type": "string"}},
-                                            "type": "llm", "config": {"s": "In {{d}}"}}}},
-            "agents": {"a": {"template": "t", "params": {"d": "law"}}}}
-    assert _expand(data, "MUSTACHE")["agents"]["a"]["config"]["s"] == "In law"
-
-
-# §8.11-§8.12 Phase C -------------------------------------------------------------------------
-def _rt(engine="JINJA2"):
-    rt = actor.Runtime(actor.Doc({}))
-    rt.engine = engine
-    return rt
-
-
-def test_render_runtime_variables_8_11():
-    rt = _rt()
-    text = "{{ context.topic }}={{ topic }} {{ message }} {{ len(message) }}"
-    assert actor.render_runtime(rt, text, {"topic": "T"}, "hey") == "T=T hey 3"
-    assert actor.render_runtime(rt, "{{ message }}", {}, actor.Message("m")) == "m"
-
-
-def test_render_runtime_failure_warns_and_returns_literal_8_12():
-    rt = _rt()
-    text = "Hi {{ context.who.name }}"
-    assert actor.render_runtime(rt, text, {}, "x", ("agents", "a")) == text
-    assert rt.warnings and "8.12" in rt.warnings[0]
-
-
-def test_render_runtime_mustache_partials_are_the_prompts():
-    rt = _rt("MUSTACHE")
-    rt.prompts = {"sig": "-- {{context.team}}"}
-    assert actor.render_runtime(rt, "Hi\n{{> sig}}", {"team": "ops"}, "m") == "Hi\n-- ops"
-
-
-def test_render_runtime_in_mustache_and_simple():
-    assert actor.render_runtime(_rt("MUSTACHE"), "Hi {{context.u}} {{u}}", {"u": "Ada"}, "m") == \
-        "Hi Ada Ada"
-    assert actor.render_runtime(_rt("SIMPLE"), "Hi {u}: {message}", {"u": "Ada"}, "m") == "Hi Ada: m"
-    rt = _rt("SIMPLE")
-    assert actor.render_runtime(rt, "Hi {nobody}", {}, "m") == "Hi {nobody}" and rt.warnings
-
-
-# =====================================================================================
-# §13.2 Sandboxes (sandbox)
-# =====================================================================================
-# §13.2 Sandboxed code execution --------------------------------------------------------------
-# The threat model (README Security) has three attackers; the tests below are grouped by them:
-# T1 message senders, T2 configuration authors on a safe host (capabilities), T3 resource
-# exhaustion (the budget in-process, the worker with isolation="process").
-import builtins as _py_builtins   # noqa: E402
-import json as _py_json           # noqa: E402
-try:
-    import resource as _resource  # noqa: E402  (POSIX: the memory bound of the runaway cases)
-except ImportError:
-    _resource = None
-import time as _time              # noqa: E402
-
-# Not a timing assertion: what stopped a runaway is asserted from its error ("resource exhausted:
-# time limit of 0.2 s" names the budget that fired). HANG_GUARD only turns a runaway that some
-# other, far later, bound ended into a failure instead of a slow pass; it is far above any delay a
-# busy 2-core CI machine adds.
-HANG_GUARD = 60.0
-
-
-def sandbox_vars(**extra):
-    """The §4.5.2 item 3 variables, as the tool agent passes them."""
-    return {"input_data": "hello", "message": "hello", "context": {}, "result": None, **extra}
-
-
-def sandbox_run(source, *, timeout=1.0, **extra):
-    return actor.run_code(actor.compile_code(source), sandbox_vars(**extra), timeout=timeout)
-
-
-def sandbox_still_serves():
-    """The next legitimate call after an attack or a runaway body is answered normally."""
-    ns = sandbox_run("import json\nresult = json.dumps({'up': input_data.upper()})")
-    assert ns["result"] == '{"up": "HELLO"}'
-
-
-@pytest.fixture(scope="module")
-def workers():
-    """One ProcessSandbox (isolation="process") shared by this region's worker tests."""
-    sandbox = actor.ProcessSandbox()
-    yield sandbox
-    sandbox.close()
-
-
-def worker_run(workers, source, *, timeout=1.0, context=None, input_data="hello"):
-    """Run a body in a worker as an inline tool would; returns the §4.5.7 text."""
-    context = {} if context is None else context
-    variables = sandbox_vars(input_data=input_data, message=input_data,
-                             context=actor.ContextView(context))
-    return workers.run_code(actor.compile_code(source), variables, timeout, lambda **k: "bar")
-
-
-def worker_still_serves(workers):
-    assert worker_run(workers, "result = input_data.upper() + '!'") == "HELLO!"
-
-
-# T2 -- capability escapes publicly known for Python sandboxes. MARKER is a file each payload
-# tries to create; the context carries a sentinel each one tries to change. Every attempt is
-# refused at load (ConfigurationError) or fails when run (ExecutionError), without effect, in both
-# modes.
-SANDBOX_ESCAPES = {
-    "subclasses-walk-tuple":
-        "for c in ().__class__.__bases__[0].__subclasses__():\n"
-        "    if c.__name__ == '_wrap_close':\n"
-        "        c.__init__.__globals__['system']('touch MARKER')",
-    "subclasses-walk-mro": "x = [].__class__.__mro__[-1].__subclasses__()",
-    "subclasses-walk-str": "x = ''.__class__.__mro__[1].__subclasses__()",
-    "subclasses-via-type": "x = type(()).__bases__[0].__subclasses__()",
-    "subclasses-via-int": "x = int.__subclasses__()",
-    "subclasses-in-comprehension": "x = [c for c in ().__class__.__base__.__subclasses__()]",
-    "starred-subclasses": "x = [*().__class__.__mro__]",
-    "lambda-globals": "(lambda: 0).__globals__['__builtins__']['open']('MARKER', 'w')",
-    "lambda-code-object": "x = (lambda: 0).__code__.co_consts",
-    "def-globals": "def f():\n    pass\nf.__globals__['__builtins__']['open']('MARKER', 'w')",
-    "func-globals-py2-name": "x = (lambda: 0).func_globals",
-    "function-dict": "def f():\n    pass\nx = f.__dict__",
-    "print-self-builtins-module": "print.__self__.open('MARKER', 'w')",
-    "len-self-import": "len.__self__.__import__('os').system('touch MARKER')",
-    "sorted-self": "x = sorted.__self__",
-    "bound-method-self": "x = [].append.__self__",
-    "call-self": "x = max.__call__.__self__",
-    "context-get-self": "x = context.get.__self__.__class__",
-    "context-class": "x = context.__class__.__base__.__subclasses__()",
-    "json-loads-globals": "json.loads.__globals__['__builtins__']['open']('MARKER', 'w')",
-    "json-dumps-globals": "x = json.dumps.__globals__['sys']",
-    "json-decoder-attribute": "x = json.decoder.scanner",
-    "json-module-attributes": "x = json.codecs",
-    "json-error-init-globals": "x = json.JSONDecodeError.__init__.__globals__['sys']",
-    "json-facility-class": "x = json.__class__.__init__",
-    "json-hook-kwarg": "x = json.loads('{}', object_hook=print)",
-    "json-cls-kwarg": "x = json.dumps({}, cls=type)",
-    "json-facility-overwrite": "json.loads = lambda s: 'pwned'",
-    "json-facility-delete": "del json.loads",
-    "import-json-alias-globals": "import json as j\nx = j.loads.__globals__",
-    "import-os": "import os\nos.system('touch MARKER')",
-    "import-subprocess": "import subprocess",
-    "from-os-import": "from os import system",
-    "import-json-submodule": "import json.decoder",
-    "from-json-import-module-attribute": "from json import decoder",
-    "dunder-import": "__import__('os').system('touch MARKER')",
-    "builtins-dict": "__builtins__['open']('MARKER', 'w')",
-    "builtins-attribute": "x = __builtins__.open",
-    "eval": "eval(\"open('MARKER', 'w')\")",
-    "exec": "exec(\"open('MARKER', 'w')\")",
-    "compile": "x = compile('1', 'f', 'eval')",
-    "open": "open('MARKER', 'w').write('x')",
-    "getattr-dunder": "x = getattr((), '__class__')",
-    "vars-json": "x = vars(json)",
-    "dir-json": "x = dir(json)",
-    "globals": "x = globals()['__builtins__']",
-    "locals-builtins-key": "x = locals()['__builtins__']['open']",
-    "locals-builtins-get": "x = locals().get('__builtins__')['open']('MARKER', 'w')",
-    "locals-guard-names": "x = locals()['__sb_method__']",
-    "guard-helper-by-name": "__sb_method__(print, '__self__')",
-    "format-string-attribute": "x = '{0.__class__.__base__.__subclasses__}'.format(())",
-    "format-map-attribute": "x = '{f.__globals__}'.format_map({'f': len})",
-    "format-via-str-class": "x = str.format('{0.__class__}', 1)",
-    "fstring-attribute": "x = f'{(lambda: 0).__globals__}'",
-    "fstring-conversion-attribute": "x = f'{().__class__!r}'",
-    "fullwidth-dunder": "x = ().__\uff43lass__",
-    "math-bold-dunder": "x = ().__\U0001d41c\U0001d425ass__",
-    "fullwidth-eval": "x = \uff45\uff56\uff41\uff4c('1')",
-    "fullwidth-builtins-name": "x = __\uff42uiltins__",
-    "type-three-args": "X = type('X', (), {})",
-    "type-of-type": "X = type(type(0))('X', (), {})",
-    "type-of-builtin-call": "x = type(print)(1)",
-    "type-of-range-dodges-limit": "x = type(range(1))(10**12)",
-    "class-definition": "class X:\n    pass",
-    "metaclass-hook": "class M(type):\n    pass\nclass X(metaclass=M):\n    pass",
-    "exception-subclass-del": "class E(ValueError):\n    def __del__(self):\n        pass",
-    "generator-function-frame": "def g():\n    yield 1\nx = g().gi_frame.f_back.f_globals",
-    "generator-expression-frame": "g = (i for i in [1])\nx = g.gi_frame.f_back.f_globals",
-    "generator-code": "g = (i for i in [1])\nx = g.gi_code",
-    "join-generator-frames": "x = ''.join(str(g.gi_frame) for g in [(i for i in [1])])",
-    "lambda-yield": "x = lambda: (yield)",
-    "traceback-frame":
-        "try:\n    int('x')\nexcept ValueError as e:\n"
-        "    x = e.__traceback__.tb_frame.f_back.f_globals",
-    "traceback-via-attribute-name":
-        "try:\n    int('x')\nexcept ValueError as e:\n    x = e.tb_frame",
-    "with-traceback": "try:\n    int('x')\nexcept ValueError as e:\n    x = e.with_traceback(None)",
-    "exception-args-class": "x = ValueError('a').__class__.__init__.__globals__",
-    "global-statement": "global __builtins__",
-    "global-plain": "def f():\n    global context\n    context = {}\nf()",
-    "nonlocal-statement": "def f():\n    x = 1\n    def g():\n        nonlocal x\n    return g",
-    "with-statement": "with open('MARKER', 'w') as f:\n    pass",
-    "async-function": "async def f():\n    pass",
-    "mro-method": "x = str.mro()",
-    "mro-via-type": "x = type(1).mro()",
-    "breakpoint": "breakpoint()",
-    "input": "x = input()",
-    "memoryview": "x = memoryview(b'x')",
-    "object-subclasses": "x = object.__subclasses__()",
-    "super": "x = super()",
-    "match-class-attribute": "match ():\n    case tuple(__class__=c):\n        pass",
-    "private-attribute": "x = json._private",
-    "module-attribute": "x = print.__module__",
-    "operator-attrgetter": "import operator\nx = operator.attrgetter('__class__')(1)",
-    "id-builtin": "x = id(1)",
-    "percent-format-escape": "x = '%(a)s' % {'a': ().__class__}",
-    "enumerate-new": "x = enumerate.__new__",
-    "dunder-keyword-name": "def f(**k):\n    return k\nx = f(__builtins__=1)",
-    "dunder-variable": "__builtins__ = {'open': 1}",
-    "attribute-error-obj": "try:\n    json.nope\nexcept:\n    pass\nx = ValueError('v').obj",
-    "code-replace": "def f():\n    pass\nx = f.__code__.replace(co_code=b'')",
-    # Round 3: attributes set on the shared built-in functions outlived the call (a channel
-    # between calls and Actors: print.shared = context).
-    "builtin-attribute-store": "print.shared = context",
-    "json-function-attribute-store": "json.loads.x = 1",
-    "builtin-attribute-augmented": "sum.n += 1",
-    "builtin-attribute-delete": "del range.x",
-    "attribute-loop-target": "for type.x in [context]:\n    pass",
-    "json-error-class-attribute-store": "json.JSONDecodeError.msg = 'poisoned'",
-    # Round 4 (issue 11): what the allowlist refuses by not listing it.
-    "type-of-function-builds-functions": "def f():\n    pass\nF = type(f)",
-    "type-of-json-facility": "x = type(json)()",
-    "class-pattern-calls-a-type": "match input_data:\n    case str(x):\n        pass",
-    "exception-name-not-listed": "try:\n    pass\nexcept Exception:\n    pass",
-    "base-exception-name": "try:\n    pass\nexcept BaseException:\n    pass",
-    "codec-through-encode": "x = 'a'.encode('punycode')",
-    "to-bytes-method": "x = (1).to_bytes(4, 'big')",
-    "from-bytes-classmethod": "x = int.from_bytes(b'a', 'big')",
-    "maketrans-through-str-type": "x = str.maketrans('a', 'b')",
-    "sandbox-hook-rebound": "__sb_tick__ = lambda: True\nwhile True:\n    pass",
-    "sandbox-hook-called": "__sb_op__('*', 'a', 10**10)",
-    "dict-unbound-update-on-context": "dict.update(context, {'_unsafe_mode': True})",
-    "context-host-key-through-update": "context.update({'_unsafe_mode': True})",
-    "context-host-key-through-setdefault": "context.setdefault('_unsafe_mode', True)",
-    "context-host-key-nested-in-a-list": "context['rows'] = [{'_unsafe_mode': True}]",
-    "locals-of-context-view": "x = context.data",
-    "walrus-builtins": "(b := __builtins__)",
-    "starred-dunder-call": "x = [*locals()['__builtins__']]",
-}
-
-def _sandbox_intact():
-    """What an escape would change: the real builtins, the json module, the sandbox tables."""
-    return (_py_builtins.open, _py_json.loads, actor.SANDBOX_JSON.loads, actor.SANDBOX_JSON.dumps,
-            tuple(actor.INLINE_CODE_BUILTINS.items()), tuple(actor.EXPRESSION_BUILTINS.items()))
-
-
-def test_sandbox_escape_corpus_is_large_enough():
-    assert len(SANDBOX_ESCAPES) >= 100
-    assert len(set(SANDBOX_ESCAPES.values())) == len(SANDBOX_ESCAPES)
-
-
-@pytest.mark.parametrize("source", list(SANDBOX_ESCAPES.values()), ids=list(SANDBOX_ESCAPES))
-def test_sandbox_escape_fails_without_effect(tmp_path, monkeypatch, source):
-    monkeypatch.chdir(tmp_path)
-    before = _sandbox_intact()
-    context = {"sentinel": "intact"}
-    try:
-        unit = actor.compile_code(source)
-    except actor.ConfigurationError as exc:
-        assert exc.code_line >= 1
-    else:
-        with pytest.raises(actor.ExecutionError):
-            actor.run_code(unit, sandbox_vars(context=context), timeout=0.5)
-    assert not (tmp_path / "MARKER").exists()
-    assert context == {"sentinel": "intact"}
-    assert _sandbox_intact() == before
-    sandbox_still_serves()
-
-
-_RUNNABLE_ESCAPES = {}
-for _name, _source in SANDBOX_ESCAPES.items():
-    try:
-        actor.compile_code(_source)
-    except actor.ConfigurationError:
-        continue
-    _RUNNABLE_ESCAPES[_name] = _source
-
-
-def test_sandbox_most_escapes_are_refused_at_load():
-    """Refusals follow from the allowlist: almost every published escape never runs at all."""
-    assert len(_RUNNABLE_ESCAPES) <= len(SANDBOX_ESCAPES) // 5, sorted(_RUNNABLE_ESCAPES)
-
-
-@pytest.mark.parametrize("source", list(_RUNNABLE_ESCAPES.values()), ids=list(_RUNNABLE_ESCAPES))
-def test_sandbox_escape_fails_in_a_worker(workers, source):
-    """The escapes that load fail in a worker too (isolation="process"), without effect."""
-    context = {"sentinel": "intact"}
-    with pytest.raises(actor.ExecutionError):
-        worker_run(workers, source, context=context, timeout=0.5)
-    assert context == {"sentinel": "intact"} and not os.path.exists("/MARKER")
-    worker_still_serves(workers)
-
-
-@pytest.mark.parametrize("source", [
-    "open('MARKER', 'w')", "__import__('os').system('touch MARKER')", "eval('1')",
-    "import os\nos.system('touch MARKER')", "__builtins__['open']('MARKER', 'w')",
-    "while True:\n    pass"])
-def test_sandbox_layers_hold_without_the_allowlist_check(tmp_path, monkeypatch, source):
-    """Defence in depth: with the load-time allowlist switched off, the built-in table, the
-    ticks and the absent import machinery still hold."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(actor, "_check_tree", lambda tree, names: None)
-    try:
-        unit = actor.compile_code(source)
-    except actor.ConfigurationError:   # `import os` has no json to bind to: refused anyway
-        return
-    with pytest.raises(actor.ExecutionError):
-        actor.run_code(unit, sandbox_vars(), timeout=0.2)
-    assert not (tmp_path / "MARKER").exists()
-
-
-SANDBOX_EXPRESSION_ESCAPES = {
-    "class-walk": "lambda x: ().__class__.__base__.__subclasses__()",
-    "lambda-globals": "lambda x: (lambda: 0).__globals__",
-    "print": "lambda x: print(x)",
-    "type": "lambda x: type(x)",
-    "locals": "lambda x: locals()",
-    "import": "lambda x: __import__('os')",
-    "format": "lambda x: '{0.__class__}'.format(x)",
-    "range-not-in-table": "lambda x: range(3)",
-    "json-not-in-table": "lambda x: json.loads(x)",
-    "fullwidth": "lambda x: x.__\uff43lass__",
-    "walrus-builtins": "lambda x: (b := __builtins__)",
-    "default-argument-walk": "lambda x, y=().__class__: y",
-    "default-argument-bomb": "lambda x, y=10**10**10: y",
-    "default-argument-runs-at-load": "lambda x, y=[0 for a in range(10**9)]: y",
-    "class-pattern": "lambda x: [y for y in [x] if (y := str(y))]",
-    "keyword-only-argument": "lambda x, *, y: y",
-}
-
-
-@pytest.mark.parametrize("source", list(SANDBOX_EXPRESSION_ESCAPES.values()),
-                         ids=list(SANDBOX_EXPRESSION_ESCAPES))
-def test_sandbox_expression_escape_fails(source):
-    try:
-        unit = actor.compile_expression(source)
-    except actor.ConfigurationError:
-        pass
-    else:
-        with pytest.raises(actor.ExecutionError):
-            unit("hello")
-    assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
-
-
-# T3 in-process -- Python-level runaways: each stops at its timeout (HANG_GUARD catches a miss) through the
-# budget's ticks or its size check, without a large allocation, and the next call is served.
-SANDBOX_RUNAWAYS = {
-    "while-true": "while True:\n    pass",
-    "while-true-one-line": "while True: pass",
-    "huge-range-loop": "for i in range(10**12):\n    pass",
-    "long-range-loop": "n = 0\nfor i in range(10**7):\n    n += 1",
-    "c-level-sum-of-range": "x = sum(range(10**12))",
-    "power-tower": "x = 10**10**10",
-    "power-by-variables": "a = 10\nb = 10**9\nx = a ** b",
-    "int-product-growth": "x = 3\nwhile True:\n    x = x * x",
-    "shift-bomb": "x = 1 << 10**10",
-    "string-repeat": "x = 'a' * 10**10",
-    "string-repeat-by-variable": "n = 10**10\nx = 'a' * n",
-    "list-repeat": "x = [0] * 10**10",
-    "string-doubling": "x = 'a'\nfor i in range(64):\n    x += x",
-    "string-doubling-by-addition": "x = 'a'\nfor i in range(64):\n    x = x + x",
-    "list-doubling-in-place": "x = [0]\nfor i in range(64):\n    x += x",
-    "item-doubling": "d = {'s': 'a'}\nfor i in range(64):\n    d['s'] += d['s']",
-    "repeat-in-place": "x = 'ab'\nx *= 10**10",
-    "json-separators": "x = json.dumps([0] * 10**6, separators=(' ' * 10**6, ':'))",
-    "json-indent": "x = json.dumps([[0]] * 10**6, indent=10**6)",
-    "nested-text-recursion": "a = []\nfor i in range(10**5):\n    a = [a]\nb = str(a)",
-    "deep-recursion": "def f(n):\n    return f(n + 1)\nf(0)",
-    "lambda-recursion": "f = lambda n: f(n + 1)\nf(0)",
-    "exponential-recursion-with-except":
-        "def f():\n    try:\n        f()\n    except:\n        f()\nf()",
-    "bare-except-keeps-looping":
-        "while True:\n    try:\n        while True:\n            pass\n    except:\n        pass",
-    "finally-keeps-looping":
-        "try:\n    while True:\n        pass\nfinally:\n    while True:\n        pass",
-    "except-type-expression-loops":
-        "def f():\n    while True:\n        pass\n"
-        "try:\n    while True:\n        pass\nexcept f():\n    pass",
-    "nested-comprehension":
-        "x = [0 for a in range(10**4) for b in range(10**4) for c in range(10**4)]",
-    "sorted-key-runaway": "x = sorted(range(10), key=lambda v: [0 for _ in range(10**7)])",
-    "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
-    "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
-    "match-in-a-loop": "while True:\n    match input_data:\n        case 'never':\n            pass",
-}
-
-
-@pytest.mark.parametrize("source", list(SANDBOX_RUNAWAYS.values()), ids=list(SANDBOX_RUNAWAYS))
-def test_sandbox_runaway_is_stopped(capsys, source):
-    timeout = 0.2
-
-    def peak_kib():
-        return _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss if _resource else 0
-    rss_before = peak_kib()
-    start = _time.monotonic()
-    with pytest.raises(actor.ExecutionError):      # a guard stopped it (in-process, a miss hangs)
-        sandbox_run(source, timeout=timeout)
-    assert _time.monotonic() - start < HANG_GUARD
-    assert peak_kib() - rss_before < 400 * 1024
-    assert capsys.readouterr().out == ""
-    sandbox_still_serves()
-
-
-def test_sandbox_exhaustion_is_one_error_kind():
-    """One ExecutionError kind when the budget runs out: "resource exhausted: <what>"."""
-    for source in ("while True:\n    pass", "x = 'a' * 10**10", "def f():\n    f()\nf()"):
-        with pytest.raises(actor.ExecutionError, match="resource exhausted: "):
-            sandbox_run(source, timeout=0.2)
-
-
-# T3 with isolation="process" -- single C-level operations on attacker-built structures, which no
-# in-process budget can pre-empt (hashing, comparing, printing, long division, allocation,
-# iterator chains that recurse in C): in a worker each ends as an ExecutionError (the worker
-# killed at the deadline, dead of a crash, or out of its address space) and the next call is
-# served by a fresh worker.
-_DEEP = "t = ()\nfor i in range(10**6):\n    t = (t,)\n"
-_HEAVY = "a = [0]\nb = [0]\nfor i in range(60):\n    a = [a, a]\n    b = [b, b]\n"
-_BIG = "x = int('f' * 10**7, 16)\n"
-ISOLATED_RUNAWAYS = {
-    # hashing a deep tuple (CPython 3.11 recurses in C: a crash), through every path
-    "deep-tuple-dict-key": _DEEP + "d = {t: 1}",
-    "deep-tuple-set-alias": _DEEP + "s = set\nx = s([t])",
-    "deep-tuple-type-of-dict": _DEEP + "x = type({})([(t, 1)])",
-    "deep-tuple-sorted-key-set": _DEEP + "x = sorted([(t,)], key=set)",
-    "deep-tuple-mapping-pattern":
-        _DEEP + "match {t: 1}:\n    case {'k': 1}:\n        pass\nx = {t: 1}",
-    "deep-tuple-in-set-literal": _DEEP + "x = {t}",
-    "deep-tuple-membership": _DEEP + "x = t in {1: 2}",
-    # comparing aliased structures (2**60 steps in C)
-    "aliased-equality": _HEAVY + "x = a == b",
-    "aliased-sort": _HEAVY + "x = sorted([a, b])",
-    "aliased-max": _HEAVY + "x = max(a, b)",
-    "aliased-index": _HEAVY + "x = [a].index(b)",
-    "aliased-match-value": _HEAVY + "match [a]:\n    case [[0]]:\n        pass\nx = a < b",
-    "aliased-membership": "l = list(range(10**5))\nm = l[:-1] + [0]\ny = [l] * 10**5\nx = m in y",
-    # printing aliased or deep structures
-    "aliasing-str": "x = [0] * 10**6\ny = [x] * 10**6\nz = str(y)",
-    "aliasing-json": "x = [0] * 10**6\ny = [x] * 10**6\nz = json.dumps(y)",
-    "aliasing-print": "x = [0] * 10**6\nprint([x] * 10**6)",
-    "aliased-result": "x = [0] * 10**6\nresult = [x] * 10**6",
-    "aliased-fallback-name": "x = [0] * 10**6\noutput = [x] * 10**6",
-    "aliased-context-write": "x = [0] * 10**6\ncontext['x'] = [x] * 10**6",
-    "deep-result": "a = []\nfor i in range(10**6):\n    a = [a]\nresult = a",
-    # long integer division and rounding
-    "round-huge-int-negative-digits": _BIG + "y = round(x, -10**6)",
-    "round-small-int-huge-digits": "y = round(1, -30000000)",
-    "long-floor-division": _BIG + "y = x // (x >> 20000000)",
-    "long-modulo": _BIG + "y = x % (x >> 20000000)",
-    "long-division-augmented": _BIG + "x //= x >> 20000000",
-    # allocations the operators' size check does not see
-    "ljust-pad": "x = 'a'.ljust(10**10)",
-    "unbound-ljust": "x = str.ljust('a', 10**10)",
-    "fstring-width": "x = f'{1:>{10**10}}'",
-    "printf-width": "x = '%*d' % (10**10, 1)",
-    "list-extend-doubling": "x = [0]\nfor i in range(64):\n    x.extend(x)",
-    "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
-    "replace-growth": "x = ('a' * 10**7).replace('', 'b' * 1000)",
-    "join-growth": "x = 'a' * 10**6\ny = ''.join([x] * 10**6)",
-    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
-    "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
-    # lazy iterators chained deep (recursion in C when consumed: a crash)
-    "generator-expression-chain":
-        "z = [1]\nfor i in range(10**6):\n    z = (x for x in z)\nresult = list(z)",
-    "zip-chain": "z = [1]\nfor i in range(10**6):\n    z = zip(z)\nresult = list(z)",
-    "enumerate-chain": "z = [1]\nfor i in range(10**6):\n    z = enumerate(z)\nresult = max(z)",
-}
-
-
-@pytest.mark.parametrize("source", list(ISOLATED_RUNAWAYS.values()), ids=list(ISOLATED_RUNAWAYS))
-def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkeypatch, source):
-    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
-    timeout = 0.3
-    start = _time.monotonic()
-    with pytest.raises(actor.ExecutionError):
-        worker_run(workers, source, timeout=timeout)
-    assert _time.monotonic() - start < HANG_GUARD
-    worker_still_serves(workers)
-
-
-def test_isolation_end_to_end(capsys):
-    """load(isolation="process"): inline code, its context writes, print and progress_bar, a
-    transform fn and a Phase C prompt all run in workers; a crash is an error on __error__ and
-    the next message is answered."""
-    text = """
-agents:
-  t:
-    type: tool
-    config:
-      timeout: 30     # the crash, not the budget, must end the call
-      tools:
-        - name: body
-          code: |
-            if input_data == 'crash':
-                t = ()
-                for i in range(10**6):
-                    t = (t,)
-                d = {t: 1}
-            context['seen'] = context.get('seen', 0) + 1
-            print('diag', input_data)
-            result = progress_bar(current=1, total=2, stage='s') + '|' + input_data
-  chat:
-    type: llm
-    config: {provider: openai, api_key: k, system_prompt: "Topic {{ context.topic }}."}
-routes:
-  main:
-    type: stream
-    operators:
-      - {type: transform, params: {fn: "lambda x: x.strip().lower()"}}
-      - {type: map, params: {agent: t}}
-      - {type: map, params: {agent: chat}}
-    publications: [__output__]
-context:
-  global: {topic: bees}
-merges: [{sources: [__input__], target: main}]
-"""
-    a = actor.load(text=text, unsafe=True, provider="fake", isolation="process")
-    try:
-        a.rt.progress = actor.ProgressFacility(stream=_io.StringIO())
-        first = a.send("  HELLO ")
-        assert [m.content for m in first.outputs] == ["████████████░░░░░░░░░░░░ 50.0% (1/2) s|hello"]
-        assert a.context["seen"] == 1
-        assert a.rt.llm_log[-1]["system"] == "Topic bees."
-        assert "diag hello" in capsys.readouterr().err
-        crashed = a.send("crash")
-        assert [m.metadata["error_type"] for m in crashed.errors] == ["ExecutionError"]
-        assert "worker process died" in crashed.errors[0].content
-        assert [m.content for m in a.send("again").outputs][0].endswith("|again")
-        assert a.context["seen"] == 2
-    finally:
-        a.close()
-
-
-def test_isolation_phase_a_and_b_render_in_a_worker():
-    tail = ("routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: a}}]\n"
-            "    publications: [__output__]\nmerges: [{sources: [__input__], target: main}]\n")
-    phase_a = "agents:\n  a: {type: chain, config: {steps: [\"{{ n * 21 }}\"]}}\n" + tail
-    phase_b = ("templates:\n  agents:\n    c:\n      parameters:\n        label: {type: string}\n"
-               "      type: chain\n      config:\n        steps: [\"{{ label }}-{{ label|upper }}\"]\n"
-               "agents:\n  a:\n    template: c\n    params: {label: x}\n" + tail)
-    for text, context, expected in ((phase_a, {"n": 2}, "42"), (phase_b, None, "x-X")):
-        a = actor.load(text=text, render_context=context, isolation="process")
-        try:
-            assert [m.content for m in a.send("m").outputs] == [f"ChainAgent processed: m->{expected}"]
-        finally:
-            a.close()
-    with pytest.raises(actor.ConfigurationError, match="resource exhausted"):
-        actor.load(text="{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}"
-                        "{% endfor %}" + phase_a, render_context={"n": 1}, isolation="process")
-
-
-def test_cli_isolate_keeps_serving_after_a_worker_crash(tmp_path):
-    """`python actor.py --isolate`: a body that crashes its worker costs one message only."""
-    import subprocess
-    config = tmp_path / "c.yaml"
-    config.write_text("agents:\n  t:\n    type: tool\n    config:\n      timeout: 30\n"
-                      "      tools:\n        - name: shout\n          code: |\n"
-                      "            if input_data == 'crash':\n"
-                      "                t = ()\n                for i in range(10**6):\n"
-                      "                    t = (t,)\n                d = {t: 1}\n"
-                      "            result = str(input_data).upper() + '!'\n"
-                      "routes:\n  main:\n    type: stream\n"
-                      "    operators: [{type: map, params: {agent: t}}]\n"
-                      "    publications: [__output__]\n"
-                      "merges: [{sources: [__input__], target: main}]\n")
-    done = subprocess.run([sys.executable, actor.__file__, str(config), "--unsafe", "--isolate",
-                           "-m", "hello", "-m", "crash", "-m", "again"],
-                          capture_output=True, text=True, timeout=300)
-    assert "HELLO!" in done.stdout and "AGAIN!" in done.stdout
-    assert "worker process died" in done.stdout + done.stderr
-
-
-def test_isolation_values_cross_as_tagged_json():
-    value = {"a": (1, [2, {3}]), 4: None, "s": frozenset({"x"}), "f": 1.5, "b": True}
-    assert actor.unwire(_py_json.loads(_py_json.dumps(actor.wire(value)))) == value
-    with pytest.raises(TypeError):
-        actor.wire(object())
-
-
-def test_isolation_unknown_value_is_a_configuration_error():
-    with pytest.raises(actor.ConfigurationError, match="isolation"):
-        actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
-                        "routes: {main: {type: stream, operators: [{type: map, params: "
-                        "{agent: e}}], publications: [__output__]}}\n", isolation="thread")
-
-
-# T2 -- the host-only context keys (§10.3): refused as they are written, whatever writes them.
-def test_context_view_reads_writes_and_overlay():
-    base, data = {"a": 1, "shared": "base"}, {"shared": "call", "nested": {"k": 1}}
-    view = actor.ContextView(data, base)
-    assert view["a"] == 1 and view["shared"] == "call" and sorted(view) == ["a", "nested", "shared"]
-    assert len(view) == 3 and "a" in view and view.get("missing") is None
-    view["b"] = 2
-    view["nested"]["k"] = 5
-    del view["shared"]
-    assert data == {"nested": {"k": 5}, "b": 2} and base == {"a": 1, "shared": "base"}
-    view["copy"] = view["nested"]          # a view never lands in the host's data
-    assert type(data["copy"]) is dict and data["copy"] is data["nested"]
-    assert view == {"a": 1, "shared": "base", "nested": {"k": 5}, "b": 2, "copy": {"k": 5}}
-    assert actor.run_code(actor.compile_code(
-        "result = (isinstance(context, dict), type(context) is dict, json.dumps(context),"
-        " dict(context))"), sandbox_vars(context={"x": {"y": 1}}))["result"] == (
-        True, True, '{"x": {"y": 1}}', {"x": {"y": 1}})
-
-
-@pytest.mark.parametrize("source", [
-    "context['context']['_unsafe_mode'] = True",
-    "context['graph_state']['metadata']['_unsafe_mode'] = True",
-    "context['context']['_unsafe_mode'] = True\nwhile True:\n    pass",
-    "del context['context']['_unsafe_mode']",
-    "context['items'] = [{'_temperature_override': 9}]",
-    "context['context'].update(_unsafe_mode=True)",
-    "context['_unsafe_mode'] = True", "del context['_temperature_override']",
-    "context.pop('_temperature_override')", "context.update(_temperature_override=2.0)"])
-def test_host_only_keys_are_refused_when_written(source):
-    glob, metadata = {"_unsafe_mode": False}, {"x": 1}
-    context = {"_unsafe_mode": False, "_temperature_override": 0.5, "context": glob,
-               "graph_state": {"metadata": metadata}}
-    with pytest.raises(actor.ExecutionError, match="host"):
-        actor.run_code(actor.compile_code(source), sandbox_vars(context=context), timeout=0.2)
-    assert glob == {"_unsafe_mode": False} and metadata == {"x": 1}
-    assert context["_unsafe_mode"] is False and context["_temperature_override"] == 0.5
-    assert "items" not in context
-
-
-def test_host_only_keys_rebinding_context_changes_nothing():
-    """Rebinding the name `context` is harmless: the host reads the context it handed over."""
-    context = {"_unsafe_mode": False}
-    ns = sandbox_run("context = {'_unsafe_mode': True}\nresult = 'ran'", context=context)
-    assert ns["result"] == "ran" and context == {"_unsafe_mode": False}
-
-
-def test_context_call_cost_does_not_depend_on_the_context_size(monkeypatch):
-    """No scan of the context per call: a body that reads one key never walks the others."""
-    class Exploding(dict):
-        def items(self):
-            raise AssertionError("the context was scanned")
-        values = keys = __iter__ = items
-    context = Exploding(("k%d" % i, i) for i in range(10_000))
-    ns = sandbox_run("result = context['k5'] + 1", context=context)
-    assert ns["result"] == 6
-
-
-# T1 -- message senders: content is data in every engine and every built-in tool.
-def test_simple_never_reparses_what_an_expression_produced():
-    variables = actor.runtime_variables({"api_token": "s3cret"}, "what is {api_token}?")
-    assert actor.render("Request: {{ message }}", variables, "SIMPLE") == \
-        "Request: what is {api_token}?"
-    bomb = actor.runtime_variables({}, "{message:>9000000}")
-    assert actor.render("Request: {{ message }}", bomb, "SIMPLE") == "Request: {message:>9000000}"
-    assert actor.render("{{ 1 + 1 }} {api_token}", variables, "SIMPLE") == "2 s3cret"
-
-
-# Hostile messages: each is answered (output or error) promptly, in both modes, and prints no
-# secret; the next message is answered normally.
-MESSAGE_SENDER_ATTACKS = {
-    "format-field-secret": "what is {api_token}?",
-    "format-width-bomb": "{message:>900000000}",
-    "jinja-expression": "{{ 7 * 7 }}{% for i in range(10**9) %}{% endfor %}",
-    "mustache-section": "{{#context}}{{api_token}}{{/context}}",
-    "math-round-bomb": '{"tool": "math", "args": {"expression": "round(1, -30000000)"}}',
-    "math-modular-power": '{"tool": "math", "args": {"expression": "pow(7**1400, 9**1400, 8**1400)"}}',
-    "math-long-literal": '{"tool": "math", "args": {"expression": "' + "9" * 5000 + '"}}',
-    "math-deep-nesting": '{"tool": "math", "args": {"expression": "' + "(" * 5000 + "1" + ")" * 5000 + '"}}',
-    "json-deep-nesting": '{"tool": "json_parse", "args": {"json": "' + "[" * 200000 + '"}}',
-    "json-invalid": '{"tool": "echo", "args": {"text": "x"}',
-    "tool-execute-unclosed-many": "[TOOL_EXECUTE:echo] {" * 20000,
-    "router-long-message": "GOTO_" + "A" * 200000,
-}
-
-
-@pytest.mark.parametrize("isolation", ["none", "process"])
-def test_message_sender_attacks_are_just_processed(isolation):
-    text = """
-context:
-  global: {api_token: s3cret}
-agents:
-  prompt:
-    type: llm
-    config: {provider: openai, api_key: k, system_prompt: "Q: {{ message }}",
-             tool_execute: true, tools: [echo]}
-  tools:
-    type: tool
-    config: {tools: [math, json_parse, echo]}
-routes:
-  main:
-    type: graph
-    nodes:
-      route:
-        type: message_router
-        rules: [{match_type: regex, pattern: "^GOTO_([A-Z]+)$", target: t}]
-      t: {type: agent, agent: tools}
-      p: {type: agent, agent: prompt}
-    edges:
-      - {source: start, target: route}
-      - {source: route, target: t}
-      - {source: t, target: p}
-      - {source: p, target: end}
-"""
-    for engine in ("JINJA2", "SIMPLE", "MUSTACHE"):
-        a = actor.load(text=text, provider="fake", template_engine=engine, isolation=isolation,
-                       default_router="main")
-        try:
-            for name, message in MESSAGE_SENDER_ATTACKS.items():
-                start = _time.monotonic()
-                result = a.send(message)
-                assert _time.monotonic() - start < HANG_GUARD, name
-                assert result.outputs or result.errors, name
-                sent = " ".join(r["system"] + str(r["messages"]) for r in a.rt.llm_log)
-                assert "s3cret" not in sent, (engine, name)
-            last = a.send('{"tool": "echo", "args": {"text": "hello"}}')
-            assert last.outputs and not last.errors and a.rt.llm_log[-1]["system"] == "Q: hello"
-        finally:
-            a.close()
-
-
-def test_mustache_parsing_is_linear_in_the_number_of_tags():
-    """A template of many standalone-looking tags on one long line parses in linear time (T1:
-    prompts may be long): counted in characters the scanner reads, not in seconds."""
-    scanned = {"n": 0}
-
-    class Counting(str):
-        def find(self, sub, start=0, end=None):
-            found = str.find(self, sub, start, len(self) if end is None else end)
-            scanned["n"] += (len(self) if found < 0 else found) - start
-            return found
-
-        def rfind(self, sub, start=0, end=None):
-            end = len(self) if end is None else end
-            found = str.rfind(self, sub, start, end)
-            scanned["n"] += end - max(found, start)
-            return found
-    text = "{{#a}}x{{/a}}" * 5000
-    actor.mustache_parse(Counting(text))
-    assert scanned["n"] <= 3 * len(text)
-
-
-# The two tables, exactly.
-def test_sandbox_inline_code_builtins_are_the_spec_table():   # §13.2.1
-    assert set(actor.INLINE_CODE_BUILTINS) == {
-        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
-        "abs", "all", "any", "enumerate", "len", "max", "min", "range", "reversed", "round",
-        "sorted", "sum", "zip", "isinstance", "type", "locals", "print",
-        "ValueError", "IndexError", "KeyError", "TypeError", "json"}
-    ns = sandbox_run(
-        "result = [bool(1), dict(a=1), float('1.5'), int('2'), list('ab'), set([1]), str(3),\n"
-        "          tuple([4]), abs(-1), all([1]), any([0]), list(enumerate('a')), len('ab'),\n"
-        "          max(1, 2), min(1, 2), list(range(2)), list(reversed([1, 2])), round(1.26, 1),\n"
-        "          sorted([2, 1]), sum([1, 2]), list(zip('a', 'b')), isinstance(1, int),\n"
-        "          type(1) is int, 'x' in locals(), ValueError, IndexError, KeyError, TypeError,\n"
-        "          json.loads('[1]'), json.dumps([1])]\n"
-        "x = 1\n")
-    assert ns["result"][-2:] == [[1], "[1]"]
-
-
-@pytest.mark.parametrize("name", ["iter", "map", "filter", "chr", "ord", "next", "hash",
-                                  "callable", "pow", "repr", "format", "bytes", "Exception",
-                                  "open", "getattr", "vars", "globals", "object", "id"])
-def test_sandbox_other_builtins_are_refused_at_load(name):   # §13.2.1 "no other facilities"
-    with pytest.raises(actor.ConfigurationError, match=f"the name '{name}'"):
-        actor.compile_code(f"x = {name}")
-
-
-def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
-    assert set(actor.EXPRESSION_BUILTINS) == {
-        "bool", "dict", "float", "int", "list", "set", "str", "tuple",
-        "abs", "all", "any", "len", "max", "min", "round", "sum"}
-    unit = actor.compile_expression(
-        "lambda x: [bool(x), dict(a=1), float(1), int(1.5), list(x), set(x), str(1), tuple(x),"
-        " abs(-1), all(x), any(x), len(x), max(x), min(x), round(1.5), sum([1, 2])]")
-    assert unit("ab") == [True, {"a": 1}, 1.0, 1, ["a", "b"], {"a", "b"}, "1", ("a", "b"),
-                          1, True, True, 2, "b", "a", 2, 3]
-    for name in ("range", "enumerate", "sorted", "zip", "reversed", "isinstance", "json",
-                 "ValueError"):
-        with pytest.raises(actor.ConfigurationError, match="the name"):
-            actor.compile_expression(f"lambda x: {name}")
-
-
-def test_sandbox_attribute_allowlist_is_methods_of_value_types():
-    """Every allowed attribute is a method of a built-in value type or of the json facility."""
-    owners = (str, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
-    for attr in actor.SANDBOX_ATTRIBUTES:
-        assert any(hasattr(owner, attr) for owner in owners), attr
-    for refused in ("format", "format_map", "encode", "mro", "gi_frame", "args_", "__class__"):
-        assert refused not in actor.SANDBOX_ATTRIBUTES
-
-
-def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
-    for source, what in (("x = 1\nclass A:\n    pass", "ClassDef"),
-                         ("x = 1\nwith y:\n    pass", "With"),
-                         ("def f():\n    yield 1", "Yield"),
-                         ("def f():\n    global g", "Global"),
-                         ("match 1:\n    case int():\n        pass", "MatchClass"),
-                         ("async def f():\n    pass", "AsyncFunctionDef")):
-        with pytest.raises(actor.ConfigurationError, match=what) as info:
-            actor.compile_code(source)
-        assert info.value.code_line >= 1
-    assert sandbox_run("match [1, {'k': 2}]:\n    case [1, {'k': v}]:\n        result = v\n"
-                       "    case _:\n        result = 0")["result"] == 2
-
-
-def test_sandbox_json_facility_exposes_only_three_names():   # §4.5.2 item 2
-    public = {name for name in dir(actor.SANDBOX_JSON) if not name.startswith("_")}
-    assert public == {"loads", "dumps", "JSONDecodeError"}
-    ns = sandbox_run("try:\n    json.loads('{')\nexcept json.JSONDecodeError as e:\n"
-                     "    result = 'bad: ' + str(e.args[0][:5])")
-    assert ns["result"] == "bad: Expec"
-    ns = sandbox_run("from json import loads as L, dumps\nresult = dumps(L('{\"a\": [1]}'), "
-                     "sort_keys=True, indent=2)")
-    assert ns["result"] == '{\n  "a": [\n    1\n  ]\n}'
-
-
-def test_sandbox_import_json_only(tmp_path):   # Q70 (a)
-    assert sandbox_run("import json\nresult = json.loads('3')")["result"] == 3
-    with pytest.raises(actor.ConfigurationError):
-        actor.compile_code("import json, os")
-
-
-# Load-time refusal: located, with the line inside the body (Q71 (c)).
-def test_sandbox_refusal_names_the_body_line():
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.compile_code("x = 1\ny = 2\nz = ().__class__\n", path=("agents", "t", "code"))
-    assert info.value.code_line == 3 and "line 3" in str(info.value)
-    assert info.value.path == "agents.t.code"
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.compile_code("x = 1\nif x\n")
-    assert info.value.code_line == 2
-
-
-def test_sandbox_refusal_is_located_in_the_document():
-    text = ("context:\n  global:\n    unsafe: true\n"
-            "agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: t\n"
-            "          code: |\n            x = 1\n            y = ().__class__\n"
-            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
-            "        params: {agent: t}\n    publications: [__output__]\n"
-            "merges:\n  - sources: [__input__]\n    target: main\n")
-    with pytest.raises(actor.ConfigurationError) as info:
-        actor.load(text=text, unsafe=True)
-    assert info.value.code_line == 2 and info.value.line is not None
-
-
-def test_sandbox_decorators_are_plain_calls():
-    """A decorator is a call of a sandbox value: no line of the threat model refuses it."""
-    ns = sandbox_run("def twice(f):\n    return lambda x: f(f(x))\n@twice\n"
-                     "def inc(x):\n    return x + 1\nresult = inc(1)")
-    assert ns["result"] == 3
-
-
-def test_sandbox_bound_name_is_not_the_facility():   # `id = ...` is a variable, not id()
-    assert sandbox_run("id = 7\ntype = 'x'\nresult = (id, type)")["result"] == (7, "x")
-
-
-def test_sandbox_type_hands_out_only_exposed_classes():
-    ns = sandbox_run("result = (type(1) is int, type('a') is str, type(range(2)) is range,"
-                     " type(None)(), type(ValueError('v')) is ValueError)")
-    assert ns["result"] == (True, True, True, None, True)
-    for source in ("x = type(len)", "x = type(type(1))", "def f():\n    pass\nx = type(f)",
-                   "x = type('X', (), {})", "x = type(json)", "x = type(reversed([]))"):
-        with pytest.raises(actor.ExecutionError, match="TypeError"):
-            sandbox_run(source)
-
-
-def test_sandbox_locals_is_a_copy_without_builtins():
-    ns = sandbox_run("def f(a):\n    b = 2\n    return locals()\nx = f(1)\nx['b'] = 9\n"
-                     "result = (sorted(x), sorted(locals()))")
-    assert ns["result"] == (["a", "b"], ["context", "f", "input_data", "message", "result", "x"])
-
-
-def test_sandbox_functions_reach_only_the_sandbox_namespace():
-    unit = actor.compile_code("def f():\n    return 1\nresult = f")
-    fn = actor.run_code(unit, sandbox_vars())["result"]
-    assert fn.__globals__["__builtins__"] is actor._CODE_BUILTINS
-    assert set(actor._CODE_BUILTINS) - set(actor.INLINE_CODE_BUILTINS) == set(actor._HOOKS)
-    assert all(name.startswith("__sb_") for name in actor._HOOKS)
-    assert "actor" not in fn.__globals__ and "sys" not in fn.__globals__
-    with pytest.raises(actor.Exhausted):   # the host calling it outside a sandboxed run
-        fn()
-
-
-def test_sandbox_print_goes_to_stderr(capsys):
-    sandbox_run("print('diag', 1, sep='-')\nresult = 'x'")
-    out, err = capsys.readouterr()
-    assert out == "" and err == "diag-1\n"
-
-
-def test_sandbox_context_by_reference_and_aug_assign_in_place():
-    context = {"items": [1]}
-    sandbox_run("items = context['items']\nitems += [2]\ncontext['items'] += [3]\n"
-                "context['n'] = 1\ncontext['n'] *= 5", context=context)
-    assert context == {"items": [1, 2, 3], "n": 5}
-
-
-def test_sandbox_bare_except_does_not_catch_a_limit():
-    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
-        sandbox_run("try:\n    x = 'a' * 10**10\nexcept:\n    result = 'caught'")
-    assert sandbox_run("try:\n    x = 1 // 0\nexcept:\n    result = 'caught'")["result"] == "caught"
-
-
-def test_sandbox_error_in_code_is_an_execution_error_with_the_line():
-    with pytest.raises(actor.ExecutionError, match="line 2: KeyError"):
-        sandbox_run("x = {}\ny = x['missing']")
-
-
-def test_sandbox_limits_hold_in_unsafe_mode():
-    """Unsafe mode enables inline code (§4.5.2); it does not lift the sandbox (issue 4)."""
-    text = ("context:\n  global:\n    unsafe: true\n"
-            "agents:\n  t:\n    type: tool\n    config:\n      timeout: 0.2\n      tools:\n"
-            "        - name: t\n          code: |\n            if input_data == 'spin':\n"
-            "                while True:\n                    pass\n"
-            "            result = 'ok:' + input_data\n"
-            "routes:\n  main:\n    type: stream\n    operators:\n      - type: map\n"
-            "        params: {agent: t}\n    publications: [__output__]\n"
-            "merges:\n  - sources: [__input__]\n    target: main\n")
-    a = actor.load(text=text, unsafe=True)
-    first = a.send("spin")
-    assert len(first.errors) == 1
-    assert first.errors[0].metadata.get("error_type") == "ExecutionError"
-    assert "resource exhausted" in first.errors[0].content
-    assert [m.content for m in a.send("again").outputs] == ["ok:again"]
-
-
-def test_sandbox_operators_keep_their_meaning():
-    """The size check changes no result: repetition, concatenation, powers, in-place forms."""
-    out = sandbox_run("rows = [[0] * 3] * 1000\nwords = ['a', 'b'] * 10**5\nn = 3\ns = 'ab'\n"
-                      "l = [1]\nalias = l\nl += [2]\nl *= 2\ns *= n\n"
-                      "result = ('a' in words, 1 in [1] in [[1]], len(rows), 2 ** 10, n ** n,"
-                      " 1 << n, s + s, l, alias is l, 'x' * -1, 3 * 'y')")
-    assert out["result"] == (True, True, 1000, 1024, 27, 8, "abababababab", [1, 2, 1, 2],
-                             True, "", "yyy")
-
-
-def test_sandbox_compiles_once(monkeypatch):
-    """The hot path never parses or compiles (§13.2: compile at load, run many times)."""
-    unit = actor.compile_code("result = input_data[::-1]")
-    expr = actor.compile_expression("lambda x: x * 2")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("parsed or compiled on the hot path")
-    monkeypatch.setattr(actor.ast, "parse", refuse)
-    monkeypatch.setattr(_py_builtins, "compile", refuse)
-    assert actor.run_code(unit, sandbox_vars())["result"] == "olleh"
-    assert expr("ab") == "abab"
-
-
-def test_sandbox_expression_arity_and_shape():
-    assert actor.compile_expression("lambda m, cfg: cfg['k'] in m", nparams=2)("xkx", {"k": "k"})
-    assert actor.compile_expression("lambda *a: len(a)", nparams=2)(1, 2) == 2
-    for source, nparams in (("x.upper()", 1), ("lambda: 1", 1), ("lambda a, b: a", 1),
-                            ("lambda a: a", 2), ("lambda a:", 1), ("lambda a, b=1: a", 1)):
-        with pytest.raises(actor.ConfigurationError):
-            actor.compile_expression(source, nparams=nparams)
-
-
-def test_sandbox_expression_runaway_and_size():
-    unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
-    start = _time.monotonic()
-    with pytest.raises(actor.ExecutionError, match="time limit"):
-        unit(list(range(1000)), timeout=0.2)
-    assert _time.monotonic() - start < HANG_GUARD
-    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
-        actor.compile_expression("lambda x: x * 10**10")("ab")
-    assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
-
-
-def test_simple_expressions_use_the_sandbox_builtins_not_the_template_ones():
-    """§9.2 SIMPLE: the §8.3 callables in the rendering context are not the expression's."""
-    variables = actor.runtime_variables({"n": 2}, "m")
-    assert actor.render("{{ sum([n, 3]) }}", variables, "SIMPLE") == "5"
-    with pytest.raises(actor.TemplateError, match="NameError"):
-        actor.render("{{ range(3) }}", variables, "SIMPLE")
-
-
-def test_sandbox_eval_expression_text():   # §9.2 SIMPLE pre-pass
-    names = {"name": "ada", "items": [1, 2], "factor": 3, "__builtins__": {"open": open}}
-    assert actor.eval_expression_text("name.upper()", names) == "ADA"
-    assert actor.eval_expression_text("[i * factor for i in items]", names) == [3, 6]
-    with pytest.raises(actor.ConfigurationError):
-        actor.eval_expression_text("__import__('os')", names)
-    with pytest.raises(actor.ConfigurationError):
-        actor.eval_expression_text("name.__class__", names)
-    for source in ("open('x')", "chr(1)"):
-        with pytest.raises(actor.ExecutionError, match="NameError"):
-            actor.eval_expression_text(source, names)
-
-
-# Controls: the §18.9 and §18.10 inline code runs unchanged in every branch (the vectors run one
-# branch each; the §4.5.2 and §18.4 examples are vectors only).
-
-
-def test_sandbox_control_workflow_dispatch():   # §18.9, workflow_controller
-    source = (
-        'text = (input_data or "").strip()\n'
-        'if text.startswith("!"):\n'
-        '    result = f"GOTO_COMMAND_HANDLER:{text}"\n'
-        'else:\n'
-        '    stage = context.get("workflow_stage") or "intro"\n'
-        '    result = f"GOTO_{stage.upper()}:{text}"\n')
-    unit = actor.compile_code(source)
-    assert actor.run_code(unit, sandbox_vars(input_data="!next"))["result"] == \
-        "GOTO_COMMAND_HANDLER:!next"
-    assert actor.run_code(unit, sandbox_vars(input_data="hi"))["result"] == "GOTO_INTRO:hi"
-
-
-def test_sandbox_control_handle_command():   # §18.9, command_handler
-    source = (
-        'text = (input_data or "").strip()\n'
-        'parts = text.split(maxsplit=1)\n'
-        'command = parts[0]\n'
-        'if command == "!next":\n'
-        '    stage_order = context.get("stage_order", [])\n'
-        '    current = context.get("workflow_stage") or "intro"\n'
-        '    try:\n'
-        '        idx = stage_order.index(current)\n'
-        '        if idx + 1 < len(stage_order):\n'
-        '            next_stage = stage_order[idx + 1]\n'
-        '            context["workflow_stage"] = next_stage\n'
-        '            result = f"GOTO_{next_stage.upper()}:"\n'
-        '        else:\n'
-        '            result = "COMMAND_OUTPUT:Final stage already reached."\n'
-        '    except ValueError:\n'
-        '        result = "COMMAND_OUTPUT:Unknown current stage."\n'
-        'elif command == "!stage":\n'
-        '    result = f"COMMAND_OUTPUT:Current stage is {context.get(\'workflow_stage\')}"\n'
-        'else:\n'
-        '    result = f"COMMAND_OUTPUT:Unknown command {command}"\n')
-    unit = actor.compile_code(source)
-    context = {"stage_order": ["intro", "discovery", "done"], "workflow_stage": "intro"}
-    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
-        "GOTO_DISCOVERY:"
-    assert context["workflow_stage"] == "discovery"
-    assert actor.run_code(unit, sandbox_vars(input_data="!stage", context=context))["result"] == \
-        "COMMAND_OUTPUT:Current stage is discovery"
-    context["workflow_stage"] = "elsewhere"
-    assert actor.run_code(unit, sandbox_vars(input_data="!next", context=context))["result"] == \
-        "COMMAND_OUTPUT:Unknown current stage."
-    assert actor.run_code(unit, sandbox_vars(input_data="!x", context=context))["result"] == \
-        "COMMAND_OUTPUT:Unknown command !x"
-
-
-def test_sandbox_control_triage():   # §18.10
-    source = (
-        'text = (input_data or "").lower()\n'
-        'if "tax" in text:\n'
-        '    result = "GOTO_TAX_ADVISOR:" + input_data\n'
-        'elif "stock" in text or "invest" in text:\n'
-        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n'
-        'elif "bitcoin" in text or "crypto" in text:\n'
-        '    result = "GOTO_CRYPTO_ADVISOR:" + input_data\n'
-        'else:\n'
-        '    result = "GOTO_INVESTING_ADVISOR:" + input_data\n')
-    unit = actor.compile_code(source)
-    for text, expected in (("Tax help", "GOTO_TAX_ADVISOR:Tax help"),
-                           ("crypto?", "GOTO_CRYPTO_ADVISOR:crypto?"),
-                           ("hello", "GOTO_INVESTING_ADVISOR:hello")):
-        assert actor.run_code(unit, sandbox_vars(input_data=text))["result"] == expected
-
-
-# Jinja2 server-side template injection payloads (published SSTI corpora), through the §8.3
-# rendering namespace: each must fail as a TemplateError, leave the context as it was, and the
-# next render must work (T2 for templates; the size ones are T3).
-JINJA_SSTI = {
-    "unbound-str-format-environ": "{{ str.format('{0.__init__.__globals__[os].environ}', cycler) }}",
-    "unbound-str-format-builtins":
-        "{{ str.format('{0.__globals__[__builtins__][open]}', lipsum) }}",
-    "unbound-format-map": "{{ str.format_map('{a.__class__}', {'a': 1}) }}",
-    "unbound-format-attr-filter": "{{ (str|attr('format'))('{0.__class__}', 1) }}",
-    "unbound-format-set": "{% set f = str.format %}{{ f('{0.__class__}', 1) }}",
-    "bound-format-attr-filter": "{{ ('{0.__class__}'|attr('format'))(1) }}",
-    "bound-format-set": "{% set f = '{0.__class__}'.format %}{{ f(1) }}",
-    "format-map-bound": "{{ '{a.__class__}'.format_map({'a': 1}) }}",
-    "class-mro-subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "attr-filter-escaped-dunder": "{{ ''|attr('\\x5f\\x5fclass\\x5f\\x5f') }}",
-    "cycler-globals-os": "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
-    "joiner-globals-os": "{{ joiner.__init__.__globals__.os.popen('id').read() }}",
-    "namespace-globals-os": "{{ namespace.__init__.__globals__.os.popen('id').read() }}",
-    "lipsum-globals-os": "{{ lipsum.__globals__['os'].popen('id').read() }}",
-    "self-template-reference": "{{ self._TemplateReference__context }}",
-    "builtin-self": "{{ round.__self__ }}",
-    "type-mro": "{{ str.mro() }}",
-    "request-application": "{{ request.application.__globals__.__builtins__ }}",
-    "config-items": "{{ config.items() }}",
-    "context-update-host-key": "{{ context.update({'_unsafe_mode': True}) }}",
-    "context-pop": "{{ context.pop('sentinel') }}",
-    "context-setdefault": "{% set x = context.setdefault('_unsafe_mode', True) %}x",
-    "nested-list-append": "{{ context.items_list.append(1) }}",
-    "unbound-dict-update": "{{ dict.update(context, {'_unsafe_mode': True}) }}",
-    "unbound-dict-clear": "{{ dict.clear(context) }}",
-    "unbound-list-append": "{{ list.append(context.items_list, 1) }}",
-    "unbound-method-attr-filter": "{{ (dict|attr('pop'))(context, 'sentinel') }}",
-    "power-tower": "{{ 10 ** 100000000 }}",
-    "string-repetition": "{{ 'a' * 10**10 }}",
-}
-
-
-def _ssti_context():
-    return {"sentinel": "intact", "items_list": [0]}
-
-
-@pytest.mark.parametrize("source", list(JINJA_SSTI.values()), ids=list(JINJA_SSTI))
-def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
-    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
-    context = _ssti_context()
-    start = _time.monotonic()
-    with pytest.raises(actor.TemplateError):
-        actor.render(source, actor.runtime_variables(context, "m"), "JINJA2")
-    assert _time.monotonic() - start < HANG_GUARD
-    assert context == _ssti_context()
-    assert actor.render("{{ context.sentinel }} {{ '{}-{}'.format(1, 2) }} {{ 2 ** 10 }}",
-                        actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
-
-
-# T3 for templates: Python-level runaways stop at the render deadline (TEMPLATE_TIME_LIMIT,
-# lowered here); the C-level ones (ISOLATED_TEMPLATE_RUNAWAYS) need a worker.
-TEMPLATE_RUNAWAYS = {
-    ("JINJA2", "macro-calls-itself-twice"):
-        "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
-        "{{ f(60) }}",
-    ("JINJA2", "nested-loops"):
-        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    ("JINJA2", "nested-loops-over-a-list"):
-        "{% set l = range(100000)|list %}{% for i in l %}{% for j in l %}{% endfor %}{% endfor %}",
-    ("JINJA2", "recursive-loop"):
-        "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
-    ("JINJA2", "string-repetition"): "{{ 'a' * 10**10 }}",
-    ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
-    ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
-}
-ISOLATED_TEMPLATE_RUNAWAYS = {
-    ("JINJA2", "lazy-filter-chain"):
-        "{% set ns = namespace(z=[1]) %}{% for i in range(1000) %}{% for j in range(1000) %}"
-        "{% set ns.z = ns.z|batch(1)|map('first') %}{% endfor %}{% endfor %}{{ ns.z|list }}",
-    ("JINJA2", "round-long-division"): "{{ round(int('f' * 10**7, 16), -10**6) }}",
-    ("JINJA2", "sum-concatenation"): "{{ sum([[0] * 1000] * 10000, []) }}",
-    ("JINJA2", "aliased-printing"): "{% set x = [0] * 10**5 %}{{ [x] * 10**5 }}",
-    ("SIMPLE", "format-width"): "{message:>9999999999}",
-    ("SIMPLE", "nested-format-width"): "{message:>{width}}",
-}
-
-
-def _template_variables():
-    nested = {"a": False}
-    for _ in range(40):
-        nested = {"a": nested}
-    return {**nested, "message": "m", "x": list(range(1000)), "width": 10**10}
-
-
-@pytest.mark.parametrize("engine,name", list(TEMPLATE_RUNAWAYS), ids=[
-    f"{engine}-{name}" for engine, name in TEMPLATE_RUNAWAYS])
-def test_template_runaway_is_stopped(monkeypatch, engine, name):
-    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
-    source = TEMPLATE_RUNAWAYS[(engine, name)]
-    partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
-    start = _time.monotonic()
-    with pytest.raises(actor.TemplateError):
-        actor.render(source, _template_variables(), engine, partials=partials)
-    assert _time.monotonic() - start < HANG_GUARD
-    assert actor.render("{{ message }}", {"message": "ok"}, engine) == "ok"
-
-
-@pytest.mark.parametrize("engine,name", list(ISOLATED_TEMPLATE_RUNAWAYS), ids=[
-    f"{engine}-{name}" for engine, name in ISOLATED_TEMPLATE_RUNAWAYS])
-def test_isolated_template_runaway_is_stopped(workers, monkeypatch, engine, name):
-    monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.3)
-    monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
-    source = ISOLATED_TEMPLATE_RUNAWAYS[(engine, name)]
-    start = _time.monotonic()
-    with pytest.raises(actor.TemplateError):
-        workers.render(source, _template_variables(), engine)
-    assert _time.monotonic() - start < HANG_GUARD
-    assert workers.render("{{ message }}", {"message": "ok"}, engine) == "ok"
-
-
-def test_template_limits_leave_ordinary_templates_alone():
-    variables = actor.runtime_variables({"items": [{"n": 1}, {"n": 2}], "k": "v"}, "msg")
-    assert actor.render("{% for i in items %}{{ i.n * 2 }}{% endfor %}|{{ 'ab' * 2 }}|"
-                        "{{ sum([1, 2]) }}|{{ round(1234, -2) }}|{{ items|sum(attribute='n') }}|"
-                        "{{ 7 // 2 }}{{ 7 % 4 }}|{% set ns = namespace(c=0) %}"
-                        "{% for i in range(3) %}{% set ns.c = ns.c + i %}{% endfor %}{{ ns.c }}",
-                        variables, "JINJA2") == "24|abab|3|1200|3|33|3"
-    assert actor.render("{{#items}}{{n}}{{/items}}", variables, "MUSTACHE") == "12"
-    assert actor.render("{{ [1, 2]|map('string')|join(',') }} {{ [1, none]|select|list }} "
-                        "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
-                        "{{ zip('ab', [1, 2])|list }}", variables,
-                        "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
-    assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
-
-
-def test_simple_expression_cannot_change_the_live_context():
-    """INTERPRETATION §8.11 (templates are read-only) holds for SIMPLE's expressions too."""
-    context = {"mode": "safe", "inner": {"k": 1}}
-    for source in ("{{ context.update({'mode': 'x'}) }}", "{{ inner.update({'k': 2}) }}",
-                   "{{ context['inner'].pop('k') }}", "{{ context.update({'_unsafe_mode': 1}) }}"):
-        with pytest.raises(actor.TemplateError, match="may not change the context"):
-            actor.render(source, actor.runtime_variables(context, "m"), "SIMPLE")
-    assert context == {"mode": "safe", "inner": {"k": 1}}
-
-
-def test_budget_does_not_leak_out_of_a_render():
-    with pytest.raises(actor.TemplateError):
-        actor.render("{{ 'a' * 10**10 }}", {}, "JINJA2")
-    assert getattr(actor._BUDGET, "budget", None) is None
-
-
-# Mutation score (issue 13): does the vector suite notice a changed behaviour? --------------------
-# Opt-in (`python -m pytest -m mutation -s`). Method, so that a run can be repeated:
-# - Mutation points are the nodes of actor.py's own AST between the `# §` banners (the HOST regions
-#   -- providers, loader, harness, CLI -- are left out, and so is the host code that sits inside a
-#   section, listed with its reason in MUTATION_HOST_CODE): a comparison operator swapped (== !=, < <=,
-#   > >=, in / not in, is / is not), `and` <-> `or`, a numeric constant +1 and -1, a `not` removed,
-#   a statement of a function body replaced by `pass`, a `return x` made `return None` (`return
-#   True` <-> `return False`). Each banner's section is its top number; §10-§12 and §14-§16 with §20
-#   are reported as groups.
-# - Each point has an identity that does not depend on where it sits in the file: its section, then
-#   the survivor key used below ("function: original -> mutated | source line, stripped"), with
-#   " #n" added to the n-th point of the same name (n >= 2, counted in file order).
-# - MUTATION_SAMPLE mutants (default 200), seed MUTATION_SEED (default 13): each section gets a
-#   share in proportion to its lines of code (largest remainder) and takes, from its own points,
-#   the `share` whose sha256(f"{seed}\n{identity}") hex digests are smallest. So an edit changes
-#   the sample only where it changes a point's identity or a section's share: code left alone
-#   keeps its mutants, and a table measured after other branches merge is still comparable.
-#   MUTATION_ONLY=3,17 reruns the mutants of those indices (positions in this actor.py's point
-#   list) or, stable across edits, of those short ids (the first 12 hex digits of
-#   sha256(identity), printed in brackets beside each result); MUTATION_VECTORS=dir judges by
-#   another suite.
-# - Each mutant runs in a forked process: the mutated tree is written out as a module of a fresh
-#   name and imported, and the vectors are judged with the harness functions (the mutant's
-#   observe_vector, the original read_vector and judge_vector), stopping at the first failure; a
-#   crash, a failure to import, or a run past MUTATION_TIMEOUT seconds (default 60) also kills it.
-# - Which vectors: the ones whose run executes a line of the mutated node (line coverage of actor.py
-#   per vector, traced once and cached in .pytest_cache; every functools cache of actor.py is
-#   cleared before each vector, so memoised code counts for each), fastest first; a mutant of code
-#   that runs at import (a table, a default) gets every vector; one no traced run reaches gets the
-#   vectors with `host.isolation` (worker processes are not traced). One no vector reaches
-#   survives unrun.
-# - Survivors judged equivalent (nothing observable changes) are listed in MUTATION_EQUIVALENT with
-#   the reason and left out of the score; those the vector format cannot reach (real time, the
-#   network, the host's API, a step after shutdown) in MUTATION_OUTSIDE_FORMAT, kept in the score
-#   and counted apart. MUTATION_REPORT=path writes every survivor there.
-# - Last measured (seed 13, 200 mutants, at d2f9ba7): 161 killed, 31 equivalent, 8 outside the
-#   format, 95 %; vectors/README.md "Mutation score" has the table and a second seed (14).
-import ast as _ast
-import faulthandler
-import importlib.util as _importlib_util
-import json as _json
-import time as _mtime
-import hashlib as _hashlib
-import random as _random
-import re as _re
-import select as _select
-import signal as _signal
-import tempfile as _tempfile
-import threading as _threading
 
 MUTATION_GROUPS = {3: "§3", 4: "§4", 5: "§5", 6: "§6", 7: "§7", 8: "§8", 9: "§9", 10: "§10–§12",
                    11: "§10–§12", 12: "§10–§12", 13: "§13", 14: "§14–§16, §20",
                    15: "§14–§16, §20", 16: "§14–§16, §20", 20: "§14–§16, §20"}
-_CMP_SWAP = {_ast.Eq: _ast.NotEq, _ast.NotEq: _ast.Eq, _ast.Lt: _ast.LtE, _ast.LtE: _ast.Lt,
-             _ast.Gt: _ast.GtE, _ast.GtE: _ast.Gt, _ast.In: _ast.NotIn, _ast.NotIn: _ast.In,
-             _ast.Is: _ast.IsNot, _ast.IsNot: _ast.Is}
-_CMP_TEXT = {_ast.Eq: "==", _ast.NotEq: "!=", _ast.Lt: "<", _ast.LtE: "<=", _ast.Gt: ">",
-             _ast.GtE: ">=", _ast.In: "in", _ast.NotIn: "not in", _ast.Is: "is",
-             _ast.IsNot: "is not"}
+
+
+_CMP_SWAP = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE, ast.LtE: ast.Lt,
+             ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.In: ast.NotIn, ast.NotIn: ast.In,
+             ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+
+
+_CMP_TEXT = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
+             ast.GtE: ">=", ast.In: "in", ast.NotIn: "not in", ast.Is: "is",
+             ast.IsNot: "is not"}
+
+
 # Survivors that change nothing observable, keyed "function: original -> mutated | source line":
 # the reason. Message wording and source locations in messages count as not observable (vectors
 # assert categories, not wording).
 _MSG = "message text or location only"
+
+
 _CACHED = "every caller passes the argument"
+
+
 _BOUNDARY = ("the invocation boundary (§12.2.3) reports the crash as the same ExecutionError; only "
              "the message differs")
+
+
 MUTATION_EQUIVALENT = {
     'parse_yaml: 0 -> 1 | problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]':
         _MSG,
@@ -7740,9 +7915,13 @@ MUTATION_EQUIVALENT = {
         'any call), and internal streams cannot be subscribed; no vector or test reaches the '
         'branch',
 }
+
+
 # Survivors the vector format cannot reach (CLI-only output, real time, the network, the host's
 # own API), by function or by key: not equivalent, so they stay in the score; reported apart.
 _CLI = "CLI-only output (--describe text, --diagram)"
+
+
 MUTATION_OUTSIDE_FORMAT = {
     "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
     "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
@@ -7791,6 +7970,8 @@ MUTATION_OUTSIDE_FORMAT = {
 # section's share. "function" takes the whole function; "function | text" the statements of
 # that function whose line starts with text.
 _VENDOR = "the real vendor transport (retries, endpoint, token counts), below the faked one"
+
+
 MUTATION_HOST_CODE = {
     "StreamNetwork.mermaid": _CLI, "GraphRoute.mermaid": _CLI, "_Node.describe": _CLI,
     "StreamRoute.describe": _CLI, "GraphParticipant.describe": _CLI,
@@ -7816,13 +7997,13 @@ def mutation_host_lines(tree, lines, entries=None):
     wanted, out = set(MUTATION_HOST_CODE if entries is None else entries), set()
 
     def visit(node, function):
-        for child in _ast.iter_child_nodes(node):
+        for child in ast.iter_child_nodes(node):
             inner = function
-            if isinstance(child, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 inner = f"{function}.{child.name}" if function else child.name
                 if inner in wanted:
                     out.update(range(child.lineno, child.end_lineno + 1))
-            elif isinstance(child, _ast.stmt) and function:
+            elif isinstance(child, ast.stmt) and function:
                 text = lines[child.lineno - 1].strip()
                 if any(entry.startswith(function + " | ") and text.startswith(entry[len(function) + 3:])
                        for entry in wanted):
@@ -7836,7 +8017,7 @@ def mutation_host_lines(tree, lines, entries=None):
 def mutation_sections(lines):
     """Line number (1-based) -> section group, for the lines between the `# §` banners; None for
     lines outside them (imports, HOST regions)."""
-    banner = _re.compile(r"^# (?:§(\d+)[\d.]*\s|(HOST|PRELUDE)\b)")
+    banner = re.compile(r"^# (?:§(\d+)[\d.]*\s|(HOST|PRELUDE)\b)")
     current, out = None, [None]
     for line in lines:
         found = banner.match(line)
@@ -7874,62 +8055,62 @@ def mutation_points(tree, sections):
                            "apply": apply})
 
         if section is not None:
-            if isinstance(node, _ast.Compare):
+            if isinstance(node, ast.Compare):
                 for j, op in enumerate(node.ops):
                     if type(op) in _CMP_SWAP:
                         def change(node=node, j=j, op=op):
                             node.ops[j] = _CMP_SWAP[type(op)]()
                         add("compare", lambda op=op: (_CMP_TEXT[type(op)],
                                                       _CMP_TEXT[_CMP_SWAP[type(op)]]), change)
-            elif isinstance(node, _ast.BoolOp):
+            elif isinstance(node, ast.BoolOp):
                 def change(node=node, was=type(node.op)):
-                    node.op = _ast.Or() if was is _ast.And else _ast.And()
-                add("boolean", lambda was=type(node.op): ("and", "or") if was is _ast.And
+                    node.op = ast.Or() if was is ast.And else ast.And()
+                add("boolean", lambda was=type(node.op): ("and", "or") if was is ast.And
                     else ("or", "and"), change)
-            elif (isinstance(node, _ast.Constant) and type(node.value) in (int, float)):
+            elif (isinstance(node, ast.Constant) and type(node.value) in (int, float)):
                 for delta in (1, -1):
                     def change(node=node, delta=delta, was=node.value):
                         node.value = was + delta
                     add("constant", lambda was=node.value, delta=delta: (repr(was),
                                                                           repr(was + delta)),
                         change)
-            elif isinstance(node, _ast.UnaryOp) and isinstance(node.op, _ast.Not):
+            elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
                 def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, node.operand)
-                add("not", lambda node=node: (_ast.unparse(node), _ast.unparse(node.operand)),
+                add("not", lambda node=node: (ast.unparse(node), ast.unparse(node.operand)),
                     change)
-            if isinstance(node, _ast.Return) and runtime:
+            if isinstance(node, ast.Return) and runtime:
                 value = node.value
-                if isinstance(value, _ast.Constant) and type(value.value) is bool:
+                if isinstance(value, ast.Constant) and type(value.value) is bool:
                     def change(node=node, was=value.value):
-                        node.value = _ast.Constant(not was)
+                        node.value = ast.Constant(not was)
                     add("return", lambda was=value.value: (f"return {was}", f"return {not was}"),
                         change)
-                elif value is not None and not (isinstance(value, _ast.Constant)
+                elif value is not None and not (isinstance(value, ast.Constant)
                                                 and value.value is None):
                     def change(node=node):
                         node.value = None
-                    add("return", lambda node=node: (_ast.unparse(node), "return None"), change)
-            if (isinstance(node, _ast.stmt) and runtime and index is not None
-                    and not isinstance(node, (_ast.Pass, _ast.Global, _ast.Nonlocal))
-                    and not (index == 0 and isinstance(node, _ast.Expr)
-                             and isinstance(node.value, _ast.Constant))):
+                    add("return", lambda node=node: (ast.unparse(node), "return None"), change)
+            if (isinstance(node, ast.stmt) and runtime and index is not None
+                    and not isinstance(node, (ast.Pass, ast.Global, ast.Nonlocal))
+                    and not (index == 0 and isinstance(node, ast.Expr)
+                             and isinstance(node.value, ast.Constant))):
                 def change(node=node, parent=parent, field=field, index=index):
-                    _replace_in_parent(parent, field, index, _ast.copy_location(_ast.Pass(), node))
-                add("statement", lambda node=node: (_ast.unparse(node).splitlines()[0], "pass"),
+                    _replace_in_parent(parent, field, index, ast.copy_location(ast.Pass(), node))
+                add("statement", lambda node=node: (ast.unparse(node).splitlines()[0], "pass"),
                     change)
-        for child_field, value in _ast.iter_fields(node):
+        for child_field, value in ast.iter_fields(node):
             inner = function
-            if isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.ClassDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 inner = f"{function}.{node.name}" if function else node.name
             child_runtime = runtime or (
-                isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.Lambda))
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 and child_field == "body")
             if isinstance(value, list):
                 for k, item in enumerate(value):
-                    if isinstance(item, _ast.AST):
+                    if isinstance(item, ast.AST):
                         visit(item, node, child_field, k, inner, child_runtime)
-            elif isinstance(value, _ast.AST):
+            elif isinstance(value, ast.AST):
                 visit(value, node, child_field, None, inner, child_runtime)
 
     visit(tree, None, None, None, "", False)
@@ -7939,13 +8120,13 @@ def mutation_points(tree, sections):
 def _vector_coverage(paths, actor_file, cache):
     """{vector name: {"lines": [...], "seconds": s}}: the actor.py lines each vector's run executes
     (traced in this process), cached by the hashes of actor.py and of the vector file."""
-    actor_hash = _hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
+    actor_hash = hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
     stored = cache.get("mutation/coverage", None) if cache else None
     if not stored or stored.get("actor") != actor_hash or stored.get("method") != 2:
         stored = {"actor": actor_hash, "method": 2, "vectors": {}}
     result = {}
     for path in paths:
-        key = _hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         entry = stored["vectors"].get(str(path))
         if entry is None or entry.get("hash") != key:
             hit = set()
@@ -7962,15 +8143,15 @@ def _vector_coverage(paths, actor_file, cache):
             for value in list(vars(actor).values()):   # memoised code runs again for each vector
                 if callable(getattr(value, "cache_clear", None)):
                     value.cache_clear()
-            start = _mtime.perf_counter()
+            start = time.perf_counter()
             sys.settrace(tracer)
-            _threading.settrace(tracer)
+            threading.settrace(tracer)
             try:
                 actor.observe_vector(vector)
             finally:
                 sys.settrace(None)
-                _threading.settrace(None)
-            entry = {"hash": key, "lines": sorted(hit), "seconds": _mtime.perf_counter() - start}
+                threading.settrace(None)
+            entry = {"hash": key, "lines": sorted(hit), "seconds": time.perf_counter() - start}
             stored["vectors"][str(path)] = entry
         result[str(path)] = entry
     if cache:
@@ -7981,17 +8162,17 @@ def _vector_coverage(paths, actor_file, cache):
 def _run_mutant(source, sections, index, order, vectors, workdir):
     """In a forked child: build mutant `index`, import it under a fresh name, run `order`.
     Returns {status: killed|survived, by, original, mutated}."""
-    tree = _ast.parse(source)
+    tree = ast.parse(source)
     point = mutation_points(tree, sections)[index]
     original, mutated = point["apply"]()
-    _ast.fix_missing_locations(tree)
+    ast.fix_missing_locations(tree)
     name = f"actor_mutant_{index}"
     path = Path(workdir, name + ".py")
-    path.write_text(_ast.unparse(tree), encoding="utf-8")
+    path.write_text(ast.unparse(tree), encoding="utf-8")
     record = {"original": original, "mutated": mutated, "status": "killed"}
     try:
-        spec = _importlib_util.spec_from_file_location(name, path)
-        module = _importlib_util.module_from_spec(spec)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     except BaseException as exc:    # noqa: BLE001 - a mutant that cannot load is killed
@@ -8024,9 +8205,9 @@ def _fork_mutant(*args):
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         try:
-            data = _json.dumps(_run_mutant(*args)).encode()
+            data = json.dumps(_run_mutant(*args)).encode()
         except BaseException as exc:   # noqa: BLE001
-            data = _json.dumps({"status": "killed", "by": f"harness: {exc!r}",
+            data = json.dumps({"status": "killed", "by": f"harness: {exc!r}",
                                "original": "?", "mutated": "?"}).encode()
         with os.fdopen(write, "wb") as pipe:
             pipe.write(data)
@@ -8054,7 +8235,7 @@ def mutation_identities(points, lines):
 
 def mutation_short_id(identity):
     """Twelve hex digits naming one mutant for MUTATION_ONLY; independent of the seed."""
-    return _hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
 def mutation_sample(points, identities, lines, size, seed):
@@ -8077,7 +8258,7 @@ def mutation_sample(points, identities, lines, size, seed):
         share[g] += 1
 
     def rank(i):
-        return _hashlib.sha256(f"{seed}\n{identities[i]}".encode()).hexdigest()
+        return hashlib.sha256(f"{seed}\n{identities[i]}".encode()).hexdigest()
 
     chosen = []
     for g in groups:
@@ -8093,7 +8274,7 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
     sections = mutation_sections(lines)
 
     def sample(lines, seed=13):
-        points = mutation_points(_ast.parse("\n".join(lines)), sections)
+        points = mutation_points(ast.parse("\n".join(lines)), sections)
         identities = mutation_identities(points, lines)
         return points, identities, {identities[i]: points[i]
                                     for i in mutation_sample(points, identities, lines, 200, seed)}
@@ -8112,7 +8293,7 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
     assert sample(lines, seed=14)[2].keys() != before.keys()
     for kind in ("compare", "boolean", "constant", "not", "return", "statement"):
         index = next(identities.index(k) for k, p in before.items() if p["kind"] == kind)
-        tree = _ast.parse("\n".join(lines))
+        tree = ast.parse("\n".join(lines))
         point = mutation_points(tree, sections)[index]
         assert point["apply"]() == points[index]["texts"]()
 
@@ -8121,7 +8302,7 @@ def test_mutation_host_code_entries_name_code():
     """Every MUTATION_HOST_CODE entry still names a function or statement of actor.py."""
     source = Path(actor.__file__).read_text(encoding="utf-8")
     lines = source.splitlines()
-    tree = _ast.parse(source)
+    tree = ast.parse(source)
     for entry in MUTATION_HOST_CODE:
         assert mutation_host_lines(tree, lines, [entry]), f"{entry!r} names nothing in actor.py"
 
@@ -8137,9 +8318,9 @@ def test_mutation_score_of_the_vectors(request):
     source = Path(actor_file).read_text(encoding="utf-8")
     lines = source.splitlines()
     sections = mutation_sections(lines)
-    for number in mutation_host_lines(_ast.parse(source), lines):
+    for number in mutation_host_lines(ast.parse(source), lines):
         sections[number] = None
-    points = mutation_points(_ast.parse(source), sections)
+    points = mutation_points(ast.parse(source), sections)
     identities = mutation_identities(points, lines)
     chosen = mutation_sample(points, identities, lines, size, seed)
     if os.environ.get("MUTATION_ONLY"):     # indices of this actor.py, or short ids (stable)
@@ -8155,7 +8336,7 @@ def test_mutation_score_of_the_vectors(request):
     print(f"\n[mutation] seed {seed}, {len(chosen)} of {len(points)} mutation points, "
           f"{len(paths)} vectors")
     results, running, queue = {}, {}, list(chosen)
-    with _tempfile.TemporaryDirectory(prefix="actor-mutants-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="actor-mutants-") as workdir:
         # (The unmutated tree, written out and imported the same way, passes every vector.)
         while queue or running:
             while queue and len(running) < jobs:
@@ -8173,10 +8354,10 @@ def test_mutation_score_of_the_vectors(request):
                                       "original": None, "mutated": None}
                     continue
                 pid, read = _fork_mutant(source, sections, index, order, vectors, workdir)
-                running[read] = (index, pid, _mtime.monotonic(), [])
+                running[read] = (index, pid, time.monotonic(), [])
             if not running:
                 continue
-            ready, _, _ = _select.select(list(running), [], [], 0.5)
+            ready, _, _ = select.select(list(running), [], [], 0.5)
             for read in list(running):
                 index, pid, started, chunks = running[read]
                 done = False
@@ -8188,13 +8369,13 @@ def test_mutation_score_of_the_vectors(request):
                         done = True
                         os.waitpid(pid, 0)
                         try:
-                            results[index] = _json.loads(b"".join(chunks))
+                            results[index] = json.loads(b"".join(chunks))
                         except ValueError:
                             results[index] = {"status": "killed", "by": "died",
                                               "original": "?", "mutated": "?"}
-                if not done and _mtime.monotonic() - started > limit:
+                if not done and time.monotonic() - started > limit:
                     try:
-                        os.killpg(pid, _signal.SIGKILL)
+                        os.killpg(pid, signal.SIGKILL)
                     except OSError:
                         pass
                     os.waitpid(pid, 0)
@@ -8247,75 +8428,3 @@ def test_mutation_score_of_the_vectors(request):
     if os.environ.get("MUTATION_REPORT"):
         Path(os.environ["MUTATION_REPORT"]).write_text(text, encoding="utf-8")
     assert total["mutants"] == len(chosen)
-
-
-# Benchmarks (issue 11): printed side by side in one run, never asserted ----------------------
-def _best_us(fn, n):
-    """Best of five rounds of n // 5 calls, in microseconds per call (an unloaded machine's)."""
-    best = float("inf")
-    for _ in range(5):
-        start = _time.perf_counter()
-        for _ in range(n // 5):
-            fn()
-        best = min(best, (_time.perf_counter() - start) / (n // 5) * 1e6)
-    return best
-
-
-@pytest.mark.bench
-def test_sandbox_bench_per_call_against_restrictedpython_and_bare_exec():
-    """One body, three runners: bare exec, RestrictedPython (the `bench` extra) and run_code;
-    then run_code with contexts of 0 to 10,000 keys, and one call through isolation="process"."""
-    source = 'result = str(input_data).upper() + "!"\n'
-    unit = actor.compile_code(source)
-    plain = compile(source, "<plain>", "exec")
-    empty = {}
-    rows = [("bare exec", _best_us(lambda: exec(plain, sandbox_vars(context=empty)), 50000))]
-    try:
-        from RestrictedPython import compile_restricted, safe_globals
-        from RestrictedPython.Eval import default_guarded_getattr
-        restricted = compile_restricted(source, "<restricted>", "exec")
-        glb = {**safe_globals, "_getattr_": default_guarded_getattr}
-        rows.append(("RestrictedPython", _best_us(
-            lambda: exec(restricted, {**glb, **sandbox_vars(context=empty)}), 50000)))
-    except ImportError:
-        rows.append(("RestrictedPython", float("nan")))
-    for keys in (0, 100, 1000, 10000):
-        context = {f"k{i}": i for i in range(keys)}
-        rows.append((f"actor.py run_code, context of {keys} keys", _best_us(
-            lambda: actor.run_code(unit, sandbox_vars(context=context)), 50000)))
-    workers = actor.ProcessSandbox()
-    try:
-        variables = sandbox_vars(context=actor.ContextView({}))
-        workers.run_code(unit, variables, 1.0, None)
-        rows.append(('actor.py isolation="process"', _best_us(
-            lambda: workers.run_code(unit, variables, 1.0, None), 2000)))
-    finally:
-        workers.close()
-    print("\n[sandbox bench] one call of " + source.strip())
-    for label, us in rows:
-        print(f"  {label:<44} {us:8.2f} us")
-
-
-@pytest.mark.bench
-def test_sandbox_bench_graph_node_inline_tool_against_echo():
-    """A 10-node linear graph whose nodes are inline-tool agents vs echo-tool agents."""
-    names = [f"n{i}" for i in range(10)]
-    edges = [{"source": a, "target": b} for a, b in zip(["start", *names], [*names, "end"])]
-    results = {}
-    for label, tool in (("echo tool", "echo"),
-                        ("inline tool", {"name": "t", "code": "result = input_data"}),
-                        ("context-reading inline tool",
-                         {"name": "t", "code": "result = context.get('x', input_data)"})):
-        data = {"agents": {"a": {"type": "tool", "config": {"tools": [tool]}}},
-                "routes": {"main": {"type": "graph", "edges": edges,
-                                    "nodes": {n: {"type": "agent", "agent": "a"} for n in names}}}}
-        a = actor.load(text=yaml.safe_dump(data), unsafe=True, default_router="main")
-        graph = a.rt.graphs["main"]
-        graph.run("echo hi", a.rt.context, pure=True)
-        results[label] = _best_us(lambda: graph.run("echo hi", a.rt.context, pure=True), 2000) / 10
-    print(f"\n[sandbox bench] graph node: echo tool {results['echo tool']:.2f} us/node, "
-          f"inline tool {results['inline tool']:.2f} us/node "
-          f"({results['inline tool'] / results['echo tool']:.2f}x), one that reads the context "
-          f"{results['context-reading inline tool']:.2f} us/node "
-          f"({results['context-reading inline tool'] / results['echo tool']:.2f}x: the §6.2.2 "
-          f"context is built for it)")
