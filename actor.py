@@ -5538,13 +5538,14 @@ class GraphNode:
         self.parallel = bool(cfg.get("parallel", False))
         self.is_router = node_type == "message_router"
         self.agent = cfg.get("agent")
-        policy = cfg.get("retry_policy")
-        self.retries = int(policy.get("max_retries", 3)) if isinstance(policy, dict) else 0
-        self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0
+        policy = cfg.get("retry_policy")      # defaults from the §6.2.2 tables (AGENT_NODE_FIELDS)
+        policy = field_values(policy, RETRY_POLICY_FIELDS) if policy is not None else None
+        self.retries = int(policy["max_retries"]) if policy is not None else 0
+        self.retry_delay = float(policy["delay"]) if policy is not None else 0.0
         self.timeout = cfg.get("timeout")
-        meta = cfg.get("metadata") or {}
-        self.max_history_messages = int(meta.get("max_history_messages", 20))   # §6.2.2.1
-        self.max_history_chars = int(meta.get("max_history_chars", 12000))
+        history = field_values(cfg.get("metadata") or {}, NODE_HISTORY_FIELDS)     # §6.2.2.1
+        self.max_history_messages = int(history["max_history_messages"])
+        self.max_history_chars = int(history["max_history_chars"])
         self.rules = compile_router_rules(cfg, path) if self.is_router else ()
         self.function = cfg.get("function")
         tools = cfg.get("tools", [])

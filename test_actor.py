@@ -7791,6 +7791,16 @@ MUTATION_EQUIVALENT = {
     "return ctx if isinstance(ctx, dict) else {}": "the global context is always a mapping",
     "transform_stage.on_next: return -> pass | return":
         "no content a vector can send makes a built-in transform raise",
+    "GraphRoute._continue: if len(results) == 1 and results[0][0].plain_next is not None: -> "
+    "pass | if len(results) == 1 and results[0][0].plain_next is not None:":
+        "a fast path: without it every step goes through _next_nodes and _step, which find and "
+        "run the same node (the graph vectors and unit tests pass with it removed)",
+    "GraphRoute._step: 1 -> 0 | if len(frontier) == 1:":
+        "a fast path: run_next_node_set runs a one-node set as _step_one does (the graph "
+        "vectors and unit tests pass with it removed)",
+    "cond_never: return False -> pass | return False":
+        "None and False are both false wherever a condition's result is read (conditional "
+        "nodes store bool(result))",
     "GraphRoute._continue: 1 -> 2 | "
     "if len(results) == 1 and results[0][0].plain_next is not None:":
         "a fast path: _next_nodes finds the same frontier",
@@ -7957,6 +7967,11 @@ MUTATION_OUTSIDE_FORMAT = {
         'a call abandoned by a real-time timeout while its code still runs',
     'topological_levels':
         "§6.11 levels are kept for the host's analysis API; no run reads them",
+    'find_back_edges':
+        "§6.11 cycle knowledge (back_edges, has_cycles) is kept for the host's analysis API; the "
+        "§6.8 guards work per run and no run reads it",
+    'node_agent: is -> is not | if node.timeout is None:':
+        "real time: a node timeout bounds a real-time call (the swap only drops the bound)",
     'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
     'StreamNetwork.settle':
