@@ -11645,12 +11645,18 @@ class Actor:
 
     # -- inspection (§4.11)
     def describe(self):
-        """Agents with type, capabilities and metadata; routes with their type (§4.11)."""
+        """Agents with type, capabilities and metadata; routes with their type (§4.11); each
+        graph route's §6.11 analysis, as the runtime holds it (cycles, topological levels,
+        unreachable nodes)."""
         agents = {name: {"type": a.type, "capabilities": list(a.capabilities),
                          "metadata": jsonable(a.metadata)} for name, a in self.rt.agents.items()}
         routes = {name: route["type"] for name, route in self.rt.doc.data["routes"].items()}
+        graphs = {name: {"has_cycles": g.analysis.has_cycles, "levels": g.analysis.levels,
+                         "unreachable": list(g.analysis.unreachable)}
+                  for name, g in self.rt.graphs.items()}
         return {"name": self.rt.doc.data.get("name"), "agents": agents, "routes": routes,
-                "default_router": self.default_router, "template_engine": self.rt.engine}
+                "graphs": graphs, "default_router": self.default_router,
+                "template_engine": self.rt.engine}
 
     def diagram(self):
         """A Mermaid flowchart of the whole Actor: stream side, then each graph."""

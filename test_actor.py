@@ -7936,9 +7936,9 @@ MUTATION_OUTSIDE_FORMAT = {
     "mermaid_name": _CLI, "mermaid_entry_id": _CLI, "mermaid_stream_id": _CLI,
     "mermaid_graph": _CLI, "describe_condition": _CLI, "_describe_op": _CLI,
     "RealClock.advance": "real time (vectors run on a virtual clock)",
-    "GraphNode.__init__: self.retry_delay = float(policy.get('delay', 1.0)) if "
-    "isinstance(policy, dict) else 0.0 -> pass | "
-    'self.retry_delay = float(policy.get("delay", 1.0)) if isinstance(policy, dict) else 0.0':
+    "GraphNode.__init__: self.retry_delay = float(policy['delay']) if policy is not None else "
+    "0.0 -> pass | "
+    'self.retry_delay = float(policy["delay"]) if policy is not None else 0.0':
         "the retry delay only waits on a real clock",
     "read_sources": "CLI file reading",
     "start_actor: raise ConfigurationError(f\"unknown isolation {isolation!r}: use one of "
@@ -7965,11 +7965,6 @@ MUTATION_OUTSIDE_FORMAT = {
     '_check_write: check_not_abandoned(\'inline code\') -> pass | check_not_abandoned("inline '
     'code")':
         'a call abandoned by a real-time timeout while its code still runs',
-    'topological_levels':
-        "§6.11 levels are kept for the host's analysis API; no run reads them",
-    'find_back_edges':
-        "§6.11 cycle knowledge (back_edges, has_cycles) is kept for the host's analysis API; the "
-        "§6.8 guards work per run and no run reads it",
     'node_agent: is -> is not | if node.timeout is None:':
         "real time: a node timeout bounds a real-time call (the swap only drops the bound)",
     'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
