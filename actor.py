@@ -566,12 +566,16 @@ class Runtime:
         self.functions = {}                 # §5.3.3: transformers the host registers by name
         self.progress = None                # §4.5.6: the facility, made on first use
         self.file_write_lock = threading.Lock()   # §4.5.5: file writes take turns (§6.7)
-        self.outer = None                   # a composite's runtime: the Actor's one (§4.6)
+        self.outer = None                   # a composite's runtime: the enclosing one, which
+                                            # holds the progress bar and takes its warnings (§4.6)
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
         self.warned_conditions = set()      # §5.4.1: condition sites already warned about
         self.phase_a_reads = set()          # §8.2: names the documents' Phase A reads
 
     def warn(self, message, *, section=None, path=None):
+        if self.outer is not None:      # a composite's components: located at their full path
+            return self.outer.warn(message, section=section,
+                                   path=None if path is None else self.doc.outer_path(path))
         return warn(self, message, section=section, path=path)
 
 
@@ -2577,8 +2581,6 @@ def component_runtime(rt, sub_doc, clock):
     inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
     inner.default_router = None
     inner.routing_prefixes = rt.routing_prefixes
-    inner.warn = lambda message, *, section=None, path=None: rt.warn(
-        message, section=section, path=None if path is None else sub_doc.outer_path(path))
     return inner
 
 # §4.6.2 Routing --------------------------------------------------------------------------
