@@ -1636,9 +1636,7 @@ def test_inline_errors_propagate_as_execution_errors(tmp_path, monkeypatch):
 def test_inline_runaway_code_times_out_and_the_agent_keeps_serving(tmp_path):
     agent = _inline(tmp_path, "echo", {"name": "spin", "code": "while True:\n    pass\n"},
                     timeout=0.2)
-    started = time.monotonic()
     assert "time limit of 0.2 s" in str(_fails(agent, "spin"))     # the 0.2 s budget stopped it
-    assert time.monotonic() - started < HANG_GUARD
     assert _call(agent, "echo next") == "next"
 
 
@@ -5655,11 +5653,9 @@ except ImportError:
     _resource = None
 
 
-# Not a timing assertion: what stopped a runaway is asserted from its error ("resource exhausted:
-# time limit of 0.2 s" names the budget that fired). HANG_GUARD only turns a runaway that some
-# other, far later, bound ended into a failure instead of a slow pass; it is far above any delay a
-# busy 2-core CI machine adds.
-HANG_GUARD = 60.0
+# No timing assertions: a runaway's test asserts that it ended as an error and that the next call
+# is served (and, where one budget is the only possible cause, which one fired: "time limit of
+# 0.2 s"); a guard that failed would leave the test hanging, which CI reports.
 
 
 def sandbox_vars(**extra):
@@ -5942,7 +5938,7 @@ def test_sandbox_expression_escape_fails(source):
     assert actor.compile_expression("lambda x: x.upper()")("ok") == "OK"
 
 
-# T3 in-process -- Python-level runaways: each stops at its timeout (HANG_GUARD catches a miss) through the
+# T3 in-process -- Python-level runaways: each stops at its timeout through the
 # budget's ticks or its size check, without a large allocation, and the next call is served.
 SANDBOX_RUNAWAYS = {
     "while-true": "while True:\n    pass",
@@ -5992,10 +5988,8 @@ def test_sandbox_runaway_is_stopped(capsys, source):
     def peak_kib():
         return _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss if _resource else 0
     rss_before = peak_kib()
-    start = time.monotonic()
     with pytest.raises(actor.ExecutionError):      # a guard stopped it (in-process, a miss hangs)
         sandbox_run(source, timeout=timeout)
-    assert time.monotonic() - start < HANG_GUARD
     assert peak_kib() - rss_before < 400 * 1024
     assert capsys.readouterr().out == ""
     sandbox_still_serves()
@@ -6076,10 +6070,8 @@ ISOLATED_RUNAWAYS = {
 def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkeypatch, source):
     monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
     timeout = 0.3
-    start = time.monotonic()
     with pytest.raises(actor.ExecutionError):
         worker_run(workers, source, timeout=timeout)
-    assert time.monotonic() - start < HANG_GUARD
     worker_still_serves(workers)
 
 
@@ -6287,9 +6279,7 @@ routes:
                        default_router="main")
         try:
             for name, message in MESSAGE_SENDER_ATTACKS.items():
-                start = time.monotonic()
                 result = a.send(message)
-                assert time.monotonic() - start < HANG_GUARD, name
                 assert result.outputs or result.errors, name
                 sent = " ".join(r["system"] + str(r["messages"]) for r in a.rt.llm_log)
                 assert "s3cret" not in sent, (engine, name)
@@ -6520,10 +6510,8 @@ def test_sandbox_expression_arity_and_shape():
 
 def test_sandbox_expression_runaway_and_size():
     unit = actor.compile_expression("lambda x: [0 for a in x for b in x for c in x for d in x]")
-    start = time.monotonic()
     with pytest.raises(actor.ExecutionError, match="time limit"):
         unit(list(range(1000)), timeout=0.2)
-    assert time.monotonic() - start < HANG_GUARD
     with pytest.raises(actor.ExecutionError, match="resource exhausted"):
         actor.compile_expression("lambda x: x * 10**10")("ab")
     assert actor.compile_expression("lambda x: x * 3")("ab") == "ababab"
@@ -6659,10 +6647,8 @@ def _ssti_context():
 def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
     monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
     context = _ssti_context()
-    start = time.monotonic()
     with pytest.raises(actor.TemplateError):
         actor.render(source, actor.runtime_variables(context, "m"), "JINJA2")
-    assert time.monotonic() - start < HANG_GUARD
     assert context == _ssti_context()
     assert actor.render("{{ context.sentinel }} {{ '{}-{}'.format(1, 2) }} {{ 2 ** 10 }}",
                         actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
@@ -6711,10 +6697,8 @@ def test_template_runaway_is_stopped(monkeypatch, engine, name):
     monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.2)
     source = TEMPLATE_RUNAWAYS[(engine, name)]
     partials = {"P": "{{#a}}{{>P}}{{>P}}{{/a}}"}
-    start = time.monotonic()
     with pytest.raises(actor.TemplateError):
         actor.render(source, _template_variables(), engine, partials=partials)
-    assert time.monotonic() - start < HANG_GUARD
     assert actor.render("{{ message }}", {"message": "ok"}, engine) == "ok"
 
 
@@ -6724,10 +6708,8 @@ def test_isolated_template_runaway_is_stopped(workers, monkeypatch, engine, name
     monkeypatch.setattr(actor, "TEMPLATE_TIME_LIMIT", 0.3)
     monkeypatch.setattr(actor, "WORKER_GRACE", 0.3)
     source = ISOLATED_TEMPLATE_RUNAWAYS[(engine, name)]
-    start = time.monotonic()
     with pytest.raises(actor.TemplateError):
         workers.render(source, _template_variables(), engine)
-    assert time.monotonic() - start < HANG_GUARD
     assert workers.render("{{ message }}", {"message": "ok"}, engine) == "ok"
 
 
