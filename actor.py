@@ -6479,6 +6479,7 @@ def checkpoint_sequence(path):
 # crash may lose the files of the last second. A failed write is reported by the next
 # checkpoint; listing, restoring, an explicit checkpoint and close wait for the writer.
 CHECKPOINT_FSYNC_EVERY = 1.0    # seconds between two fsyncs of checkpoint files
+CHECKPOINT_IN_FLIGHT = 8        # checkpoints handed over and not yet answered, at most
 
 
 def write_checkpoint(graph, state, wait=True):
@@ -6560,8 +6561,10 @@ while True:
 
 class CheckpointWriter:
     """One graph's checkpoint writer: a small child process that writes (path, state) pairs as
-    JSON files, whole, in order, one at a time; put() hands over the next once the previous one
-    is answered.
+    JSON files, whole, in order, one at a time. put() hands over the next at once while fewer
+    than CHECKPOINT_IN_FLIGHT are unanswered, else after the oldest is answered: a writer that
+    falls behind for a moment (a busy machine takes its core away) does not stop the graph, and
+    one that stays behind holds the graph to its pace with at most that many states in the pipe.
 
     A process, not a thread: a writer thread needs the interpreter lock back after each of its
     system calls and gets it only when the busy graph thread lets go (up to 5 ms later), so its
@@ -6570,17 +6573,24 @@ class CheckpointWriter:
     graph's thread); a state marshal cannot carry is sent as JSON text."""
 
     def __init__(self):
-        import subprocess       # on first use: start-up pays for none (issue 15)
+        import select, subprocess       # on first use: start-up pays for none (issue 15)
+        self._select = select.select
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKPOINT_WRITER_PROGRAM],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.waiting, self.failure = False, None
+        self.waiting, self.failure = 0, None       # answers still to read; the first failure
+        self._partial = b""                         # the start of an answer not read whole
         # A writer never closed (its graph dropped without close()) stops at end of input.
         weakref.finalize(self, CheckpointWriter.stop, self.proc)
 
     def put(self, path, state):
         """Hand over the `state` mapping for `path`; the caller may change the state as soon as
-        this returns."""
-        self.flush()            # the previous write is done (or its failure reported) first
+        this returns. A write that failed meanwhile is reported here (or by flush)."""
+        self._answers(block=False)         # those already given; a failure among them
+        while self.waiting >= CHECKPOINT_IN_FLIGHT:
+            self._answers(block=True)
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
         try:
             kind, data = b"m", marshal.dumps(state)
         except ValueError:      # a type marshal does not know (or a cycle): encode here
@@ -6595,16 +6605,36 @@ class CheckpointWriter:
             self.proc.stdin.flush()
         except (OSError, ValueError):       # the writer process is gone
             raise OSError("the checkpoint writer process has stopped") from None
-        self.waiting = True
+        self.waiting += 1
+
+    def _answers(self, block):
+        """Read the answers the writer has given (block: wait for at least one); keep the first
+        failure for flush. Read from the pipe's descriptor, so that "is one there?" is a
+        select() that no buffered reader hides anything from."""
+        fd, ready = self.proc.stdout.fileno(), self._select
+        while self.waiting and (block or ready([fd], [], [], 0)[0]):
+            block = False
+            chunk = os.read(fd, 4096)
+            if not chunk:       # the writer is gone: no further answer will come
+                self._failed(b"")
+                self.waiting = 0
+                return
+            self._partial += chunk
+            *lines, self._partial = self._partial.split(b"\n")
+            for line in lines:
+                self.waiting -= 1
+                if line != b"ok":
+                    self._failed(line)
+
+    def _failed(self, answer):
+        if self.failure is None:
+            self.failure = OSError(answer[len("error "):].decode(errors="replace").strip()
+                                   or "the checkpoint writer process has stopped")
 
     def wait(self):
-        """Wait until the write handed over last is on disk (a failure is kept for flush)."""
-        if self.waiting:
-            self.waiting = False
-            answer = self.proc.stdout.readline()
-            if answer != b"ok\n":
-                self.failure = OSError(answer[len("error "):].decode(errors="replace").strip()
-                                       or "the checkpoint writer process has stopped")
+        """Wait until every write handed over is on disk (a failure is kept for flush)."""
+        while self.waiting:
+            self._answers(block=True)
 
     def flush(self):
         self.wait()
@@ -10596,7 +10626,8 @@ class Worker:
         boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
                 f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
         here = os.path.dirname(os.path.abspath(__file__))
-        import subprocess       # on first use: start-up pays for none (issue 15)
+        import select, subprocess       # on first use: start-up pays for none (issue 15)
+        self._select = select.select
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
