@@ -7358,8 +7358,9 @@ def _rates(fns, n=5000, rounds=10):
 
 @pytest.mark.bench
 def test_bench_memory_stays_flat_with_llm_agents_and_memory_on():
-    """Issue 15: 2x10^5 messages through map(llm agent, memory on, fake provider) and 2x10^4 graph
-    runs: resident memory after them against after the first 10^4 (printed)."""
+    """Issue 15: 10^6 messages through map(llm agent, memory on, fake provider) and 10^5 graph
+    runs: resident memory after them against after the first 10^4 messages (printed; the issue
+    keeps it within 10 %)."""
     import resource as _res
     text = ("agents:\n  chat: {type: llm, config: {provider: openai, api_key: k, memory_enabled: true,"
             " system_prompt: 'Be brief about {{ message }}.'}}\n"
@@ -7376,15 +7377,17 @@ def test_bench_memory_stays_flat_with_llm_agents_and_memory_on():
     for i in range(10_000):
         a.send(f"m{i}")
     first = rss_mib()
-    for i in range(190_000):
+    started = time.perf_counter()
+    for i in range(990_000):
         a.send(f"m{i}")
     graph = a.rt.graphs["g"]
-    for i in range(20_000):
+    for i in range(100_000):
         graph.run(f"g{i}", a.rt.context)
     last = rss_mib()
-    print(f"\n[memory bench] RSS after 10^4 messages {first:.1f} MiB, after 2x10^5 messages and "
-          f"2x10^4 graph runs {last:.1f} MiB ({(last - first) / first * 100:+.1f} %); llm_log keeps "
-          f"{len(a.rt.llm_log)} entries")
+    print(f"\n[memory bench] RSS after 10^4 messages {first:.1f} MiB, after 10^6 messages and "
+          f"10^5 graph runs {last:.1f} MiB ({(last - first) / first * 100:+.1f} %; issue 15 keeps "
+          f"within 10 %); llm_log keeps {len(a.rt.llm_log)} entries; "
+          f"{time.perf_counter() - started:.0f} s")
 
 
 @pytest.mark.bench
