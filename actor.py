@@ -633,10 +633,10 @@ _CORE_SCALAR_FORMS = {
 }
 
 
-def _scalar_value(node):
-    """A scalar node's value. ValueError(type name) when an explicit core tag (`!!int 0x_`)
-    names a type whose YAML 1.2 core form the text does not have; the caller locates it."""
-    tag, text = node.tag, node.value
+def _scalar_value(tag, text):
+    """A scalar's value by its resolved tag. ValueError(type name) when an explicit core tag
+    (`!!int 0x_`) names a type whose YAML 1.2 core form the text does not have; the caller
+    locates it."""
     form = _CORE_SCALAR_FORMS.get(tag)
     if form is not None and not form.fullmatch(text):
         raise ValueError(tag.rsplit(":", 1)[-1])
@@ -660,110 +660,142 @@ def _scalar_value(node):
     return text
 
 
-YAML_COMPOSER_DEPTH = 1000         # nesting levels the C composer is handed (it recurses)
-
-
-def check_nesting(text, file):
-    """Refuse a document nested deeper than YAML_COMPOSER_DEPTH before the C composer sees it: it
-    recurses without a depth check, and 30,000 levels (a line of brackets, or Phase A output)
-    crashed the process. Block nesting is bounded by the longest line (each level indents
-    further) and flow nesting by twice the brackets, so most documents skip the event scan."""
-    lines = text.splitlines() or [""]
-    if 2 * (text.count("[") + text.count("{")) + max(map(len, lines)) < 5 * YAML_COMPOSER_DEPTH:
-        return
-    depth = 0
-    try:
-        for event in yaml.parse(text, Loader=_YamlLoaderBase):   # an iterative parser
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > YAML_COMPOSER_DEPTH:
-                    raise ConfigurationError(
-                        f"document nests deeper than {YAML_COMPOSER_DEPTH} levels",
-                        section="3.1",
-                        file=file, line=event.start_mark.line + 1)
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-    except yaml.YAMLError:
-        return                                                    # parse_yaml reports it
-
-
 def parse_yaml(text, file=None):
-    """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based)."""
+    """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based).
+
+    Values are built straight from the C parser's events in one pass, with no node tree: the
+    parser keeps its own stack, and nothing else recurses with the document's nesting but
+    build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
+    25,000 brackets crashed the process, and a pre-scan of the events guarded it.) An alias
+    builds a fresh copy of its anchor's value, counted against YAML_ALIAS_BUDGET."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
-    check_nesting(text, file)
     loader = Yaml12Loader(text)
+    next_event, resolve = loader.get_event, loader.resolve
+    marks, order = {}, []       # order: the paths marked, in order (an anchor's are a stretch)
+    anchors = {}                # anchor -> (value, [(relative path, mark)], nodes, depth)
+    budget = YAML_ALIAS_BUDGET
+
+    def at(event):
+        return (file, event.start_mark.line + 1, event.start_mark.column + 1)
+
+    def fail(message, event, path=None, deep=False):
+        where = None if path is None else path_str(path[:3]) + " ..." if deep else path_str(path)
+        return ConfigurationError(message, path=where, section="3.1", file=file,
+                                  line=event.start_mark.line + 1, col=event.start_mark.column + 1)
+
+    def mark(path, event):
+        marks[path] = at(event)
+        order.append(path)
+
+    def spend(event, nodes):
+        nonlocal budget
+        budget -= nodes
+        if budget < 0:
+            raise fail(f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
+                       event)
+
+    def core_tag(event, kind, value, implicit, path):
+        tag = event.tag
+        if tag is None or tag == "!":       # as pyyaml's composer: "!" is resolved too
+            tag = resolve(kind, value, implicit)
+        if tag not in _CORE_TAGS:
+            raise fail(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
+        return tag
+
+    def build(event, path):
+        """The value that begins with `event`; the marks below `path` are recorded."""
+        if len(path) > YAML_MAX_DEPTH:
+            raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
+        kind = type(event)
+        if kind is yaml.AliasEvent:
+            if event.anchor not in anchors:
+                raise fail(f"document does not parse as YAML: found undefined alias "
+                           f"'{event.anchor}'", event)
+            anchored = anchors[event.anchor]
+            if anchored is None:
+                raise fail(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
+                           f"that contains itself)", event, path)
+            value, below, nodes, depth = anchored
+            spend(event, nodes)
+            if len(path) + depth > YAML_MAX_DEPTH:
+                raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
+                           True)
+            for relative, where in below:
+                marks[path + relative] = where
+                order.append(path + relative)
+            return copy.deepcopy(value) if type(value) in (list, dict) else value
+        spend(event, 1)
+        anchor = event.anchor
+        if anchor is not None:
+            if anchor in anchors:
+                raise fail(f"document does not parse as YAML: found duplicate anchor "
+                           f"'{anchor}'", event)
+            anchors[anchor] = None          # being built: an alias to it inside is refused
+            first_mark, first_budget = len(order), budget
+        if kind is yaml.ScalarEvent:
+            tag = core_tag(event, yaml.ScalarNode, event.value, event.implicit, path)
+            try:
+                value = _scalar_value(tag, event.value)
+            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
+                raise fail(f"'{event.value}' is not a YAML 1.2 core-schema {exc}", event,
+                           path) from None
+        elif kind is yaml.SequenceStartEvent:
+            core_tag(event, yaml.SequenceNode, None, event.implicit, path)
+            value = []
+            item = next_event()
+            while type(item) is not yaml.SequenceEndEvent:
+                index = path + (len(value),)
+                mark(index, item)
+                value.append(build(item, index))
+                item = next_event()
+        else:                               # a MappingStartEvent
+            core_tag(event, yaml.MappingNode, None, event.implicit, path)
+            value = {}
+            item = next_event()
+            while type(item) is not yaml.MappingEndEvent:
+                if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent):
+                    raise fail("mapping keys must be scalars", item, path)
+                key = build(item, path)
+                if isinstance(key, (dict, list)):       # an alias to a collection
+                    raise fail("mapping keys must be scalars", item, path)
+                if key in value:
+                    raise fail(f"duplicate mapping key '{key}'", item, path + (key,))
+                mark(path + (key,), item)
+                value[key] = build(next_event(), path + (key,))
+                item = next_event()
+        if anchor is not None:
+            below = [(p[len(path):], marks[p]) for p in order[first_mark:]]
+            anchors[anchor] = (value, below, first_budget - budget + 1,
+                               max((len(p) for p, _ in below), default=0))
+        return value
+
     try:
-        node = loader.get_single_node()
+        next_event()                                    # the stream's start
+        if loader.check_event(yaml.StreamEndEvent):
+            return None, marks                          # no document at all
+        next_event()                                    # the document's start
+        root = next_event()
+        mark((), root)
+        data = build(root, ())
+        next_event()                                    # the document's end
+        if not loader.check_event(yaml.StreamEndEvent):
+            raise fail("document does not parse as YAML: but found another document",
+                       loader.peek_event())
+        return data, marks
     except RecursionError:
         raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        where = getattr(exc, "problem_mark", None)
+        line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
                                  file=file, line=line, col=col) from None
     finally:
         loader.dispose()
-    marks = {}
-    budget = YAML_ALIAS_BUDGET
-
-    def at(n):
-        return (file, n.start_mark.line + 1, n.start_mark.column + 1)
-
-    def build(n, path):
-        if len(path) > YAML_MAX_DEPTH:
-            raise ConfigurationError(f"document nests deeper than {YAML_MAX_DEPTH} levels",
-                                     path=path_str(path[:3]) + " ...", section="3.1", file=file,
-                                     line=at(n)[1], col=at(n)[2])
-        nonlocal budget
-        budget -= 1
-        if budget < 0:
-            raise ConfigurationError(
-                f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
-                section="3.1", file=file, line=at(n)[1], col=at(n)[2])
-        if n.tag not in _CORE_TAGS:
-            raise ConfigurationError(f"tag '{n.tag}' is not part of the YAML 1.2 core schema",
-                                     path=path_str(path), section="3.1", file=file,
-                                     line=at(n)[1], col=at(n)[2])
-        if isinstance(n, yaml.ScalarNode):
-            try:
-                return _scalar_value(n)
-            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
-                raise ConfigurationError(
-                    f"'{n.value}' is not a YAML 1.2 core-schema {exc}", path=path_str(path),
-                    section="3.1", file=file, line=at(n)[1], col=at(n)[2]) from None
-        if isinstance(n, yaml.SequenceNode):
-            items = []
-            for i, item in enumerate(n.value):
-                marks[path + (i,)] = at(item)
-                items.append(build(item, path + (i,)))
-            return items
-        mapping = {}
-        for key_node, value_node in n.value:
-            key = build(key_node, path)
-            if isinstance(key, (dict, list)):
-                raise ConfigurationError("mapping keys must be scalars", path=path_str(path),
-                                         section="3.1", file=file, line=at(key_node)[1],
-                                         col=at(key_node)[2])
-            if key in mapping:
-                raise ConfigurationError(f"duplicate mapping key '{key}'",
-                                         path=path_str(path + (key,)), section="3.1", file=file,
-                                         line=at(key_node)[1], col=at(key_node)[2])
-            marks[path + (key,)] = at(key_node)
-            mapping[key] = build(value_node, path + (key,))
-        return mapping
-
-    if node is None:
-        return None, marks
-    marks[()] = at(node)
-    try:
-        return build(node, ()), marks
-    except RecursionError:
-        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
 
 
 def deep_merge(base, extra):
@@ -1168,8 +1200,10 @@ def check_llm(rt, name, config, cpath):
 
 
 def field_values(config, fields):
-    """A checked config's values by its field table: absent or null fields take the default."""
-    return {name: copy.deepcopy(row.default) if config.get(name) is None else config[name]
+    """A checked config's values by its field table: absent or null fields take the default (a
+    copy of a list or mapping, so no agent changes another's)."""
+    return {name: (row.default if type(row.default) not in (list, dict)
+                   else copy.deepcopy(row.default)) if config.get(name) is None else config[name]
             for name, row in fields.items()}
 
 

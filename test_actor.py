@@ -183,6 +183,32 @@ def yaml_module():
     return yaml
 
 
+def test_yaml_nesting_is_refused_without_recursing_with_the_document():
+    """§3.1 (I-164): values are built from the parser's events, so a document nested far deeper
+    than pyyaml's composer could recurse (25,000 brackets crashed the process) is refused at
+    YAML_MAX_DEPTH with a located error, block and flow alike."""
+    for text in ("[" * 100_000 + "]" * 100_000, "{a: " * 100_000 + "1" + "}" * 100_000,
+                 "- " * 50_000 + "x"):
+        with pytest.raises(actor.ConfigurationError) as info:
+            actor.parse_yaml(text, "deep.yaml")
+        assert "nests deeper than" in info.value.message and info.value.line == 1
+
+
+def test_yaml_aliases_copy_their_anchor_and_refuse_themselves():
+    """§3.1: each alias is a fresh copy of its anchor's value with the anchor's marks below its
+    own path; an alias inside its own anchor, an undefined one and a redefined anchor are
+    ConfigurationErrors (never a structure that contains itself)."""
+    data, marks = actor.parse_yaml("a: &x {b: [1]}\nc: [*x, *x]\n", "f.yaml")
+    assert data == {"a": {"b": [1]}, "c": [{"b": [1]}, {"b": [1]}]}
+    assert data["c"][0] is not data["c"][1] and data["c"][0]["b"] is not data["a"]["b"]
+    assert marks[("c", 1, "b", 0)] == marks[("a", "b", 0)] == ("f.yaml", 1, 12)
+    assert marks[("c", 1)] == ("f.yaml", 2, 9)
+    for text, says in (("a: &x [1, *x]", "its own anchor"), ("a: *nope", "undefined alias"),
+                       ("a: &x 1\nb: &x 2", "duplicate anchor"), ("--- 1\n--- 2", "another")):
+        with pytest.raises(actor.ConfigurationError, match=says):
+            actor.parse_yaml(text, "f.yaml")
+
+
 def test_errors_are_located_with_file_line_and_section(tmp_path):
     cfg = tmp_path / "team.yaml"
     cfg.write_text("agents:\n  tag:\n    type: chain\nroutes:\n  main:\n    type: stream\n"
