@@ -4846,7 +4846,7 @@ class StreamNetwork:
         return [n for n in order if n not in (OUTPUT, ERROR)] + [OUTPUT, ERROR]
 
     # The host side ------------------------------------------------------------------------
-    def send(self, content, *, target=None, metadata=None):
+    def send(self, content, target=None, metadata=None):
         """Submit a message to __input__, or straight to the route named `target`."""
         stream = self.input.out
         if target is None:
@@ -11686,7 +11686,7 @@ class Actor:
             errors.clear()
             if at is not None:              # timers falling due on the way belong to this call
                 self.network.deliver(self.rt.clock.set_time, at)
-            self.network.send(content, target=target)
+            self.network.send(content, target)
             if self.rt.clock.real and not self.rt.clock.driven:
                 self.network.settle()
             result = Result(outputs.copy(), errors.copy())
