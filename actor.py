@@ -8959,8 +8959,7 @@ def simple_names(variables):
 
     INTERPRETATION I-136 §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
     its built-ins are the §13.2.2 set alone."""
-    return {key: ContextView(value, None, True) if type(value) is dict else value
-            for key, value in variables.items()
+    return {key: read_only_value(value) for key, value in variables.items()
             if not (key in BUILTINS and value is BUILTINS[key])}
 
 
@@ -9174,7 +9173,9 @@ class ContextView(collections.abc.MutableMapping):
 
     def __getitem__(self, key):
         value = self.data[key] if key in self.data or not self.base else self.base[key]
-        return ContextView(value, None, self.read_only) if type(value) is dict else value
+        if self.read_only:
+            return read_only_value(value)
+        return ContextView(value) if type(value) is dict else value
 
     def __setitem__(self, key, value):
         value = plain(value)
@@ -9203,6 +9204,14 @@ class ContextView(collections.abc.MutableMapping):
 
     def copy(self):
         return {key: self[key] for key in self}
+
+
+def read_only_value(value):
+    """What a template reads (I-160): a mapping through a read-only view, any other container as
+    a copy, so no method of it (list.append, a listed dict's update) reaches the context."""
+    if type(value) is dict:
+        return ContextView(value, None, True)
+    return copy.deepcopy(value) if type(value) in (list, set, tuple) else value
 
 
 def _check_write(view, key, value=None):
