@@ -6304,12 +6304,42 @@ UPDATE_MODES = {
 }
 
 
+def _is_message_list(value):
+    return type(value) is list and all(isinstance(entry, dict) for entry in value)
+
+
+# The §6.3.1 table's Type column: field -> (test, what it must be). An update (or a restored
+# checkpoint) that gives a field another type would break every later run, so it is refused whole.
+STATE_FIELD_TYPES = {
+    "messages": (_is_message_list, "a list of mappings"),
+    "metadata": (lambda value: isinstance(value, dict), "a mapping"),
+    "current_node": (lambda value: value is None or isinstance(value, str), "a string or null"),
+    "execution_count": (lambda value: type(value) is int and value >= 0,
+                        "a non-negative integer"),
+    "error": (lambda value: value is None or isinstance(value, str), "a string or null"),
+}
+
+
+def state_field_refusal(field, value, mode="replace"):
+    """§6.3.1: why `value` cannot be the state's `field` (None when it can); in append mode a
+    single message mapping is one entry of the list."""
+    test, what = STATE_FIELD_TYPES.get(field, (None, None))
+    if test is None or test(value) or mode == "append" and field == "messages" \
+            and isinstance(value, dict):
+        return None
+    return f"state field '{field}' must be {what}, not {type(value).__name__}"
+
+
 def apply_state_update(state, update, mode="merge"):
     """Apply a mapping to the state in one of the §6.3.2 modes; cap messages at 50 (§6.3.1)."""
     # INTERPRETATION I-108 §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
     # the 50-message cap holds after every mode, replace included.
     if mode not in UPDATE_MODES:
         raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+    for key, value in update.items():
+        reason = key in state and state_field_refusal(key, value, mode)
+        if reason:
+            raise ExecutionError(f"{reason}; the state is unchanged", section="6.3.1")
     apply = UPDATE_MODES[mode]
     extra = {key: value for key, value in update.items() if key not in state}
     for key, value in update.items():
@@ -6624,6 +6654,10 @@ def restore_checkpoint(graph, path=None):
     state = new_graph_state()
     for key in state:
         if key in data:
+            reason = state_field_refusal(key, data[key])
+            if reason:
+                raise ApplicationError(f"{path} does not hold a graph state: {reason}",
+                                       path=path_str(graph.path), section="6.6")
             state[key] = data[key]
     # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run
     # re-attaches the live context (Q32).
