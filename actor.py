@@ -8100,16 +8100,9 @@ PARAMETER_FIELDS = fields_by_name(
 )
 
 
-def parameter_declarations(doc, decls, path, rt=None):
-    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
-
-    A templates entry without the block was refused at registration (Q83); a template_strings
-    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared
-    instance parameter is passed through with a warning (bind_parameters). The sequence form is
-    forbidden (§16.2).
-    """
-    if decls is None:
-        return {}
+def check_parameter_block(doc, decls, path):
+    """§8.6.1, §16.2: the block's shape, checked when the template is registered (§12.1 step 2),
+    so a template never instantiated is held to it too."""
     if isinstance(decls, list):
         raise doc.error(ConfigurationError, path, "template parameters declared as a sequence; "
                         "use the mapping form (name: {type: ...})", "8.6.1, 16.2")
@@ -8124,6 +8117,21 @@ def parameter_declarations(doc, decls, path, rt=None):
         if decl.get("type") == "enum" and not isinstance(decl.get("values"), list):
             raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
                             "8.6.1")
+
+
+def parameter_declarations(doc, decls, path, rt=None):
+    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
+
+    A templates entry without the block was refused at registration (Q83); a template_strings
+    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form is
+    forbidden (§16.2).
+    """
+    if decls is None:
+        return {}
+    check_parameter_block(doc, decls, path)
+    for name, decl in decls.items():
+        at = path + (name,)
         for key in decl:
             if key not in PARAMETER_FIELDS:
                 warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
@@ -8239,6 +8247,9 @@ class Expansion:
                     raise self.doc.error(ConfigurationError, (section, kind, name),
                                          f"template {name!r} declares no parameters block "
                                          "(write `parameters: {}` for none)", "8.6.1")
+                if body_type is dict and body["parameters"] is not None:
+                    check_parameter_block(self.doc, body["parameters"],
+                                          (section, kind, name, "parameters"))
         return table
 
     def move_instances(self, instances):
