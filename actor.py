@@ -6676,7 +6676,9 @@ def rewind_state(graph, steps):
     if not graph.time_travel:
         raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
                                path=path_str(graph.path), section="6.6")
-    steps = int(steps)
+    if type(steps) is not int:
+        raise ApplicationError(f"graph '{graph.name}': the number of steps to rewind must be an "
+                               f"integer, not {steps!r}", path=path_str(graph.path), section="6.6")
     if steps < 1 or steps >= len(graph.snapshots):
         raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
                                f"steps, not {steps}", path=path_str(graph.path), section="6.6")

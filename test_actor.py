@@ -3347,6 +3347,20 @@ def test_graph_rewind_needs_time_travel():
         g.rewind(1)
 
 
+def test_graph_rewind_steps_must_be_an_integer():
+    """§6.6: a host asking to rewind "2" or 1.5 steps gets an ApplicationError, not a
+    traceback or a silent truncation."""
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    for i in range(5):
+        g.run(str(i))
+    for steps in ("2", 1.5, True, None):
+        with pytest.raises(actor.ApplicationError, match="must be an integer"):
+            g.rewind(steps)
+    assert g.state["execution_count"] == 5
+
+
 KILL_SCRIPT = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
