@@ -6641,6 +6641,9 @@ def restore_checkpoint(graph, path=None):
             raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
                                    path=path_str(graph.path), section="6.6")
         path = found[-1]
+    if not isinstance(path, (str, os.PathLike)):
+        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
+                               f"{type(path).__name__}", path=path_str(graph.path), section="6.6")
     path = Path(path)
     if not path.is_absolute():
         path = Path(graph.rt.workdir) / path
@@ -11632,6 +11635,8 @@ class Actor:
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
+        if type(seconds) not in (int, float) or not math.isfinite(seconds):
+            raise ApplicationError(f"advance() takes a finite number of seconds, not {seconds!r}")
         with self._turn:
             self._begin()
             self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries

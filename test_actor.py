@@ -3347,6 +3347,21 @@ def test_graph_rewind_needs_time_travel():
         g.rewind(1)
 
 
+def test_host_calls_with_wrong_argument_types_are_application_errors():
+    """§6.6 restore with a path that is no path, and advance() with no number of seconds: a
+    located ApplicationError, never a TypeError from inside."""
+    a = actor.load(text="agents:\n  e: {type: tool, config: {tools: [echo]}}\nroutes:\n"
+                        "  g: {type: graph, nodes: {a: {type: agent, agent: e}}, edges: "
+                        "[{source: start, target: a}, {source: a, target: end}]}\n"
+                        "default_router: g\n", provider="fake")
+    with pytest.raises(actor.ApplicationError, match="file path"):
+        a.restore("g", 5)
+    for seconds in ("x", float("nan"), None):
+        with pytest.raises(actor.ApplicationError, match="finite number"):
+            a.advance(seconds)
+    assert a.send("hi").outputs[0].content == "hi"
+
+
 def test_graph_rewind_steps_must_be_an_integer():
     """§6.6: a host asking to rewind "2" or 1.5 steps gets an ApplicationError, not a
     traceback or a silent truncation."""
