@@ -8757,6 +8757,18 @@ def _jinja_classes(jinja2):
 _UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
 
+LIPSUM_MAX_WORDS = 100_000   # jinja2's lipsum(n, html, min, max) writes up to n * max words
+
+
+def template_lipsum(n=5, html=True, min=20, max=100):
+    """jinja2's `lipsum` global within the render budget (T3): its word loop never ticks, so
+    the words it may write are bounded up front."""
+    if not all(type(value) is int for value in (n, min, max)) or n * max > LIPSUM_MAX_WORDS:
+        raise TemplateError(f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
+                            section="13.2")
+    return jinja2_module().utils.generate_lorem_ipsum(n, html, min, max)
+
+
 def template_loop(iterable):
     """The `sb_loop` filter: each step of a template loop ticks the budget."""
     for item in iterable:
@@ -8775,6 +8787,7 @@ def jinja_environment():
     undefined, sandbox = _jinja_classes(jinja2_module())
     env = sandbox(undefined=undefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
+    env.globals["lipsum"] = template_lipsum
     env.filters.update(FILTERS)
     env.filters["sb_loop"] = template_loop
     return env

@@ -6696,6 +6696,7 @@ TEMPLATE_RUNAWAYS = {
     ("JINJA2", "recursive-loop"):
         "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
     ("JINJA2", "string-repetition"): "{{ 'a' * 10**10 }}",
+    ("JINJA2", "lipsum-many-words"): "{{ lipsum(10**6) }}",
     ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
     ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
 }
@@ -6754,6 +6755,8 @@ def test_template_limits_leave_ordinary_templates_alone():
                         "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
                         "{{ zip('ab', [1, 2])|list }}", variables,
                         "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
+    assert actor.render("{{ lipsum(2, html=false, min=3, max=4).split()|length >= 6 }}",
+                        variables, "JINJA2") == "True"
     assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
 
 
