@@ -8226,6 +8226,14 @@ class Expansion:
                                   or host_parameter(doc, "template_engine", None)[0])
         self.templates = self.registry("templates", dict)
         self.strings = self.registry("template_strings", str)
+        # INTERPRETATION I-173 §8.6, §8.9 (new): one name, one template per kind -- a name declared
+        # in both templates and template_strings is a ConfigurationError, used or not.
+        for kind, entries in self.strings.items():
+            for name in entries:
+                if name in (self.templates.get(kind) or {}):
+                    raise doc.error(ConfigurationError, ("template_strings", kind, name),
+                                    f"{kind[:-1]} template {name!r} is declared in both templates "
+                                    "and template_strings", "8.6, 8.9")
 
     def registry(self, section, body_type):
         """templates / template_strings: {agents|graphs|streams: {name: body}}."""
