@@ -6361,7 +6361,7 @@ def state_update_from_content(content):
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
-        except ValueError:
+        except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
             parsed = None
         if isinstance(parsed, dict):
             content = parsed
@@ -8385,7 +8385,7 @@ def coerce_rendered(text):
     if (s.startswith("[") and s.endswith("]")) or (s.startswith("{") and s.endswith("}")):
         try:
             return json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
             return text
     return text
 
@@ -9895,21 +9895,24 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
     # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run
     # with its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
+    # A payload (or a json_parse argument) nested past the parser's depth is an item 3 failure
+    # for its own block, never for the whole reply (T1: the reply carries message text).
     try:
-        args = json.loads(payload)
-    except json.JSONDecodeError:
         try:
-            args = json.loads(sanitize_tool_payload(payload))
-        except json.JSONDecodeError as exc:
-            return TOOL_EXECUTE_ERROR.format(name=name,
-                                             reason=f"invalid JSON payload ({exc.msg})")
-    if not isinstance(args, dict):
-        return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
-    try:
-        result = run_builtin_tool(rt, name, args, ctx)
+            args = json.loads(payload)
+        except json.JSONDecodeError:
+            try:
+                args = json.loads(sanitize_tool_payload(payload))
+            except json.JSONDecodeError as exc:
+                return TOOL_EXECUTE_ERROR.format(name=name,
+                                                 reason=f"invalid JSON payload ({exc.msg})")
+        if not isinstance(args, dict):
+            return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
+        return run_builtin_tool(rt, name, args, ctx)    # the §4.5.7 string
     except ActorError as exc:
         return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
-    return result                       # run_builtin_tool gives the §4.5.7 string
+    except RecursionError:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="JSON nested too deeply")
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------

@@ -4573,6 +4573,31 @@ def test_rendered_scalars_are_coerced_step_6():
                    "literal": "42"}
 
 
+def test_rendered_json_nested_past_the_parser_stays_text_step_6():
+    """§8.8 step 6 'MAY be parsed as JSON': a rendered list nested past the parser's depth is
+    left as the rendered text (it raised RecursionError out of load)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "d": "{{ '[' * 100000 }}{{ ']' * 100000 }}", "l": "{{ [[1]] | tojson }}"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"d": deep, "l": [[1]]}
+
+
+def test_state_update_nested_past_the_parser_is_appended_as_text():
+    """§6.3 / §5.3.2 state_update: content nested past the JSON parser's depth is not an update
+    mapping; like any other text it joins messages (it failed with Python's recursion message)."""
+    a = actor.load(text="agents:\n  t: {type: tool, config: {tools: [echo]}}\nroutes:\n"
+                        "  s: {type: stream, operators: [{type: state_update, params: {graph: g}}],"
+                        " publications: [__output__]}\n  g: {type: graph, nodes: {a: {type: agent,"
+                        " agent: t}}, edges: [{source: start, target: a}, {source: a, target: "
+                        "end}]}\ndefault_router: s\n", provider="fake")
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    result = a.send(deep)
+    assert [m.content for m in result.outputs] == [deep] and result.errors == []
+    assert a._graph("g").state["messages"][-1] == {"role": "user", "content": deep}
+
+
 def test_empty_if_blocks_are_removed_step_7_q52():
     data = {"templates": {"agents": {"t": {"parameters": {"mem": {"type": "boolean"}},
         "type": "llm", "config": {
