@@ -6649,7 +6649,7 @@ def restore_checkpoint(graph, path=None):
         path = Path(graph.rt.workdir) / path
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
                                path=path_str(graph.path), section="6.6") from exc
     if not isinstance(data, dict):
