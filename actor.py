@@ -8716,6 +8716,11 @@ def _jinja_classes(jinja2):
         def __iter__(self):
             return iter(())
 
+    # Objects of the engine itself: a template that got hold of one (a frame's locals once
+    # leaked the Context, see builtin_locals) could reach jinja2.Template, which renders outside
+    # any sandbox.
+    jinja_internals = (jinja2.Environment, jinja2.Template, jinja2.runtime.Context)
+
     class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         """Jinja2's immutable sandbox, with these changes:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
@@ -8742,7 +8747,14 @@ def _jinja_classes(jinja2):
         def is_safe_attribute(self, obj, attr, value):
             if isinstance(obj, type) and isinstance(value, _UNBOUND_METHODS):
                 return False
+            if isinstance(obj, jinja_internals):    # the engine's own objects, never data
+                return False
             return super().is_safe_attribute(obj, attr, value)
+
+        def is_safe_callable(self, obj):
+            if isinstance(obj, type) and issubclass(obj, jinja_internals):
+                return False        # a new Template or Environment would not be sandboxed
+            return super().is_safe_callable(obj)
 
         def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
             tick()
@@ -10388,8 +10400,15 @@ def builtin_isinstance(obj, classinfo):
 
 
 def builtin_locals():
-    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names."""
+    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names.
+
+    Only a caller that is configuration code is answered: stored in the context and called
+    from a host frame (a JINJA2 prompt's `{{ l() }}` runs it from jinja2's Context.call), it
+    would hand that frame's objects -- the template environment, and through it an
+    unsandboxed one -- to the template (T2)."""
     frame = sys._getframe(1)
+    if frame.f_code.co_filename not in (CODE_FILENAME, EXPRESSION_FILENAME):
+        raise TypeError("locals() answers only the inline code that calls it")
     return {key: value for key, value in frame.f_locals.items() if not key.startswith("__")}
 
 

@@ -6708,6 +6708,39 @@ def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
                         actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
 
 
+def test_locals_stored_by_inline_code_reads_no_host_frame(tmp_path, monkeypatch):
+    """T2 in an unsafe host (I-152): inline code stored `locals` in the context and a JINJA2
+    prompt called it from jinja2's Context.call, whose frame holds the template Context; through
+    Context.environment.template_class an unsandboxed Template ran os.system. locals() now
+    answers inline code only, and the engine's own objects are out of a template's reach."""
+    monkeypatch.chdir(tmp_path)
+    inner = "'{' ~ '{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }' ~ '}'"
+    escape = ("{% set c = l()['_Context__self'] %}{{ c.environment.template_class(" + inner +
+              ").render() }}")
+    config = {"agents": {
+        "w": {"type": "tool", "config": {"tools": [
+            {"name": "c", "code": "context['l'] = locals\nresult = 'stored'"}]}},
+        "bot": {"type": "chain", "config": {"steps": ["s"], "prompt": escape}}},
+        "routes": {"main": {"type": "stream", "publications": ["__output__"], "operators": [
+            {"type": "map", "params": {"agent": "w"}},
+            {"type": "map", "params": {"agent": "bot"}}]}},
+        "default_router": "main"}
+    text = yaml.safe_dump(config)
+    a = actor.load(text=text, provider="fake", unsafe=True)
+    a.send("go")
+    assert not (tmp_path / "MARKER").exists()
+    assert callable(a.context["l"])
+    with pytest.raises(TypeError, match="only the inline code"):
+        a.context["l"]()                            # a host frame asks: refused
+    env = actor.jinja_environment()
+    for source, variables in (("{{ e.from_string('x') }}", {"e": env}),
+                              ("{{ c.environment }}", {"c": env.from_string("x").new_context()}),
+                              ("{{ t('{{ 1 }}').render() }}",
+                               {"t": env.template_class})):
+        with pytest.raises(actor.TemplateError, match="unsafe|not safely callable"):
+            actor.render(source, variables, "JINJA2")
+
+
 # T3 for templates: Python-level runaways stop at the render deadline (TEMPLATE_TIME_LIMIT,
 # lowered here); the C-level ones (ISOLATED_TEMPLATE_RUNAWAYS) need a worker.
 TEMPLATE_RUNAWAYS = {
