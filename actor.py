@@ -6383,12 +6383,42 @@ UPDATE_MODES = {
 }
 
 
+def _is_message_list(value):
+    return type(value) is list and all(isinstance(entry, dict) for entry in value)
+
+
+# The §6.3.1 table's Type column: field -> (test, what it must be). An update (or a restored
+# checkpoint) that gives a field another type would break every later run, so it is refused whole.
+STATE_FIELD_TYPES = {
+    "messages": (_is_message_list, "a list of mappings"),
+    "metadata": (lambda value: isinstance(value, dict), "a mapping"),
+    "current_node": (lambda value: value is None or isinstance(value, str), "a string or null"),
+    "execution_count": (lambda value: type(value) is int and value >= 0,
+                        "a non-negative integer"),
+    "error": (lambda value: value is None or isinstance(value, str), "a string or null"),
+}
+
+
+def state_field_refusal(field, value, mode="replace"):
+    """§6.3.1: why `value` cannot be the state's `field` (None when it can); in append mode a
+    single message mapping is one entry of the list."""
+    test, what = STATE_FIELD_TYPES.get(field, (None, None))
+    if test is None or test(value) or mode == "append" and field == "messages" \
+            and isinstance(value, dict):
+        return None
+    return f"state field '{field}' must be {what}, not {type(value).__name__}"
+
+
 def apply_state_update(state, update, mode="merge"):
     """Apply a mapping to the state in one of the §6.3.2 modes; cap messages at 50 (§6.3.1)."""
     # INTERPRETATION I-108 §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
     # the 50-message cap holds after every mode, replace included.
     if mode not in UPDATE_MODES:
         raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+    for key, value in update.items():
+        reason = key in state and state_field_refusal(key, value, mode)
+        if reason:
+            raise ExecutionError(f"{reason}; the state is unchanged", section="6.3.1")
     apply = UPDATE_MODES[mode]
     extra = {key: value for key, value in update.items() if key not in state}
     for key, value in update.items():
@@ -6410,7 +6440,7 @@ def state_update_from_content(content):
     if isinstance(content, str):
         try:
             parsed = json.loads(content)
-        except ValueError:
+        except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
             parsed = None
         if isinstance(parsed, dict):
             content = parsed
@@ -6720,12 +6750,15 @@ def restore_checkpoint(graph, path=None):
             raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
                                    path=path_str(graph.path), section="6.6")
         path = found[-1]
+    if not isinstance(path, (str, os.PathLike)):
+        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
+                               f"{type(path).__name__}", path=path_str(graph.path), section="6.6")
     path = Path(path)
     if not path.is_absolute():
         path = Path(graph.rt.workdir) / path
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
                                path=path_str(graph.path), section="6.6") from exc
     if not isinstance(data, dict):
@@ -6733,6 +6766,10 @@ def restore_checkpoint(graph, path=None):
     state = new_graph_state()
     for key in state:
         if key in data:
+            reason = state_field_refusal(key, data[key])
+            if reason:
+                raise ApplicationError(f"{path} does not hold a graph state: {reason}",
+                                       path=path_str(graph.path), section="6.6")
             state[key] = data[key]
     # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run
     # re-attaches the live context (Q32).
@@ -6751,7 +6788,9 @@ def rewind_state(graph, steps):
     if not graph.time_travel:
         raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
                                path=path_str(graph.path), section="6.6")
-    steps = int(steps)
+    if type(steps) is not int:
+        raise ApplicationError(f"graph '{graph.name}': the number of steps to rewind must be an "
+                               f"integer, not {steps!r}", path=path_str(graph.path), section="6.6")
     if steps < 1 or steps >= len(graph.snapshots):
         raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
                                f"steps, not {steps}", path=path_str(graph.path), section="6.6")
@@ -8175,16 +8214,9 @@ PARAMETER_FIELDS = fields_by_name(
 )
 
 
-def parameter_declarations(doc, decls, path, rt=None):
-    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
-
-    A templates entry without the block was refused at registration (Q83); a template_strings
-    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared
-    instance parameter is passed through with a warning (bind_parameters). The sequence form is
-    forbidden (§16.2).
-    """
-    if decls is None:
-        return {}
+def check_parameter_block(doc, decls, path):
+    """§8.6.1, §16.2: the block's shape, checked when the template is registered (§12.1 step 2),
+    so a template never instantiated is held to it too."""
     if isinstance(decls, list):
         raise doc.error(ConfigurationError, path, "template parameters declared as a sequence; "
                         "use the mapping form (name: {type: ...})", "8.6.1, 16.2")
@@ -8199,6 +8231,21 @@ def parameter_declarations(doc, decls, path, rt=None):
         if decl.get("type") == "enum" and not isinstance(decl.get("values"), list):
             raise doc.error(ConfigurationError, at, "an enum parameter needs a `values` list",
                             "8.6.1")
+
+
+def parameter_declarations(doc, decls, path, rt=None):
+    """§8.6.1: the parameters block must be a mapping of name -> declaration mapping.
+
+    A templates entry without the block was refused at registration (Q83); a template_strings
+    body may omit it (None: no parameters). INTERPRETATION I-145 §8.6.1 (new): an undeclared
+    instance parameter is passed through with a warning (bind_parameters). The sequence form is
+    forbidden (§16.2).
+    """
+    if decls is None:
+        return {}
+    check_parameter_block(doc, decls, path)
+    for name, decl in decls.items():
+        at = path + (name,)
         for key in decl:
             if key not in PARAMETER_FIELDS:
                 warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
@@ -8288,6 +8335,14 @@ class Expansion:
                                   or host_parameter(doc, "template_engine", None)[0])
         self.templates = self.registry("templates", dict)
         self.strings = self.registry("template_strings", str)
+        # INTERPRETATION I-173 §8.6, §8.9 (new): one name, one template per kind -- a name declared
+        # in both templates and template_strings is a ConfigurationError, used or not.
+        for kind, entries in self.strings.items():
+            for name in entries:
+                if name in (self.templates.get(kind) or {}):
+                    raise doc.error(ConfigurationError, ("template_strings", kind, name),
+                                    f"{kind[:-1]} template {name!r} is declared in both templates "
+                                    "and template_strings", "8.6, 8.9")
 
     def registry(self, section, body_type):
         """templates / template_strings: {agents|graphs|streams: {name: body}}."""
@@ -8314,6 +8369,9 @@ class Expansion:
                     raise self.doc.error(ConfigurationError, (section, kind, name),
                                          f"template {name!r} declares no parameters block "
                                          "(write `parameters: {}` for none)", "8.6.1")
+                if body_type is dict and body["parameters"] is not None:
+                    check_parameter_block(self.doc, body["parameters"],
+                                          (section, kind, name, "parameters"))
         return table
 
     def move_instances(self, instances):
@@ -8436,7 +8494,7 @@ def coerce_rendered(text):
     if (s.startswith("[") and s.endswith("]")) or (s.startswith("{") and s.endswith("}")):
         try:
             return json.loads(s)
-        except ValueError:
+        except (ValueError, RecursionError):    # not JSON, or nested past the parser's depth
             return text
     return text
 
@@ -8767,6 +8825,11 @@ def _jinja_classes(jinja2):
         def __iter__(self):
             return iter(())
 
+    # Objects of the engine itself: a template that got hold of one (a frame's locals once
+    # leaked the Context, see builtin_locals) could reach jinja2.Template, which renders outside
+    # any sandbox.
+    jinja_internals = (jinja2.Environment, jinja2.Template, jinja2.runtime.Context)
+
     class ActorSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         """Jinja2's immutable sandbox, with these changes:
         - on a mapping, `a.b` reads the key `b` before any attribute, so `context.items` is the
@@ -8793,7 +8856,14 @@ def _jinja_classes(jinja2):
         def is_safe_attribute(self, obj, attr, value):
             if isinstance(obj, type) and isinstance(value, _UNBOUND_METHODS):
                 return False
+            if isinstance(obj, jinja_internals):    # the engine's own objects, never data
+                return False
             return super().is_safe_attribute(obj, attr, value)
+
+        def is_safe_callable(self, obj):
+            if isinstance(obj, type) and issubclass(obj, jinja_internals):
+                return False        # a new Template or Environment would not be sandboxed
+            return super().is_safe_callable(obj)
 
         def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja2's signature)
             tick()
@@ -8816,6 +8886,18 @@ def _jinja_classes(jinja2):
 _UNBOUND_METHODS = (type(str.upper), type(template_range))   # method descriptor, function
 
 
+LIPSUM_MAX_WORDS = 100_000   # jinja2's lipsum(n, html, min, max) writes up to n * max words
+
+
+def template_lipsum(n=5, html=True, min=20, max=100):
+    """jinja2's `lipsum` global within the render budget (T3): its word loop never ticks, so
+    the words it may write are bounded up front."""
+    if not all(type(value) is int for value in (n, min, max)) or n * max > LIPSUM_MAX_WORDS:
+        raise TemplateError(f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
+                            section="13.2")
+    return jinja2_module().utils.generate_lorem_ipsum(n, html, min, max)
+
+
 def template_loop(iterable):
     """The `sb_loop` filter: each step of a template loop ticks the budget."""
     for item in iterable:
@@ -8834,6 +8916,7 @@ def jinja_environment():
     undefined, sandbox = _jinja_classes(jinja2_module())
     env = sandbox(undefined=undefined, keep_trailing_newline=True, autoescape=False)
     env.globals.update(BUILTINS)
+    env.globals["lipsum"] = template_lipsum
     env.filters.update(FILTERS)
     env.filters["sb_loop"] = template_loop
     return env
@@ -9068,8 +9151,7 @@ def simple_names(variables):
 
     INTERPRETATION I-136 §9.2 vs §8.11 (new): the expression sees the rendering context's data, but
     its built-ins are the §13.2.2 set alone."""
-    return {key: ContextView(value, None, True) if type(value) is dict else value
-            for key, value in variables.items()
+    return {key: read_only_value(value) for key, value in variables.items()
             if not (key in BUILTINS and value is BUILTINS[key])}
 
 
@@ -9283,7 +9365,9 @@ class ContextView(collections.abc.MutableMapping):
 
     def __getitem__(self, key):
         value = self.data[key] if key in self.data or not self.base else self.base[key]
-        return ContextView(value, None, self.read_only) if type(value) is dict else value
+        if self.read_only:
+            return read_only_value(value)
+        return ContextView(value) if type(value) is dict else value
 
     def __setitem__(self, key, value):
         value = plain(value)
@@ -9312,6 +9396,14 @@ class ContextView(collections.abc.MutableMapping):
 
     def copy(self):
         return {key: self[key] for key in self}
+
+
+def read_only_value(value):
+    """What a template reads (I-160): a mapping through a read-only view, any other container as
+    a copy, so no method of it (list.append, a listed dict's update) reaches the context."""
+    if type(value) is dict:
+        return ContextView(value, None, True)
+    return copy.deepcopy(value) if type(value) in (list, set, tuple) else value
 
 
 def _check_write(view, key, value=None):
@@ -9924,21 +10016,24 @@ def _tool_block_result(rt, name, payload, allowed, ctx):
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
     # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run
     # with its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
+    # A payload (or a json_parse argument) nested past the parser's depth is an item 3 failure
+    # for its own block, never for the whole reply (T1: the reply carries message text).
     try:
-        args = json.loads(payload)
-    except json.JSONDecodeError:
         try:
-            args = json.loads(sanitize_tool_payload(payload))
-        except json.JSONDecodeError as exc:
-            return TOOL_EXECUTE_ERROR.format(name=name,
-                                             reason=f"invalid JSON payload ({exc.msg})")
-    if not isinstance(args, dict):
-        return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
-    try:
-        result = run_builtin_tool(rt, name, args, ctx)
+            args = json.loads(payload)
+        except json.JSONDecodeError:
+            try:
+                args = json.loads(sanitize_tool_payload(payload))
+            except json.JSONDecodeError as exc:
+                return TOOL_EXECUTE_ERROR.format(name=name,
+                                                 reason=f"invalid JSON payload ({exc.msg})")
+        if not isinstance(args, dict):
+            return TOOL_EXECUTE_ERROR.format(name=name, reason="the payload is not a JSON object")
+        return run_builtin_tool(rt, name, args, ctx)    # the §4.5.7 string
     except ActorError as exc:
         return TOOL_EXECUTE_ERROR.format(name=name, reason=exc.message)
-    return result                       # run_builtin_tool gives the §4.5.7 string
+    except RecursionError:
+        return TOOL_EXECUTE_ERROR.format(name=name, reason="JSON nested too deeply")
 
 
 # §12.5 Routing prefix conventions -------------------------------------------------------
@@ -10423,8 +10518,15 @@ def builtin_isinstance(obj, classinfo):
 
 
 def builtin_locals():
-    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names."""
+    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names.
+
+    Only a caller that is configuration code is answered: stored in the context and called
+    from a host frame (a JINJA2 prompt's `{{ l() }}` runs it from jinja2's Context.call), it
+    would hand that frame's objects -- the template environment, and through it an
+    unsandboxed one -- to the template (T2)."""
     frame = sys._getframe(1)
+    if frame.f_code.co_filename not in (CODE_FILENAME, EXPRESSION_FILENAME):
+        raise TypeError("locals() answers only the inline code that calls it")
     return {key: value for key, value in frame.f_locals.items() if not key.startswith("__")}
 
 
@@ -11699,6 +11801,8 @@ class Actor:
 
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
+        if type(seconds) not in (int, float) or not math.isfinite(seconds):
+            raise ApplicationError(f"advance() takes a finite number of seconds, not {seconds!r}")
         with self._turn:
             self._begin()
             self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries

@@ -3373,6 +3373,35 @@ def test_graph_rewind_needs_time_travel():
         g.rewind(1)
 
 
+def test_host_calls_with_wrong_argument_types_are_application_errors():
+    """§6.6 restore with a path that is no path, and advance() with no number of seconds: a
+    located ApplicationError, never a TypeError from inside."""
+    a = actor.load(text="agents:\n  e: {type: tool, config: {tools: [echo]}}\nroutes:\n"
+                        "  g: {type: graph, nodes: {a: {type: agent, agent: e}}, edges: "
+                        "[{source: start, target: a}, {source: a, target: end}]}\n"
+                        "default_router: g\n", provider="fake")
+    with pytest.raises(actor.ApplicationError, match="file path"):
+        a.restore("g", 5)
+    for seconds in ("x", float("nan"), None):
+        with pytest.raises(actor.ApplicationError, match="finite number"):
+            a.advance(seconds)
+    assert a.send("hi").outputs[0].content == "hi"
+
+
+def test_graph_rewind_steps_must_be_an_integer():
+    """§6.6: a host asking to rewind "2" or 1.5 steps gets an ApplicationError, not a
+    traceback or a silent truncation."""
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": echo("a")})
+    for i in range(5):
+        g.run(str(i))
+    for steps in ("2", 1.5, True, None):
+        with pytest.raises(actor.ApplicationError, match="must be an integer"):
+            g.rewind(steps)
+    assert g.state["execution_count"] == 5
+
+
 KILL_SCRIPT = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
@@ -4574,6 +4603,31 @@ def test_rendered_scalars_are_coerced_step_6():
     cfg = _expand(data)["agents"]["a"]["config"]
     assert cfg == {"b": True, "i": 42, "f": 3.25, "l": [1, 2], "m": {"k": 1}, "s": "plain",
                    "literal": "42"}
+
+
+def test_rendered_json_nested_past_the_parser_stays_text_step_6():
+    """§8.8 step 6 'MAY be parsed as JSON': a rendered list nested past the parser's depth is
+    left as the rendered text (it raised RecursionError out of load)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    data = {"templates": {"agents": {"t": {"parameters": {}, "type": "llm", "config": {
+        "d": "{{ '[' * 100000 }}{{ ']' * 100000 }}", "l": "{{ [[1]] | tojson }}"}}}},
+        "agents": {"a": {"template": "t"}}}
+    cfg = _expand(data)["agents"]["a"]["config"]
+    assert cfg == {"d": deep, "l": [[1]]}
+
+
+def test_state_update_nested_past_the_parser_is_appended_as_text():
+    """§6.3 / §5.3.2 state_update: content nested past the JSON parser's depth is not an update
+    mapping; like any other text it joins messages (it failed with Python's recursion message)."""
+    a = actor.load(text="agents:\n  t: {type: tool, config: {tools: [echo]}}\nroutes:\n"
+                        "  s: {type: stream, operators: [{type: state_update, params: {graph: g}}],"
+                        " publications: [__output__]}\n  g: {type: graph, nodes: {a: {type: agent,"
+                        " agent: t}}, edges: [{source: start, target: a}, {source: a, target: "
+                        "end}]}\ndefault_router: s\n", provider="fake")
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    result = a.send(deep)
+    assert [m.content for m in result.outputs] == [deep] and result.errors == []
+    assert a._graph("g").state["messages"][-1] == {"role": "user", "content": deep}
 
 
 def test_empty_if_blocks_are_removed_step_7_q52():
@@ -6686,6 +6740,39 @@ def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
                         actor.runtime_variables(context, "m"), "JINJA2") == "intact 1-2 1024"
 
 
+def test_locals_stored_by_inline_code_reads_no_host_frame(tmp_path, monkeypatch):
+    """T2 in an unsafe host (I-152): inline code stored `locals` in the context and a JINJA2
+    prompt called it from jinja2's Context.call, whose frame holds the template Context; through
+    Context.environment.template_class an unsandboxed Template ran os.system. locals() now
+    answers inline code only, and the engine's own objects are out of a template's reach."""
+    monkeypatch.chdir(tmp_path)
+    inner = "'{' ~ '{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }' ~ '}'"
+    escape = ("{% set c = l()['_Context__self'] %}{{ c.environment.template_class(" + inner +
+              ").render() }}")
+    config = {"agents": {
+        "w": {"type": "tool", "config": {"tools": [
+            {"name": "c", "code": "context['l'] = locals\nresult = 'stored'"}]}},
+        "bot": {"type": "chain", "config": {"steps": ["s"], "prompt": escape}}},
+        "routes": {"main": {"type": "stream", "publications": ["__output__"], "operators": [
+            {"type": "map", "params": {"agent": "w"}},
+            {"type": "map", "params": {"agent": "bot"}}]}},
+        "default_router": "main"}
+    text = yaml.safe_dump(config)
+    a = actor.load(text=text, provider="fake", unsafe=True)
+    a.send("go")
+    assert not (tmp_path / "MARKER").exists()
+    assert callable(a.context["l"])
+    with pytest.raises(TypeError, match="only the inline code"):
+        a.context["l"]()                            # a host frame asks: refused
+    env = actor.jinja_environment()
+    for source, variables in (("{{ e.from_string('x') }}", {"e": env}),
+                              ("{{ c.environment }}", {"c": env.from_string("x").new_context()}),
+                              ("{{ t('{{ 1 }}').render() }}",
+                               {"t": env.template_class})):
+        with pytest.raises(actor.TemplateError, match="unsafe|not safely callable"):
+            actor.render(source, variables, "JINJA2")
+
+
 # T3 for templates: Python-level runaways stop at the render deadline (TEMPLATE_TIME_LIMIT,
 # lowered here); the C-level ones (ISOLATED_TEMPLATE_RUNAWAYS) need a worker.
 TEMPLATE_RUNAWAYS = {
@@ -6699,6 +6786,7 @@ TEMPLATE_RUNAWAYS = {
     ("JINJA2", "recursive-loop"):
         "{% for x in [1, 2] recursive %}{{ loop([1, 2]) if loop.depth < 60 }}{% endfor %}",
     ("JINJA2", "string-repetition"): "{{ 'a' * 10**10 }}",
+    ("JINJA2", "lipsum-many-words"): "{{ lipsum(10**6) }}",
     ("MUSTACHE", "partial-includes-itself-twice"): "{{>P}}",
     ("SIMPLE", "expression-runaway"): "{{ [0 for a in x for b in x for c in x] }}",
 }
@@ -6757,6 +6845,8 @@ def test_template_limits_leave_ordinary_templates_alone():
                         "{{ 'abc'|batch(2)|list }} {{ [{'a': 1}]|map(attribute='a')|first }} "
                         "{{ zip('ab', [1, 2])|list }}", variables,
                         "JINJA2") == "1,2 [1] [['a', 'b'], ['c']] 1 [('a', 1), ('b', 2)]"
+    assert actor.render("{{ lipsum(2, html=false, min=3, max=4).split()|length >= 6 }}",
+                        variables, "JINJA2") == "True"
     assert actor.render("{{ k.upper() }} {message:>5}", variables, "SIMPLE") == "V   msg"
 
 
