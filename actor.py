@@ -8182,8 +8182,10 @@ class Expansion:
 
     def registry(self, section, body_type):
         """templates / template_strings: {agents|graphs|streams: {name: body}}."""
-        table = self.data.get(section) or {}
-        if not isinstance(table, dict):
+        table = self.data.get(section)
+        if table is None:                    # absent or null: no templates (§3.2)
+            table = {}
+        if not isinstance(table, dict):      # [] or false is not "none" but the wrong type
             raise self.doc.error(ConfigurationError, (section,), f"{section} must be a mapping",
                                  "8.6")
         for kind, entries in table.items():
