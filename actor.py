@@ -5048,6 +5048,20 @@ BRIDGE_FIELDS = fields_by_name(
     Field("downgrade_conditions",   MAPPING, None, "5.6"),
     Field("preserve_subscriptions", BOOLEAN, None, "5.6"),
     Field("preserve_checkpointing", BOOLEAN, None, "5.6"),
+    Field("metadata",               MAPPING, None, "5.6"),
+)
+FINITE_NUMBER = Constraint(is_number, "a finite number", (int, float))
+# The §5.6 table of bridge condition keys, in its order, with the type each row gives (the
+# expression row compiles as BRIDGE_CONDITION_EXPRESSIONS says). Advisory, yet typed: a valid
+# declaration is never refused, a value of the wrong type is.
+BRIDGE_CONDITIONS = fields_by_name(
+    Field("needs_state",          BOOLEAN,          None, "5.6"),
+    Field("message_count",        NON_NEGATIVE_INT, None, "5.6"),
+    Field("custom_predicate",     STRING,           None, "5.6"),
+    Field("idle_time",            SECONDS,          None, "5.6"),
+    Field("state_size",           NON_NEGATIVE_INT, None, "5.6"),
+    Field("no_conditionals_used", BOOLEAN,          None, "5.6"),
+    Field("complexity_threshold", FINITE_NUMBER,    None, "5.6"),
 )
 
 
@@ -5063,6 +5077,11 @@ def check_bridge(doc, cfg, path, rt=None):
             _compile_located(doc, cfg[key], nparams, rt, path + (key,))
     for group in ("upgrade_conditions", "downgrade_conditions"):
         conds = cfg.get(group) or {}
+        check_fields(doc, conds, BRIDGE_CONDITIONS, path + (group,))
+        for key in conds:
+            if key not in BRIDGE_CONDITIONS:
+                warn(rt, f"unknown bridge condition key {key!r} is ignored", section="5.6",
+                     path=path + (group, key))
         for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
             if conds.get(key) is not None:
                 _compile_located(doc, conds[key], nparams, rt, path + (group, key))
