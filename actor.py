@@ -2911,17 +2911,19 @@ STEP_LABELS = Constraint(lambda value: isinstance(value, list) and all(
     isinstance(step, str) for step in value), "a sequence of strings", (list,))
 CHAIN_FIELDS = fields_by_name(
     Field("steps",            STEP_LABELS, [],   "4.7"),
-    Field("prompt",           ANY,         None, "4.7"),
-    Field("prompt_reference", ANY,         None, "4.7, §10.4"),
+    Field("prompt",           STRING,      None, "4.7"),
+    Field("prompt_reference", STRING,      None, "4.7, §10.4"),
+    Field("context",          MAPPING,     None, "4.9"),
 )
 
 
 def check_chain(rt, name, config, path):
     doc = rt.doc
-    if "prompt" in config and "prompt_reference" in config:
+    # A null field is an absent one in agent configs (I-172), so only two values clash.
+    if config.get("prompt") is not None and config.get("prompt_reference") is not None:
         raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
                         "not both", "4.7, §16.3")
-    check_fields(doc, config, CHAIN_FIELDS, path)
+    check_config_fields(rt, config, CHAIN_FIELDS, path, "4.7", "chain agent")
     ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
     if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
@@ -2942,6 +2944,7 @@ class ChainAgent:
         config = cfg["config"]
         self.name, self.rt, self.path = name, rt, path
         self.steps = list(config.get("steps") or [])
+        self.context = config.get("context") or {}       # §4.9 the per-agent persistent context
         self.prompt = config.get("prompt")
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
@@ -2951,8 +2954,9 @@ class ChainAgent:
 
     def invoke(self, content, ctx):
         text = content if isinstance(content, str) else str(content)
-        if self.prompt is not None:
-            text = render_runtime(self.rt, self.prompt, ctx, text, self.path + ("config", "prompt"))
+        if self.prompt is not None:     # the agent's context under the invocation's, as I-034
+            view = {**self.context, **(ctx if ctx is not None else {})}
+            text = render_runtime(self.rt, self.prompt, view, text, self.path + ("config", "prompt"))
         for step in self.steps:
             text += CHAIN_SEPARATOR + step
         return CHAIN_PREFIX + text
