@@ -2352,6 +2352,7 @@ COMPOSITE_FIELDS = fields_by_name(
     Field("components",    MAPPING, REQUIRED, "4.6, §4.6.1"),
     Field("routing",       MAPPING, REQUIRED, "4.6.2"),
     Field("expose_params", MAPPING, None,     "4.6"),
+    Field("context",       MAPPING, None,     "4.9"),
 )
 
 
@@ -2362,7 +2363,7 @@ def check_composite(rt, name, config, path):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
-    check_fields(doc, config, COMPOSITE_FIELDS, path)
+    check_config_fields(rt, config, COMPOSITE_FIELDS, path, "4.6", "composite agent")
     components = config["components"]
     for key, value in components.items():
         if key not in COMPONENT_KINDS.values():
