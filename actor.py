@@ -824,6 +824,10 @@ TOP_LEVEL_FIELDS = fields_by_name(
 )
 TOP_LEVEL_SECTIONS = {name: row.default is REQUIRED for name, row in TOP_LEVEL_FIELDS.items()}
 HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+# What a `cleveragents:` block may carry: the §9 parameters read from it (I-003), and the §9.5
+# advisory fields, accepted and not acted on.
+CLEVERAGENTS_KEYS = {"default_router": "9.3", "template_engine": "9.2", "version": "9.6",
+                     "verbose": "9.5", "logging": "9.5"}
 
 
 def host_parameter(doc, key, host_value):
@@ -861,6 +865,25 @@ def check_top_level(doc, rt):
         raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
                         "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
     check_fields(doc, doc.data, TOP_LEVEL_FIELDS, ())
+    check_cleveragents_block(doc, rt)     # INTERPRETATION I-003 §9.1: the block's own keys
+
+
+def check_cleveragents_block(doc, rt):
+    """The §9 parameter block (I-003): a mapping; a key it does not carry is warned about, never
+    dropped silently -- `unsafe` above all, which only context.global declares (§9.4)."""
+    block = doc.data.get("cleveragents")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise doc.error(ConfigurationError, ("cleveragents",), "the cleveragents block must be a "
+                        "mapping of §9 parameters", "9.1")
+    for key in block:
+        if key == "unsafe":
+            rt.warn("`unsafe` is not read here: an Actor declares that it needs unsafe mode in "
+                    "context.global (§9.4); ignored", section="9.4", path=("cleveragents", key))
+        elif key not in CLEVERAGENTS_KEYS:
+            rt.warn(f"unknown parameter '{key}' in the cleveragents block is ignored",
+                    section="9.1", path=("cleveragents", key))
 
 
 # §3.4 The default router requirement ------------------------------------------------
