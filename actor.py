@@ -1212,10 +1212,7 @@ def _llm_prompt_text(rt, name):
     if name in rt.prompts:
         return rt.prompts[name]
     prompts = rt.doc.data.get("prompts") if isinstance(rt.doc.data, dict) else None
-    entry = prompts.get(name) if isinstance(prompts, dict) else None
-    if isinstance(entry, dict) and "content" in entry:
-        return str(entry["content"])
-    return None
+    return prompt_content(prompts.get(name) if isinstance(prompts, dict) else None)
 
 
 def _llm_check_template(rt, name, path):
@@ -2949,7 +2946,8 @@ def check_chain(rt, name, config, path):
                         "not both", "4.7, §16.3")
     check_config_fields(rt, config, CHAIN_FIELDS, path, "4.7", "chain agent")
     ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
-    if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
+    if ref is not None and prompt_content((prompts if isinstance(prompts, dict) else {}).get(
+            ref if isinstance(ref, str) else None)) is None:
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
     warn_unparsable_template(rt, config.get("prompt"), path + ("prompt",))
@@ -9162,6 +9160,10 @@ def check_context(doc, rt=None):
         return
     if not isinstance(section, dict):
         raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
+    for key in section:
+        if key != "global" and rt is not None:      # §10.1 defines context.global only
+            rt.warn(f"unknown context section '{key}' is ignored (context keys go under "
+                    "context.global)", section="10.1", path=("context", key))
     glob = section.get("global")
     if glob is None:
         return
@@ -9321,10 +9323,22 @@ def collect_prompts(doc):
         if isinstance(value, str):
             raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
                             "forbidden; write {content: ...}", "16.2, §10.4")
-        if isinstance(value, dict) and "content" in value:
-            prompts[name] = value["content"] if isinstance(value["content"], str) else str(
-                value["content"])
+        text = prompt_content(value)
+        if text is not None:
+            prompts[name] = text
     return prompts
+
+
+def prompt_content(value):
+    """§10.4: the template text of one prompts entry, or None when the entry does not conform (it
+    is then skipped): a mapping whose `content` is text. A number or boolean there is written as
+    text; null, a list or a mapping is no template at all."""
+    if not isinstance(value, dict):
+        return None
+    content = value.get("content")
+    if content is None or isinstance(content, (dict, list)):
+        return None
+    return content if isinstance(content, str) else str(content)
 
 
 # =====================================================================================
