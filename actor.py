@@ -856,6 +856,10 @@ TOP_LEVEL_FIELDS = fields_by_name(
 )
 TOP_LEVEL_SECTIONS = {name: row.default is REQUIRED for name, row in TOP_LEVEL_FIELDS.items()}
 HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+# What a `cleveragents:` block may carry: the §9 parameters read from it (I-003), and the §9.5
+# advisory fields, accepted and not acted on.
+CLEVERAGENTS_KEYS = {"default_router": "9.3", "template_engine": "9.2", "version": "9.6",
+                     "verbose": "9.5", "logging": "9.5"}
 
 
 def host_parameter(doc, key, host_value):
@@ -893,6 +897,25 @@ def check_top_level(doc, rt):
         raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
                         "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
     check_fields(doc, doc.data, TOP_LEVEL_FIELDS, ())
+    check_cleveragents_block(doc, rt)     # INTERPRETATION I-003 §9.1: the block's own keys
+
+
+def check_cleveragents_block(doc, rt):
+    """The §9 parameter block (I-003): a mapping; a key it does not carry is warned about, never
+    dropped silently -- `unsafe` above all, which only context.global declares (§9.4)."""
+    block = doc.data.get("cleveragents")
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise doc.error(ConfigurationError, ("cleveragents",), "the cleveragents block must be a "
+                        "mapping of §9 parameters", "9.1")
+    for key in block:
+        if key == "unsafe":
+            rt.warn("`unsafe` is not read here: an Actor declares that it needs unsafe mode in "
+                    "context.global (§9.4); ignored", section="9.4", path=("cleveragents", key))
+        elif key not in CLEVERAGENTS_KEYS:
+            rt.warn(f"unknown parameter '{key}' in the cleveragents block is ignored",
+                    section="9.1", path=("cleveragents", key))
 
 
 # §3.4 The default router requirement ------------------------------------------------
@@ -1223,10 +1246,7 @@ def _llm_prompt_text(rt, name):
     if name in rt.prompts:
         return rt.prompts[name]
     prompts = rt.doc.data.get("prompts") if isinstance(rt.doc.data, dict) else None
-    entry = prompts.get(name) if isinstance(prompts, dict) else None
-    if isinstance(entry, dict) and "content" in entry:
-        return str(entry["content"])
-    return None
+    return prompt_content(prompts.get(name) if isinstance(prompts, dict) else None)
 
 
 def _llm_check_template(rt, name, path):
@@ -2407,6 +2427,7 @@ COMPOSITE_FIELDS = fields_by_name(
     Field("components",    MAPPING, REQUIRED, "4.6, §4.6.1"),
     Field("routing",       MAPPING, REQUIRED, "4.6.2"),
     Field("expose_params", MAPPING, None,     "4.6"),
+    Field("context",       MAPPING, None,     "4.9"),
 )
 
 
@@ -2417,7 +2438,7 @@ def check_composite(rt, name, config, path):
         raise doc.error(ConfigurationError, path + ("strategy",),
                         "composite agents must not declare strategy; use components and routing",
                         "4.6.3, §16.1")
-    check_fields(doc, config, COMPOSITE_FIELDS, path)
+    check_config_fields(rt, config, COMPOSITE_FIELDS, path, "4.6", "composite agent")
     components = config["components"]
     for key, value in components.items():
         if key not in COMPONENT_KINDS.values():
@@ -2966,19 +2987,22 @@ STEP_LABELS = Constraint(lambda value: isinstance(value, list) and all(
     isinstance(step, str) for step in value), "a sequence of strings", (list,))
 CHAIN_FIELDS = fields_by_name(
     Field("steps",            STEP_LABELS, [],   "4.7"),
-    Field("prompt",           ANY,         None, "4.7"),
-    Field("prompt_reference", ANY,         None, "4.7, §10.4"),
+    Field("prompt",           STRING,      None, "4.7"),
+    Field("prompt_reference", STRING,      None, "4.7, §10.4"),
+    Field("context",          MAPPING,     None, "4.9"),
 )
 
 
 def check_chain(rt, name, config, path):
     doc = rt.doc
-    if "prompt" in config and "prompt_reference" in config:
+    # A null field is an absent one in agent configs (I-172), so only two values clash.
+    if config.get("prompt") is not None and config.get("prompt_reference") is not None:
         raise doc.error(ConfigurationError, path, "chain agents take prompt or prompt_reference, "
                         "not both", "4.7, §16.3")
-    check_fields(doc, config, CHAIN_FIELDS, path)
+    check_config_fields(rt, config, CHAIN_FIELDS, path, "4.7", "chain agent")
     ref, prompts = config.get("prompt_reference"), doc.data.get("prompts")
-    if ref is not None and not is_known(ref, prompts if isinstance(prompts, dict) else {}):
+    if ref is not None and prompt_content((prompts if isinstance(prompts, dict) else {}).get(
+            ref if isinstance(ref, str) else None)) is None:
         raise doc.error(ConfigurationError, path + ("prompt_reference",),
                         f"prompt_reference '{ref}' names no entry of prompts", "4.7, §10.4")
     warn_unparsable_template(rt, config.get("prompt"), path + ("prompt",))
@@ -2997,6 +3021,7 @@ class ChainAgent:
         config = cfg["config"]
         self.name, self.rt, self.path = name, rt, path
         self.steps = list(config.get("steps") or [])
+        self.context = config.get("context") or {}       # §4.9 the per-agent persistent context
         self.prompt = config.get("prompt")
         if config.get("prompt_reference") is not None:
             self.prompt = rt.prompts[config["prompt_reference"]]
@@ -3006,8 +3031,9 @@ class ChainAgent:
 
     def invoke(self, content, ctx):
         text = content if isinstance(content, str) else str(content)
-        if self.prompt is not None:
-            text = render_runtime(self.rt, self.prompt, ctx, text, self.path + ("config", "prompt"))
+        if self.prompt is not None:     # the agent's context under the invocation's, as I-034
+            view = {**self.context, **(ctx if ctx is not None else {})}
+            text = render_runtime(self.rt, self.prompt, view, text, self.path + ("config", "prompt"))
         for step in self.steps:
             text += CHAIN_SEPARATOR + step
         return CHAIN_PREFIX + text
@@ -5127,6 +5153,20 @@ BRIDGE_FIELDS = fields_by_name(
     Field("downgrade_conditions",   MAPPING, None, "5.6"),
     Field("preserve_subscriptions", BOOLEAN, None, "5.6"),
     Field("preserve_checkpointing", BOOLEAN, None, "5.6"),
+    Field("metadata",               MAPPING, None, "5.6"),
+)
+FINITE_NUMBER = Constraint(is_number, "a finite number", (int, float))
+# The §5.6 table of bridge condition keys, in its order, with the type each row gives (the
+# expression row compiles as BRIDGE_CONDITION_EXPRESSIONS says). Advisory, yet typed: a valid
+# declaration is never refused, a value of the wrong type is.
+BRIDGE_CONDITIONS = fields_by_name(
+    Field("needs_state",          BOOLEAN,          None, "5.6"),
+    Field("message_count",        NON_NEGATIVE_INT, None, "5.6"),
+    Field("custom_predicate",     STRING,           None, "5.6"),
+    Field("idle_time",            SECONDS,          None, "5.6"),
+    Field("state_size",           NON_NEGATIVE_INT, None, "5.6"),
+    Field("no_conditionals_used", BOOLEAN,          None, "5.6"),
+    Field("complexity_threshold", FINITE_NUMBER,    None, "5.6"),
 )
 
 
@@ -5142,6 +5182,11 @@ def check_bridge(doc, cfg, path, rt=None):
             _compile_located(doc, cfg[key], nparams, rt, path + (key,))
     for group in ("upgrade_conditions", "downgrade_conditions"):
         conds = cfg.get(group) or {}
+        check_fields(doc, conds, BRIDGE_CONDITIONS, path + (group,))
+        for key in conds:
+            if key not in BRIDGE_CONDITIONS:
+                warn(rt, f"unknown bridge condition key {key!r} is ignored", section="5.6",
+                     path=path + (group, key))
         for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
             if conds.get(key) is not None:
                 _compile_located(doc, conds[key], nparams, rt, path + (group, key))
@@ -8346,8 +8391,10 @@ class Expansion:
 
     def registry(self, section, body_type):
         """templates / template_strings: {agents|graphs|streams: {name: body}}."""
-        table = self.data.get(section) or {}
-        if not isinstance(table, dict):
+        table = self.data.get(section)
+        if table is None:                    # absent or null: no templates (§3.2)
+            table = {}
+        if not isinstance(table, dict):      # [] or false is not "none" but the wrong type
             raise self.doc.error(ConfigurationError, (section,), f"{section} must be a mapping",
                                  "8.6")
         for kind, entries in table.items():
@@ -9304,6 +9351,10 @@ def check_context(doc, rt=None):
         return
     if not isinstance(section, dict):
         raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
+    for key in section:
+        if key != "global" and rt is not None:      # §10.1 defines context.global only
+            rt.warn(f"unknown context section '{key}' is ignored (context keys go under "
+                    "context.global)", section="10.1", path=("context", key))
     glob = section.get("global")
     if glob is None:
         return
@@ -9473,10 +9524,22 @@ def collect_prompts(doc):
         if isinstance(value, str):
             raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
                             "forbidden; write {content: ...}", "16.2, §10.4")
-        if isinstance(value, dict) and "content" in value:
-            prompts[name] = value["content"] if isinstance(value["content"], str) else str(
-                value["content"])
+        text = prompt_content(value)
+        if text is not None:
+            prompts[name] = text
     return prompts
+
+
+def prompt_content(value):
+    """§10.4: the template text of one prompts entry, or None when the entry does not conform (it
+    is then skipped): a mapping whose `content` is text. A number or boolean there is written as
+    text; null, a list or a mapping is no template at all."""
+    if not isinstance(value, dict):
+        return None
+    content = value.get("content")
+    if content is None or isinstance(content, (dict, list)):
+        return None
+    return content if isinstance(content, str) else str(content)
 
 
 # =====================================================================================
