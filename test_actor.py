@@ -194,6 +194,30 @@ def test_yaml_nesting_is_refused_without_recursing_with_the_document():
         assert "nests deeper than" in info.value.message and info.value.line == 1
 
 
+def test_yaml_texts_broken_anywhere_raise_only_configuration_errors():
+    """§3.1, §20: every vector file's text with YAML syntax spliced in at seeded random places
+    (anchors, aliases, brackets, tags, document markers, quotes) parses to a value or raises a
+    located ConfigurationError; nothing else escapes the event-built loader."""
+    rng = random.Random(15)
+    pieces = ["&a ", "*a", "[", "]", "{", "}", ": ", "- ", "\n", "  ", "!!int ", "! ", "'", '"',
+              "#", "<<: ", "&b [*b]", "*b", "---\n", "~", "? ", "!x ", "|\n", "\t"]
+    texts = [path.read_text(encoding="utf-8") for path in VECTOR_FILES[::3]]
+    escaped = []
+    for _ in range(1500):
+        text = list(rng.choice(texts))
+        for _ in range(rng.randint(1, 4)):
+            text.insert(rng.randrange(len(text) + 1), rng.choice(pieces))
+        text = "".join(text)
+        try:
+            actor.parse_yaml(text, "f.yaml")
+        except actor.ConfigurationError as exc:
+            if exc.line is None and "UTF-8" not in exc.message and "too deeply" not in exc.message:
+                escaped.append(("unlocated", exc.message, text[:80]))
+        except Exception as exc:            # the test's subject: nothing but the §20 error
+            escaped.append((repr(exc), text[:80]))
+    assert not escaped, escaped[:3]
+
+
 def test_yaml_aliases_copy_their_anchor_and_refuse_themselves():
     """§3.1: each alias is a fresh copy of its anchor's value with the anchor's marks below its
     own path; an alias inside its own anchor, an undefined one and a redefined anchor are
