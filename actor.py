@@ -6703,7 +6703,9 @@ class CheckpointWriter:
 
     def __init__(self):
         import select, subprocess       # on first use: start-up pays for none (issue 15)
-        self._select = select.select
+        # select() tells whether an answer waits, on POSIX pipes; elsewhere answers are read
+        # when one must be (CHECKPOINT_IN_FLIGHT reached, or a wait)
+        self._select = select.select if os.name == "posix" else None
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKPOINT_WRITER_PROGRAM],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.waiting, self.failure = 0, None       # answers still to read; the first failure
@@ -6741,7 +6743,7 @@ class CheckpointWriter:
         failure for flush. Read from the pipe's descriptor, so that "is one there?" is a
         select() that no buffered reader hides anything from."""
         fd, ready = self.proc.stdout.fileno(), self._select
-        while self.waiting and (block or ready([fd], [], [], 0)[0]):
+        while self.waiting and (block or ready is not None and ready([fd], [], [], 0)[0]):
             block = False
             chunk = os.read(fd, 4096)
             if not chunk:       # the writer is gone: no further answer will come
