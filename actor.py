@@ -5517,10 +5517,14 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def close(self):
-        """Write the queued checkpoint; stop the writer and the worker threads (§12.1 cleanup)."""
+        """Write the queued checkpoint; stop the writer and the worker threads (§12.1 cleanup).
+        A checkpoint whose write failed is warned here, since no later one will report it."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            writer.close()
+            if writer.failure is not None:
+                self.rt.warn(f"graph '{self.name}': a checkpoint could not be written: "
+                             f"{writer.failure}", section="6.6", path=self.path)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

@@ -3453,6 +3453,29 @@ merges: [{sources: [__input__], target: g}]
         assert "cannot write a checkpoint" in errors[0].content
 
 
+
+def test_checkpoint_failing_last_is_warned_at_close(tmp_path):
+    """§6.6 item 2: a checkpoint whose write fails with no later checkpoint to report it (here
+    the state holds a key JSON cannot take) is warned when the Actor closes, not lost."""
+    text = """\
+agents:
+  w: {type: tool, config: {tools: [{name: c, code: "context[(1, 2)] = 1\\nresult = 'ok'"}]}}
+routes:
+  g:
+    type: graph
+    checkpointing: true
+    checkpoint_dir: cp
+    nodes: {n: {type: agent, agent: w}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+default_router: g
+"""
+    team = actor.load(text=text, workdir=tmp_path, unsafe=True)
+    for i in range(actor.CHECKPOINT_EVERY):
+        assert team.send(f"m{i}").errors == []
+    team.close()
+    assert any("a checkpoint could not be written" in w and "§6.6" in w
+               for w in team.rt.warnings)
+
 # §6.7 Parallel execution --------------------------------------------------------------------------
 
 
