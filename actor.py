@@ -9298,7 +9298,12 @@ def read_only_value(value):
     a copy, so no method of it (list.append, a listed dict's update) reaches the context."""
     if type(value) is dict:
         return ContextView(value, None, True)
-    return copy.deepcopy(value) if type(value) in (list, set, tuple) else value
+    if type(value) in (list, set, tuple):
+        try:
+            return copy.deepcopy(value)
+        except (TypeError, RecursionError):    # a generator inside, or nesting past the stack
+            return tuple(value)
+    return value
 
 
 def _check_write(view, key, value=None):
