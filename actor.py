@@ -11070,7 +11070,8 @@ def check_sentinels(text, file):
 # A user document may name, as a stream, a route, a merge or split target, or one of the
 # three streams of §15.1; every other name starting with __ (§15.4) -- the §6.10 per-graph
 # streams above all -- is refused wherever a stream is written: subscriptions, publications,
-# merge sources and targets, split sources and targets, switch and bridge-router targets.
+# merge sources and targets, split sources and targets, switch and bridge-router targets, and
+# the stream fields of pipeline stages (§7.3).
 def check_reserved_stream_references(doc):
     """§15.4, §15.6: no user reference to a reserved (`__`) stream other than §15.1's."""
     data = doc.data
@@ -11099,6 +11100,18 @@ def check_reserved_stream_references(doc):
             targets = split.get("targets")
             for target in targets if isinstance(targets, dict) else ():
                 check(target, ("splits", i, "targets", target))
+    pipelines = data.get("pipelines")
+    for name, pipeline in pipelines.items() if isinstance(pipelines, dict) else ():
+        stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else ()):
+            if not isinstance(stage, dict):
+                continue
+            here = ("pipelines", name, "stages", i)
+            for field in ("subscriptions", "publications"):
+                for j, target in enumerate(as_list(stage.get(field))):
+                    check(target, here + (field, j))
+            for field in ("input_from", "output_to"):
+                check(stage.get(field), here + (field,))
 
 
 # =====================================================================================
