@@ -4560,6 +4560,10 @@ CONDITIONS = {
     "custom":               (cond_custom,               {"node"}),
 }
 
+# The keys a condition mapping may hold (§5.4 table): its type and the parameters beside it.
+CONDITION_KEYS = frozenset({"type", "text", "value", "key", "source", "operator", "pattern",
+                            "function"})
+
 # What each field of a condition mapping must be (§5.4): names are strings, texts scalars.
 CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "operator": (str,),
                          "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
@@ -4646,6 +4650,10 @@ def warn_conditions_at_load(rt):
         for target, cond in (split.get("targets") or {}).items() if isinstance(split, dict) else ():
             sites.append((cond, "stream", ("splits", i, "targets", target)))
     for cond, subsystem, path in sites:
+        for key in cond if isinstance(cond, dict) else ():
+            if key not in CONDITION_KEYS:      # never dropped silently: `params: {text: x}`
+                rt.warn(f"unknown condition key {key!r} is ignored (a condition's parameters "
+                        "are written beside its type)", section="5.4", path=path + (key,))
         if isinstance(cond, dict) and cond.get("type") is not None:
             row = CONDITIONS.get(str(cond["type"]))
             if (row is None or subsystem not in row[1]) and CONDITION_DEFAULTS[subsystem][2]:
