@@ -5902,6 +5902,10 @@ def check_agent_node(rt, graph_name, node_name, cfg, where, agent_names, known):
                            f"agent '{cfg['agent']}' is not defined in agents", "6.2.2, 11.3")
     if cfg.get("retry_policy") is not None:
         check_fields(rt.doc, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",))
+        for key in cfg["retry_policy"]:
+            if key not in RETRY_POLICY_FIELDS:
+                rt.warn(f"unknown retry_policy key {key!r} ignored", section="6.2.2",
+                        path=where + ("retry_policy", key))
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
@@ -6173,6 +6177,10 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
         if not isinstance(rule, dict):
             raise doc.error(ConfigurationError, at, "a rule must be a mapping", "6.2.6")
         check_fields(doc, rule, ROUTER_RULE_FIELDS, at)
+        for key in rule:
+            if key not in ROUTER_RULE_FIELDS:
+                rt.warn(f"unknown router rule key {key!r} ignored", section="6.2.6",
+                        path=at + (key,))
         if rule["match_type"].lower() == "regex":
             try:
                 re.compile(rule["pattern"])

@@ -3107,6 +3107,26 @@ def test_graph_function_tool_conditional_subgraph_nodes():
 # §6.2.6 Message router nodes ----------------------------------------------------------------------
 
 
+def test_unknown_router_rule_and_retry_policy_keys_are_warned():
+    """§6.2.6, §6.2.2: a key a router rule or a retry policy does not define is warned, located,
+    never dropped silently (STYLE §7); the graph still loads and runs."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: x, target: a, sepparator: "-"}]}
+      a: {type: agent, agent: e, retry_policy: {max_retries: 1, dely: 2}}
+    edges: [{source: start, target: r}, {source: r, target: a}, {source: a, target: end}]
+default_router: g
+"""
+    team = actor.load(text=text)
+    assert any("g.nodes.r.rules[0].sepparator" in w and "§6.2.6" in w for w in team.rt.warnings)
+    assert any("g.nodes.a.retry_policy.dely" in w and "§6.2.2" in w for w in team.rt.warnings)
+    assert team.send("x:y").outputs[0].content == "y"
+
+
 def test_cli_runs_the_triage_graph_example():
     """examples/triage-graph.yaml: a message-router graph (§6.2.6) answered offline, each message
     routed by its prefix; --diagram draws the router's edges with their conditions."""
