@@ -9588,6 +9588,12 @@ PIPELINE_STAGE_FIELDS = fields_by_name(
     Field("name",  STRING, None, "7.3"),
     Field("graph", STRING, None, "7.3"),
 )
+# The keys a §7.3 pipeline and its stages may carry (a stream stage is a stream route, §5.3; a
+# graph stage names or holds a graph and its links); any other key is warned, never dropped
+# silently.
+PIPELINE_KEYS = frozenset({"stages", "metadata", "description"})
+PIPELINE_STAGE_KEYS = frozenset({*PIPELINE_STAGE_FIELDS, *STREAM_ROUTE_FIELDS, "config",
+                                 "input_from", "output_to", "description"})
 
 def check_pipelines(doc, rt):
     """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
@@ -9602,6 +9608,10 @@ def check_pipelines(doc, rt):
         if not isinstance(stages, list):
             raise doc.error(ConfigurationError, ("pipelines", pname),
                             "a pipeline needs a stages sequence", "7.3")
+        for key in pipeline:
+            if key not in PIPELINE_KEYS:
+                rt.warn(f"unknown pipeline key {key!r} ignored", section="7.3",
+                        path=("pipelines", pname, key))
         for i, stage in enumerate(stages):
             path = ("pipelines", pname, "stages", i)
             if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
@@ -9610,6 +9620,10 @@ def check_pipelines(doc, rt):
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
             check_fields(doc, stage, PIPELINE_STAGE_FIELDS, path)
+            for key in stage:
+                if key not in PIPELINE_STAGE_KEYS:
+                    rt.warn(f"unknown pipeline stage key {key!r} ignored", section="7.3",
+                            path=path + (key,))
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":

@@ -4278,6 +4278,25 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 # §7.3 The pipelines section -----------------------------------------------------------------------
 
 
+def test_unknown_pipeline_and_stage_keys_are_warned():
+    """§7.3: pipelines are advisory, but a key a pipeline or a stage does not carry is warned,
+    located, never dropped silently; the stages stay wired."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  m: {type: stream, publications: [__output__]}
+pipelines:
+  p:
+    stagez: []
+    stages:
+      - {type: stream, name: s1, operators: [{type: map, params: {agent: e}}], publicatons: [m]}
+merges: [{sources: [__input__], target: p}]
+"""
+    team = actor.load(text=text)
+    assert any("pipelines.p.stagez" in w and "§7.3" in w for w in team.rt.warnings)
+    assert any("pipelines.p.stages[0].publicatons" in w for w in team.rt.warnings)
+
+
 def test_pipeline_graph_stage_uses_named_graph():
     """§7.3 (Q1): a graph stage naming a graph route runs it between the stream stages."""
     graph = _FakeGraph()
