@@ -13350,13 +13350,13 @@ def main(argv=None):
             status = EXIT_INTERRUPTED
 
     previous_limit = sys.getrecursionlimit()
-    previous_stack = threading.stack_size(CLI_STACK_BYTES)
-    try:
-        worker = threading.Thread(target=work, name="actor-cli", daemon=True)
-        worker.start()
-    finally:
-        threading.stack_size(previous_stack)
-    try:
+    try:        # Ctrl-C may come before the main thread reaches the join loop (a busy machine)
+        previous_stack = threading.stack_size(CLI_STACK_BYTES)
+        try:
+            worker = threading.Thread(target=work, name="actor-cli", daemon=True)
+            worker.start()
+        finally:
+            threading.stack_size(previous_stack)
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:
