@@ -4646,6 +4646,10 @@ CONDITIONS = {
     "custom":               (cond_custom,               {"node"}),
 }
 
+# The keys a condition mapping may hold (§5.4 table): its type and the parameters beside it.
+CONDITION_KEYS = frozenset({"type", "text", "value", "key", "source", "operator", "pattern",
+                            "function"})
+
 # What each field of a condition mapping must be (§5.4): names are strings, texts scalars.
 CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "operator": (str,),
                          "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
@@ -4732,6 +4736,10 @@ def warn_conditions_at_load(rt):
         for target, cond in (split.get("targets") or {}).items() if isinstance(split, dict) else ():
             sites.append((cond, "stream", ("splits", i, "targets", target)))
     for cond, subsystem, path in sites:
+        for key in cond if isinstance(cond, dict) else ():
+            if key not in CONDITION_KEYS:      # never dropped silently: `params: {text: x}`
+                rt.warn(f"unknown condition key {key!r} is ignored (a condition's parameters "
+                        "are written beside its type)", section="5.4", path=path + (key,))
         if isinstance(cond, dict) and cond.get("type") is not None:
             row = CONDITIONS.get(str(cond["type"]))
             if (row is None or subsystem not in row[1]) and CONDITION_DEFAULTS[subsystem][2]:
@@ -5641,10 +5649,14 @@ class GraphRoute:
         return internal_stream_names(self.name, self.nodes)
 
     def close(self):
-        """Write the queued checkpoint; stop the writer and the worker threads (§12.1 cleanup)."""
+        """Write the queued checkpoint; stop the writer and the worker threads (§12.1 cleanup).
+        A checkpoint whose write failed is warned here, since no later one will report it."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            writer.close()
+            if writer.failure is not None:
+                self.rt.warn(f"graph '{self.name}': a checkpoint could not be written: "
+                             f"{writer.failure}", section="6.6", path=self.path)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -6014,6 +6026,10 @@ def check_agent_node(rt, graph_name, node_name, cfg, where, agent_names, known):
                            f"agent '{cfg['agent']}' is not defined in agents", "6.2.2, 11.3")
     if cfg.get("retry_policy") is not None:
         check_fields(rt.doc, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",))
+        for key in cfg["retry_policy"]:
+            if key not in RETRY_POLICY_FIELDS:
+                rt.warn(f"unknown retry_policy key {key!r} ignored", section="6.2.2",
+                        path=where + ("retry_policy", key))
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
@@ -6285,6 +6301,10 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
         if not isinstance(rule, dict):
             raise doc.error(ConfigurationError, at, "a rule must be a mapping", "6.2.6")
         check_fields(doc, rule, ROUTER_RULE_FIELDS, at)
+        for key in rule:
+            if key not in ROUTER_RULE_FIELDS:
+                rt.warn(f"unknown router rule key {key!r} ignored", section="6.2.6",
+                        path=at + (key,))
         if rule["match_type"].lower() == "regex":
             try:
                 re.compile(rule["pattern"])
@@ -9456,7 +9476,12 @@ def read_only_value(value):
     a copy, so no method of it (list.append, a listed dict's update) reaches the context."""
     if type(value) is dict:
         return ContextView(value, None, True)
-    return copy.deepcopy(value) if type(value) in (list, set, tuple) else value
+    if type(value) in (list, set, tuple):
+        try:
+            return copy.deepcopy(value)
+        except (TypeError, RecursionError):    # a generator inside, or nesting past the stack
+            return tuple(value)
+    return value
 
 
 def _check_write(view, key, value=None):
@@ -9737,6 +9762,12 @@ PIPELINE_STAGE_FIELDS = fields_by_name(
     Field("name",  STRING, None, "7.3"),
     Field("graph", STRING, None, "7.3"),
 )
+# The keys a §7.3 pipeline and its stages may carry (a stream stage is a stream route, §5.3; a
+# graph stage names or holds a graph and its links); any other key is warned, never dropped
+# silently.
+PIPELINE_KEYS = frozenset({"stages", "metadata", "description"})
+PIPELINE_STAGE_KEYS = frozenset({*PIPELINE_STAGE_FIELDS, *STREAM_ROUTE_FIELDS, "config",
+                                 "input_from", "output_to", "description"})
 
 def check_pipelines(doc, rt):
     """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
@@ -9751,6 +9782,10 @@ def check_pipelines(doc, rt):
         if not isinstance(stages, list):
             raise doc.error(ConfigurationError, ("pipelines", pname),
                             "a pipeline needs a stages sequence", "7.3")
+        for key in pipeline:
+            if key not in PIPELINE_KEYS:
+                rt.warn(f"unknown pipeline key {key!r} ignored", section="7.3",
+                        path=("pipelines", pname, key))
         for i, stage in enumerate(stages):
             path = ("pipelines", pname, "stages", i)
             if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
@@ -9759,6 +9794,10 @@ def check_pipelines(doc, rt):
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
             check_fields(doc, stage, PIPELINE_STAGE_FIELDS, path)
+            for key in stage:
+                if key not in PIPELINE_STAGE_KEYS:
+                    rt.warn(f"unknown pipeline stage key {key!r} ignored", section="7.3",
+                            path=path + (key,))
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
@@ -11249,7 +11288,8 @@ def check_sentinels(text, file):
 # A user document may name, as a stream, a route, a merge or split target, or one of the
 # three streams of §15.1; every other name starting with __ (§15.4) -- the §6.10 per-graph
 # streams above all -- is refused wherever a stream is written: subscriptions, publications,
-# merge sources and targets, split sources and targets, switch and bridge-router targets.
+# merge sources and targets, split sources and targets, switch and bridge-router targets, and
+# the stream fields of pipeline stages (§7.3).
 def check_reserved_stream_references(doc):
     """§15.4, §15.6: no user reference to a reserved (`__`) stream other than §15.1's."""
     data = doc.data
@@ -11278,6 +11318,18 @@ def check_reserved_stream_references(doc):
             targets = split.get("targets")
             for target in targets if isinstance(targets, dict) else ():
                 check(target, ("splits", i, "targets", target))
+    pipelines = data.get("pipelines")
+    for name, pipeline in pipelines.items() if isinstance(pipelines, dict) else ():
+        stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else ()):
+            if not isinstance(stage, dict):
+                continue
+            here = ("pipelines", name, "stages", i)
+            for field in ("subscriptions", "publications"):
+                for j, target in enumerate(as_list(stage.get(field))):
+                    check(target, here + (field, j))
+            for field in ("input_from", "output_to"):
+                check(stage.get(field), here + (field,))
 
 
 # =====================================================================================
@@ -13486,13 +13538,13 @@ def main(argv=None):
             status = EXIT_INTERRUPTED
 
     previous_limit = sys.getrecursionlimit()
-    previous_stack = threading.stack_size(CLI_STACK_BYTES)
-    try:
-        worker = threading.Thread(target=work, name="actor-cli", daemon=True)
-        worker.start()
-    finally:
-        threading.stack_size(previous_stack)
-    try:
+    try:        # Ctrl-C may come before the main thread reaches the join loop (a busy machine)
+        previous_stack = threading.stack_size(CLI_STACK_BYTES)
+        try:
+            worker = threading.Thread(target=work, name="actor-cli", daemon=True)
+            worker.start()
+        finally:
+            threading.stack_size(previous_stack)
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:

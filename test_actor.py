@@ -3157,6 +3157,26 @@ def test_graph_function_tool_conditional_subgraph_nodes():
 # §6.2.6 Message router nodes ----------------------------------------------------------------------
 
 
+def test_unknown_router_rule_and_retry_policy_keys_are_warned():
+    """§6.2.6, §6.2.2: a key a router rule or a retry policy does not define is warned, located,
+    never dropped silently (STYLE §7); the graph still loads and runs."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  g:
+    type: graph
+    nodes:
+      r: {type: message_router, rules: [{match_type: prefix, pattern: x, target: a, sepparator: "-"}]}
+      a: {type: agent, agent: e, retry_policy: {max_retries: 1, dely: 2}}
+    edges: [{source: start, target: r}, {source: r, target: a}, {source: a, target: end}]
+default_router: g
+"""
+    team = actor.load(text=text)
+    assert any("g.nodes.r.rules[0].sepparator" in w and "§6.2.6" in w for w in team.rt.warnings)
+    assert any("g.nodes.a.retry_policy.dely" in w and "§6.2.2" in w for w in team.rt.warnings)
+    assert team.send("x:y").outputs[0].content == "y"
+
+
 def test_cli_runs_the_triage_graph_example():
     """examples/triage-graph.yaml: a message-router graph (§6.2.6) answered offline, each message
     routed by its prefix; --diagram draws the router's edges with their conditions."""
@@ -3508,6 +3528,29 @@ merges: [{sources: [__input__], target: g}]
         assert all(len(r.outputs) + len(r.errors) == 1 for r in results)
         assert not results[0].errors            # the first run checkpoints nothing
 
+
+
+def test_checkpoint_failing_last_is_warned_at_close(tmp_path):
+    """§6.6 item 2: a checkpoint whose write fails with no later checkpoint to report it (here
+    the state holds a key JSON cannot take) is warned when the Actor closes, not lost."""
+    text = """\
+agents:
+  w: {type: tool, config: {tools: [{name: c, code: "context[(1, 2)] = 1\\nresult = 'ok'"}]}}
+routes:
+  g:
+    type: graph
+    checkpointing: true
+    checkpoint_dir: cp
+    nodes: {n: {type: agent, agent: w}}
+    edges: [{source: start, target: n}, {source: n, target: end}]
+default_router: g
+"""
+    team = actor.load(text=text, workdir=tmp_path, unsafe=True)
+    for i in range(actor.CHECKPOINT_EVERY):
+        assert team.send(f"m{i}").errors == []
+    team.close()
+    assert any("a checkpoint could not be written" in w and "§6.6" in w
+               for w in team.rt.warnings)
 
 # §6.7 Parallel execution --------------------------------------------------------------------------
 
@@ -4289,6 +4332,25 @@ def test_graph_actor_checkpoint_restore_and_rewind(tmp_path):
 
 
 # §7.3 The pipelines section -----------------------------------------------------------------------
+
+
+def test_unknown_pipeline_and_stage_keys_are_warned():
+    """§7.3: pipelines are advisory, but a key a pipeline or a stage does not carry is warned,
+    located, never dropped silently; the stages stay wired."""
+    text = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  m: {type: stream, publications: [__output__]}
+pipelines:
+  p:
+    stagez: []
+    stages:
+      - {type: stream, name: s1, operators: [{type: map, params: {agent: e}}], publicatons: [m]}
+merges: [{sources: [__input__], target: p}]
+"""
+    team = actor.load(text=text)
+    assert any("pipelines.p.stagez" in w and "§7.3" in w for w in team.rt.warnings)
+    assert any("pipelines.p.stages[0].publicatons" in w for w in team.rt.warnings)
 
 
 def test_pipeline_graph_stage_uses_named_graph():
