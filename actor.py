@@ -16,9 +16,12 @@ Usage (command line)::
 
     python actor.py CONFIG... [-m TEXT]... [--unsafe] [--provider NAME] [--set K=V]... [--json]
     python actor.py --check CONFIG...        python actor.py --describe CONFIG
-    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD" -j N]
+    python actor.py --diagram CONFIG         python actor.py --schema
     python actor.py CONFIG --trace -m TEXT   (every stream message, graph step and LLM call)
     python actor.py --check --strict CONFIG  (warnings are errors)
+    python actor.py --vectors DIR [--impl "CMD" [-j N]]   (the vector suite, vectors/README.md)
+    Exit status: 0 ok, 1 something reached __error__ (or a vector failed), 2 bad usage or a
+    configuration refused at load, 70 a bug in actor.py; `python actor.py --help` lists the rest.
 
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.

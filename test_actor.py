@@ -348,6 +348,23 @@ def test_readme_is_short_and_its_configuration_is_the_hello_example():
         assert (HERE / link).exists(), link
 
 
+def test_examples_run_as_their_comments_say():
+    """Every offline command written in an example's comments runs from the repository's root
+    as written: exit status 0, an answer on stdout, nothing on stderr."""
+    import shlex
+    commands = []
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        for line in example.read_text(encoding="utf-8").splitlines():
+            found = re.search(r"#.*?(python3 actor\.py .*)$", line)
+            if found and "_API_KEY=" not in line:
+                commands.append(shlex.split(found.group(1)))
+    assert len(commands) >= 5
+    for argv in commands:
+        r = subprocess.run([sys.executable, *argv[1:]], cwd=HERE, capture_output=True,
+                           text=True, timeout=60)
+        assert (r.returncode, r.stderr) == (0, "") and r.stdout.strip(), (argv, r.stderr)
+
+
 def test_readme_counts_are_the_suites():
     """The numbers README states about the project are today's: the Interpretations entries and
     the Security section's corpora (test_actor.py, region §13.2)."""
