@@ -12944,6 +12944,9 @@ def usage_problem(args, parser):
     for dest in ("timeout", "jobs"):
         if dest in given and not args.impl:
             return f"{flag[dest]} works only with --impl (it bounds the implementation's processes)"
+    for dest in ("impl", "timeout", "jobs", "json"):
+        if dest in given and args.list:
+            return f"{flag[dest]} does nothing with --list (it runs no vector)"
     if mode in ("run", "check", "describe", "diagram") and not args.configs:
         return "give at least one CONFIG (or --vectors, --schema)"
     if args.provider == "":

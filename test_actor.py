@@ -520,6 +520,7 @@ _ECHO_EXAMPLE = str(HERE / "examples" / "echo.yaml")
     ["--vectors", str(HERE / "vectors" / "03-document"), "--impl", "true", "-j", "0"],
     ["--vectors", str(HERE / "vectors" / "03-document"), "--impl", "true", "--timeout", "-1"],
     ["--vectors", str(HERE / "vectors" / "03-document"), "--unsafe"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--list", "--impl", "true"],
     ["--run-vector", "--unsafe"],
     [_ECHO_EXAMPLE, "--provider", "", "-m", "hi"],
     [_ECHO_EXAMPLE, "--reply", "x", "-m", "hi"],             # --reply needs --provider fake
