@@ -12790,7 +12790,7 @@ MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
 
 
 def _parse_set(items, option):
-    """--set a.b=3 -> {'a': {'b': 3}} (values read as YAML 1.2 scalars)."""
+    """--set a.b=3 -> {"a": {"b": 3}} (each value read as YAML 1.2: 3, true, [1, 2], text)."""
     result = {}
     for item in items or []:
         key, equals, raw = item.partition("=")
