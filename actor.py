@@ -13021,6 +13021,7 @@ def _field_names(path_text):
 # hints follow it; a message no pattern knows gets no hint.
 NAME_HINTS = (
     (r"unknown agent '([^']*)'", lambda d, m: _names_in(d)[0]),
+    (r"default_router '([^']*)' is not a route", lambda d, m: _names_in(d)[1]),
     (r"unknown agent type '([^']*)'", lambda d, m: AGENT_TYPES),
     (r"unknown operator '([^']*)'", lambda d, m: OPERATORS),
     (r"unknown param '([^']*)' of operator '([^']*)'",

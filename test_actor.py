@@ -459,6 +459,7 @@ def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
     (("type: tool", "type: tol"), "did you mean 'tool'?"),
     (("target: n}, {source: n", "target: nn}, {source: n"), "did you mean 'n'?"),
     (("{type: agent, agent: talk}", "{type: agnt, agent: talk}"), "did you mean 'agent'?"),
+    (("merges: [", "default_router: mian\nmerges: ["), "did you mean 'main'?"),
 ])
 def test_cli_did_you_mean_for_unknown_names(tmp_path, replace, expect):
     text = ("agents: {talk: {type: chain}, calc: {type: tool, config: {tools: [math]}}}\n"
