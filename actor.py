@@ -13441,8 +13441,8 @@ def _lines(interactive, prompt):
     """The messages typed or piped in, one per line; interactive: readline editing and history,
     blank lines skipped, /quit ends, /reset is passed through."""
     if not interactive:
-        for line in sys.stdin:
-            yield line.rstrip("\n")
+        for line in sys.stdin:      # a line ends at \n or \r\n (a file saved on Windows)
+            yield line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
         return
     try:
         import readline  # noqa: F401 -- line editing and history for input()

@@ -288,6 +288,11 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     r = run_cli(str(cfg), "--json", stdin="x\ny\n")
     lines = [json.loads(l) for l in r.stdout.splitlines()]
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
+    r = subprocess.run([sys.executable, str(HERE / "actor.py"), str(cfg), "--json"],
+                       input=b"x\r\ny \r\n\nz", capture_output=True, timeout=60)
+    lines = [json.loads(l) for l in r.stdout.decode().splitlines()]      # CRLF ends a line too
+    assert [l["content"] for l in lines] == [f"ChainAgent processed: {m}->s"
+                                             for m in ("x", "y ", "", "z")]
 
 
 def test_cli_runs_the_18_4_example_end_to_end():
