@@ -12975,6 +12975,26 @@ def read_run_vector(text):
     return vector
 
 
+def impl_problem(impl, files, timeout):
+    """One line when the --impl command cannot be started at all (the shell's exit status 126 or
+    127: not executable, not found), found on the first vector before the run, so that the same
+    ERROR is not printed for every vector; else None (any other failure is that vector's ERROR)."""
+    import subprocess           # on first use: start-up pays for none (issue 15)
+    if not files:
+        return None
+    try:
+        observe_with(impl, read_vector(files[0]), timeout)
+    except RuntimeError as exc:
+        found = re.match(r"implementation exited (126|127): (.*)", str(exc), re.S)
+        if found:
+            reason = found.group(2).strip().splitlines()[-1] if found.group(2).strip() else \
+                f"exit status {found.group(1)}"
+            return f"--impl command cannot be run: {reason}"
+    except (ActorError, ValueError, OSError, subprocess.SubprocessError):
+        pass                    # the run reports it as that vector's ERROR
+    return None
+
+
 # "Did you mean" ---------------------------------------------------------------------------
 SUGGEST_LIST_MAX = 8        # name every valid choice when there are at most this many
 
@@ -13512,6 +13532,12 @@ def _cli(args):
             if args.list:
                 list_vectors(args.vectors, only=only, skip=skip)
                 return EXIT_OK
+            problem = args.impl and impl_problem(
+                args.impl, select_vectors(collect_vector_files(args.vectors), only, skip),
+                args.timeout or VECTOR_TIMEOUT)
+            if problem:
+                print(f"actor: error: {problem}", file=sys.stderr)
+                return EXIT_CONFIG
             _, failed = run_vectors(args.vectors, impl=args.impl,
                                     timeout=args.timeout or VECTOR_TIMEOUT,
                                     jobs=args.jobs or os.cpu_count() or 1, only=only, skip=skip,

@@ -599,6 +599,16 @@ def test_cli_impl_that_fails_is_an_error_line_per_vector(tmp_path):
     assert all(line.startswith("ERROR ") and "exited 3: broken" in line for line in lines[:-1])
 
 
+def test_cli_impl_that_cannot_start_is_one_line_with_exit_status_2(tmp_path):
+    """--impl naming a command the shell cannot run (not found, not executable): one line
+    before any vector, exit status 2."""
+    (tmp_path / "not-executable").write_text("#!/bin/sh\n")
+    for impl in (str(tmp_path / "no-such-implementation"), str(tmp_path / "not-executable")):
+        r = run_cli("--vectors", str(HERE / "vectors" / "03-document"), "--impl", impl)
+        assert (r.returncode, r.stdout) == (2, "") and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("actor: error: --impl command cannot be run: ")
+
+
 def test_cli_internal_error_is_one_line_with_exit_status_70(monkeypatch, capsys):
     """A bug in actor.py reaching the CLI's boundary: one line naming it, exit status 70; -v
     adds the traceback."""
