@@ -12802,7 +12802,8 @@ def _parse_set(items, option):
             value, _ = parse_yaml(raw) if raw.strip() else ("", None)
         except ConfigurationError as exc:      # located in the value, not in a file
             problem = exc.message.removeprefix("document does not parse as YAML: ")
-            raise ConfigurationError(f"{option} {item}: the value does not parse as YAML: "
+            shown = item if len(item) <= 60 else item[:57] + "..."
+            raise ConfigurationError(f"{option} {shown}: the value does not parse as YAML: "
                                      f"{problem}") from None
         node = result
         for depth, part in enumerate(parts[:-1]):
