@@ -12964,8 +12964,8 @@ def read_run_vector(text):
         vector = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"--run-vector reads one vector as JSON on stdin: {exc}") from None
-    problems = [text for text in lint_vector(vector)[0]     # what running it needs
-                if not re.fullmatch(r"missing '(name|spec|description)'", text)]
+    problems = [problem for problem in lint_vector(vector)[0]     # what running it needs
+                if not re.fullmatch(r"missing '(name|spec|description)'", problem)]
     if isinstance(vector, dict):
         for key, kind in (("host", dict), ("steps", list), ("configs", list),
                           ("config_text", str)):
