@@ -16,9 +16,12 @@ Usage (command line)::
 
     python actor.py CONFIG... [-m TEXT]... [--unsafe] [--provider NAME] [--set K=V]... [--json]
     python actor.py --check CONFIG...        python actor.py --describe CONFIG
-    python actor.py --diagram CONFIG         python actor.py --vectors DIR [--impl "CMD" -j N]
+    python actor.py --diagram CONFIG         python actor.py --schema
     python actor.py CONFIG --trace -m TEXT   (every stream message, graph step and LLM call)
     python actor.py --check --strict CONFIG  (warnings are errors)
+    python actor.py --vectors DIR [--impl "CMD" [-j N]]   (the vector suite, vectors/README.md)
+    Exit status: 0 ok, 1 something reached __error__ (or a vector failed), 2 bad usage or a
+    configuration refused at load, 70 a bug in actor.py; `python actor.py --help` lists the rest.
 
 Glossary: msg Message, ctx context (§10), state graph state (§6.3), cfg the raw YAML mapping in
 hand, path a config path tuple (('routes', 'main', 'edges', 2)), now virtual seconds, rt Runtime.
@@ -12828,7 +12831,8 @@ def mermaid_graph(graph):
 # as real time passes; -m messages and stdin lines flow into it as they come, and the end of input
 # completes __input__ (buffers flush, reduce emits) before exit -- the API's outputs for the same
 # timed input. Outputs print as they are emitted, wherever they come from (a send, a timer).
-EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2     # EXIT_CONFIG also answers bad usage
+EXIT_INTERNAL = 70                                 # a bug in actor.py (sysexits' EX_SOFTWARE)
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # the shells' 128 + SIGINT / SIGPIPE
 # A run's messages pass through a chain of routes, and through one route's operators, as nested
 # calls: 400 chained routes or 1,000 operators need more frames than Python's default limit. The
@@ -12840,15 +12844,22 @@ MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
 
 
 def _parse_set(items, option):
-    """--set a.b=3 -> {'a': {'b': 3}} (values read as YAML 1.2 scalars)."""
+    """--set a.b=3 -> {"a": {"b": 3}} (each value read as YAML 1.2: 3, true, [1, 2], text)."""
     result = {}
     for item in items or []:
-        if "=" not in item:
-            raise ConfigurationError(f"{option} expects KEY=VALUE, got '{item}'")
-        key, _, raw = item.partition("=")
-        value, _ = parse_yaml(raw) if raw.strip() else ("", None)
-        node = result
+        key, equals, raw = item.partition("=")
         parts = key.split(".")
+        if not equals or not all(part.strip() for part in parts):
+            raise ConfigurationError(f"{option} expects KEY=VALUE (KEY: names joined by dots), "
+                                     f"got '{item}'")
+        try:
+            value, _ = parse_yaml(raw) if raw.strip() else ("", None)
+        except ConfigurationError as exc:      # located in the value, not in a file
+            problem = exc.message.removeprefix("document does not parse as YAML: ")
+            shown = item if len(item) <= 60 else item[:57] + "..."
+            raise ConfigurationError(f"{option} {shown}: the value does not parse as YAML: "
+                                     f"{problem}") from None
+        node = result
         for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):   # --set a=1 --set a.b=2: a is not a mapping
@@ -12858,10 +12869,39 @@ def _parse_set(items, option):
     return result
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one line (exit status 2), not the whole usage text."""
+
+    def error(self, message):
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(kind):
+    """An argparse type: a finite number above zero of `kind` (int or float)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"expects a number above zero, got '{text}'")
+        return value
+    return parse
+
+
+CLI_USAGE = """actor CONFIG... [-m TEXT]... [options]
+       actor --check|--describe|--diagram [options] CONFIG...
+       actor --vectors PATH... [--impl CMD [-j N] [--timeout S]] [--only P] [--skip P] [--list]
+       actor --schema | --run-vector | --version"""
+
+
 def _arg_parser():
-    p = argparse.ArgumentParser(
-        prog="actor", description="Run, check or inspect Actor configurations (Actor Configuration "
-        "Standard 1.0.0).")
+    p = _ArgumentParser(
+        prog="actor", usage=CLI_USAGE, description="Run, check or inspect Actor configurations "
+        "(Actor Configuration Standard 1.0.0).", epilog="Exit status: 0 ok; 1 a message reached "
+        "__error__, a run failed, or a vector failed; 2 bad usage, or a configuration refused at "
+        "load (any §20 category), or a warning under --strict; 70 an internal error of actor.py; "
+        "130 interrupted (Ctrl-C); 141 output pipe closed.")
     p.add_argument("configs", nargs="*", metavar="CONFIG", help="configuration files, merged in order")
     p.add_argument("-m", "--message", action="append", metavar="TEXT",
                    help="a message to send (repeatable); default: one message per stdin line")
@@ -12873,13 +12913,18 @@ def _arg_parser():
     p.add_argument("--reply", action="append", metavar="TEXT",
                    help="with --provider fake: the model's next reply (repeatable, used in order; "
                    "then it echoes)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="Phase A rendering context")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a value of the Phase A rendering context (§8.2); KEY may be dotted "
+                   "(a.b=1), VALUE is read as YAML (repeatable)")
     p.add_argument("--context", action="append", metavar="KEY=VALUE",
-                   help="host invocation-context keys (§10.3), e.g. _temperature_override=0.2")
-    p.add_argument("--engine", metavar="NAME", help="template engine: JINJA2, MUSTACHE or SIMPLE")
+                   help="a host invocation-context key (§10.3), e.g. _temperature_override=0.2 "
+                   "(repeatable)")
+    p.add_argument("--engine", metavar="NAME",
+                   help="the host's template engine (§9.2): JINJA2, MUSTACHE or SIMPLE")
     p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
     p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata "
-                   "(errors too, on stdout); with --vectors: one JSON report")
+                   "(errors too, on stdout); with --describe: the description as JSON, with "
+                   "the graph analysis (§6.11); with --vectors: one JSON report")
     p.add_argument("--trace", action="store_true", help="print every stream message, graph step "
                    "and LLM call to stderr as it happens")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -12894,22 +12939,115 @@ def _arg_parser():
                    help="print a JSON Schema (draft 2020-12) of the configuration format")
     p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
     p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
-    p.add_argument("--timeout", type=float, default=VECTOR_TIMEOUT,
-                   help="with --impl: seconds per vector")
-    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+    p.add_argument("--timeout", type=_positive(float), metavar="S",
+                   help=f"with --impl: seconds each vector's process may take "
+                   f"(default {VECTOR_TIMEOUT:g})")
+    p.add_argument("-j", "--jobs", type=_positive(int), metavar="N",
                    help="with --impl: vectors run at once (default: the number of cores)")
-    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+    p.add_argument("--only", action="append", metavar="PATTERN",
                    help="with --vectors: run only vectors whose name (or, with '/', path) "
                    "matches this glob (repeatable)")
-    p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+    p.add_argument("--skip", action="append", metavar="PATTERN",
                    help="with --vectors: leave out vectors matching this glob (repeatable)")
     p.add_argument("--list", action="store_true",
                    help="with --vectors: list the selected vectors and their sections, run none")
     p.add_argument("--run-vector", action="store_true",
-                   help="read one vector as JSON on stdin, print observations as JSON")
+                   help="the implementation side of the --impl protocol: read one vector as "
+                   "JSON on stdin, print what happened as JSON (vectors/README.md)")
     p.add_argument("--version", action="version",
                    version=f"actor.py {__version__} (Actor Configuration Standard {SPEC_VERSION})")
     return p
+
+
+# What each way of running reads. An option the chosen way would ignore is a usage error (exit
+# status 2), never silently dropped: `--check -m hi` does not pretend to send anything.
+CLI_MODES = ("check", "describe", "diagram", "schema", "vectors", "run_vector")
+_CLI_LOAD_OPTIONS = ("configs", "unsafe", "isolate", "provider", "set", "context", "engine",
+                     "default_router", "strict")
+CLI_MODE_OPTIONS = {
+    "run": _CLI_LOAD_OPTIONS + ("message", "reply", "json", "trace"),
+    "check": _CLI_LOAD_OPTIONS,
+    "describe": _CLI_LOAD_OPTIONS + ("json",),
+    "diagram": _CLI_LOAD_OPTIONS,
+    "schema": (),
+    "vectors": ("json", "impl", "timeout", "jobs", "only", "skip", "list"),
+    "run_vector": (),
+}
+
+
+def usage_problem(args, parser):
+    """The one-line complaint about a command line whose options do not go together, or None."""
+    flag = {a.dest: (a.option_strings[0] if a.option_strings else "CONFIG")
+            for a in parser._actions}
+    given = [dest for dest in flag if dest not in ("help", "version")
+             and getattr(args, dest, None) not in (None, False, [])]
+    if args.verbose and args.quiet:
+        return "-v and -q exclude each other"
+    modes = [dest for dest in CLI_MODES if dest in given]
+    if len(modes) > 1:
+        return f"{flag[modes[0]]} and {flag[modes[1]]} exclude each other: choose one"
+    mode = modes[0] if modes else "run"
+    for dest in given:
+        if dest in CLI_MODES or dest in ("verbose", "quiet") or dest in CLI_MODE_OPTIONS[mode]:
+            continue
+        if dest == "configs":
+            return f"{flag[mode]} takes no CONFIG (got {' '.join(args.configs)})"
+        if mode == "run":
+            homes = [flag[m] for m in CLI_MODES if dest in CLI_MODE_OPTIONS[m]]
+            return f"{flag[dest]} works only with {' or '.join(homes)}"
+        return f"{flag[dest]} does nothing with {flag[mode]}"
+    for dest in ("timeout", "jobs"):
+        if dest in given and not args.impl:
+            return f"{flag[dest]} works only with --impl (it bounds the implementation's processes)"
+    for dest in ("impl", "timeout", "jobs", "json"):
+        if dest in given and args.list:
+            return f"{flag[dest]} does nothing with --list (it runs no vector)"
+    if mode in ("run", "check", "describe", "diagram") and not args.configs:
+        return "give at least one CONFIG (or --vectors, --schema)"
+    if args.provider == "":
+        return "--provider needs a name (e.g. fake)"
+    if args.reply and args.provider != "fake":
+        return "--reply scripts the fake model: add --provider fake"
+    return None
+
+
+def read_run_vector(text):
+    """--run-vector's input: one vector as a JSON object. Raises ValueError saying what is wrong
+    (the harness shows it under the vector's ERROR line)."""
+    try:
+        vector = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--run-vector reads one vector as JSON on stdin: {exc}") from None
+    problems = [problem for problem in lint_vector(vector)[0]     # what running it needs
+                if not re.fullmatch(r"missing '(name|spec|description)'", problem)]
+    if isinstance(vector, dict):
+        for key, kind in (("host", dict), ("steps", list), ("configs", list),
+                          ("config_text", str)):
+            if vector.get(key) is not None and not isinstance(vector[key], kind):
+                problems.append(f"'{key}' is not a JSON {kind.__name__.replace('dict', 'object')}")
+    if problems:
+        raise ValueError("--run-vector: not a usable vector: " + "; ".join(problems))
+    return vector
+
+
+def impl_problem(impl, files, timeout):
+    """One line when the --impl command cannot be started at all (the shell's exit status 126 or
+    127: not executable, not found), found on the first vector before the run, so that the same
+    ERROR is not printed for every vector; else None (any other failure is that vector's ERROR)."""
+    import subprocess           # on first use: start-up pays for none (issue 15)
+    if not files:
+        return None
+    try:
+        observe_with(impl, read_vector(files[0]), timeout)
+    except RuntimeError as exc:
+        found = re.match(r"implementation exited (126|127): (.*)", str(exc), re.S)
+        if found:
+            reason = found.group(2).strip().splitlines()[-1] if found.group(2).strip() else \
+                f"exit status {found.group(1)}"
+            return f"--impl command cannot be run: {reason}"
+    except (ActorError, ValueError, OSError, subprocess.SubprocessError):
+        pass                    # the run reports it as that vector's ERROR
+    return None
 
 
 # "Did you mean" ---------------------------------------------------------------------------
@@ -12958,6 +13096,7 @@ def _field_names(path_text):
 # hints follow it; a message no pattern knows gets no hint.
 NAME_HINTS = (
     (r"unknown agent '([^']*)'", lambda d, m: _names_in(d)[0]),
+    (r"default_router '([^']*)' is not a route", lambda d, m: _names_in(d)[1]),
     (r"unknown agent type '([^']*)'", lambda d, m: AGENT_TYPES),
     (r"unknown operator '([^']*)'", lambda d, m: OPERATORS),
     (r"unknown param '([^']*)' of operator '([^']*)'",
@@ -13377,8 +13516,8 @@ def _lines(interactive, prompt):
     """The messages typed or piped in, one per line; interactive: readline editing and history,
     blank lines skipped, /quit ends, /reset is passed through."""
     if not interactive:
-        for line in sys.stdin:
-            yield line.rstrip("\n")
+        for line in sys.stdin:      # a line ends at \n or \r\n (a file saved on Windows)
+            yield line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
         return
     try:
         import readline  # noqa: F401 -- line editing and history for input()
@@ -13425,8 +13564,9 @@ def run_cli_actor(actor, args, console):
 
 def _cli(args):
     """Everything main() does, on a thread with a deep stack; returns the exit status."""
-    if args.verbose and args.quiet:
-        print("actor: error: -v and -q exclude each other", file=sys.stderr)
+    problem = usage_problem(args, _arg_parser())
+    if problem:
+        print(f"actor: error: {problem} (see actor --help)", file=sys.stderr)
         return EXIT_CONFIG
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
     logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
@@ -13434,15 +13574,28 @@ def _cli(args):
     if args.run_vector or args.vectors:
         log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
     if args.run_vector:
-        print(json.dumps(observe_vector(json.loads(sys.stdin.read()))))
+        try:
+            vector = read_run_vector(sys.stdin.read())
+        except ValueError as exc:
+            print(f"actor: error: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(json.dumps(observe_vector(vector)))
         return EXIT_OK
     if args.vectors:
+        only, skip = args.only or [], args.skip or []
         try:
             if args.list:
-                list_vectors(args.vectors, only=args.only, skip=args.skip)
+                list_vectors(args.vectors, only=only, skip=skip)
                 return EXIT_OK
-            _, failed = run_vectors(args.vectors, impl=args.impl, timeout=args.timeout,
-                                    jobs=max(1, args.jobs), only=args.only, skip=args.skip,
+            problem = args.impl and impl_problem(
+                args.impl, select_vectors(collect_vector_files(args.vectors), only, skip),
+                args.timeout or VECTOR_TIMEOUT)
+            if problem:
+                print(f"actor: error: {problem}", file=sys.stderr)
+                return EXIT_CONFIG
+            _, failed = run_vectors(args.vectors, impl=args.impl,
+                                    timeout=args.timeout or VECTOR_TIMEOUT,
+                                    jobs=args.jobs or os.cpu_count() or 1, only=only, skip=skip,
                                     as_json=args.json)
         except ValueError as exc:       # a path that holds no vector
             print(f"actor: error: {exc}", file=sys.stderr)
@@ -13451,13 +13604,6 @@ def _cli(args):
     if args.schema:
         print(json.dumps(config_schema(), indent=1))
         return EXIT_OK
-    if not args.configs:
-        _arg_parser().print_usage(sys.stderr)
-        print("actor: error: give at least one CONFIG (or --vectors)", file=sys.stderr)
-        return EXIT_CONFIG
-    if args.reply and args.provider != "fake":
-        print("actor: error: --reply scripts the fake model: add --provider fake", file=sys.stderr)
-        return EXIT_CONFIG
     hints = _HintFilter()
     log.addFilter(hints)
     try:
@@ -13523,8 +13669,10 @@ def _cli(args):
 
 
 def main(argv=None):
-    """The CLI: exit 0 ok, 2 configuration error, 1 runtime error; 130 after Ctrl-C and 141 on a
-    closed pipe, quietly. The work runs on a thread with a deep stack (see CLI_RECURSION_LIMIT)."""
+    """The CLI: exit 0 ok, 1 something reached __error__ (or a vector failed), 2 bad usage or a
+    configuration refused; 130 after Ctrl-C and 141 on a closed pipe, quietly; 70 and one line on
+    stderr for a bug in actor.py (-v adds the traceback). The work runs on a thread with a deep
+    stack (see CLI_RECURSION_LIMIT)."""
     args = _arg_parser().parse_args(argv)
     status = EXIT_RUNTIME
 
@@ -13536,6 +13684,13 @@ def main(argv=None):
             status = EXIT_BROKEN_PIPE
         except KeyboardInterrupt:
             status = EXIT_INTERRUPTED
+        except Exception as exc:        # the CLI's boundary (STYLE 4): our bug, not the user's
+            status = EXIT_INTERNAL
+            if args.verbose:
+                import traceback        # error paths only (issue 15)
+                traceback.print_exc()
+            print(f"actor: internal error: {type(exc).__name__}: {exc} (a bug in actor.py; "
+                  f"-v shows the traceback)", file=sys.stderr)
 
     previous_limit = sys.getrecursionlimit()
     try:        # Ctrl-C may come before the main thread reaches the join loop (a busy machine)

@@ -312,6 +312,11 @@ def test_cli_messages_and_stdin_lines(tmp_path):
     r = run_cli(str(cfg), "--json", stdin="x\ny\n")
     lines = [json.loads(l) for l in r.stdout.splitlines()]
     assert [l["content"] for l in lines] == ["ChainAgent processed: x->s", "ChainAgent processed: y->s"]
+    r = subprocess.run([sys.executable, str(HERE / "actor.py"), str(cfg), "--json"],
+                       input=b"x\r\ny \r\n\nz", capture_output=True, timeout=60)
+    lines = [json.loads(l) for l in r.stdout.decode().splitlines()]      # CRLF ends a line too
+    assert [l["content"] for l in lines] == [f"ChainAgent processed: {m}->s"
+                                             for m in ("x", "y ", "", "z")]
 
 
 def test_cli_runs_the_18_4_example_end_to_end():
@@ -370,6 +375,38 @@ def test_readme_is_short_and_its_configuration_is_the_hello_example():
     assert (r.returncode, r.stdout) == (0, "hi\nbye\n"), r.stderr
     for link in re.findall(r"\]\(([^)#]+)\)", readme):
         assert (HERE / link).exists(), link
+
+
+def test_examples_run_as_their_comments_say():
+    """Every offline command written in an example's comments runs from the repository's root
+    as written: exit status 0, an answer on stdout, nothing on stderr."""
+    import shlex
+    commands = []
+    for example in sorted((HERE / "examples").glob("*.yaml")):
+        for line in example.read_text(encoding="utf-8").splitlines():
+            found = re.search(r"#.*?(python3 actor\.py .*)$", line)
+            if found and "_API_KEY=" not in line:
+                commands.append(shlex.split(found.group(1)))
+    assert len(commands) >= 5
+    for argv in commands:
+        r = subprocess.run([sys.executable, *argv[1:]], cwd=HERE, capture_output=True,
+                           text=True, timeout=60)
+        assert (r.returncode, r.stderr) == (0, "") and r.stdout.strip(), (argv, r.stderr)
+
+
+def test_readme_counts_are_the_suites():
+    """The numbers README states about the project are today's: the Interpretations entries and
+    the Security section's corpora (test_actor.py, region §13.2)."""
+    readme = " ".join((HERE / "README.md").read_text(encoding="utf-8").split())
+    assert f"[vectors/INTERPRETATIONS.md](vectors/INTERPRETATIONS.md): " \
+        f"{len(_interpretation_entries())} entries" in readme
+    escapes = len(SANDBOX_ESCAPES) + len(SANDBOX_EXPRESSION_ESCAPES)
+    for text in (f"The tests hold {escapes} capability escapes",
+                 f"{len(SANDBOX_RUNAWAYS)} Python-level and {len(ISOLATED_RUNAWAYS)} C-level "
+                 f"runaways", f"{len(JINJA_SSTI)} Jinja2 template-injection payloads",
+                 f"({len(TEMPLATE_RUNAWAYS)} in-process, {len(ISOLATED_TEMPLATE_RUNAWAYS)} in a "
+                 f"worker)"):
+        assert text in readme, text
 
 
 def test_cli_check_accepts_the_examples():
@@ -451,6 +488,7 @@ def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
     (("type: tool", "type: tol"), "did you mean 'tool'?"),
     (("target: n}, {source: n", "target: nn}, {source: n"), "did you mean 'n'?"),
     (("{type: agent, agent: talk}", "{type: agnt, agent: talk}"), "did you mean 'agent'?"),
+    (("merges: [", "default_router: mian\nmerges: ["), "did you mean 'main'?"),
 ])
 def test_cli_did_you_mean_for_unknown_names(tmp_path, replace, expect):
     text = ("agents: {talk: {type: chain}, calc: {type: tool, config: {tools: [math]}}}\n"
@@ -489,6 +527,125 @@ def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
     assert run_cli("-q", "-v", "--check", str(cfg)).returncode == 2
     r = run_cli("--check", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
+_ECHO_EXAMPLE = str(HERE / "examples" / "echo.yaml")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--bogus"],
+    ["-m", "hi"],                                            # no CONFIG
+    ["--check"],
+    ["--check", "--describe", _ECHO_EXAMPLE],                # two ways of running
+    ["--describe", "--diagram", _ECHO_EXAMPLE],
+    ["--check", "-m", "hi", _ECHO_EXAMPLE],                  # -m would be ignored
+    ["--check", "--json", _ECHO_EXAMPLE],
+    ["--diagram", "--trace", _ECHO_EXAMPLE],
+    ["--schema", _ECHO_EXAMPLE],                             # a CONFIG would be ignored
+    [_ECHO_EXAMPLE, "--vectors", str(HERE / "vectors" / "03-document")],
+    ["--list", _ECHO_EXAMPLE],                               # vector options without --vectors
+    ["--impl", "true", _ECHO_EXAMPLE, "-m", "hi"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "-j", "2"],     # -j without --impl
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--timeout", "5"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--impl", "true", "-j", "0"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--impl", "true", "--timeout", "-1"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--unsafe"],
+    ["--vectors", str(HERE / "vectors" / "03-document"), "--list", "--impl", "true"],
+    ["--run-vector", "--unsafe"],
+    [_ECHO_EXAMPLE, "--provider", "", "-m", "hi"],
+    [_ECHO_EXAMPLE, "--reply", "x", "-m", "hi"],             # --reply needs --provider fake
+    [_ECHO_EXAMPLE, "-v", "-q", "-m", "hi"],
+    [_ECHO_EXAMPLE, "--set", "=1", "-m", "hi"],              # --set: empty key
+    [_ECHO_EXAMPLE, "--set", "a..b=1", "-m", "hi"],
+    [_ECHO_EXAMPLE, "--set", "a=[1", "-m", "hi"],            # --set: a value that is no YAML
+    [_ECHO_EXAMPLE, "--context", "nothing", "-m", "hi"],
+])
+def test_cli_bad_usage_is_one_line_with_exit_status_2(argv):
+    """A command line whose options do not go together, or that an option would silently ignore,
+    is refused before anything runs: one line on stderr, exit status 2, nothing on stdout."""
+    r = run_cli(*argv)
+    assert (r.returncode, r.stdout) == (2, ""), (argv, r.stderr)
+    assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.match(r"(actor: error: |ConfigurationError: --)", r.stderr), r.stderr
+
+
+def test_cli_options_that_go_together_still_run():
+    """The other side of the usage rules: each mode with the options it reads."""
+    vectors = str(HERE / "vectors" / "03-document")
+    impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
+    r = run_cli("--vectors", vectors, "--impl", impl, "-j", "2", "--timeout", "30",
+                "--only", "merge-*", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["passed"] > 0, r.stderr
+    r = run_cli("--describe", "--json", "--strict", "--provider", "fake", _ECHO_EXAMPLE)
+    assert r.returncode == 0 and "echo" in json.loads(r.stdout)["agents"], r.stderr
+    r = run_cli(_ECHO_EXAMPLE, "--set", "a.b=[1, 2]", "-q", "-m", "hi")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "hi\n", "")
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda tmp: tmp / "missing.yaml", "cannot read configuration file"),
+    (lambda tmp: tmp, "cannot read configuration file"),                     # a folder
+    (lambda tmp: (tmp / "latin1.yaml").write_bytes(b"name: \xe9t\xe9\n") and tmp / "latin1.yaml",
+     "not UTF-8"),
+])
+def test_cli_unreadable_config_is_one_located_line(tmp_path, make, expect):
+    """A CONFIG that is missing, a folder or not UTF-8: a §3.1 ConfigurationError naming the
+    file, exit status 2, for a run and for --check alike."""
+    path = make(tmp_path)
+    for argv in ([str(path), "-m", "hi"], ["--check", str(path)]):
+        r = run_cli(*argv)
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"{path}: ConfigurationError: ") and expect in r.stderr
+
+
+@pytest.mark.parametrize("stdin, expect", [
+    ("", "reads one vector as JSON"),
+    ("nul", "reads one vector as JSON"),
+    ('"a string"', "vector is not a mapping"),
+    ('{"config": {}, "steps": [5]}', "steps[0] is not a mapping"),
+    ('{"config": {}, "host": 3, "load_error": "ConfigurationError"}', "'host' is not"),
+])
+def test_cli_run_vector_refuses_input_that_is_no_vector(stdin, expect):
+    """--run-vector (the --impl side) given no JSON vector: one line saying why, exit 2, so the
+    harness shows the reason under the vector's ERROR line."""
+    r = run_cli("--run-vector", stdin=stdin)
+    assert (r.returncode, r.stdout) == (2, "") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("actor: error: --run-vector") and expect in r.stderr
+
+
+def test_cli_impl_that_fails_is_an_error_line_per_vector(tmp_path):
+    """--impl whose command fails: each vector an ERROR naming the exit status and the
+    command's stderr, then `0 passed, N failed`, exit status 1."""
+    r = run_cli("--vectors", str(HERE / "vectors" / "03-document"), "--only", "merge-*",
+                "--impl", "echo broken >&2; exit 3")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[-1] == f"0 passed, {len(lines) - 1} failed"
+    assert all(line.startswith("ERROR ") and "exited 3: broken" in line for line in lines[:-1])
+
+
+def test_cli_impl_that_cannot_start_is_one_line_with_exit_status_2(tmp_path):
+    """--impl naming a command the shell cannot run (not found, not executable): one line
+    before any vector, exit status 2."""
+    (tmp_path / "not-executable").write_text("#!/bin/sh\n")
+    for impl in (str(tmp_path / "no-such-implementation"), str(tmp_path / "not-executable")):
+        r = run_cli("--vectors", str(HERE / "vectors" / "03-document"), "--impl", impl)
+        assert (r.returncode, r.stdout) == (2, "") and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("actor: error: --impl command cannot be run: ")
+
+
+def test_cli_internal_error_is_one_line_with_exit_status_70(monkeypatch, capsys):
+    """A bug in actor.py reaching the CLI's boundary: one line naming it, exit status 70; -v
+    adds the traceback."""
+    def broken(args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(actor, "_cli", broken)
+    assert actor.main([_ECHO_EXAMPLE, "-m", "hi"]) == actor.EXIT_INTERNAL == 70
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["actor: internal error: RuntimeError: boom (a bug in actor.py; "
+                                "-v shows the traceback)"]
+    assert actor.main([_ECHO_EXAMPLE, "-v", "-m", "hi"]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1].startswith("actor: internal error: ")
 
 
 def test_cli_unknown_condition_type_warning_has_a_hint(tmp_path):
@@ -5464,6 +5621,7 @@ def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
     for path in (tmp_path / "empty", tmp_path / "missing"):
         r = run_cli("--vectors", str(path))
         assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
+        assert r.stderr.startswith("actor: error: ") and len(r.stderr.splitlines()) == 1
 
 
 def _interpretation_entries():
