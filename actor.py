@@ -5582,7 +5582,7 @@ class GraphRoute:
         state = self.state
         if self.time_travel:
             self.snapshots.append(copy_state_for_history(state))
-            if len(self.snapshots) > MAX_SNAPSHOTS:
+            if len(self.snapshots) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
                 del self.snapshots[0]                 # §6.6: first in, first out
         if self.checkpoint_dir is not None and state["execution_count"] % CHECKPOINT_EVERY == 0:
             write_checkpoint(self, state, wait=False)
@@ -6598,6 +6598,8 @@ def condition_view(state, content):
 
 # §6.6 Checkpointing and time travel -----------------------------------------------------
 CHECKPOINT_EVERY = 10
+# INTERPRETATION I-174 §6.6: the 100 historical snapshots are states before the current one, so
+# a rewind reaches 100 updates back; the current state's snapshot is kept beside them.
 MAX_SNAPSHOTS = 100
 CHECKPOINT_GLOB = "checkpoint_*.json"
 

@@ -3560,7 +3560,8 @@ def test_graph_time_travel_rewinds_and_evicts_fifo():
     rt, g = make_graph(cfg, {"a": echo("a")})
     for i in range(120):
         g.run(str(i))
-    assert len(g.snapshots) == 100 and g.snapshots[0]["execution_count"] == 21
+    # I-174: the current state and the 100 before it (updates 20..120)
+    assert len(g.snapshots) == 101 and g.snapshots[0]["execution_count"] == 20
     g.rewind(3)
     assert g.state["execution_count"] == 117
     assert g.state["messages"][-1]["content"] == "a(116)"
