@@ -9493,7 +9493,34 @@ def _check_write(view, key, value=None):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
     refuse_host_keys({key: value}, "configuration code")
+    refuse_non_data(value, key)
     check_not_abandoned("inline code")
+
+
+# What sandboxed code may store in the context: data, nested in data (T2, README Security). A
+# function, generator, built-in or module would outlive the call that made it: the host would
+# meet it later (copying state for time travel, a template calling it) outside any budget.
+CONTEXT_DATA_TYPES = frozenset((type(None), bool, int, float, str, list, tuple, dict, set,
+                                frozenset))
+
+
+def refuse_non_data(value, key):
+    """An ExecutionError unless `value` is CONTEXT_DATA_TYPES all the way down."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind not in CONTEXT_DATA_TYPES:
+            raise ExecutionError(f"inline code may store only data in the context: '{key}' "
+                                 f"holds a {kind.__name__}", section="10.2, §13.2")
+        if kind in (str, int, float, bool) or item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if kind is dict:
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        else:
+            stack.extend(item)
 
 
 def plain(value, memo=None):

@@ -6988,8 +6988,9 @@ def test_jinja_ssti_payload_fails_without_effect(monkeypatch, source):
 def test_locals_stored_by_inline_code_reads_no_host_frame(tmp_path, monkeypatch):
     """T2 in an unsafe host (I-152): inline code stored `locals` in the context and a JINJA2
     prompt called it from jinja2's Context.call, whose frame holds the template Context; through
-    Context.environment.template_class an unsandboxed Template ran os.system. locals() now
-    answers inline code only, and the engine's own objects are out of a template's reach."""
+    Context.environment.template_class an unsandboxed Template ran os.system. Three layers now:
+    the context takes data only (refuse_non_data), locals() answers inline code only, and the
+    engine's own objects are out of a template's reach."""
     monkeypatch.chdir(tmp_path)
     inner = "'{' ~ '{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }' ~ '}'"
     escape = ("{% set c = l()['_Context__self'] %}{{ c.environment.template_class(" + inner +
@@ -7006,9 +7007,9 @@ def test_locals_stored_by_inline_code_reads_no_host_frame(tmp_path, monkeypatch)
     a = actor.load(text=text, provider="fake", unsafe=True)
     a.send("go")
     assert not (tmp_path / "MARKER").exists()
-    assert callable(a.context["l"])
+    assert "l" not in a.context                     # data only in the context: the store fails
     with pytest.raises(TypeError, match="only the inline code"):
-        a.context["l"]()                            # a host frame asks: refused
+        actor.INLINE_CODE_BUILTINS["locals"]()      # and a host frame asking is refused
     env = actor.jinja_environment()
     for source, variables in (("{{ e.from_string('x') }}", {"e": env}),
                               ("{{ c.environment }}", {"c": env.from_string("x").new_context()}),
