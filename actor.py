@@ -4603,7 +4603,21 @@ def cond_context_value(cond, subject, rt):
     found = meta.get(key, _MISSING)
     if found is _MISSING and isinstance(meta.get("context"), dict):
         found = meta["context"].get(key, _MISSING)
-    return found is not _MISSING and found == cond.get("value")
+    return found is not _MISSING and data_equal(found, cond.get("value"))
+
+
+def data_equal(a, b):
+    """Equality of YAML/JSON data (§5.4 context_value): what Python's == says, except that a
+    boolean equals only a boolean, nested in lists and mappings too."""
+    # INTERPRETATION I-175 §5.4, §6.5.1: `value: 1` does not match `true` (Python's True == 1);
+    # numbers compare by value (1 matches 1.0), sequences item by item, mappings key by key.
+    if type(a) is bool or type(b) is bool:
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(data_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(data_equal, a, b))
+    return a == b
 
 
 def cond_output_pattern(cond, subject, rt):
