@@ -45,7 +45,7 @@ as `raise doc.error(category, path, message, section)`.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
-    §3 DOCUMENT STRUCTURE: 3.1 3.2 3.4
+    §3 DOCUMENT STRUCTURE: 3.1 3.2 3.3 3.4
     §4 AGENTS: 4.1 4.2 4.4 4.4.1 4.4.2 4.4.3 4.4.4 4.4.5 4.4.6 4.5 4.5.1 4.5.2 4.5.3 4.5.4 4.5.5
             4.5.6 4.5.7 4.6 4.6.1 4.6.2 4.6.3 4.7 4.8 4.9 4.11 4.3
     §5 ROUTES -- COMMON CONCEPTS: 5.1 5.2 5.3 5.3.1 5.3.2 5.3.3 5.3.4 5.3.5 5.3.6 5.4 5.4.1 5.5 5.6
@@ -884,6 +884,21 @@ def check_cleveragents_block(doc, rt):
         elif key not in CLEVERAGENTS_KEYS:
             rt.warn(f"unknown parameter '{key}' in the cleveragents block is ignored",
                     section="9.1", path=("cleveragents", key))
+
+
+# §3.3 Minimum valid document ------------------------------------------------------------
+# The agents/routes minimum is check_top_level's (TOP_LEVEL_FIELDS). The rest of §3.3 is about
+# observable output, not validity: a document whose links never reach __output__ loads, warned.
+def warn_without_output(rt, known, default):
+    """§3.3: some route, merge or split must publish to __output__ for anything to be observed (a
+    graph route fed from the stream side emits its run's output on its own, I-086)."""
+    data = rt.doc.data
+    if any(target == "__output__" for _, target, _ in stream_edges(data, known, default)):
+        return
+    if any(route_type(cfg) == "graph" for cfg in data["routes"].values()):
+        return
+    rt.warn("no route, merge or split publishes to __output__; the Actor has no observable output",
+            section="3.3", path=("routes",))
 
 
 # §3.4 The default router requirement ------------------------------------------------
@@ -9370,6 +9385,7 @@ def validate_document(doc, rt, host_default_router=None):
     check_streams(rt, agent_names, graph_names,
                   default=host_parameter(doc, "default_router", host_default_router)[0])
     router = resolve_default_router(doc, rt, host_default_router)
+    warn_without_output(rt, known, router)
     warn_conditions_at_load(rt)
     check_providers(rt, doc.data["agents"])     # §12.1: creation failures come after the rules
     return router
