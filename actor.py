@@ -2263,13 +2263,25 @@ class ProgressFacility:
     """
 
     def __init__(self, stream=None):
-        # INTERPRETATION I-060 §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
-        # None means the process's standard error, because a command-line host prints the
-        # Actor's results (and --json) on standard output. The tool returns the rendered line.
+        # INTERPRETATION I-060 §4.5.6 (Q80): the bar goes to the host's standard output (None:
+        # sys.stdout, looked up at each write) unless the host chooses another channel, `stream`
+        # (the command line does with --json, whose stdout carries JSON only). The tool returns
+        # the rendered line.
         self.stream = stream
         self.lock = threading.Lock()
         self.stage, self.current, self.total, self.message = None, 0, 1, None
         self.last = None
+        self.open_line = False      # the last bar ended without a newline (below 100%)
+
+    def channel(self):
+        return self.stream if self.stream is not None else sys.stdout
+
+    def close_line(self, stream):
+        """End a bar left open on `stream` before the host prints a line there itself."""
+        with self.lock:
+            if self.open_line and self.channel() is stream:
+                stream.write("\n")
+                self.open_line = False
 
     def update(self, args, view, env=None):
         """Merge `args` (§4.5.1 names), context hooks and snapshot; emit; return the line."""
@@ -2306,9 +2318,10 @@ class ProgressFacility:
             self.stage, self.current, self.total, self.message = stage, current, total, message
             line = progress_render(stage, current, total, message)
             self.last = line
-            stream = self.stream if self.stream is not None else sys.stderr
+            stream = self.channel()
             stream.write("\r" + line + ("\n" if current >= total else ""))    # item 4
             stream.flush()
+            self.open_line = current < total
         return line
 
 
@@ -12953,9 +12966,10 @@ class Console:
     --json: everything on stdout, one object per message with its stream and metadata.
     """
 
-    def __init__(self, as_json, out=None, err=None):
+    def __init__(self, as_json, out=None, err=None, progress=None):
         self.as_json = as_json
         self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.progress = progress            # §4.5.6 bars share stdout: end one before a line
         self.failed = False                 # anything reached __error__ (exit status 1)
         self._lock = threading.Lock()
         self._recent = []                   # (stream, text) shown on stderr, awaiting a twin
@@ -12978,6 +12992,8 @@ class Console:
             text = msg.content if isinstance(msg.content, str) else \
                 json.dumps(jsonable(msg.content))
             if stream == OUTPUT and msg.metadata.get("error") is not True:
+                if self.progress is not None:
+                    self.progress.close_line(self.out)
                 print(text, file=self.out, flush=True)
                 return
             twin = (ERROR if stream == OUTPUT else OUTPUT, text)
@@ -13237,7 +13253,9 @@ def _cli(args):
             if args.diagram:
                 sys.stdout.write(actor.diagram())
                 return EXIT_OK
-            console = Console(args.json)
+            # §4.5.6: bars on standard output, except beside --json (stdout is JSON only there)
+            actor.rt.progress = ProgressFacility(stream=sys.stderr if args.json else None)
+            console = Console(args.json, progress=actor.rt.progress)
             actor.subscribe(OUTPUT, console.output)
             actor.subscribe(ERROR, console.error)
             if args.trace:

@@ -1984,12 +1984,32 @@ def test_progress_bar_is_one_thread_safe_facility_per_runtime(tmp_path):
     assert all(len(r.split(" ")[0]) == 24 for r in renders)   # no interleaved writes
 
 
-def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
+def test_progress_bar_default_channel_is_stdout(tmp_path, capsys):
+    """§4.5.6 (I-060): the bar goes to the host's standard output unless the host picks another."""
     rt = actor.Runtime(actor.Doc({}), workdir=tmp_path)
     agent = _tool_agent(rt, {"tools": ["progress_bar", "echo"]})
     line = _bar(agent, current=1, total=1)
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == "\r" + line + "\n"
+    assert captured.err == "" and captured.out == "\r" + line + "\n"
+
+
+def test_cli_ends_an_open_bar_before_a_result_and_keeps_json_stdout_clean(tmp_path):
+    """§4.5.6 (I-060): plain CLI output shares stdout with bars, each result on a line of its own;
+    with --json the bars go to stderr."""
+    cfg = tmp_path / "bar.yaml"
+    cfg.write_text("agents:\n  p: {type: tool, config: {tools: [progress_bar]}}\n"
+                   "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: p}}],"
+                   " publications: [__output__]}\ndefault_router: main\n")
+    def run(*args):         # bytes: text mode would turn the bar's \r into a newline
+        return subprocess.run([sys.executable, str(HERE / "actor.py"), str(cfg), *args],
+                              capture_output=True, timeout=60)
+    line = "█" * 12 + "░" * 12 + " 50.0% (1/2)"
+    plain = run("-m", "progress_bar 1 2")
+    assert plain.returncode == 0
+    assert plain.stdout.decode() == "\r" + line + "\n" + line + "\n"
+    as_json = run("--json", "-m", "progress_bar 1 2")
+    assert as_json.stderr.decode().startswith("\r" + line)
+    assert json.loads(as_json.stdout.decode())["content"] == line
 
 
 def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
