@@ -4619,6 +4619,10 @@ CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "opera
                          "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
 
 
+# Parameters a §5.4 row cannot do without: the key a metadata or context condition compares.
+CONDITION_REQUIRED = {"metadata_has": "key", "metadata_check": "key", "context_value": "key"}
+
+
 def condition_shape_error(cond):
     """None, or (field, message) for the first field of `cond` with the wrong shape (§1.3)."""
     for field, kinds in CONDITION_FIELD_KINDS.items():
@@ -4626,6 +4630,16 @@ def condition_shape_error(cond):
         if value is not None and not isinstance(value, kinds):
             what = "a string" if kinds == (str,) else "a string or a number"
             return field, f"condition {field} must be {what}, not {type(value).__name__}"
+    kind = cond.get("type")
+    needed = CONDITION_REQUIRED.get(kind)
+    if needed is not None and cond.get(needed) is None:
+        return needed, f"a {kind} condition needs `{needed}`"
+    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>
+        if cond.get("operator") is not None and cond["operator"] not in MESSAGE_COUNT_OPERATORS:
+            return "operator", (f"message_count operator must be one of "
+                                f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
+        if cond.get("value") is not None and not _whole(cond["value"]):
+            return "value", f"message_count value must be an integer, not {cond['value']!r}"
     return None
 
 # §5.4.1 Subsystem-specific behavior ---------------------------------------------------
