@@ -2587,6 +2587,10 @@ def check_component_routes(rt, config, path):
     routes = component_routes(components)
     for local, route in routes.items():
         kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if str(local).startswith("__"):      # as top-level route names (§5.1, §15.4)
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            f"component name '{local}' is reserved (names starting with __)",
+                            "15.4, §4.6.1")
         if not isinstance(route, dict):
             raise doc.error(ConfigurationError, path + ("components", kind, local),
                             "must be a mapping", "4.6.1")
