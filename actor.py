@@ -1797,11 +1797,16 @@ def tool_json_parse(env, args):
         except json.JSONDecodeError as exc:
             raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
                            f"column {exc.colno})", "4.5.1") from None
+        except RecursionError:
+            raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
     # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii
     # off).
-    return json.dumps(value, indent=2, ensure_ascii=False)
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False)
+    except RecursionError:
+        raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
 
 
 def tool_http_request(env, args):

@@ -1453,6 +1453,14 @@ def test_json_parse_reindents_with_two_spaces(utilities):
     _fails(utilities, '{"tool": "json_parse"}')
 
 
+def test_json_parse_too_deep_is_its_own_error(utilities):
+    """§4.5.1: nesting past the interpreter's depth is json_parse's failure, never a bare
+    RecursionError message."""
+    error = _fails(utilities, json.dumps({"tool": "json_parse",
+                                          "args": {"json": "[" * 100000 + "]" * 100000}}))
+    assert error.message.startswith("json_parse:") and "recursion" not in error.message
+
+
 @pytest.fixture
 def http_server():
 
