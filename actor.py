@@ -3121,6 +3121,9 @@ def check_streams(rt, agent_names, graph_names, default=None):
                         "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
 
 
+SWITCH_CASE_KEYS = ("condition", "target", "operators")      # one §5.3.2 switch case
+
+
 class _Checker:
     """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
     the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
@@ -3207,6 +3210,9 @@ class _Checker:
             if not isinstance(case, dict):
                 raise self.doc.error(ConfigurationError, path + (i,),
                                      "a case is a mapping with `condition`", "5.3.2")
+            for key in case:
+                if key not in SWITCH_CASE_KEYS:
+                    self.note(path + (i, key), f"unknown case field '{key}' is ignored")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
             if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
@@ -4039,7 +4045,7 @@ TRANSFORM_SPEC = Constraint(lambda value: isinstance(value, dict), "a mapping wi
                             (dict,))
 ACCUMULATOR = Constraint(lambda value: isinstance(value, dict) and is_known(value.get("type"),
                                                                             ACCUMULATORS),
-                         "a mapping whose `type` names an accumulator (§5.3.6)", (dict,))
+                         "a mapping whose `type` names an accumulator", (dict,))
 # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
 # anything else is an inline expression, which §16.2 forbids.
 FUNCTION_REF = Constraint(lambda value: isinstance(value, str) and bool(FUNCTION_NAME.fullmatch(
