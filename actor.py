@@ -2336,7 +2336,7 @@ def progress_number(value, env=None):
         return None
     if isinstance(value, (list, tuple)):
         return len(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):                  # finite: a NaN or infinite count renders no bar
         return value
     if isinstance(value, str):
         try:
@@ -10906,6 +10906,8 @@ def tool_path(env, given, op):
     """
     if not isinstance(given, str) or not given.strip():
         raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+    if "\x00" in given:                   # no file system takes one; os calls would raise
+        raise env.fail(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
     reason = safe_mode_refusal(env, given, op)
     section = "4.5.4"
     if reason is None:
@@ -10936,6 +10938,9 @@ def check_checkpoint_dir(rt, given, path):
     must also be creatable: its nearest existing ancestor is a directory."""
     # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
+    if isinstance(given, str) and "\x00" in given:     # os calls would raise on it
+        raise rt.doc.error(ConfigurationError, path, "checkpoint_dir may not contain a NUL "
+                           "character", "6.6")
     absolute, traversal, tilde = path_facts(given)
     base = Path(rt.workdir).resolve()
     target = checkpoint_target(rt, given)

@@ -1549,6 +1549,14 @@ def test_file_read_failures(tmp_path, utilities):
         _fails(utilities, message)
 
 
+def test_file_tools_refuse_a_nul_in_the_path(tmp_path, utilities):
+    """§4.5.1: a NUL in a path is the tool's own failure, not an os-level ValueError's text."""
+    for tool in ("file_read", "file_write"):
+        request = json.dumps({"tool": tool, "args": {"file": "a\x00b", "content": "x"}})
+        error = _fails(utilities, request, {"_unsafe_mode": True})
+        assert error.message.startswith(f"{tool}:") and "NUL" in error.message
+
+
 # §4.5.2 Inline tools ------------------------------------------------------------------------------
 
 
@@ -1936,6 +1944,13 @@ def test_progress_bar_rendering(progress):
     assert progress.rt.progress.stream.getvalue().endswith("(3/3)\n")
     assert _bar(progress, current=2, total=7, stage="s", message="") == \
         "██████" + "░" * 18 + " 28.6% (2/7) s"
+
+
+def test_progress_bar_refuses_non_finite_numbers(progress):
+    """§4.5.6: NaN or an infinity is no count; the tool says so instead of failing to render."""
+    for args in (float("nan"), {"current": 1, "total": float("inf")}, {"current": float("-inf")}):
+        error = _fails(progress, json.dumps({"tool": "progress_bar", "args": args}))
+        assert error.message.startswith("progress_bar:")
 
 
 def test_progress_bar_defaults_and_clamping(progress):
