@@ -1903,7 +1903,7 @@ def tool_file_write(env, args):
     if not isinstance(content, str):
         content = tool_output(content)
     mode = args.get("mode") or "w"
-    if mode not in FILE_WRITE_MODES:
+    if not is_known(mode, FILE_WRITE_MODES):
         raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
     target = tool_path(env, given, "file_write")
     with file_write_lock(env.rt):

@@ -1549,6 +1549,15 @@ def test_file_read_failures(tmp_path, utilities):
         _fails(utilities, message)
 
 
+def test_file_write_mode_of_the_wrong_type_is_an_unknown_mode(tmp_path, utilities):
+    """§4.5.5: a list or mapping as `mode` is refused as an unknown mode, not a TypeError."""
+    for mode in (["a"], {"m": 1}):
+        request = json.dumps({"tool": "file_write", "args": {"file": "x.txt", "content": "c",
+                                                              "mode": mode}})
+        error = _fails(utilities, request, {"_unsafe_mode": True})
+        assert "unknown mode" in error.message
+
+
 def test_file_tools_refuse_a_nul_in_the_path(tmp_path, utilities):
     """§4.5.1: a NUL in a path is the tool's own failure, not an os-level ValueError's text."""
     for tool in ("file_read", "file_write"):
