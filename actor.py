@@ -3256,8 +3256,12 @@ def stream_edges(data, known, default=None):
                     if is_known(target, known):
                         edges.append((name, target, ("pipelines", name, "stages", i,
                                                      "publications", j)))
-    if isinstance(default, str):
-        edges.append(("__input__", default, ("cleveragents", "default_router")))
+    if isinstance(default, str):            # where the document names it, if it does (I-003)
+        where = ("default_router",) if "default_router" in data else \
+            ("cleveragents", "default_router") if "default_router" in (
+                data.get("cleveragents") if isinstance(data.get("cleveragents"), dict) else {}) \
+            else ()
+        edges.append(("__input__", default, where))
     return edges
 
 
