@@ -1195,10 +1195,10 @@ def check_llm(rt, name, config, cpath):
     check_tool_execute(rt, values["tools"], values["tool_execute"], cpath)
     # An unavailable provider fails agent creation, after every validation rule (check_providers);
     # such a provider needs no key and has no json_schema rule, so the checks below pass it.
-    _, provider = resolve_provider(rt, values["provider"])
-    if values["response_format"] is not None:
-        check_response_format_for(rt, provider, values["response_format"],
-                                  cpath + ("response_format",))
+    configured, provider = resolve_provider(rt, values["provider"])
+    if values["response_format"] is not None:      # the vendor the document names (a host
+        check_response_format_for(rt, configured,    # override does not make it conform)
+                                  values["response_format"], cpath + ("response_format",))
     check_api_key(rt, provider, values["api_key"], cpath)
     if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
         raise rt.doc.error(ConfigurationError, cpath + ("base_url",),
