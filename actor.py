@@ -3015,7 +3015,8 @@ class ChainAgent:
         text = content if isinstance(content, str) else str(content)
         if self.prompt is not None:     # the agent's context under the invocation's, as I-034
             view = {**self.context, **(ctx if ctx is not None else {})}
-            text = render_runtime(self.rt, self.prompt, view, text, self.path + ("config", "prompt"))
+            text = render_runtime(self.rt, self.prompt, view, text,
+                                  self.path + ("config", "prompt"))
         for step in self.steps:
             text += CHAIN_SEPARATOR + step
         return CHAIN_PREFIX + text
