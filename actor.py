@@ -3138,6 +3138,11 @@ class _Checker:
 
     def stream_route(self, cfg, path):
         check_fields(self.doc, cfg, STREAM_ROUTE_FIELDS, path)
+        kind = str(cfg.get("stream_type") or "cold").lower()
+        for field, owner in (("initial_value", "hot"), ("buffer_size", "replay")):
+            if cfg.get(field) is not None and kind != owner:      # §5.3.1: no effect here
+                self.note(path + (field,), f"{field} applies to {owner} streams only; this "
+                          f"{kind} stream ignores it", section="5.3.1")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
