@@ -4007,6 +4007,11 @@ def _check_switch(checker, params, path):
     checker.operators(params.get("default_operators"), path + ("default_operators",))
     for name, cond in (params.get("routes") or {}).items():
         checker.condition(cond, path + ("routes", name))
+    if params.get("routes") is not None:        # I-066: `routes` selects the bridge router
+        for key in ("cases", "default_operators"):
+            if params.get(key) is not None:
+                checker.note(path + (key,), f"`{key}` has no effect beside `routes` (the bridge "
+                             "router uses routes and default only)")
 
 
 def _check_graph(checker, params, path):
