@@ -48,7 +48,7 @@ as `raise doc.error(category, path, message, section)`.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
-    §3 DOCUMENT STRUCTURE: 3.1 3.2 3.4
+    §3 DOCUMENT STRUCTURE: 3.1 3.2 3.3 3.4
     §4 AGENTS: 4.1 4.2 4.4 4.4.1 4.4.2 4.4.3 4.4.4 4.4.5 4.4.6 4.5 4.5.1 4.5.2 4.5.3 4.5.4 4.5.5
             4.5.6 4.5.7 4.6 4.6.1 4.6.2 4.6.3 4.7 4.8 4.9 4.11 4.3
     §5 ROUTES -- COMMON CONCEPTS: 5.1 5.2 5.3 5.3.1 5.3.2 5.3.3 5.3.4 5.3.5 5.3.6 5.4 5.4.1 5.5 5.6
@@ -921,6 +921,21 @@ def check_cleveragents_block(doc, rt):
                     section="9.1", path=("cleveragents", key))
 
 
+# §3.3 Minimum valid document ------------------------------------------------------------
+# The agents/routes minimum is check_top_level's (TOP_LEVEL_FIELDS). The rest of §3.3 is about
+# observable output, not validity: a document whose links never reach __output__ loads, warned.
+def warn_without_output(rt, known, default):
+    """§3.3: some route, merge or split must publish to __output__ for anything to be observed (a
+    graph route fed from the stream side emits its run's output on its own, I-086)."""
+    data = rt.doc.data
+    if any(target == "__output__" for _, target, _ in stream_edges(data, known, default)):
+        return
+    if any(route_type(cfg) == "graph" for cfg in data["routes"].values()):
+        return
+    rt.warn("no route, merge or split publishes to __output__; the Actor has no observable output",
+            section="3.3", path=("routes",))
+
+
 # §3.4 The default router requirement ------------------------------------------------
 def inputs_feed(data):
     """Routes that receive __input__ through a merge or a split (the deprecated §3.4 form)."""
@@ -1215,10 +1230,10 @@ def check_llm(rt, name, config, cpath):
     check_tool_execute(rt, values["tools"], values["tool_execute"], cpath)
     # An unavailable provider fails agent creation, after every validation rule (check_providers);
     # such a provider needs no key and has no json_schema rule, so the checks below pass it.
-    _, provider = resolve_provider(rt, values["provider"])
-    if values["response_format"] is not None:
-        check_response_format_for(rt, provider, values["response_format"],
-                                  cpath + ("response_format",))
+    configured, provider = resolve_provider(rt, values["provider"])
+    if values["response_format"] is not None:      # the vendor the document names (a host
+        check_response_format_for(rt, configured,    # override does not make it conform)
+                                  values["response_format"], cpath + ("response_format",))
     check_api_key(rt, provider, values["api_key"], cpath)
     if values["base_url"] is not None and not re.match(r"https?://", values["base_url"]):
         raise rt.doc.error(ConfigurationError, cpath + ("base_url",),
@@ -1824,11 +1839,16 @@ def tool_json_parse(env, args):
         except json.JSONDecodeError as exc:
             raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
                            f"column {exc.colno})", "4.5.1") from None
+        except RecursionError:
+            raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
     # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii
     # off).
-    return json.dumps(value, indent=2, ensure_ascii=False)
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False)
+    except RecursionError:
+        raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
 
 
 def tool_http_request(env, args):
@@ -1925,7 +1945,7 @@ def tool_file_write(env, args):
     if not isinstance(content, str):
         content = tool_output(content)
     mode = args.get("mode") or "w"
-    if mode not in FILE_WRITE_MODES:
+    if not is_known(mode, FILE_WRITE_MODES):
         raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
     target = tool_path(env, given, "file_write")
     with file_write_lock(env.rt):
@@ -2306,13 +2326,25 @@ class ProgressFacility:
     """
 
     def __init__(self, stream=None):
-        # INTERPRETATION I-060 §4.5.6 (Q80): the bar goes to a channel the host chooses, `stream`;
-        # None means the process's standard error, because a command-line host prints the
-        # Actor's results (and --json) on standard output. The tool returns the rendered line.
+        # INTERPRETATION I-060 §4.5.6 (Q80): the bar goes to the host's standard output (None:
+        # sys.stdout, looked up at each write) unless the host chooses another channel, `stream`
+        # (the command line does with --json, whose stdout carries JSON only). The tool returns
+        # the rendered line.
         self.stream = stream
         self.lock = threading.Lock()
         self.stage, self.current, self.total, self.message = None, 0, 1, None
         self.last = None
+        self.open_line = False      # the last bar ended without a newline (below 100%)
+
+    def channel(self):
+        return self.stream if self.stream is not None else sys.stdout
+
+    def close_line(self, stream):
+        """End a bar left open on `stream` before the host prints a line there itself."""
+        with self.lock:
+            if self.open_line and self.channel() is stream:
+                stream.write("\n")
+                self.open_line = False
 
     def update(self, args, view, env=None):
         """Merge `args` (§4.5.1 names), context hooks and snapshot; emit; return the line."""
@@ -2349,9 +2381,10 @@ class ProgressFacility:
             self.stage, self.current, self.total, self.message = stage, current, total, message
             line = progress_render(stage, current, total, message)
             self.last = line
-            stream = self.stream if self.stream is not None else sys.stderr
+            stream = self.channel()
             stream.write("\r" + line + ("\n" if current >= total else ""))    # item 4
             stream.flush()
+            self.open_line = current < total
         return line
 
 
@@ -2361,7 +2394,7 @@ def progress_number(value, env=None):
         return None
     if isinstance(value, (list, tuple)):
         return len(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):                  # finite: a NaN or infinite count renders no bar
         return value
     if isinstance(value, str):
         try:
@@ -2617,6 +2650,10 @@ def check_component_routes(rt, config, path):
     routes = component_routes(components)
     for local, route in routes.items():
         kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if str(local).startswith("__"):      # as top-level route names (§5.1, §15.4)
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            f"component name '{local}' is reserved (names starting with __)",
+                            "15.4, §4.6.1")
         if not isinstance(route, dict):
             raise doc.error(ConfigurationError, path + ("components", kind, local),
                             "must be a mapping", "4.6.1")
@@ -3036,7 +3073,8 @@ class ChainAgent:
         text = content if isinstance(content, str) else str(content)
         if self.prompt is not None:     # the agent's context under the invocation's, as I-034
             view = {**self.context, **(ctx if ctx is not None else {})}
-            text = render_runtime(self.rt, self.prompt, view, text, self.path + ("config", "prompt"))
+            text = render_runtime(self.rt, self.prompt, view, text,
+                                  self.path + ("config", "prompt"))
         for step in self.steps:
             text += CHAIN_SEPARATOR + step
         return CHAIN_PREFIX + text
@@ -3142,6 +3180,9 @@ def check_streams(rt, agent_names, graph_names, default=None):
                         "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
 
 
+SWITCH_CASE_KEYS = ("condition", "target", "operators")      # one §5.3.2 switch case
+
+
 class _Checker:
     """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
     the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
@@ -3155,6 +3196,11 @@ class _Checker:
 
     def stream_route(self, cfg, path):
         check_fields(self.doc, cfg, STREAM_ROUTE_FIELDS, path)
+        kind = str(cfg.get("stream_type") or "cold").lower()
+        for field, owner in (("initial_value", "hot"), ("buffer_size", "replay")):
+            if cfg.get(field) is not None and kind != owner:      # §5.3.1: no effect here
+                self.note(path + (field,), f"{field} applies to {owner} streams only; this "
+                          f"{kind} stream ignores it", section="5.3.1")
         if isinstance(cfg.get("bridge"), dict):
             check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
         self.operators(cfg.get("operators", []), path + ("operators",))
@@ -3228,6 +3274,9 @@ class _Checker:
             if not isinstance(case, dict):
                 raise self.doc.error(ConfigurationError, path + (i,),
                                      "a case is a mapping with `condition`", "5.3.2")
+            for key in case:
+                if key not in SWITCH_CASE_KEYS:
+                    self.note(path + (i, key), f"unknown case field '{key}' is ignored")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
             if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
@@ -3271,8 +3320,12 @@ def stream_edges(data, known, default=None):
                     if is_known(target, known):
                         edges.append((name, target, ("pipelines", name, "stages", i,
                                                      "publications", j)))
-    if isinstance(default, str):
-        edges.append(("__input__", default, ("cleveragents", "default_router")))
+    if isinstance(default, str):            # where the document names it, if it does (I-003)
+        where = ("default_router",) if "default_router" in data else \
+            ("cleveragents", "default_router") if "default_router" in (
+                data.get("cleveragents") if isinstance(data.get("cleveragents"), dict) else {}) \
+            else ()
+        edges.append(("__input__", default, where))
     return edges
 
 
@@ -4016,6 +4069,11 @@ def _check_switch(checker, params, path):
     checker.operators(params.get("default_operators"), path + ("default_operators",))
     for name, cond in (params.get("routes") or {}).items():
         checker.condition(cond, path + ("routes", name))
+    if params.get("routes") is not None:        # I-066: `routes` selects the bridge router
+        for key in ("cases", "default_operators"):
+            if params.get(key) is not None:
+                checker.note(path + (key,), f"`{key}` has no effect beside `routes` (the bridge "
+                             "router uses routes and default only)")
 
 
 def _check_graph(checker, params, path):
@@ -4064,7 +4122,7 @@ TRANSFORM_SPEC = Constraint(lambda value: isinstance(value, dict), "a mapping wi
                             (dict,))
 ACCUMULATOR = Constraint(lambda value: isinstance(value, dict) and is_known(value.get("type"),
                                                                             ACCUMULATORS),
-                         "a mapping whose `type` names an accumulator (§5.3.6)", (dict,))
+                         "a mapping whose `type` names an accumulator", (dict,))
 # INTERPRETATION I-072 §5.3.3 vs §16.2 (Q14): a function reference is a (dotted) identifier;
 # anything else is an inline expression, which §16.2 forbids.
 FUNCTION_REF = Constraint(lambda value: isinstance(value, str) and bool(FUNCTION_NAME.fullmatch(
@@ -4099,7 +4157,7 @@ OPERATORS = {
                                                               "5.3.2"))),
     "delay":             (op_delay,             _params(Field("duration", SECONDS, REQUIRED,
                                                               "5.3.2"))),
-    "buffer":            (op_buffer,            _params(Field("count", NON_NEGATIVE_INT, None,
+    "buffer":            (op_buffer,            _params(Field("count", POSITIVE_INT, None,
                                                               "5.3.2"),
                                                         Field("timeout", SECONDS, 0.1, "5.3.2"),
                                                         Field("time", SECONDS, None, "5.3.2"))),
@@ -4672,6 +4730,10 @@ CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "opera
                          "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
 
 
+# Parameters a §5.4 row cannot do without: the key a metadata or context condition compares.
+CONDITION_REQUIRED = {"metadata_has": "key", "metadata_check": "key", "context_value": "key"}
+
+
 def condition_shape_error(cond):
     """None, or (field, message) for the first field of `cond` with the wrong shape (§1.3)."""
     for field, kinds in CONDITION_FIELD_KINDS.items():
@@ -4679,6 +4741,16 @@ def condition_shape_error(cond):
         if value is not None and not isinstance(value, kinds):
             what = "a string" if kinds == (str,) else "a string or a number"
             return field, f"condition {field} must be {what}, not {type(value).__name__}"
+    kind = cond.get("type")
+    needed = CONDITION_REQUIRED.get(kind)
+    if needed is not None and cond.get(needed) is None:
+        return needed, f"a {kind} condition needs `{needed}`"
+    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>
+        if cond.get("operator") is not None and cond["operator"] not in MESSAGE_COUNT_OPERATORS:
+            return "operator", (f"message_count operator must be one of "
+                                f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
+        if cond.get("value") is not None and not _whole(cond["value"]):
+            return "value", f"message_count value must be an integer, not {cond['value']!r}"
     return None
 
 # §5.4.1 Subsystem-specific behavior ---------------------------------------------------
@@ -9644,6 +9716,7 @@ def validate_document(doc, rt, host_default_router=None):
     check_streams(rt, agent_names, graph_names,
                   default=host_parameter(doc, "default_router", host_default_router)[0])
     router = resolve_default_router(doc, rt, host_default_router)
+    warn_without_output(rt, known, router)
     warn_conditions_at_load(rt)
     check_providers(rt, doc.data["agents"])     # §12.1: creation failures come after the rules
     return router
@@ -11160,6 +11233,8 @@ def tool_path(env, given, op):
     """
     if not isinstance(given, str) or not given.strip():
         raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+    if "\x00" in given:                   # no file system takes one; os calls would raise
+        raise env.fail(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
     reason = safe_mode_refusal(env, given, op)
     section = "4.5.4"
     if reason is None:
@@ -11190,6 +11265,9 @@ def check_checkpoint_dir(rt, given, path):
     must also be creatable: its nearest existing ancestor is a directory."""
     # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
+    if isinstance(given, str) and "\x00" in given:     # os calls would raise on it
+        raise rt.doc.error(ConfigurationError, path, "checkpoint_dir may not contain a NUL "
+                           "character", "6.6")
     absolute, traversal, tilde = path_facts(given)
     base = Path(rt.workdir).resolve()
     target = checkpoint_target(rt, given)
@@ -13281,6 +13359,7 @@ _CONSTRAINT_SCHEMAS = {
     SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
     POSITIVE_SECONDS: {"anyOf": [{"type": "number", "minimum": 0}, _ENV_REFERENCE]},
     NON_NEGATIVE_INT: {"anyOf": [{"type": "integer", "minimum": 0}, _ENV_REFERENCE]},
+    POSITIVE_INT: {"anyOf": [{"type": "integer", "minimum": 1}, _ENV_REFERENCE]},
     STRING: {"type": "string"}, FUNCTION_REF: {"type": "string"},
     STREAM_NAME: {"type": "string"},
     CONDITION: {"$ref": "#/$defs/condition"}, TRANSFORM_SPEC: {"type": "object",
@@ -13400,9 +13479,10 @@ class Console:
     --json: everything on stdout, one object per message with its stream and metadata.
     """
 
-    def __init__(self, as_json, out=None, err=None):
+    def __init__(self, as_json, out=None, err=None, progress=None):
         self.as_json = as_json
         self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.progress = progress            # §4.5.6 bars share stdout: end one before a line
         self.failed = False                 # anything reached __error__ (exit status 1)
         self._lock = threading.Lock()
         self._recent = []                   # (stream, text) shown on stderr, awaiting a twin
@@ -13425,6 +13505,8 @@ class Console:
             text = msg.content if isinstance(msg.content, str) else \
                 json.dumps(jsonable(msg.content))
             if stream == OUTPUT and msg.metadata.get("error") is not True:
+                if self.progress is not None:
+                    self.progress.close_line(self.out)
                 print(text, file=self.out, flush=True)
                 return
             twin = (ERROR if stream == OUTPUT else OUTPUT, text)
@@ -13691,7 +13773,9 @@ def _cli(args):
             if args.diagram:
                 sys.stdout.write(actor.diagram())
                 return EXIT_OK
-            console = Console(args.json)
+            # §4.5.6: bars on standard output, except beside --json (stdout is JSON only there)
+            actor.rt.progress = ProgressFacility(stream=sys.stderr if args.json else None)
+            console = Console(args.json, progress=actor.rt.progress)
             actor.subscribe(OUTPUT, console.output)
             actor.subscribe(ERROR, console.error)
             if args.trace:

@@ -1660,6 +1660,14 @@ def test_json_parse_reindents_with_two_spaces(utilities):
     _fails(utilities, '{"tool": "json_parse"}')
 
 
+def test_json_parse_too_deep_is_its_own_error(utilities):
+    """§4.5.1: nesting past the interpreter's depth is json_parse's failure, never a bare
+    RecursionError message."""
+    error = _fails(utilities, json.dumps({"tool": "json_parse",
+                                          "args": {"json": "[" * 100000 + "]" * 100000}}))
+    assert error.message.startswith("json_parse:") and "recursion" not in error.message
+
+
 @pytest.fixture
 def http_server():
 
@@ -1746,6 +1754,23 @@ def test_file_read_failures(tmp_path, utilities):
     (tmp_path / "dir").mkdir()
     for message in ("file_read nope.txt", "file_read bin.dat", "file_read dir", "file_read"):
         _fails(utilities, message)
+
+
+def test_file_write_mode_of_the_wrong_type_is_an_unknown_mode(tmp_path, utilities):
+    """§4.5.5: a list or mapping as `mode` is refused as an unknown mode, not a TypeError."""
+    for mode in (["a"], {"m": 1}):
+        request = json.dumps({"tool": "file_write", "args": {"file": "x.txt", "content": "c",
+                                                              "mode": mode}})
+        error = _fails(utilities, request, {"_unsafe_mode": True})
+        assert "unknown mode" in error.message
+
+
+def test_file_tools_refuse_a_nul_in_the_path(tmp_path, utilities):
+    """§4.5.1: a NUL in a path is the tool's own failure, not an os-level ValueError's text."""
+    for tool in ("file_read", "file_write"):
+        request = json.dumps({"tool": tool, "args": {"file": "a\x00b", "content": "x"}})
+        error = _fails(utilities, request, {"_unsafe_mode": True})
+        assert error.message.startswith(f"{tool}:") and "NUL" in error.message
 
 
 # §4.5.2 Inline tools ------------------------------------------------------------------------------
@@ -2137,6 +2162,13 @@ def test_progress_bar_rendering(progress):
         "██████" + "░" * 18 + " 28.6% (2/7) s"
 
 
+def test_progress_bar_refuses_non_finite_numbers(progress):
+    """§4.5.6: NaN or an infinity is no count; the tool says so instead of failing to render."""
+    for args in (float("nan"), {"current": 1, "total": float("inf")}, {"current": float("-inf")}):
+        error = _fails(progress, json.dumps({"tool": "progress_bar", "args": args}))
+        assert error.message.startswith("progress_bar:")
+
+
 def test_progress_bar_defaults_and_clamping(progress):
     assert _bar(progress) == "░" * 24 + " 0.0% (0/1)"
     assert _bar(progress, current=5) == "█" * 24 + " 100.0% (1/1)"
@@ -2191,12 +2223,32 @@ def test_progress_bar_is_one_thread_safe_facility_per_runtime(tmp_path):
     assert all(len(r.split(" ")[0]) == 24 for r in renders)   # no interleaved writes
 
 
-def test_progress_bar_default_channel_is_stderr(tmp_path, capsys):
+def test_progress_bar_default_channel_is_stdout(tmp_path, capsys):
+    """§4.5.6 (I-060): the bar goes to the host's standard output unless the host picks another."""
     rt = actor.Runtime(actor.Doc({}), workdir=tmp_path)
     agent = _tool_agent(rt, {"tools": ["progress_bar", "echo"]})
     line = _bar(agent, current=1, total=1)
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == "\r" + line + "\n"
+    assert captured.err == "" and captured.out == "\r" + line + "\n"
+
+
+def test_cli_ends_an_open_bar_before_a_result_and_keeps_json_stdout_clean(tmp_path):
+    """§4.5.6 (I-060): plain CLI output shares stdout with bars, each result on a line of its own;
+    with --json the bars go to stderr."""
+    cfg = tmp_path / "bar.yaml"
+    cfg.write_text("agents:\n  p: {type: tool, config: {tools: [progress_bar]}}\n"
+                   "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: p}}],"
+                   " publications: [__output__]}\ndefault_router: main\n")
+    def run(*args):         # bytes: text mode would turn the bar's \r into a newline
+        return subprocess.run([sys.executable, str(HERE / "actor.py"), str(cfg), *args],
+                              capture_output=True, timeout=60)
+    line = "█" * 12 + "░" * 12 + " 50.0% (1/2)"
+    plain = run("-m", "progress_bar 1 2")
+    assert plain.returncode == 0
+    assert plain.stdout.decode() == "\r" + line + "\n" + line + "\n"
+    as_json = run("--json", "-m", "progress_bar 1 2")
+    assert as_json.stderr.decode().startswith("\r" + line)
+    assert json.loads(as_json.stdout.decode())["content"] == line
 
 
 def test_concurrency_progress_bar_updates_from_many_threads_stay_whole():
