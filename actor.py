@@ -9579,6 +9579,9 @@ def _check_write(view, key, value=None):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
     refuse_host_keys({key: value}, "configuration code")
+    if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
+        raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
+                             section="10.3, §15.4")
     refuse_non_data(value, key)
     check_not_abandoned("inline code")
 
