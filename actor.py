@@ -2183,11 +2183,10 @@ SHELL_BLOCKLIST = ("rm", "del", "format", "shutdown", "reboot", "kill")   # case
 
 
 def path_facts(given):
-    """(absolute?, has a `..` component?, starts with `~`?) for a path string, / or \\ separated."""
-    parts = re.split(r"[\\/]", given)
+    """(absolute?, contains `..`?, starts with `~`?) for a path string, / or \\ separated."""
     absolute = Path(given).is_absolute() or given.startswith(("/", "\\")) \
         or bool(re.match(r"^[A-Za-z]:", given))
-    return absolute, ".." in parts, given.startswith("~")
+    return absolute, ".." in given, given.startswith("~")
 
 
 def safe_mode_refusal(env, given, op):
@@ -2197,8 +2196,8 @@ def safe_mode_refusal(env, given, op):
         return "file_write requires `_unsafe_mode: true` in the invocation context"
     if not env.safe_mode:
         return None
-    # INTERPRETATION I-056 §4.5.4: "paths containing .." means a `..` path component (traversal),
-    # not the two characters anywhere (a file may be named `v1..2.txt`).
+    # INTERPRETATION I-056 §4.5.4: "paths containing .." as written: the two characters anywhere in
+    # the path, so `v1..2.txt` is refused too, not only a `..` component.
     if traversal:
         return f"{op} rejects `..` in paths"
     if op == "file_read" and absolute and not env.unsafe_invocation:

@@ -1979,7 +1979,7 @@ FILE_READ_CASES = [
     (False, False, False, "ABS", False),
     (False, False, True, "~/x.txt", False),
     (True, True, False, "~/x.txt", False),
-    (False, False, True, "a..b.txt", True),     # `..` inside a name is not traversal
+    (False, False, True, "a..b.txt", False),    # I-056: `..` anywhere, as the text says
 ]
 
 
