@@ -552,7 +552,8 @@ class Runtime:
         self.unsafe = bool(unsafe)          # host mode (§13.1)
         self.env = dict(os.environ) if env is None else dict(env)   # §14 and §4.4.1 read only this
         self.engine = engine                # §9.2, canonical upper case
-        self.workdir = Path(workdir or os.getcwd()).resolve()      # §4.5.4 "current working directory"
+        # §4.5.4's "current working directory"
+        self.workdir = Path(workdir or os.getcwd()).resolve()
         self.clock = clock or VirtualClock()
         self.provider = provider            # host override of every llm agent's provider ("fake")
         self.llm_transport = llm_transport  # vectors: a fake transport (see HOST, providers)
@@ -1190,7 +1191,8 @@ class LLMAgent:
                     jitter=self.jitter, record=call)
         except ExecutionError as exc:
             note_llm_call(rt, call, started, scrub_key(exc.message, self._api_key))
-            raise ExecutionError(f"agent '{self.name}' (llm): {scrub_key(exc.message, self._api_key)}",
+            reason = scrub_key(exc.message, self._api_key)
+            raise ExecutionError(f"agent '{self.name}' (llm): {reason}",
                                  section=exc.section or "4.4") from None
         note_llm_call(rt, call, started)
         self.last_usage = call.get("usage")     # the vendor's token counts, for the reply's map
@@ -3018,7 +3020,8 @@ def check_composite_self_reference(doc):
 
 # §4.7 Chain agents -----------------------------------------------------------------------
 CHAIN_PREFIX = "ChainAgent processed: "
-CHAIN_SEPARATOR = "->"   # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
+# INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
+CHAIN_SEPARATOR = "->"
 
 
 # The §4.7 config fields (prompts render at Phase C; prompt_reference names a prompts entry).
@@ -3187,7 +3190,8 @@ class _Checker:
     the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
 
     def __init__(self, doc, agents, graphs, known, routes, rt):
-        self.doc, self.agents, self.graphs, self.known, self.routes = doc, agents, graphs, known, routes
+        self.doc, self.agents, self.graphs = doc, agents, graphs
+        self.known, self.routes = known, routes
         self.rt = rt
 
     def note(self, path, message, section="5.3.2"):
@@ -3768,8 +3772,9 @@ def op_switch(site, params, down):
     cases = []
     for i, case in enumerate(params.get("cases") or []):
         ops = case.get("operators") or []
-        chain = build_chain(net, route, ops, path + ("cases", i, "operators"), inline) if ops else None
-        cases.append((case.get("condition"), case.get("target"), chain, path + ("cases", i, "condition")))
+        here = path + ("cases", i)
+        chain = build_chain(net, route, ops, here + ("operators",), inline) if ops else None
+        cases.append((case.get("condition"), case.get("target"), chain, here + ("condition",)))
     default_ops = params.get("default_operators") or []
     default_chain = (build_chain(net, route, default_ops, path + ("default_operators",), inline)
                      if default_ops else None)
@@ -4147,7 +4152,8 @@ OPERATORS = {
                                                               "16.2"),
                                                         Field("transform", TRANSFORM_SPEC, None,
                                                               "5.3.5"))),
-    "filter":            (op_filter,            _params(Field("condition", CONDITION, None, "5.4"))),
+    "filter":            (op_filter,            _params(Field("condition", CONDITION, None,
+                                                              "5.4"))),
     "transform":         (op_transform,         _params(Field("fn", STRING, None, "5.3.2"),
                                                         Field("type", STRING, None, "5.3.2"))),
     "debounce":          (op_debounce,          _params(Field("duration", SECONDS, REQUIRED,
@@ -4816,10 +4822,13 @@ def warn_conditions_at_load(rt):
         operators(route.get("operators"), ("routes", name, "operators"))
         for i, edge in enumerate(route.get("edges") or ()):
             if isinstance(edge, dict):
-                sites.append((edge.get("condition"), "edge", ("routes", name, "edges", i, "condition")))
-        for node, cfg in (route.get("nodes") or {}).items() if isinstance(route.get("nodes"), dict) else ():
+                sites.append((edge.get("condition"), "edge",
+                              ("routes", name, "edges", i, "condition")))
+        nodes = route.get("nodes") if isinstance(route.get("nodes"), dict) else {}
+        for node, cfg in nodes.items():
             if isinstance(cfg, dict) and str(cfg.get("type", "")).lower() == "conditional":
-                sites.append((cfg.get("condition"), "node", ("routes", name, "nodes", node, "condition")))
+                sites.append((cfg.get("condition"), "node",
+                              ("routes", name, "nodes", node, "condition")))
     for i, split in enumerate(data.get("splits") or ()):
         for target, cond in (split.get("targets") or {}).items() if isinstance(split, dict) else ():
             sites.append((cond, "stream", ("splits", i, "targets", target)))
@@ -5551,7 +5560,7 @@ class GraphRoute:
         nested = metadata.get("context")
         if "auto_finish_active" in metadata or type(nested) is not dict:
             relaxed = guards_relaxed(state)
-        else:       # guards_relaxed(state), inlined for the usual case (issue 15: 0.1-0.2 us a node)
+        else:       # guards_relaxed(state), inlined for the usual case (issue 15: 0.1-0.2 us)
             relaxed = bool(nested.get("auto_finish_active"))
         if guard_before_node(self, node, message, trace, relaxed):
             return message
@@ -5645,7 +5654,8 @@ class GraphRoute:
         for node, output in results:
             view = None
             for edge in node.out:
-                if edge.target in taken:            # INTERPRETATION I-106 §6.7 (Q41): joined in one step
+                # INTERPRETATION I-106 §6.7 (Q41): a node reached twice in one step runs once
+                if edge.target in taken:
                     continue
                 if edge.condition is not None:
                     if view is None:
@@ -6696,7 +6706,8 @@ def checkpoint_timestamp(rt):
     return virtual_timestamp(rt.clock.now())
 
 
-@functools.lru_cache(maxsize=16)    # a pure cache: virtual time often stands still between checkpoints
+# A pure cache: virtual time often stands still between checkpoints
+@functools.lru_cache(maxsize=16)
 def virtual_timestamp(seconds):
     moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
         datetime.timedelta(seconds=seconds)
@@ -7749,7 +7760,9 @@ RUNTIME_NAMES = frozenset({"context", "message"})
 # Block statements that take an {% end... %} partner.
 BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
 
-KEY_LINE = re.compile(r"( *)(?:- +)*(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?) *:(?= |\n|$)")
+KEY_LINE = re.compile(r"( *)(?:- +)*"                          # indent, sequence dashes
+                      r"(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?)"   # the key
+                      r" *:(?= |\n|$)")
 BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
 
 
@@ -8705,8 +8718,8 @@ def render_phase_b(expansion, text, variables, path, runtime_field):
     try:
         rendered = render_at_instantiation(expansion, text, variables)
     except TemplateError as exc:
-        raise expansion.doc.error(ConfigurationError, path, f"Phase B rendering failed: {exc.message}",
-                           "8.12") from exc
+        raise expansion.doc.error(ConfigurationError, path,
+                                  f"Phase B rendering failed: {exc.message}", "8.12") from exc
     return restore_markers(rendered) if runtime_field else rendered
 
 
@@ -8753,7 +8766,8 @@ def render_tree(expansion, node, variables, path, keys):
             new_key = key
             if has_template_syntax(key):
                 new_key = render_phase_b(expansion, key, variables, path, False)
-            if dropped_if_block(value, expansion, variables, path, key in ("system_prompt", "prompt")):
+            prompt = key in ("system_prompt", "prompt")
+            if dropped_if_block(value, expansion, variables, path, prompt):
                 continue
             out[new_key] = render_tree(expansion, value, variables, path + (key,), keys + (key,))
         return out
@@ -8789,9 +8803,10 @@ def resolve_references(expansion, decls, values, path, scope):
         known = isinstance(ref, str) and (
             ref in scope or ref in agents or (ptype == "component_ref" and ref in routes))
         if not known:
-            raise expansion.doc.error(ConfigurationError, path + ("params", name), f"{ptype} "
-                               f"{ref!r} names no agent{' or route' if ptype == 'component_ref' else ''}"
-                               " in the composite or the actor", "8.7.1")
+            kinds = "agent or route" if ptype == "component_ref" else "agent"
+            raise expansion.doc.error(ConfigurationError, path + ("params", name),
+                                      f"{ptype} {ref!r} names no {kinds} in the composite or the "
+                                      "actor", "8.7.1")
 
 # §8.9 The template_strings section -------------------------------------------------------
 def template_string_parameters(doc, body, tpath):
@@ -8830,8 +8845,9 @@ def instantiate_string(expansion, body, variables, path, tpath):
     try:
         text = render_at_instantiation(expansion, body, variables)
     except TemplateError as exc:
-        raise expansion.doc.error(ConfigurationError, path, f"Phase B rendering of {path_str(tpath)} "
-                           f"failed: {exc.message}", "8.12") from exc
+        raise expansion.doc.error(ConfigurationError, path,
+                                  f"Phase B rendering of {path_str(tpath)} failed: {exc.message}",
+                                  "8.12") from exc
     try:        # parse_yaml: the loader's alias budget and nesting bound hold here too
         result = parse_yaml(text)[0]
     except ConfigurationError as exc:
@@ -8946,7 +8962,8 @@ def render_runtime(rt, text, ctx, message, path=None):
 
 # §9.2 template_engine ---------------------------------------------------------------------
 # The three dialects share one entry point, render(); Phases A, B and C all go through it.
-JINJA2_MISSING = "the JINJA2 template engine needs the jinja2 package: python3 -m pip install jinja2"
+JINJA2_MISSING = ("the JINJA2 template engine needs the jinja2 package: "
+                  "python3 -m pip install jinja2")
 
 
 def jinja2_module():
@@ -9471,8 +9488,8 @@ def check_context(doc, rt=None):
     if glob is None:
         return
     if not isinstance(glob, dict):
-        raise doc.error(ConfigurationError, ("context", "global"), "context.global must be a mapping",
-                        "10.1")
+        raise doc.error(ConfigurationError, ("context", "global"),
+                        "context.global must be a mapping", "10.1")
     for key in glob:
         path = ("context", "global", key)
         if str(key).startswith("__"):
@@ -9669,8 +9686,9 @@ def collect_prompts(doc):
         raise doc.error(ConfigurationError, ("prompts",), "prompts must be a mapping", "10.4")
     for name, value in section.items():
         if isinstance(value, str):
-            raise doc.error(ConfigurationError, ("prompts", name), "short-form prompt templates are "
-                            "forbidden; write {content: ...}", "16.2, §10.4")
+            raise doc.error(ConfigurationError, ("prompts", name),
+                            "short-form prompt templates are forbidden; write {content: ...}",
+                            "16.2, §10.4")
         text = prompt_content(value)
         if text is not None:
             prompts[name] = text
@@ -9793,7 +9811,8 @@ def check_routes(doc, rt, agent_names):
         path = ("routes", name)
         if str(name).startswith("__"):
             raise doc.error(ConfigurationError, path,
-                            f"route name '{name}' is reserved (names starting with __)", "15.4, §5.1")
+                            f"route name '{name}' is reserved (names starting with __)",
+                            "15.4, §5.1")
         if not isinstance(route, dict):
             raise doc.error(ConfigurationError, path, "a route must be a mapping", "5.1")
         if "type" not in route:
@@ -13025,7 +13044,8 @@ def _arg_parser():
         "__error__, a run failed, or a vector failed; 2 bad usage, or a configuration refused at "
         "load (any §20 category), or a warning under --strict; 70 an internal error of actor.py; "
         "130 interrupted (Ctrl-C); 141 output pipe closed.")
-    p.add_argument("configs", nargs="*", metavar="CONFIG", help="configuration files, merged in order")
+    p.add_argument("configs", nargs="*", metavar="CONFIG",
+                   help="configuration files, merged in order")
     p.add_argument("-m", "--message", action="append", metavar="TEXT",
                    help="a message to send (repeatable); default: one message per stdin line")
     p.add_argument("--unsafe", action="store_true", help="run the host in unsafe mode (§13.1)")
@@ -13225,7 +13245,8 @@ NAME_HINTS = (
     (r"unknown param '([^']*)' of operator '([^']*)'",
      lambda d, m: OPERATORS[m.group(2)][1] if m.group(2) in OPERATORS else ()),
     (r"unknown node type '([^']*)'", lambda d, m: NODE_TYPES),
-    (r"'([^']*)' is not a node of graph '([^']*)'", lambda d, m: _names_in(d)[2].get(m.group(2), ())),
+    (r"'([^']*)' is not a node of graph '([^']*)'",
+     lambda d, m: _names_in(d)[2].get(m.group(2), ())),
     (r"'([^']*)' is not a known route or (?:built-in )?stream", lambda d, m: _names_in(d)[3]),
     (r"'([^']*)' is a reserved internal stream name", lambda d, m: BUILTIN_STREAMS),
     (r"unknown built-in tool '([^']*)'", lambda d, m: BUILTIN_TOOLS),
@@ -13344,7 +13365,8 @@ def _schema_fields(table, null_is_default=False):
         fragment = dict(_schema_for_types(row.constraint.types))
         if null_is_default or default is None:
             fragment = {"anyOf": [fragment, {"type": "null"}]}
-        if default is not None and default is not REQUIRED and not isinstance(default, (dict, list)):
+        if default is not None and default is not REQUIRED \
+                and not isinstance(default, (dict, list)):
             fragment["default"] = default
         properties[field] = fragment
     return properties
@@ -13403,7 +13425,8 @@ def config_schema():
             "type": "object", "properties": {"match_type": {"enum": list(MATCH_TYPES)},
                                              "pattern": {"type": "string"},
                                              "target": {"type": "string"}}}}},
-        "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+        "allOf": [{"if": {"required": ["type"],
+                          "properties": {"type": {"pattern": _any_case([kind])}}},
                    "then": {"required": list(fields)[:1]}}
                   for kind, (_handler, fields) in NODE_TYPES.items()
                   if kind in ("agent", "subgraph")]}
@@ -13427,7 +13450,8 @@ def config_schema():
              "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
              "properties": {"type": {"type": "string", "pattern": _any_case(ROUTE_FIELDS)},
                             "template_config": {"type": "object"}},
-             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"pattern": _any_case([kind])}}},
+             "allOf": [{"if": {"required": ["type"],
+                               "properties": {"type": {"pattern": _any_case([kind])}}},
                         "then": {"properties": props,
                                  **({"required": [f for f, v in GRAPH_FIELDS.items()
                                                   if v.default is REQUIRED]}
