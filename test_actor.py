@@ -186,12 +186,15 @@ def yaml_module():
 def test_yaml_nesting_is_refused_without_recursing_with_the_document():
     """§3.1 (I-164): values are built from the parser's events, so a document nested far deeper
     than pyyaml's composer could recurse (25,000 brackets crashed the process) is refused at
-    YAML_MAX_DEPTH with a located error, block and flow alike."""
+    YAML_MAX_DEPTH (or the C parser's own depth limit, where it has one) with a located error,
+    block and flow alike."""
     for text in ("[" * 100_000 + "]" * 100_000, "{a: " * 100_000 + "1" + "}" * 100_000,
                  "- " * 50_000 + "x"):
         with pytest.raises(actor.ConfigurationError) as info:
             actor.parse_yaml(text, "deep.yaml")
-        assert "nests deeper than" in info.value.message and info.value.line == 1
+        # libyaml 0.2.6 (PyYAML 6.0.4's wheels) may refuse first, with its own depth limit
+        assert re.search(r"nests deeper than|nesting depth", info.value.message)
+        assert info.value.line == 1
 
 
 def test_yaml_texts_broken_anywhere_raise_only_configuration_errors():
