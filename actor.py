@@ -9222,7 +9222,8 @@ def simple_field(variables, field):
             token += ch
         i += 1
     parts.append(token)
-    parts = [p for p in parts if p != ""] or [""]
+    if "" in parts:     # a standard format field has no empty name, key or attribute (§9.2)
+        raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
     value = variables
     for part in parts:
         if isinstance(value, dict) and part in value:
