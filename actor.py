@@ -9351,7 +9351,8 @@ def simple_field(variables, field):
             token += ch
         i += 1
     parts.append(token)
-    parts = [p for p in parts if p != ""] or [""]
+    if "" in parts:     # a standard format field has no empty name, key or attribute (§9.2)
+        raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
     value = variables
     for part in parts:
         if isinstance(value, dict) and part in value:
@@ -10324,15 +10325,16 @@ def strip_routing_prefix(text, extra=None):
 
 def bounded_by_take(routes, source, path):
     """True when every message leaving stream route `source` by the link declared at `path` has
-    passed a top-level `take` of that route first (§5.3.2): a publication after a take anywhere
-    in the operators, a switch or bridge-router target after a take that precedes it."""
+    passed a top-level `take` of that route first (§5.3.2): a publication, merge or split (they
+    all read the route's output) after a take anywhere in the operators, a switch or
+    bridge-router target after a take that precedes it."""
     cfg = routes.get(source) if isinstance(source, str) else None
     if route_type(cfg) != "stream" or not isinstance(cfg.get("operators"), list):
         return False
     ops = cfg["operators"]
     if path[:3] == ("routes", source, "operators") and len(path) > 3:
         ops = ops[:path[3]]
-    elif path[:3] != ("routes", source, "publications"):
+    elif path[:3] != ("routes", source, "publications") and path[0] not in ("merges", "splits"):
         return False
     return any(isinstance(op, dict) and op.get("type") == "take" for op in ops)
 

@@ -8336,6 +8336,70 @@ MUTATION_EQUIVALENT = {
         "metadata, a hot stream's initial value arrives while the composite is built (before "
         'any call), and internal streams cannot be subscribed; no vector or test reaches the '
         'branch',
+    # seed 14
+    'parse_yaml: or -> and | problem = getattr(exc, "problem", None) or '
+    'str(exc).splitlines()[0]':
+        _MSG,
+    "check_agent: raise doc.error(ConfigurationError, path + ('type',), 'an agent of type "
+    'template_instance needs `template` (or `agent_template`) naming an entry of '
+    "templates.agents', '4.8') -> pass | raise doc.error(ConfigurationError, path + "
+    '("type",),':
+        'the next check refuses the same agent with the same ConfigurationError: '
+        'template_instance is no entry of AGENT_TYPES',
+    '_math_node: 1 -> 2 | and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:':
+        'work.number refuses the product, which has at least a+b-1 = MATH_MAX_BITS + 1 bits, '
+        'with the same message',
+    'check_component_routes: 1 -> 0 | f"a component under {kind} is a {kind[:-1]}, not "':
+        _MSG,
+    'op_distinct.on_next: 0 -> -1 | if last[0] is _NO_VALUE or msg.content != last[0]:':
+        'a one-element list: last[-1] is last[0]',
+    'check_graph: is -> is not | if nodes is None and cfg.get("template_config") is not None:':
+        'Phase B has replaced every template_config (top-level routes and composite components) '
+        'before any check_graph: a graph with nodes has none, and one without either is refused '
+        'by the next check either way',
+    'NodeContext.changes: return ({}, ()) -> return None | return {}, ()':
+        'its one caller (node_agent) asks only when the context was touched',
+    'check_edges: 0 -> 1 | raise doc.error(ConfigurationError, where + ("condition", wrong[0]), '
+    'wrong[1],':
+        _MSG,
+    'rewind_state: if not graph.time_travel: -> pass | if not graph.time_travel:':
+        'with enable_time_travel off no snapshot is kept (GraphRoute._keep), so the range check '
+        'refuses every rewind with the same ApplicationError',
+    'phase_a_engine: 1 -> 0 | r"template_engine:[ \\t]*[\\"\']?(\\w+)", block.group(1)))':
+        'the whole match is "cleveragents:" and then group 1; the prefix holds no '
+        'template_engine key, so the search finds the same name',
+    'RenderedLines._fits: or -> and | if len(first) + len(last) > len(text) or not '
+    'text.startswith(first) \\':
+        _MSG,
+    'RenderedLines._align: last = span.end() -> pass | last = span.end()':
+        _MSG,
+    'Expansion.__init__: 1 -> 0 | f"{kind[:-1]} template {name!r} is declared in both templates '
+    '"':
+        _MSG,
+    'resolve_references: == -> != | f"{ref!r} names no agent{\' or route\' if ptype == '
+    '\'component_ref\' else \'\'}"':
+        _MSG,
+    '_jinja_classes.ActorSandbox.is_safe_callable: return False -> return True | return False'
+    '        # a new Template or Environment would not be sandboxed':
+        'a second wall: no value a template reaches is the Environment, Template or Context '
+        "class (is_safe_attribute refuses the engine's objects, and every double-underscore "
+        'name is refused), so the check never decides',
+    'parse_source: 1 -> 0 | col = exc.start - (raw.rfind("\\n", 0, exc.start) + 1) + 1':
+        _MSG,
+    'Worker.__init__: self._select = select.select -> pass | self._select = select.select':
+        'the attribute is never read: Worker.line imports select itself',
+    'render_document: return text -> return None | return text':
+        'its one caller (parse_source) renders only text with template syntax and no sentinel '
+        '(check_sentinels), which restore_markers leaves with its syntax: the branch is never '
+        'taken',
+    'bounded_by_take: return False -> pass | return False':
+        'only pipeline and default-router links get past the merge and split rule, and their '
+        'sources (a pipeline name, __input__) are never stream routes (a pipeline may not be '
+        'named like a route), so the first check has already returned False',
+    'Doc.locate: or -> and | path = tuple(path or ())':
+        _MSG,
+    'check_sentinels: 1 -> 2 | line = text.count("\\n", 0, index) + 1':
+        _MSG,
 }
 
 
@@ -8383,6 +8447,54 @@ MUTATION_OUTSIDE_FORMAT = {
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
     'StreamNetwork.settle':
         'real time: it waits only under a real clock (vectors run on a virtual one)',
+    # seed 14
+    'LLMAgent.invoke: reply = PROVIDERS[self.provider].complete(request, key=self._api_key, '
+    'base_url=self._base_url(), sleep=self.sleep, jitter=self.jitter, record=call) -> pass | '
+    'reply = PROVIDERS[self.provider].complete(':
+        'the real vendor transport: vectors always fake the LLM transport (rt.llm_transport)',
+    'Stream.__init__: keep = buffer_size if keep is None else keep -> pass | keep = buffer_size '
+    'if keep is None else keep':
+        "hot/replay memory reaches late subscribers only, added through the host's API",
+    'function_mapper: return Stage(on_next, down.complete) -> return None | return '
+    'Stage(on_next, down.complete)':
+        "a transformer the host registers (rt.functions): the host's own API",
+    'StreamNetwork.__init__: for stream in graph.internal_stream_names(): -> pass | for stream '
+    'in graph.internal_stream_names():':
+        'only the §6.10 internal streams differ, and a document may not reference them',
+    'GraphNode.__init__: 0 -> -1 | self.executions = 0                         # how often it '
+    'ran (§12.2.1 execution_count)':
+        'the execution_count of the §6.10 node events, which travel only on graph-internal '
+        'streams a document may not reference',
+    'node_agent: and -> or | if graph.rt.clock.real and node.retry_delay > 0:':
+        'real time: the swap adds a real wait on the virtual clock only',
+    'rewind_state: raise ApplicationError(f"graph \'{graph.name}\': the number of steps to '
+    'rewind must be an integer, not {steps!r}", path=path_str(graph.path), section=\'6.6\') -> '
+    'pass | raise ApplicationError(f"graph \'{graph.name}\': the number of steps to rewind must '
+    'be an "':
+        "a host API argument: the vector format's rewind takes an integer number of steps",
+    'Runtime.__init__: self.progress = None -> pass | self.progress = None                # '
+    '§4.5.6: the facility, made on first use':
+        "the host's own API: the vector runner installs its own facility (the §4.5.6 bars stay "
+        'out of the report)',
+    "host_refusal: return 'file_read rejects absolute paths in safe mode' -> pass | return "
+    '"file_read rejects absolute paths in safe mode"':
+        "an absolute path inside the scratch directory, whose path is the host's: a vector can "
+        'name only absolute paths outside it, which the working-directory check refuses as well',
+    'warn: return text -> return None | return text':
+        "the returned text is read only by the command line's typo hints (HOST)",
+    'Constraint.__init__: self.types = types -> pass | self.types = types          # the Python '
+    'types it admits, for --schema (HOST)':
+        'read only by --schema (CLI)',
+    "worker_main: send({'error': exc.message, 'kind': type(exc).__name__, 'section': "
+    "exc.section}) -> pass | send({\"error\": exc.message, \"kind\": type(exc).__name__, "
+    '"section": exc.section})':
+        'real time: the lost answer shows only as the call waiting for its real deadline; the '
+        'parent then reports the request with the same category (ProcessSandbox.ask)',
+    "worker_main: send({'error': f'{type(exc).__name__}: {exc}', 'kind': 'ExecutionError', "
+    "'section': '13.2'}) -> pass | send({\"error\": f\"{type(exc).__name__}: {exc}\", "
+    '"kind": "ExecutionError",':
+        'real time: the lost answer shows only as the call waiting for its real deadline; the '
+        'parent then reports the same ExecutionError',
 }
 
 
