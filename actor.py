@@ -2141,13 +2141,16 @@ def tool_request(agent, content):
     Step 5 (the name must be an allowed tool) is checked when the tool is run.
     """
     tools = agent.tools
-    text = content if isinstance(content, str) else message_text(content)
+    if content.__class__ is str:        # the usual message: text, not a mapping
+        text, parsed = content, None
+    else:
+        text = content if isinstance(content, str) else message_text(content)
+        parsed = content if isinstance(content, dict) else None
     # INTERPRETATION I-053 §4.5.3 step 1 (Q62): "exactly one inline-code tool" means the agent's
     # only tool is inline; with built-ins beside it, every tool is reached by name (else the listed
     # built-ins could never run).
     if agent.sole_inline:
         return agent.sole_tool, None, text
-    parsed = content if isinstance(content, dict) else None
     # Only text whose first non-blank character is "{" can decode to a mapping with a `tool` key;
     # anything else reaches the command form without paying for a failed json.loads.
     if parsed is None and text.lstrip().startswith("{"):
@@ -2158,7 +2161,7 @@ def tool_request(agent, content):
             if stripped.startswith("{") and stripped.endswith("}"):
                 raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
                                      path=agent.who, section="4.5.3") from None
-    if isinstance(parsed, dict) and "tool" in parsed:
+    if parsed is not None and isinstance(parsed, dict) and "tool" in parsed:
         name = parsed["tool"]
         if not isinstance(name, str):
             raise ExecutionError("the `tool` key of a tool request must be a tool name",
