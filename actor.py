@@ -13851,6 +13851,7 @@ def main(argv=None):
                   f"-v shows the traceback)", file=sys.stderr)
 
     previous_limit = sys.getrecursionlimit()
+    interrupted = False
     try:        # Ctrl-C may come before the main thread reaches the join loop (a busy machine)
         previous_stack = threading.stack_size(CLI_STACK_BYTES)
         try:
@@ -13861,12 +13862,16 @@ def main(argv=None):
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:
-        status = EXIT_INTERRUPTED
+        # the worker runs on and may still set `status` (input ends when the caller closes it
+        # after its Ctrl-C): the interruption decides the exit status, whatever it sets later
+        interrupted = True
     finally:
         sys.setrecursionlimit(previous_limit)
-    if status == EXIT_BROKEN_PIPE or status == EXIT_INTERRUPTED:
+    # read once, into a name the worker does not share
+    result = EXIT_INTERRUPTED if interrupted else status
+    if result == EXIT_BROKEN_PIPE or result == EXIT_INTERRUPTED:
         _quiet_exit_streams()
-    return status
+    return result
 
 
 def _quiet_exit_streams():
