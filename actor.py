@@ -9598,11 +9598,10 @@ def read_only_value(value):
 def _check_write(view, key, value=None):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
-    refuse_host_keys({key: value}, "configuration code")
     if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
         raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
                              section="10.3, §15.4")
-    refuse_non_data(value, key)
+    refuse_host_keys({key: value}, "configuration code", data_only=True)
     check_not_abandoned("inline code")
 
 
@@ -9611,25 +9610,6 @@ def _check_write(view, key, value=None):
 # meet it later (copying state for time travel, a template calling it) outside any budget.
 CONTEXT_DATA_TYPES = frozenset((type(None), bool, int, float, str, list, tuple, dict, set,
                                 frozenset))
-
-
-def refuse_non_data(value, key):
-    """An ExecutionError unless `value` is CONTEXT_DATA_TYPES all the way down."""
-    stack, seen = [value], set()
-    while stack:
-        item = stack.pop()
-        kind = type(item)
-        if kind not in CONTEXT_DATA_TYPES:
-            raise ExecutionError(f"inline code may store only data in the context: '{key}' "
-                                 f"holds a {kind.__name__}", section="10.2, §13.2")
-        if kind in (str, int, float, bool) or item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if kind is dict:
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        else:
-            stack.extend(item)
 
 
 def plain(value, memo=None):
@@ -9655,24 +9635,31 @@ def plain(value, memo=None):
     return value
 
 
-def refuse_host_keys(mapping, where):
+def refuse_host_keys(mapping, where, data_only=False):
     """The same rule for every other writer of context or graph metadata (set_state,
-    state_update, §6.9's write-back): the host-only keys are the host's (T2)."""
+    state_update, §6.9's write-back): the host-only keys are the host's (T2). data_only (what
+    sandboxed code stores in the context): every key and value on the way is CONTEXT_DATA_TYPES
+    as well, in the same walk."""
     stack, seen = [mapping], set()
     while stack:
         value = stack.pop()
-        if type(value) not in (dict, list, tuple) or id(value) in seen:
+        kind = type(value)
+        if data_only and kind not in CONTEXT_DATA_TYPES:
+            raise ExecutionError(f"{where} may store only data in the context, not a "
+                                 f"{kind.__name__}", section="10.2, §13.2")
+        if kind not in (dict, list, tuple, set, frozenset) or id(value) in seen:
             continue
         seen.add(id(value))
-        if type(value) is dict:
+        if kind is dict:
             bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
             if bad:
                 raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
                                      section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
             stack.extend(value.values())
+            if data_only:
+                stack.extend(value.keys())
         else:
             stack.extend(value)
-
 
 
 # §10.4 The prompts section ---------------------------------------------------------------
@@ -12366,16 +12353,8 @@ def _observe(vector):
 
 def same(expect, got):
     """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an
-    int."""
-    if isinstance(expect, bool) or isinstance(got, bool):
-        return type(expect) is type(got) and expect == got
-    if isinstance(expect, (int, float)) and isinstance(got, (int, float)):
-        return expect == got
-    if isinstance(expect, dict) and isinstance(got, dict):
-        return expect.keys() == got.keys() and all(same(expect[k], got[k]) for k in expect)
-    if isinstance(expect, list) and isinstance(got, list):
-        return len(expect) == len(got) and all(same(e, g) for e, g in zip(expect, got))
-    return type(expect) is type(got) and expect == got
+    int -- the data equality §5.4's context_value uses (data_equal, I-175), on JSON values."""
+    return data_equal(expect, got)
 
 
 def subset(expect, got):

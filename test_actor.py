@@ -7044,7 +7044,7 @@ def test_locals_stored_by_inline_code_reads_no_host_frame(tmp_path, monkeypatch)
     """T2 in an unsafe host (I-152): inline code stored `locals` in the context and a JINJA2
     prompt called it from jinja2's Context.call, whose frame holds the template Context; through
     Context.environment.template_class an unsandboxed Template ran os.system. Three layers now:
-    the context takes data only (refuse_non_data), locals() answers inline code only, and the
+    the context takes data only (CONTEXT_DATA_TYPES), locals() answers inline code only, and the
     engine's own objects are out of a template's reach."""
     monkeypatch.chdir(tmp_path)
     inner = "'{' ~ '{ cycler.__init__.__globals__.os.system(\"touch MARKER\") }' ~ '}'"
