@@ -8400,6 +8400,10 @@ MUTATION_EQUIVALENT = {
         _MSG,
     'check_sentinels: 1 -> 2 | line = text.count("\\n", 0, index) + 1':
         _MSG,
+    'CheckpointWriter._answers: 4096 -> 4095 | chunk = os.read(fd, 4096)':
+        'the answers are read in chunks and split on newlines, whatever the chunk size',
+    '_jinja_classes.ActorSandbox.is_safe_attribute: return False -> pass | return False':
+        'pass returns None, which refuses the attribute as False does',
 }
 
 
