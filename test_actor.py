@@ -2797,13 +2797,17 @@ def test_agent_mapper_resolves_message_context_first():
     assert outputs[0].metadata["processed_by"] == "a"
 
 
+def _slow_map_net():
+    """(net, outputs, errors, rt): __input__ -> map(an agent taking 0.2 s) under the real clock."""
+    slow = _FakeAgent("slow", lambda content, ctx: time.sleep(0.2) or "late")
+    return _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]), agents=[slow],
+                       merges=_FROM_INPUT, clock=actor.RealClock())
+
+
 def test_agent_mapper_hard_timeout_under_real_clock(monkeypatch):
     """§5.3.4(3): past the hard timeout the map emits "Processing timed out" with metadata."""
     monkeypatch.setattr(actor, "AGENT_HARD_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: time.sleep(0.2) or "late")
-    net, outputs, errors, _ = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
-                                          agents=[slow], merges=_FROM_INPUT,
-                                          clock=actor.RealClock())
+    net, outputs, errors, _ = _slow_map_net()
     net.send("x")
     assert [m.content for m in outputs] == [actor.PROCESSING_TIMED_OUT] == ["Processing timed out"]
     assert outputs[0].metadata["timeout"] is True and outputs[0].metadata["error"] is True
@@ -5865,10 +5869,7 @@ def test_error_message_is_one_per_failure_and_stream_continues():
 def test_agent_mapper_soft_timeout_in_single_shot_runs(monkeypatch):
     """§12.2.4: a single-shot run bounds each agent call by the soft timeout (an ExecutionError)."""
     monkeypatch.setattr(actor, "SOFT_TIMEOUT", 0.05)
-    slow = _FakeAgent("slow", lambda content, ctx: time.sleep(0.2) or "late")
-    net, outputs, errors, rt = _stream_net(_main([{"type": "map", "params": {"agent": "slow"}}]),
-                                           agents=[slow], merges=_FROM_INPUT,
-                                           clock=actor.RealClock())
+    net, outputs, errors, rt = _slow_map_net()
     rt.single_shot = True
     net.send("x")
     assert [m.content for m in outputs] == [actor.SOFT_TIMEOUT_TEXT]
