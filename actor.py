@@ -64,11 +64,10 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §14 ENVIRONMENT VARIABLE INTERPOLATION: 14.1 14.3
     §15 RESERVED NAMES: 15.1 15.2 15.4 15.5 15.6
     §16 FORBIDDEN PATTERNS: 16.1 16.2 16.3
-    HOST -- providers
-    HOST -- load / Actor / render
-    HOST -- the vector harness
-    HOST -- real clock, describe text and diagram
-    HOST -- command line
+    === APPENDICES ===
+    APPENDIX A -- speed
+    APPENDIX B -- containment
+    APPENDIX C -- host: C.1 C.2 C.3 C.4 C.5
 """
 from __future__ import annotations
 
@@ -547,8 +546,10 @@ class Runtime:
     """Registries and host settings shared by one Actor's parts (§12.1)."""
 
     def __init__(self, doc, *, unsafe=False, env=None, engine="JINJA2", workdir=None,
-                 clock=None, provider=None, llm_transport=None):
+                 clock=None, provider=None, llm_transport=None, reference=False):
         self.doc = doc                      # Doc: data + marks, for located errors and warnings
+        # The body's own code at every speed and containment seam (APPENDICES; ACTOR_REFERENCE)
+        self.reference = bool(reference)
         self.unsafe = bool(unsafe)          # host mode (§13.1)
         self.env = dict(os.environ) if env is None else dict(env)   # §14 and §4.4.1 read only this
         self.engine = engine                # §9.2, canonical upper case
@@ -10066,10 +10067,10 @@ def check_host_parameters(render_context, template_engine, context):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None, routing_prefixes=None, isolation="none"):
+                context=None, routing_prefixes=None, isolation="none", reference=False):
     """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
-                 provider=provider, llm_transport=llm_transport)
+                 provider=provider, llm_transport=llm_transport, reference=reference)
     if isolation not in ISOLATION:
         raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "
                                  f"{', '.join(map(repr, ISOLATION))}", section="13.2")
@@ -11523,9 +11524,43 @@ FORBIDDEN_COMBINATION_ROWS = {
 FORBIDDEN_FORMS = {**FORBIDDEN_TOP_LEVEL_ROWS, **FORBIDDEN_FORM_ROWS, **FORBIDDEN_COMBINATION_ROWS}
 
 
+# === APPENDICES: beyond the standard ===
+# Everything above this line is the body: §3-§16 in the standard's order, the reference path --
+# the plainest code that does what each section says. Everything below adds what a real host
+# needs and the standard leaves open: speed, containment, and the host's own side (providers,
+# the load/Actor API, the clock, describe, diagram, the command line). An appendix never changes
+# what a configuration means: the body reaches each one through one named seam per concern,
+# chosen once at load, and with ACTOR_REFERENCE=1 in the environment (or load(reference=True))
+# the speed and containment seams keep the body's own code. The suite runs the vectors both ways
+# and requires the same verdicts (test_vectors_reference_path_agrees).
+# Each appendix opens with what it adds, which body function it stands in for (`Stands in for:`)
+# and the seam it serves (`Seam:`); test_actor.py checks that every seam it names is in the body.
+
 # =====================================================================================
-# HOST -- providers
+# APPENDIX A -- speed
 # =====================================================================================
+# Adds: code that is faster than the body's and observably the same (§1.3 MAY 3).
+# Stands in for: (filled in as the fast paths move here)
+# Seam: Runtime.reference
+
+# =====================================================================================
+# APPENDIX B -- containment
+# =====================================================================================
+# Adds: bounds on what configuration code may cost and reach beyond the allowlist (README
+# Security, T3).
+# Stands in for: (filled in as the containment machinery moves here)
+# Seam: Runtime.sandbox
+
+# =====================================================================================
+# APPENDIX C -- host
+# =====================================================================================
+# Adds: what the standard leaves to the host (§1.2 "does NOT define" 1-3): the providers' wire
+# formats, the load/Actor API, the vector harness, the wall clock, describe and diagram, the
+# command line.
+# Stands in for: nothing in the body -- the body calls the host only through these seams.
+# Seam: Runtime.llm_transport, Runtime.clock
+
+# C.1 Providers ---------------------------------------------------------------------------
 # PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
 # Each request is the neutral dict LLMAgent builds:
 # {agent, provider, model, temperature, max_tokens, system, messages, response_format}.
@@ -11954,9 +11989,7 @@ PROVIDERS = {
 }
 
 
-# =====================================================================================
-# HOST -- load / Actor / render
-# =====================================================================================
+# C.2 Load, Actor and render -----------------------------------------------------------
 
 def read_sources(paths, text):
     """The raw documents, in order: files first, then `text` (as '<text>')."""
@@ -12153,7 +12186,7 @@ class Actor:
 
 def load(*paths, text=None, render_context=None, unsafe=False, env=None, template_engine=None,
          default_router=None, provider=None, workdir=None, clock=None, llm=None, context=None,
-         routing_prefixes=None, isolation="none"):
+         routing_prefixes=None, isolation="none", reference=None):
     """Load, validate and start an Actor from files and/or `text` (merged in order, §3.1).
 
     env: the environment for ${VAR} and API keys (default os.environ). llm: {agent: [replies]} fakes
@@ -12161,13 +12194,23 @@ def load(*paths, text=None, render_context=None, unsafe=False, env=None, templat
     default. routing_prefixes: extra §12.5 prefixes stripped from __output__ (e.g. ["NOTE:"], or
     "X_" for a family X_<NAME>:). isolation: "none" (default) or "process" -- configuration code,
     expressions and templates then run in worker processes under OS limits (§13.2, README Security).
+    reference: True runs the body's own code at every speed and containment seam (APPENDICES);
+    None (default) reads ACTOR_REFERENCE from the process environment (1: on).
     """
+    if reference is None:
+        reference = reference_path_requested()
     return start_actor(
         read_sources(paths, text), render_context=render_context, unsafe=unsafe, env=env,
         template_engine=template_engine, default_router=default_router, provider=provider,
         workdir=workdir, clock=clock or VirtualClock(),
         llm_transport=FakeTransport(llm) if llm is not None else None, context=context,
-        routing_prefixes=routing_prefixes, isolation=isolation)
+        routing_prefixes=routing_prefixes, isolation=isolation, reference=bool(reference))
+
+
+def reference_path_requested(environ=None):
+    """ACTOR_REFERENCE=1 (any value but empty or 0) asks for the reference path (APPENDICES)."""
+    value = (os.environ if environ is None else environ).get("ACTOR_REFERENCE", "")
+    return value.strip() not in ("", "0")
 
 
 def jsonable(value):
@@ -12195,9 +12238,7 @@ def jsonable(value):
     return conv(value)
 
 
-# =====================================================================================
-# HOST -- the vector harness
-# =====================================================================================
+# C.3 The vector harness ---------------------------------------------------------------
 # The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
 # actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
 
@@ -12310,7 +12351,8 @@ def _observe(vector):
                 template_engine=host.get("template_engine"),
                 default_router=host.get("default_router"), provider=host.get("provider"),
                 workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
-                context=host.get("context"), isolation=host.get("isolation", "none"))
+                context=host.get("context"), isolation=host.get("isolation", "none"),
+                reference=reference_path_requested())
         except ActorError as exc:
             report["load_error"] = {"category": exc.category, "message": str(exc)}
             return report
@@ -12766,9 +12808,7 @@ def list_vectors(paths, out=None, *, only=(), skip=()):
         print(f"{path}  [{sections}]", file=out)
 
 
-# =====================================================================================
-# HOST -- real clock, describe text and diagram
-# =====================================================================================
+# C.4 Real clock, describe text and diagram --------------------------------------------
 # Host mechanisms the standard does not define: the CLI's wall clock (vectors and tests run on the
 # VirtualClock), the one-line route summaries of --describe, and the Mermaid text of --diagram.
 
@@ -12948,9 +12988,7 @@ def mermaid_graph(graph):
     return lines
 
 
-# =====================================================================================
-# HOST -- command line
-# =====================================================================================
+# C.5 Command line ---------------------------------------------------------------------
 # One clock model: the CLI runs one Actor on a RealClock whose timers fire on a background thread
 # as real time passes; -m messages and stdin lines flow into it as they come, and the end of input
 # completes __input__ (buffers flush, reduce emits) before exit -- the API's outputs for the same
@@ -13580,7 +13618,8 @@ def _load_for_cli(args, check_only):
                 default_router=args.default_router, provider=args.provider, clock=RealClock(),
                 context=_parse_set(args.context, "--context") or None,
                 llm_transport=ScriptedReplies(replies) if replies else None,
-                isolation="process" if args.isolate else "none")
+                isolation="process" if args.isolate else "none",
+                reference=reference_path_requested())
             for key in _parse_set(args.set, "--set"):
                 if key not in actor.rt.phase_a_reads:       # issue 16: most likely a typo
                     text = (f"warning: --set {key}: no Phase A template reads '{key}'"

@@ -123,13 +123,63 @@ def _banner_outline(src):
     """[(top-level banner title, [subsection numbers...])] in file order."""
     lines, outline = src.split("\n"), []
     for i, line in enumerate(lines):
+        if line.startswith(APPENDIX_MARKER):
+            outline.append(("=== APPENDICES ===", []))
         if i and lines[i - 1].startswith("# =====") and re.match(
-                r"^# (§\d+ [A-Z][A-Z ,/&-]+|HOST -- .+|PRELUDE.*)$", line):
+                r"^# (§\d+ [A-Z][A-Z ,/&-]+|APPENDIX [A-Z] -- .+|PRELUDE.*)$", line):
             outline.append((line[2:], []))
-        match = re.match(r"^# §([\d.]+) .*-{3,}$", line)
+        match = re.match(r"^# (?:§([\d.]+)|([A-Z]\.\d+)) .*-{3,}$", line)
         if match and outline:
-            outline[-1][1].append(match.group(1))
+            outline[-1][1].append(match.group(1) or match.group(2))
     return outline
+
+
+APPENDIX_MARKER = "# === APPENDICES: beyond the standard ==="
+
+
+def _appendices(src):
+    """[(letter, title, opening comment lines, code after the opening)] of each APPENDIX banner."""
+    lines, found = src.split("\n"), []
+    for i, line in enumerate(lines):
+        match = re.match(r"^# APPENDIX ([A-Z]) -- (.+)$", line)
+        if match and lines[i - 1].startswith("# ====="):
+            j, opening = i + 2, []
+            while j < len(lines) and lines[j].startswith("#") and not lines[j].startswith("# ==="):
+                opening.append(lines[j][2:])
+                j += 1
+            found.append((match.group(1), match.group(2), opening, i))
+    return found
+
+
+def test_appendices_follow_the_body_and_name_their_seams():
+    """Issue 21: the body is §3-§16 in order; one marker, then appendices A, B, C..., each after
+    every § banner, each opening with `Adds:`, `Stands in for:` and `Seam:` lines, and every
+    seam it names is a name defined in the body (before the marker)."""
+    src = (HERE / "actor.py").read_text(encoding="utf-8")
+    assert src.count(APPENDIX_MARKER) == 1
+    lines = src.split("\n")
+    mark = next(i for i, line in enumerate(lines) if line.startswith(APPENDIX_MARKER))
+    last_section = max(i for i, line in enumerate(lines) if line.startswith("# §"))
+    assert last_section < mark
+    body = "\n".join(lines[:mark])
+    appendices = _appendices(src)
+    assert [a[0] for a in appendices] == [chr(ord("A") + k) for k in range(len(appendices))]
+    for letter, title, opening, at in appendices:
+        assert at > mark, letter
+        text = " ".join(opening)
+        for label in ("Adds:", "Stands in for:", "Seam:"):
+            assert label in text, (letter, label)
+        seams = [s.strip(" .") for line in opening if line.startswith("Seam:")
+                 for s in line[len("Seam:"):].split(",")]
+        assert seams, letter
+        for seam in seams:
+            owner, _, member = seam.partition(".")
+            if member:
+                assert re.search(rf"^class {owner}\b", body, flags=re.M), (letter, seam)
+                assert re.search(rf"(self\.{member}\b|def {member}\b)", body), (letter, seam)
+            else:
+                assert re.search(rf"^(def|class) {owner}\b|^{owner} = ", body, flags=re.M), \
+                    (letter, seam)
 
 
 def test_map_matches_banners():
@@ -7715,6 +7765,30 @@ def test_vector(path):
         f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
 
 
+@pytest.mark.parametrize("path", VECTOR_FILES, ids=_vector_id)
+def test_vectors_reference_path_agrees(path, monkeypatch):
+    """Issue 21: every vector gives the same verdict on the reference path (ACTOR_REFERENCE=1:
+    the body's own code at every speed and containment seam) as test_vector gives on the
+    default path -- both PASS, since test_vector requires a pass."""
+    monkeypatch.setenv("ACTOR_REFERENCE", "1")
+    vector = actor.read_vector(path)
+    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    assert not failures, "\n".join(
+        f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
+
+
+def test_reference_path_switch():
+    """ACTOR_REFERENCE=1 (or load(reference=True)) reaches the Runtime; empty or 0 does not."""
+    text = "agents: {e: {type: tool, config: {tools: [echo]}}}\n" \
+           "routes: {main: {type: stream, operators: [{type: map, params: {agent: e}}], " \
+           "publications: [__output__]}}\ncleveragents: {default_router: main}\n"
+    assert actor.load(text=text, reference=True).rt.reference is True
+    assert actor.load(text=text, reference=False).rt.reference is False
+    for value, expected in (("1", True), ("yes", True), ("0", False), ("", False), (" ", False)):
+        assert actor.reference_path_requested({"ACTOR_REFERENCE": value}) is expected
+    assert actor.reference_path_requested({}) is False
+
+
 def _spec_headings():
     text = (SHARED / "spec" / "actor-configuration-standard.md").read_text(encoding="utf-8")
     return set(re.findall(r"^(\d+(?:\.\d+)*)\.? ", text, flags=re.M))
@@ -8556,7 +8630,7 @@ def mutation_host_lines(tree, lines, entries=None):
 def mutation_sections(lines):
     """Line number (1-based) -> section group, for the lines between the `# §` banners; None for
     lines outside them (imports, HOST regions)."""
-    banner = re.compile(r"^# (?:§(\d+)[\d.]*\s|(HOST|PRELUDE)\b)")
+    banner = re.compile(r"^# (?:§(\d+)[\d.]*\s|(HOST|PRELUDE|APPENDIX)\b)")
     current, out = None, [None]
     for line in lines:
         found = banner.match(line)
