@@ -65,8 +65,8 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §15 RESERVED NAMES: 15.1 15.2 15.4 15.5 15.6
     §16 FORBIDDEN PATTERNS: 16.1 16.2 16.3
     === APPENDICES ===
-    APPENDIX A -- speed
-    APPENDIX B -- containment
+    APPENDIX A -- speed: A.1 A.2 A.3 A.4
+    APPENDIX B -- containment: B.1 B.2
     APPENDIX C -- host: C.1 C.2 C.3 C.4 C.5
 """
 from __future__ import annotations
@@ -11539,17 +11539,43 @@ FORBIDDEN_FORMS = {**FORBIDDEN_TOP_LEVEL_ROWS, **FORBIDDEN_FORM_ROWS, **FORBIDDE
 # =====================================================================================
 # APPENDIX A -- speed
 # =====================================================================================
-# Adds: code that is faster than the body's and observably the same (§1.3 MAY 3).
-# Stands in for: (filled in as the fast paths move here)
+# Adds: code that is faster than the body's and observably the same (§1.3 MAY 3). Each part
+# below names the body function it stands in for and the seam through which the body reaches it;
+# with Runtime.reference set, the body never takes the seam.
+# Stands in for: the body functions named by A.1-A.4
 # Seam: Runtime.reference
+
+# A.1 Checkpoint writer process -----------------------------------------------------------
+# (moving here: CheckpointWriter, from §6.6)
+
+
+# A.2 Graph fast path ---------------------------------------------------------------------
+# (moving here: the lone-unconditional-edge stretch of GraphRoute._continue, from §6.1)
+
+
+# A.3 Stream fast paths -------------------------------------------------------------------
+# (moving here: the inlined copies in Actor.send, StreamNetwork.send, agent_mapper, _rewire)
+
+
+# A.4 Inline code fast path ---------------------------------------------------------------
+# (moving here: straight-line inline code without the sandbox's wrapper layers, from §4.5.2)
+
 
 # =====================================================================================
 # APPENDIX B -- containment
 # =====================================================================================
 # Adds: bounds on what configuration code may cost and reach beyond the allowlist (README
 # Security, T3).
-# Stands in for: (filled in as the containment machinery moves here)
+# Stands in for: the body functions named by B.1-B.2
 # Seam: Runtime.sandbox
+
+# B.1 The budget ---------------------------------------------------------------------------
+# (moving here: Budget, the tick rewriter, the size guard, run_budgeted, from §13.2)
+
+
+# B.2 Worker processes and their wire format -----------------------------------------------
+# (moving here: Worker, ProcessSandbox, worker_main, wire/unwire, from §13.2)
+
 
 # =====================================================================================
 # APPENDIX C -- host

@@ -148,6 +148,12 @@ def _appendices(src):
                 opening.append(lines[j][2:])
                 j += 1
             found.append((match.group(1), match.group(2), opening, i))
+        elif found and re.match(r"^# [A-Z]\.\d+ .*-{3,}$", line):   # a part: its own Seam: lines
+            j = i + 1
+            while j < len(lines) and lines[j].startswith("#") and not lines[j].startswith("# ==="):
+                if lines[j].startswith("# Seam:"):
+                    found[-1][2].append(lines[j][2:])
+                j += 1
     return found
 
 
