@@ -528,9 +528,12 @@ def test_cli_closed_pipe_and_ctrl_c_end_quietly(tmp_path):
                        timeout=120)
     assert r.stdout == "1\n" and "Traceback" not in err.read_text() and "Error" not in \
         err.read_text()
+    # A suite started in the background (`&`, nohup, some CI runners) hands its children SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: the child gets the default.
     proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.stdin.write("hello\n")
     proc.stdin.flush()
     assert proc.stdout.readline() == "hello\n"      # running, and waiting for more input
