@@ -92,6 +92,7 @@ import operator
 import os
 import random
 import re
+import signal
 try:                                       # the regex parser, to spot nested repeats (§6.2.6.2)
     import re._parser as _regex_parser
     import re._constants as _regex_constants
@@ -13623,8 +13624,29 @@ def trace_llm_line(call):
               if usage else "")
     retries = f", {call['retries']} retries" if call.get("retries") else ""
     outcome = f"failed: {call['error']}" if call.get("error") else "ok"
-    return (f"trace: llm {call.get('agent')} -> {call.get('provider')}/{call.get('model')}: "
+    head = (f"trace: llm {call.get('agent')} -> {call.get('provider')}/{call.get('model')}: "
             f"{outcome} in {call.get('latency', 0.0):.3f} s{retries}{tokens}")
+    return head + "".join(f"\ntrace:     {role}: {_trace_text(text)}" for role, text in
+                          _llm_messages(call))
+
+
+TRACE_TEXT_CHARS = 400      # characters of one prompt message --trace shows
+
+
+def _llm_messages(call):
+    """(role, text) of what the call sent: the system prompt, then the messages in order."""
+    if call.get("system"):
+        yield "system", call["system"]
+    for entry in call.get("messages") or ():
+        if isinstance(entry, dict):
+            yield entry.get("role", "?"), entry.get("content", "")
+
+
+def _trace_text(text):
+    text = json.dumps(text if isinstance(text, str) else str(text), ensure_ascii=False)
+    if len(text) > TRACE_TEXT_CHARS:
+        return f"{text[:TRACE_TEXT_CHARS]}... ({len(text)} characters)"
+    return text
 
 
 # Running -----------------------------------------------------------------------------------
@@ -13636,11 +13658,12 @@ def _load_for_cli(args, check_only):
     env = dict(os.environ)
     replies = args.reply or []
     host_warnings = []
-    for _ in range(len(PROVIDER_KEY_VARS) + 1):
+    unsafe = args.unsafe
+    for _ in range(len(PROVIDER_KEY_VARS) + 2):
         try:
             actor = start_actor(
                 sources, render_context=_parse_set(args.set, "--set") or None,
-                unsafe=args.unsafe, env=env, template_engine=args.engine,
+                unsafe=unsafe, env=env, template_engine=args.engine,
                 default_router=args.default_router, provider=args.provider, clock=RealClock(),
                 context=_parse_set(args.context, "--context") or None,
                 llm_transport=ScriptedReplies(replies) if replies else None,
@@ -13653,6 +13676,15 @@ def _load_for_cli(args, check_only):
                     log.warning(text)
                     host_warnings.append(text)
             return actor, host_warnings
+        except UnsafeConfigurationError as exc:
+            # --check, --describe and --diagram run nothing: what needs unsafe mode to run is
+            # checked as on an unsafe host, and said once (a note: running it needs --unsafe)
+            if not check_only or unsafe:
+                raise
+            unsafe = True
+            where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
+            log.warning(f"{where}: note: {exc.path}: {exc.message}; checked as on an unsafe host "
+                        f"(nothing runs here), a run needs --unsafe (§13.1)")
         except ConfigurationError as exc:
             missing = re.match(r"no API key for provider '(\w+)'", exc.message or "")
             if not (check_only and missing and PROVIDER_KEY_VARS.get(missing.group(1))):
@@ -13664,6 +13696,44 @@ def _load_for_cli(args, check_only):
             log.warning(text)
             host_warnings.append(text)
     raise AssertionError("every provider's key was filled in")
+
+
+def check_runtime_template_names(actor):
+    """--check: warn about the names a JINJA2 runtime template (§8.11: a system_prompt, a chain
+    prompt, a prompts entry) reads that nothing provides at load -- not `context`, `message`, a
+    §8.3 built-in, a key of context.global or the agent's template_vars. Such a name renders as
+    undefined unless the context gets that key at run time, so this is --check's hint only, never
+    a load-time warning. Returns how many it warned about."""
+    rt = actor.rt
+    if rt.engine != "JINJA2":
+        return 0
+    try:
+        meta = __import__("jinja2.meta").meta
+        env = jinja_environment()
+    except (ImportError, TemplateError):
+        return 0
+    known = set(runtime_variables(rt.context, "")) | set(env.globals)
+    texts = [(("prompts", name, "content"), text, ()) for name, text in rt.prompts.items()]
+    for name, agent in rt.agents.items():
+        for field in ("system_prompt", "prompt"):
+            text = getattr(agent, field, None)
+            if isinstance(text, str) and rt.doc.locate(("agents", name, "config", field))[1]:
+                texts.append((("agents", name, "config", field), text,
+                              getattr(agent, "template_vars", None) or ()))
+    warned = 0
+    for path, text, extra in texts:
+        try:
+            names = meta.find_undeclared_variables(env.parse(text))
+        except Exception:       # jinja2's syntax errors: warn_unparsable_template said so
+            continue
+        for unknown in sorted(names - known - set(extra)):
+            rt.warn(f"the runtime template reads '{unknown}', which is not context, message, a "
+                    f"built-in or a key of context.global: it renders as undefined unless the "
+                    f"context has that key when the message arrives"
+                    f"{did_you_mean(unknown, sorted(known | set(extra)))}", section="8.11",
+                    path=path)
+            warned += 1
+    return warned
 
 
 class ScriptedReplies:
@@ -13694,6 +13764,16 @@ def _describe(actor, as_json):
     for name, kind in info["routes"].items():
         mark = "  [default router]" if name == info["default_router"] else ""
         print(f"route {name} ({kind}){mark}")
+        graph = actor.rt.graphs.get(name)
+        if graph is not None:       # the nodes, in document order, with what each one runs
+            for node in graph.nodes.values():
+                if node.type not in (START_NODE, END_NODE):
+                    runs = node.cfg.get("agent") or node.cfg.get("function") \
+                        if isinstance(node.cfg, dict) else None
+                    print(f"    node {node.name} ({node.type}{': ' + str(runs) if runs else ''})")
+            levels = info["graphs"][name]["levels"]
+            print(f"    levels: {' | '.join(', '.join(level) for level in levels)}"
+                  f"{'  (has cycles)' if info['graphs'][name]['has_cycles'] else ''}")
 
 
 def reset_actor(actor):
@@ -13710,9 +13790,73 @@ def reset_actor(actor):
             graph.snapshots.clear()
 
 
-def _lines(interactive, prompt):
+INTERACTIVE_HELP = """commands:
+  /help     this list
+  /reset    forget every agent's memory and every graph's state (the context stays)
+  /quit     end the session (also /exit, Ctrl-D, or Ctrl-C twice on an empty line)
+  Ctrl-C    cancel the line being typed
+any other line is sent to the Actor as one message"""
+
+
+class Prompter:
+    """Interactive input, read on the main thread (the only one a Ctrl-C reaches) for the CLI's
+    worker thread: the worker asks for a line, the main thread reads it with input().
+
+    Ctrl-C cancels the line being typed; a second Ctrl-C on an empty line ends the session, as
+    Ctrl-D does. A Ctrl-C while the Actor works on a message (no prompt shown) stops the CLI
+    (exit 130), since a message cannot be taken back half-way."""
+
+    def __init__(self):
+        import queue                # interactive sessions only
+        self.asked, self.lines = queue.Queue(), queue.Queue()
+
+    def read(self, prompt):
+        """On the worker: the next line, or None at the end of the session."""
+        self.asked.put(prompt)
+        return self.lines.get()
+
+    def serve(self, worker):
+        """On the main thread, until the worker ends: answer each request for a line."""
+        import queue
+        while worker.is_alive():
+            try:
+                prompt = self.asked.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.lines.put(self._line(prompt))
+
+    @staticmethod
+    def _line(prompt):
+        cancelled = False
+        while True:
+            try:
+                return input(prompt)
+            except EOFError:
+                print(file=sys.stderr)
+                return None
+            except KeyboardInterrupt:
+                typed = _typed_line()
+                print(file=sys.stderr)
+                if cancelled and not typed:
+                    return None
+                cancelled = not typed
+                if cancelled:
+                    print("(Ctrl-C again on an empty line, or Ctrl-D, ends the session)",
+                          file=sys.stderr)
+
+
+def _typed_line():
+    """What was on the line when Ctrl-C came ('' where readline is not there to tell)."""
+    try:
+        import readline
+        return readline.get_line_buffer()
+    except (ImportError, AttributeError):
+        return ""
+
+
+def _lines(interactive, prompt, prompter=None):
     """The messages typed or piped in, one per line; interactive: readline editing and history,
-    blank lines skipped, /quit ends, /reset is passed through."""
+    blank lines skipped, /quit ends, /help lists the commands, /reset is passed through."""
     if not interactive:
         for line in sys.stdin:      # a line ends at \n or \r\n (a file saved on Windows)
             yield line[:-2] if line.endswith("\r\n") else line.removesuffix("\n")
@@ -13722,16 +13866,17 @@ def _lines(interactive, prompt):
     except ImportError:
         pass
     while True:
-        try:
-            line = input(prompt)
-        except EOFError:
-            print(file=sys.stderr)
+        line = prompter.read(prompt) if prompter is not None else Prompter._line(prompt)
+        if line is None:
             return
         text = line.strip()
         if not text:
             continue
         if text in ("/quit", "/exit"):
             return
+        if text == "/help":
+            print(INTERACTIVE_HELP, file=sys.stderr)
+            continue
         yield line
 
 
@@ -13742,11 +13887,12 @@ def run_cli_actor(actor, args, console):
     interactive = not args.message and sys.stdin.isatty()
     name = actor.rt.doc.data.get("name") or Path(args.configs[-1]).stem
     if interactive:
-        print(f"{name}: one message per line; /reset forgets memory and graph state, /quit "
-              "ends (or Ctrl-D)", file=sys.stderr)
+        print(f"{name}: one message per line; /help lists the commands, /quit ends (or "
+              "Ctrl-D)", file=sys.stderr)
     clock.start(actor._turn)
     try:
-        messages = args.message if args.message else _lines(interactive, f"{name}> ")
+        messages = args.message if args.message else _lines(interactive, f"{name}> ",
+                                                            getattr(args, "prompter", None))
         for text in messages:
             if interactive and text.strip() == "/reset":
                 reset_actor(actor)
@@ -13827,9 +13973,11 @@ def _cli(args):
                  actor.default_router, actor.rt.engine,
                  ", single-shot" if actor.rt.single_shot else "")
         if log.isEnabledFor(logging.INFO) and not args.trace:
-            actor.rt.llm_observer = lambda call: log.info(trace_llm_line(call)[len("trace: "):])
+            actor.rt.llm_observer = lambda call: log.info(trace_llm_line(call).split("\n")[0][len("trace: "):])
         with actor:
             unconsumed_target_warnings(actor)
+            if args.check:
+                check_runtime_template_names(actor)
             warned = len(actor.rt.warnings) + len(host_warnings)
             if args.strict and warned:
                 print(f"actor: error: {warned} warning(s), and --strict makes them errors",
@@ -13838,7 +13986,9 @@ def _cli(args):
             if args.check:
                 merged = "" if len(args.configs) == 1 else \
                     f" ({len(args.configs)} files checked as one merged document, §3.1)"
-                print("ok" + merged)
+                counted = "" if not warned else \
+                    f", {warned} warning{'s' if warned != 1 else ''} (--strict fails on them)"
+                print("ok" + counted + merged)
                 return EXIT_OK
             if args.describe:
                 _describe(actor, args.json)
@@ -13875,9 +14025,15 @@ def main(argv=None):
     stack (see CLI_RECURSION_LIMIT)."""
     args = _arg_parser().parse_args(argv)
     status = EXIT_RUNTIME
+    # a terminal session reads its lines here, on the thread Ctrl-C reaches (Prompter)
+    args.prompter = Prompter() if not args.message and sys.stdin.isatty() else None
 
     def work():
         nonlocal status
+        if hasattr(signal, "pthread_sigmask"):
+            # Ctrl-C goes to the main thread (and the threads this one starts inherit the mask):
+            # delivered here, it would not interrupt the main thread's wait for a typed line
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             status = _cli(args)
         except BrokenPipeError:
@@ -13901,6 +14057,8 @@ def main(argv=None):
             worker.start()
         finally:
             threading.stack_size(previous_stack)
+        if args.prompter is not None:
+            args.prompter.serve(worker)
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:

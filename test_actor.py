@@ -352,8 +352,8 @@ def run_cli(*args, stdin=""):
 def test_cli_check_ok_and_config_error(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("agents: {a: {type: chain}}\nroutes: {m: {type: stream}}\n")
-    r = run_cli("--check", str(good))
-    assert (r.returncode, r.stdout.strip()) == (0, "ok")
+    r = run_cli("--check", str(good))      # two SHOULD warnings: no input, no output (§3.3, §3.4)
+    assert (r.returncode, r.stdout.strip()) == (0, "ok, 2 warnings (--strict fails on them)")
     bad = tmp_path / "bad.yaml"
     bad.write_text("agents: {a: {type: chain}}\n")
     r = run_cli("--check", str(bad))
@@ -577,7 +577,8 @@ def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
                      "merges: [{sources: [main], target: log}]\n")
     r = run_cli("--check", str(cfg), str(extra))
     assert r.returncode == 0
-    assert r.stdout == "ok (2 files checked as one merged document, §3.1)\n"
+    assert r.stdout == "ok, 2 warnings (--strict fails on them) (2 files checked as one merged " \
+        "document, §3.1)\n"
     assert "unknown top-level section 'merge'" in r.stderr and "did you mean 'merges'?" in r.stderr
     assert "'log' is no route" in r.stderr and "did you mean 'logs'?" in r.stderr
     r = run_cli("--check", "--strict", str(cfg), str(extra))
@@ -963,6 +964,105 @@ def test_cli_interactive_prompt_blank_lines_reset_and_quit(tmp_path):
         seen = read_until("cleared")
         assert "(memory and graph state cleared)" in seen and '"content"' not in seen
         os.write(master, b"/quit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+def test_cli_check_describe_diagram_need_no_unsafe(tmp_path):
+    """Issue 25 item 4: --check, --describe and --diagram run nothing, so a configuration with
+    inline code loads without --unsafe there (a note says a run needs it); a run still refuses."""
+    example = HERE / "examples" / "inline-tool.yaml"
+    r = run_cli("--check", str(example))
+    assert r.returncode == 0 and r.stdout.startswith("ok") and "a run needs --unsafe" in r.stderr
+    r = run_cli("--describe", str(example))
+    assert r.returncode == 0 and "agent echo_tool (tool)" in r.stdout
+    r = run_cli("--diagram", str(example))
+    assert r.returncode == 0 and r.stdout.startswith("flowchart")
+    r = run_cli("-m", "hi", str(example))
+    assert r.returncode == 2 and "UnsafeConfigurationError" in r.stderr
+
+
+def test_cli_check_counts_warnings_and_names_undefined_template_names(tmp_path):
+    """Issue 25 item 3: --check says how many warnings it printed, and --strict fails on them;
+    a name a JINJA2 runtime template reads that nothing provides is warned, with a hint."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("context: {global: {user: ada}}\nagents: {talk: {type: llm, config: {provider: "
+                   "fake, system_prompt: 'Hi {{ contxt.user }} {{ user }} {{ context.user }} "
+                   "{{ range(2) | list }} {{ message }}'}}}\nroutes: {main: {type: stream, "
+                   "operators: [{type: map, params: {agent: talk}}], publications: [__output__]}}"
+                   "\nmerges: [{sources: [__input__], target: main}]\n")
+    r = run_cli("--check", str(cfg))
+    assert r.returncode == 0 and r.stdout.strip() == "ok, 1 warning (--strict fails on them)"
+    assert "'contxt'" in r.stderr and "did you mean 'context'?" in r.stderr
+    assert "'user'" not in r.stderr and "'range'" not in r.stderr and "(§8.11)" in r.stderr
+    assert run_cli("--check", "--strict", str(cfg)).returncode == 2
+    cfg.write_text(cfg.read_text().replace("contxt", "context"))
+    r = run_cli("--check", str(cfg))
+    assert r.returncode == 0 and r.stdout.strip() == "ok" and "warning" not in r.stderr
+
+
+def test_cli_describe_lists_graph_nodes_and_trace_shows_llm_messages():
+    """Issue 25 item 9: text --describe lists a graph's nodes and levels; --trace shows what was
+    sent to the LLM (the system prompt and the messages)."""
+    r = run_cli("--describe", "--provider", "fake", str(HERE / "examples" / "triage-graph.yaml"))
+    assert r.returncode == 0 and "    node router (message_router)" in r.stdout
+    assert "    levels: start | router |" in r.stdout
+    r = run_cli(str(HERE / "examples" / "chat.yaml"), "--provider", "fake", "-m", "hello",
+                "--trace")
+    assert r.returncode == 0 and 'trace:     user: "hello"' in r.stderr
+    assert "trace:     system: " in r.stderr
+
+
+def test_cli_interactive_ctrl_c_cancels_the_line_and_help_lists_commands(tmp_path):
+    """Issue 25 item 6: on a terminal, Ctrl-C at the prompt cancels the line and the session goes
+    on; /help lists the commands (it is not sent); a second Ctrl-C on an empty line ends the
+    session with status 0, as Ctrl-D does."""
+    pty = pytest.importorskip("pty")
+    cfg = tmp_path / "echo.yaml"
+    cfg.write_text("name: helper\nagents: {e: {type: tool, config: {tools: [echo]}}}\nroutes: "
+                   "{main: {type: stream, operators: [{type: map, params: {agent: e}}], "
+                   "publications: [__output__]}}\nmerges: [{sources: [__input__], target: main}]\n")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(HERE / "actor.py"), str(cfg)],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(slave)
+
+    def read_until(token, seconds=60):
+        text, deadline = "", time.monotonic() + seconds
+        while token not in text and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    text += os.read(master, 4096).decode("utf-8", "replace")
+                except OSError:
+                    break
+        return text
+
+    def interrupt(token):
+        """Ctrl-C at the prompt. CPython's readline checks signals only when its select() is
+        interrupted, so a SIGINT landing between the prompt's write and that select() waits for
+        the next key: send again until the answer shows (signals coalesce: one cancel)."""
+        text = ""
+        for _ in range(10):
+            proc.send_signal(signal.SIGINT)
+            text += read_until(token, seconds=3)
+            if token in text or proc.poll() is not None:
+                break
+        return text
+    try:
+        assert read_until("helper> ").endswith("helper> ")
+        os.write(master, b"/help\n")
+        seen = read_until("helper> ")
+        assert "/reset" in seen and "Ctrl-C" in seen and "/help" in seen
+        seen = interrupt("helper> ")
+        assert "ends the session" in seen and proc.poll() is None
+        os.write(master, b"still here\n")
+        assert "still here" in read_until("helper> ")
+        assert "ends the session" in interrupt("helper> ")
+        interrupt("(no further prompt)")
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
@@ -1394,7 +1494,7 @@ def test_cli_check_needs_no_api_key(tmp_path):
         return subprocess.run([sys.executable, str(HERE / "actor.py"), *args], env=env,
                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     r = cli("--check", str(cfg))
-    assert (r.returncode, r.stdout) == (0, "ok\n")
+    assert (r.returncode, r.stdout) == (0, "ok, 1 warning (--strict fails on them)\n")
     assert "warning" in r.stderr and "OPENAI_API_KEY" in r.stderr and "--provider fake" in r.stderr
     r = cli("--check", "--strict", str(cfg))
     assert r.returncode == 2 and "--strict" in r.stderr
