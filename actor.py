@@ -240,9 +240,38 @@ class Doc:
         return mark
 
     def error(self, cls, path, message, section=None):
-        """Build a located §20 error; callers `raise doc.error(...)`."""
+        """Build a located §20 error; callers `raise doc.error(...)`.
+
+        A field that is absent but has a near-spelling beside it (`confg:` where `config` is
+        missing) is most likely misspelt: the error then stands at that key and says so first,
+        since the missing field's own message would send the author elsewhere."""
+        misspelt = self.misspelling(path)
+        if misspelt is not None:
+            path, wanted = misspelt
+            message = f"unknown key '{path[-1]}' (did you mean '{wanted}'?); without it: {message}"
         file, line, col = self.locate(path)
         return cls(message, path=path_str(path), section=section, file=file, line=line, col=col)
+
+    def misspelling(self, path):
+        """(path of a key near `path`'s first key the source did not write, that key), or
+        None. A key the source did not write is absent, or a default filled in (config: {})."""
+        node, path = self.data, tuple(path or ())
+        for i, key in enumerate(path):
+            if isinstance(node, list) and type(key) is int and 0 <= key < len(node):
+                node = node[key]
+                continue
+            if not isinstance(node, dict):
+                return None
+            if key not in node or self.marks and path[:i + 1] not in self.marks:
+                if not isinstance(key, str):
+                    return None
+                import difflib      # error paths only
+                written = [k for k in node if isinstance(k, str) and k != key
+                           and (not self.marks or path[:i] + (k,) in self.marks)]
+                near = difflib.get_close_matches(key, written, n=1, cutoff=0.8)
+                return (path[:i] + (near[0],), key) if near else None
+            node = node[key]
+        return None
 
 
 def warn(rt_or_none, message, *, section=None, path=None):

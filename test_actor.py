@@ -971,6 +971,25 @@ def test_cli_interactive_prompt_blank_lines_reset_and_quit(tmp_path):
         os.close(master)
 
 
+@pytest.mark.parametrize("text, where, hint", [
+    ("agents: {echo: {type: tool, confg: {tools: [echo]}}}\nroutes: {main: {type: stream}}\n",
+     "agents.echo.confg", "'config'"),
+    ("agents: {echo: {type: tool, config: {tools: [echo]}}}\nroutes: {main: {type: stream, "
+     "operators: [{type: map, parms: {agent: echo}}]}}\n", "routes.main.operators[0].parms",
+     "'params'"),
+    ("agents: {echo: {type: tool, config: {tools: [echo]}}}\nroutes: {g: {type: graph, nodes: "
+     "{n: {type: agent, agnt: echo}}, edges: [{source: start, target: n}]}}\n",
+     "routes.g.nodes.n.agnt", "'agent'"),
+])
+def test_misspelt_key_is_named_before_the_missing_field_it_explains(text, where, hint):
+    """Issue 25 item 1: a missing field beside a near-spelling is reported at the misspelt key,
+    with a did-you-mean, instead of sending the author to the field's own rule."""
+    with pytest.raises(actor.ConfigurationError) as info:
+        actor.load(text=text + "cleveragents: {default_router: main}\n")
+    assert info.value.path == where, str(info.value)
+    assert f"did you mean {hint}?" in str(info.value) and info.value.line is not None
+
+
 def test_cli_check_describe_diagram_need_no_unsafe(tmp_path):
     """Issue 25 item 4: --check, --describe and --diagram run nothing, so a configuration with
     inline code loads without --unsafe there (a note says a run needs it); a run still refuses."""
