@@ -13414,8 +13414,11 @@ def unconsumed_target_warnings(actor):
 # Generated from the tables the validator reads (TOP_LEVEL_SECTIONS, AGENT_TYPES, LLM_FIELDS,
 # TOOL_AGENT_FIELDS, ROUTE_FIELDS, GRAPH_FIELDS, OPERATORS, NODE_TYPES, CONDITIONS, ...), for
 # editors: completion, and the structural rejections (a field of the wrong type, a required field
-# missing). Unknown keys stay allowed, as the validator only warns about them; a scalar may also be
-# a ${VAR} reference (§14), which becomes its value at load.
+# missing). Where the loader warns about an unknown key (top level, agents, llm and tool configs,
+# routes, operators and their params, nodes, edges, router rules, merges, splits, conditions), the
+# schema says `unevaluatedProperties: false`, so an editor flags the same misspelt key; every
+# `pattern` stands beside `type: string`. A scalar may also be a ${VAR} reference (§14), which
+# becomes its value at load.
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _ENV_REFERENCE = {"type": "string", "pattern": r"\$\{"}
 _JSON_TYPES = ((bool, "boolean"), (dict, "object"), (list, "array"), (str, "string"))
@@ -13472,86 +13475,115 @@ _CONSTRAINT_SCHEMAS = {
 }
 
 
+def _closed(schema):
+    """Unknown keys are flagged, as the loader warns about them (see the comment above)."""
+    return {**schema, "unevaluatedProperties": False}
+
+
+def _type_is(words):
+    """An if-condition: the mapping's `type` names one of `words`, in any letter case."""
+    return {"required": ["type"], "properties": {"type": {"type": "string",
+                                                          "pattern": _any_case(words)}}}
+
+
 def config_schema():
     """The configuration format as a JSON Schema (draft 2020-12) object."""
     names = {"type": "array", "items": {"type": "string"}}
-    condition = {"type": "object", "properties": {"type": {
-        "anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]}}}
+    condition = _closed({"type": "object", "properties": {
+        "type": {"anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]},
+        **{key: {} for key in sorted(CONDITION_KEYS - {"type"})}}})
     operators = []
     for kind, (_handler, spec) in OPERATORS.items():
         params = {key: _CONSTRAINT_SCHEMAS.get(row.constraint, {}) for key, row in spec.items()}
         required = [key for key, row in spec.items() if row.default is REQUIRED]
         params_schema = {"type": "object", "properties": params}
+        if kind not in OPEN_PARAMS:
+            params_schema = _closed(params_schema)
         if required:
             params_schema["required"] = required
         operators.append({"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
                           "then": {"properties": {"params": params_schema},
                                    **({"required": ["params"]} if required else {})}})
-    operator = {"type": "object", "required": ["type"],
-                "properties": {"type": {"enum": list(OPERATORS)}, "params": {"type": "object"}},
-                "allOf": operators}
-    node_types = list(NODE_TYPES)
-    node = {"type": "object", "required": ["type"], "properties": {
-        "type": {"type": "string", "pattern": _any_case(node_types)},
-        "metadata": {"type": "object"}, "parallel": {"type": "boolean"},
-        "description": {"type": "string"}, "agent": {"type": "string"},
-        "function": {"type": "string"}, "tools": {"type": "array"},
-        "condition": {"$ref": "#/$defs/condition"}, "graph": {"type": "string"},
-        "params": {"type": "object"}, "rules": {"type": "array", "items": {
-            "type": "object", "properties": {"match_type": {"enum": list(MATCH_TYPES)},
-                                             "pattern": {"type": "string"},
-                                             "target": {"type": "string"}}}}},
-        "allOf": [{"if": {"required": ["type"],
-                          "properties": {"type": {"pattern": _any_case([kind])}}},
-                   "then": {"required": list(fields)[:1]}}
-                  for kind, (_handler, fields) in NODE_TYPES.items()
-                  if kind in ("agent", "subgraph")]}
-    edge = {"type": "object", "required": ["source", "target"], "properties": {
+    operator = _closed({"type": "object", "required": ["type"],
+                        "properties": {"type": {"enum": list(OPERATORS)},
+                                       "params": {"type": "object"}},
+                        "allOf": operators})
+    rule = _closed({"type": "object", "properties": {
+        **{key: {} for key in ROUTER_RULE_FIELDS},
+        "match_type": {"enum": list(MATCH_TYPES)}, "pattern": {"type": "string"},
+        "target": {"type": "string"}}})
+    node_fields = {"metadata": {"type": "object"}, "parallel": {"type": "boolean"},
+                   "description": {}, "agent": {"type": "string"},
+                   "function": {"type": "string"}, "tools": {"type": ["array", "string"]},
+                   "condition": {"$ref": "#/$defs/condition"}, "graph": {"type": "string"},
+                   "rules": {"type": "array", "items": rule}}
+    # Every key some node type has is listed at the node itself: a then-branch whose own check
+    # fails drops its annotations, and would report a good key as unknown beside the real fault.
+    node_keys = {key for _handler, fields in NODE_TYPES.values() for key in fields}
+    node = _closed({"type": "object", "required": ["type"], "properties": {
+        **{key: {} for key in sorted(node_keys)},
+        **{key: node_fields.get(key, {}) for key in NODE_COMMON_FIELDS},
+        "type": {"type": "string", "pattern": _any_case(list(NODE_TYPES))}},
+        "allOf": [{"if": _type_is([kind]),
+                   "then": {"properties": {key: node_fields.get(key, {}) for key in fields},
+                            **({"required": list(fields)[:1]}
+                               if kind in ("agent", "subgraph") else {})}}
+                  for kind, (_handler, fields) in NODE_TYPES.items()]})
+    edge = _closed({"type": "object", "required": ["source", "target"], "properties": {
+        **{key: {} for key in EDGE_FIELDS},
         "source": {"type": "string"}, "target": {"type": "string"},
         "condition": {"anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]},
-        "metadata": {"type": "object"},
-        "description": {"type": "string"}}}
-    graph_props = {
+        "metadata": {"type": "object"}}})
+    graph_props = {key: {} for key in ROUTE_FIELDS["graph"]}
+    graph_props.update({
         "nodes": {"type": "object", "minProperties": 1, "additionalProperties": node},
         "edges": {"type": "array", "items": edge}, "entry_point": {"type": "string"},
         "checkpoint_dir": {"type": "string"}, "state_class": {"type": "string"},
-        "metadata": {"type": "object"}, "publications": names}
+        "metadata": {"type": "object"}, "publications": names})
     for flag in ("checkpointing", "enable_time_travel", "parallel_execution"):
         graph_props[flag] = {"anyOf": [{"type": "boolean"}, _ENV_REFERENCE],
                              "default": GRAPH_FIELDS[flag].default}
-    stream_props = {"operators": {"type": "array", "items": operator}, "publications": names,
-                    "subscriptions": names, "metadata": {"type": "object"}}
-    route_kinds = {"stream": stream_props, "graph": graph_props, "bridge": {}}
-    route = {"type": "object",      # a route from a §8.7 template names it alone
-             "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
-             "properties": {"type": {"type": "string", "pattern": _any_case(ROUTE_FIELDS)},
-                            "template_config": {"type": "object"}},
-             "allOf": [{"if": {"required": ["type"],
-                               "properties": {"type": {"pattern": _any_case([kind])}}},
-                        "then": {"properties": props,
-                                 **({"required": [f for f, v in GRAPH_FIELDS.items()
-                                                  if v.default is REQUIRED]}
-                                    if kind == "graph" else {})}}
-                       for kind, props in route_kinds.items()]}
+    stream_props = {key: {} for key in ROUTE_FIELDS["stream"]}
+    stream_props.update({"operators": {"type": "array", "items": operator},
+                         "publications": names, "subscriptions": names,
+                         "metadata": {"type": "object"}})
+    route_kinds = {"stream": stream_props, "graph": graph_props,
+                   "bridge": {key: {} for key in ROUTE_FIELDS["bridge"]}}
+    route = _closed({"type": "object",      # a route from a §8.7 template names it alone
+                     "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
+                     "properties": {**{key: {} for kind in ROUTE_FIELDS
+                                       for key in ROUTE_FIELDS[kind]},   # as for nodes, above
+                                    **{key: {} for key in TEMPLATE_ROUTE_KEYS},
+                                    "type": {"type": "string",
+                                             "pattern": _any_case(ROUTE_FIELDS)},
+                                    "template_config": {"type": "object"}},
+                     "allOf": [{"if": _type_is([kind]),
+                                "then": {"properties": props,
+                                         **({"required": [f for f, v in GRAPH_FIELDS.items()
+                                                          if v.default is REQUIRED]}
+                                            if kind == "graph" else {})}}
+                               for kind, props in route_kinds.items()]})
     agent_types = list(AGENT_TYPES) + ["template_instance"]
-    configs = {"llm": _schema_fields({**LLM_FIELDS, **LLM_EXTRA_FIELDS}, null_is_default=True),
+    configs = {"llm": _schema_fields(LLM_AGENT_FIELDS, null_is_default=True),
                "tool": _schema_fields(TOOL_AGENT_FIELDS, null_is_default=True)}
-    agent = {"type": "object",      # a §4.8 template instance may name its template alone
-             "anyOf": [{"required": ["type"]}, {"required": ["template"]},
-                       {"required": ["agent_template"]}],
-             "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
-                            "template": {"type": "string"}, "agent_template": {"type": "string"},
-                            "params": {"type": "object"}},
-             "allOf": [{"if": {"required": ["type"], "properties": {"type": {"const": kind}}},
-                        "then": {"properties": {"config": {"type": "object",
-                                                           "properties": props}}}}
-                       for kind, props in configs.items()]}
-    merge = {"type": "object", "required": list(MERGE_FIELDS),
-             "properties": {"sources": names, "target": {"type": "string"}}}
-    split = {"type": "object", "required": list(SPLIT_FIELDS),
-             "properties": {"source": {"type": "string"}, "targets": {
-                 "type": "object", "additionalProperties": {
-                     "anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]}}}}
+    agent = _closed({"type": "object",      # a §4.8 template instance may name its template alone
+                     "anyOf": [{"required": ["type"]}, {"required": ["template"]},
+                               {"required": ["agent_template"]}],
+                     "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
+                                    "template": {"type": "string"},
+                                    "agent_template": {"type": "string"},
+                                    "params": {"type": "object"}},
+                     "allOf": [{"if": {"required": ["type"],
+                                       "properties": {"type": {"const": kind}}},
+                                "then": {"properties": {"config": _closed(
+                                    {"type": "object", "properties": props})}}}
+                               for kind, props in configs.items()]})
+    merge = _closed({"type": "object", "required": list(MERGE_FIELDS),
+                     "properties": {"sources": names, "target": {"type": "string"}}})
+    split = _closed({"type": "object", "required": list(SPLIT_FIELDS),
+                     "properties": {"source": {"type": "string"}, "targets": {
+                         "type": "object", "additionalProperties": {
+                             "anyOf": [{"$ref": "#/$defs/condition"}, {"type": "null"}]}}}})
     sections = {
         "name": {"type": "string"}, "agents": {"type": "object", "minProperties": 1,
                                                "additionalProperties": agent},
@@ -13567,7 +13599,7 @@ def config_schema():
     assert set(sections) >= set(TOP_LEVEL_SECTIONS) | HOST_PARAMETER_SECTIONS
     return {"$schema": SCHEMA_DIALECT,
             "title": f"Actor Configuration Standard {SPEC_VERSION} configuration",
-            "type": "object", "properties": sections,
+            "type": "object", "properties": sections, "unevaluatedProperties": False,
             "required": [key for key, required in TOP_LEVEL_SECTIONS.items() if required],
             "$defs": {"condition": condition, "operator": operator}}
 
