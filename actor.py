@@ -267,11 +267,23 @@ class Doc:
                     return None
                 import difflib      # error paths only
                 written = [k for k in node if isinstance(k, str) and k != key
-                           and (not self.marks or path[:i] + (k,) in self.marks)]
+                           and (not self.marks or path[:i] + (k,) in self.marks)
+                           and k not in known_field_names()]
                 near = difflib.get_close_matches(key, written, n=1, cutoff=0.8)
                 return (path[:i] + (near[0],), key) if near else None
             node = node[key]
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def known_field_names():
+    """Every name some field table of this module defines (a key spelt like one is no typo)."""
+    names = set()
+    for table in list(globals().values()):
+        if isinstance(table, dict) and table and all(isinstance(v, Field) for v in table.values()):
+            names.update(table)
+    return frozenset(names | set(AGENT_FIELDS) | set(CONDITION_KEYS)
+                     | {key for kind in ROUTE_FIELDS.values() for key in kind})
 
 
 def warn(rt_or_none, message, *, section=None, path=None):
@@ -10097,8 +10109,11 @@ def check_host_parameters(render_context, template_engine, context):
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
                 default_router=None, provider=None, workdir=None, clock=None, llm_transport=None,
-                context=None, routing_prefixes=None, isolation="none", reference=False):
-    """§12.1 steps 1-6 in order; returns a running Actor (step 7)."""
+                context=None, routing_prefixes=None, isolation="none", reference=False,
+                revise=None):
+    """§12.1 steps 1-6 in order; returns a running Actor (step 7). `revise(doc)`, when given,
+    may change the parsed document before the checks (the CLI's --check sets aside an entry it
+    has already reported, to find the next fault)."""
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport, reference=reference)
     if isolation not in ISOLATION:
@@ -10108,6 +10123,8 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     check_host_parameters(render_context, template_engine, context)
     doc = load_document(sources, render_context, template_engine, rt.env, rt)
+    if revise is not None:
+        revise(doc)
     check_top_level(doc, rt)
     rt.engine = resolve_engine(doc, template_engine)
     # Step 2: register templates (Phase B instantiates every template instance, §8.6-§8.10).
@@ -13711,16 +13728,28 @@ def _trace_text(text):
 
 
 # Running -----------------------------------------------------------------------------------
+CHECK_MAX_ERRORS = 20       # faults one --check reports before it stops looking
+
+
 def _load_for_cli(args, check_only):
     """Load the CONFIGs as the command line asks. When nothing will be sent (check_only), a
-    missing API key is a warning (a run would stop there, §4.4.1) and the rest is still loaded.
-    Returns (actor, host warning texts)."""
+    missing API key is a warning (a run would stop there, §4.4.1), what needs unsafe mode is
+    checked as on an unsafe host, and with --check every fault is reported: each error's entry
+    (an agent, a route, a merge or split) is set aside for a stand-in and the load repeated, and
+    each missing ${VAR} is filled in, up to CHECK_MAX_ERRORS. Returns (actor, host warning
+    texts); raises the first error, or CheckFailures when --check found several."""
     sources = read_sources(args.configs, None)
     env = dict(os.environ)
     replies = args.reply or []
-    host_warnings = []
+    host_warnings, errors, set_aside = [], [], {}
     unsafe = args.unsafe
-    for _ in range(len(PROVIDER_KEY_VARS) + 2):
+    collect = bool(getattr(args, "check", False))
+
+    def revise(doc):
+        for path, stand_in in set_aside.items():
+            outer_set(doc.data, path, stand_in)
+
+    while True:
         try:
             actor = start_actor(
                 sources, render_context=_parse_set(args.set, "--set") or None,
@@ -13729,7 +13758,10 @@ def _load_for_cli(args, check_only):
                 context=_parse_set(args.context, "--context") or None,
                 llm_transport=ScriptedReplies(replies) if replies else None,
                 isolation="process" if args.isolate else "none",
-                reference=reference_path_requested())
+                reference=reference_path_requested(), revise=revise)
+            if errors:
+                actor.close()
+                break
             for key in _parse_set(args.set, "--set"):
                 if key not in actor.rt.phase_a_reads:       # issue 16: most likely a typo
                     text = (f"warning: --set {key}: no Phase A template reads '{key}'"
@@ -13746,17 +13778,90 @@ def _load_for_cli(args, check_only):
             where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
             log.warning(f"{where}: note: {exc.path}: {exc.message}; checked as on an unsafe host "
                         f"(nothing runs here), a run needs --unsafe (§13.1)")
-        except ConfigurationError as exc:
+        except (ConfigurationError, StreamRoutingError) as exc:
             missing = re.match(r"no API key for provider '(\w+)'", exc.message or "")
-            if not (check_only and missing and PROVIDER_KEY_VARS.get(missing.group(1))):
+            unset = re.match(r"required environment variable '(\w+)' is not set", exc.message
+                             or "")
+            if check_only and missing and PROVIDER_KEY_VARS.get(missing.group(1)) \
+                    and PROVIDER_KEY_VARS[missing.group(1)][0] not in env:
+                env[PROVIDER_KEY_VARS[missing.group(1)][0]] = MISSING_KEY_PLACEHOLDER
+                where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
+                text = (f"{where}: warning: {exc.path}: {exc.message}; a run stops here "
+                        f"(use --provider fake to run offline) (§4.4.1)")
+                log.warning(text)
+                host_warnings.append(text)
+                continue
+            if not collect or len(errors) + 1 >= CHECK_MAX_ERRORS:
+                if errors:
+                    raise CheckFailures(errors + [exc], stopped=True) from None
                 raise
-            env[PROVIDER_KEY_VARS[missing.group(1)][0]] = MISSING_KEY_PLACEHOLDER
-            where = ":".join(str(x) for x in (exc.file, exc.line) if x is not None)
-            text = (f"{where}: warning: {exc.path}: {exc.message}; a run stops here "
-                    f"(use --provider fake to run offline) (§4.4.1)")
-            log.warning(text)
-            host_warnings.append(text)
-    raise AssertionError("every provider's key was filled in")
+            if unset and unset.group(1) not in env:       # §14.2: the next one, at once
+                env[unset.group(1)] = "${" + unset.group(1) + "}"   # stays text (§14.4: once)
+                errors.append(exc)
+                continue
+            consequence = exc.path in {error.path for error in errors}   # of one reported
+            entry = check_entry(exc)
+            if entry is None or entry[0] in set_aside:
+                if consequence:
+                    break
+                errors.append(exc)
+                break
+            if not consequence:
+                errors.append(exc)
+            set_aside[entry[0]] = entry[1]
+    raise CheckFailures(errors) if len(errors) > 1 else errors[0]
+
+# What an entry that has been reported stands in for, while --check looks for the next fault:
+# the smallest valid entry of its kind, under the same name, so references to it still resolve.
+CHECK_STAND_INS = {
+    "agents": {"type": "chain"},
+    "stream": {"type": "stream"},
+    "graph": {"type": "graph", "nodes": {"n": {"type": "function", "function": "summarize"}},
+              "edges": [{"source": "start", "target": "n"}, {"source": "n", "target": "end"}]},
+    "merges": {"sources": [], "target": "__output__"},      # §7.1: an empty merge is ignored
+    "splits": {"source": "__input__", "targets": {}},       # §7.2: so is an empty split
+}
+
+
+class CheckFailures(ConfigurationError):
+    """--check: several configuration errors, each located; str() lists them one a line."""
+
+    def __init__(self, errors, stopped=False):
+        self.errors = list(errors)
+        tail = f"{len(self.errors)} errors" + (f" (stopped at {CHECK_MAX_ERRORS})" if stopped
+                                               else "")
+        self.tail = tail
+        super().__init__("\n".join(map(str, self.errors)) + "\n" + tail,
+                         section=self.errors[0].section)
+
+    def __str__(self):
+        return self.message
+
+
+def check_entry(exc):
+    """(path of the top-level entry an error stands in, its stand-in), or None."""
+    parts = re.match(r"(agents|routes)\.(\w+)|(merges|splits)\[(\d+)\]", exc.path or "")
+    if parts is None:
+        return None
+    if parts.group(1) == "agents":
+        return ("agents", parts.group(2)), CHECK_STAND_INS["agents"]
+    if parts.group(1) == "routes":
+        return ("routes", parts.group(2)), CHECK_STAND_INS["stream"]
+    return (parts.group(3), int(parts.group(4))), CHECK_STAND_INS[parts.group(3)]
+
+
+def outer_set(data, path, value):
+    """Set the value at `path` inside nested mappings and lists (the --check stand-ins); a
+    route keeps its kind (a graph stays a graph, so graph_execute still finds one)."""
+    *head, last = path
+    for key in head:
+        data = data[key]
+    if isinstance(data, (dict, list)) and (last in data if isinstance(data, dict)
+                                           else 0 <= last < len(data)):
+        kind = data[last].get("type") if isinstance(data[last], dict) else None
+        if head == ["routes"] and isinstance(kind, str) and kind.lower() == "graph":
+            value = CHECK_STAND_INS["graph"]
+        data[last] = copy.deepcopy(value)
 
 
 def check_runtime_template_names(actor):
@@ -14019,7 +14124,8 @@ def _cli(args):
         except ActorError as exc:
             data = _document_data(args) \
                 if isinstance(exc, (ConfigurationError, StreamRoutingError)) else None
-            text = with_hint(str(exc), data)
+            text = "\n".join([*(with_hint(str(e), data) for e in exc.errors), exc.tail]) \
+                if isinstance(exc, CheckFailures) else with_hint(str(exc), data)
             if re.search(r"no API key for provider '\w+'", exc.message or ""):
                 text += "\n(to try it offline, without a key: --provider fake)"
             print(text, file=sys.stderr)

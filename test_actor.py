@@ -990,6 +990,42 @@ def test_misspelt_key_is_named_before_the_missing_field_it_explains(text, where,
     assert f"did you mean {hint}?" in str(info.value) and info.value.line is not None
 
 
+def test_cli_check_reports_every_fault_in_one_run(tmp_path):
+    """Issue 25 item 5: --check reports each fault it can find, located, like a compiler: the
+    faulty entry is set aside for a stand-in and the check goes on; every unset ${VAR} at once; a
+    fault that follows from one already reported (the same field) is not repeated. A run still
+    stops at the first."""
+    cfg = tmp_path / "faults.yaml"
+    cfg.write_text(
+        "agents:\n  a: {type: tool, config: {tools: [nope]}}\n"
+        "  b: {type: llm, config: {provider: fake, temperature: 9}}\n"
+        "  c: {type: chain, config: {prompt: '${NOT_SET_ONE}'}}\n"
+        "  d: {type: chain, config: {prompt: '${NOT_SET_TWO}'}}\n"
+        "routes:\n  main: {type: stream, operators: [{type: mapp}], publications: [__output__]}\n"
+        "  g: {type: graph, nodes: {n: {type: agent, agent: ghost}}, edges: [{source: start, "
+        "target: n}]}\n  s: {type: stream, operators: [{type: graph_execute, params: {graph: g}}]}\n"
+        "merges: [{sources: [ghost_stream], target: main}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NOT_SET")}
+    r = subprocess.run([sys.executable, str(HERE / "actor.py"), "--check", str(cfg)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    lines = [line for line in r.stderr.splitlines() if "Error:" in line]
+    assert r.returncode == 2 and r.stderr.rstrip().endswith("7 errors"), r.stderr
+    assert [line.split(": ")[2] for line in lines] == [
+        "agents.c.config.prompt", "agents.d.config.prompt", "agents.a.config.tools[0]",
+        "agents.b.config.temperature", "routes.g.nodes.n.agent", "merges[0].sources[0]",
+        "routes.main.operators[0].type"]
+    assert all(re.match(r"^.*faults\.yaml:\d+:\d+: ", line) for line in lines)
+    assert "did you mean 'map'?" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(HERE / "actor.py"), "-m", "hi", str(cfg)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len([l for l in r.stderr.splitlines() if "Error:" in l]) == 1
+    one = tmp_path / "one.yaml"
+    one.write_text("agents: {a: {type: tool, config: {tools: [nope]}}}\nroutes: {m: {type: "
+                   "stream}}\n")
+    r = run_cli("--check", str(one))
+    assert r.returncode == 2 and "errors" not in r.stderr and "unknown built-in tool" in r.stderr
+
+
 def test_cli_check_describe_diagram_need_no_unsafe(tmp_path):
     """Issue 25 item 4: --check, --describe and --diagram run nothing, so a configuration with
     inline code loads without --unsafe there (a note says a run needs it); a run still refuses."""
