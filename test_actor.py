@@ -443,12 +443,13 @@ def test_examples_run_as_their_comments_say():
     commands = []
     for example in sorted((HERE / "examples").glob("*.yaml")):
         for line in example.read_text(encoding="utf-8").splitlines():
-            found = re.search(r"#.*?(python3 actor\.py .*)$", line)
+            found = re.search(r"#.*?(python3 -m actor .*)$", line)
             if found and "_API_KEY=" not in line:
                 commands.append(shlex.split(found.group(1)))
     assert len(commands) >= 5
-    for argv in commands:
-        r = subprocess.run([sys.executable, *argv[1:]], cwd=HERE, capture_output=True,
+    for argv in commands:        # python3 -m actor ...: the module beside this file
+        r = subprocess.run([sys.executable, "-m", "actor", *argv[3:]], cwd=HERE,
+                           capture_output=True,
                            text=True, timeout=60)
         assert (r.returncode, r.stderr) == (0, "") and r.stdout.strip(), (argv, r.stderr)
 
