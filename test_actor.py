@@ -3013,11 +3013,15 @@ class FakeAgent:
         return self.fn(content, ctx)
 
 
-def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main"):
-    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}."""
+def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main",
+               reference=None):
+    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}; on the reference
+    path when ACTOR_REFERENCE asks for it (reference=None) or reference=True."""
     agents = agents or {}
     data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {name: cfg, **(routes or {})}}
-    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
+    if reference is None:
+        reference = actor.reference_path_requested()
+    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir, reference=reference)
     rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
     rt.context.update(context or {})
     actor.check_graph(rt, name, cfg, ("routes", name), set(agents))
@@ -3594,20 +3598,45 @@ def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
     it."""
     cfg = linear("a")
     cfg.update(checkpointing=True, checkpoint_dir="ck")
-    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    writer = g.checkpoint_writer()
-    os.kill(writer.proc.pid, signal.SIGSTOP)
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=False)   # A.1
+    assert isinstance(g.store, actor.CheckpointWriter) and g.store.proc is None   # none at load
+    proc = g.store.start()
+    os.kill(proc.pid, signal.SIGSTOP)
     try:
         for i in range(10):
             g.run(str(i))                  # returns although the writer is stopped
         assert g.state["execution_count"] == 10
         assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
     finally:
-        os.kill(writer.proc.pid, signal.SIGCONT)
+        os.kill(proc.pid, signal.SIGCONT)
     found = g.checkpoints()
     assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
     g.close()
-    assert writer.proc.poll() == 0                                       # the writer has stopped
+    assert proc.poll() == 0                                              # the writer has stopped
+
+
+def test_graph_checkpoints_on_the_reference_path_are_written_at_once(tmp_path):
+    """§6.6 item 2 on the reference path (CheckpointFiles): the tenth update's run returns with
+    its checkpoint on disk, whole, no process started; a write that fails fails that run at
+    once (I-166)."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=True)
+    assert isinstance(g.store, actor.CheckpointFiles)
+    for i in range(9):
+        g.run(str(i))
+    assert not list((tmp_path / "ck").iterdir())
+    g.run("9")
+    found = list((tmp_path / "ck").iterdir())
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    g.state["metadata"]["bad"] = {(1, 2): "a tuple key"}
+    for i in range(9):
+        g.run(str(i))
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.run("twentieth")
+    assert len(list((tmp_path / "ck").iterdir())) == 1          # no temporary file left either
+    g.close()
+    assert rt.warnings == []                # the failure was reported: nothing left to warn
 
 
 def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
@@ -3638,7 +3667,7 @@ class Agent:
     def invoke(self, content, ctx):
         return content
 rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
-                   workdir=sys.argv[2])
+                   workdir=sys.argv[2], reference=False)        # the writer process (A.1)
 rt.agents = {"a": Agent()}
 graph = actor.GraphRoute("g", cfg, rt)
 for i in range(10):
@@ -3818,7 +3847,7 @@ routes:
     edges: [{source: start, target: n}, {source: n, target: end}]
 default_router: g
 """
-    team = actor.load(text=text, workdir=tmp_path, unsafe=True)
+    team = actor.load(text=text, workdir=tmp_path, unsafe=True, reference=False)   # A.1
     for i in range(actor.CHECKPOINT_EVERY):
         assert team.send(f"m{i}").errors == []
     team.close()
@@ -8002,8 +8031,9 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     calling the same agents directly (the floor). ToolAgent(echo) cannot read its context, so
     its nodes build none (§6.2.2, reads_context); the other runs mark the same agents as
     context readers (a plain dict, as an LLM agent gets) and as writers (a NodeContext that
-    notes writes), which shows what building the §6.2.2 context costs per node. Prints the
-    figures; timings are not asserted."""
+    notes writes), which shows what building the §6.2.2 context costs per node. The same graph
+    on the reference path (issue 21: the body's general §6.5 step, no A.2 fast path) is printed
+    beside. Prints the figures; timings are not asserted."""
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
     data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
@@ -8011,6 +8041,9 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     rt = actor.Runtime(actor.Doc(data), env={})
     rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
+    reference_rt = actor.Runtime(actor.Doc(data), env={}, reference=True)
+    reference_rt.agents = rt.agents
+    reference = actor.GraphRoute("main", cfg, reference_rt)
     agents = [rt.agents[n] for n in names]
     for agent in agents:
         assert agent.reads_context is False and agent.writes_context is False
@@ -8027,10 +8060,15 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
         for _ in range(rounds):
             graph.run(message, rt.context, pure=True)
 
+    def reference_loop():
+        for _ in range(rounds):
+            reference.run(message, reference_rt.context, pure=True)
+
     best = {}
     gc.disable()                                 # collector pauses are not the executor's cost
     try:
-        for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
+        for label, fn in (("floor", floor_loop), ("graph", graph_loop),
+                          ("reference", reference_loop)):
             fn()
             times = []
             for _ in range(15):
@@ -8046,7 +8084,8 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
         if reads_context else "context-free, none built"
     print(f"\n[graphs bench] ToolAgent(echo) x10 ({kind}): floor {best['floor']:.2f} us/node, "
           f"graph {best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
-          f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x)")
+          f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x); "
+          f"reference path {best['reference']:.2f} us/node")
 
 
 @pytest.mark.bench
@@ -8054,20 +8093,22 @@ def test_graph_bench_checkpointing_cost(tmp_path):
     """Issue 15: a two-node echo graph with checkpointing (every ten updates, atomic write) against
     the same graph without it, over 10,000 updates (5,000 runs) in interleaved rounds, best round
     each, wall time (the writer process works beside the graph). The writer's start, once per
-    graph, is printed apart."""
+    graph, is printed apart; so is the reference path (issue 21: CheckpointFiles, each file
+    written and fsynced on the graph's thread)."""
 
-    def graph(checkpointing):
+    def graph(checkpointing, reference=False):
         cfg = linear("a", "b")
         if checkpointing:
-            cfg.update(checkpointing=True, checkpoint_dir="ck")
-        return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path)[1]
-    graphs = {"off": graph(False), "on": graph(True)}
+            cfg.update(checkpointing=True, checkpoint_dir="ck-reference" if reference else "ck")
+        return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path,
+                          reference=reference)[1]
+    graphs = {"off": graph(False), "on": graph(True), "reference": graph(True, reference=True)}
     started = time.perf_counter()
-    graphs["on"].checkpoint_writer().put(tmp_path / "ck" / "first.json", {})
+    graphs["on"].store.put(tmp_path / "ck" / "first.json", {})
     graphs["on"].flush_checkpoints()
     start_ms = (time.perf_counter() - started) * 1e3
-    figures = {"off": float("inf"), "on": float("inf")}
-    cpu = {"off": float("inf"), "on": float("inf")}
+    figures = {label: float("inf") for label in graphs}
+    cpu = {label: float("inf") for label in graphs}
     runs = 10_000 // 2                           # two state updates a run
     for _ in range(3):
         for label, g in graphs.items():
@@ -8085,7 +8126,8 @@ def test_graph_bench_checkpointing_cost(tmp_path):
           f"own CPU time {cpu['off']:.1f} and {cpu['on']:.1f} us/run "
           f"({cpu['on'] / cpu['off']:.2f}x: what the graph itself pays; the wall time comes near "
           f"it when the writer has a core of its own); the writer process starts in "
-          f"{start_ms:.0f} ms, once per graph")
+          f"{start_ms:.0f} ms, once per graph; reference path {figures['reference']:.1f} us/run "
+          f"({figures['reference'] / figures['off']:.2f}x)")
 
 
 @pytest.mark.bench
@@ -8119,7 +8161,10 @@ def test_graph_bench_against_langgraph_state_graph():
         for a, b in zip(names, names[1:]):
             builder.add_edge(a, b)
         builder.add_edge(names[-1], lg.END)
-        return actor.GraphRoute("main", cfg, rt), builder.compile()
+        reference_rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True, reference=True)
+        reference_rt.agents = rt.agents
+        return (actor.GraphRoute("main", cfg, rt), builder.compile(),
+                actor.GraphRoute("main", cfg, reference_rt))
 
     def per_node(fn, rounds, repeats):
         """Best per-node CPU time of the calling thread: both executors run every node on it (a
@@ -8137,18 +8182,22 @@ def test_graph_bench_against_langgraph_state_graph():
     for label, tool, target in (("ToolAgent(echo)", "echo", 60),
                                 ("inline-tool agent", {"name": "t", "code": "result = input_data"},
                                  30)):
-        graph, compiled = both(tool)
-        assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output
-        figures = {"langgraph": float("inf"), "actor": float("inf")}
+        graph, compiled, reference = both(tool)
+        assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output \
+            == reference.run("echo hi", {}).output
+        figures = {"langgraph": float("inf"), "actor": float("inf"), "reference": float("inf")}
         for _ in range(3):                       # interleaved: a busy machine slows some rounds
             figures["langgraph"] = min(figures["langgraph"], per_node(
                 lambda: compiled.invoke({"text": "echo hi"}), 30, 3))
             figures["actor"] = min(figures["actor"], per_node(
                 lambda: graph.run("echo hi", {}), 300, 3))
+            figures["reference"] = min(figures["reference"], per_node(
+                lambda: reference.run("echo hi", {}), 300, 3))
         print(f"\n[graphs bench] 10 {label} nodes: LangGraph compiled StateGraph "
               f"{figures['langgraph']:.1f} us/node, actor.py graph route {figures['actor']:.2f} "
               f"us/node, ratio {figures['langgraph'] / figures['actor']:.1f}x (issue 15 asks for "
-              f">= {target}x)")
+              f">= {target}x); reference path {figures['reference']:.2f} us/node "
+              f"({figures['langgraph'] / figures['reference']:.1f}x)")
 
 
 def _best_us(fn, n):
@@ -8284,22 +8333,22 @@ MUTATION_EQUIVALENT = {
     "return ctx if isinstance(ctx, dict) else {}": "the global context is always a mapping",
     "transform_stage.on_next: return -> pass | return":
         "no content a vector can send makes a built-in transform raise",
-    "GraphRoute._continue: if len(results) == 1 and results[0][0].plain_next is not None: -> "
+    "fast_walk: if len(results) == 1 and results[0][0].plain_next is not None: -> "
     "pass | if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: without it every step goes through _next_nodes and _step, which find and "
-        "run the same node (the graph vectors and unit tests pass with it removed)",
-    "GraphRoute._step: 1 -> 0 | if len(frontier) == 1:":
-        "a fast path: run_next_node_set runs a one-node set as _step_one does (the graph "
-        "vectors and unit tests pass with it removed)",
+        "a fast path (A.2): without it every step goes through _next_nodes and _step, which "
+        "find and run the same node (the graph vectors and unit tests pass with it removed)",
+    "fast_walk: 1 -> 0 | if len(frontier) == 1:":
+        "a fast path (A.2): run_next_node_set runs a one-node set as fast_step_one does (the "
+        "graph vectors and unit tests pass with it removed)",
     "cond_never: return False -> pass | return False":
         "None and False are both false wherever a condition's result is read (conditional "
         "nodes store bool(result))",
-    "GraphRoute._continue: 1 -> 2 | "
+    "fast_walk: 1 -> 2 | "
     "if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: _next_nodes finds the same frontier",
-    "GraphRoute._continue: 1 -> 0 | "
+        "a fast path (A.2): _next_nodes finds the same frontier",
+    "fast_walk: 1 -> 0 | "
     "if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: _next_nodes finds the same frontier",
+        "a fast path (A.2): _next_nodes finds the same frontier",
     '_shape_refusal: return f"the name \'{name}\' (double-underscore names belong to the sandbox)" '
     '-> pass | return f"the name \'{name}\' (double-underscore names belong to the sandbox)"': _MSG,
     "_result_size: 0 -> -1 | return max(abs(left).bit_length() - 1, 0) * right if ints and "
@@ -8444,7 +8493,7 @@ MUTATION_EQUIVALENT = {
     'wrong[1],':
         _MSG,
     'rewind_state: if not graph.time_travel: -> pass | if not graph.time_travel:':
-        'with enable_time_travel off no snapshot is kept (GraphRoute._keep), so the range check '
+        'with enable_time_travel off no snapshot is kept (count_update), so the range check '
         'refuses every rewind with the same ApplicationError',
     'phase_a_engine: 1 -> 0 | r"template_engine:[ \\t]*[\\"\']?(\\w+)", block.group(1)))':
         'the whole match is "cleveragents:" and then group 1; the prefix holds no '
