@@ -79,6 +79,7 @@ import contextlib
 import contextvars
 import copy
 import datetime
+import errno
 import fnmatch
 import functools
 import heapq
@@ -92,6 +93,7 @@ import operator
 import os
 import random
 import re
+import stat
 try:                                       # the regex parser, to spot nested repeats (§6.2.6.2)
     import re._parser as _regex_parser
     import re._constants as _regex_constants
@@ -6749,6 +6751,7 @@ class CheckpointFiles:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
+        prune_checkpoints(folder, CHECKPOINT_KEEP)
 
     def wait(self):
         """Every checkpoint is on disk once put returns."""
@@ -6759,6 +6762,19 @@ class CheckpointFiles:
         return None                     # the failure nothing has reported yet: never one here
 
 
+# INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
+# write deletes the oldest beyond them (files are named in time order, I-107).
+CHECKPOINT_KEEP = 100
+
+
+def prune_checkpoints(folder, keep):
+    """Delete the oldest checkpoint files of `folder` beyond the newest `keep` (>= 1)."""
+    names = sorted(name for name in os.listdir(folder) if fnmatch.fnmatch(name, CHECKPOINT_GLOB))
+    for name in names[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
+
+
 def checkpoint_store(graph):
     """§6.6 where one graph's checkpoints are written, chosen at load: CheckpointFiles on the
     reference path (Runtime.reference), else the writer process of appendix A.1."""
@@ -6766,38 +6782,83 @@ def checkpoint_store(graph):
 
 
 def restore_checkpoint(graph, path=None):
-    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state."""
+    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state. The file
+    is not trusted: it is refused whole (ApplicationError, the state unchanged) when it is a
+    symbolic link or no regular file, larger than CHECKPOINT_MAX_BYTES, or no graph state, or
+    when its metadata holds a key only the host may set (refuse_host_keys, §10.3)."""
+    where = path_str(graph.path)
     if path is None:
         found = graph.checkpoints()
         if not found:
             raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
-                                   path=path_str(graph.path), section="6.6")
+                                   path=where, section="6.6")
         path = found[-1]
     if not isinstance(path, (str, os.PathLike)):
         raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
-                               f"{type(path).__name__}", path=path_str(graph.path), section="6.6")
+                               f"{type(path).__name__}", path=where, section="6.6")
     path = Path(path)
     if not path.is_absolute():
         path = Path(graph.rt.workdir) / path
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_checkpoint_file(path))
     except (OSError, ValueError, RecursionError) as exc:
         raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
-                               path=path_str(graph.path), section="6.6") from exc
+                               path=where, section="6.6") from None
     if not isinstance(data, dict):
-        raise ApplicationError(f"{path} does not hold a graph state", section="6.6")
+        raise ApplicationError(f"{path} does not hold a graph state", path=where, section="6.6")
     state = new_graph_state()
     for key in state:
         if key in data:
             reason = state_field_refusal(key, data[key])
             if reason:
                 raise ApplicationError(f"{path} does not hold a graph state: {reason}",
-                                       path=path_str(graph.path), section="6.6")
+                                       path=where, section="6.6")
             state[key] = data[key]
-    # INTERPRETATION I-107 §6.6 (Q42): the stored context copy is kept until the next run
-    # re-attaches the live context (Q32).
+    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
+    # state write refuses it; the stored copy of the invocation context is not restored (the
+    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
+    metadata = state["metadata"]
+    metadata.pop("context", None)
+    try:
+        for key in metadata:
+            if isinstance(key, str) and key.startswith("__"):
+                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
+                                     "are reserved)", section="10.3")
+        refuse_host_keys(metadata, "a checkpoint")
+    except ExecutionError as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
+                               f"{error_reason(exc)}", path=where, section="6.6, §10.3") from None
+    context = graph.state["metadata"].get("context")
+    if context is not None:
+        metadata["context"] = context
     graph.state = state
     return path
+
+
+CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
+
+
+def read_checkpoint_file(path):
+    """A checkpoint file's text, read without following a symbolic link in its place and
+    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
+        raise ValueError("it is a symbolic link")
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:    # a link put there after the check above
+            raise ValueError("it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        facts = os.fstat(file.fileno())
+        if not stat.S_ISREG(facts.st_mode):
+            raise ValueError("it is not a regular file")
+        data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
+            else b""
+    if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
+        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
+    return data.decode("utf-8")
 
 
 def copy_state_for_history(state):
@@ -11416,18 +11477,19 @@ CHECKPOINT_IN_FLIGHT = 8        # checkpoints handed over and not yet answered, 
 
 
 # The writer process's whole program (it imports nothing of ours). In: frames "<kind> <path bytes>
-# <data bytes>\n" + path + data, kind "m" for a marshalled state, "t" for JSON text. Out: one line
-# per frame, "ok" or "error <reason>". It writes the JSON to a temporary file beside the path and
-# renames it into place; at end of input it stops.
+# <data bytes> <keep>\n" + path + data, kind "m" for a marshalled state, "t" for JSON text. Out:
+# one line per frame, "ok" or "error <reason>". It writes the JSON to a temporary file beside the
+# path, renames it into place, and deletes the oldest checkpoint files beyond the newest <keep>
+# (CHECKPOINT_KEEP, I-181); at end of input it stops.
 CHECKPOINT_WRITER_PROGRAM = r"""
-import json, marshal, os, signal, sys, time
+import fnmatch, json, marshal, os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is for the Actor; end of input stops us
 source, answers, durable_at = sys.stdin.buffer, sys.stdout.buffer, 0.0
 while True:
     header = source.readline()
     if not header:
         break
-    kind, size, length = header.split()
+    kind, size, length, keep = header.split()
     path, data = os.fsdecode(source.read(int(size))), source.read(int(length))
     folder, temp = os.path.dirname(path), os.path.join(os.path.dirname(path),
                                                        "." + os.path.basename(path) + ".tmp")
@@ -11450,6 +11512,12 @@ while True:
         finally:
             os.close(fd)
         os.replace(temp, path)
+        names = sorted(n for n in os.listdir(folder) if fnmatch.fnmatch(n, "checkpoint_*.json"))
+        for name in names[:-int(keep)]:         # the newest `keep` stay (prune_checkpoints)
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
         answers.write(b"ok\n")
     except Exception as exc:    # one frame fails (a key JSON cannot take, the disk); go on
         answers.write(("error " + str(exc).replace("\n", " ") + "\n").encode())
@@ -11510,7 +11578,8 @@ class CheckpointWriter:
             kind, data = b"t", text.encode("utf-8", "surrogatepass")
         name = os.fsencode(path)
         try:
-            self.proc.stdin.write(b"%s %d %d\n" % (kind, len(name), len(data)) + name + data)
+            self.proc.stdin.write(b"%s %d %d %d\n" % (kind, len(name), len(data),
+                                                      CHECKPOINT_KEEP) + name + data)
             self.proc.stdin.flush()
         except (OSError, ValueError):       # the writer process is gone
             raise OSError("the checkpoint writer process has stopped") from None

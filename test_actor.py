@@ -3698,6 +3698,84 @@ def test_graph_checkpoint_file_is_the_states_json(tmp_path):
     g.close()
 
 
+def _planted_checkpoint(tmp_path, metadata=None, reference=None):
+    """A checkpointing graph and the path of a checkpoint file planted in its directory."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=reference)
+    path = tmp_path / "ck" / "checkpoint_19700101T000000.000000Z-000001.json"
+    path.write_text(json.dumps({"messages": [], "metadata": metadata or {"note": "planted"},
+                                "current_node": "a", "execution_count": 10, "error": None}))
+    return g, path
+
+
+def test_graph_restore_refuses_what_the_checkpoint_folder_should_not_hold(tmp_path, monkeypatch):
+    """Issue 22 item 5, §6.6 item 4, I-180: restore does not trust the checkpoint folder. A
+    symbolic link in a checkpoint's place, a FIFO, a file over CHECKPOINT_MAX_BYTES, and one whose
+    metadata sets a host-only key (§10.3) are refused with an ApplicationError, the state
+    unchanged; the same file without them restores, without its stored context copy."""
+    g, path = _planted_checkpoint(tmp_path)
+    g.run("live")
+    before = copy.deepcopy({k: v for k, v in g.state.items() if k != "metadata"})
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(path.read_text())
+    path.unlink()
+    path.symlink_to(outside)
+    with pytest.raises(actor.ApplicationError, match="symbolic link"):
+        g.restore()
+    with pytest.raises(actor.ApplicationError, match="symbolic link"):
+        g.restore(path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(actor.ApplicationError, match="not a regular file"):
+        g.restore(path)                 # refused at once: opening does not wait for a writer
+    path.unlink()
+    path.write_text(outside.read_text())
+    monkeypatch.setattr(actor, "CHECKPOINT_MAX_BYTES", len(path.read_bytes()) - 1)
+    with pytest.raises(actor.ApplicationError, match="larger than"):
+        g.restore(path)
+    monkeypatch.undo()
+    for metadata in ({"_unsafe_mode": True}, {"deep": [{"_temperature_override": 2}]},
+                     {"__x": 1}):
+        bad = tmp_path / "ck" / "checkpoint_19700101T000000.000000Z-000002.json"
+        bad.write_text(json.dumps({"metadata": metadata, "execution_count": 3}))
+        with pytest.raises(actor.ApplicationError, match="cannot restore"):
+            g.restore(bad)
+        bad.unlink()
+    assert {k: v for k, v in g.state.items() if k != "metadata"} == before
+    live = g.state["metadata"]["context"]
+    path.write_text(json.dumps({"metadata": {"note": "planted", "context": {
+        "_unsafe_mode": True}}, "execution_count": 10, "current_node": "a"}))
+    assert g.restore() == path
+    assert g.state["execution_count"] == 10 and g.state["metadata"]["note"] == "planted"
+    assert g.state["metadata"]["context"] is live      # the stored copy is not restored
+    assert g.resume().history == []                     # a's one edge leads to end
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "writer-process"])
+def test_graph_checkpoint_directory_keeps_the_newest_files(tmp_path, monkeypatch, reference):
+    """I-181: each checkpoint written deletes the oldest files beyond the newest CHECKPOINT_KEEP,
+    on both paths (CheckpointFiles; A.1's writer process reads the number with each frame);
+    restore and time travel are unaffected."""
+    monkeypatch.setattr(actor, "CHECKPOINT_KEEP", 3)
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=reference)
+    (tmp_path / "ck" / "keep-me.txt").write_text("not a checkpoint")
+    for i in range(60):                     # 60 updates: checkpoints 1..6
+        g.run(str(i))
+    found = g.checkpoints()
+    assert [actor.checkpoint_sequence(p) for p in found] == [4, 5, 6]
+    assert (tmp_path / "ck" / "keep-me.txt").exists()
+    g.rewind(5)
+    assert g.state["execution_count"] == 55
+    g.restore()
+    assert g.state["execution_count"] == 60
+    g.restore(found[0])
+    assert g.state["execution_count"] == 40
+    g.close()
+
+
 def test_graph_time_travel_rewinds_and_evicts_fifo():
     cfg = linear("a")
     cfg["enable_time_travel"] = True
@@ -5790,7 +5868,9 @@ def test_interpretations_are_linked():
     entries = _interpretation_entries()
     assert len(entries) > 150
     ids = sorted(entries)
-    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
+    # Helpers working at once take ranges of ids (issue 21), so a branch may skip the ids of
+    # another's range until both are merged: numbered from I-001, in file order, never reused.
+    assert ids[0] == "I-001" and list(entries) == ids, "ids are numbered in file order"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
     untagged = [line.strip() for line in src.splitlines()
                 if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
