@@ -5439,7 +5439,7 @@ class GraphRoute:
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
         self.state = new_graph_state(state_schema(cfg))
         self.time_travel = bool(cfg.get("enable_time_travel", False))
-        self.snapshots = []                                  # §6.6 time travel, oldest first
+        self.snapshots = Snapshots()                         # §6.6 time travel, oldest first
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
             self.checkpoint_dir = checkpoint_target(rt, cfg["checkpoint_dir"])
@@ -5614,7 +5614,7 @@ class GraphRoute:
                 if len(messages) > MAX_STATE_MESSAGES:
                     del messages[:len(messages) - MAX_STATE_MESSAGES]
             state["current_node"] = node.name
-            count_update(self)                  # §6.6: snapshots and checkpoints count updates
+            count_update(self, node, result)    # §6.6: snapshots and checkpoints count updates
             node.executions += 1                # §12.2.1 execution_count, every execution
             if self.observers:                  # mixed mode: tell its §6.10 internal stream
                 notify_node_event(self, node, output)
@@ -6660,17 +6660,113 @@ MAX_SNAPSHOTS = 100
 CHECKPOINT_GLOB = "checkpoint_*.json"
 
 
-def count_update(graph):
+def count_update(graph, node=None, result=None):
     """§6.6 one state update counted (§6.3.1 execution_count): with time travel on, a snapshot is
-    kept; with checkpointing on, every tenth update persists the full state."""
+    kept (of `node`'s NodeResult `result`; None: any key may have changed); with checkpointing
+    on, every tenth update persists the full state."""
     state = graph.state
     state["execution_count"] += 1
     if graph.time_travel:
-        graph.snapshots.append(copy_state_for_history(state))
-        if len(graph.snapshots) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
-            del graph.snapshots[0]                 # §6.6: first in, first out
+        graph.snapshots.keep(state, node, result)
     if graph.store is not None and state["execution_count"] % CHECKPOINT_EVERY == 0:
         write_checkpoint(graph, state, wait=False)
+
+
+# Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
+RUN_KEYS = ("current_node", "current_message", "last_output", "next_node")
+# Nodes whose code or host callables get the metadata's values by reference and so may change a
+# nested value in place (an agent's §6.2.2 context; a conditional node's custom condition).
+EXPOSING_NODE_TYPES = frozenset({"agent", "conditional"})
+_GONE = object()                        # in a snapshot's changes: the key was removed
+
+
+def frozen(value):
+    """A value a snapshot may keep: text, numbers, booleans and None as they are (nothing can
+    change them), anything else deep-copied, so that no later in-place change reaches it."""
+    return value if value is None or type(value) in (str, int, float, bool) else \
+        copy.deepcopy(value)
+
+
+class Snapshots(list):
+    """§6.6 time travel: the current state and up to MAX_SNAPSHOTS before it, oldest first. A
+    snapshot costs what changed: the oldest holds its whole metadata, each later one only the
+    keys that changed since the one before (frozen copies; the live context is left out). The
+    keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
+    the metadata's values by reference (EXPOSING_NODE_TYPES) -- every key whose value is a
+    container. Writes to graph.state from outside the graph's own API are not seen."""
+
+    # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
+    # {metadata}.
+    def __init__(self):
+        super().__init__()
+        self.clear()
+
+    def clear(self):
+        """Forget every snapshot (the state was replaced whole)."""
+        super().clear()
+        self.keys = set()       # the metadata keys of the newest snapshot
+        self.containers = set()     # those of them whose value is no text, number or None
+        self.everything = True  # the next snapshot compares every key (first one, a restore)
+
+    def keep(self, state, node=None, result=None):
+        """Snapshot `state` after one update (of `node`, giving `result`; None: anything)."""
+        metadata = state["metadata"]
+        if self.everything or result is None:
+            keys = self.keys | metadata.keys()
+        else:
+            keys = set(RUN_KEYS)
+            keys.update(result.metadata or ())
+            keys.update(result.removed or ())
+            keys.update(result.set_state or ())
+            if node is not None and node.type in EXPOSING_NODE_TYPES:
+                keys |= self.containers
+        keys.discard("context")
+        changes = {}
+        for key in keys:
+            if key in metadata:
+                value = changes[key] = frozen(metadata[key])
+                self.keys.add(key)
+                if value is metadata[key] or value is None:
+                    self.containers.discard(key)
+                else:
+                    self.containers.add(key)
+            elif key in self.keys:
+                changes[key] = _GONE
+                self.keys.discard(key)
+                self.containers.discard(key)
+        record = {"messages": list(state["messages"]), "current_node": state["current_node"],
+                  "execution_count": state["execution_count"], "error": state["error"],
+                  "changes": changes}
+        if not self:
+            record["metadata"] = {k: v for k, v in changes.items() if v is not _GONE}
+        self.append(record)
+        self.everything = False
+        if len(self) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
+            oldest = self.pop(0)            # §6.6: first in, first out
+            base, after = oldest["metadata"], self[0]
+            for key, value in after["changes"].items():
+                if value is _GONE:
+                    base.pop(key, None)
+                else:
+                    base[key] = value
+            after["metadata"] = base
+
+    def rewind(self, steps):
+        """Drop the newest `steps` snapshots; return the state the newest left holds, its own
+        copy (nothing shared with a snapshot)."""
+        del self[len(self) - steps:]
+        metadata = dict(self[0]["metadata"])
+        for record in self[1:]:
+            for key, value in record["changes"].items():
+                if value is _GONE:
+                    metadata.pop(key, None)
+                else:
+                    metadata[key] = value
+        metadata = {key: frozen(value) for key, value in metadata.items()}
+        self.keys = set(metadata)
+        self.containers = {key for key, value in metadata.items()
+                           if value is not None and type(value) not in (str, int, float, bool)}
+        return copy_state(self[-1], metadata)
 
 
 def checkpoint_timestamp(rt):
@@ -6832,6 +6928,7 @@ def restore_checkpoint(graph, path=None):
     if context is not None:
         metadata["context"] = context
     graph.state = state
+    graph.snapshots.everything = True     # the next snapshot compares every key
     return path
 
 
@@ -6861,12 +6958,6 @@ def read_checkpoint_file(path):
     return data.decode("utf-8")
 
 
-def copy_state_for_history(state):
-    """A time-travel snapshot: messages and metadata copied, the live context left out."""
-    metadata = {k: copy.deepcopy(v) for k, v in state["metadata"].items() if k != "context"}
-    return copy_state(state, metadata)
-
-
 def rewind_state(graph, steps):
     """§6.6 time travel: restore the state as it was `steps` updates ago."""
     if not graph.time_travel:
@@ -6878,10 +6969,8 @@ def rewind_state(graph, steps):
     if steps < 1 or steps >= len(graph.snapshots):
         raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
                                f"steps, not {steps}", path=path_str(graph.path), section="6.6")
-    del graph.snapshots[len(graph.snapshots) - steps:]
-    chosen = graph.snapshots[-1]
     context = graph.state["metadata"].get("context")
-    state = copy_state(chosen, copy.deepcopy(chosen["metadata"]))
+    state = graph.snapshots.rewind(steps)
     if context is not None:
         state["metadata"]["context"] = context
     graph.state = state

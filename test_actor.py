@@ -3791,6 +3791,42 @@ def test_graph_time_travel_rewinds_and_evicts_fifo():
         g.rewind(500)
 
 
+def test_graph_time_travel_snapshots_keep_what_changed_and_share_nothing():
+    """Issue 22: a snapshot keeps only the keys that changed (and the containers a node saw by
+    reference), yet a rewind restores exactly the earlier state: an agent that changes nested
+    values in place through its §6.2.2 context does not alter an earlier snapshot, and a change
+    to the rewound state does not reach the snapshot it came from."""
+    def grow(content, ctx):
+        ctx["items"].append(content)             # in place, through the reference
+        ctx["deep"]["n"] += 1
+        return content
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": grow})
+    g.update_state({"items": [], "deep": {"n": 0}, "flat": 1, "gone": True})
+    g.update_state({"gone": None})
+    for i in range(3):
+        g.run(f"m{i}")
+    assert g.state["metadata"]["items"] == ["m0", "m1", "m2"]
+    assert set(g.snapshots[-1]["changes"]) == {"items", "deep", *actor.RUN_KEYS,
+                                               "last_agent_node"} - {"next_node"}
+    g.rewind(2)
+    metadata = g.state["metadata"]
+    assert metadata["items"] == ["m0"] and metadata["deep"] == {"n": 1}
+    assert metadata["flat"] == 1 and metadata["gone"] is None and g.state["execution_count"] == 3
+    metadata["items"].append("late")             # the rewound state is its own copy
+    metadata["deep"]["n"] = 99
+    g.run("m9")
+    g.rewind(1)
+    assert g.state["metadata"]["items"] == ["m0"] and g.state["metadata"]["deep"] == {"n": 1}
+    for _ in range(120):                         # eviction folds the oldest changes forward
+        g.run("x")
+    g.rewind(100)
+    assert g.state["execution_count"] == 23 and g.state["metadata"]["flat"] == 1
+    assert g.state["metadata"]["items"] == ["m0"] + ["x"] * 20
+    assert g.state["metadata"]["deep"] == {"n": 21}
+
+
 def test_graph_rewind_needs_time_travel():
     rt, g = make_graph(linear("a"), {"a": echo("a")})
     with pytest.raises(actor.ApplicationError):
@@ -8208,6 +8244,76 @@ def test_graph_bench_checkpointing_cost(tmp_path):
           f"it when the writer has a core of its own); the writer process starts in "
           f"{start_ms:.0f} ms, once per graph; reference path {figures['reference']:.1f} us/run "
           f"({figures['reference'] / figures['off']:.2f}x)")
+
+
+def _loglog_exponent(sizes, times):
+    """The slope of log(time) against log(size), least squares."""
+    import math
+    xs, ys = [math.log(n) for n in sizes], [math.log(max(t, 1e-9)) for t in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
+    """Issue 22: a 10-node echo graph with enable_time_travel, its metadata holding 1 to 100,000
+    keys that no node changes: time per run with time travel (snapshots after every node), the
+    floor (the same graph and state without it), and the snapshot cost between them, each with
+    its fitted log-log exponent against the number of keys. The snapshot cost is what changed
+    per node, so its target is flat (exponent <= 0.2); the floor's own curve comes from the
+    per-run work that reads the whole metadata (the §6.9 write-back, GraphRun.state)."""
+    names = [f"n{i}" for i in range(10)]
+    sizes = [1, 10, 100, 1000, 10_000, 100_000]
+
+    def graph(keys, travel):
+        cfg = linear(*names)
+        cfg["enable_time_travel"] = travel
+        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+                "routes": {"main": cfg}}
+        rt = actor.Runtime(actor.Doc(data), env={}, reference=reference)
+        rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+        g = actor.GraphRoute("main", cfg, rt)
+        g.update_state({f"k{i}": i for i in range(keys)})
+        return g
+
+    rows = []
+    for keys in sizes:
+        graphs = {"travel": graph(keys, True), "floor": graph(keys, False)}
+        rounds = max(3, min(200, 2_000_000 // (keys * 10 + 1000)))
+        best = {label: float("inf") for label in graphs}
+        for _ in range(5):                       # interleaved: a busy machine slows some rounds
+            for label, g in graphs.items():
+                started = time.thread_time()
+                for _i in range(rounds):
+                    g.run("echo hi", g.rt.context, pure=True)
+                best[label] = min(best[label], (time.thread_time() - started) / rounds * 1e6)
+        g = graphs["travel"]
+        assert len(g.snapshots) == actor.MAX_SNAPSHOTS + 1              # 150+ updates ran
+        # The snapshot itself, timed alone: one node's update (its result, as _finish has it),
+        # against a deep copy of the metadata per snapshot (what a snapshot cost before).
+        node, result = g.nodes["n0"], actor.NodeResult("hi", {"last_agent_node": "n0"})
+        metadata = g.state["metadata"]
+        best_keep = best_copy = float("inf")
+        for _ in range(5):
+            started = time.thread_time()
+            for _i in range(200):
+                g.snapshots.keep(g.state, node, result)
+            best_keep = min(best_keep, (time.thread_time() - started) / 200 * 1e6)
+            started = time.thread_time()
+            for _i in range(max(1, 2000 // keys)):
+                {k: copy.deepcopy(v) for k, v in metadata.items() if k != "context"}
+            best_copy = min(best_copy, (time.thread_time() - started) / max(1, 2000 // keys) * 1e6)
+        rows.append((keys, best["travel"], best["floor"], best_keep, best_copy))
+    label = "reference path" if reference else "default path"
+    print(f"\n[graphs bench] time travel, 10-node echo graph, {label}: us per run; one snapshot")
+    for keys, travel, floor, keep, deep in rows:
+        print(f"  {keys:>7} keys: run with time travel {travel:10.1f}, floor (off) {floor:10.1f};"
+              f" one snapshot {keep:6.2f} us (a deep copy of the metadata: {deep:10.1f} us)")
+    for column, name in ((1, "run with time travel"), (2, "floor"), (3, "one snapshot"),
+                         (4, "deep copy")):
+        print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f}"
+              + (" (target <= 0.2: flat)" if column == 3 else ""))
 
 
 @pytest.mark.bench
