@@ -7112,20 +7112,23 @@ def replace_active_context(state, ctx):
         return
     metadata = state["metadata"]
     nested = metadata.get("context")
-    merged = dict(nested) if isinstance(nested, dict) else {}
-    merged.update(metadata)             # every metadata key, "context" put right below
-    if isinstance(nested, dict) and "context" in nested:
-        merged["context"] = nested["context"]
-    else:
-        merged.pop("context", None)
+    nested = nested if isinstance(nested, dict) else {}
+    kept = nested.get("context", _NO_VALUE)     # a "context" key of the context itself
     # T2 (README Security): whatever the run left in metadata, the host-only keys (§10.3) keep
     # the values the host gave the context.
+    host = {key: ctx[key] for key in HOST_ONLY_CONTEXT_KEYS if key in ctx}
+    if nested is not ctx:               # usually it is: the run's context, by reference (Q32)
+        ctx.clear()
+        ctx.update(nested)
+    ctx.update(metadata)                # every metadata key, in place: "context" put right below
+    if kept is _NO_VALUE:
+        ctx.pop("context", None)
+    else:
+        ctx["context"] = kept
     for key in HOST_ONLY_CONTEXT_KEYS:
-        merged.pop(key, None)
-        if key in ctx:
-            merged[key] = ctx[key]
-    ctx.clear()
-    ctx.update(merged)
+        ctx.pop(key, None)
+        if key in host:
+            ctx[key] = host[key]
     metadata["context"] = ctx
 
 # §6.10 Graph-internal streams ---------------------------------------------------------

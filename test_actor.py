@@ -4380,6 +4380,47 @@ def test_graph_guard_agent_return_without_routing():
 # §6.9 Pure graph mode -----------------------------------------------------------------------------
 
 
+def _write_back_by_copy(state, ctx):
+    """§6.9 item 3 as a fresh mapping (the context's former write-back): the nested context's
+    keys, then every metadata key over them, "context" as the nested context had it, and the
+    host-only keys as the host gave them, moved last."""
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    merged = dict(nested) if isinstance(nested, dict) else {}
+    merged.update(metadata)
+    if isinstance(nested, dict) and "context" in nested:
+        merged["context"] = nested["context"]
+    else:
+        merged.pop("context", None)
+    for key in actor.HOST_ONLY_CONTEXT_KEYS:
+        merged.pop(key, None)
+        if key in ctx:
+            merged[key] = ctx[key]
+    return merged
+
+
+@pytest.mark.parametrize("case", ["same", "same-with-context-key", "other", "none", "host"])
+def test_write_back_in_place_equals_the_merged_copy(case):
+    """Issue 24 §6.9: replace_active_context writes the final metadata into the context in place
+    (one pass when the run's context is the state's, by reference) with the same keys, values
+    and key order as building the merged mapping afresh."""
+    ctx = {"a": 1, "b": {"x": 1}, "_unsafe_mode": True, "z": 0}
+    if case == "same-with-context-key":
+        ctx["context"] = {"inner": 1}
+    metadata = {"b": {"y": 2}, "new": [1], "a": 5, "_unsafe_mode": False, "last_output": "o"}
+    metadata["context"] = {"same": ctx, "same-with-context-key": ctx, "host": ctx,
+                           "other": {"q": 1, "context": 3}, "none": None}[case]
+    if case == "host":
+        metadata["_temperature_override"] = 2.0
+    expected = _write_back_by_copy({"metadata": dict(metadata)}, dict(ctx))
+    state = {"metadata": metadata}
+    actor.replace_active_context(state, ctx)
+    assert list(ctx.items()) == list(expected.items())
+    assert state["metadata"]["context"] is ctx
+
+
+
+
 def test_pure_graph_mode_runs_pure():
     """§6.9: when every route is a graph, the default router runs it with pure=True."""
     graph = _FakeGraph()
@@ -8314,6 +8355,48 @@ def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
                          (4, "deep copy")):
         print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f}"
               + (" (target <= 0.2: flat)" if column == 3 else ""))
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_graph_bench_parallel_branches_cost_per_branch(reference):
+    """Issue 24 §6.7: start fans out to n echo branches (parallel: true, joined at end), n = 2
+    to 128: wall time per branch of one run, for the concurrent subset and with
+    parallel_execution off (sequential), each with its fitted log-log exponent against n (the
+    target: flat, exponent <= 0.2, since the work per branch does not grow)."""
+    sizes = [2, 4, 8, 16, 32, 64, 128]
+    rows = []
+    for n in sizes:
+        names = [f"b{i}" for i in range(n)]
+        per = {}
+        for label, parallel in (("parallel", True), ("sequential", False)):
+            cfg = {"type": "graph", "parallel_execution": parallel,
+                   "nodes": {b: {"type": "agent", "agent": "e", "parallel": True} for b in names},
+                   "edges": [{"source": "start", "target": b} for b in names]
+                   + [{"source": b, "target": "end"} for b in names]}
+            data = {"agents": {"e": {"type": "tool", "config": {"tools": ["echo"]}}},
+                    "routes": {"main": cfg}}
+            rt = actor.Runtime(actor.Doc(data), env={}, reference=reference)
+            rt.agents = {"e": actor.ToolAgent("e", data["agents"]["e"], rt, ("agents", "e"))}
+            g = actor.GraphRoute("main", cfg, rt)
+            assert sorted(g.run("echo hi", rt.context, pure=True).history) == sorted(names)
+            rounds = max(5, 2000 // n)
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                for _i in range(rounds):
+                    g.run("echo hi", rt.context, pure=True)
+                best = min(best, (time.perf_counter() - started) / rounds / n * 1e6)
+            g.close()
+            per[label] = best
+        rows.append((n, per["parallel"], per["sequential"]))
+    label = "reference path" if reference else "default path"
+    print(f"\n[graphs bench] §6.7 fan-out to n echo branches, {label}: us per branch")
+    for n, parallel, sequential in rows:
+        print(f"  n = {n:>3}: parallel {parallel:8.2f}, sequential {sequential:8.2f}")
+    for column, name in ((1, "parallel"), (2, "sequential")):
+        print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f} "
+              f"(target <= 0.2: flat)")
 
 
 @pytest.mark.bench
