@@ -3219,11 +3219,15 @@ class FakeAgent:
         return self.fn(content, ctx)
 
 
-def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main"):
-    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}."""
+def make_graph(cfg, agents=None, *, context=None, workdir=None, routes=None, name="main",
+               reference=None):
+    """(rt, GraphRoute) for one graph route `cfg` with fake agents {name: fn}; on the reference
+    path when ACTOR_REFERENCE asks for it (reference=None) or reference=True."""
     agents = agents or {}
     data = {"agents": {a: {"type": "tool"} for a in agents}, "routes": {name: cfg, **(routes or {})}}
-    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir)
+    if reference is None:
+        reference = actor.reference_path_requested()
+    rt = actor.Runtime(actor.Doc(data), env={}, workdir=workdir, reference=reference)
     rt.agents = {a: FakeAgent(a, fn) for a, fn in agents.items()}
     rt.context.update(context or {})
     actor.check_graph(rt, name, cfg, ("routes", name), set(agents))
@@ -3800,20 +3804,45 @@ def test_graph_checkpoints_are_written_off_the_calling_thread(tmp_path):
     it."""
     cfg = linear("a")
     cfg.update(checkpointing=True, checkpoint_dir="ck")
-    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path)
-    writer = g.checkpoint_writer()
-    os.kill(writer.proc.pid, signal.SIGSTOP)
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=False)   # A.1
+    assert isinstance(g.store, actor.CheckpointWriter) and g.store.proc is None   # none at load
+    proc = g.store.start()
+    os.kill(proc.pid, signal.SIGSTOP)
     try:
         for i in range(10):
             g.run(str(i))                  # returns although the writer is stopped
         assert g.state["execution_count"] == 10
         assert not list((tmp_path / "ck").glob("checkpoint_*.json"))     # not yet: nothing half
     finally:
-        os.kill(writer.proc.pid, signal.SIGCONT)
+        os.kill(proc.pid, signal.SIGCONT)
     found = g.checkpoints()
     assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
     g.close()
-    assert writer.proc.poll() == 0                                       # the writer has stopped
+    assert proc.poll() == 0                                              # the writer has stopped
+
+
+def test_graph_checkpoints_on_the_reference_path_are_written_at_once(tmp_path):
+    """§6.6 item 2 on the reference path (CheckpointFiles): the tenth update's run returns with
+    its checkpoint on disk, whole, no process started; a write that fails fails that run at
+    once (I-166)."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=True)
+    assert isinstance(g.store, actor.CheckpointFiles)
+    for i in range(9):
+        g.run(str(i))
+    assert not list((tmp_path / "ck").iterdir())
+    g.run("9")
+    found = list((tmp_path / "ck").iterdir())
+    assert len(found) == 1 and json.loads(found[0].read_text())["execution_count"] == 10
+    g.state["metadata"]["bad"] = {(1, 2): "a tuple key"}
+    for i in range(9):
+        g.run(str(i))
+    with pytest.raises(actor.ExecutionError, match="cannot write a checkpoint"):
+        g.run("twentieth")
+    assert len(list((tmp_path / "ck").iterdir())) == 1          # no temporary file left either
+    g.close()
+    assert rt.warnings == []                # the failure was reported: nothing left to warn
 
 
 def test_graph_checkpoint_handed_over_survives_a_crash_of_the_actor(tmp_path):
@@ -3844,7 +3873,7 @@ class Agent:
     def invoke(self, content, ctx):
         return content
 rt = actor.Runtime(actor.Doc({"agents": {"a": {"type": "tool"}}, "routes": {"g": cfg}}), env={},
-                   workdir=sys.argv[2])
+                   workdir=sys.argv[2], reference=False)        # the writer process (A.1)
 rt.agents = {"a": Agent()}
 graph = actor.GraphRoute("g", cfg, rt)
 for i in range(10):
@@ -3875,6 +3904,84 @@ def test_graph_checkpoint_file_is_the_states_json(tmp_path):
     g.close()
 
 
+def _planted_checkpoint(tmp_path, metadata=None, reference=None):
+    """A checkpointing graph and the path of a checkpoint file planted in its directory."""
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck")
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=reference)
+    path = tmp_path / "ck" / "checkpoint_19700101T000000.000000Z-000001.json"
+    path.write_text(json.dumps({"messages": [], "metadata": metadata or {"note": "planted"},
+                                "current_node": "a", "execution_count": 10, "error": None}))
+    return g, path
+
+
+def test_graph_restore_refuses_what_the_checkpoint_folder_should_not_hold(tmp_path, monkeypatch):
+    """Issue 22 item 5, §6.6 item 4, I-180: restore does not trust the checkpoint folder. A
+    symbolic link in a checkpoint's place, a FIFO, a file over CHECKPOINT_MAX_BYTES, and one whose
+    metadata sets a host-only key (§10.3) are refused with an ApplicationError, the state
+    unchanged; the same file without them restores, without its stored context copy."""
+    g, path = _planted_checkpoint(tmp_path)
+    g.run("live")
+    before = copy.deepcopy({k: v for k, v in g.state.items() if k != "metadata"})
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(path.read_text())
+    path.unlink()
+    path.symlink_to(outside)
+    with pytest.raises(actor.ApplicationError, match="symbolic link"):
+        g.restore()
+    with pytest.raises(actor.ApplicationError, match="symbolic link"):
+        g.restore(path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(actor.ApplicationError, match="not a regular file"):
+        g.restore(path)                 # refused at once: opening does not wait for a writer
+    path.unlink()
+    path.write_text(outside.read_text())
+    monkeypatch.setattr(actor, "CHECKPOINT_MAX_BYTES", len(path.read_bytes()) - 1)
+    with pytest.raises(actor.ApplicationError, match="larger than"):
+        g.restore(path)
+    monkeypatch.undo()
+    for metadata in ({"_unsafe_mode": True}, {"deep": [{"_temperature_override": 2}]},
+                     {"__x": 1}):
+        bad = tmp_path / "ck" / "checkpoint_19700101T000000.000000Z-000002.json"
+        bad.write_text(json.dumps({"metadata": metadata, "execution_count": 3}))
+        with pytest.raises(actor.ApplicationError, match="cannot restore"):
+            g.restore(bad)
+        bad.unlink()
+    assert {k: v for k, v in g.state.items() if k != "metadata"} == before
+    live = g.state["metadata"]["context"]
+    path.write_text(json.dumps({"metadata": {"note": "planted", "context": {
+        "_unsafe_mode": True}}, "execution_count": 10, "current_node": "a"}))
+    assert g.restore() == path
+    assert g.state["execution_count"] == 10 and g.state["metadata"]["note"] == "planted"
+    assert g.state["metadata"]["context"] is live      # the stored copy is not restored
+    assert g.resume().history == []                     # a's one edge leads to end
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "writer-process"])
+def test_graph_checkpoint_directory_keeps_the_newest_files(tmp_path, monkeypatch, reference):
+    """I-181: each checkpoint written deletes the oldest files beyond the newest CHECKPOINT_KEEP,
+    on both paths (CheckpointFiles; A.1's writer process reads the number with each frame);
+    restore and time travel are unaffected."""
+    monkeypatch.setattr(actor, "CHECKPOINT_KEEP", 3)
+    cfg = linear("a")
+    cfg.update(checkpointing=True, checkpoint_dir="ck", enable_time_travel=True)
+    rt, g = make_graph(cfg, {"a": echo("a")}, workdir=tmp_path, reference=reference)
+    (tmp_path / "ck" / "keep-me.txt").write_text("not a checkpoint")
+    for i in range(60):                     # 60 updates: checkpoints 1..6
+        g.run(str(i))
+    found = g.checkpoints()
+    assert [actor.checkpoint_sequence(p) for p in found] == [4, 5, 6]
+    assert (tmp_path / "ck" / "keep-me.txt").exists()
+    g.rewind(5)
+    assert g.state["execution_count"] == 55
+    g.restore()
+    assert g.state["execution_count"] == 60
+    g.restore(found[0])
+    assert g.state["execution_count"] == 40
+    g.close()
+
+
 def test_graph_time_travel_rewinds_and_evicts_fifo():
     cfg = linear("a")
     cfg["enable_time_travel"] = True
@@ -3888,6 +3995,42 @@ def test_graph_time_travel_rewinds_and_evicts_fifo():
     assert g.state["messages"][-1]["content"] == "a(116)"
     with pytest.raises(actor.ApplicationError):
         g.rewind(500)
+
+
+def test_graph_time_travel_snapshots_keep_what_changed_and_share_nothing():
+    """Issue 22: a snapshot keeps only the keys that changed (and the containers a node saw by
+    reference), yet a rewind restores exactly the earlier state: an agent that changes nested
+    values in place through its §6.2.2 context does not alter an earlier snapshot, and a change
+    to the rewound state does not reach the snapshot it came from."""
+    def grow(content, ctx):
+        ctx["items"].append(content)             # in place, through the reference
+        ctx["deep"]["n"] += 1
+        return content
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": grow})
+    g.update_state({"items": [], "deep": {"n": 0}, "flat": 1, "gone": True})
+    g.update_state({"gone": None})
+    for i in range(3):
+        g.run(f"m{i}")
+    assert g.state["metadata"]["items"] == ["m0", "m1", "m2"]
+    assert set(g.snapshots[-1]["changes"]) == {"items", "deep", *actor.RUN_KEYS,
+                                               "last_agent_node"} - {"next_node"}
+    g.rewind(2)
+    metadata = g.state["metadata"]
+    assert metadata["items"] == ["m0"] and metadata["deep"] == {"n": 1}
+    assert metadata["flat"] == 1 and metadata["gone"] is None and g.state["execution_count"] == 3
+    metadata["items"].append("late")             # the rewound state is its own copy
+    metadata["deep"]["n"] = 99
+    g.run("m9")
+    g.rewind(1)
+    assert g.state["metadata"]["items"] == ["m0"] and g.state["metadata"]["deep"] == {"n": 1}
+    for _ in range(120):                         # eviction folds the oldest changes forward
+        g.run("x")
+    g.rewind(100)
+    assert g.state["execution_count"] == 23 and g.state["metadata"]["flat"] == 1
+    assert g.state["metadata"]["items"] == ["m0"] + ["x"] * 20
+    assert g.state["metadata"]["deep"] == {"n": 21}
 
 
 def test_graph_rewind_needs_time_travel():
@@ -4024,7 +4167,7 @@ routes:
     edges: [{source: start, target: n}, {source: n, target: end}]
 default_router: g
 """
-    team = actor.load(text=text, workdir=tmp_path, unsafe=True)
+    team = actor.load(text=text, workdir=tmp_path, unsafe=True, reference=False)   # A.1
     for i in range(actor.CHECKPOINT_EVERY):
         assert team.send(f"m{i}").errors == []
     team.close()
@@ -4441,6 +4584,47 @@ def test_graph_guard_agent_return_without_routing():
 
 
 # §6.9 Pure graph mode -----------------------------------------------------------------------------
+
+
+def _write_back_by_copy(state, ctx):
+    """§6.9 item 3 as a fresh mapping (the context's former write-back): the nested context's
+    keys, then every metadata key over them, "context" as the nested context had it, and the
+    host-only keys as the host gave them, moved last."""
+    metadata = state["metadata"]
+    nested = metadata.get("context")
+    merged = dict(nested) if isinstance(nested, dict) else {}
+    merged.update(metadata)
+    if isinstance(nested, dict) and "context" in nested:
+        merged["context"] = nested["context"]
+    else:
+        merged.pop("context", None)
+    for key in actor.HOST_ONLY_CONTEXT_KEYS:
+        merged.pop(key, None)
+        if key in ctx:
+            merged[key] = ctx[key]
+    return merged
+
+
+@pytest.mark.parametrize("case", ["same", "same-with-context-key", "other", "none", "host"])
+def test_write_back_in_place_equals_the_merged_copy(case):
+    """Issue 24 §6.9: replace_active_context writes the final metadata into the context in place
+    (one pass when the run's context is the state's, by reference) with the same keys, values
+    and key order as building the merged mapping afresh."""
+    ctx = {"a": 1, "b": {"x": 1}, "_unsafe_mode": True, "z": 0}
+    if case == "same-with-context-key":
+        ctx["context"] = {"inner": 1}
+    metadata = {"b": {"y": 2}, "new": [1], "a": 5, "_unsafe_mode": False, "last_output": "o"}
+    metadata["context"] = {"same": ctx, "same-with-context-key": ctx, "host": ctx,
+                           "other": {"q": 1, "context": 3}, "none": None}[case]
+    if case == "host":
+        metadata["_temperature_override"] = 2.0
+    expected = _write_back_by_copy({"metadata": dict(metadata)}, dict(ctx))
+    state = {"metadata": metadata}
+    actor.replace_active_context(state, ctx)
+    assert list(ctx.items()) == list(expected.items())
+    assert state["metadata"]["context"] is ctx
+
+
 
 
 def test_pure_graph_mode_runs_pure():
@@ -5967,7 +6151,9 @@ def test_interpretations_are_linked():
     entries = _interpretation_entries()
     assert len(entries) > 150
     ids = sorted(entries)
-    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
+    # Helpers working at once take ranges of ids (issue 21), so a branch may skip the ids of
+    # another's range until both are merged: numbered from I-001, in file order, never reused.
+    assert ids[0] == "I-001" and list(entries) == ids, "ids are numbered in file order"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
     untagged = [line.strip() for line in src.splitlines()
                 if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
@@ -8208,8 +8394,9 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     calling the same agents directly (the floor). ToolAgent(echo) cannot read its context, so
     its nodes build none (§6.2.2, reads_context); the other runs mark the same agents as
     context readers (a plain dict, as an LLM agent gets) and as writers (a NodeContext that
-    notes writes), which shows what building the §6.2.2 context costs per node. Prints the
-    figures; timings are not asserted."""
+    notes writes), which shows what building the §6.2.2 context costs per node. The same graph
+    on the reference path (issue 21: the body's general §6.5 step, no A.2 fast path) is printed
+    beside. Prints the figures; timings are not asserted."""
     names = [f"n{i}" for i in range(10)]
     cfg = linear(*names)
     data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
@@ -8217,6 +8404,9 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
     rt = actor.Runtime(actor.Doc(data), env={})
     rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
     graph = actor.GraphRoute("main", cfg, rt)
+    reference_rt = actor.Runtime(actor.Doc(data), env={}, reference=True)
+    reference_rt.agents = rt.agents
+    reference = actor.GraphRoute("main", cfg, reference_rt)
     agents = [rt.agents[n] for n in names]
     for agent in agents:
         assert agent.reads_context is False and agent.writes_context is False
@@ -8233,10 +8423,15 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
         for _ in range(rounds):
             graph.run(message, rt.context, pure=True)
 
+    def reference_loop():
+        for _ in range(rounds):
+            reference.run(message, reference_rt.context, pure=True)
+
     best = {}
     gc.disable()                                 # collector pauses are not the executor's cost
     try:
-        for label, fn in (("floor", floor_loop), ("graph", graph_loop)):
+        for label, fn in (("floor", floor_loop), ("graph", graph_loop),
+                          ("reference", reference_loop)):
             fn()
             times = []
             for _ in range(15):
@@ -8252,7 +8447,8 @@ def test_graph_bench_linear_ten_nodes(reads_context, writes_context):
         if reads_context else "context-free, none built"
     print(f"\n[graphs bench] ToolAgent(echo) x10 ({kind}): floor {best['floor']:.2f} us/node, "
           f"graph {best['graph']:.2f} us/node, overhead {overhead:.2f} us/node, ratio "
-          f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x)")
+          f"{best['graph'] / best['floor']:.1f}x the floor (issue 6 asks for under 5x); "
+          f"reference path {best['reference']:.2f} us/node")
 
 
 @pytest.mark.bench
@@ -8260,20 +8456,22 @@ def test_graph_bench_checkpointing_cost(tmp_path):
     """Issue 15: a two-node echo graph with checkpointing (every ten updates, atomic write) against
     the same graph without it, over 10,000 updates (5,000 runs) in interleaved rounds, best round
     each, wall time (the writer process works beside the graph). The writer's start, once per
-    graph, is printed apart."""
+    graph, is printed apart; so is the reference path (issue 21: CheckpointFiles, each file
+    written and fsynced on the graph's thread)."""
 
-    def graph(checkpointing):
+    def graph(checkpointing, reference=False):
         cfg = linear("a", "b")
         if checkpointing:
-            cfg.update(checkpointing=True, checkpoint_dir="ck")
-        return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path)[1]
-    graphs = {"off": graph(False), "on": graph(True)}
+            cfg.update(checkpointing=True, checkpoint_dir="ck-reference" if reference else "ck")
+        return make_graph(cfg, {"a": echo("a"), "b": echo("b")}, workdir=tmp_path,
+                          reference=reference)[1]
+    graphs = {"off": graph(False), "on": graph(True), "reference": graph(True, reference=True)}
     started = time.perf_counter()
-    graphs["on"].checkpoint_writer().put(tmp_path / "ck" / "first.json", {})
+    graphs["on"].store.put(tmp_path / "ck" / "first.json", {})
     graphs["on"].flush_checkpoints()
     start_ms = (time.perf_counter() - started) * 1e3
-    figures = {"off": float("inf"), "on": float("inf")}
-    cpu = {"off": float("inf"), "on": float("inf")}
+    figures = {label: float("inf") for label in graphs}
+    cpu = {label: float("inf") for label in graphs}
     runs = 10_000 // 2                           # two state updates a run
     for _ in range(3):
         for label, g in graphs.items():
@@ -8291,7 +8489,120 @@ def test_graph_bench_checkpointing_cost(tmp_path):
           f"own CPU time {cpu['off']:.1f} and {cpu['on']:.1f} us/run "
           f"({cpu['on'] / cpu['off']:.2f}x: what the graph itself pays; the wall time comes near "
           f"it when the writer has a core of its own); the writer process starts in "
-          f"{start_ms:.0f} ms, once per graph")
+          f"{start_ms:.0f} ms, once per graph; reference path {figures['reference']:.1f} us/run "
+          f"({figures['reference'] / figures['off']:.2f}x)")
+
+
+def _loglog_exponent(sizes, times):
+    """The slope of log(time) against log(size), least squares."""
+    import math
+    xs, ys = [math.log(n) for n in sizes], [math.log(max(t, 1e-9)) for t in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
+    """Issue 22: a 10-node echo graph with enable_time_travel, its metadata holding 1 to 100,000
+    keys that no node changes: time per run with time travel (snapshots after every node), the
+    floor (the same graph and state without it), and the snapshot cost between them, each with
+    its fitted log-log exponent against the number of keys. The snapshot cost is what changed
+    per node, so its target is flat (exponent <= 0.2); the floor's own curve comes from the
+    per-run work that reads the whole metadata (the §6.9 write-back, GraphRun.state)."""
+    names = [f"n{i}" for i in range(10)]
+    sizes = [1, 10, 100, 1000, 10_000, 100_000]
+
+    def graph(keys, travel):
+        cfg = linear(*names)
+        cfg["enable_time_travel"] = travel
+        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+                "routes": {"main": cfg}}
+        rt = actor.Runtime(actor.Doc(data), env={}, reference=reference)
+        rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+        g = actor.GraphRoute("main", cfg, rt)
+        g.update_state({f"k{i}": i for i in range(keys)})
+        return g
+
+    rows = []
+    for keys in sizes:
+        graphs = {"travel": graph(keys, True), "floor": graph(keys, False)}
+        rounds = max(3, min(200, 2_000_000 // (keys * 10 + 1000)))
+        best = {label: float("inf") for label in graphs}
+        for _ in range(5):                       # interleaved: a busy machine slows some rounds
+            for label, g in graphs.items():
+                started = time.thread_time()
+                for _i in range(rounds):
+                    g.run("echo hi", g.rt.context, pure=True)
+                best[label] = min(best[label], (time.thread_time() - started) / rounds * 1e6)
+        g = graphs["travel"]
+        assert len(g.snapshots) == actor.MAX_SNAPSHOTS + 1              # 150+ updates ran
+        # The snapshot itself, timed alone: one node's update (its result, as _finish has it),
+        # against a deep copy of the metadata per snapshot (what a snapshot cost before).
+        node, result = g.nodes["n0"], actor.NodeResult("hi", {"last_agent_node": "n0"})
+        metadata = g.state["metadata"]
+        best_keep = best_copy = float("inf")
+        for _ in range(5):
+            started = time.thread_time()
+            for _i in range(200):
+                g.snapshots.keep(g.state, node, result)
+            best_keep = min(best_keep, (time.thread_time() - started) / 200 * 1e6)
+            started = time.thread_time()
+            for _i in range(max(1, 2000 // keys)):
+                {k: copy.deepcopy(v) for k, v in metadata.items() if k != "context"}
+            best_copy = min(best_copy, (time.thread_time() - started) / max(1, 2000 // keys) * 1e6)
+        rows.append((keys, best["travel"], best["floor"], best_keep, best_copy))
+    label = "reference path" if reference else "default path"
+    print(f"\n[graphs bench] time travel, 10-node echo graph, {label}: us per run; one snapshot")
+    for keys, travel, floor, keep, deep in rows:
+        print(f"  {keys:>7} keys: run with time travel {travel:10.1f}, floor (off) {floor:10.1f};"
+              f" one snapshot {keep:6.2f} us (a deep copy of the metadata: {deep:10.1f} us)")
+    for column, name in ((1, "run with time travel"), (2, "floor"), (3, "one snapshot"),
+                         (4, "deep copy")):
+        print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f}"
+              + (" (target <= 0.2: flat)" if column == 3 else ""))
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_graph_bench_parallel_branches_cost_per_branch(reference):
+    """Issue 24 §6.7: start fans out to n echo branches (parallel: true, joined at end), n = 2
+    to 128: wall time per branch of one run, for the concurrent subset and with
+    parallel_execution off (sequential), each with its fitted log-log exponent against n (the
+    target: flat, exponent <= 0.2, since the work per branch does not grow)."""
+    sizes = [2, 4, 8, 16, 32, 64, 128]
+    rows = []
+    for n in sizes:
+        names = [f"b{i}" for i in range(n)]
+        per = {}
+        for label, parallel in (("parallel", True), ("sequential", False)):
+            cfg = {"type": "graph", "parallel_execution": parallel,
+                   "nodes": {b: {"type": "agent", "agent": "e", "parallel": True} for b in names},
+                   "edges": [{"source": "start", "target": b} for b in names]
+                   + [{"source": b, "target": "end"} for b in names]}
+            data = {"agents": {"e": {"type": "tool", "config": {"tools": ["echo"]}}},
+                    "routes": {"main": cfg}}
+            rt = actor.Runtime(actor.Doc(data), env={}, reference=reference)
+            rt.agents = {"e": actor.ToolAgent("e", data["agents"]["e"], rt, ("agents", "e"))}
+            g = actor.GraphRoute("main", cfg, rt)
+            assert sorted(g.run("echo hi", rt.context, pure=True).history) == sorted(names)
+            rounds = max(5, 2000 // n)
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                for _i in range(rounds):
+                    g.run("echo hi", rt.context, pure=True)
+                best = min(best, (time.perf_counter() - started) / rounds / n * 1e6)
+            g.close()
+            per[label] = best
+        rows.append((n, per["parallel"], per["sequential"]))
+    label = "reference path" if reference else "default path"
+    print(f"\n[graphs bench] §6.7 fan-out to n echo branches, {label}: us per branch")
+    for n, parallel, sequential in rows:
+        print(f"  n = {n:>3}: parallel {parallel:8.2f}, sequential {sequential:8.2f}")
+    for column, name in ((1, "parallel"), (2, "sequential")):
+        print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f} "
+              f"(target <= 0.2: flat)")
 
 
 @pytest.mark.bench
@@ -8325,7 +8636,10 @@ def test_graph_bench_against_langgraph_state_graph():
         for a, b in zip(names, names[1:]):
             builder.add_edge(a, b)
         builder.add_edge(names[-1], lg.END)
-        return actor.GraphRoute("main", cfg, rt), builder.compile()
+        reference_rt = actor.Runtime(actor.Doc(data), env={}, unsafe=True, reference=True)
+        reference_rt.agents = rt.agents
+        return (actor.GraphRoute("main", cfg, rt), builder.compile(),
+                actor.GraphRoute("main", cfg, reference_rt))
 
     def per_node(fn, rounds, repeats):
         """Best per-node CPU time of the calling thread: both executors run every node on it (a
@@ -8343,18 +8657,22 @@ def test_graph_bench_against_langgraph_state_graph():
     for label, tool, target in (("ToolAgent(echo)", "echo", 60),
                                 ("inline-tool agent", {"name": "t", "code": "result = input_data"},
                                  30)):
-        graph, compiled = both(tool)
-        assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output
-        figures = {"langgraph": float("inf"), "actor": float("inf")}
+        graph, compiled, reference = both(tool)
+        assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output \
+            == reference.run("echo hi", {}).output
+        figures = {"langgraph": float("inf"), "actor": float("inf"), "reference": float("inf")}
         for _ in range(3):                       # interleaved: a busy machine slows some rounds
             figures["langgraph"] = min(figures["langgraph"], per_node(
                 lambda: compiled.invoke({"text": "echo hi"}), 30, 3))
             figures["actor"] = min(figures["actor"], per_node(
                 lambda: graph.run("echo hi", {}), 300, 3))
+            figures["reference"] = min(figures["reference"], per_node(
+                lambda: reference.run("echo hi", {}), 300, 3))
         print(f"\n[graphs bench] 10 {label} nodes: LangGraph compiled StateGraph "
               f"{figures['langgraph']:.1f} us/node, actor.py graph route {figures['actor']:.2f} "
               f"us/node, ratio {figures['langgraph'] / figures['actor']:.1f}x (issue 15 asks for "
-              f">= {target}x)")
+              f">= {target}x); reference path {figures['reference']:.2f} us/node "
+              f"({figures['langgraph'] / figures['reference']:.1f}x)")
 
 
 def _best_us(fn, n):
@@ -8490,22 +8808,22 @@ MUTATION_EQUIVALENT = {
     "return ctx if isinstance(ctx, dict) else {}": "the global context is always a mapping",
     "transform_stage.on_next: return -> pass | return":
         "no content a vector can send makes a built-in transform raise",
-    "GraphRoute._continue: if len(results) == 1 and results[0][0].plain_next is not None: -> "
+    "fast_walk: if len(results) == 1 and results[0][0].plain_next is not None: -> "
     "pass | if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: without it every step goes through _next_nodes and _step, which find and "
-        "run the same node (the graph vectors and unit tests pass with it removed)",
-    "GraphRoute._step: 1 -> 0 | if len(frontier) == 1:":
-        "a fast path: run_next_node_set runs a one-node set as _step_one does (the graph "
-        "vectors and unit tests pass with it removed)",
+        "a fast path (A.2): without it every step goes through _next_nodes and _step, which "
+        "find and run the same node (the graph vectors and unit tests pass with it removed)",
+    "fast_walk: 1 -> 0 | if len(frontier) == 1:":
+        "a fast path (A.2): run_next_node_set runs a one-node set as fast_step_one does (the "
+        "graph vectors and unit tests pass with it removed)",
     "cond_never: return False -> pass | return False":
         "None and False are both false wherever a condition's result is read (conditional "
         "nodes store bool(result))",
-    "GraphRoute._continue: 1 -> 2 | "
+    "fast_walk: 1 -> 2 | "
     "if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: _next_nodes finds the same frontier",
-    "GraphRoute._continue: 1 -> 0 | "
+        "a fast path (A.2): _next_nodes finds the same frontier",
+    "fast_walk: 1 -> 0 | "
     "if len(results) == 1 and results[0][0].plain_next is not None:":
-        "a fast path: _next_nodes finds the same frontier",
+        "a fast path (A.2): _next_nodes finds the same frontier",
     '_shape_refusal: return f"the name \'{name}\' (double-underscore names belong to the sandbox)" '
     '-> pass | return f"the name \'{name}\' (double-underscore names belong to the sandbox)"': _MSG,
     "_result_size: 0 -> -1 | return max(abs(left).bit_length() - 1, 0) * right if ints and "
@@ -8650,7 +8968,7 @@ MUTATION_EQUIVALENT = {
     'wrong[1],':
         _MSG,
     'rewind_state: if not graph.time_travel: -> pass | if not graph.time_travel:':
-        'with enable_time_travel off no snapshot is kept (GraphRoute._keep), so the range check '
+        'with enable_time_travel off no snapshot is kept (count_update), so the range check '
         'refuses every rewind with the same ApplicationError',
     'phase_a_engine: 1 -> 0 | r"template_engine:[ \\t]*[\\"\']?(\\w+)", block.group(1)))':
         'the whole match is "cleveragents:" and then group 1; the prefix holds no '
