@@ -1889,6 +1889,46 @@ def test_inline_context_is_by_reference_and_invocation_wins(tmp_path, plain_exec
     assert agent.context == {"who": "agent", "own": "mine", "log": []}
 
 
+@pytest.mark.parametrize("code, fast", [
+    ('result = str(input_data).upper() + "!"', True),      # straight-line, no context: A.4
+    ("result = [c for c in input_data]", False),             # a comprehension ticks
+    ("result = context.get('k', input_data)", False),        # reads the context
+])
+def test_inline_straight_line_call_is_appendix_a4_and_never_on_the_reference_path(tmp_path, code,
+                                                                                  fast):
+    """Issue 21, I-190: A.4 stands in for InlineTool.call only for a straight-line body that cannot
+    reach the context, only in-process and never with rt.reference; every path answers alike,
+    failures included (the error rule is the body's)."""
+    answers = {}
+    for reference in (False, True):
+        rt = _tool_rt(tmp_path, unsafe=True)
+        rt.reference = reference
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": code}]})
+        taken = "call" in vars(agent.tools["t"])
+        assert taken is (fast and not reference)
+        answers[reference] = _call(agent, "ab", {"k": "ctx"})
+    assert answers[False] == answers[True]
+    rt = _tool_rt(tmp_path, unsafe=True)
+    rt.sandbox = actor.ProcessSandbox()        # a worker is never bypassed
+    try:
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": code}]})
+        assert "call" not in vars(agent.tools["t"])
+    finally:
+        rt.sandbox.close()
+
+
+def test_inline_straight_line_failure_is_the_same_error_on_both_paths(tmp_path):
+    """A.4's one frame keeps the body's error rule: the code's exception names its line."""
+    messages = []
+    for reference in (False, True):
+        rt = _tool_rt(tmp_path, unsafe=True)
+        rt.reference = reference
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": "x = 1\nresult = input_data[9]"}]})
+        assert ("call" in vars(agent.tools["t"])) is not reference
+        messages.append(_fails(agent, "ab").message)
+    assert messages[0] == messages[1] and "line 2: IndexError" in messages[0]
+
+
 def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
     agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
     assert _call(agent, "rev abc  def") == "fed cba"
