@@ -11411,10 +11411,13 @@ WORKER_START = 60.0               # seconds a new worker may take to start (a bu
 
 
 def wire(value):
-    """A value as JSON-ready data, tuples, sets and non-text keys tagged (both directions)."""
+    """A value as JSON-ready data, tuples, sets and non-text keys tagged (both directions). A tag
+    is a one-key mapping whose key starts with NUL; a mapping of the data whose keys are not all
+    text, or any of which starts with NUL, is sent as a list of pairs, so data never reads as a
+    tag ({"\\x00set": [1]} comes back a mapping)."""
     value = plain(value)
     if isinstance(value, dict):
-        if all(type(key) is str for key in value):
+        if all(type(key) is str and not key.startswith("\0") for key in value):
             return {key: wire(item) for key, item in value.items()}
         return {"\0map": [[wire(key), wire(item)] for key, item in value.items()]}
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -11425,17 +11428,25 @@ def wire(value):
     raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
 
 
+WIRE_TAGS = {"\0tup": tuple, "\0set": set, "\0fro": frozenset}
+
+
 def unwire(data):
-    """Inverse of wire; builds only dict, list, tuple, set, str, int, float, bool and None."""
+    """Inverse of wire; builds only dict, list, tuple, set, str, int, float, bool and None. A
+    malformed tag is a ValueError (the caller's one failure), never a crash."""
     if isinstance(data, list):
         return [unwire(item) for item in data]
     if not isinstance(data, dict):
         return data
     if len(data) == 1 and next(iter(data)).startswith("\0"):
         tag, items = next(iter(data.items()))
+        if not isinstance(items, list) or tag != "\0map" and tag not in WIRE_TAGS:
+            raise ValueError(f"a malformed wire tag {tag!r}")
         if tag == "\0map":
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+                raise ValueError("a malformed wire mapping")
             return {unwire(key): unwire(item) for key, item in items}
-        return {"\0tup": tuple, "\0set": set, "\0fro": frozenset}[tag](map(unwire, items))
+        return WIRE_TAGS[tag](map(unwire, items))
     return {key: unwire(item) for key, item in data.items()}
 
 
@@ -11451,7 +11462,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            close_fds=True, env={}, cwd="/")
+            close_fds=True, env={}, cwd="/", start_new_session=True)
         self.pending = b""
         if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
             raise OSError("the worker process did not start")
@@ -11487,7 +11498,13 @@ class Worker:
             self.send({"answer": on_event(reply)})
 
     def kill(self):
-        self.proc.kill()
+        """The worker's whole process group (its own, start_new_session): nothing it started
+        outlives it."""
+        import signal
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:         # gone already
+            self.proc.kill()
         self.proc.wait()
 
 
@@ -11570,6 +11587,7 @@ def worker_main():
     for limit, value in ((resource.RLIMIT_AS, size + WORKER_MEMORY if size else None),
                          (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_NOFILE, 16)):
         if value is not None:
+            value = clamp_limit(resource, limit, value)
             resource.setrlimit(limit, (value, value))
     units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
     stdout.write(b"ready\n")
@@ -11590,8 +11608,9 @@ def worker_main():
     for line in stdin:
         request = json.loads(line)
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used + request.get("timeout", 2)) + 2,
-                                                 resource.RLIM_INFINITY))
+        cpu = int(used + request.get("timeout", 2)) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (clamp_limit(resource, resource.RLIMIT_CPU, cpu),
+                                                 resource.getrlimit(resource.RLIMIT_CPU)[1]))
         try:
             send({"value": wire(_worker_answer(request, units, event))})
         except ActorError as exc:
@@ -11599,6 +11618,13 @@ def worker_main():
         except Exception as exc:   # a value that cannot cross, for one
             send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
                   "section": "13.2"})
+
+
+def clamp_limit(resource, limit, value):
+    """`value` for an rlimit, never above the host's hard limit (`ulimit -t`, systemd LimitCPU,
+    a batch scheduler's): a worker may only lower its limits."""
+    hard = resource.getrlimit(limit)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
 
 
 def _worker_answer(request, units, event):

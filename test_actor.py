@@ -5801,7 +5801,11 @@ def test_interpretations_are_linked():
     entries = _interpretation_entries()
     assert len(entries) > 150
     ids = sorted(entries)
-    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
+    # Numbered without gaps within each block of ids handed out together (I-001 on; a helper's
+    # range such as I-190..I-199 starts its own block at the range's first id).
+    numbers = [int(i[2:]) for i in ids]
+    assert all(b == a + 1 or b % 10 == 0 and b > a for a, b in zip(numbers, numbers[1:])) \
+        and numbers[0] == 1, "ids are numbered without gaps"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
     untagged = [line.strip() for line in src.splitlines()
                 if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
@@ -6654,6 +6658,46 @@ def test_isolation_values_cross_as_tagged_json():
     assert actor.unwire(json.loads(json.dumps(actor.wire(value)))) == value
     with pytest.raises(TypeError):
         actor.wire(object())
+
+
+def test_isolation_wire_tags_never_collide_with_data():
+    """Issue 22 item 4: a key that starts with NUL is data, not a tag; a malformed tag is a
+    ValueError (one failure of the call), never a crash of the worker."""
+    for value in ({"\0set": [1]}, {"\0map": 5}, {"\0tup": {"\0fro": []}}, {"a": {"\0x": None}}):
+        assert actor.unwire(json.loads(json.dumps(actor.wire(value)))) == value
+        assert type(actor.unwire(actor.wire(value))) is dict
+    for bad in ({"\0map": 5}, {"\0set": 1}, {"\0zzz": []}, {"\0map": [[1]]}):
+        with pytest.raises(ValueError):
+            actor.unwire(bad)
+
+
+def test_isolation_limits_are_clamped_to_the_hosts_hard_limits():
+    """Issue 22 item 4: under a finite hard RLIMIT_CPU (ulimit -t) an isolated call still works;
+    a worker only lowers its limits."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    assert actor.clamp_limit(resource, resource.RLIMIT_CPU, 10 ** 6) == \
+        (10 ** 6 if hard == resource.RLIM_INFINITY else min(10 ** 6, hard))
+    script = ("import actor\n"
+              "a = actor.load(text='agents: {t: {type: tool, config: {tools: [{name: t, code: "
+              "\"result = input_data * 2\"}]}}}\\nroutes: {main: {type: stream, operators: "
+              "[{type: map, params: {agent: t}}], publications: [__output__]}}\\n"
+              "cleveragents: {default_router: main}\\n', unsafe=True, isolation='process')\n"
+              "print(a.send('ab').outputs)\n")
+    done = subprocess.run(["bash", "-c", f"ulimit -t 600 && {sys.executable} -c \"$0\"", script],
+                          cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "abab" in done.stdout
+
+
+def test_isolation_worker_runs_in_its_own_process_group():
+    """Issue 22 item 4: the kill reaches the worker's whole group (start_new_session)."""
+    worker = actor.Worker()
+    try:
+        assert os.getpgid(worker.proc.pid) == worker.proc.pid != os.getpgid(0)
+    finally:
+        worker.kill()
+    assert worker.proc.returncode is not None
 
 
 def test_isolation_unknown_value_is_a_configuration_error():
