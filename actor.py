@@ -9515,10 +9515,12 @@ RESERVED_CONTEXT_KEYS = (
 # The host-only keys stay the host's, wherever a write comes from (T2, README Security).
 # INTERPRETATION I-157 §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
 # table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
-# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
-# mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
-# and §6.9 say), and a written value is checked whole; a mapping that sits in a list is never
-# lifted to a context's top level, so lists are handed out raw.
+# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3).
+# INTERPRETATION I-192 §4.5.2 vs §10.2 (issue 22): one rule at the boundary, in one place: what
+# code writes is stored as a copy of data (context_data: the body keeps no alias of what it
+# stored), and what it reads is a view (a mapping, ContextView; a list, ContextList) whose writes
+# follow the same rule, or else a copy (tuples, sets); a set read from the context is a copy, so
+# changing it changes the context only when it is written back.
 class ContextView(collections.abc.MutableMapping):
     """A context seen from sandboxed code: reads fall back to `base` (an agent's own context,
     Q79), writes land in `data` (the invocation context) as they happen, host-only keys refused,
@@ -9531,14 +9533,11 @@ class ContextView(collections.abc.MutableMapping):
 
     def __getitem__(self, key):
         value = self.data[key] if key in self.data or not self.base else self.base[key]
-        if self.read_only:
-            return read_only_value(value)
-        return ContextView(value) if type(value) is dict else value
+        return read_only_value(value) if self.read_only else context_value(value)
 
     def __setitem__(self, key, value):
-        value = plain(value)
-        _check_write(self, key, value)
-        self.data[key] = value
+        _check_write(self, key)
+        self.data[key] = context_data({key: value}, "configuration code")[key]
 
     def __delitem__(self, key):
         _check_write(self, key)
@@ -9563,6 +9562,115 @@ class ContextView(collections.abc.MutableMapping):
     def copy(self):
         return {key: self[key] for key in self}
 
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+class ContextList(collections.abc.MutableSequence):
+    """A list in the context seen from sandboxed code: items read as views, items written stored
+    as copies of data (context_data), no write once the call was abandoned (§5.3.4)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+    def __getitem__(self, index):
+        if type(index) is slice:
+            return context_data(self.data[index], "a slice")
+        return context_value(self.data[index])
+
+    def __setitem__(self, index, value):
+        check_not_abandoned("inline code")
+        value = list(value) if type(index) is slice else value
+        self.data[index] = context_data(value, "configuration code")
+
+    def __delitem__(self, index):
+        check_not_abandoned("inline code")
+        del self.data[index]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        return map(context_value, self.data)
+
+    def __contains__(self, value):
+        return plain(value) in self.data
+
+    def __eq__(self, other):
+        return self.data == plain(other)
+
+    def __repr__(self):
+        return repr(self.data)
+
+    def __add__(self, other):
+        return list(self) + other
+
+    def __radd__(self, other):
+        return other + list(self)
+
+    def insert(self, index, value):
+        check_not_abandoned("inline code")
+        self.data.insert(index, context_data(value, "configuration code"))
+
+    def sort(self, *, key=None, reverse=False):
+        check_not_abandoned("inline code")
+        self.data.sort(key=key and (lambda item: key(context_value(item))), reverse=reverse)
+
+    def reverse(self):
+        check_not_abandoned("inline code")
+        self.data.reverse()
+
+    def copy(self):
+        return list(self)
+
+
+def context_value(value):
+    """What sandboxed code reads from the context (I-192): a view of a mapping or list, a copy
+    of a tuple or set, any other value as it is."""
+    kind = type(value)
+    if kind is dict:
+        return ContextView(value)
+    if kind is list:
+        return ContextList(value)
+    return context_data(value, "a context value") if kind in (tuple, set, frozenset) else value
+
+
+def context_data(value, where, memo=None):
+    """What a write stores (T2, I-192): a copy of `value` made of CONTEXT_DATA_TYPES only, views
+    unwrapped, aliases and cycles kept, host-only keys refused (refuse_host_keys' rule), in one
+    walk; anything else is an ExecutionError naming `where`."""
+    kind = type(value)
+    if kind is ContextView or kind is ContextList:
+        value = plain(value)
+        kind = type(value)
+    if kind not in CONTEXT_DATA_TYPES:
+        raise ExecutionError(f"{where} may store only data in the context, not a "
+                             f"{kind.__name__}", section="10.2, §13.2")
+    if kind not in (dict, list, tuple, set, frozenset):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    if kind is dict:
+        bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
+        if bad:
+            raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
+                                 section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+        memo[id(value)] = copied = {}
+        for key, item in value.items():
+            copied[context_data(key, where, memo)] = context_data(item, where, memo)
+        return copied
+    if kind is list:
+        memo[id(value)] = copied = []
+        copied.extend(context_data(item, where, memo) for item in value)
+        return copied
+    memo[id(value)] = copied = kind(context_data(item, where, memo) for item in value)
+    return copied
+
 
 def read_only_value(value):
     """What a template reads (I-160): a mapping through a read-only view, any other container as
@@ -9577,13 +9685,13 @@ def read_only_value(value):
     return value
 
 
-def _check_write(view, key, value=None):
+def _check_write(view, key):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
     if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
         raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
                              section="10.3, §15.4")
-    refuse_host_keys({key: value}, "configuration code", data_only=True)
+    refuse_host_keys({key: None}, "configuration code")          # a delete as well
     check_not_abandoned("inline code")
 
 
@@ -9600,6 +9708,8 @@ def plain(value, memo=None):
         if not value.base:
             return value.data
         return {**value.base, **value.data}
+    if type(value) is ContextList:
+        return value.data
     if type(value) not in (list, tuple, dict):
         return value
     memo = {} if memo is None else memo
@@ -9617,18 +9727,14 @@ def plain(value, memo=None):
     return value
 
 
-def refuse_host_keys(mapping, where, data_only=False):
+def refuse_host_keys(mapping, where):
     """The same rule for every other writer of context or graph metadata (set_state,
-    state_update, §6.9's write-back): the host-only keys are the host's (T2). data_only (what
-    sandboxed code stores in the context): every key and value on the way is CONTEXT_DATA_TYPES
-    as well, in the same walk."""
+    state_update, §6.9's write-back): the host-only keys are the host's (T2). Sandboxed code's
+    writes follow context_data, which applies this rule in its copying walk."""
     stack, seen = [mapping], set()
     while stack:
         value = stack.pop()
         kind = type(value)
-        if data_only and kind not in CONTEXT_DATA_TYPES:
-            raise ExecutionError(f"{where} may store only data in the context, not a "
-                                 f"{kind.__name__}", section="10.2, §13.2")
         if kind not in (dict, list, tuple, set, frozenset) or id(value) in seen:
             continue
         seen.add(id(value))
@@ -9638,8 +9744,6 @@ def refuse_host_keys(mapping, where, data_only=False):
                 raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
                                      section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
             stack.extend(value.values())
-            if data_only:
-                stack.extend(value.keys())
         else:
             stack.extend(value)
 
@@ -10547,15 +10651,16 @@ def builtin_type(*args):
     # hands out a class the tables do not already expose.
     if len(args) != 1:
         raise TypeError("type() takes exactly one argument in the sandbox")
-    cls = dict if type(args[0]) is ContextView else type(args[0])
+    cls = type(args[0])
+    cls = {ContextView: dict, ContextList: list}.get(cls, cls)
     if cls not in SANDBOX_TYPES:
         raise TypeError(f"type() of a {cls.__name__} is not available in the sandbox")
     return SANDBOX_TYPES[cls]
 
 
 def builtin_isinstance(obj, classinfo):
-    """§13.2.1 isinstance; a context view is a dict."""
-    return isinstance(plain(obj) if type(obj) is ContextView else obj, classinfo)
+    """§13.2.1 isinstance; a context view is a dict, a ContextList a list."""
+    return isinstance(obj.data if type(obj) in (ContextView, ContextList) else obj, classinfo)
 
 
 def builtin_locals():
@@ -10718,7 +10823,7 @@ def run_code(unit, variables, *, timeout=1.0):
     `variables` usually holds input_data, message, context (by reference: a dict is seen through
     a ContextView) and result=None. Any error or exhaustion raises ExecutionError."""
     namespace = {"__builtins__": _CODE_BUILTINS, **variables}
-    if unit.reaches_context and type(namespace.get("context")) is dict:
+    if unit.reaches_context and isinstance(namespace.get("context"), dict):
         namespace["context"] = ContextView(namespace["context"])
     run_limited(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label)
     return namespace

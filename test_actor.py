@@ -5412,13 +5412,39 @@ def test_context_view_reads_writes_and_overlay():
     view["nested"]["k"] = 5
     del view["shared"]
     assert data == {"nested": {"k": 5}, "b": 2} and base == {"a": 1, "shared": "base"}
-    view["copy"] = view["nested"]          # a view never lands in the host's data
-    assert type(data["copy"]) is dict and data["copy"] is data["nested"]
+    view["copy"] = view["nested"]          # a view never lands in the host's data: a copy (I-192)
+    assert type(data["copy"]) is dict and data["copy"] == data["nested"]
+    assert data["copy"] is not data["nested"]
     assert view == {"a": 1, "shared": "base", "nested": {"k": 5}, "b": 2, "copy": {"k": 5}}
     assert actor.run_code(actor.compile_code(
         "result = (isinstance(context, dict), type(context) is dict, json.dumps(context),"
         " dict(context))"), sandbox_vars(context={"x": {"y": 1}}))["result"] == (
         True, True, '{"x": {"y": 1}}', {"x": {"y": 1}})
+
+
+def test_context_list_is_a_view_whose_writes_are_copies_of_data():
+    """I-192: a list read from the context is a view: reads wrap, writes store copies of data,
+    a sort key sees views, a slice is a copy; to the code it is a list."""
+    data = {"rows": [{"n": 2}, {"n": 1}], "t": ({"x": 1},), "s": {1}}
+    ns = actor.run_code(actor.compile_code(
+        "rows = context['rows']\n"
+        "rows.sort(key=lambda r: r.setdefault('seen', r['n']))\n"
+        "part = rows[0:1]\npart[0]['n'] = 99\n"
+        "keep = {'v': 1}\nrows.append(keep)\nkeep['v'] = 2\n"
+        "context['t'][0]['x'] = 5\ncontext['s'].add(2)\n"
+        "result = (type(rows) is list, isinstance(rows, list), len(rows), rows == rows.copy(),"
+        " json.dumps(rows), [r['n'] for r in rows if 'n' in r], rows + [0] == [0] + rows)"),
+        sandbox_vars(context=data))
+    assert ns["result"][:4] == (True, True, 3, True)
+    assert ns["result"][5] == [1, 2] and ns["result"][6] is False
+    assert data == {"rows": [{"n": 1, "seen": 1}, {"n": 2, "seen": 2}, {"v": 1}],
+                    "t": ({"x": 1},), "s": {1}}
+    for code in ("context['rows'][0]['_unsafe_mode'] = True", "context['rows'].append(print)",
+                 "context['rows'].insert(0, (n for n in []))", "context['rows'][0:0] = [len]",
+                 "context['rows'][0] = {'_unsafe_mode': 1}", "context['k'] = ValueError('x')"):
+        with pytest.raises(actor.ExecutionError):
+            actor.run_code(actor.compile_code(code), sandbox_vars(context=data))
+    assert data["rows"] == [{"n": 1, "seen": 1}, {"n": 2, "seen": 2}, {"v": 1}]
 
 
 # =====================================================================================
