@@ -2123,9 +2123,12 @@ class InlineTool:
         rt = agent.rt                 # check_tool_entry has refused it on a safe host
         self.name = name
         self.unit = compile_code(code, rt=rt, path=path + ("code",))
-        # Issue 15: code that never names `context`, `locals` or `progress_bar` cannot read the
-        # context, so a graph node need not build one for it (§6.2.2, I-117).
+        # Code that never names `context`, `locals` or `progress_bar` cannot read the context,
+        # so a graph node need not build one for it (§6.2.2, I-117).
         self.reads_context = not isinstance(self.unit, CodeUnit) or self.unit.reaches_context
+        fast = None if rt.reference else straight_line_call(self, rt)   # appendix A.4
+        if fast is not None:
+            self.call = fast
 
     def run(self, input_data, env):
         """Run the body with input_data, message, context (by reference) and result=None."""
@@ -2141,29 +2144,8 @@ class InlineTool:
         return env.rt.sandbox.run_code(self.unit, variables, env.timeout, progress)
 
     def call(self, input_data, rt, ctx, limits):
-        """run() for a caller that holds no ToolEnv. A body that names neither `context`, `locals`
-        nor `progress_bar` can reach neither the context nor the progress facility, so it gets
-        the invocation context as it is, no merged view and no progress function; run in this
-        process (isolation "none"), a straight-line body (no loop, comprehension or call that
-        could run long, CodeUnit.ticks) needs no budget either, so it runs right here (issue 15
-        measured the call at 1.7 us through run(), 1.0 us through the sandbox, 0.5 us here)."""
-        if self.reads_context:
-            return self.run(input_data, ToolEnv(rt, ctx, limits))
-        unit = self.unit
-        namespace = {"__builtins__": _CODE_BUILTINS, "input_data": input_data,
-                     "message": input_data, "result": None,
-                     "context": ctx if isinstance(ctx, dict) else {}}
-        if unit.ticks or not rt.sandbox.in_process:
-            return rt.sandbox.run_code(unit, namespace, limits.timeout, None)
-        try:        # run_budgeted(exec, ...) without its frame (4 % of a send); one error rule
-            exec(unit.code, namespace)
-        except (Exception, Exhausted) as exc:
-            failure = sandbox_failure(exc, unit.label)
-            if failure is exc:
-                raise
-            raise failure from None
-        result = namespace["result"]
-        return inline_result(namespace) if result is None else result
+        """run() for a caller that holds no ToolEnv (a tool agent's sole tool)."""
+        return self.run(input_data, ToolEnv(rt, ctx, limits))
 
 
 def inline_result(namespace):
@@ -2737,7 +2719,8 @@ def component_runtime(rt, sub_doc, clock):
     logs, context, prompts and sandbox; warnings about routes.<local> name the component's full
     path, as its errors do (ComponentDoc)."""
     inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine, workdir=rt.workdir,
-                    clock=clock, provider=rt.provider, llm_transport=rt.llm_transport)
+                    clock=clock, provider=rt.provider, llm_transport=rt.llm_transport,
+                    reference=rt.reference)
     inner.llm_log, inner.warnings, inner.context, inner.prompts = (
         rt.llm_log, rt.warnings, rt.context, rt.prompts)
     inner.sandbox = rt.sandbox
@@ -9175,8 +9158,8 @@ TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return run_budgeted(jinja_template(text).render, (variables,), TEMPLATE_TIME_LIMIT,
-                            "JINJA2", TemplateError)
+        return run_limited(jinja_template(text).render, (variables,), TEMPLATE_TIME_LIMIT,
+                           "JINJA2", TemplateError, code=False)
     except TemplateError:
         raise
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
@@ -9346,8 +9329,8 @@ def mustache_compiled(text):
 def render_mustache(text, variables, partials=None):
     """§9.2 MUSTACHE: logic-less dialect; `variables` may be any value (the root context)."""
     out = []
-    run_budgeted(mustache_render_nodes, (mustache_compiled(text), [variables], partials, out),
-                 TEMPLATE_TIME_LIMIT, "MUSTACHE", TemplateError)
+    run_limited(mustache_render_nodes, (mustache_compiled(text), [variables], partials, out),
+                TEMPLATE_TIME_LIMIT, "MUSTACHE", TemplateError, code=False)
     return "".join(out)
 
 
@@ -9443,8 +9426,8 @@ def simple_format(text, variables):
 # Phase C only, with the Phase C rendering context as the named parameters.
 def render_simple(text, variables, partials=None, *, format_pass=True):
     """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
-    return run_budgeted(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
-                        "SIMPLE", TemplateError)
+    return run_limited(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
+                       "SIMPLE", TemplateError, code=False)
 
 
 def _render_simple(text, variables, format_pass):
@@ -9580,10 +9563,12 @@ RESERVED_CONTEXT_KEYS = (
 # The host-only keys stay the host's, wherever a write comes from (T2, README Security).
 # INTERPRETATION I-157 §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
 # table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
-# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3). Nested
-# mappings are wrapped as they are read, since graph metadata flattens nested context (as §6.2.2
-# and §6.9 say), and a written value is checked whole; a mapping that sits in a list is never
-# lifted to a context's top level, so lists are handed out raw.
+# one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3).
+# INTERPRETATION I-192 §4.5.2 vs §10.2 (issue 22): one rule at the boundary, in one place: what
+# code writes is stored as a copy of data (context_data: the body keeps no alias of what it
+# stored), and what it reads is a view (a mapping, ContextView; a list, ContextList) whose writes
+# follow the same rule, or else a copy (tuples, sets); a set read from the context is a copy, so
+# changing it changes the context only when it is written back.
 class ContextView(collections.abc.MutableMapping):
     """A context seen from sandboxed code: reads fall back to `base` (an agent's own context,
     Q79), writes land in `data` (the invocation context) as they happen, host-only keys refused,
@@ -9596,14 +9581,11 @@ class ContextView(collections.abc.MutableMapping):
 
     def __getitem__(self, key):
         value = self.data[key] if key in self.data or not self.base else self.base[key]
-        if self.read_only:
-            return read_only_value(value)
-        return ContextView(value) if type(value) is dict else value
+        return read_only_value(value) if self.read_only else context_value(value)
 
     def __setitem__(self, key, value):
-        value = plain(value)
-        _check_write(self, key, value)
-        self.data[key] = value
+        _check_write(self, key)
+        self.data[key] = context_data({key: value}, "configuration code")[key]
 
     def __delitem__(self, key):
         _check_write(self, key)
@@ -9628,6 +9610,115 @@ class ContextView(collections.abc.MutableMapping):
     def copy(self):
         return {key: self[key] for key in self}
 
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+class ContextList(collections.abc.MutableSequence):
+    """A list in the context seen from sandboxed code: items read as views, items written stored
+    as copies of data (context_data), no write once the call was abandoned (§5.3.4)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+    def __getitem__(self, index):
+        if type(index) is slice:
+            return context_data(self.data[index], "a slice")
+        return context_value(self.data[index])
+
+    def __setitem__(self, index, value):
+        check_not_abandoned("inline code")
+        value = list(value) if type(index) is slice else value
+        self.data[index] = context_data(value, "configuration code")
+
+    def __delitem__(self, index):
+        check_not_abandoned("inline code")
+        del self.data[index]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        return map(context_value, self.data)
+
+    def __contains__(self, value):
+        return plain(value) in self.data
+
+    def __eq__(self, other):
+        return self.data == plain(other)
+
+    def __repr__(self):
+        return repr(self.data)
+
+    def __add__(self, other):
+        return list(self) + other
+
+    def __radd__(self, other):
+        return other + list(self)
+
+    def insert(self, index, value):
+        check_not_abandoned("inline code")
+        self.data.insert(index, context_data(value, "configuration code"))
+
+    def sort(self, *, key=None, reverse=False):
+        check_not_abandoned("inline code")
+        self.data.sort(key=key and (lambda item: key(context_value(item))), reverse=reverse)
+
+    def reverse(self):
+        check_not_abandoned("inline code")
+        self.data.reverse()
+
+    def copy(self):
+        return list(self)
+
+
+def context_value(value):
+    """What sandboxed code reads from the context (I-192): a view of a mapping or list, a copy
+    of a tuple or set, any other value as it is."""
+    kind = type(value)
+    if kind is dict:
+        return ContextView(value)
+    if kind is list:
+        return ContextList(value)
+    return context_data(value, "a context value") if kind in (tuple, set, frozenset) else value
+
+
+def context_data(value, where, memo=None):
+    """What a write stores (T2, I-192): a copy of `value` made of CONTEXT_DATA_TYPES only, views
+    unwrapped, aliases and cycles kept, host-only keys refused (refuse_host_keys' rule), in one
+    walk; anything else is an ExecutionError naming `where`."""
+    kind = type(value)
+    if kind is ContextView or kind is ContextList:
+        value = plain(value)
+        kind = type(value)
+    if kind not in CONTEXT_DATA_TYPES:
+        raise ExecutionError(f"{where} may store only data in the context, not a "
+                             f"{kind.__name__}", section="10.2, §13.2")
+    if kind not in (dict, list, tuple, set, frozenset):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    if kind is dict:
+        bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
+        if bad:
+            raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
+                                 section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+        memo[id(value)] = copied = {}
+        for key, item in value.items():
+            copied[context_data(key, where, memo)] = context_data(item, where, memo)
+        return copied
+    if kind is list:
+        memo[id(value)] = copied = []
+        copied.extend(context_data(item, where, memo) for item in value)
+        return copied
+    memo[id(value)] = copied = kind(context_data(item, where, memo) for item in value)
+    return copied
+
 
 def read_only_value(value):
     """What a template reads (I-160): a mapping through a read-only view, any other container as
@@ -9642,13 +9733,13 @@ def read_only_value(value):
     return value
 
 
-def _check_write(view, key, value=None):
+def _check_write(view, key):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
         raise ExecutionError("a template may not change the context", section="8.11")
     if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
         raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
                              section="10.3, §15.4")
-    refuse_host_keys({key: value}, "configuration code", data_only=True)
+    refuse_host_keys({key: None}, "configuration code")          # a delete as well
     check_not_abandoned("inline code")
 
 
@@ -9665,6 +9756,8 @@ def plain(value, memo=None):
         if not value.base:
             return value.data
         return {**value.base, **value.data}
+    if type(value) is ContextList:
+        return value.data
     if type(value) not in (list, tuple, dict):
         return value
     memo = {} if memo is None else memo
@@ -9682,18 +9775,14 @@ def plain(value, memo=None):
     return value
 
 
-def refuse_host_keys(mapping, where, data_only=False):
+def refuse_host_keys(mapping, where):
     """The same rule for every other writer of context or graph metadata (set_state,
-    state_update, §6.9's write-back): the host-only keys are the host's (T2). data_only (what
-    sandboxed code stores in the context): every key and value on the way is CONTEXT_DATA_TYPES
-    as well, in the same walk."""
+    state_update, §6.9's write-back): the host-only keys are the host's (T2). Sandboxed code's
+    writes follow context_data, which applies this rule in its copying walk."""
     stack, seen = [mapping], set()
     while stack:
         value = stack.pop()
         kind = type(value)
-        if data_only and kind not in CONTEXT_DATA_TYPES:
-            raise ExecutionError(f"{where} may store only data in the context, not a "
-                                 f"{kind.__name__}", section="10.2, §13.2")
         if kind not in (dict, list, tuple, set, frozenset) or id(value) in seen:
             continue
         seen.add(id(value))
@@ -9703,8 +9792,6 @@ def refuse_host_keys(mapping, where, data_only=False):
                 raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
                                      section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
             stack.extend(value.values())
-            if data_only:
-                stack.extend(value.keys())
         else:
             stack.extend(value)
 
@@ -10430,10 +10517,11 @@ def find_stream_cycle(edges):
 #      the built-in table, the caller's variables or the code's own bindings, attributes only from
 #      SANDBOX_METHODS (no type object can be walked, no class pattern can call one), and the
 #      host-only context keys refused as they are written (ContextView).
-#   T3 resource exhaustion: Python-level work is stopped by one BUDGET per call (time, ticked at
-#      every loop step and call; size, for the operators that multiply it); a single C-level
-#      operation on an attacker-built structure (hashing, comparing, printing, long division)
-#      cannot be pre-empted in-process -- only isolation="process" (the worker below) bounds it.
+#   T3 resource exhaustion: §4.5's `timeout` bounds a call. The body reaches the BUDGET that
+#      enforces it (appendix B.1) through two names: instrument() at compile, run_limited() at
+#      call. A single C-level operation on an attacker-built structure (hashing, comparing,
+#      printing, long division) cannot be pre-empted in-process -- only isolation="process" (the
+#      worker processes of appendix B.2, chosen through ISOLATION) bounds it.
 # INTERPRETATION I-153 §13.2 (issue 11): C-level work is not bounded in-process; only
 # isolation="process" bounds it.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles, and never scans the context.
@@ -10479,12 +10567,6 @@ SANDBOX_METHODS = {
 }
 SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
-
-
-# INTERPRETATION I-155 §13.2: a bare `except:` catches Exception only; exhaustion is not one.
-class Exhausted(BaseException):
-    """The budget ran out (T3). A BaseException, and a bare `except:` is rewritten to catch
-    Exception only, so sandboxed code can never catch it."""
 
 
 class _Rejected(Exception):
@@ -10549,68 +10631,23 @@ def _check_tree(tree, names):
             raise _Rejected(getattr(node, "lineno", 1), reason)
 
 
-def _call(name, node, *args):
-    return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
+def _sandbox_compile(source, mode, names, filename):
+    """Parse, check against the allowlist and add the budget's hooks; SyntaxError or _Rejected.
+    `names`: the names code may read (None: any name without a double underscore)."""
+    if not isinstance(source, str):
+        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
+    tree = ast.parse(source, filename=filename, mode=mode)
+    if names is not None:
+        names = names | _bound_names(tree)
+    _check_tree(tree, names)
+    tree, ticks = instrument(ast.fix_missing_locations(_Imports().visit(tree)))
+    return tree, compile(tree, filename, mode, dont_inherit=True), ticks
 
 
-_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<"}
-
-
-class _Ticks(ast.NodeTransformer):
-    """The budget's hooks (T3): a tick at each loop step, comprehension step and call; the
-    size-multiplying operators through guard_op; a bare `except:` catches Exception only."""
-
-    def _tick_first(self, node):
-        self.generic_visit(node)
-        node.body.insert(0, ast.copy_location(ast.Expr(_call("__sb_tick__", node)), node))
-        return node
-
-    visit_For = visit_While = visit_FunctionDef = _tick_first
-
-    def visit_comprehension(self, node):
-        self.generic_visit(node)
-        node.ifs.insert(0, _call("__sb_tick__", node.iter))
-        return node
-
-    def visit_Lambda(self, node):
-        self.generic_visit(node)
-        node.body = ast.copy_location(ast.BoolOp(ast.And(), [_call("__sb_tick__", node.body),
-                                                             node.body]), node.body)
-        return node
-
-    def visit_BinOp(self, node):
-        # A constant operand grows a value additively (bounded by the time ticks); two variables
-        # can double it on each step, and * ** << multiply it, even two literals (9 ** 10**9).
-        self.generic_visit(node)
-        symbol = _SIZED_OPERATORS.get(type(node.op))
-        constants = isinstance(node.left, ast.Constant) + isinstance(node.right, ast.Constant)
-        if symbol is None or symbol == "+" and constants:
-            return node
-        return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
-
-    def visit_AugAssign(self, node):
-        self.generic_visit(node)
-        symbol = _SIZED_OPERATORS.get(type(node.op))
-        if symbol is None or symbol == "+" and isinstance(node.value, ast.Constant):
-            return node
-        if isinstance(node.target, ast.Name):       # x += y keeps in-place semantics (iadd)
-            value = _call("__sb_iop__", node, ast.Constant(symbol),
-                          ast.Name(node.target.id, ast.Load()), node.value)
-            return ast.copy_location(ast.Assign([node.target], value), node)
-        target = node.target                        # d[k] += y
-        return ast.copy_location(ast.Expr(_call("__sb_iop_item__", node, target.value,
-                                                target.slice, ast.Constant(symbol),
-                                                node.value)), node)
-
-    def visit_ExceptHandler(self, node):
-        self.generic_visit(node)
-        if node.type is None:
-            node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
-        return node
-
+class _Imports(ast.NodeTransformer):
+    # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
+    # ...` bind the §4.5.2 facility; no import machinery is exposed.
     def visit_Import(self, node):
-        # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
-        # ...` bind the §4.5.2 facility; no import machinery is exposed.
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
                 for a in node.names]
@@ -10622,22 +10659,20 @@ class _Ticks(ast.NodeTransformer):
             for a in node.names]
 
 
-def _sandbox_compile(source, mode, names, filename):
-    """Parse, check against the allowlist and add the budget's hooks; SyntaxError or _Rejected.
-    `names`: the names code may read (None: any name without a double underscore)."""
-    if not isinstance(source, str):
-        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
-    tree = ast.parse(source, filename=filename, mode=mode)
-    if names is not None:
-        names = names | _bound_names(tree)
-    _check_tree(tree, names)
+# The seam to the budget (appendix B.1), which stays active on the reference path as well.
+# INTERPRETATION I-190 §13.2 vs §4.5 (issue 21): the reference path (ACTOR_REFERENCE) keeps the
+# budget: §4.5's `timeout` is a MUST, and a loop past it must fail on every path.
+def instrument(tree):
+    """§13.2: the checked tree with the budget's hooks (B.1), and whether it ticks (has a loop,
+    comprehension, lambda or function of its own; straight-line code needs no deadline)."""
     tree = ast.fix_missing_locations(_Ticks().visit(tree))
-    return tree, compile(tree, filename, mode, dont_inherit=True)
+    return tree, _ticks(tree)
 
 
-def _ticks(tree):
-    """Whether the rewritten code can loop or call code of its own (else it needs no deadline)."""
-    return any(isinstance(node, ast.Name) and node.id == "__sb_tick__" for node in ast.walk(tree))
+def run_limited(fn, args, timeout, label, error=ExecutionError, code=True):
+    """§13.2, §4.5: fn(*args) under one budget of `timeout` seconds (None: no deadline); every
+    failure is one located error naming `label` (B.1's run_budgeted)."""
+    return run_budgeted(fn, args, timeout, label, error, code)
 
 
 def _configuration_refusal(exc, rt, path, section, what):
@@ -10655,131 +10690,6 @@ def _configuration_refusal(exc, rt, path, section, what):
     return err
 
 
-# The budget (T3) ------------------------------------------------------------------------------
-# INTERPRETATION I-152 §13.2 (issue 4): the limits hold in unsafe mode as well: unsafe mode enables
-# inline code, it does not hand the code the host. Ticks, not a trace function: CPython sends no
-# `line` event for `while True: pass`.
-class Budget:
-    """The one budget of a sandboxed call or render: a deadline and a size limit. Nested runs
-    (a SIMPLE {{ }} inside a render) keep the nearer deadline."""
-
-    __slots__ = ("timeout", "deadline")
-
-    def __init__(self, timeout, outer=None):
-        self.timeout = 1.0 if timeout is None else float(timeout)
-        self.deadline = time.monotonic() + self.timeout
-        if outer is not None and outer.deadline < self.deadline:
-            self.timeout, self.deadline = outer.timeout, outer.deadline
-
-
-# Which budget the running call has, per thread (scratch for one call, not Actor state).
-_BUDGET = threading.local()
-
-
-def tick():
-    """At every loop step, comprehension step and sandboxed call: stop past the deadline."""
-    budget = getattr(_BUDGET, "budget", None)
-    if budget is None:   # a sandbox-made function called by the host outside any run
-        raise Exhausted("sandboxed code called outside its run")
-    if time.monotonic() > budget.deadline:
-        raise Exhausted(f"time limit of {budget.timeout:g} s")
-    return True
-
-
-def spend(size, what):
-    """Stop before an operator or range produces more than SANDBOX_MAX_ITEMS."""
-    if size > SANDBOX_MAX_ITEMS:
-        raise Exhausted(f"{what} larger than {SANDBOX_MAX_ITEMS} items")
-
-
-def _result_size(symbol, left, right):
-    """Items, characters or bits that `left symbol right` would produce (0: not a growth case)."""
-    ints = type(left) in (int, bool) and type(right) in (int, bool)
-    if symbol == "+":
-        return len(left) + len(right) if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
-            else 0
-    if symbol == "*":
-        if ints:
-            return left.bit_length() + right.bit_length()
-        seq, count = (left, right) if isinstance(right, int) else (right, left)
-        return len(seq) * count if isinstance(seq, _SIZED) and isinstance(count, int) else 0
-    if symbol == "**":
-        return max(abs(left).bit_length() - 1, 0) * right if ints and right > 0 else 0
-    return left.bit_length() + right if ints and left and right > 0 else 0      # <<
-
-
-_SIZED = (str, list, tuple)
-_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
-_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift}
-
-
-def guard_op(symbol, left, right):
-    spend(_result_size(symbol, left, right), f"the result of {symbol}")
-    return _OPERATORS[symbol](left, right)
-
-
-def guard_iop(symbol, left, right):
-    spend(_result_size(symbol, left, right), f"the result of {symbol}=")
-    return _IN_PLACE[symbol](left, right)
-
-
-def guard_iop_item(container, key, symbol, value):
-    container[key] = guard_iop(symbol, container[key], value)
-
-
-def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
-    """fn(*args) under a fresh budget (timeout None: straight-line code, which has no tick to
-    read one). Exhaustion is one error kind, "<label>: resource exhausted: <what>", like the
-    WebAssembly reference interpreter's single Exhaustion; with code=True the code's own
-    exception becomes an ExecutionError naming its line (§12.2.3: never fatal to the Actor)."""
-    if timeout is not None:
-        previous = getattr(_BUDGET, "budget", None)
-        _BUDGET.budget = Budget(timeout, previous)
-    try:
-        return fn(*args)
-    except (Exception, Exhausted) as exc:
-        failure = sandbox_failure(exc, label, error, code)
-        if failure is exc:
-            raise
-        raise failure from None
-    finally:
-        if timeout is not None:
-            _BUDGET.budget = previous
-
-
-def sandbox_failure(exc, label, error=ExecutionError, code=True):
-    """The error a sandboxed run's exception `exc` becomes (run_budgeted's rule, also used by
-    callers that run straight-line code without a budget): exhaustion is one kind; an ActorError
-    and, unless code=True, any other exception go on as they are."""
-    if isinstance(exc, Exhausted):
-        failure = f"resource exhausted: {exc}"
-    elif isinstance(exc, (MemoryError, RecursionError)):
-        failure = f"resource exhausted: {type(exc).__name__}"
-    elif isinstance(exc, ActorError) or not code:
-        return exc
-    else:
-        line = _sandbox_line(exc.__traceback__)
-        failure = f"{f'line {line}: ' if line else ''}{type(exc).__name__}: {_exception_text(exc)}"
-    return error(f"{label}: {failure}", section="13.2")
-
-
-def _exception_text(exc):
-    """The code's exception as text: only its text and number arguments are printed (the host's
-    str() of an attacker-built structure would run in C past the deadline, T3)."""
-    if all(type(arg) in (str, int, float, bool) for arg in exc.args):
-        return str(exc)[:500]
-    return "(an exception whose arguments are not text)"
-
-
-def _sandbox_line(tb):
-    line = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename in (CODE_FILENAME, EXPRESSION_FILENAME):
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
-
-
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 # The wrapped ones: type and isinstance see a ContextView as the dict it stands for; type() hands
 # out only the classes the tables already expose (T2: no type object can be reached otherwise).
@@ -10794,15 +10704,16 @@ def builtin_type(*args):
     # hands out a class the tables do not already expose.
     if len(args) != 1:
         raise TypeError("type() takes exactly one argument in the sandbox")
-    cls = dict if type(args[0]) is ContextView else type(args[0])
+    cls = type(args[0])
+    cls = {ContextView: dict, ContextList: list}.get(cls, cls)
     if cls not in SANDBOX_TYPES:
         raise TypeError(f"type() of a {cls.__name__} is not available in the sandbox")
     return SANDBOX_TYPES[cls]
 
 
 def builtin_isinstance(obj, classinfo):
-    """§13.2.1 isinstance; a context view is a dict."""
-    return isinstance(plain(obj) if type(obj) is ContextView else obj, classinfo)
+    """§13.2.1 isinstance; a context view is a dict, a ContextList a list."""
+    return isinstance(obj.data if type(obj) in (ContextView, ContextList) else obj, classinfo)
 
 
 def builtin_locals():
@@ -10908,13 +10819,10 @@ EXPRESSION_BUILTINS = {
 # (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
 
-# The names the rewritten code calls; double-underscore names, so sandboxed source never spells
-# them.
-_HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
-          "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
-          "__sb_json__": SANDBOX_JSON}
-_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, **_HOOKS}
-_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, **_HOOKS}
+# The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
+# budget's hooks (double-underscore names, so sandboxed source never spells them).
+_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON}
+_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON}
 
 # Entry points (§13.2) ------------------------------------------------------------------------
 class CodeUnit:
@@ -10936,7 +10844,7 @@ class ExprUnit:
         self.source, self.fn, self.label, self.nparams = source, fn, label, nparams
 
     def __call__(self, *args, timeout=1.0):
-        return run_budgeted(self.fn, args, timeout, self.label, code=True)
+        return run_limited(self.fn, args, timeout, self.label)
 
 
 # The variables §4.5.2 item 3 hands to a body, and the names its result falls back to.
@@ -10952,12 +10860,13 @@ def compile_code(source, *, rt=None, path=None):
     """
     label = f"inline code {path_str(path)}" if path else "inline code"
     try:
-        tree, code = _sandbox_compile(source, "exec", INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
-                                      CODE_FILENAME)
+        tree, code, ticks = _sandbox_compile(source, "exec",
+                                             INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
+                                             CODE_FILENAME)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
     loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    return CodeUnit(source, code, label, _ticks(tree),
+    return CodeUnit(source, code, label, ticks,
                     bool(loaded & {"context", "locals", INLINE_PROGRESS}))
 
 
@@ -10967,10 +10876,9 @@ def run_code(unit, variables, *, timeout=1.0):
     `variables` usually holds input_data, message, context (by reference: a dict is seen through
     a ContextView) and result=None. Any error or exhaustion raises ExecutionError."""
     namespace = {"__builtins__": _CODE_BUILTINS, **variables}
-    if unit.reaches_context and type(namespace.get("context")) is dict:
+    if unit.reaches_context and isinstance(namespace.get("context"), dict):
         namespace["context"] = ContextView(namespace["context"])
-    run_budgeted(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label,
-                 code=True)
+    run_limited(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label)
     return namespace
 
 
@@ -10993,7 +10901,8 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
     label = f"inline expression {path_str(path)}" if path else "inline expression"
     try:
         text = source.strip() if isinstance(source, str) else source
-        tree, code = _sandbox_compile(text, "eval", set(EXPRESSION_BUILTINS), EXPRESSION_FILENAME)
+        tree, code, _ = _sandbox_compile(text, "eval", set(EXPRESSION_BUILTINS),
+                                         EXPRESSION_FILENAME)
         reason = _lambda_refusal(tree, nparams)
         if reason:
             raise _Rejected(1, reason)
@@ -11018,231 +10927,7 @@ def eval_expression_text(source, names, timeout=1.0):
         raise _configuration_refusal(exc, None, None, "13.2.2", "inline expression") from None
     namespace = {key: value for key, value in names.items() if not str(key).startswith("__")}
     namespace["__builtins__"] = _EXPRESSION_BUILTINS
-    return run_budgeted(eval, (code, namespace), timeout, "inline expression", code=True)
-
-
-# Process isolation (T3) -----------------------------------------------------------------------
-# load(..., isolation="process"): configuration code, expressions and templates run in a worker
-# process under OS limits (address space, CPU time, no file writes, only its two pipes). The
-# parent enforces each deadline by killing the worker, which works whatever the worker's GIL is
-# doing; a crashed or killed worker becomes an ExecutionError and the next call gets a fresh one.
-# Values cross as JSON with tuples, sets and non-text keys tagged; the reply is decoded into plain
-# data only. INTERPRETATION I-154 §13.2 (new: isolation): print output and progress_bar calls made
-# by the code are forwarded to the parent as they happen.
-WORKER_MEMORY = 1 << 30           # bytes of address space a worker may add to its start-up size
-WORKER_GRACE = 0.5                # seconds past a call's own deadline before the parent kills
-WORKER_START = 60.0               # seconds a new worker may take to start (a busy machine)
-
-
-def wire(value):
-    """A value as JSON-ready data, tuples, sets and non-text keys tagged (both directions)."""
-    value = plain(value)
-    if isinstance(value, dict):
-        if all(type(key) is str for key in value):
-            return {key: wire(item) for key, item in value.items()}
-        return {"\0map": [[wire(key), wire(item)] for key, item in value.items()]}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [wire(item) for item in value]
-        return items if type(value) is list else {"\0" + type(value).__name__[:3]: items}
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
-
-
-def unwire(data):
-    """Inverse of wire; builds only dict, list, tuple, set, str, int, float, bool and None."""
-    if isinstance(data, list):
-        return [unwire(item) for item in data]
-    if not isinstance(data, dict):
-        return data
-    if len(data) == 1 and next(iter(data)).startswith("\0"):
-        tag, items = next(iter(data.items()))
-        if tag == "\0map":
-            return {unwire(key): unwire(item) for key, item in items}
-        return {"\0tup": tuple, "\0set": set, "\0fro": frozenset}[tag](map(unwire, items))
-    return {key: unwire(item) for key, item in data.items()}
-
-
-class Worker:
-    """One worker process and its pipes (POSIX)."""
-
-    def __init__(self):
-        boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-                f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
-        here = os.path.dirname(os.path.abspath(__file__))
-        import select, subprocess       # on first use: start-up pays for none (issue 15)
-        self._select = select.select
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            close_fds=True, env={}, cwd="/")
-        self.pending = b""
-        if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
-            raise OSError("the worker process did not start")
-
-    def line(self, deadline, what):
-        """The worker's next line; past the deadline the worker is killed (Exhausted)."""
-        import select                        # POSIX only, as is isolation="process"
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.kill()
-                raise Exhausted(f"{what} (worker process killed)")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise Exhausted(f"the worker process died (status {self.proc.wait()})")
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return line
-
-    def send(self, obj):
-        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def ask(self, request, timeout, on_event):
-        """Send one request, answer its events (print, progress_bar), return the reply."""
-        self.send(request)
-        deadline = time.monotonic() + timeout + WORKER_GRACE
-        while True:
-            reply = json.loads(self.line(deadline, f"time limit of {timeout:g} s"))
-            if "event" not in reply:
-                return reply
-            self.send({"answer": on_event(reply)})
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait()
-
-
-class ProcessSandbox:
-    """isolation="process": a pool of workers, one per concurrent call."""
-
-    in_process = False
-
-    def __init__(self):
-        if os.name != "posix":
-            raise ConfigurationError("isolation='process' needs a POSIX host", section="13.2")
-        self.idle, self.lock = [], threading.Lock()
-
-    def ask(self, request, timeout, label, on_event=None, error=ExecutionError):
-        with self.lock:
-            worker = self.idle.pop() if self.idle else None
-        try:
-            worker = worker or Worker()
-            reply = worker.ask(request, timeout, on_event or (lambda event: None))
-            value = unwire(reply["value"]) if "value" in reply else None
-        except Exhausted as exc:
-            raise error(f"{label}: resource exhausted: {exc}", section="13.2") from None
-        except Exception as exc:   # a broken pipe, a value that cannot cross, a malformed reply
-            if worker is not None:
-                worker.kill()
-            raise error(f"{label}: the worker process failed: {type(exc).__name__}: "
-                                 f"{exc}", section="13.2") from None
-        with self.lock:
-            self.idle.append(worker)
-        if "error" in reply:
-            kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
-            raise kind(str(reply["error"]), section=reply.get("section"))
-        return value
-
-    def run_code(self, unit, variables, timeout, on_progress):
-        """The worker runs the body; context changes come back and land in the parent's view."""
-        view = variables["context"]
-        view = ContextView(view) if type(view) is dict else view
-        request = {"op": "code", "source": unit.source, "timeout": timeout,
-                   "input": variables["input_data"], "context": wire(view)}
-
-        def on_event(event):
-            if event["event"] == "print":
-                sys.stderr.write(event["text"])
-                return None
-            return on_progress(**unwire(event["kwargs"]))
-        value = self.ask(request, timeout, unit.label, on_event)
-        new = value["context"]
-        for key in [key for key in view if key not in new]:   # §4.5.2: changes propagate back
-            _check_write(view, key)
-            view.data.pop(key, None)
-        for key, item in new.items():
-            if key not in view or plain(view[key]) != item:
-                view[key] = item                               # host-only keys refused here too
-        return value["result"]
-
-    def call(self, unit, args, timeout=1.0):
-        return self.ask({"op": "expr", "source": unit.source, "nparams": unit.nparams,
-                         "args": wire(list(args)), "timeout": timeout}, timeout, unit.label)
-
-    def render(self, text, variables, engine, partials=None, phase="C"):
-        data = {key: value for key, value in variables.items()
-                if not (key in BUILTINS and value is BUILTINS[key])}
-        return self.ask({"op": "render", "text": text, "variables": wire(data), "engine": engine,
-                         "partials": partials, "phase": phase}, TEMPLATE_TIME_LIMIT,
-                        engine_name(engine), error=TemplateError)
-
-    def close(self):
-        with self.lock:
-            workers, self.idle = self.idle, []
-        for worker in workers:
-            worker.kill()
-
-
-def worker_main():
-    """The worker's loop: limits first, then one request per line until stdin closes."""
-    import resource
-    size = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") \
-        if os.path.exists("/proc/self/statm") else 0
-    for limit, value in ((resource.RLIMIT_AS, size + WORKER_MEMORY if size else None),
-                         (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_NOFILE, 16)):
-        if value is not None:
-            resource.setrlimit(limit, (value, value))
-    units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
-    stdout.write(b"ready\n")
-    stdout.flush()
-
-    def send(obj):
-        stdout.write(json.dumps(obj).encode() + b"\n")
-        stdout.flush()
-
-    def event(name, **fields):
-        send({"event": name, **fields})
-        return json.loads(stdin.readline())["answer"]
-
-    class Printed:
-        def write(self, text):
-            event("print", text=text)
-    _BUDGET.printed = Printed()
-    for line in stdin:
-        request = json.loads(line)
-        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used + request.get("timeout", 2)) + 2,
-                                                 resource.RLIM_INFINITY))
-        try:
-            send({"value": wire(_worker_answer(request, units, event))})
-        except ActorError as exc:
-            send({"error": exc.message, "kind": type(exc).__name__, "section": exc.section})
-        except Exception as exc:   # a value that cannot cross, for one
-            send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
-                  "section": "13.2"})
-
-
-def _worker_answer(request, units, event):
-    """One request, answered in the worker by the in-process sandbox under its own budget."""
-    local, op, source = InProcessSandbox(), request["op"], request.get("source")
-    if op == "render":
-        return local.render(request["text"], {**BUILTINS, **unwire(request["variables"])},
-                            request["engine"], request["partials"], request["phase"])
-    key = (op, source, request.get("nparams"))
-    if key not in units:
-        units[key] = compile_code(source) if op == "code" \
-            else compile_expression(source, nparams=request["nparams"])
-    if op == "expr":
-        return local.call(units[key], unwire(request["args"]), request["timeout"])
-    context = unwire(request["context"])
-    result = local.run_code(units[key], {
-        "input_data": request["input"], "message": request["input"], "context": context,
-        "result": None, INLINE_PROGRESS: lambda **kwargs: event("progress", kwargs=wire(kwargs))},
-        request["timeout"])
-    return {"result": tool_output(result), "context": context}
+    return run_limited(eval, (code, namespace), timeout, "inline expression")
 
 
 class InProcessSandbox:
@@ -11266,7 +10951,9 @@ class InProcessSandbox:
         pass
 
 
-ISOLATION = {"none": InProcessSandbox, "process": ProcessSandbox}
+# INTERPRETATION I-191 §13.2 (issue 21): isolation is the host's choice, made here at load, and
+# holds on the reference path too; B.2 adds "process".
+ISOLATION = {"none": InProcessSandbox}
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
 def host_refusal(env, given, op):
@@ -11842,7 +11529,34 @@ def fast_step_one(graph, node, message, trace):
 
 
 # A.4 Inline code fast path ---------------------------------------------------------------
-# (moving here: straight-line inline code without the sandbox's wrapper layers, from §4.5.2)
+# Adds: a tool agent's sole inline tool whose body is straight-line (no loop, comprehension,
+# lambda or function: CodeUnit.ticks) and cannot reach the context or the progress facility
+# (CodeUnit.reaches_context) runs in one frame: same namespace, same compiled code under the
+# same allowlist, same error rule, without the ToolEnv, the merged view, the progress function
+# and the sandbox's call layers (0.5 us a call instead of 1.7). In-process only.
+# Stands in for: InlineTool.call (via InlineTool.run, InProcessSandbox.run_code, run_code)
+# Seam: InlineTool.call
+def straight_line_call(tool, rt):
+    """The one-frame call() for `tool`, or None where the body's general path must run."""
+    unit = tool.unit
+    if tool.reads_context or unit.ticks or not rt.sandbox.in_process:
+        return None
+    code, label = unit.code, unit.label
+
+    def call(input_data, rt, ctx, limits):
+        namespace = {"__builtins__": _CODE_BUILTINS, "input_data": input_data,
+                     "message": input_data, "result": None,
+                     "context": ctx if isinstance(ctx, dict) else {}}
+        try:
+            exec(code, namespace)
+        except (Exception, Exhausted) as exc:
+            failure = sandbox_failure(exc, label)
+            if failure is exc:
+                raise
+            raise failure from None
+        result = namespace["result"]
+        return inline_result(namespace) if result is None else result
+    return call
 
 
 # =====================================================================================
@@ -11854,11 +11568,476 @@ def fast_step_one(graph, node, message, trace):
 # Seam: Runtime.sandbox
 
 # B.1 The budget ---------------------------------------------------------------------------
-# (moving here: Budget, the tick rewriter, the size guard, run_budgeted, from §13.2)
+# Adds: the budget of §4.5's `timeout` -- a deadline ticked at every loop step, comprehension
+# step, lambda and function call of sandboxed code, and a size price for what one operator may
+# produce -- with exhaustion as the one error "resource exhausted" (T3). Active on every path.
+# Stands in for: nothing the body runs without it (the body compiles and runs through its seams)
+# Seam: instrument, run_limited
+# tick() and guard_op() are also what the §9.2 engines call inside a run_limited() render.
+# INTERPRETATION I-155 §13.2: a bare `except:` catches Exception only; exhaustion is not one.
+class Exhausted(BaseException):
+    """The budget ran out (T3). A BaseException, and a bare `except:` is rewritten to catch
+    Exception only, so sandboxed code can never catch it."""
+
+
+
+def _call(name, node, *args):
+    return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
+
+
+_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<"}
+
+
+class _Ticks(ast.NodeTransformer):
+    """The budget's hooks (T3): a tick at each loop step, comprehension step and call; the
+    size-multiplying operators through guard_op; a bare `except:` catches Exception only."""
+
+    def _tick_first(self, node):
+        self.generic_visit(node)
+        node.body.insert(0, ast.copy_location(ast.Expr(_call("__sb_tick__", node)), node))
+        return node
+
+    visit_For = visit_While = visit_FunctionDef = _tick_first
+
+    def visit_comprehension(self, node):
+        self.generic_visit(node)
+        node.ifs.insert(0, _call("__sb_tick__", node.iter))
+        return node
+
+    def visit_Lambda(self, node):
+        self.generic_visit(node)
+        node.body = ast.copy_location(ast.BoolOp(ast.And(), [_call("__sb_tick__", node.body),
+                                                             node.body]), node.body)
+        return node
+
+    def visit_BinOp(self, node):
+        # A constant operand grows a value additively (bounded by the time ticks); two variables
+        # can double it on each step, and * ** << multiply it, even two literals (9 ** 10**9).
+        self.generic_visit(node)
+        symbol = _SIZED_OPERATORS.get(type(node.op))
+        constants = isinstance(node.left, ast.Constant) + isinstance(node.right, ast.Constant)
+        if symbol is None or symbol == "+" and constants:
+            return node
+        return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_AugAssign(self, node):
+        self.generic_visit(node)
+        symbol = _SIZED_OPERATORS.get(type(node.op))
+        if symbol is None or symbol == "+" and isinstance(node.value, ast.Constant):
+            return node
+        if isinstance(node.target, ast.Name):       # x += y keeps in-place semantics (iadd)
+            value = _call("__sb_iop__", node, ast.Constant(symbol),
+                          ast.Name(node.target.id, ast.Load()), node.value)
+            return ast.copy_location(ast.Assign([node.target], value), node)
+        target = node.target                        # d[k] += y
+        return ast.copy_location(ast.Expr(_call("__sb_iop_item__", node, target.value,
+                                                target.slice, ast.Constant(symbol),
+                                                node.value)), node)
+
+    def visit_ExceptHandler(self, node):
+        self.generic_visit(node)
+        if node.type is None:
+            node.type = ast.copy_location(ast.Name("__sb_Exception__", ast.Load()), node)
+        return node
+
+
+
+def _ticks(tree):
+    """Whether the rewritten code can loop or call code of its own (else it needs no deadline)."""
+    return any(isinstance(node, ast.Name) and node.id == "__sb_tick__" for node in ast.walk(tree))
+
+
+
+# The budget (T3) ------------------------------------------------------------------------------
+# INTERPRETATION I-152 §13.2 (issue 4): the limits hold in unsafe mode as well: unsafe mode enables
+# inline code, it does not hand the code the host. Ticks, not a trace function: CPython sends no
+# `line` event for `while True: pass`.
+class Budget:
+    """The one budget of a sandboxed call or render: a deadline and a size limit. Nested runs
+    (a SIMPLE {{ }} inside a render) keep the nearer deadline."""
+
+    __slots__ = ("timeout", "deadline")
+
+    def __init__(self, timeout, outer=None):
+        self.timeout = 1.0 if timeout is None else float(timeout)
+        self.deadline = time.monotonic() + self.timeout
+        if outer is not None and outer.deadline < self.deadline:
+            self.timeout, self.deadline = outer.timeout, outer.deadline
+
+
+# Which budget the running call has, per thread (scratch for one call, not Actor state).
+_BUDGET = threading.local()
+
+
+def tick():
+    """At every loop step, comprehension step and sandboxed call: stop past the deadline."""
+    budget = getattr(_BUDGET, "budget", None)
+    if budget is None:   # a sandbox-made function called by the host outside any run
+        raise Exhausted("sandboxed code called outside its run")
+    if time.monotonic() > budget.deadline:
+        raise Exhausted(f"time limit of {budget.timeout:g} s")
+    return True
+
+
+def spend(size, what):
+    """Stop before an operator or range produces more than SANDBOX_MAX_ITEMS."""
+    if size > SANDBOX_MAX_ITEMS:
+        raise Exhausted(f"{what} larger than {SANDBOX_MAX_ITEMS} items")
+
+
+def _result_size(symbol, left, right):
+    """Items, characters or bits that `left symbol right` would produce (0: not a growth case)."""
+    ints = type(left) in (int, bool) and type(right) in (int, bool)
+    if symbol == "+":
+        return len(left) + len(right) if isinstance(left, _SIZED) and isinstance(right, _SIZED) \
+            else 0
+    if symbol == "*":
+        if ints:
+            return left.bit_length() + right.bit_length()
+        seq, count = (left, right) if isinstance(right, int) else (right, left)
+        return len(seq) * count if isinstance(seq, _SIZED) and isinstance(count, int) else 0
+    if symbol == "**":
+        return max(abs(left).bit_length() - 1, 0) * right if ints and right > 0 else 0
+    return left.bit_length() + right if ints and left and right > 0 else 0      # <<
+
+
+_SIZED = (str, list, tuple)
+_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
+_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift}
+
+
+def guard_op(symbol, left, right):
+    spend(_result_size(symbol, left, right), f"the result of {symbol}")
+    return _OPERATORS[symbol](left, right)
+
+
+def guard_iop(symbol, left, right):
+    spend(_result_size(symbol, left, right), f"the result of {symbol}=")
+    return _IN_PLACE[symbol](left, right)
+
+
+def guard_iop_item(container, key, symbol, value):
+    container[key] = guard_iop(symbol, container[key], value)
+
+
+def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
+    """fn(*args) under a fresh budget (timeout None: straight-line code, which has no tick to
+    read one). Exhaustion is one error kind, "<label>: resource exhausted: <what>", like the
+    WebAssembly reference interpreter's single Exhaustion; with code=True the code's own
+    exception becomes an ExecutionError naming its line (§12.2.3: never fatal to the Actor)."""
+    if timeout is not None:
+        previous = getattr(_BUDGET, "budget", None)
+        _BUDGET.budget = Budget(timeout, previous)
+    try:
+        return fn(*args)
+    except (Exception, Exhausted) as exc:
+        failure = sandbox_failure(exc, label, error, code)
+        if failure is exc:
+            raise
+        raise failure from None
+    finally:
+        if timeout is not None:
+            _BUDGET.budget = previous
+
+
+def sandbox_failure(exc, label, error=ExecutionError, code=True):
+    """The error a sandboxed run's exception `exc` becomes (run_budgeted's rule, also used by
+    callers that run straight-line code without a budget): exhaustion is one kind; an ActorError
+    and, unless code=True, any other exception go on as they are."""
+    if isinstance(exc, Exhausted):
+        failure = f"resource exhausted: {exc}"
+    elif isinstance(exc, (MemoryError, RecursionError)):
+        failure = f"resource exhausted: {type(exc).__name__}"
+    elif isinstance(exc, ActorError) or not code:
+        return exc
+    else:
+        line = _sandbox_line(exc.__traceback__)
+        failure = f"{f'line {line}: ' if line else ''}{type(exc).__name__}: {_exception_text(exc)}"
+    return error(f"{label}: {failure}", section="13.2")
+
+
+def _exception_text(exc):
+    """The code's exception as text: only its text and number arguments are printed (the host's
+    str() of an attacker-built structure would run in C past the deadline, T3)."""
+    if all(type(arg) in (str, int, float, bool) for arg in exc.args):
+        return str(exc)[:500]
+    return "(an exception whose arguments are not text)"
+
+
+def _sandbox_line(tb):
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in (CODE_FILENAME, EXPRESSION_FILENAME):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+# The names the rewritten code calls, added to the body's two namespaces; double-underscore
+# names, so sandboxed source never spells them.
+_HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
+          "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
+          "__sb_json__": SANDBOX_JSON}
+_CODE_BUILTINS.update(_HOOKS)
+_EXPRESSION_BUILTINS.update(_HOOKS)
 
 
 # B.2 Worker processes and their wire format -----------------------------------------------
-# (moving here: Worker, ProcessSandbox, worker_main, wire/unwire, from §13.2)
+# Adds: isolation="process" -- configuration code, expressions and templates in worker
+# processes under OS limits, killed past their deadline (T3: what the budget cannot pre-empt).
+# Stands in for: InProcessSandbox (the body's in-process runner)
+# Seam: Runtime.sandbox, ISOLATION
+# load(..., isolation="process"): configuration code, expressions and templates run in a worker
+# process under OS limits (address space, CPU time, no file writes, only its two pipes). The
+# parent enforces each deadline by killing the worker, which works whatever the worker's GIL is
+# doing; a crashed or killed worker becomes an ExecutionError and the next call gets a fresh one.
+# Values cross as JSON with tuples, sets and non-text keys tagged; the reply is decoded into plain
+# data only. INTERPRETATION I-154 §13.2 (new: isolation): print output and progress_bar calls made
+# by the code are forwarded to the parent as they happen.
+WORKER_MEMORY = 1 << 30           # bytes of address space a worker may add to its start-up size
+WORKER_GRACE = 0.5                # seconds past a call's own deadline before the parent kills
+WORKER_START = 60.0               # seconds a new worker may take to start (a busy machine)
+
+
+def wire(value):
+    """A value as JSON-ready data, tuples, sets and non-text keys tagged (both directions). A tag
+    is a one-key mapping whose key starts with NUL; a mapping of the data whose keys are not all
+    text, or any of which starts with NUL, is sent as a list of pairs, so data never reads as a
+    tag ({"\\x00set": [1]} comes back a mapping)."""
+    value = plain(value)
+    if isinstance(value, dict):
+        if all(type(key) is str and not key.startswith("\0") for key in value):
+            return {key: wire(item) for key, item in value.items()}
+        return {"\0map": [[wire(key), wire(item)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [wire(item) for item in value]
+        return items if type(value) is list else {"\0" + type(value).__name__[:3]: items}
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
+
+
+WIRE_TAGS = {"\0tup": tuple, "\0set": set, "\0fro": frozenset}
+
+
+def unwire(data):
+    """Inverse of wire; builds only dict, list, tuple, set, str, int, float, bool and None. A
+    malformed tag is a ValueError (the caller's one failure), never a crash."""
+    if isinstance(data, list):
+        return [unwire(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) == 1 and next(iter(data)).startswith("\0"):
+        tag, items = next(iter(data.items()))
+        if not isinstance(items, list) or tag != "\0map" and tag not in WIRE_TAGS:
+            raise ValueError(f"a malformed wire tag {tag!r}")
+        if tag == "\0map":
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+                raise ValueError("a malformed wire mapping")
+            return {unwire(key): unwire(item) for key, item in items}
+        return WIRE_TAGS[tag](map(unwire, items))
+    return {key: unwire(item) for key, item in data.items()}
+
+
+class Worker:
+    """One worker process and its pipes (POSIX)."""
+
+    def __init__(self):
+        boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+                f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
+        here = os.path.dirname(os.path.abspath(__file__))
+        import select, subprocess       # on first use: start-up pays for none (issue 15)
+        self._select = select.select
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-X", "utf8", "-c", boot, json.dumps([here, *sys.path])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            close_fds=True, env={}, cwd="/", start_new_session=True)
+        self.pending = b""
+        if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
+            raise OSError("the worker process did not start")
+
+    def line(self, deadline, what):
+        """The worker's next line; past the deadline the worker is killed (Exhausted)."""
+        import select                        # POSIX only, as is isolation="process"
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.kill()
+                raise Exhausted(f"{what} (worker process killed)")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise Exhausted(f"the worker process died (status {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line
+
+    def send(self, obj):
+        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def ask(self, request, timeout, on_event):
+        """Send one request, answer its events (print, progress_bar), return the reply."""
+        self.send(request)
+        deadline = time.monotonic() + timeout + WORKER_GRACE
+        while True:
+            reply = json.loads(self.line(deadline, f"time limit of {timeout:g} s"))
+            if "event" not in reply:
+                return reply
+            self.send({"answer": on_event(reply)})
+
+    def kill(self):
+        """The worker's whole process group (its own, start_new_session): nothing it started
+        outlives it."""
+        import signal
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:         # gone already
+            self.proc.kill()
+        self.proc.wait()
+
+
+class ProcessSandbox:
+    """isolation="process": a pool of workers, one per concurrent call."""
+
+    in_process = False
+
+    def __init__(self):
+        if os.name != "posix":
+            raise ConfigurationError("isolation='process' needs a POSIX host", section="13.2")
+        self.idle, self.lock = [], threading.Lock()
+
+    def ask(self, request, timeout, label, on_event=None, error=ExecutionError):
+        with self.lock:
+            worker = self.idle.pop() if self.idle else None
+        try:
+            worker = worker or Worker()
+            reply = worker.ask(request, timeout, on_event or (lambda event: None))
+            value = unwire(reply["value"]) if "value" in reply else None
+        except Exhausted as exc:
+            raise error(f"{label}: resource exhausted: {exc}", section="13.2") from None
+        except Exception as exc:   # a broken pipe, a value that cannot cross, a malformed reply
+            if worker is not None:
+                worker.kill()
+            raise error(f"{label}: the worker process failed: {type(exc).__name__}: "
+                                 f"{exc}", section="13.2") from None
+        with self.lock:
+            self.idle.append(worker)
+        if "error" in reply:
+            kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
+            raise kind(str(reply["error"]), section=reply.get("section"))
+        return value
+
+    def run_code(self, unit, variables, timeout, on_progress):
+        """The worker runs the body; context changes come back and land in the parent's view."""
+        view = variables["context"]
+        view = ContextView(view) if type(view) is dict else view
+        request = {"op": "code", "source": unit.source, "timeout": timeout,
+                   "input": variables["input_data"], "context": wire(view)}
+
+        def on_event(event):
+            if event["event"] == "print":
+                sys.stderr.write(event["text"])
+                return None
+            return on_progress(**unwire(event["kwargs"]))
+        value = self.ask(request, timeout, unit.label, on_event)
+        new = value["context"]
+        for key in [key for key in view if key not in new]:   # §4.5.2: changes propagate back
+            _check_write(view, key)
+            view.data.pop(key, None)
+        for key, item in new.items():
+            if key not in view or plain(view[key]) != item:
+                view[key] = item                               # host-only keys refused here too
+        return value["result"]
+
+    def call(self, unit, args, timeout=1.0):
+        return self.ask({"op": "expr", "source": unit.source, "nparams": unit.nparams,
+                         "args": wire(list(args)), "timeout": timeout}, timeout, unit.label)
+
+    def render(self, text, variables, engine, partials=None, phase="C"):
+        data = {key: value for key, value in variables.items()
+                if not (key in BUILTINS and value is BUILTINS[key])}
+        return self.ask({"op": "render", "text": text, "variables": wire(data), "engine": engine,
+                         "partials": partials, "phase": phase}, TEMPLATE_TIME_LIMIT,
+                        engine_name(engine), error=TemplateError)
+
+    def close(self):
+        with self.lock:
+            workers, self.idle = self.idle, []
+        for worker in workers:
+            worker.kill()
+
+
+def worker_main():
+    """The worker's loop: limits first, then one request per line until stdin closes."""
+    import resource
+    size = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE") \
+        if os.path.exists("/proc/self/statm") else 0
+    for limit, value in ((resource.RLIMIT_AS, size + WORKER_MEMORY if size else None),
+                         (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_NOFILE, 16)):
+        if value is not None:
+            value = clamp_limit(resource, limit, value)
+            resource.setrlimit(limit, (value, value))
+    units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(b"ready\n")
+    stdout.flush()
+
+    def send(obj):
+        stdout.write(json.dumps(obj).encode() + b"\n")
+        stdout.flush()
+
+    def event(name, **fields):
+        send({"event": name, **fields})
+        return json.loads(stdin.readline())["answer"]
+
+    class Printed:
+        def write(self, text):
+            event("print", text=text)
+    _BUDGET.printed = Printed()
+    for line in stdin:
+        request = json.loads(line)
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        cpu = int(used + request.get("timeout", 2)) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (clamp_limit(resource, resource.RLIMIT_CPU, cpu),
+                                                 resource.getrlimit(resource.RLIMIT_CPU)[1]))
+        try:
+            send({"value": wire(_worker_answer(request, units, event))})
+        except ActorError as exc:
+            send({"error": exc.message, "kind": type(exc).__name__, "section": exc.section})
+        except Exception as exc:   # a value that cannot cross, for one
+            send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
+                  "section": "13.2"})
+
+
+def clamp_limit(resource, limit, value):
+    """`value` for an rlimit, never above the host's hard limit (`ulimit -t`, systemd LimitCPU,
+    a batch scheduler's): a worker may only lower its limits."""
+    hard = resource.getrlimit(limit)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
+def _worker_answer(request, units, event):
+    """One request, answered in the worker by the in-process sandbox under its own budget."""
+    local, op, source = InProcessSandbox(), request["op"], request.get("source")
+    if op == "render":
+        return local.render(request["text"], {**BUILTINS, **unwire(request["variables"])},
+                            request["engine"], request["partials"], request["phase"])
+    key = (op, source, request.get("nparams"))
+    if key not in units:
+        units[key] = compile_code(source) if op == "code" \
+            else compile_expression(source, nparams=request["nparams"])
+    if op == "expr":
+        return local.call(units[key], unwire(request["args"]), request["timeout"])
+    context = unwire(request["context"])
+    result = local.run_code(units[key], {
+        "input_data": request["input"], "message": request["input"], "context": context,
+        "result": None, INLINE_PROGRESS: lambda **kwargs: event("progress", kwargs=wire(kwargs))},
+        request["timeout"])
+    return {"result": tool_output(result), "context": context}
+
+
+
+ISOLATION["process"] = ProcessSandbox
 
 
 # =====================================================================================

@@ -2095,6 +2095,46 @@ def test_inline_context_is_by_reference_and_invocation_wins(tmp_path, plain_exec
     assert agent.context == {"who": "agent", "own": "mine", "log": []}
 
 
+@pytest.mark.parametrize("code, fast", [
+    ('result = str(input_data).upper() + "!"', True),      # straight-line, no context: A.4
+    ("result = [c for c in input_data]", False),             # a comprehension ticks
+    ("result = context.get('k', input_data)", False),        # reads the context
+])
+def test_inline_straight_line_call_is_appendix_a4_and_never_on_the_reference_path(tmp_path, code,
+                                                                                  fast):
+    """Issue 21, I-190: A.4 stands in for InlineTool.call only for a straight-line body that cannot
+    reach the context, only in-process and never with rt.reference; every path answers alike,
+    failures included (the error rule is the body's)."""
+    answers = {}
+    for reference in (False, True):
+        rt = _tool_rt(tmp_path, unsafe=True)
+        rt.reference = reference
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": code}]})
+        taken = "call" in vars(agent.tools["t"])
+        assert taken is (fast and not reference)
+        answers[reference] = _call(agent, "ab", {"k": "ctx"})
+    assert answers[False] == answers[True]
+    rt = _tool_rt(tmp_path, unsafe=True)
+    rt.sandbox = actor.ProcessSandbox()        # a worker is never bypassed
+    try:
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": code}]})
+        assert "call" not in vars(agent.tools["t"])
+    finally:
+        rt.sandbox.close()
+
+
+def test_inline_straight_line_failure_is_the_same_error_on_both_paths(tmp_path):
+    """A.4's one frame keeps the body's error rule: the code's exception names its line."""
+    messages = []
+    for reference in (False, True):
+        rt = _tool_rt(tmp_path, unsafe=True)
+        rt.reference = reference
+        agent = _tool_agent(rt, {"tools": [{"name": "t", "code": "x = 1\nresult = input_data[9]"}]})
+        assert ("call" in vars(agent.tools["t"])) is not reference
+        messages.append(_fails(agent, "ab").message)
+    assert messages[0] == messages[1] and "line 2: IndexError" in messages[0]
+
+
 def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
     agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
     assert _call(agent, "rev abc  def") == "fed cba"
@@ -5762,13 +5802,39 @@ def test_context_view_reads_writes_and_overlay():
     view["nested"]["k"] = 5
     del view["shared"]
     assert data == {"nested": {"k": 5}, "b": 2} and base == {"a": 1, "shared": "base"}
-    view["copy"] = view["nested"]          # a view never lands in the host's data
-    assert type(data["copy"]) is dict and data["copy"] is data["nested"]
+    view["copy"] = view["nested"]          # a view never lands in the host's data: a copy (I-192)
+    assert type(data["copy"]) is dict and data["copy"] == data["nested"]
+    assert data["copy"] is not data["nested"]
     assert view == {"a": 1, "shared": "base", "nested": {"k": 5}, "b": 2, "copy": {"k": 5}}
     assert actor.run_code(actor.compile_code(
         "result = (isinstance(context, dict), type(context) is dict, json.dumps(context),"
         " dict(context))"), sandbox_vars(context={"x": {"y": 1}}))["result"] == (
         True, True, '{"x": {"y": 1}}', {"x": {"y": 1}})
+
+
+def test_context_list_is_a_view_whose_writes_are_copies_of_data():
+    """I-192: a list read from the context is a view: reads wrap, writes store copies of data,
+    a sort key sees views, a slice is a copy; to the code it is a list."""
+    data = {"rows": [{"n": 2}, {"n": 1}], "t": ({"x": 1},), "s": {1}}
+    ns = actor.run_code(actor.compile_code(
+        "rows = context['rows']\n"
+        "rows.sort(key=lambda r: r.setdefault('seen', r['n']))\n"
+        "part = rows[0:1]\npart[0]['n'] = 99\n"
+        "keep = {'v': 1}\nrows.append(keep)\nkeep['v'] = 2\n"
+        "context['t'][0]['x'] = 5\ncontext['s'].add(2)\n"
+        "result = (type(rows) is list, isinstance(rows, list), len(rows), rows == rows.copy(),"
+        " json.dumps(rows), [r['n'] for r in rows if 'n' in r], rows + [0] == [0] + rows)"),
+        sandbox_vars(context=data))
+    assert ns["result"][:4] == (True, True, 3, True)
+    assert ns["result"][5] == [1, 2] and ns["result"][6] is False
+    assert data == {"rows": [{"n": 1, "seen": 1}, {"n": 2, "seen": 2}, {"v": 1}],
+                    "t": ({"x": 1},), "s": {1}}
+    for code in ("context['rows'][0]['_unsafe_mode'] = True", "context['rows'].append(print)",
+                 "context['rows'].insert(0, (n for n in []))", "context['rows'][0:0] = [len]",
+                 "context['rows'][0] = {'_unsafe_mode': 1}", "context['k'] = ValueError('x')"):
+        with pytest.raises(actor.ExecutionError):
+            actor.run_code(actor.compile_code(code), sandbox_vars(context=data))
+    assert data["rows"] == [{"n": 1, "seen": 1}, {"n": 2, "seen": 2}, {"v": 1}]
 
 
 # =====================================================================================
@@ -7006,6 +7072,46 @@ def test_isolation_values_cross_as_tagged_json():
     assert actor.unwire(json.loads(json.dumps(actor.wire(value)))) == value
     with pytest.raises(TypeError):
         actor.wire(object())
+
+
+def test_isolation_wire_tags_never_collide_with_data():
+    """Issue 22 item 4: a key that starts with NUL is data, not a tag; a malformed tag is a
+    ValueError (one failure of the call), never a crash of the worker."""
+    for value in ({"\0set": [1]}, {"\0map": 5}, {"\0tup": {"\0fro": []}}, {"a": {"\0x": None}}):
+        assert actor.unwire(json.loads(json.dumps(actor.wire(value)))) == value
+        assert type(actor.unwire(actor.wire(value))) is dict
+    for bad in ({"\0map": 5}, {"\0set": 1}, {"\0zzz": []}, {"\0map": [[1]]}):
+        with pytest.raises(ValueError):
+            actor.unwire(bad)
+
+
+def test_isolation_limits_are_clamped_to_the_hosts_hard_limits():
+    """Issue 22 item 4: under a finite hard RLIMIT_CPU (ulimit -t) an isolated call still works;
+    a worker only lowers its limits."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    assert actor.clamp_limit(resource, resource.RLIMIT_CPU, 10 ** 6) == \
+        (10 ** 6 if hard == resource.RLIM_INFINITY else min(10 ** 6, hard))
+    script = ("import actor\n"
+              "a = actor.load(text='agents: {t: {type: tool, config: {tools: [{name: t, code: "
+              "\"result = input_data * 2\"}]}}}\\nroutes: {main: {type: stream, operators: "
+              "[{type: map, params: {agent: t}}], publications: [__output__]}}\\n"
+              "cleveragents: {default_router: main}\\n', unsafe=True, isolation='process')\n"
+              "print(a.send('ab').outputs)\n")
+    done = subprocess.run(["bash", "-c", f"ulimit -t 600 && {sys.executable} -c \"$0\"", script],
+                          cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "abab" in done.stdout
+
+
+def test_isolation_worker_runs_in_its_own_process_group():
+    """Issue 22 item 4: the kill reaches the worker's whole group (start_new_session)."""
+    worker = actor.Worker()
+    try:
+        assert os.getpgid(worker.proc.pid) == worker.proc.pid != os.getpgid(0)
+    finally:
+        worker.kill()
+    assert worker.proc.returncode is not None
 
 
 def test_isolation_unknown_value_is_a_configuration_error():
