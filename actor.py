@@ -1085,6 +1085,14 @@ LLM_AGENT_FIELDS = {**LLM_FIELDS, **LLM_EXTRA_FIELDS}
 LLM_CAPABILITIES = ["text-generation", "conversation", "reasoning", "analysis", "creative-writing"]
 
 
+class ContextChain(ChainMap):
+    """A context read through several mappings, the first that has a key winning (§4.9, Q79), with
+    no copy made; it prints as the dict it stands for."""
+
+    def __repr__(self):
+        return repr(dict(self))
+
+
 def message_text(content):
     """A message content as text (for a model, a tool request, §12.4 results): strings as they
     are, mappings and lists as JSON (non-ASCII kept), None as "", the rest via str()."""
@@ -1119,7 +1127,7 @@ class LLMAgent:
         self.max_history = values["max_history"]
         self.template = values["template"]
         self.template_vars = dict(values["template_vars"])
-        self.response_format = values["response_format"]
+        self.response_format = copy.deepcopy(values["response_format"])    # logged as it is
         self.context = values["context"] if values["context"] is not None else {}
         self.tool_execute = values["tool_execute"]          # §12.4 (Q81): opt-in
         self.tools = list(values["tools"] or [])
@@ -1156,13 +1164,16 @@ class LLMAgent:
         ctx = ctx if ctx is not None else {}
         message = message_text(content)
         # INTERPRETATION I-034 §4.4.6, §4.9 (Q79): the agent's context under the invocation context.
-        view = {**self.context, **ctx}
+        # A view that reads through both, not a merged copy: a message costs the same whatever the
+        # size of a context its prompts do not read.
+        view = ContextChain(ctx, self.context) if self.context else ctx
         system = render_system_prompt(self, view, message)
         user = message
         if self.template is not None:
-            user = message_text(render_runtime(rt, _llm_prompt_text(rt, self.template),
-                                            {**view, **self.template_vars}, message,
-                                            self.path + ("config", "template")))
+            user = message_text(render_runtime(
+                rt, _llm_prompt_text(rt, self.template),
+                ContextChain(self.template_vars, view) if self.template_vars else view, message,
+                self.path + ("config", "template")))
         temperature = effective_temperature(self, ctx)
         if self.response_format is not None:
             check_structured_support(self, self.response_format)
@@ -1180,7 +1191,11 @@ class LLMAgent:
             "messages": history + [{"role": "user", "content": user}],
             "response_format": self.response_format,
         }
-        call = copy.deepcopy(request)       # the log entry; the provider adds usage, retries
+        # The log entry: a dict of its own (the provider adds usage and retries to it) with a list
+        # of its own. The entries are not copied: memory.snapshot() and history_from_context make
+        # fresh ones for each request, holding text (or a reply memory keeps a copy of), and nothing
+        # changes them later; the system prompt is text, response_format the agent's own copy.
+        call = {**request, "messages": list(request["messages"])}
         keep_last(rt.llm_log, call)
         started = time.monotonic()
         try:
@@ -1418,6 +1433,8 @@ class ConversationMemory:
 
     def record(self, user, assistant):
         """Append one exchange (only after a successful call), then keep the newest entries."""
+        if not isinstance(assistant, str):      # a structured reply: memory keeps its own copy
+            assistant = copy.deepcopy(assistant)
         with self._lock:
             self.entries.append({"role": "user", "content": user})
             self.entries.append({"role": "assistant", "content": assistant})
@@ -7702,9 +7719,16 @@ def filter_tojson(value, indent=None):
     if _undefined(value):
         str(value)  # raises the undefined-name error
     try:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+        return json.dumps(value, ensure_ascii=False, indent=indent, default=_json_mapping)
     except (TypeError, ValueError) as exc:
         raise TemplateError(f"tojson: {exc}", section="8.3") from exc
+
+
+def _json_mapping(value):
+    """A read-through context view (ChainMap, §8.11) encodes as the mapping it stands for."""
+    if isinstance(value, ChainMap):
+        return dict(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 # INTERPRETATION I-132 §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
@@ -8958,15 +8982,22 @@ def expand_composite(expansion, cfg, path):
     return cfg
 
 # §8.11 Runtime template rendering (Phase C) ----------------------------------------------
-def runtime_variables(ctx, message):
+def runtime_variables(ctx, message, chained=False):
     """§8.11 table: the §8.3 built-ins, the context's top-level keys flattened, `context` and
-    `message` (the text of the message being processed)."""
+    `message` (the text of the message being processed).
+
+    chained: a view reading through `context`, `message`, the context and the built-ins in that
+    order (JINJA2 reads through it), at a cost independent of the context's size; else a dict."""
     if isinstance(message, Message):
         message = message.content
+    data = ctx if isinstance(ctx, (dict, ChainMap)) else {}
+    if chained:
+        return ChainMap({"context": ctx if ctx is not None else {}, "message": message}, data,
+                        BUILTINS)
     variables = dict(BUILTINS)
-    if isinstance(ctx, dict):
-        variables.update(ctx)
-    variables["context"] = ctx if ctx is not None else {}
+    variables.update(data)
+    variables["context"] = dict(ctx) if isinstance(ctx, ChainMap) else \
+        ctx if ctx is not None else {}
     variables["message"] = message
     return variables
 
@@ -9007,8 +9038,8 @@ def render_runtime(rt, text, ctx, message, path=None):
     if engine != "SIMPLE" and not has_template_syntax(text):
         return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
     try:
-        return rt.sandbox.render(text, runtime_variables(ctx, message), engine,
-                                 partials=rt.prompts)
+        return rt.sandbox.render(text, runtime_variables(ctx, message, engine == "JINJA2"),
+                                 engine, partials=rt.prompts)
     except TemplateError as exc:
         warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
              section="8.12", path=path)
@@ -9089,7 +9120,7 @@ def _jinja_classes(jinja2):
         intercepted_binops = frozenset({"+", "*", "**"})   # guard_op's operators
 
         def getattr(self, obj, attribute):
-            if isinstance(obj, dict) and attribute in obj:
+            if isinstance(obj, (dict, ChainMap)) and attribute in obj:     # (a context view)
                 return obj[attribute]
             return super().getattr(obj, attribute)
 
@@ -9189,7 +9220,7 @@ TEMPLATE_TIME_LIMIT = 2.0   # seconds one render may take
 def render_jinja2(text, variables, partials=None):
     """§9.2 JINJA2: full Jinja2 dialect in the sandbox, with the §8.3 built-ins and filters."""
     try:
-        return run_budgeted(jinja_template(text).render, (variables,), TEMPLATE_TIME_LIMIT,
+        return run_budgeted(_jinja_render, (jinja_template(text), variables), TEMPLATE_TIME_LIMIT,
                             "JINJA2", TemplateError)
     except TemplateError:
         raise
@@ -9197,6 +9228,16 @@ def render_jinja2(text, variables, partials=None):
         err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
         err.line = jinja_error_line(exc)
         raise err from exc
+
+
+def _jinja_render(template, variables):
+    """template.render(variables) without the two copies of `variables` Jinja2 makes: its context
+    reads through them, then the template's globals (Phase C: no cost per context key)."""
+    context = template.new_context(ChainMap(variables, template.globals), shared=True)
+    try:
+        return template.environment.concat(template.root_render_func(context))
+    except Exception:
+        template.environment.handle_exception()
 
 
 # MUSTACHE: a hand-written tokenizer + tree renderer -----------------------------------------
@@ -9502,6 +9543,8 @@ def render(text, variables, engine="JINJA2", partials=None):
     SIMPLE take a mapping. Every failure is a TemplateError.
     """
     handler = ENGINES[engine_name(engine)]
+    if handler is render_jinja2 and isinstance(variables, ChainMap):
+        return handler(text, variables, partials)       # a view (runtime_variables): read through
     if handler is not render_mustache and not isinstance(variables, dict):
         raise TemplateError("variables must be a mapping for JINJA2 and SIMPLE", section="9.2")
     return handler(text, variables, partials)

@@ -1449,6 +1449,47 @@ def test_llm_memory_order_and_truncation_in_entries(llm_render):
                              {"role": "user", "content": "m3"}, {"role": "assistant", "content": "r3"}]
 
 
+class _RecordingTransport:
+    """Answers each request with a scripted reply and keeps the request object it was given."""
+
+    def __init__(self, replies=()):
+        self.replies, self.requests = list(replies), []
+
+    def complete(self, request):
+        self.requests.append(request)
+        return self.replies.pop(0) if self.replies else request["messages"][-1]["content"]
+
+
+def test_llm_log_copies_no_history_yet_later_changes_leave_it_alone(llm_render):
+    """Issue 24: a logged request is a dict and messages list of its own whose entries are the
+    request's own (no deep copy); what changes later -- memory appending and trimming, the
+    invoking context's conversation_history, a structured reply the host changes -- leaves
+    every logged request as it was sent."""
+    transport = _RecordingTransport(["r1", {"answer": ["a"]}, "r3"])
+    rt = _llm_rt(llm_transport=transport)
+    agent = _llm_agent({"memory_enabled": True, "max_history": 4}, rt)
+    agent.invoke("m1", {})
+    first = copy.deepcopy(rt.llm_log[-1])
+    structured = agent.invoke("m2", {})
+    second = copy.deepcopy(rt.llm_log[-1])
+    structured["answer"].append("changed by the host")      # the reply as a message carried it
+    agent.invoke("m3", {})
+    agent.invoke("m4", {})                                  # memory trims its oldest entries
+    assert rt.llm_log[0] == first and rt.llm_log[1] == second
+    assert rt.llm_log[2]["messages"][3] == {"role": "assistant", "content": {"answer": ["a"]}}
+    for logged, sent in zip(rt.llm_log, transport.requests):
+        assert logged is not sent and logged["messages"] is not sent["messages"]
+        assert all(a is b for a, b in zip(logged["messages"], sent["messages"]))   # not copied
+    history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "ok"}]
+    ctx = {"conversation_history": history}
+    _llm_agent({}, rt, name="b").invoke("now", ctx)
+    sent = copy.deepcopy(rt.llm_log[-1])
+    history[0]["content"] = "rewritten"
+    history.append({"role": "user", "content": "more"})
+    ctx["conversation_history"] = []
+    assert rt.llm_log[-1] == sent and sent["messages"][0] == {"role": "user", "content": "earlier"}
+
+
 def test_llm_memory_not_appended_after_failure(llm_render):
     rt = _llm_rt(llm_transport=actor.FakeTransport({"a": [{"error": "boom"}, "ok"]}))
     agent = _llm_agent({"memory_enabled": True}, rt)
@@ -1574,6 +1615,27 @@ def test_llm_system_prompt_rendered_and_fallback():
     broken = "Bad {{ 1 | no_such_filter_x }}"
     _llm_agent({"system_prompt": broken}, rt, name="b").invoke("hi", {})
     assert rt.llm_log[-1]["system"] == broken and rt.warnings
+
+
+def test_llm_prompt_view_reads_through_the_contexts_without_merging_them():
+    """§4.9, §4.4.6 (I-034): the prompt sees the invocation context over the agent's own one
+    and the template_vars over both, through a view (ContextChain) that copies neither: a key
+    set after the call was built is seen, `context` prints and encodes as the merged dict."""
+    rt = _llm_rt(llm_transport=actor.FakeTransport({}), doc={"prompts": {"p": {
+        "content": "{{ who }} {{ topic }} {{ extra }}"}}})
+    agent = _llm_agent({"context": {"topic": "agent", "who": "agent", "extra": "x"},
+                        "system_prompt": "{{ topic }}/{{ context.who }}/{{ context | tojson }}/"
+                                         "{{ context }}", "template": "p",
+                        "template_vars": {"who": "vars"}}, rt)
+    agent.invoke("hi", {"topic": "call"})
+    merged = {"topic": "call", "who": "agent", "extra": "x"}
+    assert rt.llm_log[-1]["system"] == f"call/agent/{json.dumps(merged)}/{merged!r}"
+    assert rt.llm_log[-1]["messages"][-1]["content"] == "vars call x"
+    view = actor.ContextChain({"a": 1}, {"a": 0, "b": 2})
+    assert dict(view) == {"a": 1, "b": 2} and repr(view) == repr({"a": 1, "b": 2})
+    variables = actor.runtime_variables(view, "m", chained=True)
+    assert isinstance(variables, collections.ChainMap) and variables["context"] is view
+    assert actor.runtime_variables(view, "m")["context"] == {"a": 1, "b": 2}
 
 
 def test_llm_template_formats_user_message(llm_render):
