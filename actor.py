@@ -3529,8 +3529,9 @@ class Flow:
         finally:
             self.stack = outer
 
-    def stage(self, stage):
-        """`stage` with its next and complete taken as steps."""
+    def stage(self, stage, index=0):
+        """`stage` with its next and complete taken as steps (`index`: its place counted from
+        the end of its chain, 0 for a route's last Stage)."""
         flow, next, complete = self, stage.next, stage.complete
 
         def next_step(msg):
@@ -3578,7 +3579,7 @@ def build_chain(net, route, ops, path, down):
             if params.get(key) is None and row.default is not REQUIRED:
                 params[key] = row.default
         stage = net.flow.stage(handler(_OpSite(net, route, path + (index, "params"), ops, index),
-                                       params, stage))
+                                       params, stage), len(ops) - index)
     return stage
 
 # §5.3.1 Stream types ------------------------------------------------------------------
@@ -5171,7 +5172,7 @@ class StreamNetwork:
             return False
         if msg.source_stream != source:
             msg = msg.copy(source_stream=source)
-        node.push(msg)
+        self.flow.call(node.push, msg)
         return True
 
     def fail(self, origin, msg, exc):
@@ -11672,9 +11673,9 @@ FAST_FLOW_HOPS = 32     # operators and streams on the longest path nested calls
 
 def stream_flow(net, data):
     """StreamNetwork.flow for a network that is not on the reference path: DirectFlow where
-    stream_hops bounds every flow, else the body's Flow (a cycle, a long route or chain)."""
+    stream_hops bounds every flow, else ChunkedFlow (a cycle, a long route or chain)."""
     if stream_hops(net.rt, data) is None:
-        return Flow()
+        return ChunkedFlow()
     net.send = direct_network_send.__get__(net)
     return DirectFlow()
 
@@ -11748,6 +11749,19 @@ class _AnyName:
         return True
 
 
+FLOW_CHUNK = 16     # operators of a route that hand over by direct calls between two loop steps
+
+
+class ChunkedFlow(Flow):
+    """The body's loop, where an operator hands over to the next one of its route by a direct
+    call, but for every FLOW_CHUNK-th: the stack holds at most that many operators, and the
+    order is the loop's, since every hand-over to a stream, a sink or another route, and each
+    operator's next and complete at one place alike, stay steps."""
+
+    def stage(self, stage, index=0):
+        return super().stage(stage) if index % FLOW_CHUNK == 0 else stage
+
+
 class DirectFlow(Flow):
     """Flow's steps as direct nested calls, for a network stream_hops bounds."""
 
@@ -11763,7 +11777,7 @@ class DirectFlow(Flow):
     def outside(self, fn, *args):
         return fn(*args)
 
-    def stage(self, stage):
+    def stage(self, stage, index=0):
         return stage
 
     def stream(self, name, *args):

@@ -14,6 +14,7 @@ import http.server
 import importlib.util
 import io
 import json
+import math
 import os
 import random
 import re
@@ -6017,8 +6018,9 @@ def test_flow_runs_its_ensured_steps_when_a_step_fails():
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
 def test_long_routes_and_fan_out_keep_nested_call_order_on_both_paths(reference):
-    """A route longer than A.3's FAST_FLOW_HOPS runs on the body's loop, a short one by nested
-    calls; a fan-out over both delivers in the same order either way (§12.2.2)."""
+    """A route longer than A.3's FAST_FLOW_HOPS runs on the body's loop (on the default path in
+    chunks of FLOW_CHUNK direct calls), a short one by nested calls; a fan-out over both
+    delivers in the same order either way (§12.2.2)."""
     long_ops = ", ".join(["{type: map, params: {transform: {type: identity}}}"] * 40)
     text = f"""\
 agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
@@ -6033,7 +6035,8 @@ routes:
 merges: [{{sources: [__input__], target: s}}]
 """
     with actor.load(text=text, reference=reference) as team:
-        assert type(team.network.flow) is actor.Flow        # 42 hops: the loop, both paths
+        flow = team.network.flow                             # 44 hops: the loop, both paths
+        assert type(flow) is (actor.Flow if reference else actor.ChunkedFlow)
         assert [m.content for m in team.send("x").outputs] == ["long x", "tail long x", "short x"]
     short = text.replace(long_ops + ", ", "")
     with actor.load(text=short, reference=reference) as team:
@@ -8099,6 +8102,171 @@ def test_bench_send_against_rxpy_subject_pipeline():
     print(f"RxPY Subject -> map(bare function) -> Subject: {rates['rx']:,.0f} msg/s; "
           f"Actor.send() map(inline tool, sandboxed) -> __output__: {rates['send']:,.0f} msg/s "
           f"({rates['send'] / rates['rx']:.2f}x RxPY; issue 15 asks >= 1.0x)")
+
+
+def _per_call(fn, calls, rounds=5):
+    """Best of `rounds` rounds of `calls` calls, seconds per call, on the calling thread's CPU."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.thread_time()
+        for _i in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best
+
+
+def _fitted_exponent(rows):
+    """The least-squares slope of log(time) against log(size)."""
+    xs, ys = [math.log(n) for n, _t in rows], [math.log(t) for _n, t in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _print_curve(title, unit, curves, target):
+    """One table: size, then time and per-unit time of each curve; then each fitted exponent and
+    its largest per-unit time against the smallest size's, beside the target."""
+    print(f"\n[curve] {title} (target: {target})")
+    labels = list(curves)
+    print("  " + f"{unit:>8}" + "".join(f" | {label:>30}" for label in labels))
+    for i, (size, _t) in enumerate(curves[labels[0]]):
+        cells = "".join(f" | {curves[l][i][1] * 1e6:11.2f} us {curves[l][i][1] / size * 1e6:9.4f} us/u"
+                        for l in labels)
+        print(f"  {size:>8}{cells}")
+    for label, rows in curves.items():
+        units = [t / n for n, t in rows]
+        print(f"  {label}: exponent {_fitted_exponent(rows):.3f}, per-unit cost at most "
+              f"{max(units) / units[0]:.2f}x the smallest size's")
+
+
+def _pipeline_actor(operators, reference):
+    ops = ", ".join(["{type: map, params: {transform: {type: identity}}}"] * operators)
+    return actor.load(text=f"""\
+agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}
+routes:
+  main: {{type: stream, operators: [{ops}], publications: [__output__]}}
+merges: [{{sources: [__input__], target: main}}]
+""", reference=reference)
+
+
+@pytest.mark.bench
+def test_bench_stream_curves_pipeline_fan_out_guarded_loop():
+    """Issue 24: per-message cost against the number of operators in one route (beside RxPY's
+    Subject.pipe of as many maps), the number of routes one stream fans out to (beside RxPY's
+    Subject with as many mapped subscribers), and the laps of a take-bounded cycle (beside the
+    floor: as many bare calls of the agent each lap invokes); default and reference paths. Target:
+    exponent <= 1.05, per-unit cost within 2x of the smallest size's. Timings are printed, not
+    asserted."""
+    rx_ops = pytest.importorskip("reactivex.operators")
+    from reactivex.subject import Subject
+    sizes = (10, 30, 100, 300, 1000)
+    curves = {"actor default": [], "actor reference": [], "RxPY pipe(map x N)": []}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))     # RxPY nests calls: three frames an operator
+    try:
+        for n in sizes:
+            for label, reference in (("actor default", False), ("actor reference", True)):
+                team = _pipeline_actor(n, reference)
+                assert [m.content for m in team.send("x").outputs] == ["x"]
+                curves[label].append((n, _per_call(lambda: team.send("x"), max(5, 20_000 // n))))
+            source, seen = Subject(), []
+            source.pipe(*[rx_ops.map(lambda x: x)] * n).subscribe(seen.append)
+            source.on_next("x")
+            assert seen == ["x"]
+            curves["RxPY pipe(map x N)"].append(
+                (n, _per_call(lambda: source.on_next("x"), max(5, 20_000 // n))))
+    finally:
+        sys.setrecursionlimit(limit)
+    _print_curve("a pipeline: one route of N map(transform) operators, one message", "ops",
+                 curves, "exponent <= 1.05, per-unit within 2x")
+
+    curves = {"actor default": [], "actor reference": [], "RxPY N subscribers": []}
+    for n in sizes:
+        routes = "\n".join(f"  r{i}: {{type: stream, operators: [{{type: map, params: "
+                           f"{{transform: {{type: identity}}}}}}], publications: [__output__]}}"
+                           for i in range(n))
+        text = (f"agents: {{e: {{type: tool, config: {{tools: [echo]}}}}}}\nroutes:\n"
+                f"  s: {{type: stream, publications: [{', '.join(f'r{i}' for i in range(n))}]}}\n"
+                f"{routes}\nmerges: [{{sources: [__input__], target: s}}]\n")
+        for label, reference in (("actor default", False), ("actor reference", True)):
+            team = actor.load(text=text, reference=reference)
+            assert len(team.send("x").outputs) == n
+            curves[label].append((n, _per_call(lambda: team.send("x"), max(5, 20_000 // n))))
+        source, seen = Subject(), []
+        for _i in range(n):
+            source.pipe(rx_ops.map(lambda x: x)).subscribe(seen.append)
+        source.on_next("x")
+        assert len(seen) == n
+        curves["RxPY N subscribers"].append(
+            (n, _per_call(lambda: source.on_next("x"), max(5, 20_000 // n))))
+    _print_curve("a fan-out: one stream publishing to N routes of one operator each", "routes",
+                 curves, "exponent <= 1.05, per-unit within 2x")
+
+    cycle = """\
+agents: {e: {type: tool, config: {tools: [echo]}}}
+routes:
+  a: {type: stream, operators: [{type: take, params: {count: %d}}], publications: [b]}
+  b: {type: stream, operators: [{type: map, params: {agent: e}}], publications: [a, __output__]}
+merges: [{sources: [__input__], target: a}]
+"""
+    curves = {"actor default": [], "actor reference": [], "floor: N agent calls": []}
+    for n in (10, 100, 1000, 10_000):
+        for label, reference in (("actor default", False), ("actor reference", True)):
+            teams = [actor.load(text=cycle % n, reference=reference) for _i in range(3)]
+            times = []
+            for team in teams:                       # a take counts once: a fresh Actor a run
+                started = time.thread_time()
+                result = team.send("x")
+                times.append(time.thread_time() - started)
+                assert len(result.outputs) == n and result.errors == []
+            curves[label].append((n, min(times)))
+        agent, ctx = teams[0].rt.agents["e"], teams[0].rt.context
+        curves["floor: N agent calls"].append(
+            (n, _per_call(lambda: [agent.invoke("x", ctx) for _i in range(n)], 3)))
+    _print_curve("a guarded loop: a take-bounded cycle of N laps, one message", "laps", curves,
+                 "exponent <= 1.05, per-unit within 2x")
+
+
+@pytest.mark.bench
+def test_bench_llm_curves_history_entries_and_context_keys():
+    """Issue 24: an LLM request's cost against the history entries it sends (memory off, from
+    conversation_history; beside the floor: building the same entries, and beside what the
+    deep copy of the log used to cost on its own), and against context keys no prompt reads
+    (a Jinja2 system prompt reading one key; beside the 10-key run). Targets: exponent <= 1.05
+    and per-unit within 2x for history entries; exponent <= 0.2 for unread context keys."""
+    def agent_for(config=None):
+        rt = actor.Runtime(actor.Doc({}), env={}, llm_transport=actor.FakeTransport({}))
+        cfg = {"provider": "openai", "api_key": "k", **(config or {})}
+        return rt, actor.LLMAgent("a", {"type": "llm", "config": cfg}, rt, ("agents", "a"))
+    curves = {"request": [], "floor: the entries built": [], "deepcopy of the log (before)": []}
+    for n in (10, 100, 1000, 10_000):
+        rt, agent = agent_for()
+        history = [{"role": "user" if i % 2 else "assistant", "content": f"entry {i}"}
+                   for i in range(n)]
+        ctx = {"conversation_history": history}
+        agent.invoke("now", ctx)
+        assert len(rt.llm_log[-1]["messages"]) == n + 1
+        calls = max(3, 20_000 // n)
+        curves["request"].append((n, _per_call(lambda: agent.invoke("now", ctx), calls)))
+        curves["floor: the entries built"].append(
+            (n, _per_call(lambda: actor.history_from_context(ctx), calls)))
+        request = dict(rt.llm_log[-1])
+        curves["deepcopy of the log (before)"].append(
+            (n, _per_call(lambda: copy.deepcopy(request), calls)))
+    _print_curve("an LLM request sending N history entries", "entries", curves,
+                 "exponent <= 1.05, per-unit within 2x")
+    curves = {"invocation context": [], "agent's own context": []}
+    for n in (10, 100, 1000, 10_000, 100_000):
+        big = {f"k{i}": i for i in range(n)}
+        prompt = {"system_prompt": "About {{ context.topic }}: {{ message }}"}
+        for label, config, ctx in (("invocation context", prompt, dict(big, topic="owls")),
+                                   ("agent's own context", {**prompt, "context": big},
+                                    {"topic": "owls"})):
+            rt, agent = agent_for(config)
+            agent.invoke("hi", ctx)
+            assert rt.llm_log[-1]["system"] == "About owls: hi"
+            curves[label].append((n, _per_call(lambda: agent.invoke("hi", ctx), 300)))
+    _print_curve("an LLM message whose Jinja2 prompt reads 1 of N context keys", "keys", curves,
+                 "exponent <= 0.2 (flat)")
 
 
 @pytest.mark.bench
