@@ -4645,13 +4645,11 @@ def cond_has_messages(cond, subject, rt):
 
 
 def cond_message_count(cond, subject, rt):
-    """`operator` (gt, lt, eq; default eq) compares the state's message count with `value`."""
+    """`operator` (gt, lt, eq) compares the state's message count with `value` (both checked
+    at load, condition_shape_error)."""
     count = len(subject.get("messages", [])) if isinstance(subject, dict) else 0
-    compare = MESSAGE_COUNT_OPERATORS.get(cond.get("operator", "eq"))
-    try:
-        return compare is not None and bool(compare(count, cond.get("value", 0)))
-    except TypeError:           # a value that is no number: the comparison does not hold
-        return False
+    compare, value = MESSAGE_COUNT_OPERATORS.get(cond.get("operator")), cond.get("value")
+    return compare is not None and _whole(value) and compare(count, value)
 
 
 # The §5.4 message_count operators.
@@ -4752,11 +4750,14 @@ def condition_shape_error(cond):
     needed = CONDITION_REQUIRED.get(kind)
     if needed is not None and cond.get(needed) is None:
         return needed, f"a {kind} condition needs `{needed}`"
-    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>
-        if cond.get("operator") is not None and cond["operator"] not in MESSAGE_COUNT_OPERATORS:
+    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>, both given
+        for needed in ("operator", "value"):
+            if cond.get(needed) is None:
+                return needed, f"a message_count condition needs `{needed}` (§5.4 gives no default)"
+        if cond["operator"] not in MESSAGE_COUNT_OPERATORS:
             return "operator", (f"message_count operator must be one of "
                                 f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
-        if cond.get("value") is not None and not _whole(cond["value"]):
+        if not _whole(cond["value"]):
             return "value", f"message_count value must be an integer, not {cond['value']!r}"
     return None
 

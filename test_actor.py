@@ -4304,7 +4304,8 @@ def _random_graph(rng):
                 edge["condition"] = rng.choice([
                     {"type": "content_contains", "pattern": "x"},
                     {"type": "context_value", "key": "next_node", "value": rng.choice(names)},
-                    {"type": "has_messages"}, {"type": "message_count", "min": 3}])
+                    {"type": "has_messages"},
+                    {"type": "message_count", "operator": "gt", "value": 3}])
             edges.append(edge)
     return {"type": "graph", "nodes": nodes, "edges": edges}
 
