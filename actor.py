@@ -10000,9 +10000,10 @@ def note_phase_a_reads(rt, raw, file, render_context, engine):
                                       engine=engine)
         jinja = jinja2_module()
         tree = jinja_environment().parse(text)
-    except Exception:           # parse_source reports what does not parse, located
+        # (code generation checks filter and test names: `{{ x | nosuch }}` fails here)
+        unread = jinja.meta.find_undeclared_variables(tree) - set(jinja_environment().globals)
+    except Exception:           # parse_source reports what does not parse or render, located
         return
-    unread = jinja.meta.find_undeclared_variables(tree) - set(jinja_environment().globals)
     rt.phase_a_reads.update(unread)
     for loop in tree.find_all(jinja.nodes.For):
         root = loop.iter
