@@ -10038,7 +10038,7 @@ def load_document(sources, render_context, engine, env, rt):
             merge_marks(marks, part_marks, before, part)
     doc = Doc(data, marks, files, rendered)
     rt.doc = doc
-    doc.data = interpolate_env(doc.data, env, doc)
+    doc.data = interpolate_env(doc.data, env, doc, rt)
     return doc
 
 
@@ -11348,12 +11348,12 @@ EXTENSION_TOOLS = {
 _ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
 
 
-def interpolate_env(data, env, doc, path=()):
+def interpolate_env(data, env, doc, rt, path=()):
     """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
     if isinstance(data, dict):
-        return {k: interpolate_env(v, env, doc, path + (k,)) for k, v in data.items()}
+        return {k: interpolate_env(v, env, doc, rt, path + (k,)) for k, v in data.items()}
     if isinstance(data, list):
-        return [interpolate_env(v, env, doc, path + (i,)) for i, v in enumerate(data)]
+        return [interpolate_env(v, env, doc, rt, path + (i,)) for i, v in enumerate(data)]
     if not isinstance(data, str) or "${" not in data:
         return data
     refs = []
@@ -11361,6 +11361,13 @@ def interpolate_env(data, env, doc, path=()):
     def substitute(match):
         name, default = match.group(1), match.group(2)
         refs.append(name)
+        if default is not None and "${" in default:
+            # INTERPRETATION I-221 §14.1, §14.4: a default is literal text up to the first `}`,
+            # never a nested reference (each string is interpolated exactly once), so
+            # `${A:${B}}` with A unset gives the text `${B}`. Warned, as that is rarely meant.
+            rt.warn(f"the default of '${{{name}:...}}' holds '${{': a default is literal text "
+                    f"up to the first '}}', so '{match.group(0)}' reads no other variable",
+                    section="14.1, §14.4", path=path)
         if name in env:
             return str(env[name])
         if default is not None:
@@ -11376,8 +11383,10 @@ def interpolate_env(data, env, doc, path=()):
 
 # §14.3 Type coercion ----------------------------------------------------------------------
 # INTERPRETATION I-011 §14.3 (Q90): only a string that was one single reference is coerced.
-_ENV_INT = re.compile(r"-?\d+")
-_ENV_FLOAT = re.compile(r"-?\d+\.\d+")
+# INTERPRETATION I-220 §14.3: `\d` is an ASCII digit, as in YAML 1.2's core schema; a fullwidth
+# `１２` or an Arabic-Indic digit stays a string (Python's `\d` alone would take any Unicode digit).
+_ENV_INT = re.compile(r"-?[0-9]+")
+_ENV_FLOAT = re.compile(r"-?[0-9]+\.[0-9]+")
 
 
 def coerce_env_value(text):

@@ -5762,7 +5762,9 @@ def test_interpretations_are_linked():
     entries = _interpretation_entries()
     assert len(entries) > 150
     ids = sorted(entries)
-    assert ids == [f"I-{n:03d}" for n in range(1, len(ids) + 1)], "ids are numbered without gaps"
+    # Ids are never renumbered; parallel sessions draw from assigned ranges, so gaps may appear
+    # above the first 175.
+    assert ids[:175] == [f"I-{n:03d}" for n in range(1, 176)], "I-001..I-175 stay in place"
     src = (HERE / "actor.py").read_text(encoding="utf-8")
     untagged = [line.strip() for line in src.splitlines()
                 if re.search(r"\bINTERPRETATION\b(?! I-\d{3})", line)]
