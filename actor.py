@@ -9266,8 +9266,9 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
             out.append(text)
         elif kind is MSection:
             value = mustache_lookup(stack, node.name)
-            falsy = value is None or value is False or value == "" or (
-                isinstance(value, (list, tuple)) and not value)
+            # INTERPRETATION I-222 §9.2 (issue 23): the Mustache spec leaves falsiness to the host
+            # language; Python's is this dialect's: 0, 0.0, {}, [], "", None and False are false.
+            falsy = not value
             if node.inverted:
                 if falsy:
                     mustache_render_nodes(node.nodes, stack, partials, out, depth)
