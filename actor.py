@@ -10156,6 +10156,9 @@ _TOOL_PAYLOAD_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\
                          "\f": "\\f"}
 
 
+_NON_BLANK = re.compile(r"\S")    # the sanitiser's look-ahead: str.lstrip()'s blanks, skipped
+
+
 def check_tool_execute(rt, tools, enabled, cpath):
     """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
     if tools is None:
@@ -10179,6 +10182,9 @@ def sanitize_tool_payload(text):
     characters and inner double quotes, so that model-written payloads parse.
 
     A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
+    One pass, linear in the payload (T1, README Security: the payload is model text, and looking
+    at the rest of the text after every inner quote was quadratic): the look-ahead after a quote
+    skips only the blanks that follow it, and those runs never overlap.
     """
     # INTERPRETATION I-038 §12.4 item 2: "literal backslashes" are all backslashes inside string
     # values, so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
@@ -10189,8 +10195,8 @@ def sanitize_tool_payload(text):
             out.append(ch)
             in_string = ch == '"'
         elif ch == '"':
-            rest = text[i + 1:].lstrip()
-            if not rest or rest[0] in ",}]:":
+            after = _NON_BLANK.search(text, i + 1)
+            if after is None or after.group() in ",}]:":
                 out.append(ch)
                 in_string = False
             else:

@@ -5979,6 +5979,26 @@ def test_tool_block_sanitising(fake_tools):
     assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
 
 
+def test_tool_block_sanitiser_is_linear_in_inner_quotes(fake_tools):
+    """§12.4 item 2, README T1: a payload of `"x` x 100k (model text that quotes a message) is
+    repaired in one pass. Ten times the quotes may cost at most 30 times as much (linear: ~10;
+    the earlier look-ahead over the rest of the text after each quote: ~100). Best of three runs
+    of each size, a ratio, never an absolute bound."""
+    def cost(n):
+        payload = '{"text": "' + '"x' * n + '"}'
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            repaired = actor.sanitize_tool_payload(payload)
+            best = min(best, time.perf_counter() - start)
+        assert json.loads(repaired) == {"text": '"x' * n}
+        return best
+    assert cost(100_000) < 30 * cost(10_000)
+    out = actor.process_tool_blocks(_llm_rt(), '[TOOL_EXECUTE:echo] {"text": "' + '"x' * 1000
+                                    + '"} [/TOOL_EXECUTE]', ["echo"], {})
+    assert out == "<echo:" + '"x' * 1000 + ">"
+
+
 def test_tool_block_errors_substituted(fake_tools):
     rt = _llm_rt()
     out = actor.process_tool_blocks(rt, "[TOOL_EXECUTE:echo] {broken [/TOOL_EXECUTE]", ["echo"], {})
