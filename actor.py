@@ -6338,23 +6338,25 @@ MATCH_TYPES = {
 }
 
 
-# INTERPRETATION I-113, I-165 §6.2.6.2: a shape that may backtrack is warned at load, not refused.
+# INTERPRETATION I-113, I-165 §6.2.6.2 (deviation): a router regex outside the safe subset below
+# is refused at load, located. Python's engine backtracks in C, where no deadline stops it.
 def regex_may_backtrack(pattern):
-    """Whether `pattern` has a shape on which Python's regex engine may take exponential or
-    high polynomial time on a crafted message, in C, past every deadline (T1, README
-    Security): an unbounded repeat of something that itself repeats without bound ((a+)+,
-    (\\w+\\s?)*), an unbounded repeat of an alternation whose branches are not single
-    characters ((a|ab)*), or two unbounded repeats side by side (\\w+\\w*, .*.*)."""
+    """None when `pattern` lies in the safe subset, else the reason it does not (T1, README
+    Security). The subset: (1) an unbounded repeat (`*`, `+`, `{n,}`) holds no other quantifier
+    but an exact `{n}` -- no `(a+)+`, `(a*)*b`, `(\\w+\\s?)*`, `(a?a?)*` -- and (2) no
+    alternation other than one of single characters -- no `(a|ab)*`, `(foo|bar)+`, `^(a|a)*$`;
+    (3) no two unbounded repeats stand side by side (`\\w+\\w*`, `.*.*`). What is left backtracks
+    at most polynomially, its degree bounded by the unbounded repeats in one sequence."""
     try:
         parsed = _regex_parser.parse(pattern)
     except Exception:           # checked and reported by check_node
-        return False
-    repeats = (_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT)
-    single = (_regex_constants.LITERAL, _regex_constants.IN, _regex_constants.ANY,
-              _regex_constants.NOT_LITERAL, _regex_constants.CATEGORY)
+        return None
+    c = _regex_constants
+    repeats = (c.MAX_REPEAT, c.MIN_REPEAT) + ((c.POSSESSIVE_REPEAT,)
+                                              if hasattr(c, "POSSESSIVE_REPEAT") else ())
 
     def unbounded(item):
-        return item[0] in repeats and item[1][1] == _regex_constants.MAXREPEAT
+        return item[0] in repeats and item[1][1] == c.MAXREPEAT
 
     def parts(value):           # the sub-patterns inside one parsed item's argument
         if isinstance(value, _regex_parser.SubPattern):
@@ -6363,21 +6365,31 @@ def regex_may_backtrack(pattern):
             for item in value:
                 yield from parts(item)
 
+    def shaped(item):           # a group holding one item stands for that item
+        while item[0] is c.SUBPATTERN and len(item[1][-1]) == 1:
+            item = item[1][-1][0]
+        return item
+
     def risky(sub, under_repeat):
         items = list(sub)
         for before, after in zip(items, items[1:]):
-            if unbounded(before) and unbounded(after):
-                return True
+            if unbounded(shaped(before)) and unbounded(shaped(after)):
+                return "two unbounded repeats side by side"
         for op, arg in items:
-            if op == _regex_constants.BRANCH and under_repeat and any(
-                    len(branch) != 1 or branch[0][0] not in single for branch in arg[1]):
-                return True
-            if unbounded((op, arg)):
-                if under_repeat or any(risky(inner, True) for inner in parts(arg[2])):
-                    return True
-            elif any(risky(inner, under_repeat) for inner in parts(arg)):
-                return True
-        return False
+            if op is c.BRANCH and under_repeat:
+                # (the parser folds single-character branches into one set, so a branch left
+                # here has longer or empty alternatives: `a|a` is `a` then (empty | empty))
+                return "an alternation under an unbounded repeat"
+            if op in repeats:
+                if under_repeat and arg[0] != arg[1]:
+                    return "a quantifier inside an unbounded repeat"
+                inner = under_repeat or arg[1] == c.MAXREPEAT
+                found = next(filter(None, (risky(x, inner) for x in parts(arg[2]))), None)
+            else:
+                found = next(filter(None, (risky(x, under_repeat) for x in parts(arg))), None)
+            if found:
+                return found
+        return None
     return risky(parsed, False)
 
 
@@ -6394,7 +6406,7 @@ ROUTER_RULE_FIELDS = fields_by_name(
 
 
 def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names, known):
-    """§6.2.6: each rule's fields, a regex that compiles (warned when it may backtrack), set_state
+    """§6.2.6: each rule's fields, a regex that compiles and lies in the safe subset, set_state
     keys an Actor may write, and a target that is a node of the graph."""
     doc = rt.doc
     for index, rule in enumerate(cfg["rules"]):
@@ -6412,10 +6424,12 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
             except re.error as exc:
                 raise doc.error(ConfigurationError, at + ("pattern",),
                                 f"invalid regular expression: {exc}", "6.2.6.2") from None
-            if regex_may_backtrack(rule["pattern"]):
-                rt.warn(f"regex {rule['pattern']!r} repeats a repetition: a crafted message may "
-                        "make matching take exponential time", section="6.2.6.2",
-                        path=at + ("pattern",))
+            unsafe = regex_may_backtrack(rule["pattern"])
+            if unsafe:
+                raise doc.error(ConfigurationError, at + ("pattern",),
+                                f"regex {rule['pattern']!r} is outside the safe subset "
+                                f"({unsafe}): a crafted message could make matching backtrack "
+                                f"for hours (README Security, T1)", "6.2.6.2")
         try:     # T2 (README Security): the host-only keys are the host's (§10.3)
             refuse_host_keys(rule.get("set_state"), "set_state")
         except ExecutionError as exc:

@@ -3462,21 +3462,25 @@ def test_cli_runs_the_triage_graph_example():
     assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
 
 
-def test_router_regex_backtracking_shapes_are_warned():
-    """Issue 11: alternation under a repeat and adjacent unbounded repeats are warned too; the
-    usual routing patterns are not."""
-    risky = ("(a|ab)*c", "(foo|bar)+x", r"\w+\w*!", ".*.*x", r"^(\d+)+$")
-    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!")
-    assert [actor.regex_may_backtrack(p) for p in risky] == [True] * len(risky)
-    assert [actor.regex_may_backtrack(p) for p in plain] == [False] * len(plain)
+def test_router_regex_safe_subset():
+    """Issue 22 item 3: each shape outside the safe subset is named; the usual routing patterns
+    lie inside it."""
+    risky = {"(a|ab)*c": "alternation", "(foo|bar)+x": "alternation", "^(a|a)*$": "alternation",
+             r"\w+\w*!": "side by side", ".*.*x": "side by side", "(x*)(x*)": "side by side",
+             r"^(\d+)+$": "quantifier", "(a*)*b": "quantifier", "(a?a?)*$": "quantifier",
+             "((ab)*c)*": "quantifier"}
+    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!",
+             "(ab{2})*", r"id=(\d+)", ".*")
+    assert all(word in actor.regex_may_backtrack(p) for p, word in risky.items())
+    assert [actor.regex_may_backtrack(p) for p in plain] == [None] * len(plain)
 
 
 # §6.2.6.2 Match types -----------------------------------------------------------------------------
 
 
-def test_router_regex_with_nested_repeats_is_warned_at_load():
-    """§6.2.6.2: a regex rule repeating a repetition ((a+)+) may backtrack exponentially on a
-    crafted message, in C and past any deadline: warned at load with its location."""
+def test_router_regex_outside_the_safe_subset_is_refused_at_load():
+    """§6.2.6.2, README T1: a regex rule that may backtrack super-linearly ((a+)+, ^(a|a)*$) is
+    refused at load with its location; a pattern inside the subset loads and routes."""
     def router(pattern):
         return {"type": "graph", "nodes": {
             "r": {"type": "message_router", "rules": [
@@ -3484,13 +3488,13 @@ def test_router_regex_with_nested_repeats_is_warned_at_load():
             "a": {"type": "agent", "agent": "a"}},
             "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
                       {"source": "a", "target": "end"}]}
-    rt, g = make_graph(router("^(\\\\w+\\\\s?)*$"), {"a": echo("a")})
-    assert any("routes.main.nodes.r.rules[0].pattern" in w and "exponential" in w
-               and "§6.2.6.2" in w for w in rt.warnings)
+    for pattern in ("^(\\w+\\s?)*$", "^(a|a)*$", "(a*)*b"):
+        with pytest.raises(actor.ConfigurationError) as err:
+            make_graph(router(pattern), {"a": echo("a")})
+        assert "routes.main.nodes.r.rules[0].pattern" in str(err.value)
+        assert "§6.2.6.2" in str(err.value) and "safe subset" in str(err.value)
     rt, g = make_graph(router("^CODE:(.*)$"), {"a": echo("a")})
-    assert not any("exponential" in w for w in rt.warnings)
-    assert [actor.regex_may_backtrack(p) for p in ("(a+)+$", "(a|b)*c", "(?:a+){3}", "(x*)*")] \
-        == [True, False, False, True]
+    assert g.run("CODE: fix").output == "a( fix)"          # echo("a") of the extracted group
 
 
 # §6.3 Graph state ---------------------------------------------------------------------------------
