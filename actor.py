@@ -9320,9 +9320,10 @@ def render_mustache(text, variables, partials=None):
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-# INTERPRETATION I-161 §9.2 (T1, README Security): the format pass reads the template's own text
-# only. What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
-# message "what is {api_token}?" prints as written.
+# INTERPRETATION I-161 §9.2 (T1, README Security; issue 23): the two steps run in order, and what
+# a {{ }} produced (a message, a context value) is data: its braces are escaped before the format
+# pass, and a format field may not reach across it, so a message "what is {api_token}?" prints as
+# written. The format pass substitutes only names of the render's variables.
 @functools.lru_cache(maxsize=4096)
 def simple_parts(text):
     """The template split once into (is_expression, text) parts: literal text and {{ }} bodies."""
@@ -9407,27 +9408,57 @@ def simple_format(text, variables):
     return "".join(out)
 
 
-# INTERPRETATION I-135 §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at
-# Phase C only, with the Phase C rendering context as the named parameters.
+# INTERPRETATION I-135 §9.2 (Q60 (b), (d); deviation): the {{ }} pass at every phase, the format
+# pass at Phase C only, with the Phase C rendering context as the named parameters. At Phases A
+# and B a format pass would read every YAML flow mapping (`{a: 1}`) as a field, and §9.2's
+# doubling escape (`{{`) is the expression marker itself.
 def render_simple(text, variables, partials=None, *, format_pass=True):
-    """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    """§9.2 SIMPLE: step 1 evaluates {{ expr }}; step 2 (Phase C only) formats {name} fields over
+    step 1's text."""
     return run_budgeted(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
                         "SIMPLE", TemplateError)
 
 
+def _simple_field_open(literal, inside):
+    """Whether a format field is still open at the end of `literal` (str.format's brace grammar,
+    from the state `inside`: the open field's brace depth, 0 outside). A lone `}` at the end is
+    reported as open too: it would pair with what follows."""
+    i, n = 0, len(literal)
+    while i < n:
+        ch = literal[i]
+        if inside:
+            inside += 1 if ch == "{" else -1 if ch == "}" else 0
+        elif ch in "{}":
+            if literal.startswith(ch * 2, i):
+                i += 1                  # `{{` / `}}`: an escaped brace
+            elif ch == "{":
+                inside = 1
+            elif i == n - 1:
+                return -1               # a lone `}` that a result would complete
+        i += 1
+    return inside
+
+
 def _render_simple(text, variables, format_pass):
-    out, names = [], None
+    out, names, inside = [], None, 0
     for is_expression, part in simple_parts(text):
         if not is_expression:
-            out.append(simple_format(part, variables) if format_pass else part)
+            out.append(part)
+            if format_pass:
+                inside = _simple_field_open(part, inside)
             continue
+        if inside:
+            raise TemplateError("SIMPLE: a format field may not hold a {{ }} result (it is "
+                                "data, never template source)", section="9.2")
         names = names if names is not None else simple_names(variables)
         try:
             value = eval_expression_text(part, names)
         except ActorError as exc:
             raise TemplateError(f"SIMPLE: {{{{ {part} }}}}: {exc.message}", section="9.2") from exc
-        out.append("" if value is None else str(value))
-    return "".join(out)
+        value = "" if value is None else str(value)
+        out.append(value.replace("{", "{{").replace("}", "}}") if format_pass else value)
+    text = "".join(out)
+    return simple_format(text, variables) if format_pass else text
 
 
 ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
