@@ -4769,13 +4769,11 @@ def cond_has_messages(cond, subject, rt):
 
 
 def cond_message_count(cond, subject, rt):
-    """`operator` (gt, lt, eq; default eq) compares the state's message count with `value`."""
+    """`operator` (gt, lt, eq) compares the state's message count with `value` (both checked
+    at load, condition_shape_error)."""
     count = len(subject.get("messages", [])) if isinstance(subject, dict) else 0
-    compare = MESSAGE_COUNT_OPERATORS.get(cond.get("operator", "eq"))
-    try:
-        return compare is not None and bool(compare(count, cond.get("value", 0)))
-    except TypeError:           # a value that is no number: the comparison does not hold
-        return False
+    compare, value = MESSAGE_COUNT_OPERATORS.get(cond.get("operator")), cond.get("value")
+    return compare is not None and _whole(value) and compare(count, value)
 
 
 # The §5.4 message_count operators.
@@ -4876,11 +4874,14 @@ def condition_shape_error(cond):
     needed = CONDITION_REQUIRED.get(kind)
     if needed is not None and cond.get(needed) is None:
         return needed, f"a {kind} condition needs `{needed}`"
-    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>
-        if cond.get("operator") is not None and cond["operator"] not in MESSAGE_COUNT_OPERATORS:
+    if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>, both given
+        for needed in ("operator", "value"):
+            if cond.get(needed) is None:
+                return needed, f"a message_count condition needs `{needed}` (§5.4 gives no default)"
+        if cond["operator"] not in MESSAGE_COUNT_OPERATORS:
             return "operator", (f"message_count operator must be one of "
                                 f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
-        if cond.get("value") is not None and not _whole(cond["value"]):
+        if not _whole(cond["value"]):
             return "value", f"message_count value must be an integer, not {cond['value']!r}"
     return None
 
@@ -6394,23 +6395,25 @@ MATCH_TYPES = {
 }
 
 
-# INTERPRETATION I-113, I-165 §6.2.6.2: a shape that may backtrack is warned at load, not refused.
+# INTERPRETATION I-113, I-165 §6.2.6.2 (deviation): a router regex outside the safe subset below
+# is refused at load, located. Python's engine backtracks in C, where no deadline stops it.
 def regex_may_backtrack(pattern):
-    """Whether `pattern` has a shape on which Python's regex engine may take exponential or
-    high polynomial time on a crafted message, in C, past every deadline (T1, README
-    Security): an unbounded repeat of something that itself repeats without bound ((a+)+,
-    (\\w+\\s?)*), an unbounded repeat of an alternation whose branches are not single
-    characters ((a|ab)*), or two unbounded repeats side by side (\\w+\\w*, .*.*)."""
+    """None when `pattern` lies in the safe subset, else the reason it does not (T1, README
+    Security). The subset: (1) an unbounded repeat (`*`, `+`, `{n,}`) holds no other quantifier
+    but an exact `{n}` -- no `(a+)+`, `(a*)*b`, `(\\w+\\s?)*`, `(a?a?)*` -- and (2) no
+    alternation other than one of single characters -- no `(a|ab)*`, `(foo|bar)+`, `^(a|a)*$`;
+    (3) no two unbounded repeats stand side by side (`\\w+\\w*`, `.*.*`). What is left backtracks
+    at most polynomially, its degree bounded by the unbounded repeats in one sequence."""
     try:
         parsed = _regex_parser.parse(pattern)
     except Exception:           # checked and reported by check_node
-        return False
-    repeats = (_regex_constants.MAX_REPEAT, _regex_constants.MIN_REPEAT)
-    single = (_regex_constants.LITERAL, _regex_constants.IN, _regex_constants.ANY,
-              _regex_constants.NOT_LITERAL, _regex_constants.CATEGORY)
+        return None
+    c = _regex_constants
+    repeats = (c.MAX_REPEAT, c.MIN_REPEAT) + ((c.POSSESSIVE_REPEAT,)
+                                              if hasattr(c, "POSSESSIVE_REPEAT") else ())
 
     def unbounded(item):
-        return item[0] in repeats and item[1][1] == _regex_constants.MAXREPEAT
+        return item[0] in repeats and item[1][1] == c.MAXREPEAT
 
     def parts(value):           # the sub-patterns inside one parsed item's argument
         if isinstance(value, _regex_parser.SubPattern):
@@ -6419,21 +6422,31 @@ def regex_may_backtrack(pattern):
             for item in value:
                 yield from parts(item)
 
+    def shaped(item):           # a group holding one item stands for that item
+        while item[0] is c.SUBPATTERN and len(item[1][-1]) == 1:
+            item = item[1][-1][0]
+        return item
+
     def risky(sub, under_repeat):
         items = list(sub)
         for before, after in zip(items, items[1:]):
-            if unbounded(before) and unbounded(after):
-                return True
+            if unbounded(shaped(before)) and unbounded(shaped(after)):
+                return "two unbounded repeats side by side"
         for op, arg in items:
-            if op == _regex_constants.BRANCH and under_repeat and any(
-                    len(branch) != 1 or branch[0][0] not in single for branch in arg[1]):
-                return True
-            if unbounded((op, arg)):
-                if under_repeat or any(risky(inner, True) for inner in parts(arg[2])):
-                    return True
-            elif any(risky(inner, under_repeat) for inner in parts(arg)):
-                return True
-        return False
+            if op is c.BRANCH and under_repeat:
+                # (the parser folds single-character branches into one set, so a branch left
+                # here has longer or empty alternatives: `a|a` is `a` then (empty | empty))
+                return "an alternation under an unbounded repeat"
+            if op in repeats:
+                if under_repeat and arg[0] != arg[1]:
+                    return "a quantifier inside an unbounded repeat"
+                inner = under_repeat or arg[1] == c.MAXREPEAT
+                found = next(filter(None, (risky(x, inner) for x in parts(arg[2]))), None)
+            else:
+                found = next(filter(None, (risky(x, under_repeat) for x in parts(arg))), None)
+            if found:
+                return found
+        return None
     return risky(parsed, False)
 
 
@@ -6450,7 +6463,7 @@ ROUTER_RULE_FIELDS = fields_by_name(
 
 
 def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names, known):
-    """§6.2.6: each rule's fields, a regex that compiles (warned when it may backtrack), set_state
+    """§6.2.6: each rule's fields, a regex that compiles and lies in the safe subset, set_state
     keys an Actor may write, and a target that is a node of the graph."""
     doc = rt.doc
     for index, rule in enumerate(cfg["rules"]):
@@ -6468,10 +6481,12 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
             except re.error as exc:
                 raise doc.error(ConfigurationError, at + ("pattern",),
                                 f"invalid regular expression: {exc}", "6.2.6.2") from None
-            if regex_may_backtrack(rule["pattern"]):
-                rt.warn(f"regex {rule['pattern']!r} repeats a repetition: a crafted message may "
-                        "make matching take exponential time", section="6.2.6.2",
-                        path=at + ("pattern",))
+            unsafe = regex_may_backtrack(rule["pattern"])
+            if unsafe:
+                raise doc.error(ConfigurationError, at + ("pattern",),
+                                f"regex {rule['pattern']!r} is outside the safe subset "
+                                f"({unsafe}): a crafted message could make matching backtrack "
+                                f"for hours (README Security, T1)", "6.2.6.2")
         try:     # T2 (README Security): the host-only keys are the host's (§10.3)
             refuse_host_keys(rule.get("set_state"), "set_state")
         except ExecutionError as exc:
@@ -9399,8 +9414,9 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
             out.append(text)
         elif kind is MSection:
             value = mustache_lookup(stack, node.name)
-            falsy = value is None or value is False or value == "" or (
-                isinstance(value, (list, tuple)) and not value)
+            # INTERPRETATION I-222 §9.2 (issue 23): the Mustache spec leaves falsiness to the host
+            # language; Python's is this dialect's: 0, 0.0, {}, [], "", None and False are false.
+            falsy = not value
             if node.inverted:
                 if falsy:
                     mustache_render_nodes(node.nodes, stack, partials, out, depth)
@@ -9438,9 +9454,10 @@ def render_mustache(text, variables, partials=None):
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-# INTERPRETATION I-161 §9.2 (T1, README Security): the format pass reads the template's own text
-# only. What a {{ }} produced (a message, a context value) is data and is never parsed again, so a
-# message "what is {api_token}?" prints as written.
+# INTERPRETATION I-161 §9.2 (T1, README Security; issue 23): the two steps run in order, and what
+# a {{ }} produced (a message, a context value) is data: its braces are escaped before the format
+# pass, and a format field may not reach across it, so a message "what is {api_token}?" prints as
+# written. The format pass substitutes only names of the render's variables.
 @functools.lru_cache(maxsize=4096)
 def simple_parts(text):
     """The template split once into (is_expression, text) parts: literal text and {{ }} bodies."""
@@ -9525,27 +9542,57 @@ def simple_format(text, variables):
     return "".join(out)
 
 
-# INTERPRETATION I-135 §9.2 (Q60 (b), (d)): the {{ }} pass at Phases B and C, the format pass at
-# Phase C only, with the Phase C rendering context as the named parameters.
+# INTERPRETATION I-135 §9.2 (Q60 (b), (d); deviation): the {{ }} pass at every phase, the format
+# pass at Phase C only, with the Phase C rendering context as the named parameters. At Phases A
+# and B a format pass would read every YAML flow mapping (`{a: 1}`) as a field, and §9.2's
+# doubling escape (`{{`) is the expression marker itself.
 def render_simple(text, variables, partials=None, *, format_pass=True):
-    """§9.2 SIMPLE: pass 1 evaluates {{ expr }}; pass 2 (Phase C only, Q60 (b)) formats {name}."""
+    """§9.2 SIMPLE: step 1 evaluates {{ expr }}; step 2 (Phase C only) formats {name} fields over
+    step 1's text."""
     return run_limited(_render_simple, (text, variables, format_pass), TEMPLATE_TIME_LIMIT,
                        "SIMPLE", TemplateError, code=False)
 
 
+def _simple_field_open(literal, inside):
+    """Whether a format field is still open at the end of `literal` (str.format's brace grammar,
+    from the state `inside`: the open field's brace depth, 0 outside). A lone `}` at the end is
+    reported as open too: it would pair with what follows."""
+    i, n = 0, len(literal)
+    while i < n:
+        ch = literal[i]
+        if inside:
+            inside += 1 if ch == "{" else -1 if ch == "}" else 0
+        elif ch in "{}":
+            if literal.startswith(ch * 2, i):
+                i += 1                  # `{{` / `}}`: an escaped brace
+            elif ch == "{":
+                inside = 1
+            elif i == n - 1:
+                return -1               # a lone `}` that a result would complete
+        i += 1
+    return inside
+
+
 def _render_simple(text, variables, format_pass):
-    out, names = [], None
+    out, names, inside = [], None, 0
     for is_expression, part in simple_parts(text):
         if not is_expression:
-            out.append(simple_format(part, variables) if format_pass else part)
+            out.append(part)
+            if format_pass:
+                inside = _simple_field_open(part, inside)
             continue
+        if inside:
+            raise TemplateError("SIMPLE: a format field may not hold a {{ }} result (it is "
+                                "data, never template source)", section="9.2")
         names = names if names is not None else simple_names(variables)
         try:
             value = eval_expression_text(part, names)
         except ActorError as exc:
             raise TemplateError(f"SIMPLE: {{{{ {part} }}}}: {exc.message}", section="9.2") from exc
-        out.append("" if value is None else str(value))
-    return "".join(out)
+        value = "" if value is None else str(value)
+        out.append(value.replace("{", "{{").replace("}", "}}") if format_pass else value)
+    text = "".join(out)
+    return simple_format(text, variables) if format_pass else text
 
 
 ENGINES = {"JINJA2": render_jinja2, "MUSTACHE": render_mustache, "SIMPLE": render_simple}
@@ -10239,9 +10286,10 @@ def note_phase_a_reads(rt, raw, file, render_context, engine):
                                       engine=engine)
         jinja = jinja2_module()
         tree = jinja_environment().parse(text)
-    except Exception:           # parse_source reports what does not parse, located
+        # (code generation checks filter and test names: `{{ x | nosuch }}` fails here)
+        unread = jinja.meta.find_undeclared_variables(tree) - set(jinja_environment().globals)
+    except Exception:           # parse_source reports what does not parse or render, located
         return
-    unread = jinja.meta.find_undeclared_variables(tree) - set(jinja_environment().globals)
     rt.phase_a_reads.update(unread)
     for loop in tree.find_all(jinja.nodes.For):
         root = loop.iter
@@ -10276,7 +10324,7 @@ def load_document(sources, render_context, engine, env, rt):
             merge_marks(marks, part_marks, before, part)
     doc = Doc(data, marks, files, rendered)
     rt.doc = doc
-    doc.data = interpolate_env(doc.data, env, doc)
+    doc.data = interpolate_env(doc.data, env, doc, rt)
     return doc
 
 
@@ -10398,6 +10446,9 @@ _TOOL_PAYLOAD_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\
                          "\f": "\\f"}
 
 
+_NON_BLANK = re.compile(r"\S")    # the sanitiser's look-ahead: str.lstrip()'s blanks, skipped
+
+
 def check_tool_execute(rt, tools, enabled, cpath):
     """Load-time check of the §12.4 opt-in: `tools` lists built-in tool names; returns the list."""
     if tools is None:
@@ -10421,6 +10472,9 @@ def sanitize_tool_payload(text):
     characters and inner double quotes, so that model-written payloads parse.
 
     A quote ends a string only when the next non-blank character is `,` `}` `]` `:` or the end.
+    One pass, linear in the payload (T1, README Security: the payload is model text, and looking
+    at the rest of the text after every inner quote was quadratic): the look-ahead after a quote
+    skips only the blanks that follow it, and those runs never overlap.
     """
     # INTERPRETATION I-038 §12.4 item 2: "literal backslashes" are all backslashes inside string
     # values, so `\section` and `\n` (two characters) reach the tool as written, never as escapes.
@@ -10431,8 +10485,8 @@ def sanitize_tool_payload(text):
             out.append(ch)
             in_string = ch == '"'
         elif ch == '"':
-            rest = text[i + 1:].lstrip()
-            if not rest or rest[0] in ",}]:":
+            after = _NON_BLANK.search(text, i + 1)
+            if after is None or after.group() in ",}]:":
                 out.append(ch)
                 in_string = False
             else:
@@ -11191,12 +11245,12 @@ EXTENSION_TOOLS = {
 _ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
 
 
-def interpolate_env(data, env, doc, path=()):
+def interpolate_env(data, env, doc, rt, path=()):
     """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
     if isinstance(data, dict):
-        return {k: interpolate_env(v, env, doc, path + (k,)) for k, v in data.items()}
+        return {k: interpolate_env(v, env, doc, rt, path + (k,)) for k, v in data.items()}
     if isinstance(data, list):
-        return [interpolate_env(v, env, doc, path + (i,)) for i, v in enumerate(data)]
+        return [interpolate_env(v, env, doc, rt, path + (i,)) for i, v in enumerate(data)]
     if not isinstance(data, str) or "${" not in data:
         return data
     refs = []
@@ -11204,6 +11258,13 @@ def interpolate_env(data, env, doc, path=()):
     def substitute(match):
         name, default = match.group(1), match.group(2)
         refs.append(name)
+        if default is not None and "${" in default:
+            # INTERPRETATION I-221 §14.1, §14.4: a default is literal text up to the first `}`,
+            # never a nested reference (each string is interpolated exactly once), so
+            # `${A:${B}}` with A unset gives the text `${B}`. Warned, as that is rarely meant.
+            rt.warn(f"the default of '${{{name}:...}}' holds '${{': a default is literal text "
+                    f"up to the first '}}', so '{match.group(0)}' reads no other variable",
+                    section="14.1, §14.4", path=path)
         if name in env:
             return str(env[name])
         if default is not None:
@@ -11219,8 +11280,10 @@ def interpolate_env(data, env, doc, path=()):
 
 # §14.3 Type coercion ----------------------------------------------------------------------
 # INTERPRETATION I-011 §14.3 (Q90): only a string that was one single reference is coerced.
-_ENV_INT = re.compile(r"-?\d+")
-_ENV_FLOAT = re.compile(r"-?\d+\.\d+")
+# INTERPRETATION I-220 §14.3: `\d` is an ASCII digit, as in YAML 1.2's core schema; a fullwidth
+# `１２` or an Arabic-Indic digit stays a string (Python's `\d` alone would take any Unicode digit).
+_ENV_INT = re.compile(r"-?[0-9]+")
+_ENV_FLOAT = re.compile(r"-?[0-9]+\.[0-9]+")
 
 
 def coerce_env_value(text):

@@ -3775,21 +3775,25 @@ def test_cli_runs_the_triage_graph_example():
     assert '    g_triage_S_router -->|"next_node = calculate"| g_triage_S_calculate' in r.stdout
 
 
-def test_router_regex_backtracking_shapes_are_warned():
-    """Issue 11: alternation under a repeat and adjacent unbounded repeats are warned too; the
-    usual routing patterns are not."""
-    risky = ("(a|ab)*c", "(foo|bar)+x", r"\w+\w*!", ".*.*x", r"^(\d+)+$")
-    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!")
-    assert [actor.regex_may_backtrack(p) for p in risky] == [True] * len(risky)
-    assert [actor.regex_may_backtrack(p) for p in plain] == [False] * len(plain)
+def test_router_regex_safe_subset():
+    """Issue 22 item 3: each shape outside the safe subset is named; the usual routing patterns
+    lie inside it."""
+    risky = {"(a|ab)*c": "alternation", "(foo|bar)+x": "alternation", "^(a|a)*$": "alternation",
+             r"\w+\w*!": "side by side", ".*.*x": "side by side", "(x*)(x*)": "side by side",
+             r"^(\d+)+$": "quantifier", "(a*)*b": "quantifier", "(a?a?)*$": "quantifier",
+             "((ab)*c)*": "quantifier"}
+    plain = (r"^GOTO_([A-Z_]+):(.*)$", "(GOTO|ROUTE)_", r"\d+-\d+", "(a|b)+", "CODE", r"^\s*!",
+             "(ab{2})*", r"id=(\d+)", ".*")
+    assert all(word in actor.regex_may_backtrack(p) for p, word in risky.items())
+    assert [actor.regex_may_backtrack(p) for p in plain] == [None] * len(plain)
 
 
 # §6.2.6.2 Match types -----------------------------------------------------------------------------
 
 
-def test_router_regex_with_nested_repeats_is_warned_at_load():
-    """§6.2.6.2: a regex rule repeating a repetition ((a+)+) may backtrack exponentially on a
-    crafted message, in C and past any deadline: warned at load with its location."""
+def test_router_regex_outside_the_safe_subset_is_refused_at_load():
+    """§6.2.6.2, README T1: a regex rule that may backtrack super-linearly ((a+)+, ^(a|a)*$) is
+    refused at load with its location; a pattern inside the subset loads and routes."""
     def router(pattern):
         return {"type": "graph", "nodes": {
             "r": {"type": "message_router", "rules": [
@@ -3797,13 +3801,13 @@ def test_router_regex_with_nested_repeats_is_warned_at_load():
             "a": {"type": "agent", "agent": "a"}},
             "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
                       {"source": "a", "target": "end"}]}
-    rt, g = make_graph(router("^(\\\\w+\\\\s?)*$"), {"a": echo("a")})
-    assert any("routes.main.nodes.r.rules[0].pattern" in w and "exponential" in w
-               and "§6.2.6.2" in w for w in rt.warnings)
+    for pattern in ("^(\\w+\\s?)*$", "^(a|a)*$", "(a*)*b"):
+        with pytest.raises(actor.ConfigurationError) as err:
+            make_graph(router(pattern), {"a": echo("a")})
+        assert "routes.main.nodes.r.rules[0].pattern" in str(err.value)
+        assert "§6.2.6.2" in str(err.value) and "safe subset" in str(err.value)
     rt, g = make_graph(router("^CODE:(.*)$"), {"a": echo("a")})
-    assert not any("exponential" in w for w in rt.warnings)
-    assert [actor.regex_may_backtrack(p) for p in ("(a+)+$", "(a|b)*c", "(?:a+){3}", "(x*)*")] \
-        == [True, False, False, True]
+    assert g.run("CODE: fix").output == "a( fix)"          # echo("a") of the extracted group
 
 
 # §6.3 Graph state ---------------------------------------------------------------------------------
@@ -4797,7 +4801,8 @@ def _random_graph(rng):
                 edge["condition"] = rng.choice([
                     {"type": "content_contains", "pattern": "x"},
                     {"type": "context_value", "key": "next_node", "value": rng.choice(names)},
-                    {"type": "has_messages"}, {"type": "message_count", "min": 3}])
+                    {"type": "has_messages"},
+                    {"type": "message_count", "operator": "gt", "value": 3}])
             edges.append(edge)
     return {"type": "graph", "nodes": nodes, "edges": edges}
 
@@ -6592,6 +6597,26 @@ def test_tool_block_sanitising(fake_tools):
     out = actor.process_tool_blocks(_llm_rt(), text, ["echo"], {})
     assert out == '<echo:line1\nline2\t\\section "quoted" end>'
     assert actor.sanitize_tool_payload('{"a": "x\\ny"}') == '{"a": "x\\\\ny"}'
+
+
+def test_tool_block_sanitiser_is_linear_in_inner_quotes(fake_tools):
+    """§12.4 item 2, README T1: a payload of `"x` x 100k (model text that quotes a message) is
+    repaired in one pass. Ten times the quotes may cost at most 30 times as much (linear: ~10;
+    the earlier look-ahead over the rest of the text after each quote: ~100). Best of three runs
+    of each size, a ratio, never an absolute bound."""
+    def cost(n):
+        payload = '{"text": "' + '"x' * n + '"}'
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            repaired = actor.sanitize_tool_payload(payload)
+            best = min(best, time.perf_counter() - start)
+        assert json.loads(repaired) == {"text": '"x' * n}
+        return best
+    assert cost(100_000) < 30 * cost(10_000)
+    out = actor.process_tool_blocks(_llm_rt(), '[TOOL_EXECUTE:echo] {"text": "' + '"x' * 1000
+                                    + '"} [/TOOL_EXECUTE]', ["echo"], {})
+    assert out == "<echo:" + '"x' * 1000 + ">"
 
 
 def test_tool_block_errors_substituted(fake_tools):
