@@ -55,7 +55,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §6 GRAPH ROUTES: 6.1 6.2 6.2.1 6.2.2 6.2.3 6.2.4 6.2.5 6.2.6 6.2.6.1 6.2.6.2 6.2.6.3 6.2.6.4 6.3
             6.4 6.5 6.6 6.7 6.8 6.9 6.10 6.11
     §7 INTER-ROUTE COMPOSITION: 7.1 7.2 7.3
-    §8 TEMPLATES AND INSTANCES: 8.1 8.2 8.3 8.4 8.5 8.6 8.7 8.8 8.9 8.10 8.11 8.12
+    §8 TEMPLATES AND INSTANCES: 8.1 8.2 8.3 8.4 8.5 8.6 8.7 8.7.1 8.8 8.9 8.10 8.11 8.12
     §9 ACTOR PARAMETERS: 9.2 9.3 9.4
     §10 CONTEXT: 10.1 10.3 10.4
     §11 VALIDATION RULES: 11.1 11.2 11.3 11.4 11.5 11.6
@@ -314,6 +314,49 @@ def keep_last(entries, entry):
     entries.append(entry)
     if len(entries) > 2 * LOG_LIMIT:
         del entries[:-LOG_LIMIT]
+
+
+class ComponentDoc(Doc):
+    """The document a composite's components are checked and built from: `agents` and `routes`
+    (graphs and streams) as the top-level sections would hold them, while every error and warning
+    is located at the component's real place under agents.<name>.config.components."""
+
+    def __init__(self, data, outer, path):
+        super().__init__(data, outer.marks, outer.files)
+        self.outer = outer
+        self.base = tuple(path)
+        components = path + ("components",)
+        self.prefixes = {("agents",): components + ("agents",)}
+        for kind in ("graphs", "streams"):
+            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
+                self.prefixes[("routes", local)] = components + (kind, local)
+
+    def outer_path(self, path):
+        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
+        routes.<local>...) moved under the composite's components."""
+        path = tuple(path or ())
+        if path[:len(self.base)] == self.base:
+            return path
+        for size in (2, 1):
+            head = self.prefixes.get(path[:size])
+            if head is not None and len(path) >= size:
+                return head + path[size:]
+        return path
+
+    def locate(self, path):
+        return self.outer.locate(self.outer_path(path))
+
+    def error(self, cls, path, message, section=None):
+        return self.outer.error(cls, self.outer_path(path), message, section)
+
+
+def outer_get(data, path):
+    """The value at `path` inside nested mappings, or None."""
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
 
 
 # Field vocabulary: the one way a table says what a field accepts -------------------------------
@@ -2561,47 +2604,6 @@ def check_composite(rt, name, config, path):
     check_component_routes(rt, config, path)
 
 # §4.6.1 Components -----------------------------------------------------------------------
-class ComponentDoc(Doc):
-    """The document a composite's components are checked and built from: `agents` and `routes`
-    (graphs and streams) as the top-level sections would hold them, while every error and warning
-    is located at the component's real place under agents.<name>.config.components."""
-
-    def __init__(self, data, outer, path):
-        super().__init__(data, outer.marks, outer.files)
-        self.outer = outer
-        self.base = tuple(path)
-        components = path + ("components",)
-        self.prefixes = {("agents",): components + ("agents",)}
-        for kind in ("graphs", "streams"):
-            for local in (outer_get(outer.data, components) or {}).get(kind) or {}:
-                self.prefixes[("routes", local)] = components + (kind, local)
-
-    def outer_path(self, path):
-        """An absolute path (under this composite) as it is; a relative one (agents.<local>...,
-        routes.<local>...) moved under the composite's components."""
-        path = tuple(path or ())
-        if path[:len(self.base)] == self.base:
-            return path
-        for size in (2, 1):
-            head = self.prefixes.get(path[:size])
-            if head is not None and len(path) >= size:
-                return head + path[size:]
-        return path
-
-    def locate(self, path):
-        return self.outer.locate(self.outer_path(path))
-
-    def error(self, cls, path, message, section=None):
-        return self.outer.error(cls, self.outer_path(path), message, section)
-
-
-def outer_get(data, path):
-    """The value at `path` inside nested mappings, or None."""
-    for key in path:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data
 
 
 def component_routes(components):
@@ -2616,72 +2618,6 @@ def component_routes(components):
                 route["type"] = kind[:-1]             # §11.3(2): case-insensitive
             routes[local] = route
     return routes
-
-
-def composite_scope(doc, path):
-    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
-    composite's, and its own."""
-    # INTERPRETATION I-014 §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
-    # composite's, and this one's (local first), in any document order.
-    names = set(doc.data.get("agents") or {})
-    for end in range(1, len(path) + 1):
-        if path[end - 1] == "config":
-            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
-    return names
-
-
-def is_agent_ref(cfg):
-    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
-    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
-
-
-def check_agent_ref(doc, local, cfg, path, scope, siblings):
-    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
-    # INTERPRETATION I-015 §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent
-    # in scope (this composite's others first, then outward); an unknown name is a
-    # ConfigurationError.
-    target = cfg["ref"]
-    extra = sorted(set(cfg) - {"ref"})
-    if extra:
-        raise doc.error(ConfigurationError, path + (extra[0],),
-                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
-    if not isinstance(target, str) or target == local or target not in scope:
-        raise doc.error(ConfigurationError, path + ("ref",),
-                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
-    if is_agent_ref(siblings.get(target)):
-        raise doc.error(ConfigurationError, path + ("ref",),
-                        f"ref {target!r} names another ref component; name the agent itself",
-                        "8.7.1")
-
-
-class AgentRef:
-    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
-    looked up when used (it may be declared after the composite)."""
-
-    type = "ref"
-
-    @property
-    def reads_context(self):
-        return getattr(self.agent, "reads_context", True)
-
-    @property
-    def writes_context(self):
-        return getattr(self.agent, "writes_context", True)
-
-    def __init__(self, name, target, scope):
-        self.name, self.target, self.scope = name, target, scope
-
-    @property
-    def agent(self):
-        agent = self.scope[self.target]
-        return agent.agent if isinstance(agent, AgentRef) else agent
-
-    @property
-    def capabilities(self):
-        return self.agent.capabilities if self.target in self.scope else []
-
-    def invoke(self, content, ctx):
-        return self.agent.invoke(content, ctx)
 
 
 def check_component_routes(rt, config, path):
@@ -3187,214 +3123,6 @@ def route_type(cfg):
     """The canonical (lower-case, §11.3(2)) type of a route mapping, or None."""
     kind = cfg.get("type") if isinstance(cfg, dict) else None
     return kind.lower() if isinstance(kind, str) else None
-
-
-def check_streams(rt, agent_names, graph_names, default=None):
-    """§5, §7, §12.6 static checks of the stream side of rt.doc, before any agent exists (§1.3(2)).
-
-    Raises a located StreamRoutingError for operator errors (an unknown operator type, a
-    transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
-    every other malformed field; warns through rt (unknown operator keys). The structure of
-    routes, merges and splits (§11.3, §11.4) is checked by the validator first. `default`: the
-    default router messages enter by (§3.4), whose feed the cycle check follows.
-    """
-    doc = rt.doc
-    data = doc.data
-    routes = data["routes"]
-    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
-    known = stream_names(doc) | set(pipelines)
-    checker = _Checker(doc, set(agent_names), set(graph_names), known, routes, rt)
-    for name, cfg in routes.items():
-        path = ("routes", name)
-        kind = route_type(cfg)
-        if kind == "stream":
-            checker.stream_route(cfg, path)
-        elif kind == "bridge":
-            check_bridge(doc, cfg, path, rt)
-        elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
-            check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
-    check_pipeline_stages(doc, pipelines, routes, checker)
-    bridges = {name for name, cfg in routes.items() if route_type(cfg) == "bridge"}
-    for source, target, path in stream_edges(data, known, default):
-        if "operators" not in path and (source in bridges or target in bridges):
-            rt.warn(f"{source if source in bridges else target!r} carries no messages here "
-                    "(a bridge route); link ignored", section="5.5", path=path)
-    edges = [edge for edge in stream_edges(data, known, default)
-             if isinstance(edge[0], str) and isinstance(edge[1], str)
-             and not bounded_by_take(routes, edge[0], edge[2])]
-    cycle = find_stream_cycle(edges)
-    if cycle:
-        raise doc.error(StreamRoutingError, cycle[1],
-                        "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
-
-
-SWITCH_CASE_KEYS = ("condition", "target", "operators")      # one §5.3.2 switch case
-
-
-class _Checker:
-    """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
-    the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
-
-    def __init__(self, doc, agents, graphs, known, routes, rt):
-        self.doc, self.agents, self.graphs = doc, agents, graphs
-        self.known, self.routes = known, routes
-        self.rt = rt
-
-    def note(self, path, message, section="5.3.2"):
-        self.rt.warn(message, section=section, path=path)
-
-    def stream_route(self, cfg, path):
-        check_fields(self.doc, cfg, STREAM_ROUTE_FIELDS, path)
-        kind = str(cfg.get("stream_type") or "cold").lower()
-        for field, owner in (("initial_value", "hot"), ("buffer_size", "replay")):
-            if cfg.get(field) is not None and kind != owner:      # §5.3.1: no effect here
-                self.note(path + (field,), f"{field} applies to {owner} streams only; this "
-                          f"{kind} stream ignores it", section="5.3.1")
-        if isinstance(cfg.get("bridge"), dict):
-            check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
-        self.operators(cfg.get("operators", []), path + ("operators",))
-
-    def operators(self, ops, path):
-        if ops is None:
-            return
-        if not isinstance(ops, list):
-            raise self.doc.error(ConfigurationError, path,
-                                 "operators must be a sequence of operator mappings", "5.3.2")
-        for i, op in enumerate(ops):
-            self.operator(op, path + (i,))
-            if op["type"] == "retry" and _retried_map(ops, i) is None:
-                self.note(path + (i, "params"),
-                          "retry has no agent map before it in this route; it does nothing")
-
-    def operator(self, op, path):
-        if not isinstance(op, dict) or not isinstance(op.get("type"), str):
-            raise self.doc.error(ConfigurationError, path,
-                                 "an operator is a mapping with a string `type`", "5.3.2")
-        kind = op["type"]
-        if kind not in OPERATORS:
-            raise self.doc.error(StreamRoutingError, path + ("type",),
-                                 f"unknown operator {kind!r}", "5.3.2")
-        for key in op:
-            if key not in ("type", "params"):
-                self.note(path + (key,), f"unknown operator key {key!r} ignored")
-        params = op.get("params") or {}
-        if not isinstance(params, dict):
-            raise self.doc.error(ConfigurationError, path + ("params",),
-                                 "params must be a mapping", "5.3.2")
-        path = path + ("params",)
-        _handler, spec = OPERATORS[kind]
-        for key, row in spec.items():
-            if params.get(key) is None and row.default is REQUIRED:
-                raise self.doc.error(ConfigurationError, path,
-                                     f"operator {kind!r} needs params.{key}", "5.3.2")
-        check_fields(self.doc, params, spec, path, null_is_default=True)
-        if kind not in OPEN_PARAMS:
-            for key in params:
-                if key not in spec:
-                    self.note(path + (key,), f"unknown param {key!r} of operator {kind!r} ignored")
-        extra = OPERATOR_CHECKS.get(kind)
-        if extra:
-            extra(self, params, path)
-
-    # What parameters name or nest, once their rows have passed (OPERATOR_CHECKS) ----------
-    def condition(self, value, path):
-        if not CONDITION.test(value):
-            raise self.doc.error(ConfigurationError, path, f"must be {CONDITION.wording}", "5.4")
-        wrong = condition_shape_error(value)
-        if wrong is not None:
-            raise self.doc.error(ConfigurationError, path + (wrong[0],), wrong[1], "5.4")
-
-    def agent(self, value, path):
-        if not is_known(value, self.agents):
-            raise self.doc.error(ConfigurationError, path, f"unknown agent {value!r}", "5.3.4")
-
-    def graph(self, value, path):
-        if not is_known(value, self.graphs):
-            raise self.doc.error(ConfigurationError, path,
-                                 f"unknown graph route {value!r}", "5.3.2")
-
-    def function(self, value, path):
-        if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
-            self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
-                      "5.3.3")
-
-    def cases(self, value, path):
-        for i, case in enumerate(value):
-            if not isinstance(case, dict):
-                raise self.doc.error(ConfigurationError, path + (i,),
-                                     "a case is a mapping with `condition`", "5.3.2")
-            for key in case:
-                if key not in SWITCH_CASE_KEYS:
-                    self.note(path + (i, key), f"unknown case field '{key}' is ignored")
-            if "condition" in case:
-                self.condition(case["condition"], path + (i, "condition"))
-            if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
-                raise self.doc.error(ConfigurationError, path + (i, "target"),
-                                     f"target must be {STREAM_NAME.wording}", "5.3.2")
-            self.operators(case.get("operators"), path + (i, "operators"))
-
-
-def stream_edges(data, known, default=None):
-    """Every static source -> target link of the stream side, with the config path declaring it.
-
-    Publications (§5.5), merges (§7.1), splits (§7.2), the default router (§3.4), switch and
-    bridge-router targets (§5.3.2) and pipelines (§7.3). Used for §12.6 and for diagrams.
-    """
-    edges = []
-    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
-    for name, cfg in routes.items():
-        kind = route_type(cfg)
-        if kind in ("stream", "graph"):
-            for i, target in enumerate(as_list(cfg.get("publications"))):
-                edges.append((name, target, ("routes", name, "publications", i)))
-        if kind == "stream":
-            for target, path in _switch_targets(cfg.get("operators"),
-                                                ("routes", name, "operators")):
-                if target in known:
-                    edges.append((name, target, path))
-    for i, merge in enumerate(data.get("merges") or []):
-        if isinstance(merge, dict) and merge.get("target") is not None:
-            for j, source in enumerate(merge.get("sources") or []):
-                edges.append((source, merge["target"], ("merges", i, "sources", j)))
-    for i, split in enumerate(data.get("splits") or []):
-        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
-            for target in split["targets"]:
-                edges.append((split.get("source"), target, ("splits", i, "targets", target)))
-    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
-    for name, cfg in pipelines.items():
-        stages = cfg.get("stages") if isinstance(cfg, dict) else None
-        for i, stage in enumerate(stages if isinstance(stages, list) else []):
-            if isinstance(stage, dict) and _stage_type(stage) == "stream":
-                for j, target in enumerate(as_list(stage.get("publications"))):
-                    if is_known(target, known):
-                        edges.append((name, target, ("pipelines", name, "stages", i,
-                                                     "publications", j)))
-    if isinstance(default, str):            # where the document names it, if it does (I-003)
-        where = ("default_router",) if "default_router" in data else \
-            ("cleveragents", "default_router") if "default_router" in (
-                data.get("cleveragents") if isinstance(data.get("cleveragents"), dict) else {}) \
-            else ()
-        edges.append(("__input__", default, where))
-    return edges
-
-
-def _switch_targets(ops, path):
-    """(target, path) of every switch/conditional_route target and default, nested cases too."""
-    for i, op in enumerate(ops if isinstance(ops, list) else []):
-        params = op.get("params") if isinstance(op, dict) else None
-        if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
-            continue
-        here = path + (i, "params")
-        for j, case in enumerate(as_list(params.get("cases"))):
-            if isinstance(case, dict):
-                if isinstance(case.get("target"), str):
-                    yield case["target"], here + ("cases", j, "target")
-                yield from _switch_targets(case.get("operators"), here + ("cases", j, "operators"))
-        for name in (params.get("routes") or {}) if isinstance(params.get("routes"), dict) else ():
-            yield name, here + ("routes", name)
-        if isinstance(params.get("default"), str):
-            yield params["default"], here + ("default",)
-        yield from _switch_targets(params.get("default_operators"), here + ("default_operators",))
 
 
 # §5.2 Built-in streams --------------------------------------------------------------------
@@ -4357,6 +4085,112 @@ OPERATOR_CHECKS = {
     "graph_node": _check_graph_node,
 }
 
+SWITCH_CASE_KEYS = ("condition", "target", "operators")      # one §5.3.2 switch case
+
+
+class _Checker:
+    """Walks stream routes and operators: their fields through check_fields (STREAM_ROUTE_FIELDS,
+    the OPERATORS rows), then what parameters name or nest (OPERATOR_CHECKS, methods below)."""
+
+    def __init__(self, doc, agents, graphs, known, routes, rt):
+        self.doc, self.agents, self.graphs = doc, agents, graphs
+        self.known, self.routes = known, routes
+        self.rt = rt
+
+    def note(self, path, message, section="5.3.2"):
+        self.rt.warn(message, section=section, path=path)
+
+    def stream_route(self, cfg, path):
+        check_fields(self.doc, cfg, STREAM_ROUTE_FIELDS, path)
+        kind = str(cfg.get("stream_type") or "cold").lower()
+        for field, owner in (("initial_value", "hot"), ("buffer_size", "replay")):
+            if cfg.get(field) is not None and kind != owner:      # §5.3.1: no effect here
+                self.note(path + (field,), f"{field} applies to {owner} streams only; this "
+                          f"{kind} stream ignores it", section="5.3.1")
+        if isinstance(cfg.get("bridge"), dict):
+            check_bridge(self.doc, cfg["bridge"], path + ("bridge",), self.rt)
+        self.operators(cfg.get("operators", []), path + ("operators",))
+
+    def operators(self, ops, path):
+        if ops is None:
+            return
+        if not isinstance(ops, list):
+            raise self.doc.error(ConfigurationError, path,
+                                 "operators must be a sequence of operator mappings", "5.3.2")
+        for i, op in enumerate(ops):
+            self.operator(op, path + (i,))
+            if op["type"] == "retry" and _retried_map(ops, i) is None:
+                self.note(path + (i, "params"),
+                          "retry has no agent map before it in this route; it does nothing")
+
+    def operator(self, op, path):
+        if not isinstance(op, dict) or not isinstance(op.get("type"), str):
+            raise self.doc.error(ConfigurationError, path,
+                                 "an operator is a mapping with a string `type`", "5.3.2")
+        kind = op["type"]
+        if kind not in OPERATORS:
+            raise self.doc.error(StreamRoutingError, path + ("type",),
+                                 f"unknown operator {kind!r}", "5.3.2")
+        for key in op:
+            if key not in ("type", "params"):
+                self.note(path + (key,), f"unknown operator key {key!r} ignored")
+        params = op.get("params") or {}
+        if not isinstance(params, dict):
+            raise self.doc.error(ConfigurationError, path + ("params",),
+                                 "params must be a mapping", "5.3.2")
+        path = path + ("params",)
+        _handler, spec = OPERATORS[kind]
+        for key, row in spec.items():
+            if params.get(key) is None and row.default is REQUIRED:
+                raise self.doc.error(ConfigurationError, path,
+                                     f"operator {kind!r} needs params.{key}", "5.3.2")
+        check_fields(self.doc, params, spec, path, null_is_default=True)
+        if kind not in OPEN_PARAMS:
+            for key in params:
+                if key not in spec:
+                    self.note(path + (key,), f"unknown param {key!r} of operator {kind!r} ignored")
+        extra = OPERATOR_CHECKS.get(kind)
+        if extra:
+            extra(self, params, path)
+
+    # What parameters name or nest, once their rows have passed (OPERATOR_CHECKS) ----------
+    def condition(self, value, path):
+        if not CONDITION.test(value):
+            raise self.doc.error(ConfigurationError, path, f"must be {CONDITION.wording}", "5.4")
+        wrong = condition_shape_error(value)
+        if wrong is not None:
+            raise self.doc.error(ConfigurationError, path + (wrong[0],), wrong[1], "5.4")
+
+    def agent(self, value, path):
+        if not is_known(value, self.agents):
+            raise self.doc.error(ConfigurationError, path, f"unknown agent {value!r}", "5.3.4")
+
+    def graph(self, value, path):
+        if not is_known(value, self.graphs):
+            raise self.doc.error(ConfigurationError, path,
+                                 f"unknown graph route {value!r}", "5.3.2")
+
+    def function(self, value, path):
+        if value not in STANDARD_FUNCTIONS and value not in self.rt.functions:
+            self.note(path, f"no transformer named {value!r} is registered; map acts as identity",
+                      "5.3.3")
+
+    def cases(self, value, path):
+        for i, case in enumerate(value):
+            if not isinstance(case, dict):
+                raise self.doc.error(ConfigurationError, path + (i,),
+                                     "a case is a mapping with `condition`", "5.3.2")
+            for key in case:
+                if key not in SWITCH_CASE_KEYS:
+                    self.note(path + (i, key), f"unknown case field '{key}' is ignored")
+            if "condition" in case:
+                self.condition(case["condition"], path + (i, "condition"))
+            if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
+                raise self.doc.error(ConfigurationError, path + (i, "target"),
+                                     f"target must be {STREAM_NAME.wording}", "5.3.2")
+            self.operators(case.get("operators"), path + (i, "operators"))
+
+
 # §5.3.3 Function references ---------------------------------------------------------
 # INTERPRETATION I-072 §5.3.3 (Q14): the standard defines no built-in transformers, so this table is
 # empty; a host registers its own as rt.functions = {name: fn(content) -> content}. A name
@@ -4387,8 +4221,6 @@ def function_mapper(site, name, down):
 PROCESSING_TIMED_OUT = "Processing timed out"      # §5.3.4(3), word for word
 ERROR_PREFIX = "Error: "                            # §5.3.4(4): "Error: <reason>"
 AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per agent invocation
-
-
 
 
 class _AgentTimedOut(Exception):
@@ -5351,6 +5183,69 @@ def publication_links(routes):
                 links.append((name, target, None, ("routes", name, "publications", i)))
     # Subscriptions are validated by check_streams and never wired (§5.5).
     return links
+
+def stream_edges(data, known, default=None):
+    """Every static source -> target link of the stream side, with the config path declaring it.
+
+    Publications (§5.5), merges (§7.1), splits (§7.2), the default router (§3.4), switch and
+    bridge-router targets (§5.3.2) and pipelines (§7.3). Used for §12.6 and for diagrams.
+    """
+    edges = []
+    routes = data.get("routes") if isinstance(data.get("routes"), dict) else {}
+    for name, cfg in routes.items():
+        kind = route_type(cfg)
+        if kind in ("stream", "graph"):
+            for i, target in enumerate(as_list(cfg.get("publications"))):
+                edges.append((name, target, ("routes", name, "publications", i)))
+        if kind == "stream":
+            for target, path in _switch_targets(cfg.get("operators"),
+                                                ("routes", name, "operators")):
+                if target in known:
+                    edges.append((name, target, path))
+    for i, merge in enumerate(data.get("merges") or []):
+        if isinstance(merge, dict) and merge.get("target") is not None:
+            for j, source in enumerate(merge.get("sources") or []):
+                edges.append((source, merge["target"], ("merges", i, "sources", j)))
+    for i, split in enumerate(data.get("splits") or []):
+        if isinstance(split, dict) and isinstance(split.get("targets"), dict):
+            for target in split["targets"]:
+                edges.append((split.get("source"), target, ("splits", i, "targets", target)))
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    for name, cfg in pipelines.items():
+        stages = cfg.get("stages") if isinstance(cfg, dict) else None
+        for i, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and _stage_type(stage) == "stream":
+                for j, target in enumerate(as_list(stage.get("publications"))):
+                    if is_known(target, known):
+                        edges.append((name, target, ("pipelines", name, "stages", i,
+                                                     "publications", j)))
+    if isinstance(default, str):            # where the document names it, if it does (I-003)
+        where = ("default_router",) if "default_router" in data else \
+            ("cleveragents", "default_router") if "default_router" in (
+                data.get("cleveragents") if isinstance(data.get("cleveragents"), dict) else {}) \
+            else ()
+        edges.append(("__input__", default, where))
+    return edges
+
+
+def _switch_targets(ops, path):
+    """(target, path) of every switch/conditional_route target and default, nested cases too."""
+    for i, op in enumerate(ops if isinstance(ops, list) else []):
+        params = op.get("params") if isinstance(op, dict) else None
+        if not isinstance(params, dict) or op.get("type") not in ("switch", "conditional_route"):
+            continue
+        here = path + (i, "params")
+        for j, case in enumerate(as_list(params.get("cases"))):
+            if isinstance(case, dict):
+                if isinstance(case.get("target"), str):
+                    yield case["target"], here + ("cases", j, "target")
+                yield from _switch_targets(case.get("operators"), here + ("cases", j, "operators"))
+        for name in (params.get("routes") or {}) if isinstance(params.get("routes"), dict) else ():
+            yield name, here + ("routes", name)
+        if isinstance(params.get("default"), str):
+            yield params["default"], here + ("default",)
+        yield from _switch_targets(params.get("default_operators"), here + ("default_operators",))
+
 
 # §5.6 Bridge routes -----------------------------------------------------------------------
 # The §5.6 tables: expression fields -> parameters the expression takes (§13.2.2).
@@ -8779,6 +8674,73 @@ class Expansion:
             return self.strings[kind][name], True
         return None
 
+# §8.7.1 Reference parameter resolution -------------------------------------------------
+def composite_scope(doc, path):
+    """The agent names a composite at `path` (its config) can reach: the Actor's, every enclosing
+    composite's, and its own."""
+    # INTERPRETATION I-014 §4.6.1, §8.7.1: a component may name the Actor's agents, every enclosing
+    # composite's, and this one's (local first), in any document order.
+    names = set(doc.data.get("agents") or {})
+    for end in range(1, len(path) + 1):
+        if path[end - 1] == "config":
+            names |= set(outer_get(doc.data, path[:end] + ("components", "agents")) or {})
+    return names
+
+
+def is_agent_ref(cfg):
+    """A component written `{ref: <agent name>}` (§8.7.1's example): the named agent itself."""
+    return isinstance(cfg, dict) and "ref" in cfg and "type" not in cfg
+
+
+def check_agent_ref(doc, local, cfg, path, scope, siblings):
+    """§8.7.1: a `ref` component names an agent of the composite's scope, other than itself."""
+    # INTERPRETATION I-015 §4.6.1, §8.7.1: `{ref: name}` makes the local name an alias of an agent
+    # in scope (this composite's others first, then outward); an unknown name is a
+    # ConfigurationError.
+    target = cfg["ref"]
+    extra = sorted(set(cfg) - {"ref"})
+    if extra:
+        raise doc.error(ConfigurationError, path + (extra[0],),
+                        f"a ref component takes only `ref`, not '{extra[0]}'", "8.7.1")
+    if not isinstance(target, str) or target == local or target not in scope:
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names no other agent in the composite's scope", "8.7.1")
+    if is_agent_ref(siblings.get(target)):
+        raise doc.error(ConfigurationError, path + ("ref",),
+                        f"ref {target!r} names another ref component; name the agent itself",
+                        "8.7.1")
+
+
+class AgentRef:
+    """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
+    looked up when used (it may be declared after the composite)."""
+
+    type = "ref"
+
+    @property
+    def reads_context(self):
+        return getattr(self.agent, "reads_context", True)
+
+    @property
+    def writes_context(self):
+        return getattr(self.agent, "writes_context", True)
+
+    def __init__(self, name, target, scope):
+        self.name, self.target, self.scope = name, target, scope
+
+    @property
+    def agent(self):
+        agent = self.scope[self.target]
+        return agent.agent if isinstance(agent, AgentRef) else agent
+
+    @property
+    def capabilities(self):
+        return self.agent.capabilities if self.target in self.scope else []
+
+    def invoke(self, content, ctx):
+        return self.agent.invoke(content, ctx)
+
+
 # §8.8 Template rendering semantics (Phase B) ---------------------------------------------
 WHOLE_IF_BLOCK = re.compile(r"\s*\{%-?\s*if\b.*\{%-?\s*endif\s*-?%\}\s*", re.DOTALL)
 INT_FORM = re.compile(r"[-+]?\d+")
@@ -10124,6 +10086,45 @@ def check_routes(doc, rt, agent_names):
         elif kind == "graph":
             check_graph(rt, name, route, path, agent_names)
     return known
+
+
+def check_streams(rt, agent_names, graph_names, default=None):
+    """§5, §7, §12.6 static checks of the stream side of rt.doc, before any agent exists (§1.3(2)).
+
+    Raises a located StreamRoutingError for operator errors (an unknown operator type, a
+    transform with neither fn nor type, a stream cycle) and a located ConfigurationError for
+    every other malformed field; warns through rt (unknown operator keys). The structure of
+    routes, merges and splits (§11.3, §11.4) is checked by the validator first. `default`: the
+    default router messages enter by (§3.4), whose feed the cycle check follows.
+    """
+    doc = rt.doc
+    data = doc.data
+    routes = data["routes"]
+    pipelines = data.get("pipelines") if isinstance(data.get("pipelines"), dict) else {}
+    known = stream_names(doc) | set(pipelines)
+    checker = _Checker(doc, set(agent_names), set(graph_names), known, routes, rt)
+    for name, cfg in routes.items():
+        path = ("routes", name)
+        kind = route_type(cfg)
+        if kind == "stream":
+            checker.stream_route(cfg, path)
+        elif kind == "bridge":
+            check_bridge(doc, cfg, path, rt)
+        elif kind == "graph" and isinstance(cfg.get("bridge"), dict):
+            check_bridge(doc, cfg["bridge"], path + ("bridge",), rt)     # §5.6: embedded in place
+    check_pipeline_stages(doc, pipelines, routes, checker)
+    bridges = {name for name, cfg in routes.items() if route_type(cfg) == "bridge"}
+    for source, target, path in stream_edges(data, known, default):
+        if "operators" not in path and (source in bridges or target in bridges):
+            rt.warn(f"{source if source in bridges else target!r} carries no messages here "
+                    "(a bridge route); link ignored", section="5.5", path=path)
+    edges = [edge for edge in stream_edges(data, known, default)
+             if isinstance(edge[0], str) and isinstance(edge[1], str)
+             and not bounded_by_take(routes, edge[0], edge[2])]
+    cycle = find_stream_cycle(edges)
+    if cycle:
+        raise doc.error(StreamRoutingError, cycle[1],
+                        "stream cycle " + " -> ".join(cycle[0]) + " loops without bound", "12.6")
 
 
 # §11.4 Merge/split validation -----------------------------------------------------------
@@ -11636,7 +11637,6 @@ class CheckpointWriter:
             proc.kill()
 
 
-
 # A.2 Graph fast path ---------------------------------------------------------------------
 # Adds: a stretch of lone unconditional edges walked node after node, with no frontier or result
 # lists, and a step of one node that reads auto_finish_active inline and skips the §6.7
@@ -11976,7 +11976,6 @@ def direct_agent_step(name, route, agent, attempt, succeed, failed, down, report
     return on_next
 
 
-
 # A.4 Inline code fast path ---------------------------------------------------------------
 # Adds: a tool agent's sole inline tool whose body is straight-line (no loop, comprehension,
 # lambda or function: CodeUnit.ticks) and cannot reach the context or the progress facility
@@ -12027,7 +12026,6 @@ def straight_line_call(tool, rt):
 class Exhausted(BaseException):
     """The budget ran out (T3). A BaseException, and a bare `except:` is rewritten to catch
     Exception only, so sandboxed code can never catch it."""
-
 
 
 def _call(name, node, *args):
@@ -12090,11 +12088,9 @@ class _Ticks(ast.NodeTransformer):
         return node
 
 
-
 def _ticks(tree):
     """Whether the rewritten code can loop or call code of its own (else it needs no deadline)."""
     return any(isinstance(node, ast.Name) and node.id == "__sb_tick__" for node in ast.walk(tree))
-
 
 
 # The budget (T3) ------------------------------------------------------------------------------
@@ -12483,7 +12479,6 @@ def _worker_answer(request, units, event):
         "result": None, INLINE_PROGRESS: lambda **kwargs: event("progress", kwargs=wire(kwargs))},
         request["timeout"])
     return {"result": tool_output(result), "context": context}
-
 
 
 ISOLATION["process"] = ProcessSandbox
