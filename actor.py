@@ -305,7 +305,7 @@ def warn(rt_or_none, message, *, section=None, path=None):
     return text
 
 
-LOG_LIMIT = 1_000       # entries kept by rt.warnings and rt.llm_log (issue 15: memory stays flat)
+LOG_LIMIT = 1_000       # entries kept by rt.warnings and rt.llm_log (a long run's memory stays flat)
 
 
 def keep_last(entries, entry):
@@ -1710,7 +1710,7 @@ class ToolAgent:
         self.limits = ToolLimits(safe_mode=self.safe_mode, allow_shell=self.allow_shell,
                                  timeout=self.timeout, context=self.context, who=self.who)
         # The CONTEXT_FREE_TOOLS never read env.ctx or env.view: one environment serves all
-        # their calls (issue 15: building one per call was a tenth of an echo call).
+        # their calls.
         self.free_env = ToolEnv(rt, None, self.limits)
 
     def invoke(self, content, ctx):
@@ -1736,11 +1736,7 @@ class ToolAgent:
                 input_data = inline_input(args)
             return tool_output(inline.run(input_data, env))
         handler = BUILTIN_TOOLS.get(name) or EXTENSION_TOOLS[name]
-        # tool_args(args) and tool_output(value), inlined for a positional list and a text
-        # result, the usual request and answer (issue 15: 0.15 us of a 1.1 us echo call); the
-        # list is not copied: no handler changes its arguments
-        value = handler(env, {"args": args} if args.__class__ is list else tool_args(args))
-        return value if value.__class__ is str else tool_output(value)
+        return tool_output(handler(env, tool_args(args)))
 
 
 def run_builtin_tool(rt, name, args, ctx, agent=None):
@@ -1963,7 +1959,7 @@ def tool_http_request(env, args):
 
     {tool: http_request, args: {url: <u>, method: GET, headers: {..}, data: {..}}}
     """
-    import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
+    import urllib.error, urllib.request   # on first use: start-up pays for none
     url = tool_argument(args, "url", 0)
     method = tool_argument(args, "method", 1) or "GET"
     headers = args.get("headers") or {}
@@ -2001,7 +1997,7 @@ def tool_http_request(env, args):
 
 def http_proxies(rt, url):
     """Proxies from the Actor's environment (rt.env, never os.environ), honouring no_proxy."""
-    import urllib.error, urllib.request   # on first use: start-up pays for none (issue 15)
+    import urllib.error, urllib.request   # on first use: start-up pays for none
     env = rt.env
     proxies = {key[:-6].lower(): value for key, value in env.items()
                if key.lower().endswith("_proxy") and value}
@@ -9071,7 +9067,7 @@ JINJA2_MISSING = ("the JINJA2 template engine needs the jinja2 package: "
 
 def jinja2_module():
     """The one place jinja2 is imported, the first time a document or prompt needs JINJA2 (a
-    start-up pays only for what the document needs, issue 15); without it only those fail."""
+    start-up pays only for what the document needs); without it only those fail."""
     try:
         import jinja2
         import jinja2.meta
@@ -11215,7 +11211,7 @@ def tool_shell(env, args):
         raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
     if not env.rt.unsafe:
         raise env.fail("shell execution needs the host in unsafe mode", "13.5")
-    import subprocess           # on first use: start-up pays for none (issue 15)
+    import subprocess           # on first use: start-up pays for none
     try:
         done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
                               capture_output=True, text=True, timeout=env.timeout)
