@@ -13045,6 +13045,11 @@ class Actor:
                     close()
             self.rt.agents.clear()
             self.rt.graphs.clear()
+            self.send = self._send_after_close
+
+    def _send_after_close(self, content, *, at=None, target=None):
+        raise ApplicationError("the Actor is closed (§12.1 step 8): load it again to send more "
+                               "messages", section="12.1")
 
     def __enter__(self):
         return self

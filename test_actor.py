@@ -1202,6 +1202,20 @@ def test_cli_interactive_ctrl_c_cancels_the_line_and_help_lists_commands(tmp_pat
         os.close(master)
 
 
+def test_send_after_close_says_the_actor_is_closed():
+    """Issue 25 item 9: send() after close() says so, on both paths (not "__input__ has
+    completed")."""
+    text = "agents: {e: {type: tool, config: {tools: [echo]}}}\nroutes: {main: {type: stream, " \
+           "operators: [{type: map, params: {agent: e}}], publications: [__output__]}}\n" \
+           "cleveragents: {default_router: main}\n"
+    for reference in (False, True):
+        a = actor.load(text=text, reference=reference)
+        assert [m.content for m in a.send("hi").outputs] == ["hi"]
+        a.close()
+        with pytest.raises(actor.ApplicationError, match="the Actor is closed"):
+            a.send("again")
+
+
 def test_reset_forgets_memory_and_graph_state():
     a = actor.load(text="agents: {talk: {type: llm, config: {provider: fake, memory_enabled: "
                         "true}}}\nroutes:\n  g: {type: graph, enable_time_travel: true, nodes: "
