@@ -217,6 +217,18 @@ def path_str(path):
     return text
 
 
+def walk_document(node, visit, path=()):
+    """The one walk over a parsed document: depth first, in document order, each mapping and
+    sequence rebuilt from its walked children, then `visit(value, path)` called on every value
+    (scalars, and containers after their children); what visit returns takes the value's place.
+    Depth is bounded by YAML_MAX_DEPTH (§3.1), so the walk may recurse."""
+    if isinstance(node, dict):
+        node = {key: walk_document(value, visit, path + (key,)) for key, value in node.items()}
+    elif isinstance(node, list):
+        node = [walk_document(item, visit, path + (i,)) for i, item in enumerate(node)]
+    return visit(node, path)
+
+
 class Doc:
     """A loaded document: the merged data plus a path -> (file, line, col) map of YAML marks."""
 
@@ -7831,17 +7843,13 @@ def restore_markers(text):
 
 def restore_sentinels(data):
     """§8.2 step 4 / §8.4 step 4: put the protected template syntax back, keys and values alike."""
-    if isinstance(data, str):
-        return restore_markers(data) if "<<<" in data else data
-    if isinstance(data, list):
-        data[:] = [restore_sentinels(item) for item in data]
-        return data
-    if isinstance(data, dict):
-        items = [(restore_sentinels(k), restore_sentinels(v)) for k, v in data.items()]
-        data.clear()
-        data.update(items)
-        return data
-    return data
+    def restore(value, _path):
+        if isinstance(value, str):
+            return restore_markers(value) if "<<<" in value else value
+        if isinstance(value, dict) and any(isinstance(k, str) and "<<<" in k for k in value):
+            return {restore(k, None): item for k, item in value.items()}
+        return value
+    return walk_document(data, restore)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -8297,17 +8305,13 @@ RESERVED_TEMPLATE_KEYS = ("_raw_template", "_is_template", "_needs_preprocessing
 # ConfigurationError at load.
 def check_reserved_template_keys(doc):
     """§8.5: reject a mapping key anywhere in the document that is one of the reserved tags."""
-    def walk(node, path):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in RESERVED_TEMPLATE_KEYS:
-                    raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
-                                    "the template-loading host and must not be used", "8.5")
-                walk(value, path + (key,))
-        elif isinstance(node, list):
-            for i, item in enumerate(node):
-                walk(item, path + (i,))
-    walk(doc.data, ())
+    def refuse(value, path):
+        for key in value if isinstance(value, dict) else ():
+            if key in RESERVED_TEMPLATE_KEYS:
+                raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
+                                "the template-loading host and must not be used", "8.5")
+        return value
+    walk_document(doc.data, refuse)
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
 def param_string(value):
@@ -11242,12 +11246,13 @@ EXTENSION_TOOLS = {
 _ENV_REF = re.compile(r"\$\{([A-Za-z0-9_]+)(?::([^}]*))?\}")
 
 
-def interpolate_env(data, env, doc, rt, path=()):
+def interpolate_env(data, env, doc, rt):
     """§14.2, §14.4: substitute ${NAME} / ${NAME:default} in every string, exactly once each."""
-    if isinstance(data, dict):
-        return {k: interpolate_env(v, env, doc, rt, path + (k,)) for k, v in data.items()}
-    if isinstance(data, list):
-        return [interpolate_env(v, env, doc, rt, path + (i,)) for i, v in enumerate(data)]
+    return walk_document(data, lambda value, path: interpolate_string(value, env, doc, rt, path))
+
+
+def interpolate_string(data, env, doc, rt, path):
+    """One value of the walk: a string holding ${...} substituted (and coerced, §14.3)."""
     if not isinstance(data, str) or "${" not in data:
         return data
     refs = []
