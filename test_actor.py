@@ -36,6 +36,7 @@ import actor  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared"
+harness = actor.vector_harness()     # vectors/run.py (C.3), bound to the actor module imported above
 
 
 # =====================================================================================
@@ -62,7 +63,7 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     rng = random.Random(20261130)
     shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
               {"type": None}]
-    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
     crashes = []
     for _ in range(400):
         vector = rng.choice(vectors)
@@ -986,7 +987,7 @@ def _vector_documents():
     """(name, document) for every vector that loads, several configs merged (§3.1); documents
     templated at Phase A are left out (their text is no YAML until rendered)."""
     for path in VECTOR_FILES:
-        vector = actor.read_vector(path)
+        vector = harness.read_vector(path)
         if "load_error" in vector:
             continue
         if "configs" in vector:
@@ -1034,9 +1035,9 @@ def test_schema_rejects_structural_faults():
     validator = jsonschema.Draft202012Validator(actor.config_schema())
     by_name = {p.stem: p for p in VECTOR_FILES}
     for name in SCHEMA_REJECTS:
-        vector = actor.read_vector(by_name[name])
+        vector = harness.read_vector(by_name[name])
         assert not validator.is_valid(vector["config"]), name
-        assert actor.observe_vector(vector)["load_error"], name     # and the loader agrees
+        assert harness.observe_vector(vector)["load_error"], name     # and the loader agrees
     good = {"agents": {"a": {"type": "llm", "config": {"temperature": 0.3}}},
             "routes": {"m": {"type": "Stream", "publications": ["__output__"]}}}
     assert validator.is_valid(good)
@@ -1130,7 +1131,7 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     only an ActorError escapes. Seeded (derandomized), a few seconds."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
-    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
     crashes = []
 
     @hypothesis.settings(max_examples=400, derandomize=True, deadline=None, database=None,
@@ -4562,7 +4563,7 @@ def test_graph_mermaid_pins_18_3():
 
 def _load_vector_config(stem):
     path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
-    return actor.read_vector(path)["config"]
+    return harness.read_vector(path)["config"]
 
 
 def test_graph_actor_diagram_shows_18_3_graph():
@@ -5443,7 +5444,7 @@ def _build_complaints(vectors, monkeypatch):
     monkeypatch.setattr(actor, "start_actor", start)
     for path in vectors:
         current[0] = path.stem
-        actor.observe_vector(actor.read_vector(path))
+        harness.observe_vector(harness.read_vector(path))
     return found
 
 
@@ -5511,21 +5512,21 @@ def test_impl_protocol_agrees_with_in_process(tmp_path):
     sample = [p for p in VECTOR_FILES if p.parent.name in ("03-document", "14-env")][:12]
     assert sample
     out_a, out_b = io.StringIO(), io.StringIO()
-    a = actor.run_vectors(sample, out=out_a)
-    b = actor.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
+    a = harness.run_vectors(sample, out=out_a)
+    b = harness.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
                           out=out_b)
     assert a == b, out_a.getvalue() + out_b.getvalue()
 
 
 def test_judge_deep_subset_rules():
-    assert actor.subset({"a": 1}, {"a": 1.0, "b": 2})
-    assert not actor.subset({"a": "1"}, {"a": 1})
-    assert not actor.subset({"a": True}, {"a": "true"})
-    assert not actor.subset({"a": True}, {"a": 1})
-    assert not actor.subset([1, 2], [1, 2, 3])
-    assert actor.subset([{"x": 1}], [{"x": 1, "y": 2}])
-    assert actor.same([], [])
-    assert not actor.same([], ["x"])
+    assert harness.subset({"a": 1}, {"a": 1.0, "b": 2})
+    assert not harness.subset({"a": "1"}, {"a": 1})
+    assert not harness.subset({"a": True}, {"a": "true"})
+    assert not harness.subset({"a": True}, {"a": 1})
+    assert not harness.subset([1, 2], [1, 2, 3])
+    assert harness.subset([{"x": 1}], [{"x": 1, "y": 2}])
+    assert harness.same([], [])
+    assert not harness.same([], ["x"])
 
 
 def test_harness_reports_failures_and_summary(tmp_path):
@@ -5534,7 +5535,7 @@ def test_harness_reports_failures_and_summary(tmp_path):
                    .replace("name: minimal-valid-actor", "name: bad-expectation")
                    .replace("ChainAgent processed: hi->tagged", "something else"))
     out = io.StringIO()
-    assert actor.run_vectors([bad], out=out) == (0, 1)
+    assert harness.run_vectors([bad], out=out) == (0, 1)
     text = out.getvalue()
     assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
 
@@ -5543,13 +5544,13 @@ def _extension_vectors():
     """Our vectors that use each format extension (vectors/README.md)."""
     found = {}
     for path in VECTOR_FILES:
-        for name in actor.vector_extensions(actor.read_vector(path)):
+        for name in harness.vector_extensions(harness.read_vector(path)):
             found.setdefault(name, []).append(path)
     return found
 
 
 def test_every_format_extension_has_a_vector():
-    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
+    assert sorted(_extension_vectors()) == sorted(harness.VECTOR_EXTENSIONS)
 
 
 def _mutated(vector, step, key, value):
@@ -5582,19 +5583,19 @@ def test_each_format_extension_can_fail(stem, step, key, value):
     """Each extension is judged: the vector passes as written, and fails once the expectation (or
     the action) is changed."""
     path = next(p for p in VECTOR_FILES if p.stem == stem)
-    vector = actor.read_vector(path)
-    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
+    vector = harness.read_vector(path)
+    assert harness.judge_vector(vector, harness.observe_vector(vector)) == []
     bad = _mutated(vector, step, key, value)
     if key == "advance":
         del bad["steps"][step]["restore"]
-    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
+    assert harness.judge_vector(bad, harness.observe_vector(bad)) != []
 
 
 def test_describe_capabilities_compare_as_sets():
     got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
-    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"b": {}}}, got)
+    assert harness.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
+    assert not harness.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
+    assert not harness.describe_matches({"agents": {"b": {}}}, got)
 
 
 def test_lint_rejects_malformed_extensions():
@@ -5612,16 +5613,16 @@ def test_lint_rejects_malformed_extensions():
         {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
     ]
     for step in bad_steps:
-        errors, _ = actor.lint_vector({**base, "steps": [step]})
+        errors, _ = harness.lint_vector({**base, "steps": [step]})
         assert errors, step
-    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
+    errors, _ = harness.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
         {"send": "x", "outputs": []}]})
     assert errors
     good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
         {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
         {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
         {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
-    assert actor.lint_vector(good) == ([], [])
+    assert harness.lint_vector(good) == ([], [])
 
 
 def _write_impl_without_extensions(tmp_path):
@@ -5631,7 +5632,7 @@ def _write_impl_without_extensions(tmp_path):
         "import json, sys\n"
         f"sys.path.insert(0, {str(HERE)!r})\n"
         "import actor\n"
-        "report = actor.observe_vector(json.load(sys.stdin))\n"
+        "report = actor.vector_harness().observe_vector(json.load(sys.stdin))\n"
         "report.pop('extensions')\n"
         "print(json.dumps(report))\n")
     return f'"{sys.executable}" "{script}"'
@@ -5642,8 +5643,8 @@ def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
     sample = [found["rewind"][0], found["single_shot"][0],
               VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
     out = io.StringIO()
-    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
-                             out=out) == (1, 0)
+    assert harness.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
+                               out=out) == (1, 0)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("SKIP") and "rewind" in lines[0]
     assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
@@ -5724,7 +5725,7 @@ def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
     assert len(sample) == 2
     out = io.StringIO()
     impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
-    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
+    assert harness.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
     deep = tmp_path / "deep.yaml"
     deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
                     "routes: {m: {type: stream}}\n")
@@ -5738,6 +5739,62 @@ def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
         r = run_cli("--vectors", str(path))
         assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
         assert r.stderr.startswith("actor: error: ") and len(r.stderr.splitlines()) == 1
+
+
+def run_harness_cli(*args, stdin=""):
+    """vectors/run.py on its own, as an implementer runs it."""
+    return subprocess.run([sys.executable, str(VECTOR_DIR / "run.py"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_harness_lives_in_vectors_run_py_bound_to_the_running_module():
+    """Issue 21: the harness is vectors/run.py, bound to the actor module that loads it (one copy
+    of actor's classes); actor.py keeps only the loader."""
+    assert harness.actor is actor and actor.vector_harness() is harness
+    assert Path(harness.__file__) == VECTOR_DIR / "run.py"
+    for name in ("observe_vector", "judge_vector", "lint_vector", "run_vectors", "VECTOR_KEYS"):
+        assert not hasattr(actor, name) and hasattr(harness, name), name
+    # under `python actor.py` the running module is __main__: a load_error vector's ActorError is
+    # caught as such (a second copy of the classes would let it escape as a crash)
+    vector = {"name": "x", "spec": ["3.2"], "description": "d", "config": {"agents": 3},
+              "load_error": "ConfigurationError"}
+    for argv in ([str(HERE / "actor.py"), "--run-vector"], ["-m", "actor", "--run-vector"],
+                 [str(VECTOR_DIR / "run.py"), "--run-vector"]):
+        r = subprocess.run([sys.executable, *argv], input=json.dumps(vector), cwd=HERE,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (argv, r.stderr)
+        assert json.loads(r.stdout)["load_error"]["category"] == "ConfigurationError", argv
+
+
+def test_harness_runs_on_its_own_as_actor_runs_it():
+    """`python3 vectors/run.py DIR` and `python3 actor.py --vectors DIR` give the same report;
+    bad usage is one line and exit status 2 in both."""
+    folder = str(VECTOR_DIR / "03-document")
+    alone = run_harness_cli(folder, "--only", "merge-*")
+    through = run_cli("--vectors", folder, "--only", "merge-*")
+    assert (alone.returncode, alone.stdout) == (through.returncode, through.stdout) == (
+        0, through.stdout)
+    assert through.stdout.splitlines()[-1].startswith("3 passed, 0 failed"), through.stdout
+    for argv in ([folder, "-j", "2"], [folder, "--unsafe"], [], ["--run-vector", folder]):
+        r = run_harness_cli(*argv)
+        assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (2, "", 1), (argv, r.stderr)
+        assert r.stderr.startswith("run.py: error: "), r.stderr
+    r = run_cli("--vectors", "--help")
+    assert r.returncode == 0 and "--impl" in r.stdout and r.stdout.startswith("usage: actor")
+
+
+def test_actor_py_vendored_alone_says_the_harness_is_absent(tmp_path):
+    """actor.py copied without vectors/: --vectors and --run-vector say so in one line, exit 2;
+    everything else still runs."""
+    shutil.copy(HERE / "actor.py", tmp_path / "actor.py")
+    for argv in (["--vectors", str(VECTOR_DIR / "03-document")], ["--run-vector"]):
+        r = subprocess.run([sys.executable, str(tmp_path / "actor.py"), *argv], input="{}",
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (2, "", 1), r.stderr
+        assert r.stderr.startswith("actor: error: ") and "vectors/run.py" in r.stderr
+    r = subprocess.run([sys.executable, str(tmp_path / "actor.py"), _ECHO_EXAMPLE, "-m", "hi"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "hi\n"), r.stderr
 
 
 def _interpretation_entries():
@@ -7262,7 +7319,7 @@ def test_forbidden_forms_table_is_true():
     assert {row[0] for row in actor.FORBIDDEN_FORMS.values()} == {"16.1", "16.2", "16.3"}
     for form, (section, check, stem) in actor.FORBIDDEN_FORMS.items():
         assert callable(getattr(actor, check, None)), (form, check)
-        vector = actor.read_vector(HERE / "vectors" / f"{stem}.yaml")
+        vector = harness.read_vector(HERE / "vectors" / f"{stem}.yaml")
         assert any(str(s).startswith(section) for s in vector["spec"]), (form, vector["spec"])
         if form in accepted:
             assert "load_error" not in vector, form
@@ -7754,7 +7811,7 @@ def test_fake_transport_scripted_then_echo():
 VECTOR_DIR = HERE / "vectors"
 
 
-VECTOR_FILES = actor.collect_vector_files([VECTOR_DIR])
+VECTOR_FILES = harness.collect_vector_files([VECTOR_DIR])
 
 
 def _vector_id(path):
@@ -7763,10 +7820,10 @@ def _vector_id(path):
 
 @pytest.mark.parametrize("path", VECTOR_FILES, ids=_vector_id)
 def test_vector(path):
-    vector = actor.read_vector(path)
-    errors, _ = actor.lint_vector(vector, path.stem)
+    vector = harness.read_vector(path)
+    errors, _ = harness.lint_vector(vector, path.stem)
     assert not errors, errors
-    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    failures = harness.judge_vector(vector, harness.observe_vector(vector))
     assert not failures, "\n".join(
         f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
 
@@ -7777,8 +7834,8 @@ def test_vectors_reference_path_agrees(path, monkeypatch):
     the body's own code at every speed and containment seam) as test_vector gives on the
     default path -- both PASS, since test_vector requires a pass."""
     monkeypatch.setenv("ACTOR_REFERENCE", "1")
-    vector = actor.read_vector(path)
-    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    vector = harness.read_vector(path)
+    failures = harness.judge_vector(vector, harness.observe_vector(vector))
     assert not failures, "\n".join(
         f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
 
@@ -7807,8 +7864,8 @@ def test_vector_suite_lint():
     names = {}
     problems = []
     for path in VECTOR_FILES:
-        vector = actor.read_vector(path)
-        errors, warnings = actor.lint_vector(vector, path.stem)
+        vector = harness.read_vector(path)
+        errors, warnings = harness.lint_vector(vector, path.stem)
         problems += [f"{path}: {e}" for e in errors + warnings]
         name = vector.get("name")
         if name in names:
@@ -7821,7 +7878,7 @@ def test_vector_suite_lint():
             if headings is not None and str(section) not in headings:
                 problems.append(f"{path}: spec section {section} is not a heading of the standard")
         for i, step in enumerate(vector.get("steps") or []):
-            if not any(k in step for k in actor.STEP_CHECKS):
+            if not any(k in step for k in harness.STEP_CHECKS):
                 problems.append(f"{path}: steps[{i}] asserts nothing")
     assert not problems, "\n".join(problems)
 
@@ -8758,7 +8815,7 @@ def _vector_coverage(paths, actor_file, cache):
             def tracer(frame, event, arg):
                 return local if frame.f_code.co_filename == actor_file else None
 
-            vector = actor.read_vector(path)
+            vector = harness.read_vector(path)
             for value in list(vars(actor).values()):   # memoised code runs again for each vector
                 if callable(getattr(value, "cache_clear", None)):
                     value.cache_clear()
@@ -8766,7 +8823,7 @@ def _vector_coverage(paths, actor_file, cache):
             sys.settrace(tracer)
             threading.settrace(tracer)
             try:
-                actor.observe_vector(vector)
+                harness.observe_vector(vector)
             finally:
                 sys.settrace(None)
                 threading.settrace(None)
@@ -8800,11 +8857,11 @@ def _run_mutant(source, sections, index, order, vectors, workdir):
     for vector_path in order:
         vector = vectors[vector_path]
         try:
-            observed = module.observe_vector(vector)
+            observed = actor.vector_harness(module).observe_vector(vector)
         except BaseException as exc:  # noqa: BLE001 - a crash is noticed
             record["by"] = f"{Path(vector_path).stem} (crash: {type(exc).__name__})"
             return record
-        if actor.judge_vector(vector, observed):
+        if harness.judge_vector(vector, observed):
             record["by"] = Path(vector_path).stem
             return record
     record["status"] = "survived"
@@ -8947,9 +9004,9 @@ def test_mutation_score_of_the_vectors(request):
         chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
                   for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
-    paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
+    paths = [str(p) for p in (harness.collect_vector_files([folder]) if folder else VECTOR_FILES)]
     coverage = _vector_coverage(paths, actor_file, request.config.cache)
-    vectors = {p: actor.read_vector(p) for p in paths}
+    vectors = {p: harness.read_vector(p) for p in paths}
     by_speed = sorted(paths, key=lambda p: coverage[p]["seconds"])
     line_sets = {p: set(coverage[p]["lines"]) for p in paths}
     print(f"\n[mutation] seed {seed}, {len(chosen)} of {len(points)} mutation points, "
