@@ -12535,6 +12535,7 @@ def _positive(kind):
 CLI_USAGE = """actor CONFIG... [-m TEXT]... [options]
        actor --check|--describe|--diagram [options] CONFIG...
        actor --vectors PATH... [harness options: actor --vectors --help]
+       actor --report OUT.html RESULT.json...
        actor --schema | --run-vector | --version"""
 
 
@@ -12544,9 +12545,9 @@ def _arg_parser():
         "(Actor Configuration Standard 1.0.0).", epilog="Exit status: 0 ok; 1 a message reached "
         "__error__, a run failed, or a vector failed; 2 bad usage, or a configuration refused at "
         "load (any §20 category), or a warning under --strict; 70 an internal error of actor.py; "
-        "130 interrupted (Ctrl-C); 141 output pipe closed. --vectors PATH... and --run-vector hand "
-        "the command line to the vector harness, vectors/run.py (its options: actor --vectors "
-        "--help).")
+        "130 interrupted (Ctrl-C); 141 output pipe closed. --vectors PATH..., --run-vector and "
+        "--report hand the command line to the vector harness, vectors/run.py (its options: "
+        "actor --vectors --help).")
     p.add_argument("configs", nargs="*", metavar="CONFIG",
                    help="configuration files, merged in order")
     p.add_argument("-m", "--message", action="append", metavar="TEXT",
@@ -13231,7 +13232,7 @@ def _cli(args):
         log.removeFilter(hints)
 
 
-HARNESS_OPTIONS = ("--vectors", "--run-vector")    # a command line for vectors/run.py (C.3)
+HARNESS_OPTIONS = ("--vectors", "--run-vector", "--report")   # a command line for vectors/run.py
 
 
 def harness_command(argv):
@@ -13245,8 +13246,8 @@ def harness_command(argv):
 
 
 def run_harness(argv):
-    """--vectors, --run-vector: the whole command line goes to vectors/run.py (C.3), bound to
-    this module; without that file, one line and exit status 2."""
+    """--vectors, --run-vector, --report: the whole command line goes to vectors/run.py (C.3),
+    bound to this module; without that file, one line and exit status 2."""
     harness = vector_harness()
     if harness is None:
         print(f"actor: error: {harness_command(argv)} needs the vector harness "

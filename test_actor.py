@@ -36,7 +36,7 @@ import actor  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared"
-harness = actor.vector_harness()     # vectors/run.py (C.3), bound to the actor module imported above
+harness = actor.vector_harness()     # vectors/run.py (C.3), bound to the actor imported above
 
 
 # =====================================================================================
@@ -63,7 +63,8 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     rng = random.Random(20261130)
     shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
               {"type": None}]
-    vectors = [v for v in map(harness.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES)
+               if isinstance(v.get("config"), dict)]
     crashes = []
     for _ in range(400):
         vector = rng.choice(vectors)
@@ -675,12 +676,13 @@ def test_cli_run_vector_refuses_input_that_is_no_vector(stdin, expect):
 
 def test_cli_impl_that_fails_is_an_error_line_per_vector(tmp_path):
     """--impl whose command fails: each vector an ERROR naming the exit status and the
-    command's stderr, then `0 passed, N failed`, exit status 1."""
+    command's stderr, counted apart: `0 passed, 0 failed, N errors`, exit status 1."""
     r = run_cli("--vectors", str(HERE / "vectors" / "03-document"), "--only", "merge-*",
                 "--impl", "echo broken >&2; exit 3")
     lines = r.stdout.splitlines()
-    assert r.returncode == 1 and lines[-1] == f"0 passed, {len(lines) - 1} failed"
-    assert all(line.startswith("ERROR ") and "exited 3: broken" in line for line in lines[:-1])
+    assert r.returncode == 1 and lines[-1] == f"0 passed, 0 failed, {len(lines) - 1} errors"
+    assert all(line.startswith("ERROR ") and "implementation: exited 3 without a report: broken"
+               in line for line in lines[:-1])
 
 
 def test_cli_impl_that_cannot_start_is_one_line_with_exit_status_2(tmp_path):
@@ -1131,7 +1133,8 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     only an ActorError escapes. Seeded (derandomized), a few seconds."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
-    vectors = [v for v in map(harness.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES)
+               if isinstance(v.get("config"), dict)]
     crashes = []
 
     @hypothesis.settings(max_examples=400, derandomize=True, deadline=None, database=None,
@@ -5795,6 +5798,238 @@ def test_actor_py_vendored_alone_says_the_harness_is_absent(tmp_path):
     r = subprocess.run([sys.executable, str(tmp_path / "actor.py"), _ECHO_EXAMPLE, "-m", "hi"],
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (0, "hi\n"), r.stderr
+
+
+def _write_toy_impl(tmp_path):
+    """An --impl that reports through actor.py, except on `crash-*` vectors: 300 lines on stderr,
+    exit 3, no report (a crashing implementation, as a new one often is)."""
+    script = tmp_path / "toy_impl.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import actor\n"
+        "vector = json.load(sys.stdin)\n"
+        "if vector['name'].startswith('crash-'):\n"
+        "    sys.stderr.write(''.join(f'trace line {i} ' + 'x' * 40 + '\\n' for i in range(300)))\n"
+        "    sys.exit(3)\n"
+        "print(json.dumps(actor.vector_harness().observe_vector(vector)))\n")
+    return f'"{sys.executable}" "{script}"'
+
+
+def _harness_folder(tmp_path):
+    """_vector_folder's three vectors, a broken one and one that crashes the toy implementation."""
+    folder = _vector_folder(tmp_path)
+    (folder / "broken-vector.yaml").write_text("name: broken-vector\nspec: ['3.1']\n")
+    good = (folder / "minimal-valid-actor.yaml").read_text()
+    (folder / "crash-here.yaml").write_text(good.replace("name: minimal-valid-actor",
+                                                         "name: crash-here"))
+    return folder
+
+
+def test_harness_counts_errors_apart_and_shows_whole_stderr_lines(tmp_path):
+    """Issue 25: ERROR (a broken vector, a crashing implementation) is counted apart from FAIL in
+    the text and in the JSON totals; its message says whose fault it is; the stderr tail shown is
+    whole lines."""
+    folder, impl = _harness_folder(tmp_path), _write_toy_impl(tmp_path)
+    r = run_harness_cli(str(folder), "--impl", impl, "-j", "2")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[-1] == "2 passed, 1 failed, 2 errors", r.stdout
+    verdicts = {Path(l.split()[1]).stem: l.split()[0] for l in lines if l[:1].isupper()
+                and not l.startswith("2 passed")}
+    assert verdicts == {"bad-expectation": "FAIL", "broken-vector": "ERROR", "crash-here": "ERROR",
+                        "inline-print": "PASS", "minimal-valid-actor": "PASS"}
+    assert any(l.startswith("ERROR") and "broken-vector" in l and "  vector: missing" in l
+               for l in lines)
+    crash = next(i for i, l in enumerate(lines) if l.startswith("ERROR") and "crash-here" in l)
+    assert "implementation: exited 3 without a report: trace line 299 " in lines[crash]
+    shown = [l.split("stderr: ")[-1].strip() for l in lines[crash + 1:]
+             if l.startswith("      ") and "trace line" in l]
+    assert 10 < len(shown) < 300 and shown[-1].startswith("trace line 299 ")
+    assert all(re.fullmatch(r"trace line \d+ x{40}", l) for l in shown), shown[:3]
+    report = json.loads(run_harness_cli(str(folder), "--impl", impl, "--json").stdout)
+    assert [report[k] for k in ("passed", "failed", "skipped", "errors", "xfailed", "xpassed")] \
+        == [2, 1, 0, 2, 0, 0]
+    assert {v["name"]: v["verdict"] for v in report["vectors"]}["crash-here"] == "error"
+
+
+def test_harness_known_failures_are_xfail_and_a_pass_among_them_is_xpass(tmp_path):
+    """--known-failures FILE: a listed vector that fails or errs is XFAIL and does not fail the
+    run; one that passes is XPASS and does (test262, toml-test); a name matching no vector is
+    warned about."""
+    folder = _harness_folder(tmp_path)
+    (folder / "broken-vector.yaml").unlink()
+    (folder / "crash-here.yaml").unlink()
+    known = tmp_path / "known.txt"
+    known.write_text("# our known failures\nbad-expectation   # step 1 differs\n\n")
+    r = run_cli("--vectors", str(folder), "--known-failures", str(known))
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed, 1 xfailed"
+    assert any(l.startswith("XFAIL") and "bad-expectation" in l for l in r.stdout.splitlines())
+    known.write_text("bad-expectation\nminimal-valid-actor\nno-such-vector\n")
+    r = run_cli("--vectors", str(folder), "--known-failures", str(known), "--json")
+    report = json.loads(r.stdout)
+    assert r.returncode == 1
+    assert (report["xfailed"], report["xpassed"], report["passed"]) == (1, 1, 1)
+    assert {v["name"]: v["verdict"] for v in report["vectors"]}["minimal-valid-actor"] == "xpass"
+    assert "'no-such-vector' names no vector" in r.stderr
+    r = run_cli("--vectors", str(folder), "--known-failures", str(tmp_path / "missing.txt"))
+    assert (r.returncode, len(r.stderr.splitlines())) == (2, 1) and "--known-failures" in r.stderr
+
+
+def test_harness_list_json_names_sections_extensions_and_profile(tmp_path):
+    """--list --json: every selected vector with its name, path, sections, extensions, profile."""
+    r = run_cli("--vectors", str(VECTOR_DIR / "06-graph"), str(VECTOR_DIR / "05-streams"),
+                "--list", "--json", "--only", "graph-rewind-*", "--only", "filter-passes-matching")
+    entries = json.loads(r.stdout)["vectors"]
+    assert r.returncode == 0 and entries and all(
+        set(e) == {"name", "path", "sections", "extensions", "profile"} for e in entries)
+    by_name = {e["name"]: e for e in entries}
+    assert by_name["filter-passes-matching"]["profile"] == "core"
+    assert by_name["filter-passes-matching"]["sections"] == harness.read_vector(
+        VECTOR_DIR / "05-streams" / "filter-passes-matching.yaml")["spec"]
+    rewinds = [e for e in entries if e["name"].startswith("graph-rewind-")]
+    assert rewinds and all("rewind" in e["extensions"] and e["profile"] == "full"
+                           for e in rewinds)
+    r = run_cli("--vectors", str(VECTOR_DIR / "05-streams"), "--list", "--json", "--profile",
+                "core")
+    assert {e["profile"] for e in json.loads(r.stdout)["vectors"]} == {"core"}
+
+
+def test_core_profile_marking_follows_its_rule():
+    """Issue 25: `profile: core` marks exactly the vectors that need only tool agents with built-in
+    tools and stream routes (core_profile, recomputed here for every vector), and the lint takes
+    no other profile."""
+    marked, computed = set(), set()
+    for path in VECTOR_FILES:
+        vector = harness.read_vector(path)
+        if vector.get("profile") == "core":
+            marked.add(path.stem)
+        if harness.core_profile(vector):
+            computed.add(path.stem)
+    assert marked == computed and len(marked) > 150
+    assert "minimum-actor-echoes-any-message" in marked and "router-first-match-wins" not in marked
+    base = harness.read_vector(VECTOR_DIR / "04-tools" / "minimum-actor-echoes-any-message.yaml")
+    assert harness.lint_vector(base)[0] == []
+    assert any("profile" in e for e in harness.lint_vector({**base, "profile": "basic"})[0])
+    llm = {**base, "config": {**base["config"], "agents": {"echo": {"type": "llm"}}}}
+    code = {**base, "config": {**base["config"], "agents": {"echo": {"type": "tool", "config": {
+        "tools": [{"name": "t", "code": "result = 1"}]}}}}}
+    assert not harness.core_profile(llm) and not harness.core_profile(code)
+    assert not harness.core_profile({**base, "host": {"llm": {}}})
+
+
+def test_harness_profile_core_selects_the_marked_vectors(tmp_path):
+    """--profile core runs only the vectors marked `profile: core`."""
+    folder = _vector_folder(tmp_path)          # none of them is marked
+    core = VECTOR_DIR / "04-tools" / "minimum-actor-echoes-any-message.yaml"
+    shutil.copy(core, folder / core.name)
+    r = run_harness_cli(str(folder), "--profile", "core")
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        f"PASS  {folder / core.name}", "1 passed, 0 failed"], r.stdout
+
+
+def test_harness_summary_counts_per_section(tmp_path):
+    """--summary: one line per cited section with its passed/failed/skipped/errors counts, before
+    the totals line; the JSON report carries the same rows under `sections`."""
+    folder = _harness_folder(tmp_path)
+    (folder / "crash-here.yaml").unlink()
+    r = run_cli("--vectors", str(folder), "--summary")
+    lines = r.stdout.splitlines()
+    head = lines.index(next(l for l in lines if l.startswith("section ")))
+    assert lines[head].split() == ["section", "passed", "failed", "skipped", "errors"]
+    rows = {l.split()[0]: [int(n) for n in l.split()[1:]] for l in lines[head + 1:-1]}
+    assert rows["§3.3"] == [1, 1, 0, 0] and rows["§3.1"] == [0, 0, 0, 1], rows
+    assert rows["§4.5.2"] == [1, 0, 0, 0], rows
+    assert lines[-1] == "2 passed, 1 failed, 1 error"
+    sections = json.loads(run_cli("--vectors", str(folder), "--json").stdout)["sections"]
+    assert {"section": "3.1", "passed": 0, "failed": 0, "skipped": 0, "xfailed": 0,
+            "xpassed": 0, "errors": 1} in sections
+
+
+def _png_colours(path):
+    """The set of (r, g, b) colours of an 8-bit RGB or RGBA PNG, decoded with zlib alone."""
+    import struct
+    import zlib
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert depth == 8 and colour in (2, 6)
+    bpp = 3 if colour == 2 else 4
+    raw, stride, prev, colours = zlib.decompress(idat), width * bpp, bytearray(width * bpp), set()
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            left = line[i - bpp] if i >= bpp else 0
+            up, corner = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc
+                                      else corner)) & 255
+        colours.update(bytes(line[i:i + 3]) for i in range(0, stride, bpp))
+        prev = line
+    return colours
+
+
+def _conformance_page(tmp_path):
+    """--report OUT.html from two implementations' --json results (actor.py, the toy)."""
+    folder = _harness_folder(tmp_path)
+    ours, toy = tmp_path / "actor.json", tmp_path / "toy.json"
+    ours.write_text(run_cli("--vectors", str(folder), "--json").stdout)
+    toy.write_text(run_harness_cli(str(folder), "--impl", _write_toy_impl(tmp_path),
+                                   "--json").stdout)
+    page = tmp_path / "conformance.html"
+    r = run_cli("--report", str(page), str(ours), str(toy))
+    assert r.returncode == 0 and page.is_file(), r.stderr
+    return page
+
+
+def test_report_is_one_offline_page_of_sections_by_verdicts(tmp_path):
+    """--report OUT.html RESULT.json...: one static page, sections x PASS/FAIL/SKIP per
+    implementation, with no script and nothing fetched from elsewhere; a run can write its own."""
+    text = _conformance_page(tmp_path).read_text(encoding="utf-8")
+    assert "actor.py " in text and "toy_impl.py" in text and "§3.3" in text and "§5.3.4" in text
+    assert text.count("<th>PASS</th><th>FAIL</th><th>SKIP</th>") == 2
+    assert not re.search(r"<script|<link|src=|url\(|https?://", text)
+    own = tmp_path / "own.html"
+    r = run_cli("--vectors", str(VECTOR_DIR / "03-document"), "--only", "merge-*", "--report",
+                str(own))
+    assert r.returncode == 0 and "§3.1" in own.read_text(encoding="utf-8")
+    for argv in (["--report", str(own)], ["--report", str(own), str(tmp_path / "toy.json"),
+                                           "--summary"],
+                 ["--report", str(own), str(tmp_path / "conformance.html")]):
+        r = run_cli(*argv)
+        assert (r.returncode, len(r.stderr.splitlines())) == (2, 1), (argv, r.stderr)
+
+
+def test_report_renders_in_a_real_browser(tmp_path):
+    """The conformance page drawn by headless Chromium is not blank: its pass (green) and fail
+    (red) cells are on the screenshot."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not browser:
+        pytest.skip("no Chromium installed")
+    page, shot = _conformance_page(tmp_path), tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                    "--window-size=1000,700", page.as_uri()], capture_output=True, timeout=120)
+    assert shot.is_file(), "Chromium wrote no screenshot"
+    colours = _png_colours(shot)
+    assert len(colours) > 20, len(colours)
+    assert bytes((0xcd, 0xec, 0xcd)) in colours and bytes((0xf6, 0xc6, 0xc6)) in colours
 
 
 def _interpretation_entries():

@@ -7,7 +7,7 @@ observe_vector is actor.py's side of the protocol (it only reports); judge_vecto
 run_vectors prints. The same harness runs three ways:
 
     python3 vectors/run.py vectors [--impl "CMD" [-j N]] ...   this file on its own
-    python3 actor.py --vectors vectors [--impl "CMD" [-j N]] ...  actor.py hands its command line here
+    python3 actor.py --vectors vectors [--impl "CMD" [-j N]] ...  actor.py hands its argv here
     python3 -m actor --vectors vectors ...                        the same
 
 `actor` below is the actor module under test, set by bind(): actor.py's vector_harness() loads this
@@ -40,8 +40,8 @@ def bind(module):
     actor = module
 
 
-VECTOR_KEYS = ("name", "spec", "description", "interpretation", "host", "config", "config_text",
-               "configs", "load_error", "warnings", "steps")
+VECTOR_KEYS = ("name", "spec", "description", "interpretation", "profile", "host", "config",
+               "config_text", "configs", "load_error", "warnings", "steps")
 # `interpretation` (optional, documentation only): the id, or list of ids, of the entries of
 # vectors/INTERPRETATIONS.md that the vector pins. Nothing is judged by it.
 READING_ID = re.compile(r"I-[0-9]{3}")
@@ -116,7 +116,8 @@ def _vector_step(running, step):
         running.rewind(step["rewind"]["graph"], step["rewind"].get("steps", 1))
     elif "restore" in step:
         running.restore(step["restore"]["graph"])
-    return actor.Result([m for r in results for m in r.outputs], [m for r in results for m in r.errors])
+    return actor.Result([m for r in results for m in r.outputs],
+                        [m for r in results for m in r.errors])
 
 
 def observe_vector(vector):
@@ -152,7 +153,7 @@ def _observe(vector):
         except actor.ActorError as exc:
             report["load_error"] = {"category": exc.category, "message": str(exc)}
             return report
-        running.rt.progress = actor.ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
+        running.rt.progress = actor.ProgressFacility(stream=io.StringIO())   # §4.5.6: not reported
         running.rt.single_shot = bool(host.get("single_shot", False))
         warned = len(running.rt.warnings)
         report["warnings"] = [warning_record(w) for w in running.rt.warnings]
@@ -419,9 +420,72 @@ def lint_vector(vector, stem=None):
         for key in step:
             if key not in STEP_KEYS:
                 warnings_.append(f"steps[{i}]: unknown key '{key}'")
+    if "profile" in vector and vector["profile"] != "core":
+        errors.append(f"profile is 'core' or absent (the full suite), not {vector['profile']!r}")
     if stem is not None and vector.get("name") != stem:
         warnings_.append(f"name '{vector.get('name')}' differs from the file name '{stem}'")
     return errors, warnings_
+
+
+# The core profile: what a new implementation builds first -- tool agents with built-in tools
+# (echo, math, json_parse, ...), stream routes with their operators, merges, splits and the global
+# context. A vector in it carries `profile: core`; core_profile() is the rule the marking follows
+# (test_actor.py recomputes it for every vector), so that --profile core selects by the key alone.
+PROFILES = ("core", "full")
+CORE_SECTIONS = ("name", "agents", "routes", "merges", "splits", "context", "cleveragents")
+CORE_HOST_KEYS = ("unsafe", "env", "context", "files", "default_router", "single_shot")
+CODE_KEYS = ("code", "fn", "function", "state_extractor", "state_flattener", "custom_predicate")
+PHASE_A_MARKS = ("{{", "{%", "{#")
+
+
+def _holds_key(value, keys):
+    if isinstance(value, dict):
+        return any(k in keys or _holds_key(v, keys) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_key(v, keys) for v in value)
+    return False
+
+
+def _core_document(doc):
+    if not isinstance(doc, dict) or not set(doc) <= set(CORE_SECTIONS):
+        return False
+    if _holds_key(doc, CODE_KEYS) or "template_engine" in (doc.get("cleveragents") or {}):
+        return False
+    agents, routes = doc.get("agents") or {}, doc.get("routes") or {}
+    if not isinstance(agents, dict) or not isinstance(routes, dict):
+        return False
+    for agent in agents.values():
+        config = agent.get("config") if isinstance(agent, dict) else None
+        tools = (config or {}).get("tools", []) if isinstance(config or {}, dict) else None
+        if not (isinstance(agent, dict) and agent.get("type") == "tool" and isinstance(tools, list)
+                and all(isinstance(t, str) for t in tools)):
+            return False
+    return all(isinstance(r, dict) and r.get("type") == "stream" for r in routes.values())
+
+
+def core_profile(vector):
+    """True when every document of `vector` uses only the core profile's parts (above) and the
+    host sets nothing beyond them: no LLM, no graph, no inline code or expression, no template,
+    no Phase A rendering, no isolation."""
+    host = vector.get("host") or {}
+    if not isinstance(host, dict) or not set(host) <= set(CORE_HOST_KEYS):
+        return False
+    if "config_text" in vector:
+        text = vector["config_text"]
+        if not isinstance(text, str) or any(mark in text for mark in PHASE_A_MARKS):
+            return False
+        try:
+            docs = [actor.parse_yaml(text)[0]]
+        except actor.ActorError:
+            return False
+    else:
+        docs = vector["configs"] if "configs" in vector else [vector.get("config")]
+    return isinstance(docs, list) and all(_core_document(doc) for doc in docs)
+
+
+def vector_profile(vector):
+    """'core' for a vector marked `profile: core`, else 'full'."""
+    return "core" if isinstance(vector, dict) and vector.get("profile") == "core" else "full"
 
 
 def collect_vector_files(paths):
@@ -460,6 +524,29 @@ def read_vector(path):
     return data
 
 
+class ImplementationFailed(Exception):
+    """The implementation under test gave no usable report (it crashed, exited without a report,
+    or printed something that is no JSON object): an ERROR that is not the vector's fault."""
+
+    def __init__(self, message, stderr="", returncode=None):
+        super().__init__(message)
+        self.stderr, self.returncode = stderr, returncode
+
+
+STDERR_TAIL = 2000      # characters of an implementation's stderr shown under its vector
+
+
+def stderr_tail(text, limit=STDERR_TAIL):
+    """The last whole lines of `text` within `limit` characters (the last line always, whole)."""
+    kept, size = [], 0
+    for line in reversed((text or "").rstrip().splitlines()):
+        if kept and size + len(line) + 1 > limit:
+            break
+        kept.insert(0, line)
+        size += len(line) + 1
+    return "\n".join(kept)
+
+
 def observe_with(impl, vector, timeout):
     """Run another implementation on one vector (the --impl protocol) and parse its JSON report.
     Its stderr lands in the report's `stderr`; a run past `timeout` is killed with its children."""
@@ -475,10 +562,16 @@ def observe_with(impl, vector, timeout):
         proc.communicate()
         raise
     if proc.returncode != 0 and not out.strip():
-        raise RuntimeError(f"implementation exited {proc.returncode}: {err.strip()[-500:]}")
-    report = json.loads(out)
+        last = stderr_tail(err, 0)
+        raise ImplementationFailed(f"exited {proc.returncode} without a report"
+                                   + (f": {last}" if last else ", nothing on stderr"),
+                                   err, proc.returncode)
+    try:
+        report = json.loads(out)
+    except ValueError as exc:
+        raise ImplementationFailed(f"its report is no JSON ({exc})", err) from None
     if not isinstance(report, dict):
-        raise ValueError("the implementation's report is not a JSON object")
+        raise ImplementationFailed("its report is not a JSON object", err)
     own = report.get("stderr")
     report["stderr"] = (own if isinstance(own, str) else "") + err
     return report
@@ -489,118 +582,248 @@ def _show(value):
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT):
-    """Read, lint, run and judge one vector file: a record {path, name, sections, verdict (pass,
-    fail, error, skip), failures, message, expected, observed, lint warnings}."""
-    record = {"path": str(path), "name": Path(path).stem, "sections": [], "verdict": "error",
-              "failures": [], "message": None, "expected": None, "observed": None,
-              "lint": []}
+def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT, known=frozenset()):
+    """Read, lint, run and judge one vector file: a record {path, name, sections, profile,
+    verdict, failures, message, expected, observed, stderr, lint warnings}. The verdict is pass,
+    fail, skip (an extension the implementation does not list), error (a broken vector, or an
+    implementation that crashed or timed out), or for a name in `known` (--known-failures) xfail
+    where it would fail or err and xpass where it passes."""
+    record = {"path": str(path), "name": Path(path).stem, "sections": [], "profile": "full",
+              "verdict": "error", "failures": [], "message": None, "expected": None,
+              "observed": None, "stderr": None, "lint": []}
     try:
         vector = read_vector(path)
-        errors, record["lint"] = lint_vector(vector, Path(path).stem)
-        if isinstance(vector, dict):
-            record["name"] = vector.get("name", record["name"])
-            record["sections"] = [str(s) for s in vector.get("spec") or []]
-            record["expected"] = {k: vector[k] for k in ("load_error", "warnings", "steps")
-                                  if k in vector}
-        if errors:
-            raise ValueError("; ".join(errors))
+    except actor.ActorError as exc:
+        record["message"] = f"vector: {exc}"
+        return _known(record, known)
+    errors, record["lint"] = lint_vector(vector, Path(path).stem)
+    if isinstance(vector, dict):
+        record["name"] = vector.get("name", record["name"])
+        record["sections"] = [str(s) for s in vector.get("spec") or []]
+        record["profile"] = vector_profile(vector)
+        record["expected"] = {k: vector[k] for k in ("load_error", "warnings", "steps")
+                              if k in vector}
+    if errors:
+        record["message"] = "vector: " + "; ".join(errors)
+        return _known(record, known)
+    try:
         observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
-        record["observed"] = observed
-        missing = unsupported_extensions(vector, observed)
-        if missing:
-            record["verdict"] = "skip"
-            record["message"] = "extensions not supported: " + ", ".join(missing)
-            return record
-        failures = judge_vector(vector, observed)
-    except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
-        timed_out = isinstance(exc, subprocess.TimeoutExpired)
-        kind = "timeout" if timed_out else "vector"
-        hint = f" (raise the limit with --timeout, now {timeout} s)" if timed_out else ""
-        record["message"] = f"{kind}: {type(exc).__name__}: {exc}{hint}"
+    except subprocess.TimeoutExpired:
+        record["message"] = (f"timeout: the implementation ran past {timeout:g} s on this vector "
+                             f"(raise the limit with --timeout S)")
+        return _known(record, known)
+    except ImplementationFailed as exc:
+        record["message"], record["stderr"] = f"implementation: {exc}", stderr_tail(exc.stderr)
+        return _known(record, known)
+    except Exception as exc:  # boundary: an in-process crash is the implementation's ERROR
+        record["message"] = f"implementation: crashed: {type(exc).__name__}: {exc}"
+        return _known(record, known)
+    record["observed"] = observed
+    printed = observed.get("stderr")
+    record["stderr"] = stderr_tail(printed) if isinstance(printed, str) and printed else None
+    missing = unsupported_extensions(vector, observed)
+    if missing:
+        record["verdict"] = "skip"
+        record["message"] = "extensions not supported: " + ", ".join(missing)
         return record
+    try:
+        failures = judge_vector(vector, observed)
+    except Exception as exc:  # boundary: a report of the wrong shape is the implementation's
+        record["message"] = (f"implementation: its report does not follow the protocol "
+                             f"({type(exc).__name__}: {exc})")
+        return _known(record, known)
     record["failures"] = [{"step": s, "action": a, "field": f, "expect": e, "got": g}
                           for s, a, f, e, g in failures]
     record["verdict"] = "fail" if failures else "pass"
+    return _known(record, known)
+
+
+def _known(record, known):
+    """A known failure's verdict: xfail where it fails or errs, xpass where it passes."""
+    if record["name"] in known:
+        record["verdict"] = {"fail": "xfail", "error": "xfail", "pass": "xpass"}.get(
+            record["verdict"], record["verdict"])
     return record
+
+
+VERDICT_LABELS = {"pass": "PASS ", "fail": "FAIL ", "skip": "SKIP ", "error": "ERROR",
+                  "xfail": "XFAIL", "xpass": "XPASS"}
 
 
 def print_vector_record(record, out):
     """The text report's lines for one vector (STYLE §10)."""
     path, verdict = record["path"], record["verdict"]
+    label = VERDICT_LABELS[verdict]
     if verdict == "pass":
-        print(f"PASS  {path}", file=out)
-    elif verdict == "skip":
-        print(f"SKIP  {path}  {record['message']}", file=out)
-    elif verdict == "error":
-        print(f"ERROR {path}  {record['message']}", file=out)
+        print(f"{label} {path}", file=out)
+    elif verdict == "xpass":
+        print(f"{label} {path}  listed as a known failure, and it passes", file=out)
+    elif not record["failures"]:
+        print(f"{label} {path}  {record['message']}", file=out)
     else:
         sections = ", ".join("§" + s for s in record["sections"])
         first = record["failures"][0]
         where = "load" if first["step"] is None else f"step {first['step']} ({first['action']})"
-        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
+        print(f"{label} {path}  [{sections}]  {where}", file=out)
         for failure in record["failures"]:
             step, field = failure["step"], failure["field"]
-            label = field if step is None or step == first["step"] else f"step {step} {field}"
-            print(f"      {label}  expect: {_show(failure['expect'])}", file=out)
-            print(f"      {' ' * len(label)}  got:    {_show(failure['got'])}", file=out)
-    printed = (record.get("observed") or {}).get("stderr") if isinstance(
-        record.get("observed"), dict) else None
-    if verdict in ("fail", "error") and printed:
-        print(f"      stderr: {_show(printed)}", file=out)
+            name = field if step is None or step == first["step"] else f"step {step} {field}"
+            print(f"      {name}  expect: {_show(failure['expect'])}", file=out)
+            print(f"      {' ' * len(name)}  got:    {_show(failure['got'])}", file=out)
+    printed = record.get("stderr")
+    if verdict in ("fail", "error", "xfail") and printed and not (
+            "\n" not in printed and printed in (record["message"] or "")):   # said once is enough
+        lines = printed.splitlines()
+        print(f"      stderr: {lines[0]}", file=out)
+        for line in lines[1:]:
+            print(f"              {line}", file=out)
+
+
+TOTALS = (("pass", "passed"), ("fail", "failed"), ("skip", "skipped"), ("xfail", "xfailed"),
+          ("xpass", "xpassed"), ("error", "errors"))
+
+
+def totals_line(counts):
+    """`N passed, N failed`, then `, N skipped`, `, N xfailed`, `, N xpassed`, `, N error(s)` for
+    the ones that occurred."""
+    parts = [f"{counts['pass']} passed", f"{counts['fail']} failed"]
+    for verdict, word in TOTALS[2:]:
+        if counts[verdict]:
+            word = "error" if word == "errors" and counts[verdict] == 1 else word
+            parts.append(f"{counts[verdict]} {word}")
+    return ", ".join(parts)
+
+
+def _section_key(section):
+    return [int(part) if part.isdigit() else 0 for part in str(section).split(".")]
+
+
+def section_summary(records):
+    """[{section, passed, failed, skipped, xfailed, xpassed, errors}] over the sections the
+    vectors cite (a vector citing two sections counts in both), in the standard's order."""
+    rows = {}
+    for record in records:
+        for section in record.get("sections") or ["(none)"]:
+            row = rows.setdefault(section, {"section": section, **{w: 0 for _, w in TOTALS}})
+            row[dict(TOTALS)[record["verdict"]]] += 1
+    return [rows[s] for s in sorted(rows, key=_section_key)]
+
+
+def print_summary(rows, out):
+    """--summary: one line per cited section with its counts."""
+    words = [w for _, w in TOTALS if w in ("passed", "failed", "skipped", "errors")
+             or any(row[w] for row in rows)]
+    width = max([len("section")] + [len(r["section"]) + 1 for r in rows])
+    print(f"{'section':<{width}}  " + "  ".join(f"{w:>7}" for w in words), file=out)
+    for row in rows:
+        print(f"{'§' + row['section']:<{width}}  " + "  ".join(f"{row[w]:>7}" for w in words),
+              file=out)
+
+
+def read_known_failures(path):
+    """--known-failures FILE: vector names, one a line; `#` starts a comment."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--known-failures {path}: cannot read it ({exc})") from None
+    return {line.split("#", 1)[0].strip() for line in text.splitlines()} - {""}
+
+
+def select_profile(files, profile):
+    """The files whose vector belongs to `profile` ('core': marked `profile: core`; 'full' or
+    None: every one). An unreadable vector stays, so that it is reported as an ERROR."""
+    if profile in (None, "full"):
+        return files
+    kept = []
+    for path in files:
+        try:
+            if vector_profile(read_vector(path)) == profile:
+                kept.append(path)
+        except actor.ActorError:
+            kept.append(path)
+    return kept
+
+
+def implementation_label(impl):
+    """How a report names the implementation it judged."""
+    return impl or f"actor.py {actor.__version__} (in-process)"
 
 
 def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None, *, jobs=1, only=(),
-                skip=(), as_json=False):
-    """Run vector files/folders; print PASS/FAIL/ERROR/SKIP lines and `N passed, N failed` (plus
-    `, N skipped` when any), or with as_json one JSON report. Returns (passed, failed).
+                skip=(), as_json=False, profile=None, known=frozenset(), summary=False,
+                results=None):
+    """Run vector files/folders; print a PASS/FAIL/SKIP/ERROR/XFAIL/XPASS line per vector, with
+    --summary the per-section table, and the totals line (totals_line); or with as_json one JSON
+    report. `results`, a list, receives the JSON report. Returns (passed, not passed): the
+    second counts what makes the run fail -- failures, errors and known failures that passed.
 
     With `impl`, up to `jobs` implementation processes run at once; the report keeps file order.
     """
     out = out or sys.stdout
-    files = select_vectors(collect_vector_files(paths), only, skip)
-    counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
+    files = select_profile(select_vectors(collect_vector_files(paths), only, skip), profile)
+    counts = {verdict: 0 for verdict, _ in TOTALS}
     records = []
+    names = set()
 
     def report(record):
         for w in record["lint"]:
             print(f"warning: {record['path']}: {w}", file=sys.stderr)
         counts[record["verdict"]] += 1
         records.append(record)
+        names.add(record["name"])
         if not as_json:
             print_vector_record(record, out)
 
     if impl and jobs > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="vector") as pool:
-            for future in [pool.submit(run_one_vector, f, impl, timeout) for f in files]:
+            for future in [pool.submit(run_one_vector, f, impl, timeout, known) for f in files]:
                 report(future.result())
     else:
         for f in files:
-            report(run_one_vector(f, impl, timeout))
-    passed, failed = counts["pass"], counts["fail"] + counts["error"]
+            report(run_one_vector(f, impl, timeout, known))
+    for name in sorted(known - names):
+        print(f"warning: --known-failures: '{name}' names no vector of this run", file=sys.stderr)
+    rows = section_summary(records)
+    document = {"implementation": implementation_label(impl),
+                **{word: counts[verdict] for verdict, word in TOTALS},
+                "sections": rows,
+                "vectors": [{k: actor.jsonable(v) for k, v in r.items() if k != "lint"}
+                            for r in records]}
+    if results is not None:
+        results.append(document)
     if as_json:
-        json.dump({"passed": passed, "failed": failed, "skipped": counts["skip"],
-                   "vectors": [{k: actor.jsonable(v) for k, v in r.items() if k != "lint"}
-                               for r in records]}, out, indent=1)
+        json.dump(document, out, indent=1)
         out.write("\n")
     else:
-        skipped = f", {counts['skip']} skipped" if counts["skip"] else ""
-        print(f"{passed} passed, {failed} failed{skipped}", file=out)
-    return passed, failed
+        if summary:
+            print_summary(rows, out)
+        print(totals_line(counts), file=out)
+    return counts["pass"], counts["fail"] + counts["error"] + counts["xpass"]
 
 
-def list_vectors(paths, out=None, *, only=(), skip=()):
-    """--list: one line per selected vector: its path and the sections it cites."""
+def list_vectors(paths, out=None, *, only=(), skip=(), profile=None, as_json=False):
+    """--list: one line per selected vector, its path and the sections it cites; with as_json
+    {"vectors": [{name, path, sections, extensions, profile}]} (and `error` for an unreadable
+    one)."""
     out = out or sys.stdout
-    for path in select_vectors(collect_vector_files(paths), only, skip):
+    entries = []
+    for path in select_profile(select_vectors(collect_vector_files(paths), only, skip), profile):
+        entry = {"name": path.stem, "path": str(path), "sections": [], "extensions": [],
+                 "profile": None}
         try:
             vector = read_vector(path)
-            sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
+            entry.update(name=vector.get("name", path.stem),
+                         sections=[str(s) for s in vector.get("spec") or []],
+                         extensions=vector_extensions(vector), profile=vector_profile(vector))
         except (actor.ActorError, AttributeError) as exc:
-            sections = f"(unreadable: {exc})"
-        print(f"{path}  [{sections}]", file=out)
-
-
+            entry["error"] = f"unreadable: {exc}"
+        entries.append(entry)
+        if not as_json:
+            shown = ", ".join("§" + s for s in entry["sections"]) or f"({entry.get('error')})"
+            print(f"{path}  [{shown}]", file=out)
+    if as_json:
+        json.dump({"vectors": entries}, out, indent=1)
+        out.write("\n")
 
 
 def read_run_vector(text):
@@ -630,15 +853,119 @@ def impl_problem(impl, files, timeout):
         return None
     try:
         observe_with(impl, read_vector(files[0]), timeout)
-    except RuntimeError as exc:
-        found = re.match(r"implementation exited (126|127): (.*)", str(exc), re.S)
-        if found:
-            reason = found.group(2).strip().splitlines()[-1] if found.group(2).strip() else \
-                f"exit status {found.group(1)}"
+    except ImplementationFailed as exc:
+        if exc.returncode in (126, 127):
+            reason = stderr_tail(exc.stderr, 0) or f"exit status {exc.returncode}"
             return f"--impl command cannot be run: {reason}"
     except (actor.ActorError, ValueError, OSError, subprocess.SubprocessError):
         pass                    # the run reports it as that vector's ERROR
     return None
+
+
+# The conformance page (--report) --------------------------------------------------------------
+REPORT_STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; background: #fff; }
+h1 { font-size: 1.4em; margin: 0 0 .2em; } p.note { color: #555; margin: 0 0 1.2em; }
+table { border-collapse: collapse; } th, td { border: 1px solid #ccc; padding: 3px 8px; }
+th { background: #eee; text-align: center; } td.section { font-family: monospace; }
+tr.top td.section { font-weight: bold; } td.n { text-align: right; font-family: monospace; }
+td.ok { background: #cdeccd; } td.bad { background: #f6c6c6; } td.skip { background: #e4e4e4; }
+td.none { background: #fafafa; color: #aaa; }
+tr.total td { font-weight: bold; border-top: 2px solid #888; }
+details { margin: .6em 0; } summary { cursor: pointer; } li { font-family: monospace; }
+"""
+
+
+def read_result(path):
+    """A RESULT.json written by --json: (label, report). ValueError says what is wrong."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"--report: {path} cannot be read as JSON ({exc})") from None
+    if not (isinstance(document, dict) and isinstance(document.get("vectors"), list) and all(
+            isinstance(v, dict) and isinstance(v.get("verdict"), str)
+            for v in document["vectors"])):
+        raise ValueError(f"--report: {path} is not a report of --vectors --json")
+    return document
+
+
+def _cell(counts):
+    """The page's cell for one section of one implementation: its class and its text."""
+    bad = counts["failed"] + counts["errors"] + counts["xpassed"]
+    ran = sum(counts.values())
+    kind = "none" if not ran else "bad" if bad else "ok" if counts["passed"] + counts[
+        "xfailed"] else "skip"
+    return kind, [counts["passed"], bad, counts["skipped"] + counts["xfailed"]]
+
+
+def report_page(reports):
+    """The static conformance page: one row per cited section (grouped under its top-level §),
+    for each implementation its PASS / FAIL / SKIP counts (FAIL: failed, erred or passed though
+    listed as a known failure; SKIP: skipped or a known failure), then each implementation's
+    vectors that did not pass. No script, no external asset: it reads the same offline."""
+    import html
+    esc = html.escape
+    labels, seen = [], {}
+    for report in reports:
+        label = str(report.get("implementation") or "implementation")
+        seen[label] = seen.get(label, 0) + 1
+        labels.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    sections = sorted({str(s) for report in reports for v in report["vectors"]
+                       for s in v.get("sections") or ["(none)"]}, key=_section_key)
+    tops = sorted({s.split(".")[0] for s in sections}, key=_section_key)
+    empty = {w: 0 for _, w in TOTALS}
+
+    def counts_of(k, wanted):      # each vector once, if it cites a wanted section
+        total = dict(empty)
+        for vector in reports[k]["vectors"]:
+            if any(wanted(str(s)) for s in vector.get("sections") or ["(none)"]):
+                total[dict(TOTALS).get(vector["verdict"], "errors")] += 1
+        return total
+
+    def row_html(name, css, k_counts):
+        cells = []
+        for counts in k_counts:
+            kind, numbers = _cell(counts)
+            cells += [f'<td class="n {kind}">{n}</td>' for n in numbers]
+        return f'<tr class="{css}"><td class="section">{esc(name)}</td>{"".join(cells)}</tr>'
+
+    rows = []
+    for top in tops:
+        rows.append(row_html(f"§{top}", "top", [counts_of(k, lambda s, t=top: s.split(".")[0] == t)
+                                                for k in range(len(reports))]))
+        for section in sections:
+            if section.split(".")[0] == top and section != top:
+                rows.append(row_html(f"§{section}", "sub", [
+                    counts_of(k, lambda s, x=section: s == x) for k in range(len(reports))]))
+    rows.append(row_html("all vectors", "total", [counts_of(k, lambda s: True)
+                                                  for k in range(len(reports))]))
+    head = "".join(f'<th colspan="3">{esc(label)}</th>' for label in labels)
+    sub = "<th>PASS</th><th>FAIL</th><th>SKIP</th>" * len(reports)
+    details = []
+    for label, report in zip(labels, reports):
+        missed = [v for v in report["vectors"] if v["verdict"] not in ("pass", "skip", "xfail")]
+        items = "".join(f"<li>{esc(v['verdict'].upper())} {esc(str(v.get('path')))}"
+                        f"{' -- ' + esc(str(v['message'])) if v.get('message') else ''}</li>"
+                        for v in missed)
+        details.append(f"<details><summary>{esc(label)}: {len(missed)} vectors did not pass"
+                       f"</summary><ul>{items}</ul></details>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<title>Conformance: Actor Configuration Standard</title>"
+            f"<style>{REPORT_STYLE}</style></head><body>"
+            "<h1>Conformance to the Actor Configuration Standard 1.0.0</h1>"
+            "<p class=\"note\">Vectors per section of the standard (a vector citing two sections "
+            "counts in both). FAIL counts failures, errors and known failures that passed; SKIP "
+            "counts skipped vectors and known failures.</p>"
+            f"<table><thead><tr><th rowspan=\"2\">section</th>{head}</tr><tr>{sub}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>{''.join(details)}</body></html>\n")
+
+
+def write_report(out_path, reports):
+    """Write the conformance page of `reports` to `out_path`."""
+    try:
+        Path(out_path).write_text(report_page(reports), encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--report {out_path}: cannot write it ({exc})") from None
 
 
 # Command line ------------------------------------------------------------------------------
@@ -667,17 +994,21 @@ def _positive(kind):
 
 
 def arg_parser(prog):
+    lead = f"{prog} --vectors PATH..." if prog == "actor" else f"{prog} PATH..."
     p = _ArgumentParser(
         prog=prog, allow_abbrev=False,
-        usage=f"{prog} --vectors PATH... [--impl CMD [-j N] [--timeout S]] [--only P] [--skip P] "
-        f"[--list] [--json]\n       {prog} --run-vector" if prog == "actor" else
-        f"{prog} PATH... [--impl CMD [-j N] [--timeout S]] [--only P] [--skip P] [--list] "
-        f"[--json]\n       {prog} --run-vector",
+        usage=f"{lead} [--impl CMD [-j N] [--timeout S]] [--only P] [--skip P] "
+        f"[--profile core] [--known-failures FILE] [--summary] [--json] [--report OUT.html]\n"
+        f"       {lead} --list [--json] [--only P] [--skip P] [--profile core]\n"
+        f"       {prog} --report OUT.html RESULT.json...\n"
+        f"       {prog} --run-vector",
         description="Run the Actor Configuration Standard's vectors (vectors/README.md) on "
         "actor.py, or on another implementation through the --impl protocol, and judge them.",
-        epilog="Exit status: 0 every vector passed (or was skipped); 1 a vector failed or erred; "
-        "2 bad usage, a path that holds no vector, or an --impl command that cannot be run.")
-    p.add_argument("paths", nargs="*", metavar="PATH", help="vector files or folders")
+        epilog="Exit status: 0 every vector passed, was skipped or is a known failure; 1 a vector "
+        "failed or erred, or a known failure passed; 2 bad usage, a path that holds no vector, "
+        "or an --impl command that cannot be run.")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="vector files or folders (with --report alone: RESULT.json files)")
     p.add_argument("--vectors", nargs="*", metavar="PATH",
                    help="the same PATHs, as actor.py's command line writes them")
     p.add_argument("--impl", metavar="CMD", help="judge another implementation: CMD reads one "
@@ -692,9 +1023,21 @@ def arg_parser(prog):
                    "(repeatable)")
     p.add_argument("--skip", action="append", metavar="PATTERN",
                    help="leave out vectors matching this glob (repeatable)")
+    p.add_argument("--profile", choices=PROFILES,
+                   help="core: only the vectors marked `profile: core` (tool agents, stream "
+                   "routes); full: all (the default)")
+    p.add_argument("--known-failures", metavar="FILE",
+                   help="vector names, one a line (# comments): they are XFAIL, not failures, "
+                   "and one that passes is XPASS, which fails the run")
+    p.add_argument("--summary", action="store_true",
+                   help="print pass/fail/skip/error counts per cited section")
     p.add_argument("--list", action="store_true",
-                   help="list the selected vectors and their sections, run none")
+                   help="list the selected vectors and their sections, run none (with --json: "
+                   "name, path, sections, extensions, profile)")
     p.add_argument("--json", action="store_true", help="print one JSON report")
+    p.add_argument("--report", metavar="OUT.html",
+                   help="write a static conformance page (sections x PASS/FAIL/SKIP) of this "
+                   "run, or of the RESULT.json files of --json runs given as PATHs")
     p.add_argument("--run-vector", action="store_true",
                    help="actor.py's side of the --impl protocol: read one vector as JSON on "
                    "stdin, print what happened as JSON")
@@ -704,24 +1047,34 @@ def arg_parser(prog):
 def usage_problem(args):
     """The one-line complaint about options that do not go together, or None."""
     if args.vectors is not None and args.paths:
-        return (f"--vectors takes the vector paths; {' '.join(args.paths)} would be ignored"
-                if args.vectors else f"--vectors takes no CONFIG (got {' '.join(args.paths)})")
+        return f"--vectors takes the vector paths; {' '.join(args.paths)} would be ignored"
     paths = (args.vectors or []) + args.paths
-    given = [flag for flag, value in (("--impl", args.impl), ("--timeout", args.timeout),
-                                      ("-j", args.jobs), ("--only", args.only),
-                                      ("--skip", args.skip), ("--list", args.list),
-                                      ("--json", args.json)) if value]
+    given = [flag for flag, value in (
+        ("--impl", args.impl), ("--timeout", args.timeout), ("-j", args.jobs),
+        ("--only", args.only), ("--skip", args.skip), ("--list", args.list),
+        ("--json", args.json), ("--profile", args.profile),
+        ("--known-failures", args.known_failures), ("--summary", args.summary),
+        ("--report", args.report)) if value]
     if args.run_vector:
         if paths or given:
-            return f"--run-vector reads one vector on stdin: {(given or paths)[0]} does nothing with it"
+            return (f"--run-vector reads one vector on stdin: {(given or paths)[0]} does "
+                    f"nothing with it")
         return None
+    if args.report and paths and args.vectors is None and all(
+            p.endswith(".json") for p in paths):
+        others = [flag for flag in given if flag != "--report"]
+        return f"{others[0]} does nothing with --report RESULT.json..." if others else None
     if not paths:
-        return "give the vector files or folders to run (e.g. vectors)"
+        return ("--report needs RESULT.json files, or vectors to run" if args.report else
+                "give the vector files or folders to run (e.g. vectors)")
+    if any(p.endswith(".json") for p in paths):
+        return "RESULT.json files go with --report alone (it runs nothing then)"
     for flag, value in (("--timeout", args.timeout), ("-j", args.jobs)):
         if value and not args.impl:
             return f"{flag} works only with --impl (it bounds the implementation's processes)"
     for flag, value in (("--impl", args.impl), ("--timeout", args.timeout), ("-j", args.jobs),
-                        ("--json", args.json)):
+                        ("--known-failures", args.known_failures), ("--summary", args.summary),
+                        ("--report", args.report)):
         if value and args.list:
             return f"{flag} does nothing with --list (it runs no vector)"
     return None
@@ -738,6 +1091,9 @@ def main(argv=None, prog="run.py"):
     except SystemExit as exc:
         return exc.code
     problem = usage_problem(args)
+    if not problem and prog == "actor" and args.vectors is None and args.paths and not (
+            args.report and all(p.endswith(".json") for p in args.paths)):
+        problem = f"{args.paths[0]}: vectors to run go after --vectors"
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -755,21 +1111,31 @@ def main(argv=None, prog="run.py"):
     only, skip = args.only or [], args.skip or []
     timeout = args.timeout or VECTOR_TIMEOUT
     try:
-        if args.list:
-            list_vectors(paths, only=only, skip=skip)
+        if args.report and args.vectors is None and all(p.endswith(".json") for p in paths):
+            reports = [read_result(p) for p in paths]
+            write_report(args.report, reports)
+            print(f"wrote {args.report}: {len(reports)} implementation(s)")
             return EXIT_OK
-        problem = args.impl and impl_problem(
-            args.impl, select_vectors(collect_vector_files(paths), only, skip), timeout)
+        if args.list:
+            list_vectors(paths, only=only, skip=skip, profile=args.profile, as_json=args.json)
+            return EXIT_OK
+        known = read_known_failures(args.known_failures) if args.known_failures else frozenset()
+        problem = args.impl and impl_problem(args.impl, select_profile(select_vectors(
+            collect_vector_files(paths), only, skip), args.profile), timeout)
         if problem:
             print(f"{prog}: error: {problem}", file=sys.stderr)
             return EXIT_USAGE
-        _, failed = run_vectors(paths, impl=args.impl, timeout=timeout,
-                                jobs=args.jobs or os.cpu_count() or 1, only=only, skip=skip,
-                                as_json=args.json)
-    except ValueError as exc:       # a path that holds no vector
+        results = []
+        _, not_passed = run_vectors(paths, impl=args.impl, timeout=timeout,
+                                    jobs=args.jobs or os.cpu_count() or 1, only=only, skip=skip,
+                                    as_json=args.json, profile=args.profile, known=known,
+                                    summary=args.summary, results=results)
+        if args.report:
+            write_report(args.report, results)
+    except ValueError as exc:       # a path that holds no vector, a file that cannot be read
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_FAILED if not_passed else EXIT_OK
 
 
 if __name__ == "__main__":
