@@ -83,7 +83,6 @@ import errno
 import fnmatch
 import functools
 import heapq
-import io
 import itertools
 import json
 import logging
@@ -12489,8 +12488,8 @@ ISOLATION["process"] = ProcessSandbox
 # APPENDIX C -- host
 # =====================================================================================
 # Adds: what the standard leaves to the host (§1.2 "does NOT define" 1-3): the providers' wire
-# formats, the load/Actor API, the vector harness, the wall clock, describe and diagram, the
-# command line.
+# formats, the load/Actor API, the loader of the vector harness (vectors/run.py), the wall clock,
+# describe and diagram, the command line.
 # Stands in for: nothing in the body -- the body calls the host only through these seams.
 # Seam: Runtime.llm_transport, Runtime.clock
 
@@ -13166,573 +13165,31 @@ def jsonable(value):
 
 
 # C.3 The vector harness ---------------------------------------------------------------
-# The vector format and the --impl protocol are specified in vectors/README.md. observe_vector is
-# actor.py's side of the protocol (it only reports); judge_vector compares; run_vectors prints.
-
-VECTOR_KEYS = ("name", "spec", "description", "interpretation", "host", "config", "config_text",
-               "configs", "load_error", "warnings", "steps")
-# `interpretation` (optional, documentation only): the id, or list of ids, of the entries of
-# vectors/INTERPRETATIONS.md that the vector pins. Nothing is judged by it.
-READING_ID = re.compile(r"I-[0-9]{3}")
-HOST_KEYS = ("unsafe", "isolation", "env", "render_context", "template_engine", "default_router",
-             "context", "files", "llm", "provider", "single_shot")
-STEP_ACTIONS = ("send", "advance", "complete", "rewind", "restore")
-STEP_CHECKS = ("outputs", "outputs_unordered", "errors", "context", "metadata", "llm_requests",
-               "files", "files_matching", "warnings", "describe", "raises")
-STEP_KEYS = STEP_ACTIONS + STEP_CHECKS + ("at", "target")
-# Format extensions an implementation may leave out: it lists the ones it supports under
-# `extensions` in its report, and a vector using any other one is reported SKIP, not FAIL.
-VECTOR_EXTENSIONS = ("warnings", "describe", "target", "raises", "files_matching", "rewind",
-                     "restore", "single_shot", "isolation")
-VECTOR_TIMEOUT = 60.0     # seconds per vector under --impl (--timeout raises it)
-_WARNING_SECTION = re.compile(r"\(§([^()]*)\)\s*$")
+# Adds: the vector harness, which lives in vectors/run.py beside this file (the format, the --impl
+# protocol and the report: vectors/README.md); this part finds it and binds it to this module.
+# Stands in for: nothing in the body -- the harness loads each vector through start_actor.
+# Seam: start_actor
+VECTOR_HARNESS = ("vectors", "run.py")      # beside actor.py
+WARNING_SECTION = re.compile(r"\(§([^()]*)\)\s*$")     # the `(§x.y)` that ends a warning's text
+_harnesses = {}
 
 
-def vector_sources(vector):
-    """The vector's document(s) as (name, text) sources; JSON is valid YAML 1.2."""
-    if "config_text" in vector:
-        return [("config.yaml", vector["config_text"])]
-    if "configs" in vector:
-        return [(f"config{i + 1}.yaml", json.dumps(c)) for i, c in enumerate(vector["configs"])]
-    return [("config.yaml", json.dumps(vector.get("config")))]
-
-
-def vector_extensions(vector):
-    """The format extensions `vector` uses, in VECTOR_EXTENSIONS order."""
-    used = set()
-    if "warnings" in vector:
-        used.add("warnings")
-    for key in ("single_shot", "isolation"):
-        if key in (vector.get("host") or {}):
-            used.add(key)
-    for step in vector.get("steps") or []:
-        if isinstance(step, dict):
-            used.update(key for key in VECTOR_EXTENSIONS if key in step)
-    return [name for name in VECTOR_EXTENSIONS if name in used]
-
-
-def read_tree(root):
-    """{relative posix path: text} for every file below root (what a vector's `files` checks)."""
-    files = {}
-    for path in sorted(Path(root).rglob("*")):
-        if path.is_file() and path.stat().st_size <= 1_000_000:
-            try:
-                files[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                files[path.relative_to(root).as_posix()] = None
-    return files
-
-
-def warning_record(text):
-    """A warning as the protocol reports it: {message, section} (section: '5.4', '6.1, 6.6' or
-    None), read from the `(§x.y)` that ends the text warn() wrote."""
-    found = _WARNING_SECTION.search(text)
-    section = found.group(1).replace("§", "").strip() if found else None
-    return {"message": text, "section": section}
-
-
-def _vector_step(actor, step):
-    """Perform one step's action; the Result of everything it emitted."""
-    if "send" in step:
-        return actor.send(step["send"], at=step.get("at"), target=step.get("target"))
-    results = []
-    if step.get("at") is not None:      # move the clock first; what falls due belongs here
-        results.append(actor.advance(max(0.0, step["at"] - actor.rt.clock.now())))
-    if "advance" in step:
-        results.append(actor.advance(step["advance"]))
-    elif "complete" in step:
-        results.append(actor.complete())
-    elif "rewind" in step:
-        actor.rewind(step["rewind"]["graph"], step["rewind"].get("steps", 1))
-    elif "restore" in step:
-        actor.restore(step["restore"]["graph"])
-    return Result([m for r in results for m in r.outputs], [m for r in results for m in r.errors])
-
-
-def observe_vector(vector):
-    """Run one vector and report what happened: {load_error, warnings, extensions, stderr, steps:
-    [{outputs, metadata, errors, context, llm_requests, files, warnings, raised, describe?}]}.
-    Reports only; judging is judge_vector's job. What inline code prints goes to `stderr`."""
-    printed = io.StringIO()
-    with contextlib.redirect_stderr(printed):
-        report = _observe(vector)
-    report["stderr"] = printed.getvalue()
-    return report
-
-
-def _observe(vector):
-    import tempfile             # the harness only: not imported at start-up (issue 15)
-    host = vector.get("host") or {}
-    with tempfile.TemporaryDirectory(prefix="actor-vector-") as tmp:
-        for rel, content in (host.get("files") or {}).items():
-            target = Path(tmp, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(content, encoding="utf-8")
-        llm = (host.get("llm") or {}).get("responses") or {}
-        report = {"load_error": None, "warnings": [], "extensions": list(VECTOR_EXTENSIONS),
-                  "steps": []}
-        try:
-            actor = start_actor(
-                vector_sources(vector), render_context=host.get("render_context"),
-                unsafe=bool(host.get("unsafe", False)), env=host.get("env") or {},
-                template_engine=host.get("template_engine"),
-                default_router=host.get("default_router"), provider=host.get("provider"),
-                workdir=tmp, clock=VirtualClock(), llm_transport=FakeTransport(llm),
-                context=host.get("context"), isolation=host.get("isolation", "none"),
-                reference=reference_path_requested())
-        except ActorError as exc:
-            report["load_error"] = {"category": exc.category, "message": str(exc)}
-            return report
-        actor.rt.progress = ProgressFacility(stream=io.StringIO())   # §4.5.6 bars: not the report
-        actor.rt.single_shot = bool(host.get("single_shot", False))
-        warned = len(actor.rt.warnings)
-        report["warnings"] = [warning_record(w) for w in actor.rt.warnings]
-        try:
-            for step in vector.get("steps") or []:
-                logged = len(actor.rt.llm_log)
-                raised = None
-                try:
-                    result = _vector_step(actor, step)
-                except ActorError as exc:
-                    raised, result = {"category": exc.category, "message": str(exc)}, Result()
-                for graph in actor.rt.graphs.values():     # §6.6: queued checkpoints on disk
-                    graph.wait_for_checkpoints()
-                seen = {
-                    "outputs": [jsonable(m.content) for m in result.outputs],
-                    "metadata": [jsonable(m.metadata) for m in result.outputs],
-                    "errors": [{"content": jsonable(m.content),
-                                "error_type": m.metadata.get("error_type"),
-                                "metadata": jsonable(m.metadata)} for m in result.errors],
-                    "context": jsonable(actor.context),
-                    "llm_requests": jsonable(actor.rt.llm_log[logged:]),
-                    "files": read_tree(tmp),
-                    "warnings": [warning_record(w) for w in actor.rt.warnings[warned:]],
-                    "raised": raised,
-                }
-                if "describe" in step:
-                    seen["describe"] = jsonable(actor.describe())
-                warned = len(actor.rt.warnings)
-                report["steps"].append(seen)
-        finally:
-            actor.close()
-        return report
-
-
-def same(expect, got):
-    """Exact equality for vectors: 1 == 1.0, but a string is never a number and a bool never an
-    int -- the data equality §5.4's context_value uses (data_equal, I-175), on JSON values."""
-    return data_equal(expect, got)
-
-
-def subset(expect, got):
-    """Deep subset: mappings may carry extra keys; lists match element by element, same length."""
-    if isinstance(expect, dict):
-        return isinstance(got, dict) and all(k in got and subset(v, got[k])
-                                              for k, v in expect.items())
-    if isinstance(expect, list):
-        return isinstance(got, list) and len(expect) == len(got) and all(
-            subset(e, g) for e, g in zip(expect, got))
-    return same(expect, got)
-
-
-def _error_matches(expect, got):
-    if not isinstance(expect, dict):
-        return same(expect, got.get("content"))
-    content = got.get("content")
-    if "contains" in expect and (not isinstance(content, str) or expect["contains"] not in content):
-        return False
-    if "content" in expect and not same(expect["content"], content):
-        return False
-    if "error_type" in expect and not same(expect["error_type"], got.get("error_type")):
-        return False
-    return "metadata" not in expect or subset(expect["metadata"], got.get("metadata"))
-
-
-def _warning_matches(expect, got):
-    message = got.get("message") if isinstance(got, dict) else got
-    if not isinstance(message, str):
-        return False
-    if "contains" in expect and str(expect["contains"]) not in message:
-        return False
-    if "section" in expect:
-        cited = got.get("section") if isinstance(got, dict) else None
-        if str(expect["section"]) not in [s.strip() for s in str(cited or "").split(",")]:
-            return False
-    return True
-
-
-def warnings_match(expect, got):
-    """Each expected {contains, section} matches a different reported warning, in any order, and
-    others may be present; an empty list means no warning at all."""
-    if not isinstance(got, list):
-        return False
-    if not expect:
-        return not got
-    rest = list(got)
-    for item in expect:
-        match = next((i for i, g in enumerate(rest) if _warning_matches(item, g)), None)
-        if match is None:
-            return False
-        rest.pop(match)
-    return True
-
-
-def describe_matches(expect, got):
-    """Deep subset of the §4.11 description, where `capabilities` lists compare as sets."""
-    if isinstance(expect, dict) and isinstance(got, dict):
-        for key, value in expect.items():
-            if key not in got:
-                return False
-            if key == "capabilities" and isinstance(value, list) and isinstance(got[key], list):
-                if sorted(map(str, value)) != sorted(map(str, got[key])):
-                    return False
-            elif not describe_matches(value, got[key]):
-                return False
-        return True
-    return subset(expect, got)
-
-
-def files_matching(files, pattern):
-    """How many reported files match a glob (fnmatch on relative POSIX paths; * crosses /)."""
-    return sum(1 for rel in files if fnmatch.fnmatchcase(rel, pattern))
-
-
-def judge_step(step, seen):
-    """[(field, expect, got)] for every check of `step` that `seen` fails."""
-    failures = []
-    raised = seen.get("raised")
-    if "raises" in step:
-        got = raised["category"] if raised else "no error"
-        if got != step["raises"]:
-            failures.append(("raises", step["raises"], raised["message"] if raised else got))
-    elif raised:
-        failures.append(("raised", None, raised["message"]))
-    if "outputs" in step and not same(step["outputs"], seen["outputs"]):
-        failures.append(("outputs", step["outputs"], seen["outputs"]))
-    if "outputs_unordered" in step:
-        rest, ok = list(seen["outputs"]), True
-        for item in step["outputs_unordered"]:
-            match = next((i for i, g in enumerate(rest) if same(item, g)), None)
-            if match is None:
-                ok = False
-                break
-            rest.pop(match)
-        if not ok or rest:
-            failures.append(("outputs_unordered", step["outputs_unordered"], seen["outputs"]))
-    if "errors" in step:
-        errs = step["errors"]
-        if len(errs) != len(seen["errors"]) or not all(
-                _error_matches(e, g) for e, g in zip(errs, seen["errors"])):
-            failures.append(("errors", errs, [{"content": g["content"], "error_type":
-                                               g["error_type"]} for g in seen["errors"]]))
-    for field in ("context", "metadata", "llm_requests"):
-        if field in step and not subset(step[field], seen[field]):
-            failures.append((field, step[field], seen[field]))
-    if "files" in step:
-        for rel, content in step["files"].items():
-            got = seen["files"].get(rel)
-            if not same(content, got):
-                failures.append((f"files[{rel}]", content, got))
-    for pattern, count in (step.get("files_matching") or {}).items():
-        got = files_matching(seen.get("files") or {}, pattern)
-        if not same(count, got):
-            failures.append((f"files_matching[{pattern}]", count, got))
-    if "warnings" in step and not warnings_match(step["warnings"], seen.get("warnings")):
-        failures.append(("warnings", step["warnings"], seen.get("warnings")))
-    if "describe" in step and not describe_matches(step["describe"], seen.get("describe")):
-        failures.append(("describe", step["describe"], seen.get("describe")))
-    return failures
-
-
-def unsupported_extensions(vector, observed):
-    """The extensions `vector` uses that the report does not list as supported."""
-    supported = observed.get("extensions") if isinstance(observed, dict) else None
-    supported = supported if isinstance(supported, list) else []
-    return [name for name in vector_extensions(vector) if name not in supported]
-
-
-def judge_vector(vector, observed):
-    """A list of failure records (step index or None, action, field, expect, got); empty = pass."""
-    failures = []
-    load_error = observed.get("load_error")
-    if "load_error" in vector:
-        got = load_error["category"] if load_error else None
-        if got != vector["load_error"]:
-            failures.append((None, "load", "load_error", vector["load_error"],
-                             load_error["message"] if load_error else "loaded without error"))
-        return failures
-    if load_error:
-        return [(None, "load", "load_error", None, load_error["message"])]
-    if "warnings" in vector and not warnings_match(vector["warnings"], observed.get("warnings")):
-        failures.append((None, "load", "warnings", vector["warnings"], observed.get("warnings")))
-    steps, seen = vector.get("steps") or [], observed.get("steps") or []
-    if len(seen) != len(steps):
-        return failures + [(None, "steps", "steps", f"{len(steps)} steps",
-                            f"{len(seen)} observed")]
-    for i, (step, got) in enumerate(zip(steps, seen)):
-        action = next((a for a in STEP_ACTIONS if a in step), "?")
-        for field, expect, value in judge_step(step, got):
-            failures.append((i + 1, action, field, expect, value))
-    return failures
-
-
-def _lint_step(i, step, errors):
-    if sum(a in step for a in STEP_ACTIONS) != 1:
-        errors.append(f"steps[{i}] has not exactly one of {', '.join(STEP_ACTIONS)}")
-    if "target" in step and ("send" not in step or not isinstance(step["target"], str)):
-        errors.append(f"steps[{i}]: target is a route name on a send step")
-    rewind = step.get("rewind", {"graph": "", "steps": 1})
-    if not (isinstance(rewind, dict) and isinstance(rewind.get("graph"), str)
-            and type(rewind.get("steps", 1)) is int):
-        errors.append(f"steps[{i}]: rewind is {{graph: NAME, steps: N}}")
-    restore = step.get("restore", {"graph": ""})
-    if not (isinstance(restore, dict) and isinstance(restore.get("graph"), str)):
-        errors.append(f"steps[{i}]: restore is {{graph: NAME}}")
-    if "raises" in step and step["raises"] not in ERROR_CATEGORIES:
-        errors.append(f"steps[{i}]: raises '{step['raises']}' is not a §20 category")
-    matching = step.get("files_matching", {})
-    if not (isinstance(matching, dict) and all(type(n) is int for n in matching.values())):
-        errors.append(f"steps[{i}]: files_matching maps a glob to a count")
-    _lint_warnings(f"steps[{i}].warnings", step.get("warnings", []), errors)
-
-
-def _lint_warnings(where, entries, errors):
-    if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and set(e) <= {"contains", "section"} for e in entries):
-        errors.append(f"{where} is a list of {{contains, section}}")
-        return
-    if any("section" in e and not isinstance(e["section"], str) for e in entries):
-        errors.append(f"{where}: a section is a string ('5.4', quoted in YAML)")
-
-
-def lint_vector(vector, stem=None):
-    """Problems that make a vector unusable (errors) or suspicious (unknown keys: warnings)."""
-    errors, warnings_ = [], []
-    if not isinstance(vector, dict):
-        return ["vector is not a mapping"], []
-    for key in ("name", "spec", "description"):
-        if key not in vector:
-            errors.append(f"missing '{key}'")
-    if sum(k in vector for k in ("config", "config_text", "configs")) != 1:
-        errors.append("needs exactly one of config, config_text, configs")
-    if "load_error" in vector:
-        if vector["load_error"] not in ERROR_CATEGORIES:
-            errors.append(f"load_error '{vector['load_error']}' is not a §20 category")
-        if vector.get("steps"):
-            errors.append("a load_error vector has no steps")
-        if "warnings" in vector:
-            errors.append("a load_error vector has no warnings check")
-    elif not vector.get("steps"):
-        errors.append("no steps and no load_error")
-    if "warnings" in vector:
-        _lint_warnings("warnings", vector["warnings"], errors)
-    if "interpretation" in vector:
-        ids = vector["interpretation"]
-        ids = [ids] if isinstance(ids, str) else ids
-        if not (isinstance(ids, list) and ids and all(
-                isinstance(i, str) and READING_ID.fullmatch(i) for i in ids)):
-            errors.append("interpretation is an id such as I-042, or a list of them")
-    for key in vector:
-        if key not in VECTOR_KEYS:
-            warnings_.append(f"unknown key '{key}'")
-    host = vector.get("host") or {}
-    for key in host if isinstance(host, dict) else ():
-        if key not in HOST_KEYS:
-            warnings_.append(f"unknown host key '{key}'")
-    if isinstance(host, dict) and not isinstance(host.get("single_shot", False), bool):
-        errors.append("host.single_shot is true or false")
-    steps = vector.get("steps") or []
-    for i, step in enumerate(steps if isinstance(steps, list) else []):
-        if not isinstance(step, dict):
-            errors.append(f"steps[{i}] is not a mapping")
-            continue
-        _lint_step(i, step, errors)
-        for key in step:
-            if key not in STEP_KEYS:
-                warnings_.append(f"steps[{i}]: unknown key '{key}'")
-    if stem is not None and vector.get("name") != stem:
-        warnings_.append(f"name '{vector.get('name')}' differs from the file name '{stem}'")
-    return errors, warnings_
-
-
-def collect_vector_files(paths):
-    """The vector files under `paths` (files, or folders searched for *.yaml), sorted per path.
-    A path that holds no vector is a ValueError (the CLI's exit 2)."""
-    files = []
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*.yaml") if f.is_file())
-        elif p.is_file():
-            found = [p]
-        else:
-            raise ValueError(f"{p}: no such file or folder")
-        if not found:
-            raise ValueError(f"{p}: holds no vector (*.yaml)")
-        files.extend(found)
-    return files
-
-
-def select_vectors(files, only=(), skip=()):
-    """Filter by glob patterns: one without '/' matches the vector's name (the file stem), one
-    with '/' the end of its path (`06-graph/*`); --only keeps matches, --skip drops them."""
-    def hit(path, pattern):
-        posix = path.as_posix()
-        if "/" not in pattern:
-            return fnmatch.fnmatchcase(path.stem, pattern)
-        return any(fnmatch.fnmatchcase(text, pattern) or fnmatch.fnmatchcase(text, "*/" + pattern)
-                   for text in (posix, posix[:-len(path.suffix)] if path.suffix else posix))
-    return [f for f in files if (not only or any(hit(f, p) for p in only))
-            and not any(hit(f, p) for p in skip)]
-
-
-def read_vector(path):
-    data, _ = parse_yaml(Path(path).read_bytes(), str(path))
-    return data
-
-
-def observe_with(impl, vector, timeout):
-    """Run another implementation on one vector (the --impl protocol) and parse its JSON report.
-    Its stderr lands in the report's `stderr`; a run past `timeout` is killed with its children."""
-    import subprocess           # on first use: start-up pays for none (issue 15)
-    proc = subprocess.Popen(impl, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(json.dumps(vector), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, 9)
-        except OSError:
-            proc.kill()
-        proc.communicate()
-        raise
-    if proc.returncode != 0 and not out.strip():
-        raise RuntimeError(f"implementation exited {proc.returncode}: {err.strip()[-500:]}")
-    report = json.loads(out)
-    if not isinstance(report, dict):
-        raise ValueError("the implementation's report is not a JSON object")
-    own = report.get("stderr")
-    report["stderr"] = (own if isinstance(own, str) else "") + err
-    return report
-
-
-def _show(value):
-    text = repr(value)
-    return text if len(text) <= 400 else text[:400] + "..."
-
-
-def run_one_vector(path, impl=None, timeout=VECTOR_TIMEOUT):
-    """Read, lint, run and judge one vector file: a record {path, name, sections, verdict (pass,
-    fail, error, skip), failures, message, expected, observed, lint warnings}."""
-    import subprocess           # on first use: start-up pays for none (issue 15)
-    record = {"path": str(path), "name": Path(path).stem, "sections": [], "verdict": "error",
-              "failures": [], "message": None, "expected": None, "observed": None,
-              "lint": []}
-    try:
-        vector = read_vector(path)
-        errors, record["lint"] = lint_vector(vector, Path(path).stem)
-        if isinstance(vector, dict):
-            record["name"] = vector.get("name", record["name"])
-            record["sections"] = [str(s) for s in vector.get("spec") or []]
-            record["expected"] = {k: vector[k] for k in ("load_error", "warnings", "steps")
-                                  if k in vector}
-        if errors:
-            raise ValueError("; ".join(errors))
-        observed = observe_with(impl, vector, timeout) if impl else observe_vector(vector)
-        record["observed"] = observed
-        missing = unsupported_extensions(vector, observed)
-        if missing:
-            record["verdict"] = "skip"
-            record["message"] = "extensions not supported: " + ", ".join(missing)
-            return record
-        failures = judge_vector(vector, observed)
-    except Exception as exc:  # boundary: one vector's crash is reported, the run goes on
-        timed_out = isinstance(exc, subprocess.TimeoutExpired)
-        kind = "timeout" if timed_out else "vector"
-        hint = f" (raise the limit with --timeout, now {timeout} s)" if timed_out else ""
-        record["message"] = f"{kind}: {type(exc).__name__}: {exc}{hint}"
-        return record
-    record["failures"] = [{"step": s, "action": a, "field": f, "expect": e, "got": g}
-                          for s, a, f, e, g in failures]
-    record["verdict"] = "fail" if failures else "pass"
-    return record
-
-
-def print_vector_record(record, out):
-    """The text report's lines for one vector (STYLE §10)."""
-    path, verdict = record["path"], record["verdict"]
-    if verdict == "pass":
-        print(f"PASS  {path}", file=out)
-    elif verdict == "skip":
-        print(f"SKIP  {path}  {record['message']}", file=out)
-    elif verdict == "error":
-        print(f"ERROR {path}  {record['message']}", file=out)
-    else:
-        sections = ", ".join("§" + s for s in record["sections"])
-        first = record["failures"][0]
-        where = "load" if first["step"] is None else f"step {first['step']} ({first['action']})"
-        print(f"FAIL  {path}  [{sections}]  {where}", file=out)
-        for failure in record["failures"]:
-            step, field = failure["step"], failure["field"]
-            label = field if step is None or step == first["step"] else f"step {step} {field}"
-            print(f"      {label}  expect: {_show(failure['expect'])}", file=out)
-            print(f"      {' ' * len(label)}  got:    {_show(failure['got'])}", file=out)
-    printed = (record.get("observed") or {}).get("stderr") if isinstance(
-        record.get("observed"), dict) else None
-    if verdict in ("fail", "error") and printed:
-        print(f"      stderr: {_show(printed)}", file=out)
-
-
-def run_vectors(paths, impl=None, timeout=VECTOR_TIMEOUT, out=None, *, jobs=1, only=(),
-                skip=(), as_json=False):
-    """Run vector files/folders; print PASS/FAIL/ERROR/SKIP lines and `N passed, N failed` (plus
-    `, N skipped` when any), or with as_json one JSON report. Returns (passed, failed).
-
-    With `impl`, up to `jobs` implementation processes run at once; the report keeps file order.
-    """
-    out = out or sys.stdout
-    files = select_vectors(collect_vector_files(paths), only, skip)
-    counts = {"pass": 0, "fail": 0, "error": 0, "skip": 0}
-    records = []
-
-    def report(record):
-        for w in record["lint"]:
-            print(f"warning: {record['path']}: {w}", file=sys.stderr)
-        counts[record["verdict"]] += 1
-        records.append(record)
-        if not as_json:
-            print_vector_record(record, out)
-
-    if impl and jobs > 1 and len(files) > 1:
-        from concurrent.futures import ThreadPoolExecutor       # on first use (issue 15)
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="vector") as pool:
-            for future in [pool.submit(run_one_vector, f, impl, timeout) for f in files]:
-                report(future.result())
-    else:
-        for f in files:
-            report(run_one_vector(f, impl, timeout))
-    passed, failed = counts["pass"], counts["fail"] + counts["error"]
-    if as_json:
-        json.dump({"passed": passed, "failed": failed, "skipped": counts["skip"],
-                   "vectors": [{k: jsonable(v) for k, v in r.items() if k != "lint"}
-                               for r in records]}, out, indent=1)
-        out.write("\n")
-    else:
-        skipped = f", {counts['skip']} skipped" if counts["skip"] else ""
-        print(f"{passed} passed, {failed} failed{skipped}", file=out)
-    return passed, failed
-
-
-def list_vectors(paths, out=None, *, only=(), skip=()):
-    """--list: one line per selected vector: its path and the sections it cites."""
-    out = out or sys.stdout
-    for path in select_vectors(collect_vector_files(paths), only, skip):
-        try:
-            vector = read_vector(path)
-            sections = ", ".join("§" + str(s) for s in vector.get("spec") or [])
-        except (ActorError, AttributeError) as exc:
-            sections = f"(unreadable: {exc})"
-        print(f"{path}  [{sections}]", file=out)
+def vector_harness(module=None):
+    """vectors/run.py, loaded and bound to `module` (default: this module as it runs, which under
+    `python actor.py` is __main__: the harness never imports a second copy of actor's classes);
+    None when the file is absent (actor.py vendored alone). Loaded once per module."""
+    module = module or sys.modules[__name__]
+    if id(module) not in _harnesses:
+        import importlib.util   # the harness only: start-up imports none of this
+        path = Path(__file__).resolve().parent.joinpath(*VECTOR_HARNESS)
+        if not path.is_file():
+            return None
+        spec = importlib.util.spec_from_file_location(f"actor_vector_harness_{id(module)}", path)
+        harness = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(harness)
+        harness.bind(module)
+        _harnesses[id(module)] = harness
+    return _harnesses[id(module)]
 
 
 # C.4 Real clock, describe text and diagram --------------------------------------------
@@ -13980,7 +13437,8 @@ def _positive(kind):
 
 CLI_USAGE = """actor CONFIG... [-m TEXT]... [options]
        actor --check|--describe|--diagram [options] CONFIG...
-       actor --vectors PATH... [--impl CMD [-j N] [--timeout S]] [--only P] [--skip P] [--list]
+       actor --vectors PATH... [harness options: actor --vectors --help]
+       actor --report OUT.html RESULT.json...
        actor --schema | --run-vector | --version"""
 
 
@@ -13990,7 +13448,9 @@ def _arg_parser():
         "(Actor Configuration Standard 1.0.0).", epilog="Exit status: 0 ok; 1 a message reached "
         "__error__, a run failed, or a vector failed; 2 bad usage, or a configuration refused at "
         "load (any §20 category), or a warning under --strict; 70 an internal error of actor.py; "
-        "130 interrupted (Ctrl-C); 141 output pipe closed.")
+        "130 interrupted (Ctrl-C); 141 output pipe closed. --vectors PATH..., --run-vector and "
+        "--report hand the command line to the vector harness, vectors/run.py (its options: "
+        "actor --vectors --help).")
     p.add_argument("configs", nargs="*", metavar="CONFIG",
                    help="configuration files, merged in order")
     p.add_argument("-m", "--message", action="append", metavar="TEXT",
@@ -14014,7 +13474,7 @@ def _arg_parser():
     p.add_argument("--default-router", metavar="ROUTE", help="the default router (§9.3)")
     p.add_argument("--json", action="store_true", help="print JSON lines with content and metadata "
                    "(errors too, on stdout); with --describe: the description as JSON, with "
-                   "the graph analysis (§6.11); with --vectors: one JSON report")
+                   "the graph analysis (§6.11)")
     p.add_argument("--trace", action="store_true", help="print every stream message, graph step "
                    "and LLM call to stderr as it happens")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -14027,23 +13487,6 @@ def _arg_parser():
     p.add_argument("--diagram", action="store_true", help="print a Mermaid flowchart")
     p.add_argument("--schema", action="store_true",
                    help="print a JSON Schema (draft 2020-12) of the configuration format")
-    p.add_argument("--vectors", nargs="+", metavar="PATH", help="run vector files or folders")
-    p.add_argument("--impl", metavar="CMD", help="with --vectors: judge another implementation")
-    p.add_argument("--timeout", type=_positive(float), metavar="S",
-                   help=f"with --impl: seconds each vector's process may take "
-                   f"(default {VECTOR_TIMEOUT:g})")
-    p.add_argument("-j", "--jobs", type=_positive(int), metavar="N",
-                   help="with --impl: vectors run at once (default: the number of cores)")
-    p.add_argument("--only", action="append", metavar="PATTERN",
-                   help="with --vectors: run only vectors whose name (or, with '/', path) "
-                   "matches this glob (repeatable)")
-    p.add_argument("--skip", action="append", metavar="PATTERN",
-                   help="with --vectors: leave out vectors matching this glob (repeatable)")
-    p.add_argument("--list", action="store_true",
-                   help="with --vectors: list the selected vectors and their sections, run none")
-    p.add_argument("--run-vector", action="store_true",
-                   help="the implementation side of the --impl protocol: read one vector as "
-                   "JSON on stdin, print what happened as JSON (vectors/README.md)")
     p.add_argument("--version", action="version",
                    version=f"actor.py {__version__} (Actor Configuration Standard {SPEC_VERSION})")
     return p
@@ -14051,7 +13494,7 @@ def _arg_parser():
 
 # What each way of running reads. An option the chosen way would ignore is a usage error (exit
 # status 2), never silently dropped: `--check -m hi` does not pretend to send anything.
-CLI_MODES = ("check", "describe", "diagram", "schema", "vectors", "run_vector")
+CLI_MODES = ("check", "describe", "diagram", "schema")
 _CLI_LOAD_OPTIONS = ("configs", "unsafe", "isolate", "provider", "set", "context", "engine",
                      "default_router", "strict")
 CLI_MODE_OPTIONS = {
@@ -14060,8 +13503,6 @@ CLI_MODE_OPTIONS = {
     "describe": _CLI_LOAD_OPTIONS + ("json",),
     "diagram": _CLI_LOAD_OPTIONS,
     "schema": (),
-    "vectors": ("json", "impl", "timeout", "jobs", "only", "skip", "list"),
-    "run_vector": (),
 }
 
 
@@ -14086,57 +13527,12 @@ def usage_problem(args, parser):
             homes = [flag[m] for m in CLI_MODES if dest in CLI_MODE_OPTIONS[m]]
             return f"{flag[dest]} works only with {' or '.join(homes)}"
         return f"{flag[dest]} does nothing with {flag[mode]}"
-    for dest in ("timeout", "jobs"):
-        if dest in given and not args.impl:
-            return f"{flag[dest]} works only with --impl (it bounds the implementation's processes)"
-    for dest in ("impl", "timeout", "jobs", "json"):
-        if dest in given and args.list:
-            return f"{flag[dest]} does nothing with --list (it runs no vector)"
     if mode in ("run", "check", "describe", "diagram") and not args.configs:
         return "give at least one CONFIG (or --vectors, --schema)"
     if args.provider == "":
         return "--provider needs a name (e.g. fake)"
     if args.reply and args.provider != "fake":
         return "--reply scripts the fake model: add --provider fake"
-    return None
-
-
-def read_run_vector(text):
-    """--run-vector's input: one vector as a JSON object. Raises ValueError saying what is wrong
-    (the harness shows it under the vector's ERROR line)."""
-    try:
-        vector = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--run-vector reads one vector as JSON on stdin: {exc}") from None
-    problems = [problem for problem in lint_vector(vector)[0]     # what running it needs
-                if not re.fullmatch(r"missing '(name|spec|description)'", problem)]
-    if isinstance(vector, dict):
-        for key, kind in (("host", dict), ("steps", list), ("configs", list),
-                          ("config_text", str)):
-            if vector.get(key) is not None and not isinstance(vector[key], kind):
-                problems.append(f"'{key}' is not a JSON {kind.__name__.replace('dict', 'object')}")
-    if problems:
-        raise ValueError("--run-vector: not a usable vector: " + "; ".join(problems))
-    return vector
-
-
-def impl_problem(impl, files, timeout):
-    """One line when the --impl command cannot be started at all (the shell's exit status 126 or
-    127: not executable, not found), found on the first vector before the run, so that the same
-    ERROR is not printed for every vector; else None (any other failure is that vector's ERROR)."""
-    import subprocess           # on first use: start-up pays for none (issue 15)
-    if not files:
-        return None
-    try:
-        observe_with(impl, read_vector(files[0]), timeout)
-    except RuntimeError as exc:
-        found = re.match(r"implementation exited (126|127): (.*)", str(exc), re.S)
-        if found:
-            reason = found.group(2).strip().splitlines()[-1] if found.group(2).strip() else \
-                f"exit status {found.group(1)}"
-            return f"--impl command cannot be run: {reason}"
-    except (ActorError, ValueError, OSError, subprocess.SubprocessError):
-        pass                    # the run reports it as that vector's ERROR
     return None
 
 
@@ -14225,7 +13621,7 @@ def with_hint(text, data=None):
     hint = name_hint(text, data)
     if not hint:
         return text
-    found = _WARNING_SECTION.search(text)
+    found = WARNING_SECTION.search(text)
     return text[:found.start()] + hint.strip() + " " + text[found.start():] if found \
         else text + hint
 
@@ -14935,36 +14331,6 @@ def _cli(args):
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
     logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
     log.setLevel(level)
-    if args.run_vector or args.vectors:
-        log.setLevel(logging.ERROR)     # an Actor's warnings are in the report, not the terminal
-    if args.run_vector:
-        try:
-            vector = read_run_vector(sys.stdin.read())
-        except ValueError as exc:
-            print(f"actor: error: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
-        print(json.dumps(observe_vector(vector)))
-        return EXIT_OK
-    if args.vectors:
-        only, skip = args.only or [], args.skip or []
-        try:
-            if args.list:
-                list_vectors(args.vectors, only=only, skip=skip)
-                return EXIT_OK
-            problem = args.impl and impl_problem(
-                args.impl, select_vectors(collect_vector_files(args.vectors), only, skip),
-                args.timeout or VECTOR_TIMEOUT)
-            if problem:
-                print(f"actor: error: {problem}", file=sys.stderr)
-                return EXIT_CONFIG
-            _, failed = run_vectors(args.vectors, impl=args.impl,
-                                    timeout=args.timeout or VECTOR_TIMEOUT,
-                                    jobs=args.jobs or os.cpu_count() or 1, only=only, skip=skip,
-                                    as_json=args.json)
-        except ValueError as exc:       # a path that holds no vector
-            print(f"actor: error: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
-        return EXIT_RUNTIME if failed else EXIT_OK
     if args.schema:
         print(json.dumps(config_schema(), indent=1))
         return EXIT_OK
@@ -15039,12 +14405,38 @@ def _cli(args):
         log.removeFilter(hints)
 
 
+HARNESS_OPTIONS = ("--vectors", "--run-vector", "--report")   # a command line for vectors/run.py
+
+
+def harness_command(argv):
+    """The option that makes `argv` a command line of the vector harness, or None."""
+    for token in argv:
+        if token == "--":
+            return None
+        if token.split("=", 1)[0] in HARNESS_OPTIONS:
+            return token.split("=", 1)[0]
+    return None
+
+
+def run_harness(argv):
+    """--vectors, --run-vector, --report: the whole command line goes to vectors/run.py (C.3),
+    bound to this module; without that file, one line and exit status 2."""
+    harness = vector_harness()
+    if harness is None:
+        print(f"actor: error: {harness_command(argv)} needs the vector harness "
+              f"{'/'.join(VECTOR_HARNESS)} beside actor.py, which is absent (it comes with the "
+              f"project's vectors/ folder)", file=sys.stderr)
+        return EXIT_CONFIG
+    return harness.main(argv, prog="actor")
+
+
 def main(argv=None):
     """The CLI: exit 0 ok, 1 something reached __error__ (or a vector failed), 2 bad usage or a
     configuration refused; 130 after Ctrl-C and 141 on a closed pipe, quietly; 70 and one line on
     stderr for a bug in actor.py (-v adds the traceback). The work runs on a thread with a deep
-    stack (see CLI_RECURSION_LIMIT)."""
-    args = _arg_parser().parse_args(argv)
+    stack (see CLI_RECURSION_LIMIT). --vectors and --run-vector go to the vector harness."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None if harness_command(argv) else _arg_parser().parse_args(argv)
     status = EXIT_RUNTIME
     # a terminal session reads its lines here, on the thread Ctrl-C reaches (Prompter)
     args.prompter = Prompter() if not args.message and sys.stdin.isatty() else None
@@ -15056,14 +14448,14 @@ def main(argv=None):
             # delivered here, it would not interrupt the main thread's wait for a typed line
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            status = _cli(args)
+            status = run_harness(argv) if args is None else _cli(args)
         except BrokenPipeError:
             status = EXIT_BROKEN_PIPE
         except KeyboardInterrupt:
             status = EXIT_INTERRUPTED
         except Exception as exc:        # the CLI's boundary (STYLE 4): our bug, not the user's
             status = EXIT_INTERNAL
-            if args.verbose:
+            if args is not None and args.verbose:
                 import traceback        # error paths only (issue 15)
                 traceback.print_exc()
             print(f"actor: internal error: {type(exc).__name__}: {exc} (a bug in actor.py; "

@@ -37,6 +37,7 @@ import actor  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent / "shared"
+harness = actor.vector_harness()     # vectors/run.py (C.3), bound to the actor imported above
 
 
 # =====================================================================================
@@ -63,7 +64,8 @@ def test_malformed_configs_fail_with_actor_errors_only(tmp_path):
     rng = random.Random(20261130)
     shapes = [None, 5, -1, "x", "", [], {}, ["a"], {"k": "v"}, True, 1.5, [{"type": "x"}],
               {"type": None}]
-    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES)
+               if isinstance(v.get("config"), dict)]
     crashes = []
     for _ in range(400):
         vector = rng.choice(vectors)
@@ -755,12 +757,13 @@ def test_cli_run_vector_refuses_input_that_is_no_vector(stdin, expect):
 
 def test_cli_impl_that_fails_is_an_error_line_per_vector(tmp_path):
     """--impl whose command fails: each vector an ERROR naming the exit status and the
-    command's stderr, then `0 passed, N failed`, exit status 1."""
+    command's stderr, counted apart: `0 passed, 0 failed, N errors`, exit status 1."""
     r = run_cli("--vectors", str(HERE / "vectors" / "03-document"), "--only", "merge-*",
                 "--impl", "echo broken >&2; exit 3")
     lines = r.stdout.splitlines()
-    assert r.returncode == 1 and lines[-1] == f"0 passed, {len(lines) - 1} failed"
-    assert all(line.startswith("ERROR ") and "exited 3: broken" in line for line in lines[:-1])
+    assert r.returncode == 1 and lines[-1] == f"0 passed, 0 failed, {len(lines) - 1} errors"
+    assert all(line.startswith("ERROR ") and "implementation: exited 3 without a report: broken"
+               in line for line in lines[:-1])
 
 
 def test_cli_impl_that_cannot_start_is_one_line_with_exit_status_2(tmp_path):
@@ -1235,7 +1238,7 @@ def _vector_documents():
     """(name, document) for every vector that loads, several configs merged (§3.1); documents
     templated at Phase A are left out (their text is no YAML until rendered)."""
     for path in VECTOR_FILES:
-        vector = actor.read_vector(path)
+        vector = harness.read_vector(path)
         if "load_error" in vector:
             continue
         if "configs" in vector:
@@ -1330,9 +1333,9 @@ def test_schema_rejects_structural_faults():
     validator = jsonschema.Draft202012Validator(actor.config_schema())
     by_name = {p.stem: p for p in VECTOR_FILES}
     for name in SCHEMA_REJECTS:
-        vector = actor.read_vector(by_name[name])
+        vector = harness.read_vector(by_name[name])
         assert not validator.is_valid(vector["config"]), name
-        assert actor.observe_vector(vector)["load_error"], name     # and the loader agrees
+        assert harness.observe_vector(vector)["load_error"], name     # and the loader agrees
     good = {"agents": {"a": {"type": "llm", "config": {"temperature": 0.3}}},
             "routes": {"m": {"type": "Stream", "publications": ["__output__"]}}}
     assert validator.is_valid(good)
@@ -1426,7 +1429,8 @@ def test_fuzzed_configurations_raise_only_actor_errors(tmp_path):
     only an ActorError escapes. Seeded (derandomized), a few seconds."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
-    vectors = [v for v in map(actor.read_vector, VECTOR_FILES) if isinstance(v.get("config"), dict)]
+    vectors = [v for v in map(harness.read_vector, VECTOR_FILES)
+               if isinstance(v.get("config"), dict)]
     crashes = []
 
     @hypothesis.settings(max_examples=400, derandomize=True, deadline=None, database=None,
@@ -5149,7 +5153,7 @@ def test_graph_mermaid_pins_18_3():
 
 def _load_vector_config(stem):
     path = next((HERE / "vectors" / "18-examples").glob(f"{stem}.yaml"))
-    return actor.read_vector(path)["config"]
+    return harness.read_vector(path)["config"]
 
 
 def test_graph_actor_diagram_shows_18_3_graph():
@@ -6056,7 +6060,7 @@ def _build_complaints(vectors, monkeypatch):
     monkeypatch.setattr(actor, "start_actor", start)
     for path in vectors:
         current[0] = path.stem
-        actor.observe_vector(actor.read_vector(path))
+        harness.observe_vector(harness.read_vector(path))
     return found
 
 
@@ -6124,21 +6128,21 @@ def test_impl_protocol_agrees_with_in_process(tmp_path):
     sample = [p for p in VECTOR_FILES if p.parent.name in ("03-document", "14-env")][:12]
     assert sample
     out_a, out_b = io.StringIO(), io.StringIO()
-    a = actor.run_vectors(sample, out=out_a)
-    b = actor.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
+    a = harness.run_vectors(sample, out=out_a)
+    b = harness.run_vectors(sample, impl=f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector',
                           out=out_b)
     assert a == b, out_a.getvalue() + out_b.getvalue()
 
 
 def test_judge_deep_subset_rules():
-    assert actor.subset({"a": 1}, {"a": 1.0, "b": 2})
-    assert not actor.subset({"a": "1"}, {"a": 1})
-    assert not actor.subset({"a": True}, {"a": "true"})
-    assert not actor.subset({"a": True}, {"a": 1})
-    assert not actor.subset([1, 2], [1, 2, 3])
-    assert actor.subset([{"x": 1}], [{"x": 1, "y": 2}])
-    assert actor.same([], [])
-    assert not actor.same([], ["x"])
+    assert harness.subset({"a": 1}, {"a": 1.0, "b": 2})
+    assert not harness.subset({"a": "1"}, {"a": 1})
+    assert not harness.subset({"a": True}, {"a": "true"})
+    assert not harness.subset({"a": True}, {"a": 1})
+    assert not harness.subset([1, 2], [1, 2, 3])
+    assert harness.subset([{"x": 1}], [{"x": 1, "y": 2}])
+    assert harness.same([], [])
+    assert not harness.same([], ["x"])
 
 
 def test_harness_reports_failures_and_summary(tmp_path):
@@ -6147,7 +6151,7 @@ def test_harness_reports_failures_and_summary(tmp_path):
                    .replace("name: minimal-valid-actor", "name: bad-expectation")
                    .replace("ChainAgent processed: hi->tagged", "something else"))
     out = io.StringIO()
-    assert actor.run_vectors([bad], out=out) == (0, 1)
+    assert harness.run_vectors([bad], out=out) == (0, 1)
     text = out.getvalue()
     assert "FAIL" in text and "step 1 (send)" in text and text.rstrip().endswith("0 passed, 1 failed")
 
@@ -6156,13 +6160,13 @@ def _extension_vectors():
     """Our vectors that use each format extension (vectors/README.md)."""
     found = {}
     for path in VECTOR_FILES:
-        for name in actor.vector_extensions(actor.read_vector(path)):
+        for name in harness.vector_extensions(harness.read_vector(path)):
             found.setdefault(name, []).append(path)
     return found
 
 
 def test_every_format_extension_has_a_vector():
-    assert sorted(_extension_vectors()) == sorted(actor.VECTOR_EXTENSIONS)
+    assert sorted(_extension_vectors()) == sorted(harness.VECTOR_EXTENSIONS)
 
 
 def _mutated(vector, step, key, value):
@@ -6195,19 +6199,19 @@ def test_each_format_extension_can_fail(stem, step, key, value):
     """Each extension is judged: the vector passes as written, and fails once the expectation (or
     the action) is changed."""
     path = next(p for p in VECTOR_FILES if p.stem == stem)
-    vector = actor.read_vector(path)
-    assert actor.judge_vector(vector, actor.observe_vector(vector)) == []
+    vector = harness.read_vector(path)
+    assert harness.judge_vector(vector, harness.observe_vector(vector)) == []
     bad = _mutated(vector, step, key, value)
     if key == "advance":
         del bad["steps"][step]["restore"]
-    assert actor.judge_vector(bad, actor.observe_vector(bad)) != []
+    assert harness.judge_vector(bad, harness.observe_vector(bad)) != []
 
 
 def test_describe_capabilities_compare_as_sets():
     got = {"agents": {"a": {"capabilities": ["x", "y"], "type": "tool"}}}
-    assert actor.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
-    assert not actor.describe_matches({"agents": {"b": {}}}, got)
+    assert harness.describe_matches({"agents": {"a": {"capabilities": ["y", "x"]}}}, got)
+    assert not harness.describe_matches({"agents": {"a": {"capabilities": ["x"]}}}, got)
+    assert not harness.describe_matches({"agents": {"b": {}}}, got)
 
 
 def test_lint_rejects_malformed_extensions():
@@ -6225,16 +6229,16 @@ def test_lint_rejects_malformed_extensions():
         {"rewind": {"graph": "g"}, "restore": {"graph": "g"}, "outputs": []},
     ]
     for step in bad_steps:
-        errors, _ = actor.lint_vector({**base, "steps": [step]})
+        errors, _ = harness.lint_vector({**base, "steps": [step]})
         assert errors, step
-    errors, _ = actor.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
+    errors, _ = harness.lint_vector({**base, "host": {"single_shot": "yes"}, "steps": [
         {"send": "x", "outputs": []}]})
     assert errors
     good = {**base, "warnings": [], "host": {"single_shot": True}, "steps": [
         {"send": "x", "target": "r", "outputs": [], "warnings": [{"contains": "a", "section": "5"}]},
         {"rewind": {"graph": "g", "steps": 2}, "raises": "ApplicationError"},
         {"restore": {"graph": "g"}, "files_matching": {"ck/*": 0}, "describe": {}}]}
-    assert actor.lint_vector(good) == ([], [])
+    assert harness.lint_vector(good) == ([], [])
 
 
 def _write_impl_without_extensions(tmp_path):
@@ -6244,7 +6248,7 @@ def _write_impl_without_extensions(tmp_path):
         "import json, sys\n"
         f"sys.path.insert(0, {str(HERE)!r})\n"
         "import actor\n"
-        "report = actor.observe_vector(json.load(sys.stdin))\n"
+        "report = actor.vector_harness().observe_vector(json.load(sys.stdin))\n"
         "report.pop('extensions')\n"
         "print(json.dumps(report))\n")
     return f'"{sys.executable}" "{script}"'
@@ -6255,8 +6259,8 @@ def test_harness_skips_extensions_an_impl_does_not_support(tmp_path):
     sample = [found["rewind"][0], found["single_shot"][0],
               VECTOR_DIR / "03-document" / "minimal-valid-actor.yaml"]
     out = io.StringIO()
-    assert actor.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
-                             out=out) == (1, 0)
+    assert harness.run_vectors(sample, impl=_write_impl_without_extensions(tmp_path),
+                               out=out) == (1, 0)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("SKIP") and "rewind" in lines[0]
     assert lines[1].startswith("SKIP") and "single_shot" in lines[1]
@@ -6337,7 +6341,7 @@ def test_impl_protocol_refuses_what_the_api_refuses_for_deep_nesting(tmp_path):
     assert len(sample) == 2
     out = io.StringIO()
     impl = f'"{sys.executable}" "{HERE / "actor.py"}" --run-vector'
-    assert actor.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
+    assert harness.run_vectors(sample, impl=impl, out=out) == (2, 0), out.getvalue()
     deep = tmp_path / "deep.yaml"
     deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\nagents: {a: {type: chain}}\n"
                     "routes: {m: {type: stream}}\n")
@@ -6351,6 +6355,294 @@ def test_cli_vectors_path_without_vectors_is_an_error(tmp_path):
         r = run_cli("--vectors", str(path))
         assert r.returncode == 2 and "no" in r.stderr and "Traceback" not in r.stderr
         assert r.stderr.startswith("actor: error: ") and len(r.stderr.splitlines()) == 1
+
+
+def run_harness_cli(*args, stdin=""):
+    """vectors/run.py on its own, as an implementer runs it."""
+    return subprocess.run([sys.executable, str(VECTOR_DIR / "run.py"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_harness_lives_in_vectors_run_py_bound_to_the_running_module():
+    """Issue 21: the harness is vectors/run.py, bound to the actor module that loads it (one copy
+    of actor's classes); actor.py keeps only the loader."""
+    assert harness.actor is actor and actor.vector_harness() is harness
+    assert Path(harness.__file__) == VECTOR_DIR / "run.py"
+    for name in ("observe_vector", "judge_vector", "lint_vector", "run_vectors", "VECTOR_KEYS"):
+        assert not hasattr(actor, name) and hasattr(harness, name), name
+    # under `python actor.py` the running module is __main__: a load_error vector's ActorError is
+    # caught as such (a second copy of the classes would let it escape as a crash)
+    vector = {"name": "x", "spec": ["3.2"], "description": "d", "config": {"agents": 3},
+              "load_error": "ConfigurationError"}
+    for argv in ([str(HERE / "actor.py"), "--run-vector"], ["-m", "actor", "--run-vector"],
+                 [str(VECTOR_DIR / "run.py"), "--run-vector"]):
+        r = subprocess.run([sys.executable, *argv], input=json.dumps(vector), cwd=HERE,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (argv, r.stderr)
+        assert json.loads(r.stdout)["load_error"]["category"] == "ConfigurationError", argv
+
+
+def test_harness_runs_on_its_own_as_actor_runs_it():
+    """`python3 vectors/run.py DIR` and `python3 actor.py --vectors DIR` give the same report;
+    bad usage is one line and exit status 2 in both."""
+    folder = str(VECTOR_DIR / "03-document")
+    alone = run_harness_cli(folder, "--only", "merge-*")
+    through = run_cli("--vectors", folder, "--only", "merge-*")
+    assert (alone.returncode, alone.stdout) == (through.returncode, through.stdout) == (
+        0, through.stdout)
+    assert through.stdout.splitlines()[-1].startswith("3 passed, 0 failed"), through.stdout
+    for argv in ([folder, "-j", "2"], [folder, "--unsafe"], [], ["--run-vector", folder]):
+        r = run_harness_cli(*argv)
+        assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (2, "", 1), (argv, r.stderr)
+        assert r.stderr.startswith("run.py: error: "), r.stderr
+    r = run_cli("--vectors", "--help")
+    assert r.returncode == 0 and "--impl" in r.stdout and r.stdout.startswith("usage: actor")
+
+
+def test_actor_py_vendored_alone_says_the_harness_is_absent(tmp_path):
+    """actor.py copied without vectors/: --vectors and --run-vector say so in one line, exit 2;
+    everything else still runs."""
+    shutil.copy(HERE / "actor.py", tmp_path / "actor.py")
+    for argv in (["--vectors", str(VECTOR_DIR / "03-document")], ["--run-vector"]):
+        r = subprocess.run([sys.executable, str(tmp_path / "actor.py"), *argv], input="{}",
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout, len(r.stderr.splitlines())) == (2, "", 1), r.stderr
+        assert r.stderr.startswith("actor: error: ") and "vectors/run.py" in r.stderr
+    r = subprocess.run([sys.executable, str(tmp_path / "actor.py"), _ECHO_EXAMPLE, "-m", "hi"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "hi\n"), r.stderr
+
+
+def _write_toy_impl(tmp_path):
+    """An --impl that reports through actor.py, except on `crash-*` vectors: 300 lines on stderr,
+    exit 3, no report (a crashing implementation, as a new one often is)."""
+    script = tmp_path / "toy_impl.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import actor\n"
+        "vector = json.load(sys.stdin)\n"
+        "if vector['name'].startswith('crash-'):\n"
+        "    sys.stderr.write(''.join(f'trace line {i} ' + 'x' * 40 + '\\n' for i in range(300)))\n"
+        "    sys.exit(3)\n"
+        "print(json.dumps(actor.vector_harness().observe_vector(vector)))\n")
+    return f'"{sys.executable}" "{script}"'
+
+
+def _harness_folder(tmp_path):
+    """_vector_folder's three vectors, a broken one and one that crashes the toy implementation."""
+    folder = _vector_folder(tmp_path)
+    (folder / "broken-vector.yaml").write_text("name: broken-vector\nspec: ['3.1']\n")
+    good = (folder / "minimal-valid-actor.yaml").read_text()
+    (folder / "crash-here.yaml").write_text(good.replace("name: minimal-valid-actor",
+                                                         "name: crash-here"))
+    return folder
+
+
+def test_harness_counts_errors_apart_and_shows_whole_stderr_lines(tmp_path):
+    """Issue 25: ERROR (a broken vector, a crashing implementation) is counted apart from FAIL in
+    the text and in the JSON totals; its message says whose fault it is; the stderr tail shown is
+    whole lines."""
+    folder, impl = _harness_folder(tmp_path), _write_toy_impl(tmp_path)
+    r = run_harness_cli(str(folder), "--impl", impl, "-j", "2")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[-1] == "2 passed, 1 failed, 2 errors", r.stdout
+    verdicts = {Path(l.split()[1]).stem: l.split()[0] for l in lines if l[:1].isupper()
+                and not l.startswith("2 passed")}
+    assert verdicts == {"bad-expectation": "FAIL", "broken-vector": "ERROR", "crash-here": "ERROR",
+                        "inline-print": "PASS", "minimal-valid-actor": "PASS"}
+    assert any(l.startswith("ERROR") and "broken-vector" in l and "  vector: missing" in l
+               for l in lines)
+    crash = next(i for i, l in enumerate(lines) if l.startswith("ERROR") and "crash-here" in l)
+    assert "implementation: exited 3 without a report: trace line 299 " in lines[crash]
+    shown = [l.split("stderr: ")[-1].strip() for l in lines[crash + 1:]
+             if l.startswith("      ") and "trace line" in l]
+    assert 10 < len(shown) < 300 and shown[-1].startswith("trace line 299 ")
+    assert all(re.fullmatch(r"trace line \d+ x{40}", l) for l in shown), shown[:3]
+    report = json.loads(run_harness_cli(str(folder), "--impl", impl, "--json").stdout)
+    assert [report[k] for k in ("passed", "failed", "skipped", "errors", "xfailed", "xpassed")] \
+        == [2, 1, 0, 2, 0, 0]
+    assert {v["name"]: v["verdict"] for v in report["vectors"]}["crash-here"] == "error"
+
+
+def test_harness_known_failures_are_xfail_and_a_pass_among_them_is_xpass(tmp_path):
+    """--known-failures FILE: a listed vector that fails or errs is XFAIL and does not fail the
+    run; one that passes is XPASS and does (test262, toml-test); a name matching no vector is
+    warned about."""
+    folder = _harness_folder(tmp_path)
+    (folder / "broken-vector.yaml").unlink()
+    (folder / "crash-here.yaml").unlink()
+    known = tmp_path / "known.txt"
+    known.write_text("# our known failures\nbad-expectation   # step 1 differs\n\n")
+    r = run_cli("--vectors", str(folder), "--known-failures", str(known))
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "2 passed, 0 failed, 1 xfailed"
+    assert any(l.startswith("XFAIL") and "bad-expectation" in l for l in r.stdout.splitlines())
+    known.write_text("bad-expectation\nminimal-valid-actor\nno-such-vector\n")
+    r = run_cli("--vectors", str(folder), "--known-failures", str(known), "--json")
+    report = json.loads(r.stdout)
+    assert r.returncode == 1
+    assert (report["xfailed"], report["xpassed"], report["passed"]) == (1, 1, 1)
+    assert {v["name"]: v["verdict"] for v in report["vectors"]}["minimal-valid-actor"] == "xpass"
+    assert "'no-such-vector' names no vector" in r.stderr
+    r = run_cli("--vectors", str(folder), "--known-failures", str(tmp_path / "missing.txt"))
+    assert (r.returncode, len(r.stderr.splitlines())) == (2, 1) and "--known-failures" in r.stderr
+
+
+def test_harness_list_json_names_sections_extensions_and_profile(tmp_path):
+    """--list --json: every selected vector with its name, path, sections, extensions, profile."""
+    r = run_cli("--vectors", str(VECTOR_DIR / "06-graph"), str(VECTOR_DIR / "05-streams"),
+                "--list", "--json", "--only", "graph-rewind-*", "--only", "filter-passes-matching")
+    entries = json.loads(r.stdout)["vectors"]
+    assert r.returncode == 0 and entries and all(
+        set(e) == {"name", "path", "sections", "extensions", "profile"} for e in entries)
+    by_name = {e["name"]: e for e in entries}
+    assert by_name["filter-passes-matching"]["profile"] == "core"
+    assert by_name["filter-passes-matching"]["sections"] == harness.read_vector(
+        VECTOR_DIR / "05-streams" / "filter-passes-matching.yaml")["spec"]
+    rewinds = [e for e in entries if e["name"].startswith("graph-rewind-")]
+    assert rewinds and all("rewind" in e["extensions"] and e["profile"] == "full"
+                           for e in rewinds)
+    r = run_cli("--vectors", str(VECTOR_DIR / "05-streams"), "--list", "--json", "--profile",
+                "core")
+    assert {e["profile"] for e in json.loads(r.stdout)["vectors"]} == {"core"}
+
+
+def test_core_profile_marking_follows_its_rule():
+    """Issue 25: `profile: core` marks exactly the vectors that need only tool agents with built-in
+    tools and stream routes (core_profile, recomputed here for every vector), and the lint takes
+    no other profile."""
+    marked, computed = set(), set()
+    for path in VECTOR_FILES:
+        vector = harness.read_vector(path)
+        if vector.get("profile") == "core":
+            marked.add(path.stem)
+        if harness.core_profile(vector):
+            computed.add(path.stem)
+    assert marked == computed and len(marked) > 150
+    assert "minimum-actor-echoes-any-message" in marked and "router-first-match-wins" not in marked
+    base = harness.read_vector(VECTOR_DIR / "04-tools" / "minimum-actor-echoes-any-message.yaml")
+    assert harness.lint_vector(base)[0] == []
+    assert any("profile" in e for e in harness.lint_vector({**base, "profile": "basic"})[0])
+    llm = {**base, "config": {**base["config"], "agents": {"echo": {"type": "llm"}}}}
+    code = {**base, "config": {**base["config"], "agents": {"echo": {"type": "tool", "config": {
+        "tools": [{"name": "t", "code": "result = 1"}]}}}}}
+    assert not harness.core_profile(llm) and not harness.core_profile(code)
+    assert not harness.core_profile({**base, "host": {"llm": {}}})
+
+
+def test_harness_profile_core_selects_the_marked_vectors(tmp_path):
+    """--profile core runs only the vectors marked `profile: core`."""
+    folder = _vector_folder(tmp_path)          # none of them is marked
+    core = VECTOR_DIR / "04-tools" / "minimum-actor-echoes-any-message.yaml"
+    shutil.copy(core, folder / core.name)
+    r = run_harness_cli(str(folder), "--profile", "core")
+    assert r.returncode == 0 and r.stdout.splitlines() == [
+        f"PASS  {folder / core.name}", "1 passed, 0 failed"], r.stdout
+
+
+def test_harness_summary_counts_per_section(tmp_path):
+    """--summary: one line per cited section with its passed/failed/skipped/errors counts, before
+    the totals line; the JSON report carries the same rows under `sections`."""
+    folder = _harness_folder(tmp_path)
+    (folder / "crash-here.yaml").unlink()
+    r = run_cli("--vectors", str(folder), "--summary")
+    lines = r.stdout.splitlines()
+    head = lines.index(next(l for l in lines if l.startswith("section ")))
+    assert lines[head].split() == ["section", "passed", "failed", "skipped", "errors"]
+    rows = {l.split()[0]: [int(n) for n in l.split()[1:]] for l in lines[head + 1:-1]}
+    assert rows["§3.3"] == [1, 1, 0, 0] and rows["§3.1"] == [0, 0, 0, 1], rows
+    assert rows["§4.5.2"] == [1, 0, 0, 0], rows
+    assert lines[-1] == "2 passed, 1 failed, 1 error"
+    sections = json.loads(run_cli("--vectors", str(folder), "--json").stdout)["sections"]
+    assert {"section": "3.1", "passed": 0, "failed": 0, "skipped": 0, "xfailed": 0,
+            "xpassed": 0, "errors": 1} in sections
+
+
+def _png_colours(path):
+    """The set of (r, g, b) colours of an 8-bit RGB or RGBA PNG, decoded with zlib alone."""
+    import struct
+    import zlib
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert depth == 8 and colour in (2, 6)
+    bpp = 3 if colour == 2 else 4
+    raw, stride, prev, colours = zlib.decompress(idat), width * bpp, bytearray(width * bpp), set()
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            left = line[i - bpp] if i >= bpp else 0
+            up, corner = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc
+                                      else corner)) & 255
+        colours.update(bytes(line[i:i + 3]) for i in range(0, stride, bpp))
+        prev = line
+    return colours
+
+
+def _conformance_page(tmp_path):
+    """--report OUT.html from two implementations' --json results (actor.py, the toy)."""
+    folder = _harness_folder(tmp_path)
+    ours, toy = tmp_path / "actor.json", tmp_path / "toy.json"
+    ours.write_text(run_cli("--vectors", str(folder), "--json").stdout)
+    toy.write_text(run_harness_cli(str(folder), "--impl", _write_toy_impl(tmp_path),
+                                   "--json").stdout)
+    page = tmp_path / "conformance.html"
+    r = run_cli("--report", str(page), str(ours), str(toy))
+    assert r.returncode == 0 and page.is_file(), r.stderr
+    return page
+
+
+def test_report_is_one_offline_page_of_sections_by_verdicts(tmp_path):
+    """--report OUT.html RESULT.json...: one static page, sections x PASS/FAIL/SKIP per
+    implementation, with no script and nothing fetched from elsewhere; a run can write its own."""
+    text = _conformance_page(tmp_path).read_text(encoding="utf-8")
+    assert "actor.py " in text and "toy_impl.py" in text and "§3.3" in text and "§5.3.4" in text
+    assert text.count("<th>PASS</th><th>FAIL</th><th>SKIP</th>") == 2
+    assert not re.search(r"<script|<link|src=|url\(|https?://", text)
+    own = tmp_path / "own.html"
+    r = run_cli("--vectors", str(VECTOR_DIR / "03-document"), "--only", "merge-*", "--report",
+                str(own))
+    assert r.returncode == 0 and "§3.1" in own.read_text(encoding="utf-8")
+    for argv in (["--report", str(own)], ["--report", str(own), str(tmp_path / "toy.json"),
+                                           "--summary"],
+                 ["--report", str(own), str(tmp_path / "conformance.html")]):
+        r = run_cli(*argv)
+        assert (r.returncode, len(r.stderr.splitlines())) == (2, 1), (argv, r.stderr)
+
+
+def test_report_renders_in_a_real_browser(tmp_path):
+    """The conformance page drawn by headless Chromium is not blank: its pass (green) and fail
+    (red) cells are on the screenshot."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not browser:
+        pytest.skip("no Chromium installed")
+    page, shot = _conformance_page(tmp_path), tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+                    "--window-size=1000,700", page.as_uri()], capture_output=True, timeout=120)
+    assert shot.is_file(), "Chromium wrote no screenshot"
+    colours = _png_colours(shot)
+    assert len(colours) > 20, len(colours)
+    assert bytes((0xcd, 0xec, 0xcd)) in colours and bytes((0xf6, 0xc6, 0xc6)) in colours
 
 
 def _interpretation_entries():
@@ -8034,7 +8326,7 @@ def test_forbidden_forms_table_is_true():
     assert {row[0] for row in actor.FORBIDDEN_FORMS.values()} == {"16.1", "16.2", "16.3"}
     for form, (section, check, stem) in actor.FORBIDDEN_FORMS.items():
         assert callable(getattr(actor, check, None)), (form, check)
-        vector = actor.read_vector(HERE / "vectors" / f"{stem}.yaml")
+        vector = harness.read_vector(HERE / "vectors" / f"{stem}.yaml")
         assert any(str(s).startswith(section) for s in vector["spec"]), (form, vector["spec"])
         if form in accepted:
             assert "load_error" not in vector, form
@@ -8526,7 +8818,7 @@ def test_fake_transport_scripted_then_echo():
 VECTOR_DIR = HERE / "vectors"
 
 
-VECTOR_FILES = actor.collect_vector_files([VECTOR_DIR])
+VECTOR_FILES = harness.collect_vector_files([VECTOR_DIR])
 
 
 def _vector_id(path):
@@ -8535,10 +8827,10 @@ def _vector_id(path):
 
 @pytest.mark.parametrize("path", VECTOR_FILES, ids=_vector_id)
 def test_vector(path):
-    vector = actor.read_vector(path)
-    errors, _ = actor.lint_vector(vector, path.stem)
+    vector = harness.read_vector(path)
+    errors, _ = harness.lint_vector(vector, path.stem)
     assert not errors, errors
-    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    failures = harness.judge_vector(vector, harness.observe_vector(vector))
     assert not failures, "\n".join(
         f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
 
@@ -8549,8 +8841,8 @@ def test_vectors_reference_path_agrees(path, monkeypatch):
     the body's own code at every speed and containment seam) as test_vector gives on the
     default path -- both PASS, since test_vector requires a pass."""
     monkeypatch.setenv("ACTOR_REFERENCE", "1")
-    vector = actor.read_vector(path)
-    failures = actor.judge_vector(vector, actor.observe_vector(vector))
+    vector = harness.read_vector(path)
+    failures = harness.judge_vector(vector, harness.observe_vector(vector))
     assert not failures, "\n".join(
         f"step {s} ({a}) {f}: expect {e!r} got {g!r}" for s, a, f, e, g in failures)
 
@@ -8579,8 +8871,8 @@ def test_vector_suite_lint():
     names = {}
     problems = []
     for path in VECTOR_FILES:
-        vector = actor.read_vector(path)
-        errors, warnings = actor.lint_vector(vector, path.stem)
+        vector = harness.read_vector(path)
+        errors, warnings = harness.lint_vector(vector, path.stem)
         problems += [f"{path}: {e}" for e in errors + warnings]
         name = vector.get("name")
         if name in names:
@@ -8593,7 +8885,7 @@ def test_vector_suite_lint():
             if headings is not None and str(section) not in headings:
                 problems.append(f"{path}: spec section {section} is not a heading of the standard")
         for i, step in enumerate(vector.get("steps") or []):
-            if not any(k in step for k in actor.STEP_CHECKS):
+            if not any(k in step for k in harness.STEP_CHECKS):
                 problems.append(f"{path}: steps[{i}] asserts nothing")
     assert not problems, "\n".join(problems)
 
@@ -9823,7 +10115,7 @@ def _vector_coverage(paths, actor_file, cache):
             def tracer(frame, event, arg):
                 return local if frame.f_code.co_filename == actor_file else None
 
-            vector = actor.read_vector(path)
+            vector = harness.read_vector(path)
             for value in list(vars(actor).values()):   # memoised code runs again for each vector
                 if callable(getattr(value, "cache_clear", None)):
                     value.cache_clear()
@@ -9831,7 +10123,7 @@ def _vector_coverage(paths, actor_file, cache):
             sys.settrace(tracer)
             threading.settrace(tracer)
             try:
-                actor.observe_vector(vector)
+                harness.observe_vector(vector)
             finally:
                 sys.settrace(None)
                 threading.settrace(None)
@@ -9865,11 +10157,11 @@ def _run_mutant(source, sections, index, order, vectors, workdir):
     for vector_path in order:
         vector = vectors[vector_path]
         try:
-            observed = module.observe_vector(vector)
+            observed = actor.vector_harness(module).observe_vector(vector)
         except BaseException as exc:  # noqa: BLE001 - a crash is noticed
             record["by"] = f"{Path(vector_path).stem} (crash: {type(exc).__name__})"
             return record
-        if actor.judge_vector(vector, observed):
+        if harness.judge_vector(vector, observed):
             record["by"] = Path(vector_path).stem
             return record
     record["status"] = "survived"
@@ -10012,9 +10304,9 @@ def test_mutation_score_of_the_vectors(request):
         chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
                   for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
-    paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
+    paths = [str(p) for p in (harness.collect_vector_files([folder]) if folder else VECTOR_FILES)]
     coverage = _vector_coverage(paths, actor_file, request.config.cache)
-    vectors = {p: actor.read_vector(p) for p in paths}
+    vectors = {p: harness.read_vector(p) for p in paths}
     by_speed = sorted(paths, key=lambda p: coverage[p]["seconds"])
     line_sets = {p: set(coverage[p]["lines"]) for p in paths}
     print(f"\n[mutation] seed {seed}, {len(chosen)} of {len(points)} mutation points, "
