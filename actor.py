@@ -14439,7 +14439,10 @@ def main(argv=None):
     args = None if harness_command(argv) else _arg_parser().parse_args(argv)
     status = EXIT_RUNTIME
     # a terminal session reads its lines here, on the thread Ctrl-C reaches (Prompter)
-    args.prompter = Prompter() if not args.message and sys.stdin.isatty() else None
+    prompter = Prompter() if args is not None and not args.message and sys.stdin.isatty() \
+        else None
+    if args is not None:
+        args.prompter = prompter
 
     def work():
         nonlocal status
@@ -14470,8 +14473,8 @@ def main(argv=None):
             worker.start()
         finally:
             threading.stack_size(previous_stack)
-        if args.prompter is not None:
-            args.prompter.serve(worker)
+        if prompter is not None:
+            prompter.serve(worker)
         while worker.is_alive():
             worker.join(0.2)
     except KeyboardInterrupt:
