@@ -5446,7 +5446,7 @@ class GraphRoute:
         self.max_depth = max(2000, 50 * len(self.nodes))     # §6.8 item 1
         self.state = new_graph_state(state_schema(cfg))
         self.time_travel = bool(cfg.get("enable_time_travel", False))
-        self.snapshots = Snapshots()                         # §6.6 time travel, oldest first
+        self.snapshots = snapshot_history(self)              # §6.6 time travel, oldest first
         self.checkpoint_dir = None
         if cfg.get("checkpointing"):
             self.checkpoint_dir = checkpoint_target(rt, cfg["checkpoint_dir"])
@@ -6693,101 +6693,30 @@ def count_update(graph, node=None, result=None):
         write_checkpoint(graph, state, wait=False)
 
 
-# Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
-RUN_KEYS = ("current_node", "current_message", "last_output", "next_node")
-# Nodes whose code or host callables get the metadata's values by reference and so may change a
-# nested value in place (an agent's §6.2.2 context; a conditional node's custom condition).
-EXPOSING_NODE_TYPES = frozenset({"agent", "conditional"})
-_GONE = object()                        # in a snapshot's changes: the key was removed
-
-
-def frozen(value):
-    """A value a snapshot may keep: text, numbers, booleans and None as they are (nothing can
-    change them), anything else deep-copied, so that no later in-place change reaches it."""
-    return value if value is None or type(value) in (str, int, float, bool) else \
-        copy.deepcopy(value)
-
-
-class Snapshots(list):
-    """§6.6 time travel: the current state and up to MAX_SNAPSHOTS before it, oldest first. A
-    snapshot costs what changed: the oldest holds its whole metadata, each later one only the
-    keys that changed since the one before (frozen copies; the live context is left out). The
-    keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
-    the metadata's values by reference (EXPOSING_NODE_TYPES) -- every key whose value is a
-    container. Writes to graph.state from outside the graph's own API are not seen."""
-
-    # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
-    # {metadata}.
-    def __init__(self):
-        super().__init__()
-        self.clear()
-
-    def clear(self):
-        """Forget every snapshot (the state was replaced whole)."""
-        super().clear()
-        self.keys = set()       # the metadata keys of the newest snapshot
-        self.containers = set()     # those of them whose value is no text, number or None
-        self.everything = True  # the next snapshot compares every key (first one, a restore)
+class History(list):
+    """§6.6 time travel: the current state and up to MAX_SNAPSHOTS before it, oldest first, each
+    a copy (the live context left out), so that no later change reaches it."""
 
     def keep(self, state, node=None, result=None):
-        """Snapshot `state` after one update (of `node`, giving `result`; None: anything)."""
-        metadata = state["metadata"]
-        if self.everything or result is None:
-            keys = self.keys | metadata.keys()
-        else:
-            keys = set(RUN_KEYS)
-            keys.update(result.metadata or ())
-            keys.update(result.removed or ())
-            keys.update(result.set_state or ())
-            if node is not None and node.type in EXPOSING_NODE_TYPES:
-                keys |= self.containers
-        keys.discard("context")
-        changes = {}
-        for key in keys:
-            if key in metadata:
-                value = changes[key] = frozen(metadata[key])
-                self.keys.add(key)
-                if value is metadata[key] or value is None:
-                    self.containers.discard(key)
-                else:
-                    self.containers.add(key)
-            elif key in self.keys:
-                changes[key] = _GONE
-                self.keys.discard(key)
-                self.containers.discard(key)
-        record = {"messages": list(state["messages"]), "current_node": state["current_node"],
-                  "execution_count": state["execution_count"], "error": state["error"],
-                  "changes": changes}
-        if not self:
-            record["metadata"] = {k: v for k, v in changes.items() if v is not _GONE}
-        self.append(record)
-        self.everything = False
-        if len(self) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
-            oldest = self.pop(0)            # §6.6: first in, first out
-            base, after = oldest["metadata"], self[0]
-            for key, value in after["changes"].items():
-                if value is _GONE:
-                    base.pop(key, None)
-                else:
-                    base[key] = value
-            after["metadata"] = base
+        """Snapshot `state` after one update (of `node`, giving `result`)."""
+        self.append(copy_state(state, {key: copy.deepcopy(value) for key, value
+                                       in state["metadata"].items() if key != "context"}))
+        if len(self) > MAX_SNAPSHOTS + 1:       # the current state and 100 before it
+            del self[0]                         # §6.6: first in, first out
 
     def rewind(self, steps):
-        """Drop the newest `steps` snapshots; return the state the newest left holds, its own
-        copy (nothing shared with a snapshot)."""
+        """Drop the newest `steps` snapshots; return a copy of the state the newest left holds."""
         del self[len(self) - steps:]
-        metadata = dict(self[0]["metadata"])
-        for record in self[1:]:
-            for key, value in record["changes"].items():
-                if value is _GONE:
-                    metadata.pop(key, None)
-                else:
-                    metadata[key] = value
-        metadata = {key: frozen(value) for key, value in metadata.items()}
-        self.keys = set(metadata)
-        self.containers = {key for key, value in metadata.items()
-                           if value is not None and type(value) not in (str, int, float, bool)}
-        return copy_state(self[-1], metadata)
+        return copy_state(self[-1], copy.deepcopy(self[-1]["metadata"]))
+
+    def changed_whole(self):
+        """The state was replaced whole (a restore): nothing to note, every snapshot is whole."""
+
+
+def snapshot_history(graph):
+    """§6.6 where one graph keeps its time-travel snapshots, chosen at load: History on the
+    reference path (Runtime.reference), else appendix A.2's Snapshots (each costs what changed)."""
+    return History() if graph.rt.reference else Snapshots()
 
 
 def checkpoint_timestamp(rt):
@@ -6949,7 +6878,7 @@ def restore_checkpoint(graph, path=None):
     if context is not None:
         metadata["context"] = context
     graph.state = state
-    graph.snapshots.everything = True     # the next snapshot compares every key
+    graph.snapshots.changed_whole()
     return path
 
 
@@ -11644,6 +11573,111 @@ class CheckpointWriter:
 # inline read).
 # Stands in for: GraphRoute._walk, GraphRoute._step
 # Seam: graph_walker
+# And time-travel snapshots that cost what changed instead of a deep copy of the metadata each
+# (the curve: test_graph_bench_time_travel_snapshot_cost_against_state_size).
+# Stands in for: History
+# Seam: snapshot_history
+
+
+# Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
+RUN_KEYS = ("current_node", "current_message", "last_output", "next_node")
+# Nodes whose code or host callables get the metadata's values by reference and so may change a
+# nested value in place (an agent's §6.2.2 context; a conditional node's custom condition).
+EXPOSING_NODE_TYPES = frozenset({"agent", "conditional"})
+_GONE = object()                        # in a snapshot's changes: the key was removed
+
+
+def frozen(value):
+    """A value a snapshot may keep: text, numbers, booleans and None as they are (nothing can
+    change them), anything else deep-copied, so that no later in-place change reaches it."""
+    return value if value is None or type(value) in (str, int, float, bool) else \
+        copy.deepcopy(value)
+
+
+class Snapshots(list):
+    """History, faster: the current state and up to MAX_SNAPSHOTS before it, oldest first. A
+    snapshot costs what changed: the oldest holds its whole metadata, each later one only the
+    keys that changed since the one before (frozen copies; the live context is left out). The
+    keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
+    the metadata's values by reference (EXPOSING_NODE_TYPES) -- every key whose value is a
+    container. Writes to graph.state from outside the graph's own API are not seen."""
+
+    # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
+    # {metadata}.
+    def __init__(self):
+        super().__init__()
+        self.clear()
+
+    def clear(self):
+        """Forget every snapshot (the state was replaced whole)."""
+        super().clear()
+        self.keys = set()       # the metadata keys of the newest snapshot
+        self.containers = set()     # those of them whose value is no text, number or None
+        self.everything = True  # the next snapshot compares every key (first one, a restore)
+
+    def changed_whole(self):
+        """The state was replaced whole (a restore): the next snapshot compares every key."""
+        self.everything = True
+
+    def keep(self, state, node=None, result=None):
+        """Snapshot `state` after one update (of `node`, giving `result`; None: anything)."""
+        metadata = state["metadata"]
+        if self.everything or result is None:
+            keys = self.keys | metadata.keys()
+        else:
+            keys = set(RUN_KEYS)
+            keys.update(result.metadata or ())
+            keys.update(result.removed or ())
+            keys.update(result.set_state or ())
+            if node is not None and node.type in EXPOSING_NODE_TYPES:
+                keys |= self.containers
+        keys.discard("context")
+        changes = {}
+        for key in keys:
+            if key in metadata:
+                value = changes[key] = frozen(metadata[key])
+                self.keys.add(key)
+                if value is metadata[key] or value is None:
+                    self.containers.discard(key)
+                else:
+                    self.containers.add(key)
+            elif key in self.keys:
+                changes[key] = _GONE
+                self.keys.discard(key)
+                self.containers.discard(key)
+        record = {"messages": list(state["messages"]), "current_node": state["current_node"],
+                  "execution_count": state["execution_count"], "error": state["error"],
+                  "changes": changes}
+        if not self:
+            record["metadata"] = {k: v for k, v in changes.items() if v is not _GONE}
+        self.append(record)
+        self.everything = False
+        if len(self) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
+            oldest = self.pop(0)            # §6.6: first in, first out
+            base, after = oldest["metadata"], self[0]
+            for key, value in after["changes"].items():
+                if value is _GONE:
+                    base.pop(key, None)
+                else:
+                    base[key] = value
+            after["metadata"] = base
+
+    def rewind(self, steps):
+        """Drop the newest `steps` snapshots; return the state the newest left holds, its own
+        copy (nothing shared with a snapshot)."""
+        del self[len(self) - steps:]
+        metadata = dict(self[0]["metadata"])
+        for record in self[1:]:
+            for key, value in record["changes"].items():
+                if value is _GONE:
+                    metadata.pop(key, None)
+                else:
+                    metadata[key] = value
+        metadata = {key: frozen(value) for key, value in metadata.items()}
+        self.keys = set(metadata)
+        self.containers = {key for key, value in metadata.items()
+                           if value is not None and type(value) not in (str, int, float, bool)}
+        return copy_state(self[-1], metadata)
 
 
 def fast_walk(graph, results, trace, bounded):

@@ -4197,25 +4197,29 @@ def test_graph_time_travel_rewinds_and_evicts_fifo():
         g.rewind(500)
 
 
-def test_graph_time_travel_snapshots_keep_what_changed_and_share_nothing():
-    """Issue 22: a snapshot keeps only the keys that changed (and the containers a node saw by
-    reference), yet a rewind restores exactly the earlier state: an agent that changes nested
-    values in place through its §6.2.2 context does not alter an earlier snapshot, and a change
-    to the rewound state does not reach the snapshot it came from."""
+@pytest.mark.parametrize("reference", [False, True], ids=["snapshots", "history"])
+def test_graph_time_travel_snapshots_keep_what_changed_and_share_nothing(reference):
+    """Issue 24: a snapshot of A.2 (Snapshots) keeps only the keys that changed (and the
+    containers a node saw by reference); on both paths a rewind restores exactly the earlier
+    state: an agent that changes nested values in place through its §6.2.2 context does not
+    alter an earlier snapshot, and a change to the rewound state does not reach the snapshot it
+    came from."""
     def grow(content, ctx):
         ctx["items"].append(content)             # in place, through the reference
         ctx["deep"]["n"] += 1
         return content
     cfg = linear("a")
     cfg["enable_time_travel"] = True
-    rt, g = make_graph(cfg, {"a": grow})
+    rt, g = make_graph(cfg, {"a": grow}, reference=reference)
+    assert isinstance(g.snapshots, actor.History if reference else actor.Snapshots)
     g.update_state({"items": [], "deep": {"n": 0}, "flat": 1, "gone": True})
     g.update_state({"gone": None})
     for i in range(3):
         g.run(f"m{i}")
     assert g.state["metadata"]["items"] == ["m0", "m1", "m2"]
-    assert set(g.snapshots[-1]["changes"]) == {"items", "deep", *actor.RUN_KEYS,
-                                               "last_agent_node"} - {"next_node"}
+    if not reference:
+        assert set(g.snapshots[-1]["changes"]) == {"items", "deep", *actor.RUN_KEYS,
+                                                   "last_agent_node"} - {"next_node"}
     g.rewind(2)
     metadata = g.state["metadata"]
     assert metadata["items"] == ["m0"] and metadata["deep"] == {"n": 1}
@@ -9318,7 +9322,10 @@ def test_graph_bench_checkpointing_cost(tmp_path):
             g.flush_checkpoints()
             figures[label] = min(figures[label], (time.perf_counter() - started) / runs * 1e6)
             cpu[label] = min(cpu[label], (time.thread_time() - thread_started) / runs * 1e6)
-    assert len(graphs["on"].checkpoints()) == 3 * runs * 2 // actor.CHECKPOINT_EVERY
+    written = graphs["on"].checkpoints()
+    assert actor.checkpoint_sequence(written[-1]) == 3 * runs * 2 // actor.CHECKPOINT_EVERY
+    assert len(written) == actor.CHECKPOINT_KEEP         # the newest kept (I-181)
+    graphs["reference"].close()
     graphs["on"].close()
     print(f"\n[graphs bench] two-node echo graph, 10,000 updates: {figures['off']:.1f} us/run "
           f"without checkpointing, {figures['on']:.1f} us/run with it "
@@ -9344,8 +9351,9 @@ def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
     """Issue 22: a 10-node echo graph with enable_time_travel, its metadata holding 1 to 100,000
     keys that no node changes: time per run with time travel (snapshots after every node), the
     floor (the same graph and state without it), and the snapshot cost between them, each with
-    its fitted log-log exponent against the number of keys. The snapshot cost is what changed
-    per node, so its target is flat (exponent <= 0.2); the floor's own curve comes from the
+    its fitted log-log exponent against the number of keys. One snapshot of A.2's Snapshots
+    costs what changed per node, so its target is flat (exponent <= 0.2); the reference path's
+    History copies the whole metadata (the deep-copy line). The floor's own curve comes from the
     per-run work that reads the whole metadata (the §6.9 write-back, GraphRun.state)."""
     names = [f"n{i}" for i in range(10)]
     sizes = [1, 10, 100, 1000, 10_000, 100_000]
@@ -9379,11 +9387,12 @@ def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
         node, result = g.nodes["n0"], actor.NodeResult("hi", {"last_agent_node": "n0"})
         metadata = g.state["metadata"]
         best_keep = best_copy = float("inf")
+        times = 200 if not reference else max(2, 2000 // keys)   # History copies the metadata
         for _ in range(5):
             started = time.thread_time()
-            for _i in range(200):
+            for _i in range(times):
                 g.snapshots.keep(g.state, node, result)
-            best_keep = min(best_keep, (time.thread_time() - started) / 200 * 1e6)
+            best_keep = min(best_keep, (time.thread_time() - started) / times * 1e6)
             started = time.thread_time()
             for _i in range(max(1, 2000 // keys)):
                 {k: copy.deepcopy(v) for k, v in metadata.items() if k != "context"}
