@@ -9039,8 +9039,10 @@ def render_runtime(rt, text, ctx, message, path=None):
     if engine != "SIMPLE" and not has_template_syntax(text):
         return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
     try:
-        return rt.sandbox.render(text, runtime_variables(ctx, message, engine == "JINJA2"),
-                                 engine, partials=rt.prompts)
+        # JINJA2 in this process reads through a view; a worker process gets a plain copy
+        chained = engine == "JINJA2" and isinstance(rt.sandbox, InProcessSandbox)
+        return rt.sandbox.render(text, runtime_variables(ctx, message, chained), engine,
+                                 partials=rt.prompts)
     except TemplateError as exc:
         warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
              section="8.12", path=path)
