@@ -11662,11 +11662,13 @@ FORBIDDEN_FORMS = {**FORBIDDEN_TOP_LEVEL_ROWS, **FORBIDDEN_FORM_ROWS, **FORBIDDE
 
 
 # A.3 Stream fast paths -------------------------------------------------------------------
-# Adds: a stream network's hops as plain nested calls where that does what Flow's loop does: the
-# network has no cycle and no path longer than FAST_FLOW_HOPS hops, so the Python stack holds any
-# flow. A stream with one observer and no memory then hands a message straight to it, operators
-# call the next one directly, StreamNetwork.send and Actor.send run in one piece, and an agent map
-# builds its reply in one dict literal (together 0.5 us of a 3.4 us send(), measured in issue 15).
+# Adds: a stream network's hand-overs as plain nested calls where that does what Flow's loop does:
+# the network has no cycle and no path longer than FAST_FLOW_HOPS hops, so the Python stack holds
+# any flow (DirectFlow). A stream with one observer and no memory then hands a message straight to
+# it, operators call the next one directly, StreamNetwork.send and Actor.send run in one piece,
+# and an agent map builds its reply in one dict literal (together 0.5 us of a 3.4 us send(),
+# measured in issue 15). Any other network keeps the loop, with the operators of a route handing
+# over directly between two of its steps, FLOW_CHUNK apart (ChunkedFlow).
 # Stands in for: Flow, Stream.next, _Sink.hand_on, StreamNetwork.send, Actor.send, agent_mapper's
 # per-message step
 # Seam: StreamNetwork.flow
