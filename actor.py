@@ -8974,8 +8974,10 @@ def render_runtime(rt, text, ctx, message, path=None):
     if engine != "SIMPLE" and not has_template_syntax(text):
         return text       # same result, no parse: plain prompts cost nothing (Q59 (a))
     try:
-        return rt.sandbox.render(text, runtime_variables(ctx, message, engine == "JINJA2"),
-                                 engine, partials=rt.prompts)
+        # JINJA2 in this process reads through a view; a worker process gets a plain copy
+        chained = engine == "JINJA2" and isinstance(rt.sandbox, InProcessSandbox)
+        return rt.sandbox.render(text, runtime_variables(ctx, message, chained), engine,
+                                 partials=rt.prompts)
     except TemplateError as exc:
         warn(rt, f"Phase C rendering failed ({exc.message}); the literal text is used",
              section="8.12", path=path)
@@ -11727,11 +11729,13 @@ def fast_step_one(graph, node, message, trace):
 
 
 # A.3 Stream fast paths -------------------------------------------------------------------
-# Adds: a stream network's hops as plain nested calls where that does what Flow's loop does: the
-# network has no cycle and no path longer than FAST_FLOW_HOPS hops, so the Python stack holds any
-# flow. A stream with one observer and no memory then hands a message straight to it, operators
-# call the next one directly, StreamNetwork.send and Actor.send run in one piece, and an agent map
-# builds its reply in one dict literal (together 0.5 us of a 3.4 us send(), measured in issue 15).
+# Adds: a stream network's hand-overs as plain nested calls where that does what Flow's loop does:
+# the network has no cycle and no path longer than FAST_FLOW_HOPS hops, so the Python stack holds
+# any flow (DirectFlow). A stream with one observer and no memory then hands a message straight to
+# it, operators call the next one directly, StreamNetwork.send and Actor.send run in one piece,
+# and an agent map builds its reply in one dict literal (together 0.5 us of a 3.4 us send(),
+# measured in issue 15). Any other network keeps the loop, with the operators of a route handing
+# over directly between two of its steps, FLOW_CHUNK apart (ChunkedFlow).
 # Stands in for: Flow, Stream.next, _Sink.hand_on, StreamNetwork.send, Actor.send, agent_mapper's
 # per-message step
 # Seam: StreamNetwork.flow
