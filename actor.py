@@ -714,11 +714,12 @@ class Yaml12PureLoader(_yaml_reader.Reader, _Yaml12Scanner, _yaml_parser.Parser,
         _yaml_resolver.BaseResolver.__init__(self)
 
 
-# Texts libyaml is not asked about: a directive line, a tag, a comment right after a block scalar
-# indicator (its answers there differ from YAML 1.2's and the pure parser's).
+# YAML 1.2 (6.9.1): what the non-specific tag `!` makes of each kind of node.
 _NON_SPECIFIC_TAGS = {yaml.ScalarNode: "tag:yaml.org,2002:str",
                       yaml.SequenceNode: "tag:yaml.org,2002:seq",
                       yaml.MappingNode: "tag:yaml.org,2002:map"}
+# Texts libyaml is not asked about: a directive line, a tag, a comment right after a block scalar
+# indicator (its answers there differ from YAML 1.2's and the pure parser's).
 _YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
 _LIBYAML = hasattr(yaml, "CSafeLoader")
 
@@ -831,7 +832,7 @@ def parse_yaml(text, file=None):
 def _parse_events(loader_class, text, file):
     """parse_yaml with one parser; its yaml.YAMLError goes to the caller.
 
-    Values are built straight from the C parser's events in one pass, with no node tree: the
+    Values are built straight from the parser's events in one pass, with no node tree: the
     parser keeps its own stack, and nothing else recurses with the document's nesting but
     build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
     25,000 brackets crashed the process, and a pre-scan of the events guarded it.) An alias
@@ -865,7 +866,7 @@ def _parse_events(loader_class, text, file):
 
     def core_tag(event, kind, value, implicit, path):
         tag = event.tag
-        if tag == "!":      # YAML 1.2 §6.9.1: the non-specific tag: a string, sequence, mapping
+        if tag == "!":      # YAML 1.2 (6.9.1): the non-specific tag: a string, sequence, mapping
             tag = _NON_SPECIFIC_TAGS[kind]
         elif tag is None:
             tag = resolve(kind, value, implicit)
@@ -4916,7 +4917,8 @@ def condition_shape_error(cond):
     if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>, both given
         for needed in ("operator", "value"):
             if cond.get(needed) is None:
-                return needed, f"a message_count condition needs `{needed}` (§5.4 gives no default)"
+                return needed, (f"a message_count condition needs `{needed}` (§5.4 gives "
+                                 f"no default)")
         if cond["operator"] not in MESSAGE_COUNT_OPERATORS:
             return "operator", (f"message_count operator must be one of "
                                 f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
@@ -11599,7 +11601,7 @@ def interpolate_env(data, env, doc, rt, path=()):
 # §14.3 Type coercion ----------------------------------------------------------------------
 # INTERPRETATION I-011 §14.3 (Q90): only a string that was one single reference is coerced.
 # INTERPRETATION I-220 §14.3: `\d` is an ASCII digit, as in YAML 1.2's core schema; a fullwidth
-# `１２` or an Arabic-Indic digit stays a string (Python's `\d` alone would take any Unicode digit).
+# `１２` or an Arabic-Indic digit stays a string (Python's `\d` would take any Unicode digit).
 _ENV_INT = re.compile(r"-?[0-9]+")
 _ENV_FLOAT = re.compile(r"-?[0-9]+\.[0-9]+")
 

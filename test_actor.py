@@ -375,7 +375,7 @@ def test_yaml_parsers_give_one_answer():
 
 
 def test_yaml_non_specific_tag_and_key_identity():
-    """§3.1 (YAML 1.2 §6.9.1, issue 23): `!` makes a scalar a string; keys compare as YAML values
+    """§3.1 (YAML 1.2 section 6.9.1, issue 23): `!` makes a scalar a string; keys compare as YAML values
     of their type: every `.nan` is one key, `"1"` and `1` are two, and `1` beside `true` or `1.0`
     (distinct in YAML, one key in Python) is refused as such, never as a duplicate."""
     assert actor.parse_yaml("v: ! ''\nw: ! 12\nx: ! [1]\n")[0] == {"v": "", "w": "12", "x": [1]}
