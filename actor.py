@@ -688,14 +688,144 @@ class Runtime:
 
 # §3.1 File format -------------------------------------------------------------------------
 # YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
-# beyond the core ones, no duplicate keys, bounded alias expansion. The C parser is used when
-# present; the resolver and the construction below are ours in both cases, so the results are
-# identical.
+# beyond the core ones, no duplicate keys, bounded alias expansion. The resolver and the
+# construction below are ours; the parser is pyyaml's pure-Python one with YAML 1.2's tab rules
+# (_Yaml12Scanner), or libyaml's where it gives the same answer (issue 23 item 6).
+# INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
+# text when present; where it refuses a text, or the text holds a construct on which the two
+# parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
+# parser's answer stands. With the tab fixes below, the pure parser takes YAML 1.2's side on the
+# yaml-test-suite cases where the two disagreed (test_yaml_parsers_give_one_answer).
 
-_YamlLoaderBase = getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+import yaml.composer as _yaml_composer      # noqa: E402  (pyyaml's parts, for the pure loader)
+import yaml.parser as _yaml_parser          # noqa: E402
+import yaml.reader as _yaml_reader          # noqa: E402
+import yaml.resolver as _yaml_resolver      # noqa: E402
+import yaml.scanner as _yaml_scanner        # noqa: E402
+
+_YAML_BREAKS = "\r\n\x85\u2028\u2029"
+
+
+class _Yaml12Scanner(_yaml_scanner.Scanner):
+    """pyyaml's scanner with YAML 1.2's whitespace: a tab separates tokens where no block
+    indentation is being read (as libyaml has it), in a directive line, in a plain scalar's line
+    whitespace and on its folded empty lines; `?` may stand inside a plain scalar in a flow
+    collection."""
+
+    def scan_to_next_token(self):
+        if self.index == 0 and self.peek() == "\uFEFF":
+            self.forward()
+        while True:
+            while self.peek() == " " or (self.peek() == "\t" and (
+                    self.flow_level or not self.allow_simple_key)):
+                self.forward()
+            if self.peek() == "#":
+                while self.peek() not in "\0" + _YAML_BREAKS:
+                    self.forward()
+            if not self.scan_line_break():
+                return
+            if not self.flow_level:
+                self.allow_simple_key = True
+
+    def scan_yaml_directive_value(self, start_mark):
+        while self.peek() in " \t":
+            self.forward()
+        major = self.scan_yaml_directive_number(start_mark)
+        if self.peek() != ".":
+            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
+                                             f"expected a digit or '.', but found "
+                                             f"{self.peek()!r}", self.get_mark())
+        self.forward()
+        minor = self.scan_yaml_directive_number(start_mark)
+        if self.peek() not in "\0 \t" + _YAML_BREAKS:
+            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
+                                             f"expected a digit or ' ', but found "
+                                             f"{self.peek()!r}", self.get_mark())
+        return (major, minor)
+
+    def scan_directive_ignored_line(self, start_mark):
+        while self.peek() in " \t":
+            self.forward()
+        super().scan_directive_ignored_line(start_mark)
+
+    def scan_plain_spaces(self, indent, start_mark):
+        length = 0
+        while self.peek(length) in " \t":
+            length += 1
+        whitespaces = self.prefix(length)
+        self.forward(length)
+        if self.peek() not in _YAML_BREAKS:
+            return [whitespaces] if whitespaces else []
+        line_break = self.scan_line_break()
+        self.allow_simple_key = True
+        if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
+            return None
+        breaks = []
+        while self.peek() in " \t" + _YAML_BREAKS:
+            if self.peek() in " \t":
+                self.forward()
+            else:
+                breaks.append(self.scan_line_break())
+                if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
+                    return None
+        chunks = [line_break] if line_break != "\n" else [] if breaks else [" "]
+        return chunks + breaks
+
+    def scan_plain(self):
+        chunks, start_mark = [], self.get_mark()
+        end_mark, indent, spaces = start_mark, self.indent + 1, []
+        ends = "\0 \t" + _YAML_BREAKS
+        while self.peek() != "#":
+            length = 0
+            while True:
+                ch = self.peek(length)
+                if ch in ends or (ch == ":" and self.peek(length + 1) in ends + (
+                        ",[]{}" if self.flow_level else "")) or (
+                        self.flow_level and ch in ",[]{}"):
+                    break
+                length += 1
+            if length == 0:
+                break
+            self.allow_simple_key = False
+            chunks.extend(spaces)
+            chunks.append(self.prefix(length))
+            self.forward(length)
+            end_mark = self.get_mark()
+            spaces = self.scan_plain_spaces(indent, start_mark)
+            if not spaces or self.peek() == "#" or (
+                    not self.flow_level and self.column < indent):
+                break
+        return _yaml_scanner.ScalarToken("".join(chunks), True, start_mark, end_mark)
+
+
+class Yaml12PureLoader(_yaml_reader.Reader, _Yaml12Scanner, _yaml_parser.Parser,
+                       _yaml_composer.Composer, _yaml_resolver.BaseResolver):
+    """The pure-Python parser with the YAML 1.2 scanner and the core-schema resolver."""
+
+    yaml_implicit_resolvers = {}
+
+    def __init__(self, stream):
+        _yaml_reader.Reader.__init__(self, stream)
+        _Yaml12Scanner.__init__(self)
+        _yaml_parser.Parser.__init__(self)
+        _yaml_composer.Composer.__init__(self)
+        _yaml_resolver.BaseResolver.__init__(self)
+
+
+# YAML 1.2 (6.9.1): what the non-specific tag `!` makes of each kind of node.
+_NON_SPECIFIC_TAGS = {yaml.ScalarNode: "tag:yaml.org,2002:str",
+                      yaml.SequenceNode: "tag:yaml.org,2002:seq",
+                      yaml.MappingNode: "tag:yaml.org,2002:map"}
+# Texts libyaml is not asked about: a directive line, a tag, a comment right after a block scalar
+# indicator (its answers there differ from YAML 1.2's and the pure parser's).
+_YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
+_LIBYAML = hasattr(yaml, "CSafeLoader")
+
 # INTERPRETATION I-164 §3.1 (issue 11): every YAML text (the document, Phase A's output,
 # template bodies) goes through this one loader, with these two bounds.
-YAML_ALIAS_BUDGET = 100_000         # constructed nodes per document, counting alias re-expansion
+# INTERPRETATION I-224 §3.1 (issue 24): the budget counts the nodes aliases add, not the
+# document's own: 100,000 plain nodes load, a billion laughs does not.
+YAML_ALIAS_BUDGET = 100_000         # nodes added by alias re-expansion, per document
 # The one nesting bound: every later pass (§14 interpolation, Phase B, validation, copies) walks
 # the document recursively, so a document deeper than this is refused here, located, instead of
 # each walker guarding its own recursion. No configuration the standard describes comes near it.
@@ -713,9 +843,9 @@ _Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
 _Y12_NULL = re.compile(r"~|null|Null|NULL|")
 
 
-class Yaml12Loader(_YamlLoaderBase):
-    """pyyaml's parser with the YAML 1.2 core-schema resolver (yes/no/on/off stay strings, 010 ==
-    10)."""
+class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
+    """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema
+    resolver (yes/no/on/off stay strings, 010 == 10)."""
 
     yaml_implicit_resolvers = {}
 
@@ -727,7 +857,8 @@ for _tag, _regex, _first in (
         ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
         ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
         ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
-    Yaml12Loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+    for _loader in (Yaml12Loader, Yaml12PureLoader):
+        _loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
 
 
 _CORE_SCALAR_FORMS = {
@@ -763,24 +894,53 @@ def _scalar_value(tag, text):
     return text
 
 
+def _yaml_key_identity(key):
+    """A mapping key as YAML compares it (issue 23): a value of its type, so `1`, `1.0` and
+    `true` differ, and every `.nan` is the same key."""
+    # INTERPRETATION I-225 §3.1: keys are equal when their YAML types and values are.
+    if isinstance(key, float) and key != key:
+        return (float, "nan")
+    return (type(key), key)
+
+
 def parse_yaml(text, file=None):
     """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based).
-
-    Values are built straight from the C parser's events in one pass, with no node tree: the
-    parser keeps its own stack, and nothing else recurses with the document's nesting but
-    build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
-    25,000 brackets crashed the process, and a pre-scan of the events guarded it.) An alias
-    builds a fresh copy of its anchor's value, counted against YAML_ALIAS_BUDGET."""
+    One answer with or without libyaml (I-223): libyaml's parse where it accepts a text without
+    the constructs _YAML_PURE_ONLY names, else the pure parser's."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
-    loader = Yaml12Loader(text)
+    try:
+        if _LIBYAML and not _YAML_PURE_ONLY.search(text):
+            try:
+                return _parse_events(Yaml12Loader, text, file)
+            except yaml.YAMLError:
+                pass                    # libyaml refuses: the pure parser's answer stands
+        return _parse_events(Yaml12PureLoader, text, file)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
+                                 file=file, line=line, col=col) from None
+
+
+def _parse_events(loader_class, text, file):
+    """parse_yaml with one parser; its yaml.YAMLError goes to the caller.
+
+    Values are built straight from the parser's events in one pass, with no node tree: the
+    parser keeps its own stack, and nothing else recurses with the document's nesting but
+    build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
+    25,000 brackets crashed the process, and a pre-scan of the events guarded it.) An alias
+    builds a fresh copy of its anchor's value, whose nodes count against YAML_ALIAS_BUDGET."""
+    loader = loader_class(text)
     next_event, resolve = loader.get_event, loader.resolve
     marks, order = {}, []       # order: the paths marked, in order (an anchor's are a stretch)
     anchors = {}                # anchor -> (value, [(relative path, mark)], nodes, depth)
-    budget = YAML_ALIAS_BUDGET
+    budget = YAML_ALIAS_BUDGET  # nodes aliases may still add
+    built = 0                   # nodes constructed so far, aliases' copies included
 
     def at(event):
         return (file, event.start_mark.line + 1, event.start_mark.column + 1)
@@ -795,15 +955,18 @@ def parse_yaml(text, file=None):
         order.append(path)
 
     def spend(event, nodes):
-        nonlocal budget
+        nonlocal budget, built
+        built += nodes
         budget -= nodes
         if budget < 0:
-            raise fail(f"document expands to more than {YAML_ALIAS_BUDGET} nodes (alias bomb?)",
-                       event)
+            raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
+                       f"(alias bomb?)", event)
 
     def core_tag(event, kind, value, implicit, path):
         tag = event.tag
-        if tag is None or tag == "!":       # as pyyaml's composer: "!" is resolved too
+        if tag == "!":      # YAML 1.2 (6.9.1): the non-specific tag: a string, sequence, mapping
+            tag = _NON_SPECIFIC_TAGS[kind]
+        elif tag is None:
             tag = resolve(kind, value, implicit)
         if tag not in _CORE_TAGS:
             raise fail(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
@@ -811,6 +974,7 @@ def parse_yaml(text, file=None):
 
     def build(event, path):
         """The value that begins with `event`; the marks below `path` are recorded."""
+        nonlocal built
         if len(path) > YAML_MAX_DEPTH:
             raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
         kind = type(event)
@@ -831,14 +995,14 @@ def parse_yaml(text, file=None):
                 marks[path + relative] = where
                 order.append(path + relative)
             return copy.deepcopy(value) if type(value) in (list, dict) else value
-        spend(event, 1)
+        built += 1
         anchor = event.anchor
         if anchor is not None:
             if anchor in anchors:
                 raise fail(f"document does not parse as YAML: found duplicate anchor "
                            f"'{anchor}'", event)
             anchors[anchor] = None          # being built: an alias to it inside is refused
-            first_mark, first_budget = len(order), budget
+            first_mark, first_built = len(order), built
         if kind is yaml.ScalarEvent:
             tag = core_tag(event, yaml.ScalarNode, event.value, event.implicit, path)
             try:
@@ -857,7 +1021,7 @@ def parse_yaml(text, file=None):
                 item = next_event()
         else:                               # a MappingStartEvent
             core_tag(event, yaml.MappingNode, None, event.implicit, path)
-            value = {}
+            value, seen = {}, set()
             item = next_event()
             while type(item) is not yaml.MappingEndEvent:
                 if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent):
@@ -865,14 +1029,20 @@ def parse_yaml(text, file=None):
                 key = build(item, path)
                 if isinstance(key, (dict, list)):       # an alias to a collection
                     raise fail("mapping keys must be scalars", item, path)
-                if key in value:
+                same = _yaml_key_identity(key)
+                if same in seen:
                     raise fail(f"duplicate mapping key '{key}'", item, path + (key,))
+                if key in value:        # 1, 1.0 and true: distinct in YAML, one key in Python
+                    raise fail(f"mapping keys {next(k for k in value if k == key)!r} and "
+                               f"{key!r} are distinct YAML values that this implementation "
+                               f"cannot hold apart as keys", item, path + (key,))
+                seen.add(same)
                 mark(path + (key,), item)
                 value[key] = build(next_event(), path + (key,))
                 item = next_event()
         if anchor is not None:
             below = [(p[len(path):], marks[p]) for p in order[first_mark:]]
-            anchors[anchor] = (value, below, first_budget - budget + 1,
+            anchors[anchor] = (value, below, built - first_built + 1,
                                max((len(p) for p, _ in below), default=0))
         return value
 
@@ -891,12 +1061,6 @@ def parse_yaml(text, file=None):
         return data, marks
     except RecursionError:
         raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
-                                 file=file, line=line, col=col) from None
     finally:
         loader.dispose()
 
@@ -4716,7 +4880,8 @@ def condition_shape_error(cond):
     if kind == "message_count":     # §5.4: operator <gt|lt|eq>, value <integer>, both given
         for needed in ("operator", "value"):
             if cond.get(needed) is None:
-                return needed, f"a message_count condition needs `{needed}` (§5.4 gives no default)"
+                return needed, (f"a message_count condition needs `{needed}` (§5.4 gives "
+                                 f"no default)")
         if cond["operator"] not in MESSAGE_COUNT_OPERATORS:
             return "operator", (f"message_count operator must be one of "
                                 f"{', '.join(MESSAGE_COUNT_OPERATORS)}, not {cond['operator']!r}")
@@ -11213,7 +11378,7 @@ def interpolate_string(data, env, doc, rt, path):
 # §14.3 Type coercion ----------------------------------------------------------------------
 # INTERPRETATION I-011 §14.3 (Q90): only a string that was one single reference is coerced.
 # INTERPRETATION I-220 §14.3: `\d` is an ASCII digit, as in YAML 1.2's core schema; a fullwidth
-# `１２` or an Arabic-Indic digit stays a string (Python's `\d` alone would take any Unicode digit).
+# `１２` or an Arabic-Indic digit stays a string (Python's `\d` would take any Unicode digit).
 _ENV_INT = re.compile(r"-?[0-9]+")
 _ENV_FLOAT = re.compile(r"-?[0-9]+\.[0-9]+")
 
