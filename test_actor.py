@@ -1378,7 +1378,7 @@ def test_schema_accepts_every_valid_configuration_in_the_vectors():
         errors = list(validator.iter_errors(doc))
         if errors:
             # issue 25: the schema flags exactly the keys the loader warns about as unknown
-            observed = actor.observe_vector(actor.read_vector(by_name[name]))
+            observed = harness.observe_vector(harness.read_vector(by_name[name]))
             warned = json.dumps([observed["warnings"], observed["steps"]])
             if "ignored" in warned and not observed["load_error"]:
                 flagged += 1
