@@ -10516,6 +10516,30 @@ SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
 
+# INTERPRETATION I-193 §13.2.3 (issue 22): one result-size rule, priced before the call.
+# One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
+# what it would produce (items, characters or bytes), priced before the call and refused past
+# SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
+# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
+# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
+def _join_size(sep, args, kwargs):
+    args[0] = items = list(args[0])
+    return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
+                                                   if isinstance(item, (str, bytes)))
+
+
+SANDBOX_SIZES = {
+    **dict.fromkeys(("center", "ljust", "rjust", "zfill"), lambda s, args, kwargs: args[0]),
+    "expandtabs": lambda s, args, kwargs: len(s) * max(1, (args or [kwargs.get("tabsize", 8)])[0]),
+    "replace": lambda s, args, kwargs: len(s) + (len(s) + 1) * max(0, len(args[1]) - len(args[0])),
+    "join": _join_size,
+    "translate": lambda s, args, kwargs: len(s) * max(
+        [len(v) for v in args[0].values() if isinstance(v, str)] or [1]) if
+        isinstance(args[0], dict) else len(s),
+    "to_bytes": lambda i, args, kwargs: (args or [kwargs.get("length", 1)])[0],
+}
+
+
 class _Rejected(Exception):
     """A construct outside the allowlist: (line inside the code body, what)."""
 
@@ -10699,6 +10723,29 @@ def builtin_range(*args):       # (SANDBOX_TYPES gets its row below)
 SANDBOX_TYPES[range] = builtin_range
 
 
+def builtin_round(number, ndigits=None):
+    """§13.2.1, §13.2.2 round, priced (T3): an integer rounded to -n digits computes 10**n."""
+    if type(number) is int and type(ndigits) is int and ndigits < 0:
+        spend(-ndigits * 10 // 3, "round()")
+    return round(number, ndigits)
+
+
+def builtin_sum(iterable, /, start=0):
+    """§13.2.1, §13.2.2 sum, priced (T3): a list or tuple start sums sequences, in linear time
+    and at most SANDBOX_MAX_ITEMS items (sum(rows, []) copies the total so far at every row)."""
+    if type(start) not in (list, tuple):
+        return sum(iterable, start)
+    items = [item.data if type(item) is ContextList else item for item in iterable]
+    spend(len(start) + sum(len(item) for item in items if type(item) is type(start)), "sum()")
+    total = list(start)
+    for item in items:
+        if type(item) is not type(start):
+            raise TypeError(f'can only concatenate {type(start).__name__} (not '
+                            f'"{type(item).__name__}") to {type(start).__name__}')
+        total.extend(item)
+    return type(start)(total)
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else."""
 
@@ -10716,8 +10763,16 @@ class JsonFacility:
         if not (separators is None or isinstance(separators, (list, tuple))
                 and all(isinstance(s, str) and len(s) <= 8 for s in separators)):
             raise ValueError("json.dumps separators must be two short strings in the sandbox")
-        return json.dumps(plain(value), indent=indent, sort_keys=sort_keys,
-                          ensure_ascii=ensure_ascii, separators=separators)
+        encoder = json.JSONEncoder(indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
+                                   separators=separators)
+        if indent is None:                  # the C encoder, one operation (T3)
+            return encoder.encode(plain(value))
+        chunks, size = [], 0                # json's Python encoder: priced chunk by chunk (T3)
+        for chunk in encoder.iterencode(plain(value)):
+            size += len(chunk)
+            spend(size, "json.dumps()")
+            chunks.append(chunk)
+        return "".join(chunks)
 
     def __repr__(self):
         return "<json facility: loads, dumps, JSONDecodeError>"
@@ -10732,8 +10787,8 @@ INLINE_CODE_BUILTINS = {
     "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max,
-    "min": min, "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
-    "sum": sum, "zip": zip,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
+    "sorted": sorted, "sum": builtin_sum, "zip": zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -10755,8 +10810,8 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
-    "sum": sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "round": builtin_round, "sum": builtin_sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
@@ -11301,7 +11356,7 @@ def _call(name, node, *args):
     return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
 
 
-_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<"}
+_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
 
 
 class _Ticks(ast.NodeTransformer):
@@ -11335,6 +11390,22 @@ class _Ticks(ast.NodeTransformer):
         if symbol is None or symbol == "+" and constants:
             return node
         return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_Attribute(self, node):
+        # One of SANDBOX_SIZES read (called or not): the method comes back priced.
+        self.generic_visit(node)
+        if node.attr not in SANDBOX_SIZES or not isinstance(node.ctx, ast.Load):
+            return node
+        return _call("__sb_method__", node, node.value, ast.Constant(node.attr))
+
+    def visit_FormattedValue(self, node):
+        # f"{x:>{w}}": the width and precision of a format spec are priced before formatting.
+        self.generic_visit(node)
+        if node.format_spec is None:
+            return node
+        value = _call("__sb_format__", node, node.value, ast.Constant(node.conversion),
+                      node.format_spec)
+        return ast.copy_location(ast.FormattedValue(value, -1, None), node)
 
     def visit_AugAssign(self, node):
         self.generic_visit(node)
@@ -11414,12 +11485,55 @@ def _result_size(symbol, left, right):
         return len(seq) * count if isinstance(seq, _SIZED) and isinstance(count, int) else 0
     if symbol == "**":
         return max(abs(left).bit_length() - 1, 0) * right if ints and right > 0 else 0
+    if symbol == "%":
+        return _percent_size(left, right) if isinstance(left, (str, bytes)) else 0
     return left.bit_length() + right if ints and left and right > 0 else 0      # <<
 
 
-_SIZED = (str, list, tuple)
-_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
-_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift}
+_SIZED = (str, list, tuple, bytes, bytearray)
+_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
+              "%": operator.mod}
+_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
+             "%": operator.imod}
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FORMAT_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)[_,]?(?:\.(\d+))?[a-zA-Z%]?")
+
+
+def _percent_size(template, args):
+    """`template % args`: its length, every width and precision it spells, and (when one is `*`)
+    every integer argument, which may be one."""
+    text = template if isinstance(template, str) else template.decode("latin-1")
+    specs = _PERCENT_SPEC.findall(text)
+    size = len(text) + sum(int(n) for spec in specs for n in spec if n.isdigit())
+    if any("*" in spec for spec in specs):
+        size += sum(abs(a) for a in (args if isinstance(args, tuple) else (args,))
+                    if type(a) is int)
+    return size
+
+
+def guard_format(value, conversion, spec):
+    """f"{value!c:spec}" with a computed spec: its width and precision priced first."""
+    value = {115: str, 114: repr, 97: ascii}.get(conversion, lambda v: v)(value)
+    match = _FORMAT_SPEC.fullmatch(spec) if isinstance(spec, str) else None
+    spend(sum(int(n) for n in match.groups() if n) if match else 0, "a format width")
+    return format(value, spec)
+
+
+def guard_method(obj, name):
+    """obj.name for a method of SANDBOX_SIZES: a callable that prices each call first (the
+    unbound form, str.ljust(s, n), too)."""
+    method, price = getattr(obj, name), SANDBOX_SIZES[name]
+
+    def priced(*args, **kwargs):
+        args = list(args)
+        unbound = isinstance(obj, type)
+        try:
+            size = price(args[0], args[1:], kwargs) if unbound else price(obj, args, kwargs)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            size = 0            # arguments the method itself refuses
+        spend(size if isinstance(size, int) else 0, f"the result of {name}()")
+        return method(*args, **kwargs)
+    return priced
 
 
 def guard_op(symbol, left, right):
@@ -11493,6 +11607,7 @@ def _sandbox_line(tb):
 # names, so sandboxed source never spells them.
 _HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
           "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
+          "__sb_method__": guard_method, "__sb_format__": guard_format,
           "__sb_json__": SANDBOX_JSON}
 _CODE_BUILTINS.update(_HOOKS)
 _EXPRESSION_BUILTINS.update(_HOOKS)

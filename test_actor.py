@@ -6491,6 +6491,22 @@ SANDBOX_RUNAWAYS = {
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
     "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
     "match-in-a-loop": "while True:\n    match input_data:\n        case 'never':\n            pass",
+    # issue 22 item 2: one result-size rule for every allowlisted callable (I-193)
+    "ljust-width": "x = 'a'.ljust(1200000000)",
+    "center-width": "x = 'a'.center(1200000000, '-')",
+    "rjust-aliased": "f = 'a'.rjust\nx = f(1200000000)",
+    "zfill-unbound": "x = str.zfill('1', 1200000000)",
+    "expandtabs": "x = ('\\t' * 1000).expandtabs(1000000)",
+    "fstring-width": "x = f'{1:>{1200000000}}'",
+    "fstring-precision": "n = 1200000000\nx = f'{1.5:.{n}f}'",
+    "percent-star": "x = '%*d' % (1200000000, 1)",
+    "percent-precision": "x = '%.1200000000f' % 1.5",
+    "replace-empty": "s = 'ab' * 100000\nx = s.replace('', s)",
+    "join-long-separator": "x = ('a' * 1000000).join([''] * 1000000)",
+    "bytes-repetition": "x = b'x' * 1200000000",
+    "round-negative-digits": "x = round(7, -100000000)",
+    "sum-of-lists": "rows = [[0] * 1000] * 100000\nx = sum(rows, [])",
+    "json-indent": "a = [[0] * 1000] * 1000\nx = json.dumps([a] * 100, indent=64)",
 }
 
 
@@ -6506,6 +6522,24 @@ def test_sandbox_runaway_is_stopped(capsys, source):
     assert peak_kib() - rss_before < 400 * 1024
     assert capsys.readouterr().out == ""
     sandbox_still_serves()
+
+
+def test_result_size_rule_holds_in_expressions_and_small_results_work():
+    """I-193: round and sum are priced in §13.2.2 expressions (transform fn, SIMPLE {{ }}) too;
+    small results of every priced callable are what Python gives."""
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.compile_expression("lambda x: round(x, -100000000)")(7)
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.eval_expression_text("sum([[0] * 1000] * 100000, [])", {})
+    ns = sandbox_run("result = ['a'.ljust(3, '.'), 'a'.center(3), 'a'.rjust(2), '1'.zfill(3), "
+                     "'a\\tb'.expandtabs(2), f'{7:>{4}}', f'{1.25:.{1}f}', '%*d|%-3s|' % (3, 5, 'x'), "
+                     "'ab'.replace('', '-'), ','.join(x for x in 'ab'), b'ab' * 2, round(1250, -2), "
+                     "round(2.5), sum([[1], [2]], [0]), sum(((1,), (2,)), ()), sum([1, 2.5]), "
+                     "json.dumps([1], indent=1), str.upper('a')]")
+    assert ns["result"] == ["a..", " a ", " a", "001", "a b", "   7", "1.2", "  5|x  |", "-a-b-",
+                            "a,b", b"abab", 1200, 2, [0, 1, 2], (1, 2), 3.5, "[\n 1\n]", "A"]
+    with pytest.raises(actor.ExecutionError, match="can only concatenate list"):
+        sandbox_run("result = sum([[1], (2,)], [])")
 
 
 def test_sandbox_exhaustion_is_one_error_kind():
@@ -6569,7 +6603,7 @@ ISOLATED_RUNAWAYS = {
     "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
     "replace-growth": "x = ('a' * 10**7).replace('', 'b' * 1000)",
     "join-growth": "x = 'a' * 10**6\ny = ''.join([x] * 10**6)",
-    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
+    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(2 * 10**4)], [])",
     "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
     # lazy iterators chained deep (recursion in C when consumed: a crash)
     "generator-expression-chain":
