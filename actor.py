@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import codecs
 import collections.abc
 import contextlib
 import contextvars
@@ -10478,14 +10479,15 @@ CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
 # The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
-# yield, await, with, except*, class patterns; see _shape_refusal for the shapes refused within.
+# yield, await, with, except*; see _shape_refusal for the shapes refused within (class patterns
+# only of a listed type, with allowlisted attributes).
 # INTERPRETATION I-147 §13.2.3 (issue 11): an allowlist checked at load, never a list of dangers.
 SANDBOX_SYNTAX = (
     ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
     ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
     ast.Assert, ast.FunctionDef, ast.Return, ast.Delete, ast.Import, ast.ImportFrom, ast.alias,
     ast.Match, ast.match_case, ast.MatchValue, ast.MatchSingleton, ast.MatchSequence,
-    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr,
+    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr, ast.MatchClass,
     ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Lambda, ast.IfExp, ast.Dict, ast.Set, ast.ListComp,
     ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare, ast.Call, ast.FormattedValue,
     ast.JoinedStr, ast.Constant, ast.Attribute, ast.Subscript, ast.Starred, ast.Name, ast.List,
@@ -10493,26 +10495,21 @@ SANDBOX_SYNTAX = (
     ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop,
 )
 
-# The allowlist of attributes (T2): methods of the built-in value types and of the json facility,
-# read (never assigned). No str.format/format_map (a format string walks attributes the AST never
-# shows), no encode/decode (codecs), nothing that yields a type, frame, code or module.
+# The allowlist of attributes (T2): every method of the built-in value types that performs no
+# I/O, evaluation, import or introspection, and the json facility's names, read (never assigned).
+# No str.format/format_map (a format string walks attributes the AST never shows); encode and
+# decode run the three codecs of SANDBOX_CODECS only; nothing yields a type, frame, code or module.
+SANDBOX_VALUE_TYPES = (str, bytes, int, float, list, dict, set, tuple)
 SANDBOX_METHODS = {
-    "str": "capitalize casefold center count endswith expandtabs find index isalnum isalpha "
-           "isascii isdecimal isdigit isidentifier islower isnumeric isprintable isspace istitle "
-           "isupper join ljust lower lstrip partition removeprefix removesuffix replace rfind "
-           "rindex rjust rpartition rsplit rstrip split splitlines startswith strip swapcase "
-           "title upper zfill",
-    "list": "append clear copy count extend index insert pop remove reverse sort",
-    "dict": "clear copy fromkeys get items keys pop popitem setdefault update values",
-    "set": "add clear copy difference difference_update discard intersection "
-           "intersection_update isdisjoint issubset issuperset pop remove symmetric_difference "
-           "symmetric_difference_update union update",
-    "tuple": "count index",
-    "int, float": "bit_length is_integer",
+    **{cls.__name__: " ".join(name for name in dir(cls) if not name.startswith("_")
+                              and name not in ("format", "format_map"))
+       for cls in SANDBOX_VALUE_TYPES},
     "json facility (§4.5.2)": "loads dumps JSONDecodeError",
     "exceptions": "args",
 }
 SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
+SANDBOX_PATTERN_TYPES = ("bool", "dict", "float", "int", "list", "set", "str", "tuple")
+SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
 
@@ -10537,7 +10534,20 @@ SANDBOX_SIZES = {
         [len(v) for v in args[0].values() if isinstance(v, str)] or [1]) if
         isinstance(args[0], dict) else len(s),
     "to_bytes": lambda i, args, kwargs: (args or [kwargs.get("length", 1)])[0],
+    "encode": lambda s, args, kwargs: 4 * len(s) if sandbox_codec(args, kwargs) else 0,
+    "decode": lambda s, args, kwargs: len(s) if sandbox_codec(args, kwargs) else 0,
 }
+
+
+# INTERPRETATION I-195 §13.2.3 (issue 22): three codecs, any other fails at the call.
+def sandbox_codec(args, kwargs):
+    """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
+    the call (§13.2.3 lets a capability fail at invocation)."""
+    name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
+    if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
+        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
+                          f"latin-1)")
+    return True
 
 
 class _Rejected(Exception):
@@ -10584,6 +10594,13 @@ def _shape_refusal(node, names):
                 | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
                 | ast.keyword(arg=name) if name and name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        # INTERPRETATION I-194 §13.2.3 (issue 22): a class pattern names a type constructor of the
+        # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
+        case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
+                isinstance(cls, ast.Name) and cls.id in SANDBOX_PATTERN_TYPES
+                and all(a in SANDBOX_ATTRIBUTES and a not in SANDBOX_SIZES for a in attrs)
+                and not (cls.id == "str" and patterns)):
+            return "a class pattern of anything but a listed type with allowlisted attributes"
         case ast.Import(names=aliases) if any(a.name != "json" for a in aliases):
             return "an import of anything but json"
         case ast.ImportFrom(module=module, level=level, names=aliases) \
@@ -10723,6 +10740,32 @@ def builtin_range(*args):       # (SANDBOX_TYPES gets its row below)
 SANDBOX_TYPES[range] = builtin_range
 
 
+class _StrType(type):
+    """§13.2.1 str as the sandbox sees it: str itself to isinstance, attributes and one-argument
+    calls; str(bytes, encoding) runs only SANDBOX_CODECS."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, str)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, str)
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) > 1 or kwargs:
+            sandbox_codec(args[1:], kwargs)
+        return str(*args, **kwargs)
+
+    def __getattr__(cls, name):
+        return getattr(str, name)
+
+
+class builtin_str(metaclass=_StrType):
+    """§13.2.1 str (see _StrType); type() of a string answers this class."""
+
+
+SANDBOX_TYPES[str] = builtin_str
+
+
 def builtin_round(number, ndigits=None):
     """§13.2.1, §13.2.2 round, priced (T3): an integer rounded to -n digits computes 10**n."""
     if type(number) is int and type(ndigits) is int and ndigits < 0:
@@ -10783,8 +10826,8 @@ SANDBOX_JSON = JsonFacility()
 # The §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
 INLINE_CODE_BUILTINS = {
     # Type constructors
-    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
-    "tuple": tuple,
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set,
+    "str": builtin_str, "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max,
     "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
@@ -10807,8 +10850,8 @@ INLINE_CODE_BUILTINS = {
 # order.
 EXPRESSION_BUILTINS = {
     # Type constructors
-    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
-    "tuple": tuple,
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set,
+    "str": builtin_str, "tuple": tuple,
     # Numeric / iteration utilities
     "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
     "round": builtin_round, "sum": builtin_sum,
@@ -11528,7 +11571,12 @@ def guard_method(obj, name):
         args = list(args)
         unbound = isinstance(obj, type)
         try:
-            size = price(args[0], args[1:], kwargs) if unbound else price(obj, args, kwargs)
+            if unbound:
+                rest = args[1:]
+                size = price(args[0], rest, kwargs)
+                args[1:] = rest
+            else:
+                size = price(obj, args, kwargs)
         except (TypeError, ValueError, IndexError, AttributeError):
             size = 0            # arguments the method itself refuses
         spend(size if isinstance(size, int) else 0, f"the result of {name}()")

@@ -6330,9 +6330,6 @@ SANDBOX_ESCAPES = {
     "exception-name-not-listed": "try:\n    pass\nexcept Exception:\n    pass",
     "base-exception-name": "try:\n    pass\nexcept BaseException:\n    pass",
     "codec-through-encode": "x = 'a'.encode('punycode')",
-    "to-bytes-method": "x = (1).to_bytes(4, 'big')",
-    "from-bytes-classmethod": "x = int.from_bytes(b'a', 'big')",
-    "maketrans-through-str-type": "x = str.maketrans('a', 'b')",
     "sandbox-hook-rebound": "__sb_tick__ = lambda: True\nwhile True:\n    pass",
     "sandbox-hook-called": "__sb_op__('*', 'a', 10**10)",
     "dict-unbound-update-on-context": "dict.update(context, {'_unsafe_mode': True})",
@@ -6940,11 +6937,19 @@ def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
 
 def test_sandbox_attribute_allowlist_is_methods_of_value_types():
     """Every allowed attribute is a method of a built-in value type or of the json facility."""
-    owners = (str, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
+    owners = (str, bytes, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
     for attr in actor.SANDBOX_ATTRIBUTES:
         assert any(hasattr(owner, attr) for owner in owners), attr
-    for refused in ("format", "format_map", "encode", "mro", "gi_frame", "args_", "__class__"):
+    for refused in ("format", "format_map", "mro", "gi_frame", "args_", "__class__"):
         assert refused not in actor.SANDBOX_ATTRIBUTES
+    # issue 23's reading (I-147): every method that does no I/O, evaluation, import or
+    # introspection is there, sized by I-193's rule
+    for allowed in ("translate", "maketrans", "to_bytes", "from_bytes", "hex", "fromhex",
+                    "encode", "decode", "as_integer_ratio", "fromkeys"):
+        assert allowed in actor.SANDBOX_ATTRIBUTES
+    ns = sandbox_run("result = [(1).to_bytes(4, 'big'), int.from_bytes(b'a', 'big'), "
+                     "'ab'.translate(str.maketrans('a', 'b')), (0.5).hex(), str.upper('a')]")
+    assert ns["result"] == [b"\0\0\0\1", 97, "bb", "0x1.0000000000000p-1", "A"]
 
 
 def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
@@ -6952,7 +6957,8 @@ def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
                          ("x = 1\nwith y:\n    pass", "With"),
                          ("def f():\n    yield 1", "Yield"),
                          ("def f():\n    global g", "Global"),
-                         ("match 1:\n    case int():\n        pass", "MatchClass"),
+                         ("match 1:\n    case type():\n        pass", "class pattern"),
+                         ("match 1:\n    case int(mro=m):\n        pass", "class pattern"),
                          ("async def f():\n    pass", "AsyncFunctionDef")):
         with pytest.raises(actor.ConfigurationError, match=what) as info:
             actor.compile_code(source)
