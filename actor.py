@@ -11721,6 +11721,8 @@ def unwire(data):
 class Worker:
     """One worker process and its pipes (POSIX)."""
 
+    warned = False          # the "no seccomp filter" warning is given once per process
+
     def __init__(self):
         boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
                 f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
@@ -11732,8 +11734,13 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True, env={}, cwd="/", start_new_session=True)
         self.pending = b""
-        if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
+        ready = self.line(time.monotonic() + WORKER_START, "start-up")
+        if ready not in (b"ready", b"ready uncontained"):
             raise OSError("the worker process did not start")
+        if ready != b"ready" and not Worker.warned:
+            Worker.warned = True
+            log.warning("isolation='process': the worker could not install its seccomp filter "
+                        "(Linux x86-64 only); it runs with its rlimits alone (README Security)")
 
     def line(self, deadline, what):
         """The worker's next line; past the deadline the worker is killed (Exhausted)."""
@@ -11858,7 +11865,10 @@ def worker_main():
             value = clamp_limit(resource, limit, value)
             resource.setrlimit(limit, (value, value))
     units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
-    stdout.write(b"ready\n")
+    with contextlib.suppress(ActorError):       # imports first: no file can be opened after
+        render("{{ x|upper }}{% for i in [1] %}{{ i }}{% endfor %}", {"x": "a"}, "JINJA2")
+    contained = contain_worker()
+    stdout.write(b"ready\n" if contained else b"ready uncontained\n")
     stdout.flush()
 
     def send(obj):
@@ -11886,6 +11896,44 @@ def worker_main():
         except Exception as exc:   # a value that cannot cross, for one
             send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
                   "section": "13.2"})
+
+
+# The system calls a computing worker makes (Linux x86-64): memory, futex, clocks, signals'
+# return, its limits and exit; read and write only on its two pipes (fds 0 and 1). Any other
+# call fails with EPERM: no open, socket, fork, kill or exec.
+WORKER_SYSCALLS = {
+    "mmap": 9, "mprotect": 10, "munmap": 11, "brk": 12, "rt_sigaction": 13,
+    "rt_sigprocmask": 14, "rt_sigreturn": 15, "mremap": 25, "madvise": 28, "sigaltstack": 131,
+    "futex": 202, "clock_gettime": 228, "clock_getres": 229, "clock_nanosleep": 230,
+    "gettimeofday": 96, "getrusage": 98, "getrlimit": 97, "setrlimit": 160, "prlimit64": 302,
+    "fstat": 5, "lseek": 8, "newfstatat": 262, "getpid": 39, "gettid": 186, "sched_yield": 24,
+    "getrandom": 318, "exit": 60, "exit_group": 231,
+}
+WORKER_PIPE_CALLS = (0, 1)             # read, write: on fds 0 and 1 only
+
+
+def contain_worker():
+    """PR_SET_NO_NEW_PRIVS, then a seccomp-bpf filter allowing WORKER_SYSCALLS (T3, issue 22);
+    False where it cannot be installed (not Linux x86-64, no seccomp)."""
+    import ctypes, platform, struct
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    allow, deny = 0x7FFF0000, 0x00050000 | 1                      # RET_ALLOW, RET_ERRNO(EPERM)
+    load, jeq, ret = 0x20, 0x15, 0x06                             # BPF_LD|W|ABS, JMP|JEQ|K, RET|K
+    prog = [(load, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, deny),  # arch is x86-64
+            (load, 0, 0, 0)]                                      # the call's number
+    for number in WORKER_SYSCALLS.values():
+        prog += [(jeq, 0, 1, number), (ret, 0, 0, allow)]
+    prog += [(jeq, 1, 0, 0), (jeq, 0, 4, 1),                      # read or write: check the fd
+             (load, 0, 0, 16), (jeq, 1, 0, 0), (jeq, 0, 1, 1), (ret, 0, 0, allow),
+             (ret, 0, 0, deny)]
+    code = b"".join(struct.pack("HBBI", *op) for op in prog)
+    buffer = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:                           # PR_SET_NO_NEW_PRIVS
+        return False
+    return libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0   # PR_SET_SECCOMP, FILTER
 
 
 def clamp_limit(resource, limit, value):

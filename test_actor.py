@@ -6757,6 +6757,31 @@ def test_isolation_worker_runs_in_its_own_process_group():
     assert worker.proc.returncode is not None
 
 
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the seccomp filter is built for Linux x86-64")
+def test_isolation_worker_filter_refuses_open_socket_fork_kill_exec():
+    """Issue 22 item 4: the probe -- a process that installs the worker's filter and then runs
+    Python with no allowlist at all: open, socket, fork, kill and exec each fail with EPERM,
+    while computing and writing to its pipe still work."""
+    probe = (
+        "import os, socket, sys\nimport actor\nassert actor.contain_worker()\nout = []\n"
+        "for name, fn in (('open', lambda: open('/etc/hostname')), ('socket', socket.socket),"
+        " ('fork', os.fork), ('kill', lambda: os.kill(os.getppid(), 0)),"
+        " ('exec', lambda: os.execv('/bin/true', ['true']))):\n"
+        "    try:\n        fn()\n        out.append(name + ' ran')\n"
+        "    except OSError as exc:\n        out.append(f'{name} {exc.errno}')\n"
+        "print(' '.join(out), sum([1] * 10 ** 6), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["open", "1", "socket", "1", "fork", "1", "kill", "1",
+                                   "exec", "1", "1000000"], done.stderr
+    worker = actor.Worker()          # the real worker came up contained (no warning needed)
+    try:
+        assert actor.Worker.warned is False
+    finally:
+        worker.kill()
+
+
 def test_isolation_unknown_value_is_a_configuration_error():
     with pytest.raises(actor.ConfigurationError, match="isolation"):
         actor.load(text="agents: {e: {type: tool, config: {tools: [echo]}}}\n"
