@@ -10625,8 +10625,11 @@ def _sandbox_compile(source, mode, names, filename):
     if not isinstance(source, str):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
+    bound = _bound_names(tree)
+    if "str" in bound:
+        raise _Rejected(1, "binding the name 'str' (the sandbox checks what str decodes)")
     if names is not None:
-        names = names | _bound_names(tree)
+        names = names | bound
     _check_tree(tree, names)
     tree, ticks = instrument(ast.fix_missing_locations(_Imports().visit(tree)))
     return tree, compile(tree, filename, mode, dont_inherit=True), ticks
@@ -10634,7 +10637,19 @@ def _sandbox_compile(source, mode, names, filename):
 
 class _Imports(ast.NodeTransformer):
     # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
-    # ...` bind the §4.5.2 facility; no import machinery is exposed.
+    # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
+    # (I-195) wherever it is read, except a direct call of one argument, which decodes nothing.
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == "str" and not node.keywords \
+                and len(node.args) <= 1 and not any(isinstance(a, ast.Starred) for a in node.args):
+            node.args = [self.visit(arg) for arg in node.args]
+            return node
+        return self.generic_visit(node)
+
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name("__sb_str__", ast.Load()), node) \
+            if node.id == "str" and isinstance(node.ctx, ast.Load) else node
+
     def visit_Import(self, node):
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
@@ -10826,8 +10841,8 @@ SANDBOX_JSON = JsonFacility()
 # The §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
 INLINE_CODE_BUILTINS = {
     # Type constructors
-    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set,
-    "str": builtin_str, "tuple": tuple,
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max,
     "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
@@ -10850,8 +10865,8 @@ INLINE_CODE_BUILTINS = {
 # order.
 EXPRESSION_BUILTINS = {
     # Type constructors
-    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set,
-    "str": builtin_str, "tuple": tuple,
+    "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
+    "tuple": tuple,
     # Numeric / iteration utilities
     "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
     "round": builtin_round, "sum": builtin_sum,
@@ -10866,8 +10881,9 @@ EXPRESSION_BUILTINS = {
 
 # The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
 # budget's hooks (double-underscore names, so sandboxed source never spells them).
-_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON}
-_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON}
+_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
+_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
+                        "__sb_str__": builtin_str}
 
 # Entry points (§13.2) ------------------------------------------------------------------------
 class CodeUnit:
@@ -11655,7 +11671,7 @@ def _sandbox_line(tb):
 # names, so sandboxed source never spells them.
 _HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
           "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
-          "__sb_method__": guard_method, "__sb_format__": guard_format,
+          "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": builtin_str,
           "__sb_json__": SANDBOX_JSON}
 _CODE_BUILTINS.update(_HOOKS)
 _EXPRESSION_BUILTINS.update(_HOOKS)
