@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import codecs
 import collections.abc
 import contextlib
 import contextvars
@@ -10786,14 +10787,15 @@ CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
 # The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
-# yield, await, with, except*, class patterns; see _shape_refusal for the shapes refused within.
+# yield, await, with, except*; see _shape_refusal for the shapes refused within (class patterns
+# only of a listed type, with allowlisted attributes).
 # INTERPRETATION I-147 §13.2.3 (issue 11): an allowlist checked at load, never a list of dangers.
 SANDBOX_SYNTAX = (
     ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
     ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
     ast.Assert, ast.FunctionDef, ast.Return, ast.Delete, ast.Import, ast.ImportFrom, ast.alias,
     ast.Match, ast.match_case, ast.MatchValue, ast.MatchSingleton, ast.MatchSequence,
-    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr,
+    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr, ast.MatchClass,
     ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Lambda, ast.IfExp, ast.Dict, ast.Set, ast.ListComp,
     ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare, ast.Call, ast.FormattedValue,
     ast.JoinedStr, ast.Constant, ast.Attribute, ast.Subscript, ast.Starred, ast.Name, ast.List,
@@ -10801,27 +10803,59 @@ SANDBOX_SYNTAX = (
     ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop,
 )
 
-# The allowlist of attributes (T2): methods of the built-in value types and of the json facility,
-# read (never assigned). No str.format/format_map (a format string walks attributes the AST never
-# shows), no encode/decode (codecs), nothing that yields a type, frame, code or module.
+# The allowlist of attributes (T2): every method of the built-in value types that performs no
+# I/O, evaluation, import or introspection, and the json facility's names, read (never assigned).
+# No str.format/format_map (a format string walks attributes the AST never shows); encode and
+# decode run the three codecs of SANDBOX_CODECS only; nothing yields a type, frame, code or module.
+SANDBOX_VALUE_TYPES = (str, bytes, int, float, list, dict, set, tuple)
 SANDBOX_METHODS = {
-    "str": "capitalize casefold center count endswith expandtabs find index isalnum isalpha "
-           "isascii isdecimal isdigit isidentifier islower isnumeric isprintable isspace istitle "
-           "isupper join ljust lower lstrip partition removeprefix removesuffix replace rfind "
-           "rindex rjust rpartition rsplit rstrip split splitlines startswith strip swapcase "
-           "title upper zfill",
-    "list": "append clear copy count extend index insert pop remove reverse sort",
-    "dict": "clear copy fromkeys get items keys pop popitem setdefault update values",
-    "set": "add clear copy difference difference_update discard intersection "
-           "intersection_update isdisjoint issubset issuperset pop remove symmetric_difference "
-           "symmetric_difference_update union update",
-    "tuple": "count index",
-    "int, float": "bit_length is_integer",
+    **{cls.__name__: " ".join(name for name in dir(cls) if not name.startswith("_")
+                              and name not in ("format", "format_map"))
+       for cls in SANDBOX_VALUE_TYPES},
     "json facility (§4.5.2)": "loads dumps JSONDecodeError",
     "exceptions": "args",
 }
 SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
+SANDBOX_PATTERN_TYPES = ("bool", "dict", "float", "int", "list", "set", "str", "tuple")
+SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
+
+
+# INTERPRETATION I-193 §13.2.3 (issue 22): one result-size rule, priced before the call.
+# One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
+# what it would produce (items, characters or bytes), priced before the call and refused past
+# SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
+# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
+# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
+def _join_size(sep, args, kwargs):
+    args[0] = items = list(args[0])
+    return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
+                                                   if isinstance(item, (str, bytes)))
+
+
+SANDBOX_SIZES = {
+    **dict.fromkeys(("center", "ljust", "rjust", "zfill"), lambda s, args, kwargs: args[0]),
+    "expandtabs": lambda s, args, kwargs: len(s) * max(1, (args or [kwargs.get("tabsize", 8)])[0]),
+    "replace": lambda s, args, kwargs: len(s) + (len(s) + 1) * max(0, len(args[1]) - len(args[0])),
+    "join": _join_size,
+    "translate": lambda s, args, kwargs: len(s) * max(
+        [len(v) for v in args[0].values() if isinstance(v, str)] or [1]) if
+        isinstance(args[0], dict) else len(s),
+    "to_bytes": lambda i, args, kwargs: (args or [kwargs.get("length", 1)])[0],
+    "encode": lambda s, args, kwargs: 4 * len(s) if sandbox_codec(args, kwargs) else 0,
+    "decode": lambda s, args, kwargs: len(s) if sandbox_codec(args, kwargs) else 0,
+}
+
+
+# INTERPRETATION I-195 §13.2.3 (issue 22): three codecs, any other fails at the call.
+def sandbox_codec(args, kwargs):
+    """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
+    the call (§13.2.3 lets a capability fail at invocation)."""
+    name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
+    if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
+        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
+                          f"latin-1)")
+    return True
 
 
 class _Rejected(Exception):
@@ -10868,6 +10902,13 @@ def _shape_refusal(node, names):
                 | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
                 | ast.keyword(arg=name) if name and name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        # INTERPRETATION I-194 §13.2.3 (issue 22): a class pattern names a type constructor of the
+        # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
+        case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
+                isinstance(cls, ast.Name) and cls.id in SANDBOX_PATTERN_TYPES
+                and all(a in SANDBOX_ATTRIBUTES and a not in SANDBOX_SIZES for a in attrs)
+                and not (cls.id == "str" and patterns)):
+            return "a class pattern of anything but a listed type with allowlisted attributes"
         case ast.Import(names=aliases) if any(a.name != "json" for a in aliases):
             return "an import of anything but json"
         case ast.ImportFrom(module=module, level=level, names=aliases) \
@@ -10892,8 +10933,11 @@ def _sandbox_compile(source, mode, names, filename):
     if not isinstance(source, str):
         raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
+    bound = _bound_names(tree)
+    if "str" in bound:
+        raise _Rejected(1, "binding the name 'str' (the sandbox checks what str decodes)")
     if names is not None:
-        names = names | _bound_names(tree)
+        names = names | bound
     _check_tree(tree, names)
     tree, ticks = instrument(ast.fix_missing_locations(_Imports().visit(tree)))
     return tree, compile(tree, filename, mode, dont_inherit=True), ticks
@@ -10901,7 +10945,19 @@ def _sandbox_compile(source, mode, names, filename):
 
 class _Imports(ast.NodeTransformer):
     # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
-    # ...` bind the §4.5.2 facility; no import machinery is exposed.
+    # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
+    # (I-195) wherever it is read, except a direct call of one argument, which decodes nothing.
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == "str" and not node.keywords \
+                and len(node.args) <= 1 and not any(isinstance(a, ast.Starred) for a in node.args):
+            node.args = [self.visit(arg) for arg in node.args]
+            return node
+        return self.generic_visit(node)
+
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name("__sb_str__", ast.Load()), node) \
+            if node.id == "str" and isinstance(node.ctx, ast.Load) else node
+
     def visit_Import(self, node):
         return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
                                              ast.Name("__sb_json__", ast.Load())), node)
@@ -11007,6 +11063,55 @@ def builtin_range(*args):       # (SANDBOX_TYPES gets its row below)
 SANDBOX_TYPES[range] = builtin_range
 
 
+class _StrType(type):
+    """§13.2.1 str as the sandbox sees it: str itself to isinstance, attributes and one-argument
+    calls; str(bytes, encoding) runs only SANDBOX_CODECS."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, str)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, str)
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) > 1 or kwargs:
+            sandbox_codec(args[1:], kwargs)
+        return str(*args, **kwargs)
+
+    def __getattr__(cls, name):
+        return getattr(str, name)
+
+
+class builtin_str(metaclass=_StrType):
+    """§13.2.1 str (see _StrType); type() of a string answers this class."""
+
+
+SANDBOX_TYPES[str] = builtin_str
+
+
+def builtin_round(number, ndigits=None):
+    """§13.2.1, §13.2.2 round, priced (T3): an integer rounded to -n digits computes 10**n."""
+    if type(number) is int and type(ndigits) is int and ndigits < 0:
+        spend(-ndigits * 10 // 3, "round()")
+    return round(number, ndigits)
+
+
+def builtin_sum(iterable, /, start=0):
+    """§13.2.1, §13.2.2 sum, priced (T3): a list or tuple start sums sequences, in linear time
+    and at most SANDBOX_MAX_ITEMS items (sum(rows, []) copies the total so far at every row)."""
+    if type(start) not in (list, tuple):
+        return sum(iterable, start)
+    items = [item.data if type(item) is ContextList else item for item in iterable]
+    spend(len(start) + sum(len(item) for item in items if type(item) is type(start)), "sum()")
+    total = list(start)
+    for item in items:
+        if type(item) is not type(start):
+            raise TypeError(f'can only concatenate {type(start).__name__} (not '
+                            f'"{type(item).__name__}") to {type(start).__name__}')
+        total.extend(item)
+    return type(start)(total)
+
+
 class JsonFacility:
     """§4.5.2 item 2: the `json` name -- loads, dumps and JSONDecodeError, nothing else."""
 
@@ -11024,8 +11129,16 @@ class JsonFacility:
         if not (separators is None or isinstance(separators, (list, tuple))
                 and all(isinstance(s, str) and len(s) <= 8 for s in separators)):
             raise ValueError("json.dumps separators must be two short strings in the sandbox")
-        return json.dumps(plain(value), indent=indent, sort_keys=sort_keys,
-                          ensure_ascii=ensure_ascii, separators=separators)
+        encoder = json.JSONEncoder(indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
+                                   separators=separators)
+        if indent is None:                  # the C encoder, one operation (T3)
+            return encoder.encode(plain(value))
+        chunks, size = [], 0                # json's Python encoder: priced chunk by chunk (T3)
+        for chunk in encoder.iterencode(plain(value)):
+            size += len(chunk)
+            spend(size, "json.dumps()")
+            chunks.append(chunk)
+        return "".join(chunks)
 
     def __repr__(self):
         return "<json facility: loads, dumps, JSONDecodeError>"
@@ -11040,8 +11153,8 @@ INLINE_CODE_BUILTINS = {
     "tuple": tuple,
     # Iteration / aggregation
     "abs": abs, "all": all, "any": any, "enumerate": enumerate, "len": len, "max": max,
-    "min": min, "range": builtin_range, "reversed": reversed, "round": round, "sorted": sorted,
-    "sum": sum, "zip": zip,
+    "min": min, "range": builtin_range, "reversed": reversed, "round": builtin_round,
+    "sorted": sorted, "sum": builtin_sum, "zip": zip,
     # Type inspection
     "isinstance": builtin_isinstance, "type": builtin_type,
     # Local-frame access
@@ -11063,8 +11176,8 @@ EXPRESSION_BUILTINS = {
     "bool": bool, "dict": dict, "float": float, "int": int, "list": list, "set": set, "str": str,
     "tuple": tuple,
     # Numeric / iteration utilities
-    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min, "round": round,
-    "sum": sum,
+    "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
+    "round": builtin_round, "sum": builtin_sum,
 }
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
@@ -11076,8 +11189,9 @@ EXPRESSION_BUILTINS = {
 
 # The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
 # budget's hooks (double-underscore names, so sandboxed source never spells them).
-_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON}
-_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON}
+_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
+_EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
+                        "__sb_str__": builtin_str}
 
 # Entry points (§13.2) ------------------------------------------------------------------------
 class CodeUnit:
@@ -12235,7 +12349,7 @@ def _call(name, node, *args):
     return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
 
 
-_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<"}
+_SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
 
 
 class _Ticks(ast.NodeTransformer):
@@ -12269,6 +12383,22 @@ class _Ticks(ast.NodeTransformer):
         if symbol is None or symbol == "+" and constants:
             return node
         return _call("__sb_op__", node, ast.Constant(symbol), node.left, node.right)
+
+    def visit_Attribute(self, node):
+        # One of SANDBOX_SIZES read (called or not): the method comes back priced.
+        self.generic_visit(node)
+        if node.attr not in SANDBOX_SIZES or not isinstance(node.ctx, ast.Load):
+            return node
+        return _call("__sb_method__", node, node.value, ast.Constant(node.attr))
+
+    def visit_FormattedValue(self, node):
+        # f"{x:>{w}}": the width and precision of a format spec are priced before formatting.
+        self.generic_visit(node)
+        if node.format_spec is None:
+            return node
+        value = _call("__sb_format__", node, node.value, ast.Constant(node.conversion),
+                      node.format_spec)
+        return ast.copy_location(ast.FormattedValue(value, -1, None), node)
 
     def visit_AugAssign(self, node):
         self.generic_visit(node)
@@ -12346,12 +12476,60 @@ def _result_size(symbol, left, right):
         return len(seq) * count if isinstance(seq, _SIZED) and isinstance(count, int) else 0
     if symbol == "**":
         return max(abs(left).bit_length() - 1, 0) * right if ints and right > 0 else 0
+    if symbol == "%":
+        return _percent_size(left, right) if isinstance(left, (str, bytes)) else 0
     return left.bit_length() + right if ints and left and right > 0 else 0      # <<
 
 
-_SIZED = (str, list, tuple)
-_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
-_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift}
+_SIZED = (str, list, tuple, bytes, bytearray)
+_OPERATORS = {"+": operator.add, "*": operator.mul, "**": operator.pow, "<<": operator.lshift,
+              "%": operator.mod}
+_IN_PLACE = {"+": operator.iadd, "*": operator.imul, "**": operator.ipow, "<<": operator.ilshift,
+             "%": operator.imod}
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FORMAT_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)[_,]?(?:\.(\d+))?[a-zA-Z%]?")
+
+
+def _percent_size(template, args):
+    """`template % args`: its length, every width and precision it spells, and (when one is `*`)
+    every integer argument, which may be one."""
+    text = template if isinstance(template, str) else template.decode("latin-1")
+    specs = _PERCENT_SPEC.findall(text)
+    size = len(text) + sum(int(n) for spec in specs for n in spec if n.isdigit())
+    if any("*" in spec for spec in specs):
+        size += sum(abs(a) for a in (args if isinstance(args, tuple) else (args,))
+                    if type(a) is int)
+    return size
+
+
+def guard_format(value, conversion, spec):
+    """f"{value!c:spec}" with a computed spec: its width and precision priced first."""
+    value = {115: str, 114: repr, 97: ascii}.get(conversion, lambda v: v)(value)
+    match = _FORMAT_SPEC.fullmatch(spec) if isinstance(spec, str) else None
+    spend(sum(int(n) for n in match.groups() if n) if match else 0, "a format width")
+    return format(value, spec)
+
+
+def guard_method(obj, name):
+    """obj.name for a method of SANDBOX_SIZES: a callable that prices each call first (the
+    unbound form, str.ljust(s, n), too)."""
+    method, price = getattr(obj, name), SANDBOX_SIZES[name]
+
+    def priced(*args, **kwargs):
+        args = list(args)
+        unbound = isinstance(obj, type)
+        try:
+            if unbound:
+                rest = args[1:]
+                size = price(args[0], rest, kwargs)
+                args[1:] = rest
+            else:
+                size = price(obj, args, kwargs)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            size = 0            # arguments the method itself refuses
+        spend(size if isinstance(size, int) else 0, f"the result of {name}()")
+        return method(*args, **kwargs)
+    return priced
 
 
 def guard_op(symbol, left, right):
@@ -12425,6 +12603,7 @@ def _sandbox_line(tb):
 # names, so sandboxed source never spells them.
 _HOOKS = {"__sb_tick__": tick, "__sb_op__": guard_op, "__sb_iop__": guard_iop,
           "__sb_iop_item__": guard_iop_item, "__sb_Exception__": Exception,
+          "__sb_method__": guard_method, "__sb_format__": guard_format, "__sb_str__": builtin_str,
           "__sb_json__": SANDBOX_JSON}
 _CODE_BUILTINS.update(_HOOKS)
 _EXPRESSION_BUILTINS.update(_HOOKS)
@@ -12490,6 +12669,8 @@ def unwire(data):
 class Worker:
     """One worker process and its pipes (POSIX)."""
 
+    warned = False          # the "no seccomp filter" warning is given once per process
+
     def __init__(self):
         boot = ("import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
                 f"import {__name__.replace('__main__', 'actor')} as m; m.worker_main()")
@@ -12501,8 +12682,13 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             close_fds=True, env={}, cwd="/", start_new_session=True)
         self.pending = b""
-        if self.line(time.monotonic() + WORKER_START, "start-up") != b"ready":
+        ready = self.line(time.monotonic() + WORKER_START, "start-up")
+        if ready not in (b"ready", b"ready uncontained"):
             raise OSError("the worker process did not start")
+        if ready != b"ready" and not Worker.warned:
+            Worker.warned = True
+            log.warning("isolation='process': the worker could not install its seccomp filter "
+                        "(Linux x86-64 only); it runs with its rlimits alone (README Security)")
 
     def line(self, deadline, what):
         """The worker's next line; past the deadline the worker is killed (Exhausted)."""
@@ -12627,7 +12813,10 @@ def worker_main():
             value = clamp_limit(resource, limit, value)
             resource.setrlimit(limit, (value, value))
     units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
-    stdout.write(b"ready\n")
+    with contextlib.suppress(ActorError):       # imports first: no file can be opened after
+        render("{{ x|upper }}{% for i in [1] %}{{ i }}{% endfor %}", {"x": "a"}, "JINJA2")
+    contained = contain_worker()
+    stdout.write(b"ready\n" if contained else b"ready uncontained\n")
     stdout.flush()
 
     def send(obj):
@@ -12655,6 +12844,44 @@ def worker_main():
         except Exception as exc:   # a value that cannot cross, for one
             send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
                   "section": "13.2"})
+
+
+# The system calls a computing worker makes (Linux x86-64): memory, futex, clocks, signals'
+# return, its limits and exit; read and write only on its two pipes (fds 0 and 1). Any other
+# call fails with EPERM: no open, socket, fork, kill or exec.
+WORKER_SYSCALLS = {
+    "mmap": 9, "mprotect": 10, "munmap": 11, "brk": 12, "rt_sigaction": 13,
+    "rt_sigprocmask": 14, "rt_sigreturn": 15, "mremap": 25, "madvise": 28, "sigaltstack": 131,
+    "futex": 202, "clock_gettime": 228, "clock_getres": 229, "clock_nanosleep": 230,
+    "gettimeofday": 96, "getrusage": 98, "getrlimit": 97, "setrlimit": 160, "prlimit64": 302,
+    "fstat": 5, "lseek": 8, "newfstatat": 262, "getpid": 39, "gettid": 186, "sched_yield": 24,
+    "getrandom": 318, "exit": 60, "exit_group": 231,
+}
+WORKER_PIPE_CALLS = (0, 1)             # read, write: on fds 0 and 1 only
+
+
+def contain_worker():
+    """PR_SET_NO_NEW_PRIVS, then a seccomp-bpf filter allowing WORKER_SYSCALLS (T3, issue 22);
+    False where it cannot be installed (not Linux x86-64, no seccomp)."""
+    import ctypes, platform, struct
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    allow, deny = 0x7FFF0000, 0x00050000 | 1                      # RET_ALLOW, RET_ERRNO(EPERM)
+    load, jeq, ret = 0x20, 0x15, 0x06                             # BPF_LD|W|ABS, JMP|JEQ|K, RET|K
+    prog = [(load, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, deny),  # arch is x86-64
+            (load, 0, 0, 0)]                                      # the call's number
+    for number in WORKER_SYSCALLS.values():
+        prog += [(jeq, 0, 1, number), (ret, 0, 0, allow)]
+    prog += [(jeq, 1, 0, 0), (jeq, 0, 4, 1),                      # read or write: check the fd
+             (load, 0, 0, 16), (jeq, 1, 0, 0), (jeq, 0, 1, 1), (ret, 0, 0, allow),
+             (ret, 0, 0, deny)]
+    code = b"".join(struct.pack("HBBI", *op) for op in prog)
+    buffer = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:                           # PR_SET_NO_NEW_PRIVS
+        return False
+    return libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0   # PR_SET_SECCOMP, FILTER
 
 
 def clamp_limit(resource, limit, value):

@@ -7408,9 +7408,6 @@ SANDBOX_ESCAPES = {
     "exception-name-not-listed": "try:\n    pass\nexcept Exception:\n    pass",
     "base-exception-name": "try:\n    pass\nexcept BaseException:\n    pass",
     "codec-through-encode": "x = 'a'.encode('punycode')",
-    "to-bytes-method": "x = (1).to_bytes(4, 'big')",
-    "from-bytes-classmethod": "x = int.from_bytes(b'a', 'big')",
-    "maketrans-through-str-type": "x = str.maketrans('a', 'b')",
     "sandbox-hook-rebound": "__sb_tick__ = lambda: True\nwhile True:\n    pass",
     "sandbox-hook-called": "__sb_op__('*', 'a', 10**10)",
     "dict-unbound-update-on-context": "dict.update(context, {'_unsafe_mode': True})",
@@ -7569,6 +7566,22 @@ SANDBOX_RUNAWAYS = {
     "generator-in-max": "x = max(i for i in range(10**7) for j in range(10**7))",
     "exception-message-bomb": "x = [0] * 10**6\nraise ValueError([x] * 10**6)",
     "match-in-a-loop": "while True:\n    match input_data:\n        case 'never':\n            pass",
+    # issue 22 item 2: one result-size rule for every allowlisted callable (I-193)
+    "ljust-width": "x = 'a'.ljust(1200000000)",
+    "center-width": "x = 'a'.center(1200000000, '-')",
+    "rjust-aliased": "f = 'a'.rjust\nx = f(1200000000)",
+    "zfill-unbound": "x = str.zfill('1', 1200000000)",
+    "expandtabs": "x = ('\\t' * 1000).expandtabs(1000000)",
+    "fstring-width": "x = f'{1:>{1200000000}}'",
+    "fstring-precision": "n = 1200000000\nx = f'{1.5:.{n}f}'",
+    "percent-star": "x = '%*d' % (1200000000, 1)",
+    "percent-precision": "x = '%.1200000000f' % 1.5",
+    "replace-empty": "s = 'ab' * 100000\nx = s.replace('', s)",
+    "join-long-separator": "x = ('a' * 1000000).join([''] * 1000000)",
+    "bytes-repetition": "x = b'x' * 1200000000",
+    "round-negative-digits": "x = round(7, -100000000)",
+    "sum-of-lists": "rows = [[0] * 1000] * 100000\nx = sum(rows, [])",
+    "json-indent": "a = [[0] * 1000] * 1000\nx = json.dumps([a] * 100, indent=64)",
 }
 
 
@@ -7584,6 +7597,24 @@ def test_sandbox_runaway_is_stopped(capsys, source):
     assert peak_kib() - rss_before < 400 * 1024
     assert capsys.readouterr().out == ""
     sandbox_still_serves()
+
+
+def test_result_size_rule_holds_in_expressions_and_small_results_work():
+    """I-193: round and sum are priced in §13.2.2 expressions (transform fn, SIMPLE {{ }}) too;
+    small results of every priced callable are what Python gives."""
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.compile_expression("lambda x: round(x, -100000000)")(7)
+    with pytest.raises(actor.ExecutionError, match="resource exhausted"):
+        actor.eval_expression_text("sum([[0] * 1000] * 100000, [])", {})
+    ns = sandbox_run("result = ['a'.ljust(3, '.'), 'a'.center(3), 'a'.rjust(2), '1'.zfill(3), "
+                     "'a\\tb'.expandtabs(2), f'{7:>{4}}', f'{1.25:.{1}f}', '%*d|%-3s|' % (3, 5, 'x'), "
+                     "'ab'.replace('', '-'), ','.join(x for x in 'ab'), b'ab' * 2, round(1250, -2), "
+                     "round(2.5), sum([[1], [2]], [0]), sum(((1,), (2,)), ()), sum([1, 2.5]), "
+                     "json.dumps([1], indent=1), str.upper('a')]")
+    assert ns["result"] == ["a..", " a ", " a", "001", "a b", "   7", "1.2", "  5|x  |", "-a-b-",
+                            "a,b", b"abab", 1200, 2, [0, 1, 2], (1, 2), 3.5, "[\n 1\n]", "A"]
+    with pytest.raises(actor.ExecutionError, match="can only concatenate list"):
+        sandbox_run("result = sum([[1], (2,)], [])")
 
 
 def test_sandbox_exhaustion_is_one_error_kind():
@@ -7647,7 +7678,7 @@ ISOLATED_RUNAWAYS = {
     "slice-assignment-doubling": "x = [0]\nfor i in range(64):\n    x[len(x):] = x",
     "replace-growth": "x = ('a' * 10**7).replace('', 'b' * 1000)",
     "join-growth": "x = 'a' * 10**6\ny = ''.join([x] * 10**6)",
-    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(10**4)], [])",
+    "sum-concatenation": "x = sum([[0] * 1000 for _ in range(2 * 10**4)], [])",
     "printf-mapping-repeats-field": "x = 'a' * 10**6\ny = ('%(a)s' * 1000) % {'a': x}",
     # lazy iterators chained deep (recursion in C when consumed: a crash)
     "generator-expression-chain":
@@ -7802,6 +7833,31 @@ def test_isolation_worker_runs_in_its_own_process_group():
     finally:
         worker.kill()
     assert worker.proc.returncode is not None
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="the seccomp filter is built for Linux x86-64")
+def test_isolation_worker_filter_refuses_open_socket_fork_kill_exec():
+    """Issue 22 item 4: the probe -- a process that installs the worker's filter and then runs
+    Python with no allowlist at all: open, socket, fork, kill and exec each fail with EPERM,
+    while computing and writing to its pipe still work."""
+    probe = (
+        "import os, socket, sys\nimport actor\nassert actor.contain_worker()\nout = []\n"
+        "for name, fn in (('open', lambda: open('/etc/hostname')), ('socket', socket.socket),"
+        " ('fork', os.fork), ('kill', lambda: os.kill(os.getppid(), 0)),"
+        " ('exec', lambda: os.execv('/bin/true', ['true']))):\n"
+        "    try:\n        fn()\n        out.append(name + ' ran')\n"
+        "    except OSError as exc:\n        out.append(f'{name} {exc.errno}')\n"
+        "print(' '.join(out), sum([1] * 10 ** 6), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["open", "1", "socket", "1", "fork", "1", "kill", "1",
+                                   "exec", "1", "1000000"], done.stderr
+    worker = actor.Worker()          # the real worker came up contained (no warning needed)
+    try:
+        assert actor.Worker.warned is False
+    finally:
+        worker.kill()
 
 
 def test_isolation_unknown_value_is_a_configuration_error():
@@ -7984,11 +8040,19 @@ def test_sandbox_expression_builtins_are_the_spec_table():   # §13.2.2
 
 def test_sandbox_attribute_allowlist_is_methods_of_value_types():
     """Every allowed attribute is a method of a built-in value type or of the json facility."""
-    owners = (str, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
+    owners = (str, bytes, list, dict, set, tuple, int, float, actor.JsonFacility, ValueError)
     for attr in actor.SANDBOX_ATTRIBUTES:
         assert any(hasattr(owner, attr) for owner in owners), attr
-    for refused in ("format", "format_map", "encode", "mro", "gi_frame", "args_", "__class__"):
+    for refused in ("format", "format_map", "mro", "gi_frame", "args_", "__class__"):
         assert refused not in actor.SANDBOX_ATTRIBUTES
+    # issue 23's reading (I-147): every method that does no I/O, evaluation, import or
+    # introspection is there, sized by I-193's rule
+    for allowed in ("translate", "maketrans", "to_bytes", "from_bytes", "hex", "fromhex",
+                    "encode", "decode", "as_integer_ratio", "fromkeys"):
+        assert allowed in actor.SANDBOX_ATTRIBUTES
+    ns = sandbox_run("result = [(1).to_bytes(4, 'big'), int.from_bytes(b'a', 'big'), "
+                     "'ab'.translate(str.maketrans('a', 'b')), (0.5).hex(), str.upper('a')]")
+    assert ns["result"] == [b"\0\0\0\1", 97, "bb", "0x1.0000000000000p-1", "A"]
 
 
 def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
@@ -7996,7 +8060,8 @@ def test_sandbox_syntax_allowlist_refusals_name_the_construct_and_line():
                          ("x = 1\nwith y:\n    pass", "With"),
                          ("def f():\n    yield 1", "Yield"),
                          ("def f():\n    global g", "Global"),
-                         ("match 1:\n    case int():\n        pass", "MatchClass"),
+                         ("match 1:\n    case type():\n        pass", "class pattern"),
+                         ("match 1:\n    case int(mro=m):\n        pass", "class pattern"),
                          ("async def f():\n    pass", "AsyncFunctionDef")):
         with pytest.raises(actor.ConfigurationError, match=what) as info:
             actor.compile_code(source)
