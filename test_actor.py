@@ -9744,6 +9744,11 @@ def mutation_points(tree, sections):
                     add("constant", lambda was=node.value, delta=delta: (repr(was),
                                                                           repr(was + delta)),
                         change)
+            elif (isinstance(node, ast.Constant) and type(node.value) is bool
+                  and not isinstance(parent, ast.Return)):     # a returned one: "return" below
+                def change(node=node, was=node.value):
+                    node.value = not was
+                add("bool", lambda was=node.value: (repr(was), repr(not was)), change)
             elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
                 def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, node.operand)
@@ -9769,6 +9774,14 @@ def mutation_points(tree, sections):
                     _replace_in_parent(parent, field, index, ast.copy_location(ast.Pass(), node))
                 add("statement", lambda node=node: (ast.unparse(node).splitlines()[0], "pass"),
                     change)
+            if (isinstance(node, ast.Assign) and runtime and index is not None
+                    and isinstance(node.value, ast.Call)):
+                def change(node=node, parent=parent, field=field, index=index):
+                    _replace_in_parent(parent, field, index,
+                                       ast.copy_location(ast.Expr(node.value), node))
+                add("discard", lambda node=node: (ast.unparse(node).splitlines()[0],
+                                                  ast.unparse(node.value).splitlines()[0]),
+                    change)
         for child_field, value in ast.iter_fields(node):
             inner = function
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -9791,7 +9804,9 @@ def _vector_coverage(paths, actor_file, cache):
     """{vector name: {"lines": [...], "seconds": s}}: the actor.py lines each vector's run executes
     (traced in this process), cached by the hashes of actor.py and of the vector file."""
     actor_hash = hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
-    stored = cache.get("mutation/coverage", None) if cache else None
+    # The reference path (ACTOR_REFERENCE) runs other lines of the body than the default one.
+    name = "mutation/coverage" + ("-reference" if actor.reference_path_requested() else "")
+    stored = cache.get(name, None) if cache else None
     if not stored or stored.get("actor") != actor_hash or stored.get("method") != 2:
         stored = {"actor": actor_hash, "method": 2, "vectors": {}}
     result = {}
@@ -9825,7 +9840,7 @@ def _vector_coverage(paths, actor_file, cache):
             stored["vectors"][str(path)] = entry
         result[str(path)] = entry
     if cache:
-        cache.set("mutation/coverage", stored)
+        cache.set(name, stored)
     return result
 
 
@@ -9961,7 +9976,8 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
     moved = {k for k in set(before) ^ set(after) if k in before}
     assert all(before[k]["line"] == edited["line"] for k in moved)
     assert sample(lines, seed=14)[2].keys() != before.keys()
-    for kind in ("compare", "boolean", "constant", "not", "return", "statement"):
+    for kind in ("compare", "boolean", "constant", "bool", "not", "return", "statement",
+                 "discard"):
         index = next(identities.index(k) for k, p in before.items() if p["kind"] == kind)
         tree = ast.parse("\n".join(lines))
         point = mutation_points(tree, sections)[index]
