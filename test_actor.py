@@ -9537,6 +9537,32 @@ MUTATION_EQUIVALENT = {
         'the answers are read in chunks and split on newlines, whatever the chunk size',
     '_jinja_classes.ActorSandbox.is_safe_attribute: return False -> pass | return False':
         'pass returns None, which refuses the attribute as False does',
+    # Seed 26 (issue 26: the True/False and discarded-call operators added)
+    'MathWork.spend: 1 -> 0 | self.spent += cost if cost is not None else max(1, bits[0]) * '
+    'max(1, bits[-1])':
+        'an operation on a zero costs 0 instead of 1 towards a limit of 2**32 bit operations: '
+        'an expression would need billions of operations on zero (or a cost landing within a '
+        'few units of the limit) to tell them apart, far beyond any expression a vector can hold',
+    'op_debounce.fire: 0 -> -1 | msg, pending[0], pending[1] = pending[0], None, None':
+        'the target pending[-1] is pending[1], so the fired message is only kept referenced: '
+        'fire and on_complete test the timer (pending[1]) and on_next overwrites pending[0] '
+        'before the next timer starts',
+    '_compile_located: and -> or | if exc.file is None and exc.line is None:': _MSG,
+    'invoke_agent: < -> <= | soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT':
+        'two constants, 30 and 120: < and <= agree (and only a real clock reaches the line)',
+    'agent_mapper: on_next = net.flow.agent_step(on_next, (name, route, agent, attempt, '
+    'succeed, failed, down, reports_usage, rt)) -> pass | on_next = net.flow.agent_step('
+    'on_next, (name, route, agent, attempt, succeed, failed, down,':
+        'the seam of the A.3 fast path: without it the body\'s own step runs, which is the '
+        'reference path (every vector gives the same verdict both ways)',
+    'agent_mapper: on_next = net.flow.agent_step(on_next, (name, route, agent, attempt, '
+    'succeed, failed, down, reports_usage, rt)) -> net.flow.agent_step(on_next, (name, route, '
+    'agent, attempt, succeed, failed, down, reports_usage, rt)) | on_next = net.flow.agent_step('
+    'on_next, (name, route, agent, attempt, succeed, failed, down,':
+        'the seam of the A.3 fast path: without it the body\'s own step runs, which is the '
+        'reference path (every vector gives the same verdict both ways)',
+    'scan_tags: < -> <= | if end < 0:':
+        'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
 }
 
 
