@@ -9563,6 +9563,25 @@ MUTATION_EQUIVALENT = {
         'reference path (every vector gives the same verdict both ways)',
     'scan_tags: < -> <= | if end < 0:':
         'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
+    'RenderedLines._fits: 0 -> -1 | first, last = parts[0], parts[-1]':
+        _MSG + ' (RenderedLines only names the raw line of a located error)',
+    'restore_sentinels: return data -> pass | return data':
+        'the list and dict branches fall through to the last line, which returns the same '
+        'data (the last line\'s own mutant, scalars restored as None, is killed)',
+    'check_templates_body: 1 -> 2 | lineno += 1':
+        _MSG,
+    'param_string: return value -> pass | return value':
+        'falls through to return str(value), the same text for a string',
+    'instantiate: 1 -> 2 | f"unknown {kind[:-1]} template {name!r}", "8.7")':
+        _MSG,
+    'check_agent_ref: 0 -> -1 | f"a ref component takes only `ref`, not \'{extra[0]}\'", "8.7.1")':
+        _MSG,
+    'GraphNode.__init__: False -> True | self.guarded_after = False                  # whether a §6.8 item 3/4 guard applies here':
+        'set again for every node at setup (guarded_after in wire_nodes) before any run reads it',
+    'GraphRoute.wait_for_checkpoints: if self.store is not None: -> pass | if self.store is not None:':
+        'the reference store writes each checkpoint before it returns: there is nothing to wait for (the default path\'s writer process kills this mutant)',
+    'trim_history: return history -> pass | return history':
+        'falls through to the general loop below, which keeps the whole history when the contents fit',
 }
 
 
