@@ -9563,6 +9563,10 @@ MUTATION_EQUIVALENT = {
         'reference path (every vector gives the same verdict both ways)',
     'scan_tags: < -> <= | if end < 0:':
         'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
+    'check_tool_entry: raise rt.doc.error(ConfigurationError, path + (\'code\',), f"inline tool \'{name}\' needs a string `code` body", \'4.5.2\') -> pass | raise rt.doc.error(ConfigurationError, path + ("code",),':
+        'a check another check repeats: the §13.2 compile step refuses the non-string code with the same ConfigurationError ("code of type int (a string is required)")',
+    'jinja_error_line: return exc.lineno -> pass | return exc.lineno':
+        _MSG + ' (the line of a Jinja2 error inside a located message)',
     'RenderedLines._fits: 0 -> -1 | first, last = parts[0], parts[-1]':
         _MSG + ' (RenderedLines only names the raw line of a located error)',
     'restore_sentinels: return data -> pass | return data':
@@ -9603,6 +9607,9 @@ MUTATION_OUTSIDE_FORMAT = {
     "{', '.join(map(repr, ISOLATION))}\", section='13.2') -> pass | "
     'raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "':
         "a host API argument",
+    'restore_checkpoint: path = Path(path) -> Path(path) | path = Path(path)':
+        "a host API argument: only Actor.restore's own path may be a str (a vector's "
+        "`restore` step restores the latest checkpoint, already a Path)",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
     "tool_http_request": "needs a network server",
     "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
