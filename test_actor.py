@@ -10063,7 +10063,8 @@ def test_mutation_score_of_the_vectors(request):
     chosen = mutation_sample(points, identities, lines, size, seed)
     if os.environ.get("MUTATION_ONLY"):     # indices of this actor.py, or short ids (stable)
         by_id = {mutation_short_id(name): i for i, name in enumerate(identities)}
-        chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
+        # a short id may be all digits (twelve of them): look it up before reading an index
+        chosen = [by_id[i.strip()] if i.strip() in by_id else int(i)
                   for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
     paths = [str(p) for p in (actor.collect_vector_files([folder]) if folder else VECTOR_FILES)]
