@@ -9563,6 +9563,14 @@ MUTATION_EQUIVALENT = {
         'reference path (every vector gives the same verdict both ways)',
     'scan_tags: < -> <= | if end < 0:':
         'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
+    'Doc.misspelling: or -> and | node, path = self.data, tuple(path or ())':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'Doc.misspelling: not in -> in | if key not in node or self.marks and path[:i + 1] not in self.marks:':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'Doc.misspelling: and -> or | written = [k for k in node if isinstance(k, str) and k != key':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'ActorError.__str__: if self.path: -> pass | if self.path:':
+        _MSG + ' (the path in an error\'s text)',
     'check_tool_entry: raise rt.doc.error(ConfigurationError, path + (\'code\',), f"inline tool \'{name}\' needs a string `code` body", \'4.5.2\') -> pass | raise rt.doc.error(ConfigurationError, path + ("code",),':
         'a check another check repeats: the §13.2 compile step refuses the non-string code with the same ConfigurationError ("code of type int (a string is required)")',
     'jinja_error_line: return exc.lineno -> pass | return exc.lineno':
