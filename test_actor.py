@@ -9563,6 +9563,8 @@ MUTATION_EQUIVALENT = {
         'reference path (every vector gives the same verdict both ways)',
     'scan_tags: < -> <= | if end < 0:':
         'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
+    'check_composite_self_reference.walk: return -> pass | return':
+        'the next lines return for a non-composite too: only a composite\'s config carries a components.agents mapping (the field tables refuse it elsewhere)',
     'Doc.misspelling: or -> and | node, path = self.data, tuple(path or ())':
         _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
     'Doc.misspelling: not in -> in | if key not in node or self.marks and path[:i + 1] not in self.marks:':
