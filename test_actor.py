@@ -10037,6 +10037,65 @@ MUTATION_EQUIVALENT = {
         'the answers are read in chunks and split on newlines, whatever the chunk size',
     '_jinja_classes.ActorSandbox.is_safe_attribute: return False -> pass | return False':
         'pass returns None, which refuses the attribute as False does',
+    # Seed 26 (issue 26: the True/False and discarded-call operators added)
+    'MathWork.spend: 1 -> 0 | self.spent += cost if cost is not None else max(1, bits[0]) * '
+    'max(1, bits[-1])':
+        'an operation on a zero costs 0 instead of 1 towards a limit of 2**32 bit operations: '
+        'an expression would need billions of operations on zero (or a cost landing within a '
+        'few units of the limit) to tell them apart, far beyond any expression a vector can hold',
+    'op_debounce.fire: 0 -> -1 | msg, pending[0], pending[1] = pending[0], None, None':
+        'the target pending[-1] is pending[1], so the fired message is only kept referenced: '
+        'fire and on_complete test the timer (pending[1]) and on_next overwrites pending[0] '
+        'before the next timer starts',
+    '_compile_located: and -> or | if exc.file is None and exc.line is None:': _MSG,
+    'invoke_agent: < -> <= | soft = single_shot and SOFT_TIMEOUT < AGENT_HARD_TIMEOUT':
+        'two constants, 30 and 120: < and <= agree (and only a real clock reaches the line)',
+    'agent_mapper: on_next = net.flow.agent_step(on_next, (name, route, agent, attempt, '
+    'succeed, failed, down, reports_usage, rt)) -> pass | on_next = net.flow.agent_step('
+    'on_next, (name, route, agent, attempt, succeed, failed, down,':
+        'the seam of the A.3 fast path: without it the body\'s own step runs, which is the '
+        'reference path (every vector gives the same verdict both ways)',
+    'agent_mapper: on_next = net.flow.agent_step(on_next, (name, route, agent, attempt, '
+    'succeed, failed, down, reports_usage, rt)) -> net.flow.agent_step(on_next, (name, route, '
+    'agent, attempt, succeed, failed, down, reports_usage, rt)) | on_next = net.flow.agent_step('
+    'on_next, (name, route, agent, attempt, succeed, failed, down,':
+        'the seam of the A.3 fast path: without it the body\'s own step runs, which is the '
+        'reference path (every vector gives the same verdict both ways)',
+    'scan_tags: < -> <= | if end < 0:':
+        'text.find from start + 2 gives -1 or an index of 2 or more, never 0',
+    'check_composite_self_reference.walk: return -> pass | return':
+        'the next lines return for a non-composite too: only a composite\'s config carries a components.agents mapping (the field tables refuse it elsewhere)',
+    'Doc.misspelling: or -> and | node, path = self.data, tuple(path or ())':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'Doc.misspelling: not in -> in | if key not in node or self.marks and path[:i + 1] not in self.marks:':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'Doc.misspelling: and -> or | written = [k for k in node if isinstance(k, str) and k != key':
+        _MSG + ' (Doc.misspelling picks the did-you-mean hint of a located error)',
+    'ActorError.__str__: if self.path: -> pass | if self.path:':
+        _MSG + ' (the path in an error\'s text)',
+    'check_tool_entry: raise rt.doc.error(ConfigurationError, path + (\'code\',), f"inline tool \'{name}\' needs a string `code` body", \'4.5.2\') -> pass | raise rt.doc.error(ConfigurationError, path + ("code",),':
+        'a check another check repeats: the §13.2 compile step refuses the non-string code with the same ConfigurationError ("code of type int (a string is required)")',
+    'jinja_error_line: return exc.lineno -> pass | return exc.lineno':
+        _MSG + ' (the line of a Jinja2 error inside a located message)',
+    'RenderedLines._fits: 0 -> -1 | first, last = parts[0], parts[-1]':
+        _MSG + ' (RenderedLines only names the raw line of a located error)',
+    'restore_sentinels: return data -> pass | return data':
+        'the list and dict branches fall through to the last line, which returns the same '
+        'data (the last line\'s own mutant, scalars restored as None, is killed)',
+    'check_templates_body: 1 -> 2 | lineno += 1':
+        _MSG,
+    'param_string: return value -> pass | return value':
+        'falls through to return str(value), the same text for a string',
+    'instantiate: 1 -> 2 | f"unknown {kind[:-1]} template {name!r}", "8.7")':
+        _MSG,
+    'check_agent_ref: 0 -> -1 | f"a ref component takes only `ref`, not \'{extra[0]}\'", "8.7.1")':
+        _MSG,
+    'GraphNode.__init__: False -> True | self.guarded_after = False                  # whether a §6.8 item 3/4 guard applies here':
+        'set again for every node at setup (guarded_after in wire_nodes) before any run reads it',
+    'GraphRoute.wait_for_checkpoints: if self.store is not None: -> pass | if self.store is not None:':
+        'the reference store writes each checkpoint before it returns: there is nothing to wait for (the default path\'s writer process kills this mutant)',
+    'trim_history: return history -> pass | return history':
+        'falls through to the general loop below, which keeps the whole history when the contents fit',
 }
 
 
@@ -10058,6 +10117,9 @@ MUTATION_OUTSIDE_FORMAT = {
     "{', '.join(map(repr, ISOLATION))}\", section='13.2') -> pass | "
     'raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "':
         "a host API argument",
+    'restore_checkpoint: path = Path(path) -> Path(path) | path = Path(path)':
+        "a host API argument: only Actor.restore's own path may be a str (a vector's "
+        "`restore` step restores the latest checkpoint, already a Path)",
     "progress_number": "the progress bar's rendering goes to the host's stdout",
     "tool_http_request": "needs a network server",
     "StreamNetwork.__init__: and -> or | self.pure = bool(routes) and all(route_type(c) == "
@@ -10244,6 +10306,11 @@ def mutation_points(tree, sections):
                     add("constant", lambda was=node.value, delta=delta: (repr(was),
                                                                           repr(was + delta)),
                         change)
+            elif (isinstance(node, ast.Constant) and type(node.value) is bool
+                  and not isinstance(parent, ast.Return)):     # a returned one: "return" below
+                def change(node=node, was=node.value):
+                    node.value = not was
+                add("bool", lambda was=node.value: (repr(was), repr(not was)), change)
             elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
                 def change(node=node, parent=parent, field=field, index=index):
                     _replace_in_parent(parent, field, index, node.operand)
@@ -10269,6 +10336,14 @@ def mutation_points(tree, sections):
                     _replace_in_parent(parent, field, index, ast.copy_location(ast.Pass(), node))
                 add("statement", lambda node=node: (ast.unparse(node).splitlines()[0], "pass"),
                     change)
+            if (isinstance(node, ast.Assign) and runtime and index is not None
+                    and isinstance(node.value, ast.Call)):
+                def change(node=node, parent=parent, field=field, index=index):
+                    _replace_in_parent(parent, field, index,
+                                       ast.copy_location(ast.Expr(node.value), node))
+                add("discard", lambda node=node: (ast.unparse(node).splitlines()[0],
+                                                  ast.unparse(node.value).splitlines()[0]),
+                    change)
         for child_field, value in ast.iter_fields(node):
             inner = function
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -10291,7 +10366,9 @@ def _vector_coverage(paths, actor_file, cache):
     """{vector name: {"lines": [...], "seconds": s}}: the actor.py lines each vector's run executes
     (traced in this process), cached by the hashes of actor.py and of the vector file."""
     actor_hash = hashlib.sha256(Path(actor_file).read_bytes()).hexdigest()
-    stored = cache.get("mutation/coverage", None) if cache else None
+    # The reference path (ACTOR_REFERENCE) runs other lines of the body than the default one.
+    name = "mutation/coverage" + ("-reference" if actor.reference_path_requested() else "")
+    stored = cache.get(name, None) if cache else None
     if not stored or stored.get("actor") != actor_hash or stored.get("method") != 2:
         stored = {"actor": actor_hash, "method": 2, "vectors": {}}
     result = {}
@@ -10325,7 +10402,7 @@ def _vector_coverage(paths, actor_file, cache):
             stored["vectors"][str(path)] = entry
         result[str(path)] = entry
     if cache:
-        cache.set("mutation/coverage", stored)
+        cache.set(name, stored)
     return result
 
 
@@ -10461,7 +10538,8 @@ def test_mutation_sample_keeps_its_mutants_across_an_edit_elsewhere():
     moved = {k for k in set(before) ^ set(after) if k in before}
     assert all(before[k]["line"] == edited["line"] for k in moved)
     assert sample(lines, seed=14)[2].keys() != before.keys()
-    for kind in ("compare", "boolean", "constant", "not", "return", "statement"):
+    for kind in ("compare", "boolean", "constant", "bool", "not", "return", "statement",
+                 "discard"):
         index = next(identities.index(k) for k, p in before.items() if p["kind"] == kind)
         tree = ast.parse("\n".join(lines))
         point = mutation_points(tree, sections)[index]
@@ -10495,7 +10573,8 @@ def test_mutation_score_of_the_vectors(request):
     chosen = mutation_sample(points, identities, lines, size, seed)
     if os.environ.get("MUTATION_ONLY"):     # indices of this actor.py, or short ids (stable)
         by_id = {mutation_short_id(name): i for i, name in enumerate(identities)}
-        chosen = [int(i) if i.strip().isdigit() else by_id[i.strip()]
+        # a short id may be all digits (twelve of them): look it up before reading an index
+        chosen = [by_id[i.strip()] if i.strip() in by_id else int(i)
                   for i in os.environ["MUTATION_ONLY"].split(",")]
     folder = os.environ.get("MUTATION_VECTORS")    # another suite (e.g. an older vectors/)
     paths = [str(p) for p in (harness.collect_vector_files([folder]) if folder else VECTOR_FILES)]
