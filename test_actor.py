@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -9735,6 +9736,12 @@ def test_sandbox_bench_per_call_against_restrictedpython_and_bare_exec():
             lambda: exec(restricted, {**glb, **sandbox_vars(context=empty)}), 50000)))
     except ImportError:
         rows.append(("RestrictedPython", float("nan")))
+    # the default path's call of such a body (appendix A.4: no loop, no context, in-process)
+    tool = types.SimpleNamespace(unit=unit, reads_context=False)
+    host = types.SimpleNamespace(sandbox=actor.InProcessSandbox())
+    call = actor.straight_line_call(tool, host)
+    rows.append(("actor.py default path (A.4 straight-line call)", _best_us(
+        lambda: call("hello", host, empty, None), 50000)))
     for keys in (0, 100, 1000, 10000):
         context = {f"k{i}": i for i in range(keys)}
         rows.append((f"actor.py run_code, context of {keys} keys", _best_us(
