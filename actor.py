@@ -13810,10 +13810,11 @@ def mermaid_graph(graph):
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2     # EXIT_CONFIG also answers bad usage
 EXIT_INTERNAL = 70                                 # a bug in actor.py (sysexits' EX_SOFTWARE)
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141      # the shells' 128 + SIGINT / SIGPIPE
-# A run's messages pass through a chain of routes, and through one route's operators, as nested
-# calls: 400 chained routes or 1,000 operators need more frames than Python's default limit. The
-# CLI raises the limit after loading (so that loading refuses what the API refuses, e.g. a
-# document nested 3,000 deep) and runs on a thread whose stack holds that many frames.
+# Stream deliveries are steps of one loop (§5.3 Flow, I-200) and need no deep stack; what still
+# nests calls is configuration nesting a run follows (a composite inside a composite, a graph
+# run from a graph_execute inside a composite). The CLI raises the limit after loading (so that
+# loading refuses what the API refuses, e.g. a document nested 3,000 deep) and runs on a thread
+# whose stack holds that many frames.
 CLI_STACK_BYTES = 256 * 1024 * 1024
 CLI_RECURSION_LIMIT = 20_000
 MISSING_KEY_PLACEHOLDER = "(no key: --check only)"
