@@ -904,6 +904,19 @@ def _yaml_key_identity(key):
     return (type(key), key)
 
 
+def refuse_lone_surrogate(text, file=None):
+    """INTERPRETATION I-167 §3.1: a lone surrogate is no text (UTF-8 cannot encode it): a located
+    ConfigurationError, wherever a YAML text comes from (a file, Phase A's or Phase B's output)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        line = text.count("\n", 0, exc.start) + 1
+        col = exc.start - (text.rfind("\n", 0, exc.start) + 1) + 1
+        raise ConfigurationError("document is not Unicode text: a lone surrogate "
+                                 f"U+{ord(text[exc.start]):04X}", section="3.1", file=file,
+                                 line=line, col=col) from None
+
+
 def parse_yaml(text, file=None):
     """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based).
     One answer with or without libyaml (I-223): libyaml's parse where it accepts a text without
@@ -913,6 +926,7 @@ def parse_yaml(text, file=None):
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+    refuse_lone_surrogate(text, file)
     try:
         if _LIBYAML and not _YAML_PURE_ONLY.search(text):
             try:
@@ -10346,14 +10360,7 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
     if not isinstance(raw, str):
         raise ConfigurationError(f"document text must be a string, not {type(raw).__name__}",
                                  section="3.1", file=file)
-    try:
-        raw.encode("utf-8")
-    except UnicodeEncodeError as exc:       # INTERPRETATION I-167 §3.1: a lone surrogate is no text
-        line = raw.count("\n", 0, exc.start) + 1
-        col = exc.start - (raw.rfind("\n", 0, exc.start) + 1) + 1
-        raise ConfigurationError("document is not Unicode text: a lone surrogate "
-                                 f"U+{ord(raw[exc.start]):04X}", section="3.1", file=file,
-                                 line=line, col=col) from None
+    refuse_lone_surrogate(raw, file)        # before Phase A, which could drop it unseen
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
         return (*parse_yaml(raw, file), None)

@@ -326,6 +326,21 @@ def yaml_module():
     return yaml
 
 
+def test_lone_surrogate_is_a_located_error_wherever_yaml_is_parsed():
+    """I-167 §3.1: parse_yaml itself refuses a lone surrogate (a Phase B body rendered from a
+    parameter written with the YAML escape \\ud800 reached libyaml, which raised
+    UnicodeEncodeError: a traceback at load)."""
+    with pytest.raises(actor.ConfigurationError, match="lone surrogate") as info:
+        actor.parse_yaml('a: "\ud800"', "x.yaml")
+    assert (info.value.line, info.value.col) == (1, 5)
+    text = ("template_strings:\n  agents:\n    tagger: |\n      parameters:\n        label:\n"
+            "          type: string\n      type: chain\n      config:\n        steps: "
+            "[\"{{ label }}\"]\nagents:\n  a:\n    template: tagger\n    params:\n"
+            "      label: \"x\\ud800\"\nroutes:\n  main: {type: stream}\n")
+    with pytest.raises(actor.ConfigurationError, match="lone surrogate"):
+        actor.load(text=text)
+
+
 def test_yaml_nesting_is_refused_without_recursing_with_the_document():
     """§3.1 (I-164): values are built from the parser's events, so a document nested far deeper
     than pyyaml's composer could recurse (25,000 brackets crashed the process) is refused at
