@@ -430,7 +430,7 @@ POSITIVE_SECONDS = Constraint(lambda value: is_seconds(value, positive=True),
                               "a finite, positive number of seconds", (int, float))
 
 
-# INTERPRETATION I-172 §4.4, §5.3.2, §6.1 (issue 14): null takes the default in agent configs and
+# INTERPRETATION I-172 §4.4, §5.3.2, §6.1: null takes the default in agent configs and
 # operator params (null_is_default); elsewhere it stands for "not given" only where there is no
 # default, and a field with a default must hold a value of its type.
 def check_fields(doc, cfg, table, path, null_is_default=False):
@@ -691,7 +691,7 @@ class Runtime:
 # YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
 # beyond the core ones, no duplicate keys, bounded alias expansion. The resolver and the
 # construction below are ours; the parser is pyyaml's pure-Python one with YAML 1.2's tab rules
-# (_Yaml12Scanner), or libyaml's where it gives the same answer (issue 23 item 6).
+# (_Yaml12Scanner), or libyaml's where it gives the same answer.
 # INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
 # text when present; where it refuses a text, or the text holds a construct on which the two
 # parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
@@ -822,9 +822,9 @@ _NON_SPECIFIC_TAGS = {yaml.ScalarNode: "tag:yaml.org,2002:str",
 _YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
 _LIBYAML = hasattr(yaml, "CSafeLoader")
 
-# INTERPRETATION I-164 §3.1 (issue 11): every YAML text (the document, Phase A's output,
+# INTERPRETATION I-164 §3.1: every YAML text (the document, Phase A's output,
 # template bodies) goes through this one loader, with these two bounds.
-# INTERPRETATION I-224 §3.1 (issue 24): the budget counts the nodes aliases add, not the
+# INTERPRETATION I-224 §3.1: the budget counts the nodes aliases add, not the
 # document's own: 100,000 plain nodes load, a billion laughs does not.
 YAML_ALIAS_BUDGET = 100_000         # nodes added by alias re-expansion, per document
 # The one nesting bound: every later pass (§14 interpolation, Phase B, validation, copies) walks
@@ -896,7 +896,7 @@ def _scalar_value(tag, text):
 
 
 def _yaml_key_identity(key):
-    """A mapping key as YAML compares it (issue 23): a value of its type, so `1`, `1.0` and
+    """A mapping key as YAML compares it: a value of its type, so `1`, `1.0` and
     `true` differ, and every `.nan` is the same key."""
     # INTERPRETATION I-225 §3.1: keys are equal when their YAML types and values are.
     if isinstance(key, float) and key != key:
@@ -7558,7 +7558,7 @@ class _PipelineEntry(_Node):
 # =====================================================================================
 
 # §8.1 Document-level templating (Phase A) ------------------------------------------------
-# INTERPRETATION I-137 §9.2 vs §8.1 (Q61, decided in issue 12): template_engine governs Phase A too
+# INTERPRETATION I-137 §9.2 vs §8.1 (Q61, decided): template_engine governs Phase A too
 # ("all three template phases"): under MUSTACHE the document renders as Mustache (sections,
 # inverted sections, comments, substitution), under SIMPLE only the {{ }} expression pass runs (a
 # format pass over YAML would break on every brace); runtime fields are protected as always.
@@ -9486,7 +9486,7 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
             out.append(text)
         elif kind is MSection:
             value = mustache_lookup(stack, node.name)
-            # INTERPRETATION I-222 §9.2 (issue 23): the Mustache spec leaves falsiness to the host
+            # INTERPRETATION I-222 §9.2: the Mustache spec leaves falsiness to the host
             # language; Python's is this dialect's: 0, 0.0, {}, [], "", None and False are false.
             falsy = not value
             if node.inverted:
@@ -9526,7 +9526,7 @@ def render_mustache(text, variables, partials=None):
 
 
 # SIMPLE: `{{ expr }}` through the §13.2.2 sandbox, then str.format-style substitution ---------
-# INTERPRETATION I-161 §9.2 (T1, README Security; issue 23): the two steps run in order, and what
+# INTERPRETATION I-161 §9.2 (T1, README Security): the two steps run in order, and what
 # a {{ }} produced (a message, a context value) is data: its braces are escaped before the format
 # pass, and a format field may not reach across it, so a message "what is {api_token}?" prints as
 # written. The format pass substitutes only names of the render's variables.
@@ -9788,7 +9788,7 @@ RESERVED_CONTEXT_KEYS = (
 # INTERPRETATION I-157 §10.3 vs §4.5.2: the body gets `context` by reference, but the keys the §10.3
 # table says the host sets (HOST_ONLY_CONTEXT_KEYS) stay the host's: a write, update or delete of
 # one fails when it happens, so no later call can find _unsafe_mode lifted (§4.5.4, §13.3).
-# INTERPRETATION I-192 §4.5.2 vs §10.2 (issue 22): one rule at the boundary, in one place: what
+# INTERPRETATION I-192 §4.5.2 vs §10.2: one rule at the boundary, in one place: what
 # code writes is stored as a copy of data (context_data: the body keeps no alias of what it
 # stored), and what it reads is a view (a mapping, ContextView; a list, ContextList) whose writes
 # follow the same rule, or else a copy (tuples, sets); a set read from the context is a copy, so
@@ -10619,7 +10619,7 @@ def process_tool_blocks(rt, text, allowed, ctx):
     return "".join(out) + text[pos:]
 
 
-# INTERPRETATION I-039 §12.4 item 1 (issue 11): one left-to-right pass; an opening with no
+# INTERPRETATION I-039 §12.4 item 1: one left-to-right pass; an opening with no
 # closing marker after it ends the search.
 def tool_blocks(text):
     """§12.4 item 1: (start, end, name, payload) of each block, left to right, in linear time
@@ -10651,7 +10651,7 @@ def tool_blocks(text):
 def _tool_block_result(rt, name, payload, allowed, ctx):
     if name not in allowed:
         return TOOL_EXECUTE_ERROR.format(name=name, reason="the tool is not allowed for this agent")
-    # INTERPRETATION I-038 §12.4 items 2-3 (issue 12): a payload that is already valid JSON is run
+    # INTERPRETATION I-038 §12.4 items 2-3: a payload that is already valid JSON is run
     # with its parsed parameters ("caf\u00e9" is café); the item 2 repair applies only otherwise.
     # A payload (or a json_parse argument) nested past the parser's depth is an item 3 failure
     # for its own block, never for the whole reply (T1: the reply carries message text).
@@ -10785,7 +10785,7 @@ def find_stream_cycle(edges):
 #      call. A single C-level operation on an attacker-built structure (hashing, comparing,
 #      printing, long division) cannot be pre-empted in-process -- only isolation="process" (the
 #      worker processes of appendix B.2, chosen through ISOLATION) bounds it.
-# INTERPRETATION I-153 §13.2 (issue 11): C-level work is not bounded in-process; only
+# INTERPRETATION I-153 §13.2: C-level work is not bounded in-process; only
 # isolation="process" bounds it.
 # The hot path (run_code, ExprUnit.__call__) never parses or compiles, and never scans the context.
 
@@ -10796,7 +10796,7 @@ EXPRESSION_FILENAME = "<inline expression>"
 # The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
 # yield, await, with, except*; see _shape_refusal for the shapes refused within (class patterns
 # only of a listed type, with allowlisted attributes).
-# INTERPRETATION I-147 §13.2.3 (issue 11): an allowlist checked at load, never a list of dangers.
+# INTERPRETATION I-147 §13.2.3: an allowlist checked at load, never a list of dangers.
 SANDBOX_SYNTAX = (
     ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
     ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
@@ -10828,7 +10828,7 @@ SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 un
 JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
 
-# INTERPRETATION I-193 §13.2.3 (issue 22): one result-size rule, priced before the call.
+# INTERPRETATION I-193 §13.2.3: one result-size rule, priced before the call.
 # One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
 # what it would produce (items, characters or bytes), priced before the call and refused past
 # SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
@@ -10854,7 +10854,7 @@ SANDBOX_SIZES = {
 }
 
 
-# INTERPRETATION I-195 §13.2.3 (issue 22): three codecs, any other fails at the call.
+# INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
 def sandbox_codec(args, kwargs):
     """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
     the call (§13.2.3 lets a capability fail at invocation)."""
@@ -10909,7 +10909,7 @@ def _shape_refusal(node, names):
                 | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
                 | ast.keyword(arg=name) if name and name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
-        # INTERPRETATION I-194 §13.2.3 (issue 22): a class pattern names a type constructor of the
+        # INTERPRETATION I-194 §13.2.3: a class pattern names a type constructor of the
         # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
         case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
                 isinstance(cls, ast.Name) and cls.id in SANDBOX_PATTERN_TYPES
@@ -10978,7 +10978,7 @@ class _Imports(ast.NodeTransformer):
 
 
 # The seam to the budget (appendix B.1), which stays active on the reference path as well.
-# INTERPRETATION I-190 §13.2 vs §4.5 (issue 21): the reference path (ACTOR_REFERENCE) keeps the
+# INTERPRETATION I-190 §13.2 vs §4.5: the reference path (ACTOR_REFERENCE) keeps the
 # budget: §4.5's `timeout` is a MUST, and a loop past it must fail on every path.
 def instrument(tree):
     """§13.2: the checked tree with the budget's hooks (B.1), and whether it ticks (has a loop,
@@ -11327,7 +11327,7 @@ class InProcessSandbox:
         pass
 
 
-# INTERPRETATION I-191 §13.2 (issue 21): isolation is the host's choice, made here at load, and
+# INTERPRETATION I-191 §13.2: isolation is the host's choice, made here at load, and
 # holds on the reference path too; B.2 adds "process".
 ISOLATION = {"none": InProcessSandbox}
 
@@ -11391,7 +11391,7 @@ def check_checkpoint_dir(rt, given, path):
     hold for them as for file_write (T2, README Security): no `~` or `..`, and on a safe host
     no absolute path and nothing that resolves outside the working directory. The directory
     must also be creatable: its nearest existing ancestor is a directory."""
-    # INTERPRETATION I-162 §6.6 vs §13.3 (issue 11): checkpoint_dir follows file_write's boundaries,
+    # INTERPRETATION I-162 §6.6 vs §13.3: checkpoint_dir follows file_write's boundaries,
     # with the host's mode alone deciding (a checkpoint has no invocation context).
     if isinstance(given, str) and "\x00" in given:     # os calls would raise on it
         raise rt.doc.error(ConfigurationError, path, "checkpoint_dir may not contain a NUL "

@@ -22,7 +22,6 @@ import fnmatch
 import io
 import json
 import logging
-import math
 import os
 import re
 import subprocess
@@ -980,19 +979,6 @@ class _ArgumentParser(argparse.ArgumentParser):
                   if self.prog == "actor" else f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive(kind):
-    """An argparse type: a number above zero of `kind` (int or float)."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expects a number above zero, got '{text}'")
-        return value
-    return parse
-
-
 def arg_parser(prog):
     lead = f"{prog} --vectors PATH..." if prog == "actor" else f"{prog} PATH..."
     p = _ArgumentParser(
@@ -1013,10 +999,10 @@ def arg_parser(prog):
                    help="the same PATHs, as actor.py's command line writes them")
     p.add_argument("--impl", metavar="CMD", help="judge another implementation: CMD reads one "
                    "vector as JSON on stdin and prints what happened as JSON")
-    p.add_argument("--timeout", type=_positive(float), metavar="S",
+    p.add_argument("--timeout", type=actor._positive(float), metavar="S",
                    help=f"with --impl: seconds each vector's process may take "
                    f"(default {VECTOR_TIMEOUT:g})")
-    p.add_argument("-j", "--jobs", type=_positive(int), metavar="N",
+    p.add_argument("-j", "--jobs", type=actor._positive(int), metavar="N",
                    help="with --impl: vectors run at once (default: the number of cores)")
     p.add_argument("--only", action="append", metavar="PATTERN",
                    help="run only vectors whose name (or, with '/', path) matches this glob "
