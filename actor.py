@@ -67,7 +67,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     === APPENDICES ===
     APPENDIX A -- speed: A.1 A.2 A.3 A.4
     APPENDIX B -- containment: B.1 B.2
-    APPENDIX C -- host: C.1 C.2 C.3 C.4 C.5
+    APPENDIX C -- host: C.0 C.1 C.2 C.3 C.4 C.5
 """
 from __future__ import annotations
 
@@ -692,136 +692,11 @@ class Runtime:
 # beyond the core ones, no duplicate keys, bounded alias expansion. The resolver and the
 # construction below are ours; the parser is pyyaml's pure-Python one with YAML 1.2's tab rules
 # (_Yaml12Scanner), or libyaml's where it gives the same answer.
-# INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
-# text when present; where it refuses a text, or the text holds a construct on which the two
-# parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
-# parser's answer stands. With the tab fixes below, the pure parser takes YAML 1.2's side on the
-# yaml-test-suite cases where the two disagreed (test_yaml_parsers_give_one_answer).
-
-import yaml.composer as _yaml_composer      # noqa: E402  (pyyaml's parts, for the pure loader)
-import yaml.parser as _yaml_parser          # noqa: E402
-import yaml.reader as _yaml_reader          # noqa: E402
-import yaml.resolver as _yaml_resolver      # noqa: E402
-import yaml.scanner as _yaml_scanner        # noqa: E402
-
-_YAML_BREAKS = "\r\n\x85\u2028\u2029"
-
-
-class _Yaml12Scanner(_yaml_scanner.Scanner):
-    """pyyaml's scanner with YAML 1.2's whitespace: a tab separates tokens where no block
-    indentation is being read (as libyaml has it), in a directive line, in a plain scalar's line
-    whitespace and on its folded empty lines; `?` may stand inside a plain scalar in a flow
-    collection."""
-
-    def scan_to_next_token(self):
-        if self.index == 0 and self.peek() == "\uFEFF":
-            self.forward()
-        while True:
-            while self.peek() == " " or (self.peek() == "\t" and (
-                    self.flow_level or not self.allow_simple_key)):
-                self.forward()
-            if self.peek() == "#":
-                while self.peek() not in "\0" + _YAML_BREAKS:
-                    self.forward()
-            if not self.scan_line_break():
-                return
-            if not self.flow_level:
-                self.allow_simple_key = True
-
-    def scan_yaml_directive_value(self, start_mark):
-        while self.peek() in " \t":
-            self.forward()
-        major = self.scan_yaml_directive_number(start_mark)
-        if self.peek() != ".":
-            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
-                                             f"expected a digit or '.', but found "
-                                             f"{self.peek()!r}", self.get_mark())
-        self.forward()
-        minor = self.scan_yaml_directive_number(start_mark)
-        if self.peek() not in "\0 \t" + _YAML_BREAKS:
-            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
-                                             f"expected a digit or ' ', but found "
-                                             f"{self.peek()!r}", self.get_mark())
-        return (major, minor)
-
-    def scan_directive_ignored_line(self, start_mark):
-        while self.peek() in " \t":
-            self.forward()
-        super().scan_directive_ignored_line(start_mark)
-
-    def scan_plain_spaces(self, indent, start_mark):
-        length = 0
-        while self.peek(length) in " \t":
-            length += 1
-        whitespaces = self.prefix(length)
-        self.forward(length)
-        if self.peek() not in _YAML_BREAKS:
-            return [whitespaces] if whitespaces else []
-        line_break = self.scan_line_break()
-        self.allow_simple_key = True
-        if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
-            return None
-        breaks = []
-        while self.peek() in " \t" + _YAML_BREAKS:
-            if self.peek() in " \t":
-                self.forward()
-            else:
-                breaks.append(self.scan_line_break())
-                if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
-                    return None
-        chunks = [line_break] if line_break != "\n" else [] if breaks else [" "]
-        return chunks + breaks
-
-    def scan_plain(self):
-        chunks, start_mark = [], self.get_mark()
-        end_mark, indent, spaces = start_mark, self.indent + 1, []
-        ends = "\0 \t" + _YAML_BREAKS
-        while self.peek() != "#":
-            length = 0
-            while True:
-                ch = self.peek(length)
-                if ch in ends or (ch == ":" and self.peek(length + 1) in ends + (
-                        ",[]{}" if self.flow_level else "")) or (
-                        self.flow_level and ch in ",[]{}"):
-                    break
-                length += 1
-            if length == 0:
-                break
-            self.allow_simple_key = False
-            chunks.extend(spaces)
-            chunks.append(self.prefix(length))
-            self.forward(length)
-            end_mark = self.get_mark()
-            spaces = self.scan_plain_spaces(indent, start_mark)
-            if not spaces or self.peek() == "#" or (
-                    not self.flow_level and self.column < indent):
-                break
-        return _yaml_scanner.ScalarToken("".join(chunks), True, start_mark, end_mark)
-
-
-class Yaml12PureLoader(_yaml_reader.Reader, _Yaml12Scanner, _yaml_parser.Parser,
-                       _yaml_composer.Composer, _yaml_resolver.BaseResolver):
-    """The pure-Python parser with the YAML 1.2 scanner and the core-schema resolver."""
-
-    yaml_implicit_resolvers = {}
-
-    def __init__(self, stream):
-        _yaml_reader.Reader.__init__(self, stream)
-        _Yaml12Scanner.__init__(self)
-        _yaml_parser.Parser.__init__(self)
-        _yaml_composer.Composer.__init__(self)
-        _yaml_resolver.BaseResolver.__init__(self)
-
 
 # YAML 1.2 (6.9.1): what the non-specific tag `!` makes of each kind of node.
 _NON_SPECIFIC_TAGS = {yaml.ScalarNode: "tag:yaml.org,2002:str",
                       yaml.SequenceNode: "tag:yaml.org,2002:seq",
                       yaml.MappingNode: "tag:yaml.org,2002:map"}
-# Texts libyaml is not asked about: a directive line, a tag, a comment right after a block scalar
-# indicator (its answers there differ from YAML 1.2's and the pure parser's).
-_YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
-_LIBYAML = hasattr(yaml, "CSafeLoader")
-
 # INTERPRETATION I-164 §3.1: every YAML text (the document, Phase A's output,
 # template bodies) goes through this one loader, with these two bounds.
 # INTERPRETATION I-224 §3.1: the budget counts the nodes aliases add, not the
@@ -844,24 +719,8 @@ _Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
 _Y12_NULL = re.compile(r"~|null|Null|NULL|")
 
 
-class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
-    """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema
-    resolver (yes/no/on/off stay strings, 010 == 10)."""
-
-    yaml_implicit_resolvers = {}
-
-
 # INTERPRETATION I-001 §3.1: no merge-key resolver, so `<<` is an ordinary key (YAML 1.2 has
 # no merge keys).
-for _tag, _regex, _first in (
-        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
-        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
-        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
-        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
-    for _loader in (Yaml12Loader, Yaml12PureLoader):
-        _loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
-
-
 _CORE_SCALAR_FORMS = {
     "tag:yaml.org,2002:null": _Y12_NULL, "tag:yaml.org,2002:bool": _Y12_BOOL,
     "tag:yaml.org,2002:int": _Y12_INT, "tag:yaml.org,2002:float": _Y12_FLOAT,
@@ -12929,6 +12788,154 @@ ISOLATION["process"] = ProcessSandbox
 # describe and diagram, the command line.
 # Stands in for: nothing in the body -- the body calls the host only through these seams.
 # Seam: Runtime.llm_transport, Runtime.clock
+
+# C.0 YAML 1.2 over pyyaml ----------------------------------------------------------------
+# Adds: the parser under §3.1's rules -- pyyaml (a YAML 1.1 library, with or without libyaml)
+# made to read YAML 1.2: its scanner with 1.2's tab rules, loaders that resolve only the core
+# schema's implicit types (no merge key), and the choice between libyaml and the pure parser.
+# Stands in for: nothing in the body -- §3.1's walk (_parse_events) builds the values and keeps
+# the rules; this part only hands it the events.
+# Seam: parse_yaml
+# INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
+# text when present; where it refuses a text, or the text holds a construct on which the two
+# parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
+# parser's answer stands. With the tab fixes below, the pure parser takes YAML 1.2's side on the
+# yaml-test-suite cases where the two disagreed (test_yaml_parsers_give_one_answer).
+import yaml.composer as _yaml_composer      # noqa: E402  (pyyaml's parts, for the pure loader)
+import yaml.parser as _yaml_parser          # noqa: E402
+import yaml.reader as _yaml_reader          # noqa: E402
+import yaml.resolver as _yaml_resolver      # noqa: E402
+import yaml.scanner as _yaml_scanner        # noqa: E402
+
+_YAML_BREAKS = "\r\n\x85\u2028\u2029"
+
+
+class _Yaml12Scanner(_yaml_scanner.Scanner):
+    """pyyaml's scanner with YAML 1.2's whitespace: a tab separates tokens where no block
+    indentation is being read (as libyaml has it), in a directive line, in a plain scalar's line
+    whitespace and on its folded empty lines; `?` may stand inside a plain scalar in a flow
+    collection."""
+
+    def scan_to_next_token(self):
+        if self.index == 0 and self.peek() == "\uFEFF":
+            self.forward()
+        while True:
+            while self.peek() == " " or (self.peek() == "\t" and (
+                    self.flow_level or not self.allow_simple_key)):
+                self.forward()
+            if self.peek() == "#":
+                while self.peek() not in "\0" + _YAML_BREAKS:
+                    self.forward()
+            if not self.scan_line_break():
+                return
+            if not self.flow_level:
+                self.allow_simple_key = True
+
+    def scan_yaml_directive_value(self, start_mark):
+        while self.peek() in " \t":
+            self.forward()
+        major = self.scan_yaml_directive_number(start_mark)
+        if self.peek() != ".":
+            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
+                                             f"expected a digit or '.', but found "
+                                             f"{self.peek()!r}", self.get_mark())
+        self.forward()
+        minor = self.scan_yaml_directive_number(start_mark)
+        if self.peek() not in "\0 \t" + _YAML_BREAKS:
+            raise _yaml_scanner.ScannerError("while scanning a directive", start_mark,
+                                             f"expected a digit or ' ', but found "
+                                             f"{self.peek()!r}", self.get_mark())
+        return (major, minor)
+
+    def scan_directive_ignored_line(self, start_mark):
+        while self.peek() in " \t":
+            self.forward()
+        super().scan_directive_ignored_line(start_mark)
+
+    def scan_plain_spaces(self, indent, start_mark):
+        length = 0
+        while self.peek(length) in " \t":
+            length += 1
+        whitespaces = self.prefix(length)
+        self.forward(length)
+        if self.peek() not in _YAML_BREAKS:
+            return [whitespaces] if whitespaces else []
+        line_break = self.scan_line_break()
+        self.allow_simple_key = True
+        if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
+            return None
+        breaks = []
+        while self.peek() in " \t" + _YAML_BREAKS:
+            if self.peek() in " \t":
+                self.forward()
+            else:
+                breaks.append(self.scan_line_break())
+                if self.prefix(3) in ("---", "...") and self.peek(3) in "\0 \t" + _YAML_BREAKS:
+                    return None
+        chunks = [line_break] if line_break != "\n" else [] if breaks else [" "]
+        return chunks + breaks
+
+    def scan_plain(self):
+        chunks, start_mark = [], self.get_mark()
+        end_mark, indent, spaces = start_mark, self.indent + 1, []
+        ends = "\0 \t" + _YAML_BREAKS
+        while self.peek() != "#":
+            length = 0
+            while True:
+                ch = self.peek(length)
+                if ch in ends or (ch == ":" and self.peek(length + 1) in ends + (
+                        ",[]{}" if self.flow_level else "")) or (
+                        self.flow_level and ch in ",[]{}"):
+                    break
+                length += 1
+            if length == 0:
+                break
+            self.allow_simple_key = False
+            chunks.extend(spaces)
+            chunks.append(self.prefix(length))
+            self.forward(length)
+            end_mark = self.get_mark()
+            spaces = self.scan_plain_spaces(indent, start_mark)
+            if not spaces or self.peek() == "#" or (
+                    not self.flow_level and self.column < indent):
+                break
+        return _yaml_scanner.ScalarToken("".join(chunks), True, start_mark, end_mark)
+
+
+class Yaml12PureLoader(_yaml_reader.Reader, _Yaml12Scanner, _yaml_parser.Parser,
+                       _yaml_composer.Composer, _yaml_resolver.BaseResolver):
+    """The pure-Python parser with the YAML 1.2 scanner and the core-schema resolver."""
+
+    yaml_implicit_resolvers = {}
+
+    def __init__(self, stream):
+        _yaml_reader.Reader.__init__(self, stream)
+        _Yaml12Scanner.__init__(self)
+        _yaml_parser.Parser.__init__(self)
+        _yaml_composer.Composer.__init__(self)
+        _yaml_resolver.BaseResolver.__init__(self)
+
+
+# Texts libyaml is not asked about: a directive line, a tag, a comment right after a block scalar
+# indicator (its answers there differ from YAML 1.2's and the pure parser's).
+_YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
+_LIBYAML = hasattr(yaml, "CSafeLoader")
+
+class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
+    """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema
+    resolver (yes/no/on/off stay strings, 010 == 10)."""
+
+    yaml_implicit_resolvers = {}
+
+
+for _tag, _regex, _first in (
+        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
+        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
+        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
+        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
+    for _loader in (Yaml12Loader, Yaml12PureLoader):
+        _loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+
 
 # C.1 Providers ---------------------------------------------------------------------------
 # PROVIDERS: openai, anthropic, google over urllib; the offline `fake` provider.
