@@ -688,10 +688,10 @@ class Runtime:
 # =====================================================================================
 
 # §3.1 File format -------------------------------------------------------------------------
-# YAML 1.2 core schema on top of pyyaml (which speaks 1.1): only the 1.2 implicit types, no tags
-# beyond the core ones, no duplicate keys, bounded alias expansion. The resolver and the
-# construction below are ours; the parser is pyyaml's pure-Python one with YAML 1.2's tab rules
-# (_Yaml12Scanner), or libyaml's where it gives the same answer.
+# A YAML 1.2 document under the core schema: only its implicit types and tags, no merge keys
+# (I-001), no duplicate keys, bounded nesting and alias expansion, UTF-8 text with no lone
+# surrogate, and every refusal located. The values are built here from a parser's events; the
+# parser is pyyaml's, made to read YAML 1.2 by appendix C.0 (parse_yaml -> yaml12_events).
 
 # YAML 1.2 (6.9.1): what the non-specific tag `!` makes of each kind of node.
 _NON_SPECIFIC_TAGS = {yaml.ScalarNode: "tag:yaml.org,2002:str",
@@ -707,50 +707,33 @@ YAML_ALIAS_BUDGET = 100_000         # nodes added by alias re-expansion, per doc
 # each walker guarding its own recursion. No configuration the standard describes comes near it.
 YAML_MAX_DEPTH = 100
 
-_CORE_TAGS = {
-    "tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int",
-    "tag:yaml.org,2002:float", "tag:yaml.org,2002:str", "tag:yaml.org,2002:map",
-    "tag:yaml.org,2002:seq",
-}
-_Y12_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
-_Y12_FLOAT = re.compile(
-    r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
-_Y12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
-_Y12_NULL = re.compile(r"~|null|Null|NULL|")
-
-
-# INTERPRETATION I-001 §3.1: no merge-key resolver, so `<<` is an ordinary key (YAML 1.2 has
-# no merge keys).
-_CORE_SCALAR_FORMS = {
-    "tag:yaml.org,2002:null": _Y12_NULL, "tag:yaml.org,2002:bool": _Y12_BOOL,
-    "tag:yaml.org,2002:int": _Y12_INT, "tag:yaml.org,2002:float": _Y12_FLOAT,
+# The YAML 1.2 core schema: its tags, each with the form a scalar of it has (None: any text).
+# INTERPRETATION I-001 §3.1: no merge-key type, so `<<` is an ordinary key (YAML 1.2 has no
+# merge keys).
+_CORE_SCHEMA = {
+    "tag:yaml.org,2002:null": re.compile(r"~|null|Null|NULL|"),
+    "tag:yaml.org,2002:bool": re.compile(r"true|True|TRUE|false|False|FALSE"),
+    "tag:yaml.org,2002:int": re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"),
+    "tag:yaml.org,2002:float": re.compile(
+        r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)"),
+    "tag:yaml.org,2002:str": None, "tag:yaml.org,2002:seq": None, "tag:yaml.org,2002:map": None,
 }
 
 
 def _scalar_value(tag, text):
-    """A scalar's value by its resolved tag. ValueError(type name) when an explicit core tag
-    (`!!int 0x_`) names a type whose YAML 1.2 core form the text does not have; the caller
-    locates it."""
-    form = _CORE_SCALAR_FORMS.get(tag)
+    """A scalar's value by its resolved tag; ValueError(type name) when an explicit core tag
+    (`!!int 0x_`) names a type whose core form the text does not have (the caller locates it)."""
+    form = _CORE_SCHEMA.get(tag)
     if form is not None and not form.fullmatch(text):
         raise ValueError(tag.rsplit(":", 1)[-1])
     if tag == "tag:yaml.org,2002:null":
         return None
     if tag == "tag:yaml.org,2002:bool":
         return text.lower() == "true"
-    if tag == "tag:yaml.org,2002:int":
-        if text.startswith("0o"):
-            return int(text[2:], 8)
-        if text.startswith("0x"):
-            return int(text[2:], 16)
-        return int(text, 10)
-    if tag == "tag:yaml.org,2002:float":
-        low = text.lower().lstrip("+")
-        if low in (".inf", "-.inf"):
-            return float("-inf") if low.startswith("-") else float("inf")
-        if low == ".nan":
-            return float("nan")
-        return float(text)
+    if tag == "tag:yaml.org,2002:int":      # 0o17, 0x1F: Python's int reads them in base 8, 16
+        return int(text, {"0o": 8, "0x": 16}.get(text[:2], 10))
+    if tag == "tag:yaml.org,2002:float":    # .inf, -.Inf, .NaN: Python's float says inf, nan
+        return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
     return text
 
 
@@ -778,8 +761,7 @@ def refuse_lone_surrogate(text, file=None):
 
 def parse_yaml(text, file=None):
     """Text -> (data, marks). marks maps a config path tuple to (file, line, col) (1-based).
-    One answer with or without libyaml (I-223): libyaml's parse where it accepts a text without
-    the constructs _YAML_PURE_ONLY names, else the pure parser's."""
+    The events come from pyyaml made to read YAML 1.2 (appendix C.0's yaml12_events)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -787,12 +769,7 @@ def parse_yaml(text, file=None):
             raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
     refuse_lone_surrogate(text, file)
     try:
-        if _LIBYAML and not _YAML_PURE_ONLY.search(text):
-            try:
-                return _parse_events(Yaml12Loader, text, file)
-            except yaml.YAMLError:
-                pass                    # libyaml refuses: the pure parser's answer stands
-        return _parse_events(Yaml12PureLoader, text, file)
+        return yaml12_events(text, file)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
@@ -802,13 +779,12 @@ def parse_yaml(text, file=None):
 
 
 def _parse_events(loader_class, text, file):
-    """parse_yaml with one parser; its yaml.YAMLError goes to the caller.
-
-    Values are built straight from the parser's events in one pass, with no node tree: the
-    parser keeps its own stack, and nothing else recurses with the document's nesting but
-    build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
-    25,000 brackets crashed the process, and a pre-scan of the events guarded it.) An alias
-    builds a fresh copy of its anchor's value, whose nodes count against YAML_ALIAS_BUDGET."""
+    """parse_yaml with one parser; its yaml.YAMLError goes to the caller."""
+    # Values are built straight from the parser's events in one pass, with no node tree: the
+    # parser keeps its own stack, and nothing else recurses with the document's nesting but
+    # build(), which stops at YAML_MAX_DEPTH. (pyyaml's composer recursed in C without a bound:
+    # 25,000 brackets crashed the process.) An alias builds a fresh copy of its anchor's value,
+    # whose nodes count against YAML_ALIAS_BUDGET.
     loader = loader_class(text)
     next_event, resolve = loader.get_event, loader.resolve
     marks, order = {}, []       # order: the paths marked, in order (an anchor's are a stretch)
@@ -821,8 +797,8 @@ def _parse_events(loader_class, text, file):
 
     def fail(message, event, path=None, deep=False):
         where = None if path is None else path_str(path[:3]) + " ..." if deep else path_str(path)
-        return ConfigurationError(message, path=where, section="3.1", file=file,
-                                  line=event.start_mark.line + 1, col=event.start_mark.column + 1)
+        _, line, col = at(event)
+        return ConfigurationError(message, path=where, section="3.1", file=file, line=line, col=col)
 
     def mark(path, event):
         marks[path] = at(event)
@@ -842,7 +818,7 @@ def _parse_events(loader_class, text, file):
             tag = _NON_SPECIFIC_TAGS[kind]
         elif tag is None:
             tag = resolve(kind, value, implicit)
-        if tag not in _CORE_TAGS:
+        if tag not in _CORE_SCHEMA:
             raise fail(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
         return tag
 
@@ -898,10 +874,8 @@ def _parse_events(loader_class, text, file):
             value, seen = {}, set()
             item = next_event()
             while type(item) is not yaml.MappingEndEvent:
-                if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent):
-                    raise fail("mapping keys must be scalars", item, path)
-                key = build(item, path)
-                if isinstance(key, (dict, list)):       # an alias to a collection
+                if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent) or \
+                        isinstance(key := build(item, path), (dict, list)):  # or an alias to one
                     raise fail("mapping keys must be scalars", item, path)
                 same = _yaml_key_identity(key)
                 if same in seen:
@@ -12921,6 +12895,18 @@ class Yaml12PureLoader(_yaml_reader.Reader, _Yaml12Scanner, _yaml_parser.Parser,
 _YAML_PURE_ONLY = re.compile(r"^%|(?:^|[\s\[{,])!|[|>][-+0-9]*#", re.M)
 _LIBYAML = hasattr(yaml, "CSafeLoader")
 
+
+def yaml12_events(text, file):
+    """parse_yaml's walk (_parse_events) over one answer with or without libyaml (I-223):
+    libyaml's events where it accepts a text without the constructs _YAML_PURE_ONLY names, else
+    the pure parser's; a yaml.YAMLError goes to parse_yaml, which locates it."""
+    if _LIBYAML and not _YAML_PURE_ONLY.search(text):
+        try:
+            return _parse_events(Yaml12Loader, text, file)
+        except yaml.YAMLError:
+            pass                    # libyaml refuses: the pure parser's answer stands
+    return _parse_events(Yaml12PureLoader, text, file)
+
 class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
     """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema
     resolver (yes/no/on/off stay strings, 010 == 10)."""
@@ -12928,13 +12914,14 @@ class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
     yaml_implicit_resolvers = {}
 
 
-for _tag, _regex, _first in (
-        ("tag:yaml.org,2002:bool", _Y12_BOOL, "tTfF"),
-        ("tag:yaml.org,2002:int", _Y12_INT, "-+0123456789"),
-        ("tag:yaml.org,2002:float", _Y12_FLOAT, "-+0123456789."),
-        ("tag:yaml.org,2002:null", _Y12_NULL, ["~", "n", "N", ""])):
+# The core schema's implicit types (§3.1's _CORE_SCHEMA), each by the characters it may begin
+# with, in the order they are tried; no merge key among them (I-001).
+for _tag, _first in (("tag:yaml.org,2002:bool", "tTfF"), ("tag:yaml.org,2002:int", "-+0123456789"),
+                     ("tag:yaml.org,2002:float", "-+0123456789."),
+                     ("tag:yaml.org,2002:null", ["~", "n", "N", ""])):
     for _loader in (Yaml12Loader, Yaml12PureLoader):
-        _loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_regex.pattern})$"), list(_first))
+        _loader.add_implicit_resolver(_tag, re.compile(rf"^(?:{_CORE_SCHEMA[_tag].pattern})$"),
+                                      list(_first))
 
 
 # C.1 Providers ---------------------------------------------------------------------------
