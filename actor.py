@@ -10626,78 +10626,6 @@ SANDBOX_MAX_ITEMS = 10_000_000     # items, characters or bits one operator or r
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
-# The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
-# yield, await, with, except*; see _shape_refusal for the shapes refused within (class patterns
-# only of a listed type, with allowlisted attributes).
-# INTERPRETATION I-147 §13.2.3: an allowlist checked at load, never a list of dangers.
-SANDBOX_SYNTAX = (
-    ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
-    ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
-    ast.Assert, ast.FunctionDef, ast.Return, ast.Delete, ast.Import, ast.ImportFrom, ast.alias,
-    ast.Match, ast.match_case, ast.MatchValue, ast.MatchSingleton, ast.MatchSequence,
-    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr, ast.MatchClass,
-    ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Lambda, ast.IfExp, ast.Dict, ast.Set, ast.ListComp,
-    ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare, ast.Call, ast.FormattedValue,
-    ast.JoinedStr, ast.Constant, ast.Attribute, ast.Subscript, ast.Starred, ast.Name, ast.List,
-    ast.Tuple, ast.Slice, ast.NamedExpr, ast.keyword, ast.arguments, ast.arg, ast.comprehension,
-    ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop,
-)
-
-# The allowlist of attributes (T2): every method of the built-in value types that performs no
-# I/O, evaluation, import or introspection, and the json facility's names, read (never assigned).
-# No str.format/format_map (a format string walks attributes the AST never shows); encode and
-# decode run the three codecs of SANDBOX_CODECS only; nothing yields a type, frame, code or module.
-SANDBOX_VALUE_TYPES = (str, bytes, int, float, list, dict, set, tuple)
-SANDBOX_METHODS = {
-    **{cls.__name__: " ".join(name for name in dir(cls) if not name.startswith("_")
-                              and name not in ("format", "format_map"))
-       for cls in SANDBOX_VALUE_TYPES},
-    "json facility (§4.5.2)": "loads dumps JSONDecodeError",
-    "exceptions": "args",
-}
-SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
-SANDBOX_PATTERN_TYPES = ("bool", "dict", "float", "int", "list", "set", "str", "tuple")
-SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
-JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
-
-
-# INTERPRETATION I-193 §13.2.3: one result-size rule, priced before the call.
-# One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
-# what it would produce (items, characters or bytes), priced before the call and refused past
-# SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
-# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
-# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
-def _join_size(sep, args, kwargs):
-    args[0] = items = list(args[0])
-    return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
-                                                   if isinstance(item, (str, bytes)))
-
-
-SANDBOX_SIZES = {
-    **dict.fromkeys(("center", "ljust", "rjust", "zfill"), lambda s, args, kwargs: args[0]),
-    "expandtabs": lambda s, args, kwargs: len(s) * max(1, (args or [kwargs.get("tabsize", 8)])[0]),
-    "replace": lambda s, args, kwargs: len(s) + (len(s) + 1) * max(0, len(args[1]) - len(args[0])),
-    "join": _join_size,
-    "translate": lambda s, args, kwargs: len(s) * max(
-        [len(v) for v in args[0].values() if isinstance(v, str)] or [1]) if
-        isinstance(args[0], dict) else len(s),
-    "to_bytes": lambda i, args, kwargs: (args or [kwargs.get("length", 1)])[0],
-    "encode": lambda s, args, kwargs: 4 * len(s) if sandbox_codec(args, kwargs) else 0,
-    "decode": lambda s, args, kwargs: len(s) if sandbox_codec(args, kwargs) else 0,
-}
-
-
-# INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
-def sandbox_codec(args, kwargs):
-    """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
-    the call (§13.2.3 lets a capability fail at invocation)."""
-    name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
-    if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
-        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
-                          f"latin-1)")
-    return True
-
-
 class _Rejected(Exception):
     """A construct outside the allowlist: (line inside the code body, what)."""
 
@@ -10721,40 +10649,6 @@ def _bound_names(tree):
         elif isinstance(node, ast.MatchMapping) and node.rest:
             bound.add(node.rest)
     return bound
-
-
-def _shape_refusal(node, names):
-    """Why an allowed node is refused for its shape or its name (None when it is fine)."""
-    match node:
-        case ast.Name(id=name) if name.startswith("__"):
-            return f"the name '{name}' (double-underscore names belong to the sandbox)"
-        # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at
-        # load.
-        case ast.Name(id=name, ctx=ast.Load()) if names is not None and name not in names:
-            return f"the name '{name}' (not a built-in of this sandbox, an input or a variable " \
-                   f"the code sets)"
-        # INTERPRETATION I-159 §13.2.3: attribute assignment and deletion are refused at load.
-        case ast.Attribute(ctx=ast.Store() | ast.Del()):
-            return "assigning or deleting an attribute"
-        case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
-            return f"the attribute '{attr}' (not a method of the built-in value types)"
-        case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
-                | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
-                | ast.keyword(arg=name) if name and name.startswith("__"):
-            return f"the name '{name}' (double-underscore names belong to the sandbox)"
-        # INTERPRETATION I-194 §13.2.3: a class pattern names a type constructor of the
-        # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
-        case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
-                isinstance(cls, ast.Name) and cls.id in SANDBOX_PATTERN_TYPES
-                and all(a in SANDBOX_ATTRIBUTES and a not in SANDBOX_SIZES for a in attrs)
-                and not (cls.id == "str" and patterns)):
-            return "a class pattern of anything but a listed type with allowlisted attributes"
-        case ast.Import(names=aliases) if any(a.name != "json" for a in aliases):
-            return "an import of anything but json"
-        case ast.ImportFrom(module=module, level=level, names=aliases) \
-                if module != "json" or level or any(a.name not in JSON_NAMES for a in aliases):
-            return "an import of anything but json's loads, dumps and JSONDecodeError"
-    return None
 
 
 def _check_tree(tree, names):
@@ -10783,33 +10677,6 @@ def _sandbox_compile(source, mode, names, filename):
     return tree, compile(tree, filename, mode, dont_inherit=True), ticks
 
 
-class _Imports(ast.NodeTransformer):
-    # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
-    # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
-    # (I-195) wherever it is read, except a direct call of one argument, which decodes nothing.
-    def visit_Call(self, node):
-        if isinstance(node.func, ast.Name) and node.func.id == "str" and not node.keywords \
-                and len(node.args) <= 1 and not any(isinstance(a, ast.Starred) for a in node.args):
-            node.args = [self.visit(arg) for arg in node.args]
-            return node
-        return self.generic_visit(node)
-
-    def visit_Name(self, node):
-        return ast.copy_location(ast.Name("__sb_str__", ast.Load()), node) \
-            if node.id == "str" and isinstance(node.ctx, ast.Load) else node
-
-    def visit_Import(self, node):
-        return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
-                                             ast.Name("__sb_json__", ast.Load())), node)
-                for a in node.names]
-
-    def visit_ImportFrom(self, node):
-        return [ast.copy_location(ast.Assign(
-            [ast.Name(a.asname or a.name, ast.Store())],
-            ast.Attribute(ast.Name("__sb_json__", ast.Load()), a.name, ast.Load())), node)
-            for a in node.names]
-
-
 # The seam to the budget (appendix B.1), which stays active on the reference path as well.
 # INTERPRETATION I-190 §13.2 vs §4.5: the reference path (ACTOR_REFERENCE) keeps the
 # budget: §4.5's `timeout` is a MUST, and a loop past it must fail on every path.
@@ -10826,20 +10693,30 @@ def run_limited(fn, args, timeout, label, error=ExecutionError, code=True):
     return run_budgeted(fn, args, timeout, label, error, code)
 
 
-def _configuration_refusal(exc, rt, path, section, what):
-    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line`: the body line."""
-    if isinstance(exc, SyntaxError):
-        line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
-    else:
-        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
-    message = f"{what}, line {line}: {text}"
-    if rt is not None and path is not None:
-        err = rt.doc.error(ConfigurationError, path, message, section)
-    else:
-        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
-    err.code_line = line
-    return err
+class InProcessSandbox:
+    """The default: everything in this process, bounded by the budget alone (T3 says what that
+    leaves open)."""
 
+    in_process = True
+
+    def run_code(self, unit, variables, timeout, on_progress=None):
+        return inline_result(run_code(unit, variables, timeout=timeout))
+
+    def call(self, unit, args, timeout=1.0):
+        return unit(*args, timeout=timeout)
+
+    def render(self, text, variables, engine, partials=None, phase="C"):
+        if phase in ("A", "B") and engine_name(engine) == "SIMPLE":   # Q60 (b), Q61
+            return render_simple(text, variables, format_pass=False)
+        return render(text, variables, engine, partials)
+
+    def close(self):
+        pass
+
+
+# INTERPRETATION I-191 §13.2: isolation is the host's choice, made here at load, and
+# holds on the reference path too; B.2 adds "process".
+ISOLATION = {"none": InProcessSandbox}
 
 # §13.2.1 Restricted built-ins for inline code -------------------------------------------
 # The wrapped ones: type and isinstance see a ContextView as the dict it stands for; type() hands
@@ -10986,6 +10863,45 @@ class JsonFacility:
 
 SANDBOX_JSON = JsonFacility()
 
+class _Imports(ast.NodeTransformer):
+    # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
+    # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
+    # (I-195) wherever it is read, except a direct call of one argument, which decodes nothing.
+    def visit_Call(self, node):
+        if isinstance(node.func, ast.Name) and node.func.id == "str" and not node.keywords \
+                and len(node.args) <= 1 and not any(isinstance(a, ast.Starred) for a in node.args):
+            node.args = [self.visit(arg) for arg in node.args]
+            return node
+        return self.generic_visit(node)
+
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name("__sb_str__", ast.Load()), node) \
+            if node.id == "str" and isinstance(node.ctx, ast.Load) else node
+
+    def visit_Import(self, node):
+        return [ast.copy_location(ast.Assign([ast.Name(a.asname or a.name, ast.Store())],
+                                             ast.Name("__sb_json__", ast.Load())), node)
+                for a in node.names]
+
+    def visit_ImportFrom(self, node):
+        return [ast.copy_location(ast.Assign(
+            [ast.Name(a.asname or a.name, ast.Store())],
+            ast.Attribute(ast.Name("__sb_json__", ast.Load()), a.name, ast.Load())), node)
+            for a in node.names]
+
+
+SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
+# INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
+def sandbox_codec(args, kwargs):
+    """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
+    the call (§13.2.3 lets a capability fail at invocation)."""
+    name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
+    if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
+        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
+                          f"latin-1)")
+    return True
+
+
 # The §13.2.1 table: the built-ins of inline code -- these and no others, in the spec's order.
 INLINE_CODE_BUILTINS = {
     # Type constructors
@@ -11019,30 +10935,8 @@ EXPRESSION_BUILTINS = {
     "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
     "round": builtin_round, "sum": builtin_sum,
 }
-
-# §13.2.3 Prohibited capabilities ---------------------------------------------------------
-# No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
-# reach because nothing in the allowlists above leads to them.
-# INTERPRETATION I-148 §13.2.3 (Q71): what the allowlist does not list is refused at load
-# (ConfigurationError with the body line); the budget and type() refuse at invocation
-# (ExecutionError, which reaches __error__).
-
-# The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
-# budget's hooks (double-underscore names, so sandboxed source never spells them).
-_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
 _EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
                         "__sb_str__": builtin_str}
-
-# Entry points (§13.2) ------------------------------------------------------------------------
-class CodeUnit:
-    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
-
-    __slots__ = ("source", "code", "label", "ticks", "reaches_context")
-
-    def __init__(self, source, code, label, ticks=True, reaches_context=True):
-        self.source, self.code, self.label = source, code, label
-        self.ticks, self.reaches_context = ticks, reaches_context
-
 
 class ExprUnit:
     """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
@@ -11054,41 +10948,6 @@ class ExprUnit:
 
     def __call__(self, *args, timeout=1.0):
         return run_limited(self.fn, args, timeout, self.label)
-
-
-# The variables §4.5.2 item 3 hands to a body, and the names its result falls back to.
-CODE_INPUTS = frozenset({"input_data", "message", "context", "result", INLINE_PROGRESS,
-                         *INLINE_RESULT_FALLBACKS})
-
-
-def compile_code(source, *, rt=None, path=None):
-    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
-
-    A construct outside the allowlist or a syntax error is a located ConfigurationError naming the
-    line inside the body (also kept as `err.code_line`).
-    """
-    label = f"inline code {path_str(path)}" if path else "inline code"
-    try:
-        tree, code, ticks = _sandbox_compile(source, "exec",
-                                             INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
-                                             CODE_FILENAME)
-    except (SyntaxError, _Rejected) as exc:
-        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
-    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    return CodeUnit(source, code, label, ticks,
-                    bool(loaded & {"context", "locals", INLINE_PROGRESS}))
-
-
-def run_code(unit, variables, *, timeout=1.0):
-    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; return the final one.
-
-    `variables` usually holds input_data, message, context (by reference: a dict is seen through
-    a ContextView) and result=None. Any error or exhaustion raises ExecutionError."""
-    namespace = {"__builtins__": _CODE_BUILTINS, **variables}
-    if unit.reaches_context and isinstance(namespace.get("context"), dict):
-        namespace["context"] = ContextView(namespace["context"])
-    run_limited(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label)
-    return namespace
 
 
 # INTERPRETATION I-156 §13.2.2: an inline expression is a lambda taking the caller's number of
@@ -11139,30 +10998,145 @@ def eval_expression_text(source, names, timeout=1.0):
     return run_limited(eval, (code, namespace), timeout, "inline expression")
 
 
-class InProcessSandbox:
-    """The default: everything in this process, bounded by the budget alone (T3 says what that
-    leaves open)."""
 
-    in_process = True
+# §13.2.3 Prohibited capabilities ---------------------------------------------------------
+# No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
+# reach because nothing in the allowlists above leads to them.
+# INTERPRETATION I-148 §13.2.3 (Q71): what the allowlist does not list is refused at load
+# (ConfigurationError with the body line); the budget and type() refuse at invocation
+# (ExecutionError, which reaches __error__).
 
-    def run_code(self, unit, variables, timeout, on_progress=None):
-        return inline_result(run_code(unit, variables, timeout=timeout))
+# The allowlist of syntax (T2): what is not here is refused at load. No class, global, nonlocal,
+# yield, await, with, except*; see _shape_refusal for the shapes refused within (class patterns
+# only of a listed type, with allowlisted attributes).
+# INTERPRETATION I-147 §13.2.3: an allowlist checked at load, never a list of dangers.
+SANDBOX_SYNTAX = (
+    ast.Module, ast.Expression, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If,
+    ast.For, ast.While, ast.Break, ast.Continue, ast.Pass, ast.Try, ast.ExceptHandler, ast.Raise,
+    ast.Assert, ast.FunctionDef, ast.Return, ast.Delete, ast.Import, ast.ImportFrom, ast.alias,
+    ast.Match, ast.match_case, ast.MatchValue, ast.MatchSingleton, ast.MatchSequence,
+    ast.MatchMapping, ast.MatchStar, ast.MatchAs, ast.MatchOr, ast.MatchClass,
+    ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Lambda, ast.IfExp, ast.Dict, ast.Set, ast.ListComp,
+    ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare, ast.Call, ast.FormattedValue,
+    ast.JoinedStr, ast.Constant, ast.Attribute, ast.Subscript, ast.Starred, ast.Name, ast.List,
+    ast.Tuple, ast.Slice, ast.NamedExpr, ast.keyword, ast.arguments, ast.arg, ast.comprehension,
+    ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop,
+)
 
-    def call(self, unit, args, timeout=1.0):
-        return unit(*args, timeout=timeout)
+# The allowlist of attributes (T2): every method of the built-in value types that performs no
+# I/O, evaluation, import or introspection, and the json facility's names, read (never assigned).
+# No str.format/format_map (a format string walks attributes the AST never shows); encode and
+# decode run the three codecs of SANDBOX_CODECS only; nothing yields a type, frame, code or module.
+SANDBOX_VALUE_TYPES = (str, bytes, int, float, list, dict, set, tuple)
+SANDBOX_METHODS = {
+    **{cls.__name__: " ".join(name for name in dir(cls) if not name.startswith("_")
+                              and name not in ("format", "format_map"))
+       for cls in SANDBOX_VALUE_TYPES},
+    "json facility (§4.5.2)": "loads dumps JSONDecodeError",
+    "exceptions": "args",
+}
+SANDBOX_ATTRIBUTES = frozenset(" ".join(SANDBOX_METHODS.values()).split())
+SANDBOX_PATTERN_TYPES = ("bool", "dict", "float", "int", "list", "set", "str", "tuple")
+JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 
-    def render(self, text, variables, engine, partials=None, phase="C"):
-        if phase in ("A", "B") and engine_name(engine) == "SIMPLE":   # Q60 (b), Q61
-            return render_simple(text, variables, format_pass=False)
-        return render(text, variables, engine, partials)
 
-    def close(self):
-        pass
+def _shape_refusal(node, names):
+    """Why an allowed node is refused for its shape or its name (None when it is fine)."""
+    match node:
+        case ast.Name(id=name) if name.startswith("__"):
+            return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at
+        # load.
+        case ast.Name(id=name, ctx=ast.Load()) if names is not None and name not in names:
+            return f"the name '{name}' (not a built-in of this sandbox, an input or a variable " \
+                   f"the code sets)"
+        # INTERPRETATION I-159 §13.2.3: attribute assignment and deletion are refused at load.
+        case ast.Attribute(ctx=ast.Store() | ast.Del()):
+            return "assigning or deleting an attribute"
+        case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
+            return f"the attribute '{attr}' (not a method of the built-in value types)"
+        case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
+                | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
+                | ast.keyword(arg=name) if name and name.startswith("__"):
+            return f"the name '{name}' (double-underscore names belong to the sandbox)"
+        # INTERPRETATION I-194 §13.2.3: a class pattern names a type constructor of the
+        # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
+        case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
+                isinstance(cls, ast.Name) and cls.id in SANDBOX_PATTERN_TYPES
+                and all(a in SANDBOX_ATTRIBUTES and a not in SANDBOX_SIZES for a in attrs)
+                and not (cls.id == "str" and patterns)):
+            return "a class pattern of anything but a listed type with allowlisted attributes"
+        case ast.Import(names=aliases) if any(a.name != "json" for a in aliases):
+            return "an import of anything but json"
+        case ast.ImportFrom(module=module, level=level, names=aliases) \
+                if module != "json" or level or any(a.name not in JSON_NAMES for a in aliases):
+            return "an import of anything but json's loads, dumps and JSONDecodeError"
+    return None
 
 
-# INTERPRETATION I-191 §13.2: isolation is the host's choice, made here at load, and
-# holds on the reference path too; B.2 adds "process".
-ISOLATION = {"none": InProcessSandbox}
+def _configuration_refusal(exc, rt, path, section, what):
+    """A located ConfigurationError for a SyntaxError or _Rejected; `.code_line`: the body line."""
+    if isinstance(exc, SyntaxError):
+        line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
+    else:
+        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
+    message = f"{what}, line {line}: {text}"
+    if rt is not None and path is not None:
+        err = rt.doc.error(ConfigurationError, path, message, section)
+    else:
+        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
+    err.code_line = line
+    return err
+
+
+# The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
+# budget's hooks (double-underscore names, so sandboxed source never spells them).
+_CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
+# Entry points (§13.2) ------------------------------------------------------------------------
+class CodeUnit:
+    """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
+
+    __slots__ = ("source", "code", "label", "ticks", "reaches_context")
+
+    def __init__(self, source, code, label, ticks=True, reaches_context=True):
+        self.source, self.code, self.label = source, code, label
+        self.ticks, self.reaches_context = ticks, reaches_context
+
+
+# The variables §4.5.2 item 3 hands to a body, and the names its result falls back to.
+CODE_INPUTS = frozenset({"input_data", "message", "context", "result", INLINE_PROGRESS,
+                         *INLINE_RESULT_FALLBACKS})
+
+
+def compile_code(source, *, rt=None, path=None):
+    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
+
+    A construct outside the allowlist or a syntax error is a located ConfigurationError naming the
+    line inside the body (also kept as `err.code_line`).
+    """
+    label = f"inline code {path_str(path)}" if path else "inline code"
+    try:
+        tree, code, ticks = _sandbox_compile(source, "exec",
+                                             INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
+                                             CODE_FILENAME)
+    except (SyntaxError, _Rejected) as exc:
+        raise _configuration_refusal(exc, rt, path, "13.2.1", label) from None
+    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return CodeUnit(source, code, label, ticks,
+                    bool(loaded & {"context", "locals", INLINE_PROGRESS}))
+
+
+def run_code(unit, variables, *, timeout=1.0):
+    """§4.5.2, §13.2.1: run a CodeUnit with `variables` as its namespace; return the final one.
+
+    `variables` usually holds input_data, message, context (by reference: a dict is seen through
+    a ContextView) and result=None. Any error or exhaustion raises ExecutionError."""
+    namespace = {"__builtins__": _CODE_BUILTINS, **variables}
+    if unit.reaches_context and isinstance(namespace.get("context"), dict):
+        namespace["context"] = ContextView(namespace["context"])
+    run_limited(exec, (unit.code, namespace), timeout if unit.ticks else None, unit.label)
+    return namespace
+
 
 # §13.3 Filesystem boundaries -----------------------------------------------------------
 def host_refusal(env, given, op):
@@ -12187,6 +12161,32 @@ class Exhausted(BaseException):
 
 def _call(name, node, *args):
     return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), node)
+
+
+# INTERPRETATION I-193 §13.2.3: one result-size rule, priced before the call.
+# One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
+# what it would produce (items, characters or bytes), priced before the call and refused past
+# SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
+# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
+# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
+def _join_size(sep, args, kwargs):
+    args[0] = items = list(args[0])
+    return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
+                                                   if isinstance(item, (str, bytes)))
+
+
+SANDBOX_SIZES = {
+    **dict.fromkeys(("center", "ljust", "rjust", "zfill"), lambda s, args, kwargs: args[0]),
+    "expandtabs": lambda s, args, kwargs: len(s) * max(1, (args or [kwargs.get("tabsize", 8)])[0]),
+    "replace": lambda s, args, kwargs: len(s) + (len(s) + 1) * max(0, len(args[1]) - len(args[0])),
+    "join": _join_size,
+    "translate": lambda s, args, kwargs: len(s) * max(
+        [len(v) for v in args[0].values() if isinstance(v, str)] or [1]) if
+        isinstance(args[0], dict) else len(s),
+    "to_bytes": lambda i, args, kwargs: (args or [kwargs.get("length", 1)])[0],
+    "encode": lambda s, args, kwargs: 4 * len(s) if sandbox_codec(args, kwargs) else 0,
+    "decode": lambda s, args, kwargs: len(s) if sandbox_codec(args, kwargs) else 0,
+}
 
 
 _SIZED_OPERATORS = {ast.Add: "+", ast.Mult: "*", ast.Pow: "**", ast.LShift: "<<", ast.Mod: "%"}
