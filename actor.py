@@ -7628,6 +7628,73 @@ def scan_tags(text, pos=0):
         pos = i + 2
         yield start, pos, kind
 
+
+# Block statements that take an {% end... %} partner.
+BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
+
+
+@functools.lru_cache(maxsize=4096)
+def tag_free_names(kind, inner, word):
+    """Names a tag reads that it does not bind itself (None when it does not parse)."""
+    if kind == "{{":
+        source = "{{ " + inner + " }}"
+    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+        source = "{% " + inner + " %}{% end" + word + " %}"
+    else:
+        source = "{% " + inner + " %}"
+    try:
+        return frozenset(jinja2_module().meta.find_undeclared_variables(
+            jinja_environment().parse(source)))
+    except Exception:  # a syntax error: leave the tag to the phase that renders it
+        return None
+
+
+def tag_binds(word, inner):
+    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
+    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
+    if word == "for":
+        targets = rest.split(" in ", 1)[0]
+        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
+    if word in ("set", "with"):
+        names = set()
+        targets = rest.split("=", 1)[0] if word == "set" else rest
+        for part in targets.split(","):
+            name = part.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names
+    if word == "macro":
+        head, _, args = rest.partition("(")
+        names = {head.strip()}
+        for arg in args.rstrip(") ").split(","):
+            name = arg.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names | {"varargs", "kwargs", "caller"}
+    return set()
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
+
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
 def render_document(text, render_context=None, engine="JINJA2", *, file=None, sandbox=None):
     """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
@@ -7902,13 +7969,10 @@ RUNTIME_FIELDS = {   # (where, field) -> §: the fields that render at Phase C (
 DEFERRED_SECTIONS = ("templates", "template_strings")
 # Names that only exist at Phase C: never treated as bound at Phase A or B (Q46, Q47).
 RUNTIME_NAMES = frozenset({"context", "message"})
-# Block statements that take an {% end... %} partner.
-BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
 
 KEY_LINE = re.compile(r"( *)(?:- +)*"                          # indent, sequence dashes
                       r"(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?)"   # the key
                       r" *:(?= |\n|$)")
-BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
 
 
 def is_runtime_field(keys):
@@ -7960,47 +8024,6 @@ def restore_sentinels(data):
     return walk_document(data, restore)
 
 
-@functools.lru_cache(maxsize=4096)
-def tag_free_names(kind, inner, word):
-    """Names a tag reads that it does not bind itself (None when it does not parse)."""
-    if kind == "{{":
-        source = "{{ " + inner + " }}"
-    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
-        source = "{% " + inner + " %}{% end" + word + " %}"
-    else:
-        source = "{% " + inner + " %}"
-    try:
-        return frozenset(jinja2_module().meta.find_undeclared_variables(
-            jinja_environment().parse(source)))
-    except Exception:  # a syntax error: leave the tag to the phase that renders it
-        return None
-
-
-def tag_binds(word, inner):
-    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
-    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
-    if word == "for":
-        targets = rest.split(" in ", 1)[0]
-        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
-    if word in ("set", "with"):
-        names = set()
-        targets = rest.split("=", 1)[0] if word == "set" else rest
-        for part in targets.split(","):
-            name = part.split("=", 1)[0].strip()
-            if name.isidentifier():
-                names.add(name)
-        return names
-    if word == "macro":
-        head, _, args = rest.partition("(")
-        names = {head.strip()}
-        for arg in args.rstrip(") ").split(","):
-            name = arg.split("=", 1)[0].strip()
-            if name.isidentifier():
-                names.add(name)
-        return names | {"varargs", "kwargs", "caller"}
-    return set()
-
-
 class TagScope:
     """The names bound at some point of a template: base names plus open for/with/macro blocks."""
 
@@ -8013,28 +8036,6 @@ class TagScope:
 # A block statement walk_tags has entered: its word, whether it was deferred, and the names it
 # bound (added) or hid from Phase A (shadowed) until its {% end... %}.
 OpenBlock = collections.namedtuple("OpenBlock", "word protected added shadowed")
-
-
-def is_block_opener(word, inner):
-    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
-    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
-
-
-def block_body_end(text, pos):
-    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
-    depth = 0
-    for start, _, kind in scan_tags(text, pos):
-        if kind != "{%":
-            continue
-        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
-        word = inner.split(None, 1)[0] if inner else ""
-        if word.startswith("end") and word != "endraw":
-            if depth == 0:
-                return start
-            depth -= 1
-        elif is_block_opener(word, inner):
-            depth += 1
-    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -8226,20 +8227,6 @@ def statement_line_before(text, masked, start, end, key_col):
     return end
 
 
-def check_templates_body(text, pos, file):
-    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
-    to the next line at column 0 (Q3: no statement lines that generate structure)."""
-    lineno, block_col = text.count("\n", 0, pos) + 1, None
-    for line in text[pos:].splitlines(keepends=True):
-        body = line.rstrip("\r\n")
-        indent = len(body) - len(body.lstrip(" "))
-        blank = body.strip() == ""
-        if not blank and indent == 0:
-            return
-        block_col = templates_line(line, indent, blank, block_col, lineno, file)
-        lineno += 1
-
-
 FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
 
 
@@ -8348,28 +8335,6 @@ def document_regions_by_lines(text, masked=None, file=None):
         regions.append(Region(region.start, offset,
                               "section" if region.kind != "field" else "field"))
     return sorted(regions)
-
-
-def templates_line(line, indent, blank, block_col, lineno, file):
-    """One line inside `templates:`; returns the open block scalar's key column (or None).
-
-    INTERPRETATION I-138 §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
-    {% if %} inside string values, but a statement line that would emit YAML structure (a
-    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
-    """
-    if blank:
-        return block_col
-    if block_col is not None and indent > block_col:
-        return block_col
-    stripped = line.strip()
-    if stripped.startswith("{%"):
-        raise ConfigurationError(
-            "a statement that generates YAML structure inside `templates`; declare this "
-            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
-    match = KEY_LINE.match(line.rstrip("\r\n"))
-    if match and BLOCK_SCALAR.match(line[match.end():]):
-        return match.start(2)
-    return None
 
 
 def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJA2"):
@@ -9071,6 +9036,45 @@ def instantiate_string(expansion, body, variables, path, tpath):
         "components": {"agents": result},
         "routing": {"input": {"type": "agent", "name": names[0]},
                     "output": {"type": "agent", "name": names[-1]}}}}
+
+
+BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+def templates_line(line, indent, blank, block_col, lineno, file):
+    """One line inside `templates:`; returns the open block scalar's key column (or None).
+
+    INTERPRETATION I-138 §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
+    {% if %} inside string values, but a statement line that would emit YAML structure (a
+    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
+    """
+    if blank:
+        return block_col
+    if block_col is not None and indent > block_col:
+        return block_col
+    stripped = line.strip()
+    if stripped.startswith("{%"):
+        raise ConfigurationError(
+            "a statement that generates YAML structure inside `templates`; declare this "
+            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+    match = KEY_LINE.match(line.rstrip("\r\n"))
+    if match and BLOCK_SCALAR.match(line[match.end():]):
+        return match.start(2)
+    return None
 
 # §8.10 Composite templates ----------------------------------------------------------------
 def expand_composite(expansion, cfg, path):
