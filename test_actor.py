@@ -10171,7 +10171,7 @@ MUTATION_OUTSIDE_FORMAT = {
         'a call abandoned by a real-time timeout while its code still runs',
     'node_agent: is -> is not | if node.timeout is None:':
         "real time: a node timeout bounds a real-time call (the swap only drops the bound)",
-    'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
+    'CompositeComponents.close: if self.network is not None: -> pass | if self.network is not None:':
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
     'StreamNetwork.settle':
         'real time: it waits only under a real clock (vectors run on a virtual one)',
