@@ -2745,10 +2745,7 @@ COMPOSITE_FIELDS = fields_by_name(
 def check_composite(rt, name, config, path):
     """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
     doc = rt.doc
-    if "strategy" in config:
-        raise doc.error(ConfigurationError, path + ("strategy",),
-                        "composite agents must not declare strategy; use components and routing",
-                        "4.6.3, §16.1")
+    check_composite_restrictions(doc, config, path)
     check_config_fields(rt, config, COMPOSITE_FIELDS, path, "4.6", "composite agent")
     components = config["components"]
     for key, value in components.items():
@@ -2917,22 +2914,20 @@ class CompositeComponents:
 
 
 def component_routes(components):
-    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
+    """§4.6.1: a composite's graphs and streams as `routes` entries, `type` filled in."""
     routes = {}
     for kind in ("graphs", "streams"):
         for local, route in (components.get(kind) or {}).items():
-            route = dict(route) if isinstance(route, dict) else route
-            if isinstance(route, dict) and route.get("type") is None:
-                route["type"] = kind[:-1]
-            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
-                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
+            if isinstance(route, dict) and (route.get("type") is None
+                                            or route_type(route) == kind[:-1]):
+                route = dict(route, type=kind[:-1])        # §11.3(2): case-insensitive
             routes[local] = route
     return routes
 
 
 def check_component_routes(rt, config, path):
-    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
-    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
+    """§4.6.1: a composite's graphs and streams get the checks of the top-level sections, in its
+    scope (§8.7.1: local agents, then the Actor's)."""
     doc = rt.doc
     components = config["components"]
     both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
@@ -2959,7 +2954,7 @@ def check_component_routes(rt, config, path):
     sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
                            doc, path)
     inner = component_runtime(rt, sub_doc, rt.clock)
-    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
+    graphs = [local for local, route in routes.items() if route["type"] == "graph"]
     known = set(routes) | set(RESERVED_STREAM_NAMES)
     for local, route in routes.items():         # §5.5 inside the composite, as check_routes
         for field in ("subscriptions", "publications"):
@@ -2972,7 +2967,7 @@ def check_component_routes(rt, config, path):
                     raise sub_doc.error(ConfigurationError, ("routes", local, field, i),
                                         f"'{target}' is not a component of the composite or a "
                                         "built-in stream", "4.6.1, §5.5")
-    for local in sorted(graphs, key=list(routes).index):
+    for local in graphs:
         check_graph(inner, local, routes[local], ("routes", local), agent_names)
     check_streams(inner, agent_names, graphs)
 
@@ -3141,6 +3136,14 @@ class CompositeAgent(CompositeComponents):
         return emitted[-1].content if emitted else ""
 
 # §4.6.3 Restrictions ---------------------------------------------------------------------
+def check_composite_restrictions(doc, config, path):
+    """§4.6.3, §16.1: a composite's config declares no strategy (check_composite warns about a
+    routing.strategy, I-169)."""
+    if "strategy" in config:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
+
 # §4.7 Chain agents -----------------------------------------------------------------------
 CHAIN_PREFIX = "ChainAgent processed: "
 # INTERPRETATION I-018 §4.7 (Q74): the bare token, no spaces, also before step 1
