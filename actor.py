@@ -2578,10 +2578,7 @@ COMPOSITE_FIELDS = fields_by_name(
 def check_composite(rt, name, config, path):
     """§4.6.1-§4.6.3, §16.1-§16.2: components, explicit routing, no strategy."""
     doc = rt.doc
-    if "strategy" in config:
-        raise doc.error(ConfigurationError, path + ("strategy",),
-                        "composite agents must not declare strategy; use components and routing",
-                        "4.6.3, §16.1")
+    check_composite_restrictions(doc, config, path)
     check_config_fields(rt, config, COMPOSITE_FIELDS, path, "4.6", "composite agent")
     components = config["components"]
     for key, value in components.items():
@@ -2622,69 +2619,6 @@ def check_composite(rt, name, config, path):
                     path=path + ("routing", key))
     check_component_routes(rt, config, path)
 
-# §4.6.1 Components -----------------------------------------------------------------------
-
-
-def component_routes(components):
-    """§4.6.1: graphs and streams of a composite as `routes` entries (their `type` filled in)."""
-    routes = {}
-    for kind in ("graphs", "streams"):
-        for local, route in (components.get(kind) or {}).items():
-            route = dict(route) if isinstance(route, dict) else route
-            if isinstance(route, dict) and route.get("type") is None:
-                route["type"] = kind[:-1]
-            elif isinstance(route, dict) and route_type(route) == kind[:-1]:
-                route["type"] = kind[:-1]             # §11.3(2): case-insensitive
-            routes[local] = route
-    return routes
-
-
-def check_component_routes(rt, config, path):
-    """§4.6.1: a composite's graphs and streams get the checks of their top-level sections, in
-    the composite's scope: local agents first, then the Actor's (§8.7.1 order)."""
-    doc = rt.doc
-    components = config["components"]
-    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
-    if both:
-        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
-                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
-    routes = component_routes(components)
-    for local, route in routes.items():
-        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
-        if str(local).startswith("__"):      # as top-level route names (§5.1, §15.4)
-            raise doc.error(ConfigurationError, path + ("components", kind, local),
-                            f"component name '{local}' is reserved (names starting with __)",
-                            "15.4, §4.6.1")
-        if not isinstance(route, dict):
-            raise doc.error(ConfigurationError, path + ("components", kind, local),
-                            "must be a mapping", "4.6.1")
-        if route_type(route) != kind[:-1]:
-            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
-                            f"a component under {kind} is a {kind[:-1]}, not "
-                            f"'{route.get('type')}'", "4.6.1")
-    if not routes:
-        return
-    agent_names = composite_scope(doc, path)
-    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                           doc, path)
-    inner = component_runtime(rt, sub_doc, rt.clock)
-    graphs = {local for local, route in routes.items() if route["type"] == "graph"}
-    known = set(routes) | set(RESERVED_STREAM_NAMES)
-    for local, route in routes.items():         # §5.5 inside the composite, as check_routes
-        for field in ("subscriptions", "publications"):
-            value = route.get(field)
-            if value is not None and not isinstance(value, list):
-                raise sub_doc.error(ConfigurationError, ("routes", local, field),
-                                    "must be a sequence", "5.5")
-            for i, target in enumerate(value or []):
-                if not is_known(target, known):
-                    raise sub_doc.error(ConfigurationError, ("routes", local, field, i),
-                                        f"'{target}' is not a component of the composite or a "
-                                        "built-in stream", "4.6.1, §5.5")
-    for local in sorted(graphs, key=list(routes).index):
-        check_graph(inner, local, routes[local], ("routes", local), agent_names)
-    check_streams(inner, agent_names, graphs)
-
 
 def component_runtime(rt, sub_doc, clock):
     """The Runtime a composite's components are checked and built in: the outer one's settings,
@@ -2701,29 +2635,20 @@ def component_runtime(rt, sub_doc, clock):
     inner.routing_prefixes = rt.routing_prefixes
     return inner
 
-# §4.6.2 Routing --------------------------------------------------------------------------
-COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
 
-
-class CompositeAgent:
-    """§4.6: nested agents, graphs and streams behind one agent interface.
+class CompositeComponents:
+    """§4.6: a composite's nested agents, graphs and streams, behind the one agent interface that
+    CompositeAgent (§4.6.2) gives them.
 
     {type: composite, config: {components: {agents, graphs, streams}, routing: {input, output},
     expose_params: {...}}}
-    The components live in a Runtime of their own whose agents are the local ones over the outer
-    ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
-    found); it shares the outer clock, context, prompts and settings. Local agents are created
-    with the composite (a `{ref: name}` component is an AgentRef to an agent in scope); its
-    graphs and streams are wired on first use, once every outer agent exists (their static checks
-    ran at validation). One request at a time goes through the wiring.
-    INTERPRETATION I-012 §4.6.2 (Q73): when input and output differ, the input component's result is
-    handed to the output component -- unless the output component is a stream that the input's
-    flow already reached, whose emission is then the response.
-    INTERPRETATION I-013 §4.6.2: a stream component's response is the last message it emits for
-    the request; one that emits nothing and holds nothing (a filter said no) answers the empty
-    string (§4.5.7's rule); one that may still emit (a timer or a reduce) answers when it does
-    (invoke_later, the late-output methods below).
     """
+    # The components live in a Runtime of their own whose agents are the local ones over the outer
+    # ones (§8.7.1 scope order, looked up live, so an outer agent defined after the composite is
+    # found); it shares the outer clock, context, prompts and settings. Local agents are created
+    # with the composite (a `{ref: name}` component is an AgentRef to an agent in scope); its
+    # graphs and streams are wired on first use, once every outer agent exists (their static checks
+    # ran at validation).
 
     type = "composite"
     reads_context = True            # its components get the context
@@ -2804,6 +2729,95 @@ class CompositeAgent:
                 if last["type"] == "stream":
                     self.network.subscribe(last["name"], self._on_output)
             self._built = True
+
+    def close(self):
+        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
+        # Not under self._lock: a timed-out request may still hold it for as long as its call
+        # lasts (§5.3.4), and closing must not wait for that; the Actor's own lock already keeps
+        # close() apart from live requests.
+        if self.network is not None:
+            self.network.close()
+        for graph in list(self.inner.graphs.values()):
+            graph.close()
+        for agent in self.local_agents.values():
+            if isinstance(agent, CompositeAgent):
+                agent.close()
+
+# §4.6.1 Components -----------------------------------------------------------------------
+
+
+def component_routes(components):
+    """§4.6.1: a composite's graphs and streams as `routes` entries, `type` filled in."""
+    routes = {}
+    for kind in ("graphs", "streams"):
+        for local, route in (components.get(kind) or {}).items():
+            if isinstance(route, dict) and (route.get("type") is None
+                                            or route_type(route) == kind[:-1]):
+                route = dict(route, type=kind[:-1])        # §11.3(2): case-insensitive
+            routes[local] = route
+    return routes
+
+
+def check_component_routes(rt, config, path):
+    """§4.6.1: a composite's graphs and streams get the checks of the top-level sections, in its
+    scope (§8.7.1: local agents, then the Actor's)."""
+    doc = rt.doc
+    components = config["components"]
+    both = set(components.get("graphs") or {}) & set(components.get("streams") or {})
+    if both:
+        raise doc.error(ConfigurationError, path + ("components", "streams", sorted(both)[0]),
+                        f"'{sorted(both)[0]}' is both a graph and a stream component", "4.6.1")
+    routes = component_routes(components)
+    for local, route in routes.items():
+        kind = "graphs" if local in (components.get("graphs") or {}) else "streams"
+        if str(local).startswith("__"):      # as top-level route names (§5.1, §15.4)
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            f"component name '{local}' is reserved (names starting with __)",
+                            "15.4, §4.6.1")
+        if not isinstance(route, dict):
+            raise doc.error(ConfigurationError, path + ("components", kind, local),
+                            "must be a mapping", "4.6.1")
+        if route_type(route) != kind[:-1]:
+            raise doc.error(ConfigurationError, path + ("components", kind, local, "type"),
+                            f"a component under {kind} is a {kind[:-1]}, not "
+                            f"'{route.get('type')}'", "4.6.1")
+    if not routes:
+        return
+    agent_names = composite_scope(doc, path)
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
+    inner = component_runtime(rt, sub_doc, rt.clock)
+    graphs = [local for local, route in routes.items() if route["type"] == "graph"]
+    known = set(routes) | set(RESERVED_STREAM_NAMES)
+    for local, route in routes.items():         # §5.5 inside the composite, as check_routes
+        for field in ("subscriptions", "publications"):
+            value = route.get(field)
+            if value is not None and not isinstance(value, list):
+                raise sub_doc.error(ConfigurationError, ("routes", local, field),
+                                    "must be a sequence", "5.5")
+            for i, target in enumerate(value or []):
+                if not is_known(target, known):
+                    raise sub_doc.error(ConfigurationError, ("routes", local, field, i),
+                                        f"'{target}' is not a component of the composite or a "
+                                        "built-in stream", "4.6.1, §5.5")
+    for local in graphs:
+        check_graph(inner, local, routes[local], ("routes", local), agent_names)
+    check_streams(inner, agent_names, graphs)
+
+# §4.6.2 Routing --------------------------------------------------------------------------
+COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's request, inside it
+
+
+# INTERPRETATION I-012 §4.6.2 (Q73): when input and output differ, the input component's result is
+# handed to the output component -- unless the output component is a stream that the input's
+# flow already reached, whose emission is then the response.
+# INTERPRETATION I-013 §4.6.2: a stream component's response is the last message it emits for
+# the request; one that emits nothing and holds nothing (a filter said no) answers the empty
+# string (§4.5.7's rule); one that may still emit (a timer or a reduce) answers when it does
+# (invoke_later, the late-output methods below).
+class CompositeAgent(CompositeComponents):
+    """§4.6.2: the processing logic: dispatch to the input component, let the flow run, collect the
+    output component's response. One request at a time goes through the wiring."""
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -2950,74 +2964,18 @@ class CompositeAgent:
             for entry in list(self._pending):
                 self._settle_request(entry[1], "")
 
-    def close(self):
-        """§12.1 step 8 inside the composite: its wiring, graph workers and nested composites."""
-        # Not under self._lock: a timed-out request may still hold it for as long as its call
-        # lasts (§5.3.4), and closing must not wait for that; the Actor's own lock already keeps
-        # close() apart from live requests.
-        if self.network is not None:
-            self.network.close()
-        for graph in list(self.inner.graphs.values()):
-            graph.close()
-        for agent in self.local_agents.values():
-            if isinstance(agent, CompositeAgent):
-                agent.close()
-
     def _stream_reply(self, name, marks):
         emitted = self._emitted[name][marks[name]:]
         return emitted[-1].content if emitted else ""
 
 # §4.6.3 Restrictions ---------------------------------------------------------------------
-def check_composite_self_reference(doc):
-    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
-    not stand for the composite it sits in, an enclosing one, or -- through other composites'
-    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
-    # INTERPRETATION I-015 §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
-    # that maps the composite again may be bounded by its own conditions, so it is left alone.
-    top = doc.data["agents"]
-    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
-
-    def walk(owner, cfg, path, chain):
-        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
-        first (the Actor's agents, then each enclosing composite's locals)."""
-        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
-            return
-        components = (cfg.get("config") or {}).get("components")
-        local = components.get("agents") if isinstance(components, dict) else None
-        if not isinstance(local, dict):
-            return
-        for lname, sub in local.items():
-            lpath = path + ("config", "components", "agents", lname)
-            if not is_agent_ref(sub):
-                walk(owner, sub, lpath, chain + [(local, lname)])
-                continue
-            target = sub["ref"]
-            scopes = [(local, None)] + list(reversed(chain))
-            for depth, (scope, on_path) in enumerate(scopes):
-                if isinstance(target, str) and target in scope:
-                    if target == on_path:
-                        raise doc.error(ConfigurationError, lpath + ("ref",),
-                                        f"ref '{target}' names a composite that contains it, "
-                                        "so invoking it would never end", "4.6, §8.7.1")
-                    if depth == len(scopes) - 1:            # an agent of the Actor
-                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
-                    break
-
-    for name, cfg in top.items():
-        walk(name, cfg, ("agents", name), [(top, name)])
-    # INTERPRETATION I-168 §4.6, §8.7.1: a ref that leads back to its composite fails the load.
-    for start in edges:                     # a ref cycle through several composites
-        seen, todo = {start}, [start]
-        while todo:
-            for target, where in edges.get(todo.pop(), []):
-                if target == start:
-                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
-                                    f"composite '{start}' through other composites' refs, so "
-                                    "invoking it would never end", "4.6, §8.7.1")
-                if target not in seen:
-                    seen.add(target)
-                    todo.append(target)
-
+def check_composite_restrictions(doc, config, path):
+    """§4.6.3, §16.1: a composite's config declares no strategy (check_composite warns about a
+    routing.strategy, I-169)."""
+    if "strategy" in config:
+        raise doc.error(ConfigurationError, path + ("strategy",),
+                        "composite agents must not declare strategy; use components and routing",
+                        "4.6.3, §16.1")
 
 # §4.7 Chain agents -----------------------------------------------------------------------
 CHAIN_PREFIX = "ChainAgent processed: "
@@ -7461,6 +7419,73 @@ def scan_tags(text, pos=0):
         pos = i + 2
         yield start, pos, kind
 
+
+# Block statements that take an {% end... %} partner.
+BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
+
+
+@functools.lru_cache(maxsize=4096)
+def tag_free_names(kind, inner, word):
+    """Names a tag reads that it does not bind itself (None when it does not parse)."""
+    if kind == "{{":
+        source = "{{ " + inner + " }}"
+    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+        source = "{% " + inner + " %}{% end" + word + " %}"
+    else:
+        source = "{% " + inner + " %}"
+    try:
+        return frozenset(jinja2_module().meta.find_undeclared_variables(
+            jinja_environment().parse(source)))
+    except Exception:  # a syntax error: leave the tag to the phase that renders it
+        return None
+
+
+def tag_binds(word, inner):
+    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
+    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
+    if word == "for":
+        targets = rest.split(" in ", 1)[0]
+        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
+    if word in ("set", "with"):
+        names = set()
+        targets = rest.split("=", 1)[0] if word == "set" else rest
+        for part in targets.split(","):
+            name = part.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names
+    if word == "macro":
+        head, _, args = rest.partition("(")
+        names = {head.strip()}
+        for arg in args.rstrip(") ").split(","):
+            name = arg.split("=", 1)[0].strip()
+            if name.isidentifier():
+                names.add(name)
+        return names | {"varargs", "kwargs", "caller"}
+    return set()
+
+
+def is_block_opener(word, inner):
+    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
+    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
+
+
+def block_body_end(text, pos):
+    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
+    depth = 0
+    for start, _, kind in scan_tags(text, pos):
+        if kind != "{%":
+            continue
+        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
+        word = inner.split(None, 1)[0] if inner else ""
+        if word.startswith("end") and word != "endraw":
+            if depth == 0:
+                return start
+            depth -= 1
+        elif is_block_opener(word, inner):
+            depth += 1
+    return len(text)
+
 # §8.2 Document-level rendering lifecycle -----------------------------------------------
 def render_document(text, render_context=None, engine="JINJA2", *, file=None, sandbox=None):
     """§8.2 steps 1-2: the raw text of one document -> the text to parse as YAML (Phase A).
@@ -7735,13 +7760,10 @@ RUNTIME_FIELDS = {   # (where, field) -> §: the fields that render at Phase C (
 DEFERRED_SECTIONS = ("templates", "template_strings")
 # Names that only exist at Phase C: never treated as bound at Phase A or B (Q46, Q47).
 RUNTIME_NAMES = frozenset({"context", "message"})
-# Block statements that take an {% end... %} partner.
-BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
 
 KEY_LINE = re.compile(r"( *)(?:- +)*"                          # indent, sequence dashes
                       r"(\"[^\"]*\"|'[^']*'|[^\s#'\"\-][^:#]*?|-[^\s:#][^:#]*?)"   # the key
                       r" *:(?= |\n|$)")
-BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
 
 
 def is_runtime_field(keys):
@@ -7793,47 +7815,6 @@ def restore_sentinels(data):
     return walk_document(data, restore)
 
 
-@functools.lru_cache(maxsize=4096)
-def tag_free_names(kind, inner, word):
-    """Names a tag reads that it does not bind itself (None when it does not parse)."""
-    if kind == "{{":
-        source = "{{ " + inner + " }}"
-    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
-        source = "{% " + inner + " %}{% end" + word + " %}"
-    else:
-        source = "{% " + inner + " %}"
-    try:
-        return frozenset(jinja2_module().meta.find_undeclared_variables(
-            jinja_environment().parse(source)))
-    except Exception:  # a syntax error: leave the tag to the phase that renders it
-        return None
-
-
-def tag_binds(word, inner):
-    """Names a Phase A/B statement binds for what follows it (for targets, set/with targets)."""
-    rest = inner.split(None, 1)[1] if " " in inner.strip() else ""
-    if word == "for":
-        targets = rest.split(" in ", 1)[0]
-        return {t.strip(" ()") for t in targets.split(",") if t.strip(" ()")} | {"loop"}
-    if word in ("set", "with"):
-        names = set()
-        targets = rest.split("=", 1)[0] if word == "set" else rest
-        for part in targets.split(","):
-            name = part.split("=", 1)[0].strip()
-            if name.isidentifier():
-                names.add(name)
-        return names
-    if word == "macro":
-        head, _, args = rest.partition("(")
-        names = {head.strip()}
-        for arg in args.rstrip(") ").split(","):
-            name = arg.split("=", 1)[0].strip()
-            if name.isidentifier():
-                names.add(name)
-        return names | {"varargs", "kwargs", "caller"}
-    return set()
-
-
 class TagScope:
     """The names bound at some point of a template: base names plus open for/with/macro blocks."""
 
@@ -7846,28 +7827,6 @@ class TagScope:
 # A block statement walk_tags has entered: its word, whether it was deferred, and the names it
 # bound (added) or hid from Phase A (shadowed) until its {% end... %}.
 OpenBlock = collections.namedtuple("OpenBlock", "word protected added shadowed")
-
-
-def is_block_opener(word, inner):
-    """Does this statement take an {% end... %} partner? (`set x = ...` does not)."""
-    return word in BLOCK_PAIRS and not (word == "set" and "=" in inner)
-
-
-def block_body_end(text, pos):
-    """Offset of the {% end... %} tag closing the block whose body starts at `pos`."""
-    depth = 0
-    for start, _, kind in scan_tags(text, pos):
-        if kind != "{%":
-            continue
-        inner = text[start + 2:text.find("%}", start)].strip("-+ \t\r\n")
-        word = inner.split(None, 1)[0] if inner else ""
-        if word.startswith("end") and word != "endraw":
-            if depth == 0:
-                return start
-            depth -= 1
-        elif is_block_opener(word, inner):
-            depth += 1
-    return len(text)
 
 
 def walk_tags(text, scope, defer, need_names=False):
@@ -8059,20 +8018,6 @@ def statement_line_before(text, masked, start, end, key_col):
     return end
 
 
-def check_templates_body(text, pos, file):
-    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
-    to the next line at column 0 (Q3: no statement lines that generate structure)."""
-    lineno, block_col = text.count("\n", 0, pos) + 1, None
-    for line in text[pos:].splitlines(keepends=True):
-        body = line.rstrip("\r\n")
-        indent = len(body) - len(body.lstrip(" "))
-        blank = body.strip() == ""
-        if not blank and indent == 0:
-            return
-        block_col = templates_line(line, indent, blank, block_col, lineno, file)
-        lineno += 1
-
-
 FLOW_ITEM = re.compile(r" *(?:- +)+(?=[\[{])")
 
 
@@ -8181,28 +8126,6 @@ def document_regions_by_lines(text, masked=None, file=None):
         regions.append(Region(region.start, offset,
                               "section" if region.kind != "field" else "field"))
     return sorted(regions)
-
-
-def templates_line(line, indent, blank, block_col, lineno, file):
-    """One line inside `templates:`; returns the open block scalar's key column (or None).
-
-    INTERPRETATION I-138 §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
-    {% if %} inside string values, but a statement line that would emit YAML structure (a
-    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
-    """
-    if blank:
-        return block_col
-    if block_col is not None and indent > block_col:
-        return block_col
-    stripped = line.strip()
-    if stripped.startswith("{%"):
-        raise ConfigurationError(
-            "a statement that generates YAML structure inside `templates`; declare this "
-            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
-    match = KEY_LINE.match(line.rstrip("\r\n"))
-    if match and BLOCK_SCALAR.match(line[match.end():]):
-        return match.start(2)
-    return None
 
 
 def protect_runtime_fields(text, render_context=None, *, file=None, engine="JINJA2"):
@@ -8652,6 +8575,57 @@ def check_agent_ref(doc, local, cfg, path, scope, siblings):
                         "8.7.1")
 
 
+def check_composite_self_reference(doc):
+    """§4.6, §8.7.1: a `{ref: name}` component (also one an `agent_ref` parameter filled in) must
+    not stand for the composite it sits in, an enclosing one, or -- through other composites'
+    refs -- lead back to it: invoking it would never end. Refused at load, located at the ref."""
+    # INTERPRETATION I-015 §4.6.1, §8.7.1 (new): only refs are followed; a graph or stream component
+    # that maps the composite again may be bounded by its own conditions, so it is left alone.
+    top = doc.data["agents"]
+    edges = {}                     # top-level agent -> [(top-level agent it refs, path of the ref)]
+
+    def walk(owner, cfg, path, chain):
+        """chain: [(scope mapping, name of the composite on our path in that scope)], outermost
+        first (the Actor's agents, then each enclosing composite's locals)."""
+        if not isinstance(cfg, dict) or cfg.get("type") != "composite":
+            return
+        components = (cfg.get("config") or {}).get("components")
+        local = components.get("agents") if isinstance(components, dict) else None
+        if not isinstance(local, dict):
+            return
+        for lname, sub in local.items():
+            lpath = path + ("config", "components", "agents", lname)
+            if not is_agent_ref(sub):
+                walk(owner, sub, lpath, chain + [(local, lname)])
+                continue
+            target = sub["ref"]
+            scopes = [(local, None)] + list(reversed(chain))
+            for depth, (scope, on_path) in enumerate(scopes):
+                if isinstance(target, str) and target in scope:
+                    if target == on_path:
+                        raise doc.error(ConfigurationError, lpath + ("ref",),
+                                        f"ref '{target}' names a composite that contains it, "
+                                        "so invoking it would never end", "4.6, §8.7.1")
+                    if depth == len(scopes) - 1:            # an agent of the Actor
+                        edges.setdefault(owner, []).append((target, lpath + ("ref",)))
+                    break
+
+    for name, cfg in top.items():
+        walk(name, cfg, ("agents", name), [(top, name)])
+    # INTERPRETATION I-168 §4.6, §8.7.1: a ref that leads back to its composite fails the load.
+    for start in edges:                     # a ref cycle through several composites
+        seen, todo = {start}, [start]
+        while todo:
+            for target, where in edges.get(todo.pop(), []):
+                if target == start:
+                    raise doc.error(ConfigurationError, where, f"ref '{target}' leads back to "
+                                    f"composite '{start}' through other composites' refs, so "
+                                    "invoking it would never end", "4.6, §8.7.1")
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+
+
 class AgentRef:
     """A composite's `{ref: name}` component: stands for the agent `name` of the enclosing scope,
     looked up when used (it may be declared after the composite)."""
@@ -8904,6 +8878,45 @@ def instantiate_string(expansion, body, variables, path, tpath):
         "components": {"agents": result},
         "routing": {"input": {"type": "agent", "name": names[0]},
                     "output": {"type": "agent", "name": names[-1]}}}}
+
+
+BLOCK_SCALAR = re.compile(r" *[|>][-+0-9]* *(#.*)?\n?$")
+
+
+def check_templates_body(text, pos, file):
+    """Run templates_line over the lines of a block `templates:` body that starts at `pos`, up
+    to the next line at column 0 (Q3: no statement lines that generate structure)."""
+    lineno, block_col = text.count("\n", 0, pos) + 1, None
+    for line in text[pos:].splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        indent = len(body) - len(body.lstrip(" "))
+        blank = body.strip() == ""
+        if not blank and indent == 0:
+            return
+        block_col = templates_line(line, indent, blank, block_col, lineno, file)
+        lineno += 1
+
+
+def templates_line(line, indent, blank, block_col, lineno, file):
+    """One line inside `templates:`; returns the open block scalar's key column (or None).
+
+    INTERPRETATION I-138 §16.2 vs §8.9 (Q3): a `templates` body may hold value expressions and
+    {% if %} inside string values, but a statement line that would emit YAML structure (a
+    {% for %} or {% if %} between keys or items) is rejected: it belongs in template_strings.
+    """
+    if blank:
+        return block_col
+    if block_col is not None and indent > block_col:
+        return block_col
+    stripped = line.strip()
+    if stripped.startswith("{%"):
+        raise ConfigurationError(
+            "a statement that generates YAML structure inside `templates`; declare this "
+            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+    match = KEY_LINE.match(line.rstrip("\r\n"))
+    if match and BLOCK_SCALAR.match(line[match.end():]):
+        return match.start(2)
+    return None
 
 # §8.10 Composite templates ----------------------------------------------------------------
 def expand_composite(expansion, cfg, path):

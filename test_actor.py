@@ -266,11 +266,7 @@ BANNER_RATIO_MAX = 12.0
 # Above 12x today, with the ratio each may not exceed (a ratchet) and why it is above:
 BANNERS_ABOVE_RATIO = {
     "3.1": 19.3,        # a YAML 1.2 core-schema loader and scanner on top of pyyaml (which speaks 1.1)
-    "4.6.1": 16.1,      # a composite's components get every check of the top-level sections
-    "4.6.2": 19.0,      # the composite's routing, stream and graph outputs collected as replies
-    "4.6.3": 14.4,      # a ref chain leading back to its composite, found at load
     "6.6": 13.0,        # checkpoints, restore that trusts nothing on disk, time travel
-    "8.4": 14.4,        # the line scanner that protects runtime fields before Phase A
     "13.2": 30.0,       # the allowlist of syntax and attributes, and the size rule's table beside it
 }
 
@@ -10171,7 +10167,7 @@ MUTATION_OUTSIDE_FORMAT = {
         'a call abandoned by a real-time timeout while its code still runs',
     'node_agent: is -> is not | if node.timeout is None:':
         "real time: a node timeout bounds a real-time call (the swap only drops the bound)",
-    'CompositeAgent.close: if self.network is not None: -> pass | if self.network is not None:':
+    'CompositeComponents.close: if self.network is not None: -> pass | if self.network is not None:':
         'the vector format has no step after the Actor shuts down (§12.1 step 8)',
     'StreamNetwork.settle':
         'real time: it waits only under a real clock (vectors run on a virtual one)',
