@@ -205,6 +205,18 @@ ERROR_CATEGORIES = {cls.__name__: cls for cls in (
     TemplateError, ExecutionError, ApplicationError, StreamRoutingError)}
 
 
+def error(cls, message, section=None, *, path=None, file=None, line=None, col=None):
+    """The one constructor of errors; callers `raise error(ExecutionError, message, "6.3")`, or
+    `raise doc.error(...)` where a document path locates it (Doc.error finds the line, then calls
+    this). `path` may be a config path tuple. A built-in class (TypeError, ...) is what sandboxed
+    code must see from Python itself: it gets the message alone."""
+    if not issubclass(cls, ActorError):
+        return cls(message)
+    if isinstance(path, tuple):
+        path = path_str(path)
+    return cls(message, path=path, section=section, file=file, line=line, col=col)
+
+
 # Config paths and source locations ----------------------------------------------------
 def path_str(path):
     """('routes', 'main', 'edges', 2, 'target') -> 'routes.main.edges[2].target'."""
@@ -264,7 +276,7 @@ class Doc:
             path, wanted = misspelt
             message = f"unknown key '{path[-1]}' (did you mean '{wanted}'?); without it: {message}"
         file, line, col = self.locate(path)
-        return cls(message, path=path_str(path), section=section, file=file, line=line, col=col)
+        return error(cls, message, section, path=path_str(path), file=file, line=line, col=col)
 
     def misspelling(self, path):
         """(path of a key near `path`'s first key the source did not write, that key), or
