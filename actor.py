@@ -1497,8 +1497,8 @@ class LLMAgent:
         except ExecutionError as exc:
             note_llm_call(rt, call, started, scrub_key(exc.message, self._api_key))
             reason = scrub_key(exc.message, self._api_key)
-            raise ExecutionError(f"agent '{self.name}' (llm): {reason}",
-                                 section=exc.section or "4.4") from None
+            raise error(ExecutionError, f"agent '{self.name}' (llm): {reason}",
+                        exc.section or "4.4") from None
         note_llm_call(rt, call, started)
         self.last_usage = call.get("usage")     # the vendor's token counts, for the reply's map
         # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
@@ -1613,9 +1613,8 @@ def check_providers(rt, agents):
                                f"provider '{configured}' is not available in this host "
                                f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
-            raise AgentCreationError(f"host provider override '{used}' is not available "
-                                     f"(available: {', '.join(sorted(PROVIDERS))})",
-                                     section="4.4.1")
+            raise error(AgentCreationError, f"host provider override '{used}' is not available "
+                        f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
 
 
 def resolve_api_key(rt, provider, explicit):
@@ -1697,9 +1696,9 @@ def check_structured_support(agent, rf):
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
-        raise ExecutionError(f"agent '{agent.name}' (llm): provider '{agent.provider}' has no "
-                             f"structured output of type '{rf.get('type')}' (supported: {can})",
-                             section="4.4.3")
+        raise error(ExecutionError, f"agent '{agent.name}' (llm): provider '{agent.provider}' "
+                    f"has no structured output of type '{rf.get('type')}' (supported: {can})",
+                    "4.4.3")
 
 
 # §4.4.4 Memory and history -------------------------------------------------------------
@@ -1765,8 +1764,8 @@ def effective_temperature(agent, ctx):
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
-        raise ExecutionError(f"agent '{agent.name}' (llm): _temperature_override {override!r} is "
-                             f"not a number in [{low}, {high}]", section="4.4.5")
+        raise error(ExecutionError, f"agent '{agent.name}' (llm): _temperature_override "
+                    f"{override!r} is not a number in [{low}, {high}]", "4.4.5")
     return float(override)
 
 
@@ -2442,13 +2441,13 @@ def tool_request(agent, content):
         except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
-                raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
-                                     path=agent.who, section="4.5.3") from None
+                raise error(ExecutionError, INVALID_JSON_IN_TOOL_REQUEST,
+                            path=agent.who, section="4.5.3") from None
     if parsed is not None and isinstance(parsed, dict) and "tool" in parsed:
         name = parsed["tool"]
         if not isinstance(name, str):
-            raise ExecutionError("the `tool` key of a tool request must be a tool name",
-                                 path=agent.who, section="4.5.3")
+            raise error(ExecutionError, "the `tool` key of a tool request must be a tool name",
+                        path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
     # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the
     # command form, as written.
@@ -3015,8 +3014,8 @@ class CompositeAgent:
         if not reply.done:
             self._settle_request(reply, "")
         if reply.error is not None:
-            raise ExecutionError(f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
-                                 section="4.6.2, §5.3.4")
+            raise error(ExecutionError, f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
+                        "4.6.2, §5.3.4")
         return reply.value
 
     def invoke_later(self, content, ctx):
@@ -3058,8 +3057,8 @@ class CompositeAgent:
                 self._current = outer
         # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
         if failed:
-            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
-                                 section="4.6.2")
+            raise error(ExecutionError, f"agent '{self.name}' (composite): {failed[0].content}",
+                        "4.6.2")
         return result
 
     # -- output that comes later (§4.6.2 item 4) ------------------------------------------
@@ -4468,8 +4467,8 @@ def call_abandoned():
 def check_not_abandoned(who, section="5.3.4"):
     """Raise ExecutionError when the running call was abandoned (its result goes nowhere)."""
     if call_abandoned():
-        raise ExecutionError(f"{who}: the call timed out earlier; its late result is dropped",
-                             section=section)
+        raise error(ExecutionError, f"{who}: the call timed out earlier; its late result is "
+                    "dropped", section)
 
 
 # What the running call chain holds: (object, thread ident) for every composite entered up the
@@ -4490,9 +4489,9 @@ def hold_in_chain(obj, who):
     held = _CHAIN_HOLDS.get()
     for other, ident in held:
         if other is obj and ident != me:
-            raise ExecutionError(f"{who} is entered again from a parallel branch or bounded "
-                                 "call of its own request, which it waits for (a deadlock)",
-                                 section="6.7")
+            raise error(ExecutionError, f"{who} is entered again from a parallel branch or bounded "
+                        "call of its own request, which it waits for (a deadlock)",
+                        "6.7")
     return _CHAIN_HOLDS.set(held + ((obj, me),))
 
 
@@ -5148,9 +5147,9 @@ class StreamNetwork:
         elif target in self.nodes and target not in (OUTPUT, ERROR):
             push = self.nodes[target].push
         else:
-            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+            raise error(RoutingError, f"no route or input stream named {target!r}", "5.1")
         if stream.done:
-            raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+            raise error(StreamRoutingError, "__input__ has completed; no more messages", "5.5")
         meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
@@ -5207,8 +5206,8 @@ class StreamNetwork:
         Host-side only, so it may watch the §6.10 graph-internal streams (in mixed mode)."""
         node = self.nodes.get(name)
         if node is None:
-            raise RoutingError(f"no stream named {name!r} to subscribe to (streams: "
-                               f"{', '.join(sorted(self.nodes))})", section="5.1")
+            raise error(RoutingError, f"no stream named {name!r} to subscribe to (streams: "
+                        f"{', '.join(sorted(self.nodes))})", "5.1")
         node.out.subscribe(fn)
 
     def watch(self, fn):
@@ -5739,8 +5738,8 @@ class GraphRoute:
         name = normalize_node_name(node_name)
         node = self.nodes.get(name)
         if node is None:
-            raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
-                                 path=path_str(self.path), section="5.3.2")
+            raise error(ExecutionError, f"graph '{self.name}' has no node '{node_name}'",
+                        path=path_str(self.path), section="5.3.2")
         if node.type in (START_NODE, END_NODE):
             return content                          # they pass the message on, updating nothing
         with self._lock:
@@ -5856,8 +5855,8 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is "
-                                 "off)", path=path_str(self.path), section="6.6")
+            raise error(ExecutionError, f"graph '{self.name}' has no checkpoint_dir "
+                        "(checkpointing is off)", path=path_str(self.path), section="6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
@@ -5879,8 +5878,8 @@ class GraphRoute:
             try:
                 self.store.flush()
             except (OSError, ValueError) as exc:
-                raise ExecutionError(f"graph '{self.name}' cannot write a checkpoint: {exc}",
-                                     path=path_str(self.path), section="6.6") from None
+                raise error(ExecutionError, f"graph '{self.name}' cannot write a checkpoint: {exc}",
+                            path=path_str(self.path), section="6.6") from None
 
     def restore(self, path=None):
         """Replace the state by a checkpoint file's (default: the latest); return the path used."""
@@ -6202,7 +6201,7 @@ def invoke_with_timeout(agent, content, ctx, timeout):
     finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
                                   f"node-agent-{agent.name}")
     if not finished:
-        raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
+        raise error(ExecutionError, f"agent '{agent.name}' timed out after {timeout} s", "6.2.2")
     return reply
 
 
@@ -6239,8 +6238,8 @@ def node_agent(graph, node, message, state):
             if attempt >= node.retries or call_abandoned():     # a zombie never tries again
                 if isinstance(exc, ActorError):
                     raise
-                raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
-                                     f"'{node.agent}' failed: {exc}", section="6.2.2") from exc
+                raise error(ExecutionError, f"graph '{graph.name}' node '{node.name}': agent "
+                            f"'{node.agent}' failed: {exc}", "6.2.2") from exc
             attempt += 1
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
@@ -6745,11 +6744,11 @@ def apply_state_update(state, update, mode="merge"):
     # INTERPRETATION I-108 §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
     # the 50-message cap holds after every mode, replace included.
     if mode not in UPDATE_MODES:
-        raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+        raise error(ExecutionError, f"unknown state update mode '{mode}'", "6.3.2")
     for key, value in update.items():
         reason = key in state and state_field_refusal(key, value, mode)
         if reason:
-            raise ExecutionError(f"{reason}; the state is unchanged", section="6.3.1")
+            raise error(ExecutionError, f"{reason}; the state is unchanged", "6.3.1")
     apply = UPDATE_MODES[mode]
     extra = {key: value for key, value in update.items() if key not in state}
     for key, value in update.items():
@@ -7663,8 +7662,8 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None, sa
         return (sandbox or InProcessSandbox()).render(text, dict(render_context or {}), engine,
                                                       phase="A")
     except TemplateError as exc:
-        raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
-                                 file=file, line=exc.line) from exc
+        raise error(ConfigurationError, f"Phase A rendering failed: {exc.message}", "8.12",
+                    file=file, line=exc.line) from exc
 
 # INTERPRETATION I-021 §3.2, §8.1, §8.12: errors after Phase A name the raw line (a heuristic).
 class RenderedLines:
@@ -7765,7 +7764,7 @@ def template_range(*args):
     """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
     seq = range(*args)
     if len(seq) > MAX_RANGE:
-        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+        raise error(TemplateError, f"range of {len(seq)} items exceeds {MAX_RANGE}", "8.3")
     return seq
 
 
@@ -7790,7 +7789,7 @@ def filter_tojson(value, indent=None):
     try:
         return json.dumps(value, ensure_ascii=False, indent=indent, default=_json_mapping)
     except (TypeError, ValueError) as exc:
-        raise TemplateError(f"tojson: {exc}", section="8.3") from exc
+        raise error(TemplateError, f"tojson: {exc}", "8.3") from exc
 
 
 def _json_mapping(value):
@@ -7848,7 +7847,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     op = {"eq": "==", "equalto": "==", "ne": "!=", "gt": ">", "greaterthan": ">", "lt": "<",
           "lessthan": "<", "ge": ">=", "le": "<="}.get(op, op)
     if op is not None and op not in SELECT_OPERATORS:
-        raise TemplateError(f"selectattr: unknown operator {op!r}", section="8.3")
+        raise error(TemplateError, f"selectattr: unknown operator {op!r}", "8.3")
     out = []
     for item in items:
         got = _item_attr(item, attr)
@@ -8375,9 +8374,9 @@ def templates_line(line, indent, blank, block_col, lineno, file):
         return block_col
     stripped = line.strip()
     if stripped.startswith("{%"):
-        raise ConfigurationError(
+        raise error(ConfigurationError, 
             "a statement that generates YAML structure inside `templates`; declare this "
-            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+            "template under template_strings", "16.2, 8.9", file=file, line=lineno)
     match = KEY_LINE.match(line.rstrip("\r\n"))
     if match and BLOCK_SCALAR.match(line[match.end():]):
         return match.start(2)
@@ -9199,7 +9198,7 @@ def jinja2_module():
         import jinja2.meta
         import jinja2.sandbox
     except ImportError:
-        raise TemplateError(JINJA2_MISSING, section="9.2") from None
+        raise error(TemplateError, JINJA2_MISSING, "9.2") from None
     return jinja2
 
 
@@ -9294,8 +9293,8 @@ def template_lipsum(n=5, html=True, min=20, max=100):
     """jinja2's `lipsum` global within the render budget (T3): its word loop never ticks, so
     the words it may write are bounded up front."""
     if not all(type(value) is int for value in (n, min, max)) or n * max > LIPSUM_MAX_WORDS:
-        raise TemplateError(f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
-                            section="13.2")
+        raise error(TemplateError, f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
+                    "13.2")
     return jinja2_module().utils.generate_lorem_ipsum(n, html, min, max)
 
 
@@ -9404,7 +9403,7 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
             sigil = text[inner] if inner < n else ""
         end = text.find(close, inner)
         if end < 0:
-            raise TemplateError(f"MUSTACHE: unclosed tag at offset {start}", section="9.2")
+            raise error(TemplateError, f"MUSTACHE: unclosed tag at offset {start}", "9.2")
         body = text[inner:end]
         after = end + len(close)
         if sigil in "#^/!>=&":
@@ -9412,10 +9411,10 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
         if sigil == "=":
             body = body.rstrip()
             if not body.endswith("="):
-                raise TemplateError("MUSTACHE: malformed set-delimiter tag", section="9.2")
+                raise error(TemplateError, "MUSTACHE: malformed set-delimiter tag", "9.2")
             parts = body[:-1].split()
             if len(parts) != 2:
-                raise TemplateError("MUSTACHE: set-delimiter needs two delimiters", section="9.2")
+                raise error(TemplateError, "MUSTACHE: set-delimiter needs two delimiters", "9.2")
         name = body.strip()
         before = text[pos:start]
         indent = ""
@@ -9448,14 +9447,14 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
             nodes = section.nodes
         elif sigil == "/":
             if not stack or stack[-1][0] != name:
-                raise TemplateError(f"MUSTACHE: unexpected closing tag {name!r}", section="9.2")
+                raise error(TemplateError, f"MUSTACHE: unexpected closing tag {name!r}", "9.2")
             nodes = stack.pop()[1]
         elif sigil == ">":
             nodes.append(MPartial(name, indent))
         else:
             nodes.append(MVar(name, sigil not in "&{"))
     if stack:
-        raise TemplateError(f"MUSTACHE: unclosed section {stack[-1][0]!r}", section="9.2")
+        raise error(TemplateError, f"MUSTACHE: unclosed section {stack[-1][0]!r}", "9.2")
     return root
 
 
@@ -9515,7 +9514,7 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
         else:  # MPartial
             tick()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
-                raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
+                raise error(TemplateError, "MUSTACHE: partials nest deeper than 100", "9.2")
             source = (partials or {}).get(node.name)
             if source is None:
                 continue
@@ -9553,7 +9552,7 @@ def simple_parts(text):
             return tuple(parts)
         end = text.find("}}", start + 2)
         if end < 0:
-            raise TemplateError("SIMPLE: '{{' without a closing '}}'", section="9.2")
+            raise error(TemplateError, "SIMPLE: '{{' without a closing '}}'", "9.2")
         parts += [(False, text[pos:start]), (True, text[start + 2:end].strip())]
         pos = end + 2
 
@@ -9580,7 +9579,7 @@ def simple_field(variables, field):
         elif ch == "[":
             close = field.find("]", i)
             if close < 0:
-                raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+                raise error(TemplateError, f"SIMPLE: bad field {{{field}}}", "9.2")
             parts.append(token)
             token = field[i + 1:close]
             i = close
@@ -9589,7 +9588,7 @@ def simple_field(variables, field):
         i += 1
     parts.append(token)
     if "" in parts:     # a standard format field has no empty name, key or attribute (§9.2)
-        raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+        raise error(TemplateError, f"SIMPLE: bad field {{{field}}}", "9.2")
     value = variables
     for part in parts:
         if isinstance(value, dict) and part in value:
@@ -9597,8 +9596,8 @@ def simple_field(variables, field):
         elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
         else:
-            raise TemplateError(f"SIMPLE: unknown name {{{field}}} in format substitution",
-                                section="9.2")
+            raise error(TemplateError, f"SIMPLE: unknown name {{{field}}} in format substitution",
+                        "9.2")
     return value
 
 
@@ -9608,7 +9607,7 @@ def simple_format(text, variables):
     try:
         pieces = list(string.Formatter().parse(text))
     except ValueError as exc:
-        raise TemplateError(f"SIMPLE: format substitution: {exc}", section="9.2") from exc
+        raise error(TemplateError, f"SIMPLE: format substitution: {exc}", "9.2") from exc
     for literal, field, spec, conversion in pieces:
         out.append(literal)
         if field is None:
@@ -9622,7 +9621,7 @@ def simple_format(text, variables):
         try:
             out.append(format(value, spec))
         except (ValueError, TypeError) as exc:
-            raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
+            raise error(TemplateError, f"SIMPLE: {{{field}}}: {exc}", "9.2") from exc
     return "".join(out)
 
 
@@ -9666,13 +9665,13 @@ def _render_simple(text, variables, format_pass):
                 inside = _simple_field_open(part, inside)
             continue
         if inside:
-            raise TemplateError("SIMPLE: a format field may not hold a {{ }} result (it is "
-                                "data, never template source)", section="9.2")
+            raise error(TemplateError, "SIMPLE: a format field may not hold a {{ }} result (it is "
+                        "data, never template source)", "9.2")
         names = names if names is not None else simple_names(variables)
         try:
             value = eval_expression_text(part, names)
         except ActorError as exc:
-            raise TemplateError(f"SIMPLE: {{{{ {part} }}}}: {exc.message}", section="9.2") from exc
+            raise error(TemplateError, f"SIMPLE: {{{{ {part} }}}}: {exc.message}", "9.2") from exc
         value = "" if value is None else str(value)
         out.append(value.replace("{", "{{").replace("}", "}}") if format_pass else value)
     text = "".join(out)
@@ -9693,8 +9692,8 @@ def engine_name(engine):
     """§9.2 for render(): default JINJA2; unknown -> TemplateError."""
     name = engine_key(engine or "JINJA2")
     if name is None:
-        raise TemplateError(f"unknown template_engine {engine!r}: use one of {', '.join(ENGINES)}",
-                            section="9.2")
+        raise error(TemplateError, f"unknown template_engine {engine!r}: use one of "
+                    f"{', '.join(ENGINES)}", "9.2")
     return name
 
 
@@ -9708,7 +9707,7 @@ def render(text, variables, engine="JINJA2", partials=None):
     if handler is render_jinja2 and isinstance(variables, ChainMap):
         return handler(text, variables, partials)       # a view (runtime_variables): read through
     if handler is not render_mustache and not isinstance(variables, dict):
-        raise TemplateError("variables must be a mapping for JINJA2 and SIMPLE", section="9.2")
+        raise error(TemplateError, "variables must be a mapping for JINJA2 and SIMPLE", "9.2")
     return handler(text, variables, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
@@ -9932,8 +9931,8 @@ def context_data(value, where, memo=None):
         value = plain(value)
         kind = type(value)
     if kind not in CONTEXT_DATA_TYPES:
-        raise ExecutionError(f"{where} may store only data in the context, not a "
-                             f"{kind.__name__}", section="10.2, §13.2")
+        raise error(ExecutionError, f"{where} may store only data in the context, not a "
+                    f"{kind.__name__}", "10.2, §13.2")
     if kind not in (dict, list, tuple, set, frozenset):
         return value
     memo = {} if memo is None else memo
@@ -9942,8 +9941,8 @@ def context_data(value, where, memo=None):
     if kind is dict:
         bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
         if bad:
-            raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
-                                 section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+            raise error(ExecutionError, f"{where} may not set '{bad[0]}': the host sets it",
+                        HOST_ONLY_CONTEXT_KEYS[bad[0]])
         memo[id(value)] = copied = {}
         for key, item in value.items():
             copied[context_data(key, where, memo)] = context_data(item, where, memo)
@@ -9971,10 +9970,10 @@ def read_only_value(value):
 
 def _check_write(view, key):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
-        raise ExecutionError("a template may not change the context", section="8.11")
+        raise error(ExecutionError, "a template may not change the context", "8.11")
     if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
-        raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
-                             section="10.3, §15.4")
+        raise error(ExecutionError, f"context key '{key}' is reserved (keys starting with __)",
+                    "10.3, §15.4")
     refuse_host_keys({key: None}, "configuration code")          # a delete as well
     check_not_abandoned("inline code")
 
@@ -10025,8 +10024,8 @@ def refuse_host_keys(mapping, where):
         if kind is dict:
             bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
             if bad:
-                raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
-                                     section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+                raise error(ExecutionError, f"{where} may not set '{bad[0]}': the host sets it",
+                            HOST_ONLY_CONTEXT_KEYS[bad[0]])
             stack.extend(value.values())
         else:
             stack.extend(value)
@@ -10367,11 +10366,11 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
-                                     file=file) from None
+            raise error(ConfigurationError, f"document is not UTF-8: {exc}", "3.1",
+                        file=file) from None
     if not isinstance(raw, str):
-        raise ConfigurationError(f"document text must be a string, not {type(raw).__name__}",
-                                 section="3.1", file=file)
+        raise error(ConfigurationError, f"document text must be a string, not {type(raw).__name__}",
+                    "3.1", file=file)
     refuse_lone_surrogate(raw, file)        # before Phase A, which could drop it unseen
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
@@ -10379,7 +10378,7 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
     try:
         rendered = render_document(raw, render_context, engine, file=file, sandbox=sandbox)
     except RecursionError:      # Phase A reads the YAML shape of the text to protect fields
-        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
+        raise error(ConfigurationError, "document nests too deeply", "3.1", file=file) from None
     lines = RenderedLines(raw, rendered) if rendered != raw else None
     try:
         data, marks = parse_yaml(rendered, file)
@@ -10462,11 +10461,11 @@ def check_host_parameters(render_context, template_engine, context):
     for value, what, section in ((render_context, "render_context", "8.2"),
                                  (context, "context", "10.3")):
         if value is not None and not isinstance(value, dict):
-            raise ConfigurationError(f"the host's {what} must be a mapping, not "
-                                     f"{type(value).__name__}", section=section)
+            raise error(ConfigurationError, f"the host's {what} must be a mapping, not "
+                        f"{type(value).__name__}", section)
     if template_engine is not None and engine_key(template_engine) is None:
-        raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
-                                 f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
+        raise error(ConfigurationError, f"unknown template_engine '{template_engine}' given by "
+                    f"the host (JINJA2, MUSTACHE or SIMPLE)", "9.2")
 
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
@@ -10479,8 +10478,8 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport, reference=reference)
     if isolation not in ISOLATION:
-        raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "
-                                 f"{', '.join(map(repr, ISOLATION))}", section="13.2")
+        raise error(ConfigurationError, f"unknown isolation {isolation!r}: use one of "
+                    f"{', '.join(map(repr, ISOLATION))}", "13.2")
     rt.sandbox = ISOLATION[isolation]()
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     check_host_parameters(render_context, template_engine, context)
@@ -11555,8 +11554,8 @@ def check_sentinels(text, file):
         if index >= 0:
             line = text.count("\n", 0, index) + 1
             col = index - (text.rfind("\n", 0, index) + 1) + 1
-            raise ConfigurationError(f"the reserved sentinel {sentinel} appears in the document",
-                                     section="15.5", file=file, line=line, col=col)
+            raise error(ConfigurationError, f"the reserved sentinel {sentinel} appears in the "
+                        "document", "15.5", file=file, line=line, col=col)
 
 # §15.6 Internal stream name patterns -----------------------------------------------------
 # A user document may name, as a stream, a route, a merge or split target, or one of the
@@ -12250,9 +12249,9 @@ def direct_network_send(self, content, target=None, metadata=None):
     elif target in self.nodes and target not in (OUTPUT, ERROR):
         push = self.nodes[target].push
     else:
-        raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        raise error(RoutingError, f"no route or input stream named {target!r}", "5.1")
     if stream.done:
-        raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+        raise error(StreamRoutingError, "__input__ has completed; no more messages", "5.5")
     clock = self.rt.clock
     meta = {"context": self.rt.context}
     if metadata:
@@ -12565,7 +12564,7 @@ def guard_iop_item(container, key, symbol, value):
     container[key] = guard_iop(symbol, container[key], value)
 
 
-def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
+def run_budgeted(fn, args, timeout, label, cls=ExecutionError, code=False):
     """fn(*args) under a fresh budget (timeout None: straight-line code, which has no tick to
     read one). Exhaustion is one error kind, "<label>: resource exhausted: <what>", like the
     WebAssembly reference interpreter's single Exhaustion; with code=True the code's own
@@ -12576,7 +12575,7 @@ def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
     try:
         return fn(*args)
     except (Exception, Exhausted) as exc:
-        failure = sandbox_failure(exc, label, error, code)
+        failure = sandbox_failure(exc, label, cls, code)
         if failure is exc:
             raise
         raise failure from None
@@ -12585,7 +12584,7 @@ def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
             _BUDGET.budget = previous
 
 
-def sandbox_failure(exc, label, error=ExecutionError, code=True):
+def sandbox_failure(exc, label, cls=ExecutionError, code=True):
     """The error a sandboxed run's exception `exc` becomes (run_budgeted's rule, also used by
     callers that run straight-line code without a budget): exhaustion is one kind; an ActorError
     and, unless code=True, any other exception go on as they are."""
@@ -12598,7 +12597,7 @@ def sandbox_failure(exc, label, error=ExecutionError, code=True):
     else:
         line = _sandbox_line(exc.__traceback__)
         failure = f"{f'line {line}: ' if line else ''}{type(exc).__name__}: {_exception_text(exc)}"
-    return error(f"{label}: {failure}", section="13.2")
+    return error(cls, f"{label}: {failure}", "13.2")
 
 
 def _exception_text(exc):
@@ -12757,10 +12756,10 @@ class ProcessSandbox:
 
     def __init__(self):
         if os.name != "posix":
-            raise ConfigurationError("isolation='process' needs a POSIX host", section="13.2")
+            raise error(ConfigurationError, "isolation='process' needs a POSIX host", "13.2")
         self.idle, self.lock = [], threading.Lock()
 
-    def ask(self, request, timeout, label, on_event=None, error=ExecutionError):
+    def ask(self, request, timeout, label, on_event=None, cls=ExecutionError):
         with self.lock:
             worker = self.idle.pop() if self.idle else None
         try:
@@ -12768,17 +12767,17 @@ class ProcessSandbox:
             reply = worker.ask(request, timeout, on_event or (lambda event: None))
             value = unwire(reply["value"]) if "value" in reply else None
         except Exhausted as exc:
-            raise error(f"{label}: resource exhausted: {exc}", section="13.2") from None
+            raise error(cls, f"{label}: resource exhausted: {exc}", "13.2") from None
         except Exception as exc:   # a broken pipe, a value that cannot cross, a malformed reply
             if worker is not None:
                 worker.kill()
-            raise error(f"{label}: the worker process failed: {type(exc).__name__}: "
-                                 f"{exc}", section="13.2") from None
+            raise error(cls, f"{label}: the worker process failed: {type(exc).__name__}: "
+                        f"{exc}", "13.2") from None
         with self.lock:
             self.idle.append(worker)
         if "error" in reply:
             kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
-            raise kind(str(reply["error"]), section=reply.get("section"))
+            raise error(kind, str(reply["error"]), reply.get("section"))
         return value
 
     def run_code(self, unit, variables, timeout, on_progress):
@@ -12812,7 +12811,7 @@ class ProcessSandbox:
                 if not (key in BUILTINS and value is BUILTINS[key])}
         return self.ask({"op": "render", "text": text, "variables": wire(data), "engine": engine,
                          "partials": partials, "phase": phase}, TEMPLATE_TIME_LIMIT,
-                        engine_name(engine), error=TemplateError)
+                        engine_name(engine), cls=TemplateError)
 
     def close(self):
         with self.lock:
@@ -13035,8 +13034,8 @@ class ProviderAdapter:
         import urllib.error                  # on first use: start-up pays for none (issue 15)
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
         if not re.match(r"https?://", base_url or ""):
-            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
-                                 section="4.4")
+            raise error(ExecutionError, f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                        "4.4")
         url = self.endpoint(base_url.rstrip("/"), request["model"])
         body = self.body(request)
         headers = self.headers(key)
@@ -13073,7 +13072,7 @@ class ProviderAdapter:
                 retry = retry_allowed and (should == "true" or
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
-                raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
+                raise error(ExecutionError, scrub_key(f"{self.name}: {failure}", key), "4.4")
             sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
             if record is not None:
@@ -13087,14 +13086,14 @@ class ProviderAdapter:
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
-            raise ExecutionError(scrub_key(f"{self.name}: malformed JSON in the reply: "
-                                           f"{raw[:200].decode('utf-8', 'replace')!r}", key),
-                                 section="4.4") from None
+            raise error(ExecutionError, scrub_key(f"{self.name}: malformed JSON in the reply: "
+                                  f"{raw[:200].decode('utf-8', 'replace')!r}", key),
+                        "4.4") from None
         try:
             text = self.reply(data)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
-                                 section="4.4") from None
+            raise error(ExecutionError, scrub_key(f"{self.name}: unexpected reply: {exc}", key),
+                        "4.4") from None
         if record is not None:
             try:
                 usage = self.usage(data)
@@ -13358,7 +13357,7 @@ class FakeTransport:
         if reply is None:
             return request["messages"][-1]["content"]
         if isinstance(reply, dict) and "error" in reply:
-            raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
+            raise error(ExecutionError, f"{request['provider']}: {reply['error']}", "4.4")
         return message_text(reply)
 
 
@@ -13380,15 +13379,15 @@ def read_sources(paths, text):
         try:
             sources.append((str(p), Path(p).read_bytes()))
         except OSError as exc:
-            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
-                                     section="3.1", file=str(p)) from None
+            raise error(ConfigurationError, f"cannot read configuration file: {exc.strerror}",
+                        "3.1", file=str(p)) from None
         except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
-            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
-                                     file=repr(p)) from None
+            raise error(ConfigurationError, f"cannot read configuration file: {exc}", "3.1",
+                        file=repr(p)) from None
     if text is not None:
         sources.append(("<text>", text))
     if not sources:
-        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+        raise error(ConfigurationError, "no configuration given (a path or text=...)", "3.1")
     return sources
 
 
@@ -13457,7 +13456,8 @@ class Actor:
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
         if type(seconds) not in (int, float) or not math.isfinite(seconds):
-            raise ApplicationError(f"advance() takes a finite number of seconds, not {seconds!r}")
+            raise error(ApplicationError, "advance() takes a finite number of seconds, not "
+                        f"{seconds!r}")
         with self._turn:
             self._begin()
             self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries
@@ -13501,8 +13501,8 @@ class Actor:
             self.send = self._send_after_close
 
     def _send_after_close(self, content, *, at=None, target=None):
-        raise ApplicationError("the Actor is closed (§12.1 step 8): load it again to send more "
-                               "messages", section="12.1")
+        raise error(ApplicationError, "the Actor is closed (§12.1 step 8): load it again to send "
+                    "more messages", "12.1")
 
     def __enter__(self):
         return self
@@ -13513,7 +13513,7 @@ class Actor:
     # -- graphs (§6.6)
     def _graph(self, route):
         if route not in self.rt.graphs:
-            raise RoutingError(f"'{route}' is not a graph route", section="6.6")
+            raise error(RoutingError, f"'{route}' is not a graph route", "6.6")
         return self.rt.graphs[route]
 
     def checkpoints(self, route):
@@ -13846,21 +13846,21 @@ def _parse_set(items, option):
         key, equals, raw = item.partition("=")
         parts = key.split(".")
         if not equals or not all(part.strip() for part in parts):
-            raise ConfigurationError(f"{option} expects KEY=VALUE (KEY: names joined by dots), "
-                                     f"got '{item}'")
+            raise error(ConfigurationError, f"{option} expects KEY=VALUE (KEY: names joined by "
+                        f"dots), got '{item}'")
         try:
             value, _ = parse_yaml(raw) if raw.strip() else ("", None)
         except ConfigurationError as exc:      # located in the value, not in a file
             problem = exc.message.removeprefix("document does not parse as YAML: ")
             shown = item if len(item) <= 60 else item[:57] + "..."
-            raise ConfigurationError(f"{option} {shown}: the value does not parse as YAML: "
-                                     f"{problem}") from None
+            raise error(ConfigurationError, f"{option} {shown}: the value does not parse as YAML: "
+                        f"{problem}") from None
         node = result
         for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):   # --set a=1 --set a.b=2: a is not a mapping
-                raise ConfigurationError(f"{option} {item}: '{'.'.join(parts[:depth + 1])}' "
-                                         f"was set to a value, not a mapping")
+                raise error(ConfigurationError, f"{option} {item}: '{'.'.join(parts[:depth + 1])}' "
+                            f"was set to a value, not a mapping")
         node[parts[-1]] = value
     return result
 
