@@ -1844,11 +1844,11 @@ class ToolEnv:
             self._view = self.ctx if base is None else {**base, **self.ctx}
         return self._view
 
-    def fail(self, message, section="4.5"):
+    def error(self, message, section="4.5"):
         """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
         # INTERPRETATION I-043 §4.5.1 (Q65): every tool failure, rejection or operational, is an
         # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
-        return ExecutionError(message, path=self.limits.who, section=section)
+        return error(ExecutionError, message, section, path=self.limits.who)
 
     @property
     def unsafe_invocation(self):
@@ -1931,7 +1931,7 @@ class ToolAgent:
             if name == "shell" and self.allow_shell:
                 pass                              # §13.5: allow_shell makes `shell` available
             else:
-                raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
+                raise env.error(f"tool '{name}' is not in the agent's tools list", "4.5.3")
         if inline is not None:
             if input_data is None:
                 input_data = inline_input(args)
@@ -1952,7 +1952,7 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
     env = ToolEnv(rt, ctx, ToolLimits(who=who))
     handler = BUILTIN_TOOLS.get(name)
     if handler is None:
-        raise env.fail(f"unknown tool '{name}'", "12.4")
+        raise env.error(f"unknown tool '{name}'", "12.4")
     return tool_output(handler(env, tool_args(args)))
 
 # §4.5.1 Built-in tools ------------------------------------------------------------------
@@ -2010,7 +2010,7 @@ def tool_math(env, args):
     # form `math 2 + 2` (split on spaces by §4.5.3) gives the expression "2 + 2".
     expression = tool_rest(args, "expression")
     if not isinstance(expression, str) or not expression.strip():
-        raise env.fail("math needs an `expression` string", "4.5.1")
+        raise env.error("math needs an `expression` string", "4.5.1")
     return math_evaluate(expression, env)
 
 
@@ -2038,19 +2038,19 @@ class MathWork:
     def __init__(self, env):
         self.env, self.spent = env, 0
 
-    def fail(self, what):
-        return self.env.fail(f"math: {what}", "4.5.1")
+    def error(self, what):
+        return self.env.error(f"math: {what}", "4.5.1")
 
     def number(self, value):
         if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
-            raise self.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+            raise self.error(f"an integer beyond {MATH_MAX_BITS} bits")
         return value
 
     def spend(self, *operands, cost=None):
         bits = [x.bit_length() if isinstance(x, int) else 64 for x in operands]
         self.spent += cost if cost is not None else max(1, bits[0]) * max(1, bits[-1])
         if self.spent > MATH_MAX_WORK:
-            raise self.fail("the expression costs more work than the tool allows")
+            raise self.error("the expression costs more work than the tool allows")
 
 
 def math_evaluate(expression, env):
@@ -2058,15 +2058,15 @@ def math_evaluate(expression, env):
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
-        raise env.fail(f"math: invalid expression ({exc.msg})", "4.5.1") from None
+        raise env.error(f"math: invalid expression ({exc.msg})", "4.5.1") from None
     except (RecursionError, MemoryError, ValueError):
-        raise env.fail("math: expression nested too deeply or too long", "4.5.1") from None
+        raise env.error("math: expression nested too deeply or too long", "4.5.1") from None
     try:
         value = _math_node(tree.body, MathWork(env))
     except (ArithmeticError, ValueError, TypeError) as exc:
-        raise env.fail(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
+        raise env.error(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
     except RecursionError:
-        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+        raise env.error("math: expression nested too deeply", "4.5.1") from None
     return str(value)
 
 
@@ -2079,7 +2079,7 @@ def _math_power(work, base, exponent, modulus=None):
     if isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent > 0:
         result_bits = exponent * (abs(base).bit_length() - 1)
         if result_bits > MATH_MAX_BITS:
-            raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+            raise work.error(f"an integer beyond {MATH_MAX_BITS} bits")
         work.spend(cost=result_bits * result_bits)
     return work.number(pow(base, exponent))
 
@@ -2087,7 +2087,7 @@ def _math_power(work, base, exponent, modulus=None):
 def _math_round(work, number, ndigits=None):
     """round, with ndigits bounded: round(n, -k) on an int builds 10**k first."""
     if isinstance(ndigits, int) and abs(ndigits) > MATH_MAX_BITS:
-        raise work.fail(f"round() digits beyond {MATH_MAX_BITS}")
+        raise work.error(f"round() digits beyond {MATH_MAX_BITS}")
     work.spend(number, cost=abs(ndigits or 0) ** 2 + 1)
     return work.number(round(number) if ndigits is None else round(number, ndigits))
 
@@ -2099,18 +2099,18 @@ def _math_node(node, work):
         case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
             value = _math_node(operand, work)
             if type(value) not in (int, float):
-                raise work.fail("operators apply to numbers only")
+                raise work.error("operators apply to numbers only")
             return -value if isinstance(op, ast.USub) else value
         case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
             a, b = _math_node(left, work), _math_node(right, work)
             if not all(type(x) in (int, float) for x in (a, b)):
                 # lists exist only as function arguments: `[1] * 10**9` must never allocate
-                raise work.fail("operators apply to numbers only")
+                raise work.error("operators apply to numbers only")
             if isinstance(op, ast.Pow):
                 return _math_power(work, a, b)
             if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
                     and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:
-                raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+                raise work.error(f"an integer beyond {MATH_MAX_BITS} bits")
             work.spend(a, b)
             return work.number(MATH_OPERATORS[type(op)](a, b))
         case ast.List(elts=items) | ast.Tuple(elts=items):
@@ -2125,8 +2125,8 @@ def _math_node(node, work):
             work.spend(cost=sum(len(v) if isinstance(v, list) else 1 for v in values) * 64)
             return work.number(MATH_FUNCTIONS[name](*values))
         case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
-            raise work.fail(f"name '{name}' is not available")
-    raise work.fail(f"{type(node).__name__} is not allowed in an arithmetic expression")
+            raise work.error(f"name '{name}' is not available")
+    raise work.error(f"{type(node).__name__} is not allowed in an arithmetic expression")
 
 
 def tool_json_parse(env, args):
@@ -2136,15 +2136,15 @@ def tool_json_parse(env, args):
     """
     text = tool_rest(args, "json")
     if text is None:
-        raise env.fail("json_parse needs a `json` string", "4.5.1")
+        raise env.error("json_parse needs a `json` string", "4.5.1")
     if isinstance(text, str):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
+            raise env.error(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
                            f"column {exc.colno})", "4.5.1") from None
         except RecursionError:
-            raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
+            raise env.error("json_parse: JSON nested too deeply", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
     # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii
@@ -2152,7 +2152,7 @@ def tool_json_parse(env, args):
     try:
         return json.dumps(value, indent=2, ensure_ascii=False)
     except RecursionError:
-        raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
+        raise env.error("json_parse: JSON nested too deeply", "4.5.1") from None
 
 
 def tool_http_request(env, args):
@@ -2165,13 +2165,13 @@ def tool_http_request(env, args):
     method = tool_argument(args, "method", 1) or "GET"
     headers = args.get("headers") or {}
     if not isinstance(url, str) or not url:
-        raise env.fail("http_request needs a `url` string", "4.5.1")
+        raise env.error("http_request needs a `url` string", "4.5.1")
     # INTERPRETATION I-048 §4.5.1, §13.4: http and https only; proxies from rt.env.
     if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
         # file:, ftp: and data: URLs would step around the §13.3 file rules
-        raise env.fail("http_request accepts only http and https URLs", "13.4")
+        raise env.error("http_request accepts only http and https URLs", "13.4")
     if not isinstance(headers, dict):
-        raise env.fail("http_request `headers` must be a mapping", "4.5.1")
+        raise env.error("http_request `headers` must be a mapping", "4.5.1")
     headers = {str(k): str(v) for k, v in headers.items()}
     body = None
     if args.get("data") is not None:
@@ -2187,7 +2187,7 @@ def tool_http_request(env, args):
         status, payload, answer_headers = exc.code, exc.read(), exc.headers
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise env.fail(f"http_request to {url} failed: {reason}", "4.5.1") from None
+        raise env.error(f"http_request to {url} failed: {reason}", "4.5.1") from None
     charset = (answer_headers.get_content_charset() if answer_headers else None) or "utf-8"
     try:
         body = payload.decode(charset, errors="replace")
@@ -2224,11 +2224,11 @@ def tool_file_read(env, args):
     try:
         content = target.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise env.fail(f"file_read: no such file: {given}", "4.5.1") from None
+        raise env.error(f"file_read: no such file: {given}", "4.5.1") from None
     except UnicodeDecodeError:
-        raise env.fail(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
+        raise env.error(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
     except OSError as exc:
-        raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
+        raise env.error(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
     # INTERPRETATION I-049 §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
     # empty file has 0 lines, a final newline opens no extra line); Size counts characters.
     return (f"{FILE_READ_SUCCESS}📄 File: {given} | Lines: {len(content.splitlines())} | "
@@ -2250,7 +2250,7 @@ def tool_file_write(env, args):
         content = tool_output(content)
     mode = args.get("mode") or "w"
     if not is_known(mode, FILE_WRITE_MODES):
-        raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
+        raise env.error(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
     target = tool_path(env, given, "file_write")
     with file_write_lock(env.rt):
         return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
@@ -2514,7 +2514,7 @@ def file_existing(env, target, given):
     except FileNotFoundError:
         return ""
     except (OSError, UnicodeDecodeError) as exc:
-        raise env.fail(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
+        raise env.error(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
 
 
 def file_store(env, target, given, text, mode="w"):
@@ -2523,7 +2523,7 @@ def file_store(env, target, given, text, mode="w"):
         with open(target, mode, encoding="utf-8", newline="") as handle:
             handle.write(text)
     except OSError as exc:
-        raise env.fail(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
+        raise env.error(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
             from None
 
 
@@ -2567,7 +2567,7 @@ def insert_line(env, position, count):
     if isinstance(position, str) and re.fullmatch(r"\s*[+-]?\d+\s*", position):
         position = int(position)
     if not isinstance(position, int) or isinstance(position, bool):
-        raise env.fail(f"file_write: position must be \"start\", \"end\" or a line number, "
+        raise env.error(f"file_write: position must be \"start\", \"end\" or a line number, "
                        f"not {position!r}", "4.5.5")
     return min(max(position, 1), count + 1)
 
@@ -2690,8 +2690,8 @@ def progress_number(value, env=None):
         if number is not None and number == number and abs(number) != float("inf"):
             return int(number) if number.is_integer() else number
     message = f"progress_bar: {value!r} is not a number"
-    raise env.fail(message, "4.5.6") if env is not None else ExecutionError(message,
-                                                                          section="4.5.6")
+    raise env.error(message, "4.5.6") if env is not None else error(ExecutionError, message,
+                                                                    "4.5.6")
 
 
 def progress_render(stage, current, total, message):
@@ -11371,15 +11371,15 @@ def tool_path(env, given, op):
     agent's `safe_mode` rules and the host's mode both allow it.
     """
     if not isinstance(given, str) or not given.strip():
-        raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+        raise env.error(f"{op} needs a `file` path string", "4.5.1")
     if "\x00" in given:                   # no file system takes one; os calls would raise
-        raise env.fail(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
+        raise env.error(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
     reason = safe_mode_refusal(env, given, op)
     section = "4.5.4"
     if reason is None:
         reason, section = host_refusal(env, given, op), "13.3"
     if reason is not None:
-        raise env.fail(f"{reason}: {given}", section)
+        raise env.error(f"{reason}: {given}", section)
     base = Path(env.rt.workdir).resolve()
     target = Path(given) if path_facts(given)[0] else base / given
     resolved = target.resolve()
@@ -11388,7 +11388,7 @@ def tool_path(env, given, op):
     # file_write's own outside-the-directory rule is waived by `_unsafe_mode: true`, which
     # file_write always requires, so it never refuses there.
     if op == "file_read" and not env.unsafe_host and not resolved.is_relative_to(base):
-        raise env.fail(f"file_read rejects paths resolving outside the working directory: "
+        raise env.error(f"file_read rejects paths resolving outside the working directory: "
                        f"{given}", "13.3")
     return resolved
 
@@ -11434,24 +11434,24 @@ def tool_shell(env, args):
     # is enforced in every mode and for every `safe_mode`, because §13.5 says "always".
     command = tool_rest(args, "command")
     if not isinstance(command, str) or not command.strip():
-        raise env.fail("shell needs a `command` string", "13.5")
+        raise env.error("shell needs a `command` string", "13.5")
     blocked = [word for word in SHELL_BLOCKLIST if word in command.lower()]
     if blocked:
-        raise env.fail(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
+        raise env.error(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
     if not env.allow_shell:
-        raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
+        raise env.error("shell execution needs `allow_shell: true` on the tool agent", "13.5")
     if not env.rt.unsafe:
-        raise env.fail("shell execution needs the host in unsafe mode", "13.5")
+        raise env.error("shell execution needs the host in unsafe mode", "13.5")
     import subprocess           # on first use: start-up pays for none
     try:
         done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
                               capture_output=True, text=True, timeout=env.timeout)
     except subprocess.TimeoutExpired:
-        raise env.fail(f"shell command timed out after {env.timeout} s", "4.5") from None
+        raise env.error(f"shell command timed out after {env.timeout} s", "4.5") from None
     except OSError as exc:
-        raise env.fail(f"shell could not start: {exc}", "13.5") from None
+        raise env.error(f"shell could not start: {exc}", "13.5") from None
     if done.returncode != 0:
-        raise env.fail(f"shell command exited with status {done.returncode}: "
+        raise env.error(f"shell command exited with status {done.returncode}: "
                        f"{done.stderr.strip()}", "13.5")
     return done.stdout
 
