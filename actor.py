@@ -205,6 +205,18 @@ ERROR_CATEGORIES = {cls.__name__: cls for cls in (
     TemplateError, ExecutionError, ApplicationError, StreamRoutingError)}
 
 
+def error(cls, message, section=None, *, path=None, file=None, line=None, col=None):
+    """The one constructor of errors; callers `raise error(ExecutionError, message, "6.3")`, or
+    `raise doc.error(...)` where a document path locates it (Doc.error finds the line, then calls
+    this). `path` may be a config path tuple. A built-in class (TypeError, ...) is what sandboxed
+    code must see from Python itself: it gets the message alone."""
+    if not issubclass(cls, ActorError):
+        return cls(message)
+    if isinstance(path, tuple):
+        path = path_str(path)
+    return cls(message, path=path, section=section, file=file, line=line, col=col)
+
+
 # Config paths and source locations ----------------------------------------------------
 def path_str(path):
     """('routes', 'main', 'edges', 2, 'target') -> 'routes.main.edges[2].target'."""
@@ -264,7 +276,7 @@ class Doc:
             path, wanted = misspelt
             message = f"unknown key '{path[-1]}' (did you mean '{wanted}'?); without it: {message}"
         file, line, col = self.locate(path)
-        return cls(message, path=path_str(path), section=section, file=file, line=line, col=col)
+        return error(cls, message, section, path=path_str(path), file=file, line=line, col=col)
 
     def misspelling(self, path):
         """(path of a key near `path`'s first key the source did not write, that key), or
@@ -1318,8 +1330,8 @@ class LLMAgent:
         except ExecutionError as exc:
             note_llm_call(rt, call, started, scrub_key(exc.message, self._api_key))
             reason = scrub_key(exc.message, self._api_key)
-            raise ExecutionError(f"agent '{self.name}' (llm): {reason}",
-                                 section=exc.section or "4.4") from None
+            raise error(ExecutionError, f"agent '{self.name}' (llm): {reason}",
+                        exc.section or "4.4") from None
         note_llm_call(rt, call, started)
         self.last_usage = call.get("usage")     # the vendor's token counts, for the reply's map
         # A reply that comes after the caller timed out changes nothing: no memory, no §12.4
@@ -1434,9 +1446,8 @@ def check_providers(rt, agents):
                                f"provider '{configured}' is not available in this host "
                                f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
         if used not in PROVIDERS:
-            raise AgentCreationError(f"host provider override '{used}' is not available "
-                                     f"(available: {', '.join(sorted(PROVIDERS))})",
-                                     section="4.4.1")
+            raise error(AgentCreationError, f"host provider override '{used}' is not available "
+                        f"(available: {', '.join(sorted(PROVIDERS))})", "4.4.1")
 
 
 def resolve_api_key(rt, provider, explicit):
@@ -1518,9 +1529,9 @@ def check_structured_support(agent, rf):
     adapter = PROVIDERS[agent.provider]
     if rf.get("type") not in adapter.structured:
         can = ", ".join(sorted(adapter.structured)) or "none"
-        raise ExecutionError(f"agent '{agent.name}' (llm): provider '{agent.provider}' has no "
-                             f"structured output of type '{rf.get('type')}' (supported: {can})",
-                             section="4.4.3")
+        raise error(ExecutionError, f"agent '{agent.name}' (llm): provider '{agent.provider}' "
+                    f"has no structured output of type '{rf.get('type')}' (supported: {can})",
+                    "4.4.3")
 
 
 # §4.4.4 Memory and history -------------------------------------------------------------
@@ -1586,8 +1597,8 @@ def effective_temperature(agent, ctx):
     low, high = LLM_TEMPERATURE_RANGE
     if isinstance(override, bool) or not isinstance(override, (int, float)) \
             or not low <= override <= high:
-        raise ExecutionError(f"agent '{agent.name}' (llm): _temperature_override {override!r} is "
-                             f"not a number in [{low}, {high}]", section="4.4.5")
+        raise error(ExecutionError, f"agent '{agent.name}' (llm): _temperature_override "
+                    f"{override!r} is not a number in [{low}, {high}]", "4.4.5")
     return float(override)
 
 
@@ -1666,11 +1677,11 @@ class ToolEnv:
             self._view = self.ctx if base is None else {**base, **self.ctx}
         return self._view
 
-    def fail(self, message, section="4.5"):
+    def error(self, message, section="4.5"):
         """A tool failure: an ExecutionError naming the agent (it reaches __error__, §12.2.3)."""
         # INTERPRETATION I-043 §4.5.1 (Q65): every tool failure, rejection or operational, is an
         # ExecutionError, so that it reaches __error__ with a category instead of passing as output.
-        return ExecutionError(message, path=self.limits.who, section=section)
+        return error(ExecutionError, message, section, path=self.limits.who)
 
     @property
     def unsafe_invocation(self):
@@ -1753,7 +1764,7 @@ class ToolAgent:
             if name == "shell" and self.allow_shell:
                 pass                              # §13.5: allow_shell makes `shell` available
             else:
-                raise env.fail(f"tool '{name}' is not in the agent's tools list", "4.5.3")
+                raise env.error(f"tool '{name}' is not in the agent's tools list", "4.5.3")
         if inline is not None:
             if input_data is None:
                 input_data = inline_input(args)
@@ -1774,7 +1785,7 @@ def run_builtin_tool(rt, name, args, ctx, agent=None):
     env = ToolEnv(rt, ctx, ToolLimits(who=who))
     handler = BUILTIN_TOOLS.get(name)
     if handler is None:
-        raise env.fail(f"unknown tool '{name}'", "12.4")
+        raise env.error(f"unknown tool '{name}'", "12.4")
     return tool_output(handler(env, tool_args(args)))
 
 # §4.5.1 Built-in tools ------------------------------------------------------------------
@@ -1832,7 +1843,7 @@ def tool_math(env, args):
     # form `math 2 + 2` (split on spaces by §4.5.3) gives the expression "2 + 2".
     expression = tool_rest(args, "expression")
     if not isinstance(expression, str) or not expression.strip():
-        raise env.fail("math needs an `expression` string", "4.5.1")
+        raise env.error("math needs an `expression` string", "4.5.1")
     return math_evaluate(expression, env)
 
 
@@ -1860,19 +1871,19 @@ class MathWork:
     def __init__(self, env):
         self.env, self.spent = env, 0
 
-    def fail(self, what):
-        return self.env.fail(f"math: {what}", "4.5.1")
+    def error(self, what):
+        return self.env.error(f"math: {what}", "4.5.1")
 
     def number(self, value):
         if isinstance(value, int) and value.bit_length() > MATH_MAX_BITS:
-            raise self.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+            raise self.error(f"an integer beyond {MATH_MAX_BITS} bits")
         return value
 
     def spend(self, *operands, cost=None):
         bits = [x.bit_length() if isinstance(x, int) else 64 for x in operands]
         self.spent += cost if cost is not None else max(1, bits[0]) * max(1, bits[-1])
         if self.spent > MATH_MAX_WORK:
-            raise self.fail("the expression costs more work than the tool allows")
+            raise self.error("the expression costs more work than the tool allows")
 
 
 def math_evaluate(expression, env):
@@ -1880,15 +1891,15 @@ def math_evaluate(expression, env):
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
-        raise env.fail(f"math: invalid expression ({exc.msg})", "4.5.1") from None
+        raise env.error(f"math: invalid expression ({exc.msg})", "4.5.1") from None
     except (RecursionError, MemoryError, ValueError):
-        raise env.fail("math: expression nested too deeply or too long", "4.5.1") from None
+        raise env.error("math: expression nested too deeply or too long", "4.5.1") from None
     try:
         value = _math_node(tree.body, MathWork(env))
     except (ArithmeticError, ValueError, TypeError) as exc:
-        raise env.fail(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
+        raise env.error(f"math: {type(exc).__name__}: {exc}", "4.5.1") from None
     except RecursionError:
-        raise env.fail("math: expression nested too deeply", "4.5.1") from None
+        raise env.error("math: expression nested too deeply", "4.5.1") from None
     return str(value)
 
 
@@ -1901,7 +1912,7 @@ def _math_power(work, base, exponent, modulus=None):
     if isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent > 0:
         result_bits = exponent * (abs(base).bit_length() - 1)
         if result_bits > MATH_MAX_BITS:
-            raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+            raise work.error(f"an integer beyond {MATH_MAX_BITS} bits")
         work.spend(cost=result_bits * result_bits)
     return work.number(pow(base, exponent))
 
@@ -1909,7 +1920,7 @@ def _math_power(work, base, exponent, modulus=None):
 def _math_round(work, number, ndigits=None):
     """round, with ndigits bounded: round(n, -k) on an int builds 10**k first."""
     if isinstance(ndigits, int) and abs(ndigits) > MATH_MAX_BITS:
-        raise work.fail(f"round() digits beyond {MATH_MAX_BITS}")
+        raise work.error(f"round() digits beyond {MATH_MAX_BITS}")
     work.spend(number, cost=abs(ndigits or 0) ** 2 + 1)
     return work.number(round(number) if ndigits is None else round(number, ndigits))
 
@@ -1921,18 +1932,18 @@ def _math_node(node, work):
         case ast.UnaryOp(op=ast.USub() | ast.UAdd() as op, operand=operand):
             value = _math_node(operand, work)
             if type(value) not in (int, float):
-                raise work.fail("operators apply to numbers only")
+                raise work.error("operators apply to numbers only")
             return -value if isinstance(op, ast.USub) else value
         case ast.BinOp(left=left, op=op, right=right) if type(op) in MATH_OPERATORS:
             a, b = _math_node(left, work), _math_node(right, work)
             if not all(type(x) in (int, float) for x in (a, b)):
                 # lists exist only as function arguments: `[1] * 10**9` must never allocate
-                raise work.fail("operators apply to numbers only")
+                raise work.error("operators apply to numbers only")
             if isinstance(op, ast.Pow):
                 return _math_power(work, a, b)
             if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
                     and a.bit_length() + b.bit_length() > MATH_MAX_BITS + 1:
-                raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")
+                raise work.error(f"an integer beyond {MATH_MAX_BITS} bits")
             work.spend(a, b)
             return work.number(MATH_OPERATORS[type(op)](a, b))
         case ast.List(elts=items) | ast.Tuple(elts=items):
@@ -1947,8 +1958,8 @@ def _math_node(node, work):
             work.spend(cost=sum(len(v) if isinstance(v, list) else 1 for v in values) * 64)
             return work.number(MATH_FUNCTIONS[name](*values))
         case ast.Name(id=name) | ast.Call(func=ast.Name(id=name)):
-            raise work.fail(f"name '{name}' is not available")
-    raise work.fail(f"{type(node).__name__} is not allowed in an arithmetic expression")
+            raise work.error(f"name '{name}' is not available")
+    raise work.error(f"{type(node).__name__} is not allowed in an arithmetic expression")
 
 
 def tool_json_parse(env, args):
@@ -1958,15 +1969,15 @@ def tool_json_parse(env, args):
     """
     text = tool_rest(args, "json")
     if text is None:
-        raise env.fail("json_parse needs a `json` string", "4.5.1")
+        raise env.error("json_parse needs a `json` string", "4.5.1")
     if isinstance(text, str):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise env.fail(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
+            raise env.error(f"json_parse: invalid JSON ({exc.msg} at line {exc.lineno} "
                            f"column {exc.colno})", "4.5.1") from None
         except RecursionError:
-            raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
+            raise env.error("json_parse: JSON nested too deeply", "4.5.1") from None
     else:
         value = text                              # already-decoded JSON given as the argument
     # INTERPRETATION I-047 §4.5.1: non-ASCII characters are written as themselves (ensure_ascii
@@ -1974,7 +1985,7 @@ def tool_json_parse(env, args):
     try:
         return json.dumps(value, indent=2, ensure_ascii=False)
     except RecursionError:
-        raise env.fail("json_parse: JSON nested too deeply", "4.5.1") from None
+        raise env.error("json_parse: JSON nested too deeply", "4.5.1") from None
 
 
 def tool_http_request(env, args):
@@ -1987,13 +1998,13 @@ def tool_http_request(env, args):
     method = tool_argument(args, "method", 1) or "GET"
     headers = args.get("headers") or {}
     if not isinstance(url, str) or not url:
-        raise env.fail("http_request needs a `url` string", "4.5.1")
+        raise env.error("http_request needs a `url` string", "4.5.1")
     # INTERPRETATION I-048 §4.5.1, §13.4: http and https only; proxies from rt.env.
     if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
         # file:, ftp: and data: URLs would step around the §13.3 file rules
-        raise env.fail("http_request accepts only http and https URLs", "13.4")
+        raise env.error("http_request accepts only http and https URLs", "13.4")
     if not isinstance(headers, dict):
-        raise env.fail("http_request `headers` must be a mapping", "4.5.1")
+        raise env.error("http_request `headers` must be a mapping", "4.5.1")
     headers = {str(k): str(v) for k, v in headers.items()}
     body = None
     if args.get("data") is not None:
@@ -2009,7 +2020,7 @@ def tool_http_request(env, args):
         status, payload, answer_headers = exc.code, exc.read(), exc.headers
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise env.fail(f"http_request to {url} failed: {reason}", "4.5.1") from None
+        raise env.error(f"http_request to {url} failed: {reason}", "4.5.1") from None
     charset = (answer_headers.get_content_charset() if answer_headers else None) or "utf-8"
     try:
         body = payload.decode(charset, errors="replace")
@@ -2046,11 +2057,11 @@ def tool_file_read(env, args):
     try:
         content = target.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise env.fail(f"file_read: no such file: {given}", "4.5.1") from None
+        raise env.error(f"file_read: no such file: {given}", "4.5.1") from None
     except UnicodeDecodeError:
-        raise env.fail(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
+        raise env.error(f"file_read: {given} is not UTF-8 text", "4.5.1") from None
     except OSError as exc:
-        raise env.fail(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
+        raise env.error(f"file_read: cannot read {given}: {exc.strerror}", "4.5.1") from None
     # INTERPRETATION I-049 §4.5.1 (Q67): <path> is the path as given; Lines counts splitlines() (an
     # empty file has 0 lines, a final newline opens no extra line); Size counts characters.
     return (f"{FILE_READ_SUCCESS}📄 File: {given} | Lines: {len(content.splitlines())} | "
@@ -2072,7 +2083,7 @@ def tool_file_write(env, args):
         content = tool_output(content)
     mode = args.get("mode") or "w"
     if not is_known(mode, FILE_WRITE_MODES):
-        raise env.fail(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
+        raise env.error(f"file_write: unknown mode '{mode}' (w, a or insert)", "4.5.5")
     target = tool_path(env, given, "file_write")
     with file_write_lock(env.rt):
         return FILE_WRITE_MODES[mode](env, target, given, content, args.get("position"))
@@ -2263,13 +2274,13 @@ def tool_request(agent, content):
         except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             stripped = text.strip()
             if stripped.startswith("{") and stripped.endswith("}"):
-                raise ExecutionError(INVALID_JSON_IN_TOOL_REQUEST,
-                                     path=agent.who, section="4.5.3") from None
+                raise error(ExecutionError, INVALID_JSON_IN_TOOL_REQUEST,
+                            path=agent.who, section="4.5.3") from None
     if parsed is not None and isinstance(parsed, dict) and "tool" in parsed:
         name = parsed["tool"]
         if not isinstance(name, str):
-            raise ExecutionError("the `tool` key of a tool request must be a tool name",
-                                 path=agent.who, section="4.5.3")
+            raise error(ExecutionError, "the `tool` key of a tool request must be a tool name",
+                        path=agent.who, section="4.5.3")
         return name, parsed.get("args"), None
     # INTERPRETATION I-054 §4.5.3 (Q63): valid JSON without a `tool` key falls through to the
     # command form, as written.
@@ -2336,7 +2347,7 @@ def file_existing(env, target, given):
     except FileNotFoundError:
         return ""
     except (OSError, UnicodeDecodeError) as exc:
-        raise env.fail(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
+        raise env.error(f"file_write: cannot read {given}: {exc}", "4.5.5") from None
 
 
 def file_store(env, target, given, text, mode="w"):
@@ -2345,7 +2356,7 @@ def file_store(env, target, given, text, mode="w"):
         with open(target, mode, encoding="utf-8", newline="") as handle:
             handle.write(text)
     except OSError as exc:
-        raise env.fail(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
+        raise env.error(f"file_write: cannot write {given}: {exc.strerror or exc}", "4.5.5") \
             from None
 
 
@@ -2389,7 +2400,7 @@ def insert_line(env, position, count):
     if isinstance(position, str) and re.fullmatch(r"\s*[+-]?\d+\s*", position):
         position = int(position)
     if not isinstance(position, int) or isinstance(position, bool):
-        raise env.fail(f"file_write: position must be \"start\", \"end\" or a line number, "
+        raise env.error(f"file_write: position must be \"start\", \"end\" or a line number, "
                        f"not {position!r}", "4.5.5")
     return min(max(position, 1), count + 1)
 
@@ -2512,8 +2523,8 @@ def progress_number(value, env=None):
         if number is not None and number == number and abs(number) != float("inf"):
             return int(number) if number.is_integer() else number
     message = f"progress_bar: {value!r} is not a number"
-    raise env.fail(message, "4.5.6") if env is not None else ExecutionError(message,
-                                                                          section="4.5.6")
+    raise env.error(message, "4.5.6") if env is not None else error(ExecutionError, message,
+                                                                    "4.5.6")
 
 
 def progress_render(stage, current, total, message):
@@ -2850,8 +2861,8 @@ class CompositeAgent(CompositeComponents):
         if not reply.done:
             self._settle_request(reply, "")
         if reply.error is not None:
-            raise ExecutionError(f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
-                                 section="4.6.2, §5.3.4")
+            raise error(ExecutionError, f"agent '{self.name}' (composite): {PROCESSING_TIMED_OUT}",
+                        "4.6.2, §5.3.4")
         return reply.value
 
     def invoke_later(self, content, ctx):
@@ -2893,8 +2904,8 @@ class CompositeAgent(CompositeComponents):
                 self._current = outer
         # §12.2.3: a failure inside the wiring reaches the caller (then the outer __error__).
         if failed:
-            raise ExecutionError(f"agent '{self.name}' (composite): {failed[0].content}",
-                                 section="4.6.2")
+            raise error(ExecutionError, f"agent '{self.name}' (composite): {failed[0].content}",
+                        "4.6.2")
         return result
 
     # -- output that comes later (§4.6.2 item 4) ------------------------------------------
@@ -4247,8 +4258,8 @@ def call_abandoned():
 def check_not_abandoned(who, section="5.3.4"):
     """Raise ExecutionError when the running call was abandoned (its result goes nowhere)."""
     if call_abandoned():
-        raise ExecutionError(f"{who}: the call timed out earlier; its late result is dropped",
-                             section=section)
+        raise error(ExecutionError, f"{who}: the call timed out earlier; its late result is "
+                    "dropped", section)
 
 
 # What the running call chain holds: (object, thread ident) for every composite entered up the
@@ -4269,9 +4280,9 @@ def hold_in_chain(obj, who):
     held = _CHAIN_HOLDS.get()
     for other, ident in held:
         if other is obj and ident != me:
-            raise ExecutionError(f"{who} is entered again from a parallel branch or bounded "
-                                 "call of its own request, which it waits for (a deadlock)",
-                                 section="6.7")
+            raise error(ExecutionError, f"{who} is entered again from a parallel branch or bounded "
+                        "call of its own request, which it waits for (a deadlock)",
+                        "6.7")
     return _CHAIN_HOLDS.set(held + ((obj, me),))
 
 
@@ -4927,9 +4938,9 @@ class StreamNetwork:
         elif target in self.nodes and target not in (OUTPUT, ERROR):
             push = self.nodes[target].push
         else:
-            raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+            raise error(RoutingError, f"no route or input stream named {target!r}", "5.1")
         if stream.done:
-            raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+            raise error(StreamRoutingError, "__input__ has completed; no more messages", "5.5")
         meta = {"context": self.rt.context}            # §10.2(2): a reference, not a copy
         if metadata:
             meta.update(metadata)
@@ -4986,8 +4997,8 @@ class StreamNetwork:
         Host-side only, so it may watch the §6.10 graph-internal streams (in mixed mode)."""
         node = self.nodes.get(name)
         if node is None:
-            raise RoutingError(f"no stream named {name!r} to subscribe to (streams: "
-                               f"{', '.join(sorted(self.nodes))})", section="5.1")
+            raise error(RoutingError, f"no stream named {name!r} to subscribe to (streams: "
+                        f"{', '.join(sorted(self.nodes))})", "5.1")
         node.out.subscribe(fn)
 
     def watch(self, fn):
@@ -5518,8 +5529,8 @@ class GraphRoute:
         name = normalize_node_name(node_name)
         node = self.nodes.get(name)
         if node is None:
-            raise ExecutionError(f"graph '{self.name}' has no node '{node_name}'",
-                                 path=path_str(self.path), section="5.3.2")
+            raise error(ExecutionError, f"graph '{self.name}' has no node '{node_name}'",
+                        path=path_str(self.path), section="5.3.2")
         if node.type in (START_NODE, END_NODE):
             return content                          # they pass the message on, updating nothing
         with self._lock:
@@ -5635,8 +5646,8 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise ExecutionError(f"graph '{self.name}' has no checkpoint_dir (checkpointing is "
-                                 "off)", path=path_str(self.path), section="6.6")
+            raise error(ExecutionError, f"graph '{self.name}' has no checkpoint_dir "
+                        "(checkpointing is off)", path=path_str(self.path), section="6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
@@ -5658,8 +5669,8 @@ class GraphRoute:
             try:
                 self.store.flush()
             except (OSError, ValueError) as exc:
-                raise ExecutionError(f"graph '{self.name}' cannot write a checkpoint: {exc}",
-                                     path=path_str(self.path), section="6.6") from None
+                raise error(ExecutionError, f"graph '{self.name}' cannot write a checkpoint: {exc}",
+                            path=path_str(self.path), section="6.6") from None
 
     def restore(self, path=None):
         """Replace the state by a checkpoint file's (default: the latest); return the path used."""
@@ -5981,7 +5992,7 @@ def invoke_with_timeout(agent, content, ctx, timeout):
     finished, reply = run_bounded(lambda: agent.invoke(content, ctx), float(timeout),
                                   f"node-agent-{agent.name}")
     if not finished:
-        raise ExecutionError(f"agent '{agent.name}' timed out after {timeout} s", section="6.2.2")
+        raise error(ExecutionError, f"agent '{agent.name}' timed out after {timeout} s", "6.2.2")
     return reply
 
 
@@ -6018,8 +6029,8 @@ def node_agent(graph, node, message, state):
             if attempt >= node.retries or call_abandoned():     # a zombie never tries again
                 if isinstance(exc, ActorError):
                     raise
-                raise ExecutionError(f"graph '{graph.name}' node '{node.name}': agent "
-                                     f"'{node.agent}' failed: {exc}", section="6.2.2") from exc
+                raise error(ExecutionError, f"graph '{graph.name}' node '{node.name}': agent "
+                            f"'{node.agent}' failed: {exc}", "6.2.2") from exc
             attempt += 1
             if graph.rt.clock.real and node.retry_delay > 0:
                 time.sleep(node.retry_delay)        # a real wait between attempts
@@ -6524,11 +6535,11 @@ def apply_state_update(state, update, mode="merge"):
     # INTERPRETATION I-108 §6.3.2 (Q43): keys that are not §6.3.1 fields update state.metadata, and
     # the 50-message cap holds after every mode, replace included.
     if mode not in UPDATE_MODES:
-        raise ExecutionError(f"unknown state update mode '{mode}'", section="6.3.2")
+        raise error(ExecutionError, f"unknown state update mode '{mode}'", "6.3.2")
     for key, value in update.items():
         reason = key in state and state_field_refusal(key, value, mode)
         if reason:
-            raise ExecutionError(f"{reason}; the state is unchanged", section="6.3.1")
+            raise error(ExecutionError, f"{reason}; the state is unchanged", "6.3.1")
     apply = UPDATE_MODES[mode]
     extra = {key: value for key, value in update.items() if key not in state}
     for key, value in update.items():
@@ -7509,8 +7520,8 @@ def render_document(text, render_context=None, engine="JINJA2", *, file=None, sa
         return (sandbox or InProcessSandbox()).render(text, dict(render_context or {}), engine,
                                                       phase="A")
     except TemplateError as exc:
-        raise ConfigurationError(f"Phase A rendering failed: {exc.message}", section="8.12",
-                                 file=file, line=exc.line) from exc
+        raise error(ConfigurationError, f"Phase A rendering failed: {exc.message}", "8.12",
+                    file=file, line=exc.line) from exc
 
 # INTERPRETATION I-021 §3.2, §8.1, §8.12: errors after Phase A name the raw line (a heuristic).
 class RenderedLines:
@@ -7611,7 +7622,7 @@ def template_range(*args):
     """§8.3 range(stop) / range(start, stop[, step]), refused beyond MAX_RANGE items."""
     seq = range(*args)
     if len(seq) > MAX_RANGE:
-        raise TemplateError(f"range of {len(seq)} items exceeds {MAX_RANGE}", section="8.3")
+        raise error(TemplateError, f"range of {len(seq)} items exceeds {MAX_RANGE}", "8.3")
     return seq
 
 
@@ -7636,7 +7647,7 @@ def filter_tojson(value, indent=None):
     try:
         return json.dumps(value, ensure_ascii=False, indent=indent, default=_json_mapping)
     except (TypeError, ValueError) as exc:
-        raise TemplateError(f"tojson: {exc}", section="8.3") from exc
+        raise error(TemplateError, f"tojson: {exc}", "8.3") from exc
 
 
 def _json_mapping(value):
@@ -7694,7 +7705,7 @@ def filter_selectattr(items, attr, op=None, value=None):
     op = {"eq": "==", "equalto": "==", "ne": "!=", "gt": ">", "greaterthan": ">", "lt": "<",
           "lessthan": "<", "ge": ">=", "le": "<="}.get(op, op)
     if op is not None and op not in SELECT_OPERATORS:
-        raise TemplateError(f"selectattr: unknown operator {op!r}", section="8.3")
+        raise error(TemplateError, f"selectattr: unknown operator {op!r}", "8.3")
     out = []
     for item in items:
         got = _item_attr(item, attr)
@@ -8910,9 +8921,9 @@ def templates_line(line, indent, blank, block_col, lineno, file):
         return block_col
     stripped = line.strip()
     if stripped.startswith("{%"):
-        raise ConfigurationError(
+        raise error(ConfigurationError,
             "a statement that generates YAML structure inside `templates`; declare this "
-            "template under template_strings", section="16.2, 8.9", file=file, line=lineno)
+            "template under template_strings", "16.2, 8.9", file=file, line=lineno)
     match = KEY_LINE.match(line.rstrip("\r\n"))
     if match and BLOCK_SCALAR.match(line[match.end():]):
         return match.start(2)
@@ -9033,7 +9044,7 @@ def jinja2_module():
         import jinja2.meta
         import jinja2.sandbox
     except ImportError:
-        raise TemplateError(JINJA2_MISSING, section="9.2") from None
+        raise error(TemplateError, JINJA2_MISSING, "9.2") from None
     return jinja2
 
 
@@ -9128,8 +9139,8 @@ def template_lipsum(n=5, html=True, min=20, max=100):
     """jinja2's `lipsum` global within the render budget (T3): its word loop never ticks, so
     the words it may write are bounded up front."""
     if not all(type(value) is int for value in (n, min, max)) or n * max > LIPSUM_MAX_WORDS:
-        raise TemplateError(f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
-                            section="13.2")
+        raise error(TemplateError, f"lipsum: at most {LIPSUM_MAX_WORDS} words (n * max, integers)",
+                    "13.2")
     return jinja2_module().utils.generate_lorem_ipsum(n, html, min, max)
 
 
@@ -9238,7 +9249,7 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
             sigil = text[inner] if inner < n else ""
         end = text.find(close, inner)
         if end < 0:
-            raise TemplateError(f"MUSTACHE: unclosed tag at offset {start}", section="9.2")
+            raise error(TemplateError, f"MUSTACHE: unclosed tag at offset {start}", "9.2")
         body = text[inner:end]
         after = end + len(close)
         if sigil in "#^/!>=&":
@@ -9246,10 +9257,10 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
         if sigil == "=":
             body = body.rstrip()
             if not body.endswith("="):
-                raise TemplateError("MUSTACHE: malformed set-delimiter tag", section="9.2")
+                raise error(TemplateError, "MUSTACHE: malformed set-delimiter tag", "9.2")
             parts = body[:-1].split()
             if len(parts) != 2:
-                raise TemplateError("MUSTACHE: set-delimiter needs two delimiters", section="9.2")
+                raise error(TemplateError, "MUSTACHE: set-delimiter needs two delimiters", "9.2")
         name = body.strip()
         before = text[pos:start]
         indent = ""
@@ -9282,14 +9293,14 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
             nodes = section.nodes
         elif sigil == "/":
             if not stack or stack[-1][0] != name:
-                raise TemplateError(f"MUSTACHE: unexpected closing tag {name!r}", section="9.2")
+                raise error(TemplateError, f"MUSTACHE: unexpected closing tag {name!r}", "9.2")
             nodes = stack.pop()[1]
         elif sigil == ">":
             nodes.append(MPartial(name, indent))
         else:
             nodes.append(MVar(name, sigil not in "&{"))
     if stack:
-        raise TemplateError(f"MUSTACHE: unclosed section {stack[-1][0]!r}", section="9.2")
+        raise error(TemplateError, f"MUSTACHE: unclosed section {stack[-1][0]!r}", "9.2")
     return root
 
 
@@ -9349,7 +9360,7 @@ def mustache_render_nodes(nodes, stack, partials, out, depth=0):
         else:  # MPartial
             tick()   # partials recursing twice per level would take 2**100 steps
             if depth > 100:
-                raise TemplateError("MUSTACHE: partials nest deeper than 100", section="9.2")
+                raise error(TemplateError, "MUSTACHE: partials nest deeper than 100", "9.2")
             source = (partials or {}).get(node.name)
             if source is None:
                 continue
@@ -9387,7 +9398,7 @@ def simple_parts(text):
             return tuple(parts)
         end = text.find("}}", start + 2)
         if end < 0:
-            raise TemplateError("SIMPLE: '{{' without a closing '}}'", section="9.2")
+            raise error(TemplateError, "SIMPLE: '{{' without a closing '}}'", "9.2")
         parts += [(False, text[pos:start]), (True, text[start + 2:end].strip())]
         pos = end + 2
 
@@ -9414,7 +9425,7 @@ def simple_field(variables, field):
         elif ch == "[":
             close = field.find("]", i)
             if close < 0:
-                raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+                raise error(TemplateError, f"SIMPLE: bad field {{{field}}}", "9.2")
             parts.append(token)
             token = field[i + 1:close]
             i = close
@@ -9423,7 +9434,7 @@ def simple_field(variables, field):
         i += 1
     parts.append(token)
     if "" in parts:     # a standard format field has no empty name, key or attribute (§9.2)
-        raise TemplateError(f"SIMPLE: bad field {{{field}}}", section="9.2")
+        raise error(TemplateError, f"SIMPLE: bad field {{{field}}}", "9.2")
     value = variables
     for part in parts:
         if isinstance(value, dict) and part in value:
@@ -9431,8 +9442,8 @@ def simple_field(variables, field):
         elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
         else:
-            raise TemplateError(f"SIMPLE: unknown name {{{field}}} in format substitution",
-                                section="9.2")
+            raise error(TemplateError, f"SIMPLE: unknown name {{{field}}} in format substitution",
+                        "9.2")
     return value
 
 
@@ -9442,7 +9453,7 @@ def simple_format(text, variables):
     try:
         pieces = list(string.Formatter().parse(text))
     except ValueError as exc:
-        raise TemplateError(f"SIMPLE: format substitution: {exc}", section="9.2") from exc
+        raise error(TemplateError, f"SIMPLE: format substitution: {exc}", "9.2") from exc
     for literal, field, spec, conversion in pieces:
         out.append(literal)
         if field is None:
@@ -9456,7 +9467,7 @@ def simple_format(text, variables):
         try:
             out.append(format(value, spec))
         except (ValueError, TypeError) as exc:
-            raise TemplateError(f"SIMPLE: {{{field}}}: {exc}", section="9.2") from exc
+            raise error(TemplateError, f"SIMPLE: {{{field}}}: {exc}", "9.2") from exc
     return "".join(out)
 
 
@@ -9500,13 +9511,13 @@ def _render_simple(text, variables, format_pass):
                 inside = _simple_field_open(part, inside)
             continue
         if inside:
-            raise TemplateError("SIMPLE: a format field may not hold a {{ }} result (it is "
-                                "data, never template source)", section="9.2")
+            raise error(TemplateError, "SIMPLE: a format field may not hold a {{ }} result (it is "
+                        "data, never template source)", "9.2")
         names = names if names is not None else simple_names(variables)
         try:
             value = eval_expression_text(part, names)
         except ActorError as exc:
-            raise TemplateError(f"SIMPLE: {{{{ {part} }}}}: {exc.message}", section="9.2") from exc
+            raise error(TemplateError, f"SIMPLE: {{{{ {part} }}}}: {exc.message}", "9.2") from exc
         value = "" if value is None else str(value)
         out.append(value.replace("{", "{{").replace("}", "}}") if format_pass else value)
     text = "".join(out)
@@ -9527,8 +9538,8 @@ def engine_name(engine):
     """§9.2 for render(): default JINJA2; unknown -> TemplateError."""
     name = engine_key(engine or "JINJA2")
     if name is None:
-        raise TemplateError(f"unknown template_engine {engine!r}: use one of {', '.join(ENGINES)}",
-                            section="9.2")
+        raise error(TemplateError, f"unknown template_engine {engine!r}: use one of "
+                    f"{', '.join(ENGINES)}", "9.2")
     return name
 
 
@@ -9542,7 +9553,7 @@ def render(text, variables, engine="JINJA2", partials=None):
     if handler is render_jinja2 and isinstance(variables, ChainMap):
         return handler(text, variables, partials)       # a view (runtime_variables): read through
     if handler is not render_mustache and not isinstance(variables, dict):
-        raise TemplateError("variables must be a mapping for JINJA2 and SIMPLE", section="9.2")
+        raise error(TemplateError, "variables must be a mapping for JINJA2 and SIMPLE", "9.2")
     return handler(text, variables, partials)
 
 # §9.3 default_router ----------------------------------------------------------------------
@@ -9766,8 +9777,8 @@ def context_data(value, where, memo=None):
         value = plain(value)
         kind = type(value)
     if kind not in CONTEXT_DATA_TYPES:
-        raise ExecutionError(f"{where} may store only data in the context, not a "
-                             f"{kind.__name__}", section="10.2, §13.2")
+        raise error(ExecutionError, f"{where} may store only data in the context, not a "
+                    f"{kind.__name__}", "10.2, §13.2")
     if kind not in (dict, list, tuple, set, frozenset):
         return value
     memo = {} if memo is None else memo
@@ -9776,8 +9787,8 @@ def context_data(value, where, memo=None):
     if kind is dict:
         bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
         if bad:
-            raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
-                                 section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+            raise error(ExecutionError, f"{where} may not set '{bad[0]}': the host sets it",
+                        HOST_ONLY_CONTEXT_KEYS[bad[0]])
         memo[id(value)] = copied = {}
         for key, item in value.items():
             copied[context_data(key, where, memo)] = context_data(item, where, memo)
@@ -9805,10 +9816,10 @@ def read_only_value(value):
 
 def _check_write(view, key):
     if view.read_only:       # INTERPRETATION I-160 §8.11 (new: templates are read-only)
-        raise ExecutionError("a template may not change the context", section="8.11")
+        raise error(ExecutionError, "a template may not change the context", "8.11")
     if isinstance(key, str) and key.startswith("__"):     # as in the document (§10.3, §15.4)
-        raise ExecutionError(f"context key '{key}' is reserved (keys starting with __)",
-                             section="10.3, §15.4")
+        raise error(ExecutionError, f"context key '{key}' is reserved (keys starting with __)",
+                    "10.3, §15.4")
     refuse_host_keys({key: None}, "configuration code")          # a delete as well
     check_not_abandoned("inline code")
 
@@ -9859,8 +9870,8 @@ def refuse_host_keys(mapping, where):
         if kind is dict:
             bad = [key for key in HOST_ONLY_CONTEXT_KEYS if key in value]
             if bad:
-                raise ExecutionError(f"{where} may not set '{bad[0]}': the host sets it",
-                                     section=HOST_ONLY_CONTEXT_KEYS[bad[0]])
+                raise error(ExecutionError, f"{where} may not set '{bad[0]}': the host sets it",
+                            HOST_ONLY_CONTEXT_KEYS[bad[0]])
             stack.extend(value.values())
         else:
             stack.extend(value)
@@ -10201,11 +10212,11 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1",
-                                     file=file) from None
+            raise error(ConfigurationError, f"document is not UTF-8: {exc}", "3.1",
+                        file=file) from None
     if not isinstance(raw, str):
-        raise ConfigurationError(f"document text must be a string, not {type(raw).__name__}",
-                                 section="3.1", file=file)
+        raise error(ConfigurationError, f"document text must be a string, not {type(raw).__name__}",
+                    "3.1", file=file)
     refuse_lone_surrogate(raw, file)        # before Phase A, which could drop it unseen
     check_sentinels(raw, file)
     if not has_template_syntax(raw):
@@ -10213,7 +10224,7 @@ def parse_source(raw, file, render_context, engine, sandbox=None):
     try:
         rendered = render_document(raw, render_context, engine, file=file, sandbox=sandbox)
     except RecursionError:      # Phase A reads the YAML shape of the text to protect fields
-        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
+        raise error(ConfigurationError, "document nests too deeply", "3.1", file=file) from None
     lines = RenderedLines(raw, rendered) if rendered != raw else None
     try:
         data, marks = parse_yaml(rendered, file)
@@ -10296,11 +10307,11 @@ def check_host_parameters(render_context, template_engine, context):
     for value, what, section in ((render_context, "render_context", "8.2"),
                                  (context, "context", "10.3")):
         if value is not None and not isinstance(value, dict):
-            raise ConfigurationError(f"the host's {what} must be a mapping, not "
-                                     f"{type(value).__name__}", section=section)
+            raise error(ConfigurationError, f"the host's {what} must be a mapping, not "
+                        f"{type(value).__name__}", section)
     if template_engine is not None and engine_key(template_engine) is None:
-        raise ConfigurationError(f"unknown template_engine '{template_engine}' given by the host "
-                                 f"(JINJA2, MUSTACHE or SIMPLE)", section="9.2")
+        raise error(ConfigurationError, f"unknown template_engine '{template_engine}' given by "
+                    f"the host (JINJA2, MUSTACHE or SIMPLE)", "9.2")
 
 
 def start_actor(sources, *, render_context=None, unsafe=False, env=None, template_engine=None,
@@ -10313,8 +10324,8 @@ def start_actor(sources, *, render_context=None, unsafe=False, env=None, templat
     rt = Runtime(Doc(None), unsafe=unsafe, env=env, workdir=workdir, clock=clock,
                  provider=provider, llm_transport=llm_transport, reference=reference)
     if isolation not in ISOLATION:
-        raise ConfigurationError(f"unknown isolation {isolation!r}: use one of "
-                                 f"{', '.join(map(repr, ISOLATION))}", section="13.2")
+        raise error(ConfigurationError, f"unknown isolation {isolation!r}: use one of "
+                    f"{', '.join(map(repr, ISOLATION))}", "13.2")
     rt.sandbox = ISOLATION[isolation]()
     rt.routing_prefixes = tuple(routing_prefixes or ())     # §12.5: host extensions
     check_host_parameters(render_context, template_engine, context)
@@ -11180,15 +11191,15 @@ def tool_path(env, given, op):
     agent's `safe_mode` rules and the host's mode both allow it.
     """
     if not isinstance(given, str) or not given.strip():
-        raise env.fail(f"{op} needs a `file` path string", "4.5.1")
+        raise env.error(f"{op} needs a `file` path string", "4.5.1")
     if "\x00" in given:                   # no file system takes one; os calls would raise
-        raise env.fail(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
+        raise env.error(f"{op}: a path may not contain a NUL character: {given!r}", "4.5.1")
     reason = safe_mode_refusal(env, given, op)
     section = "4.5.4"
     if reason is None:
         reason, section = host_refusal(env, given, op), "13.3"
     if reason is not None:
-        raise env.fail(f"{reason}: {given}", section)
+        raise env.error(f"{reason}: {given}", section)
     base = Path(env.rt.workdir).resolve()
     target = Path(given) if path_facts(given)[0] else base / given
     resolved = target.resolve()
@@ -11197,7 +11208,7 @@ def tool_path(env, given, op):
     # file_write's own outside-the-directory rule is waived by `_unsafe_mode: true`, which
     # file_write always requires, so it never refuses there.
     if op == "file_read" and not env.unsafe_host and not resolved.is_relative_to(base):
-        raise env.fail(f"file_read rejects paths resolving outside the working directory: "
+        raise env.error(f"file_read rejects paths resolving outside the working directory: "
                        f"{given}", "13.3")
     return resolved
 
@@ -11243,24 +11254,24 @@ def tool_shell(env, args):
     # is enforced in every mode and for every `safe_mode`, because §13.5 says "always".
     command = tool_rest(args, "command")
     if not isinstance(command, str) or not command.strip():
-        raise env.fail("shell needs a `command` string", "13.5")
+        raise env.error("shell needs a `command` string", "13.5")
     blocked = [word for word in SHELL_BLOCKLIST if word in command.lower()]
     if blocked:
-        raise env.fail(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
+        raise env.error(f"shell refuses commands containing {', '.join(blocked)}", "4.5.4, 13.5")
     if not env.allow_shell:
-        raise env.fail("shell execution needs `allow_shell: true` on the tool agent", "13.5")
+        raise env.error("shell execution needs `allow_shell: true` on the tool agent", "13.5")
     if not env.rt.unsafe:
-        raise env.fail("shell execution needs the host in unsafe mode", "13.5")
+        raise env.error("shell execution needs the host in unsafe mode", "13.5")
     import subprocess           # on first use: start-up pays for none
     try:
         done = subprocess.run(command, shell=True, cwd=str(env.rt.workdir), env=dict(env.rt.env),
                               capture_output=True, text=True, timeout=env.timeout)
     except subprocess.TimeoutExpired:
-        raise env.fail(f"shell command timed out after {env.timeout} s", "4.5") from None
+        raise env.error(f"shell command timed out after {env.timeout} s", "4.5") from None
     except OSError as exc:
-        raise env.fail(f"shell could not start: {exc}", "13.5") from None
+        raise env.error(f"shell could not start: {exc}", "13.5") from None
     if done.returncode != 0:
-        raise env.fail(f"shell command exited with status {done.returncode}: "
+        raise env.error(f"shell command exited with status {done.returncode}: "
                        f"{done.stderr.strip()}", "13.5")
     return done.stdout
 
@@ -11363,8 +11374,8 @@ def check_sentinels(text, file):
         if index >= 0:
             line = text.count("\n", 0, index) + 1
             col = index - (text.rfind("\n", 0, index) + 1) + 1
-            raise ConfigurationError(f"the reserved sentinel {sentinel} appears in the document",
-                                     section="15.5", file=file, line=line, col=col)
+            raise error(ConfigurationError, f"the reserved sentinel {sentinel} appears in the "
+                        "document", "15.5", file=file, line=line, col=col)
 
 # §15.6 Internal stream name patterns -----------------------------------------------------
 # A user document may name, as a stream, a route, a merge or split target, or one of the
@@ -12058,9 +12069,9 @@ def direct_network_send(self, content, target=None, metadata=None):
     elif target in self.nodes and target not in (OUTPUT, ERROR):
         push = self.nodes[target].push
     else:
-        raise RoutingError(f"no route or input stream named {target!r}", section="5.1")
+        raise error(RoutingError, f"no route or input stream named {target!r}", "5.1")
     if stream.done:
-        raise StreamRoutingError("__input__ has completed; no more messages", section="5.5")
+        raise error(StreamRoutingError, "__input__ has completed; no more messages", "5.5")
     clock = self.rt.clock
     meta = {"context": self.rt.context}
     if metadata:
@@ -12399,7 +12410,7 @@ def guard_iop_item(container, key, symbol, value):
     container[key] = guard_iop(symbol, container[key], value)
 
 
-def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
+def run_budgeted(fn, args, timeout, label, cls=ExecutionError, code=False):
     """fn(*args) under a fresh budget (timeout None: straight-line code, which has no tick to
     read one). Exhaustion is one error kind, "<label>: resource exhausted: <what>", like the
     WebAssembly reference interpreter's single Exhaustion; with code=True the code's own
@@ -12410,7 +12421,7 @@ def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
     try:
         return fn(*args)
     except (Exception, Exhausted) as exc:
-        failure = sandbox_failure(exc, label, error, code)
+        failure = sandbox_failure(exc, label, cls, code)
         if failure is exc:
             raise
         raise failure from None
@@ -12419,7 +12430,7 @@ def run_budgeted(fn, args, timeout, label, error=ExecutionError, code=False):
             _BUDGET.budget = previous
 
 
-def sandbox_failure(exc, label, error=ExecutionError, code=True):
+def sandbox_failure(exc, label, cls=ExecutionError, code=True):
     """The error a sandboxed run's exception `exc` becomes (run_budgeted's rule, also used by
     callers that run straight-line code without a budget): exhaustion is one kind; an ActorError
     and, unless code=True, any other exception go on as they are."""
@@ -12432,7 +12443,7 @@ def sandbox_failure(exc, label, error=ExecutionError, code=True):
     else:
         line = _sandbox_line(exc.__traceback__)
         failure = f"{f'line {line}: ' if line else ''}{type(exc).__name__}: {_exception_text(exc)}"
-    return error(f"{label}: {failure}", section="13.2")
+    return error(cls, f"{label}: {failure}", "13.2")
 
 
 def _exception_text(exc):
@@ -12591,10 +12602,10 @@ class ProcessSandbox:
 
     def __init__(self):
         if os.name != "posix":
-            raise ConfigurationError("isolation='process' needs a POSIX host", section="13.2")
+            raise error(ConfigurationError, "isolation='process' needs a POSIX host", "13.2")
         self.idle, self.lock = [], threading.Lock()
 
-    def ask(self, request, timeout, label, on_event=None, error=ExecutionError):
+    def ask(self, request, timeout, label, on_event=None, cls=ExecutionError):
         with self.lock:
             worker = self.idle.pop() if self.idle else None
         try:
@@ -12602,17 +12613,17 @@ class ProcessSandbox:
             reply = worker.ask(request, timeout, on_event or (lambda event: None))
             value = unwire(reply["value"]) if "value" in reply else None
         except Exhausted as exc:
-            raise error(f"{label}: resource exhausted: {exc}", section="13.2") from None
+            raise error(cls, f"{label}: resource exhausted: {exc}", "13.2") from None
         except Exception as exc:   # a broken pipe, a value that cannot cross, a malformed reply
             if worker is not None:
                 worker.kill()
-            raise error(f"{label}: the worker process failed: {type(exc).__name__}: "
-                                 f"{exc}", section="13.2") from None
+            raise error(cls, f"{label}: the worker process failed: {type(exc).__name__}: "
+                        f"{exc}", "13.2") from None
         with self.lock:
             self.idle.append(worker)
         if "error" in reply:
             kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
-            raise kind(str(reply["error"]), section=reply.get("section"))
+            raise error(kind, str(reply["error"]), reply.get("section"))
         return value
 
     def run_code(self, unit, variables, timeout, on_progress):
@@ -12646,7 +12657,7 @@ class ProcessSandbox:
                 if not (key in BUILTINS and value is BUILTINS[key])}
         return self.ask({"op": "render", "text": text, "variables": wire(data), "engine": engine,
                          "partials": partials, "phase": phase}, TEMPLATE_TIME_LIMIT,
-                        engine_name(engine), error=TemplateError)
+                        engine_name(engine), cls=TemplateError)
 
     def close(self):
         with self.lock:
@@ -13030,8 +13041,8 @@ class ProviderAdapter:
         import urllib.error                  # on first use: start-up pays for none (issue 15)
         timeout = LLM_REQUEST_TIMEOUT if timeout is None else timeout
         if not re.match(r"https?://", base_url or ""):
-            raise ExecutionError(f"{self.name}: base URL {base_url!r} is not an http(s) URL",
-                                 section="4.4")
+            raise error(ExecutionError, f"{self.name}: base URL {base_url!r} is not an http(s) URL",
+                        "4.4")
         url = self.endpoint(base_url.rstrip("/"), request["model"])
         body = self.body(request)
         headers = self.headers(key)
@@ -13068,7 +13079,7 @@ class ProviderAdapter:
                 retry = retry_allowed and (should == "true" or
                                            (should != "false" and status in LLM_RETRY_STATUSES))
             if not retry or attempt >= LLM_MAX_RETRIES:
-                raise ExecutionError(scrub_key(f"{self.name}: {failure}", key), section="4.4")
+                raise error(ExecutionError, scrub_key(f"{self.name}: {failure}", key), "4.4")
             sleep(_retry_delay(resp_headers, data, attempt, jitter))
             attempt += 1
             if record is not None:
@@ -13082,14 +13093,14 @@ class ProviderAdapter:
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
-            raise ExecutionError(scrub_key(f"{self.name}: malformed JSON in the reply: "
-                                           f"{raw[:200].decode('utf-8', 'replace')!r}", key),
-                                 section="4.4") from None
+            raise error(ExecutionError, scrub_key(f"{self.name}: malformed JSON in the reply: "
+                                  f"{raw[:200].decode('utf-8', 'replace')!r}", key),
+                        "4.4") from None
         try:
             text = self.reply(data)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise ExecutionError(scrub_key(f"{self.name}: unexpected reply: {exc}", key),
-                                 section="4.4") from None
+            raise error(ExecutionError, scrub_key(f"{self.name}: unexpected reply: {exc}", key),
+                        "4.4") from None
         if record is not None:
             try:
                 usage = self.usage(data)
@@ -13353,7 +13364,7 @@ class FakeTransport:
         if reply is None:
             return request["messages"][-1]["content"]
         if isinstance(reply, dict) and "error" in reply:
-            raise ExecutionError(f"{request['provider']}: {reply['error']}", section="4.4")
+            raise error(ExecutionError, f"{request['provider']}: {reply['error']}", "4.4")
         return message_text(reply)
 
 
@@ -13375,15 +13386,15 @@ def read_sources(paths, text):
         try:
             sources.append((str(p), Path(p).read_bytes()))
         except OSError as exc:
-            raise ConfigurationError(f"cannot read configuration file: {exc.strerror}",
-                                     section="3.1", file=str(p)) from None
+            raise error(ConfigurationError, f"cannot read configuration file: {exc.strerror}",
+                        "3.1", file=str(p)) from None
         except (ValueError, TypeError) as exc:     # a NUL byte in the path, or not a path
-            raise ConfigurationError(f"cannot read configuration file: {exc}", section="3.1",
-                                     file=repr(p)) from None
+            raise error(ConfigurationError, f"cannot read configuration file: {exc}", "3.1",
+                        file=repr(p)) from None
     if text is not None:
         sources.append(("<text>", text))
     if not sources:
-        raise ConfigurationError("no configuration given (a path or text=...)", section="3.1")
+        raise error(ConfigurationError, "no configuration given (a path or text=...)", "3.1")
     return sources
 
 
@@ -13452,7 +13463,8 @@ class Actor:
     def advance(self, seconds):
         """Move the clock on by `seconds`, firing due timers (debounce, delay, buffer, sample)."""
         if type(seconds) not in (int, float) or not math.isfinite(seconds):
-            raise ApplicationError(f"advance() takes a finite number of seconds, not {seconds!r}")
+            raise error(ApplicationError, "advance() takes a finite number of seconds, not "
+                        f"{seconds!r}")
         with self._turn:
             self._begin()
             self.network.deliver(self.rt.clock.advance, seconds)   # timers fire deliveries
@@ -13496,8 +13508,8 @@ class Actor:
             self.send = self._send_after_close
 
     def _send_after_close(self, content, *, at=None, target=None):
-        raise ApplicationError("the Actor is closed (§12.1 step 8): load it again to send more "
-                               "messages", section="12.1")
+        raise error(ApplicationError, "the Actor is closed (§12.1 step 8): load it again to send "
+                    "more messages", "12.1")
 
     def __enter__(self):
         return self
@@ -13508,7 +13520,7 @@ class Actor:
     # -- graphs (§6.6)
     def _graph(self, route):
         if route not in self.rt.graphs:
-            raise RoutingError(f"'{route}' is not a graph route", section="6.6")
+            raise error(RoutingError, f"'{route}' is not a graph route", "6.6")
         return self.rt.graphs[route]
 
     def checkpoints(self, route):
@@ -13841,21 +13853,21 @@ def _parse_set(items, option):
         key, equals, raw = item.partition("=")
         parts = key.split(".")
         if not equals or not all(part.strip() for part in parts):
-            raise ConfigurationError(f"{option} expects KEY=VALUE (KEY: names joined by dots), "
-                                     f"got '{item}'")
+            raise error(ConfigurationError, f"{option} expects KEY=VALUE (KEY: names joined by "
+                        f"dots), got '{item}'")
         try:
             value, _ = parse_yaml(raw) if raw.strip() else ("", None)
         except ConfigurationError as exc:      # located in the value, not in a file
             problem = exc.message.removeprefix("document does not parse as YAML: ")
             shown = item if len(item) <= 60 else item[:57] + "..."
-            raise ConfigurationError(f"{option} {shown}: the value does not parse as YAML: "
-                                     f"{problem}") from None
+            raise error(ConfigurationError, f"{option} {shown}: the value does not parse as YAML: "
+                        f"{problem}") from None
         node = result
         for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):   # --set a=1 --set a.b=2: a is not a mapping
-                raise ConfigurationError(f"{option} {item}: '{'.'.join(parts[:depth + 1])}' "
-                                         f"was set to a value, not a mapping")
+                raise error(ConfigurationError, f"{option} {item}: '{'.'.join(parts[:depth + 1])}' "
+                            f"was set to a value, not a mapping")
         node[parts[-1]] = value
     return result
 

@@ -9843,8 +9843,8 @@ MUTATION_EQUIVALENT = {
     'can = ", ".join(sorted(adapter.structured)) or "none"': _MSG + " (still an ExecutionError)",
     "tool_argument: 0 -> 1 | def tool_argument(args, name, index=0):": _CACHED,
     "tool_argument: return None -> pass | return None": "the same value",
-    "_math_power: raise work.fail(f'an integer beyond {MATH_MAX_BITS} bits') -> pass | "
-    'raise work.fail(f"an integer beyond {MATH_MAX_BITS} bits")':
+    "_math_power: raise work.error(f'an integer beyond {MATH_MAX_BITS} bits') -> pass | "
+    'raise work.error(f"an integer beyond {MATH_MAX_BITS} bits")':
         "the work limit refuses the same powers",
     "safe_mode_refusal: if op == 'file_write' and tilde: -> pass | "
     'if op == "file_write" and tilde:': "the §13.3 layer refuses the same paths",
@@ -9883,8 +9883,8 @@ MUTATION_EQUIVALENT = {
     "right > 0 else 0": "a result of no size costs nothing either way",
     "_exception_text: return '(an exception whose arguments are not text)' -> pass | "
     'return "(an exception whose arguments are not text)"': _MSG,
-    "tool_path: raise env.fail(f'{op} needs a `file` path string', '4.5.1') -> pass | "
-    'raise env.fail(f"{op} needs a `file` path string", "4.5.1")':
+    "tool_path: raise env.error(f'{op} needs a `file` path string', '4.5.1') -> pass | "
+    'raise env.error(f"{op} needs a `file` path string", "4.5.1")':
         "the next check fails the same call as an ExecutionError",
     "ExprUnit.__call__: 1.0 -> 0.0 | def __call__(self, *args, timeout=1.0):": _CACHED,
     "compile_expression: 1 -> 0 | "
@@ -9922,18 +9922,18 @@ MUTATION_EQUIVALENT = {
     '_math_power: 1 -> 2 | if isinstance(modulus, int) and isinstance(exponent, int) else 1)':
         'three-argument pow() refuses non-integer operands, and either failure is the same '
         'ExecutionError',
-    "_math_node: raise work.fail(f'an integer beyond {MATH_MAX_BITS} bits') -> pass | raise "
-    'work.fail(f"an integer beyond {MATH_MAX_BITS} bits")':
+    "_math_node: raise work.error(f'an integer beyond {MATH_MAX_BITS} bits') -> pass | raise "
+    'work.error(f"an integer beyond {MATH_MAX_BITS} bits")':
         'work.number refuses the product, which has at least a+b-1 > MATH_MAX_BITS bits',
     'tool_request: and -> or | if parsed is None and text.lstrip().startswith("{"):':
         'a mapping content decodes from its own JSON text to the same mapping; other text '
         'never decodes to a mapping',
-    "tool_file_read: raise env.fail(f'file_read: cannot read {given}: {exc.strerror}', "
-    '\'4.5.1\') from None -> pass | raise env.fail(f"file_read: cannot read {given}: '
+    "tool_file_read: raise env.error(f'file_read: cannot read {given}: {exc.strerror}', "
+    '\'4.5.1\') from None -> pass | raise env.error(f"file_read: cannot read {given}: '
     '{exc.strerror}", "4.5.1") from None':
         _BOUNDARY,
-    "tool_math: raise env.fail('math needs an `expression` string', '4.5.1') -> pass | raise "
-    'env.fail("math needs an `expression` string", "4.5.1")':
+    "tool_math: raise env.error('math needs an `expression` string', '4.5.1') -> pass | raise "
+    'env.error("math needs an `expression` string", "4.5.1")':
         _BOUNDARY,
     '_retried_map: return None -> pass | return None':
         'the same value',
