@@ -10863,6 +10863,7 @@ class JsonFacility:
 
 SANDBOX_JSON = JsonFacility()
 
+
 class _Imports(ast.NodeTransformer):
     # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
     # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
@@ -10891,6 +10892,8 @@ class _Imports(ast.NodeTransformer):
 
 
 SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
+
+
 # INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
 def sandbox_codec(args, kwargs):
     """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
@@ -10935,6 +10938,7 @@ EXPRESSION_BUILTINS = {
     "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
     "round": builtin_round, "sum": builtin_sum,
 }
+# The namespace's built-ins: the table's and the json facility an import binds (as for code).
 _EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
                         "__sb_str__": builtin_str}
 
@@ -11001,7 +11005,8 @@ def eval_expression_text(source, names, timeout=1.0):
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
 # No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
-# reach because nothing in the allowlists above leads to them.
+# reach because nothing in the allowlists below (syntax, attributes) or in the tables of the
+# two sandboxes leads to them; what they do not list is refused at load (_check_tree).
 # INTERPRETATION I-148 §13.2.3 (Q71): what the allowlist does not list is refused at load
 # (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
@@ -11043,7 +11048,9 @@ JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 def _shape_refusal(node, names):
     """Why an allowed node is refused for its shape or its name (None when it is fine)."""
     match node:
-        case ast.Name(id=name) if name.startswith("__"):
+        case ast.Name(id=name) | ast.FunctionDef(name=name) | ast.arg(arg=name) \
+                | ast.alias(asname=name) | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) \
+                | ast.MatchStar(name=name) | ast.keyword(arg=name) if name and name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
         # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at
         # load.
@@ -11055,10 +11062,6 @@ def _shape_refusal(node, names):
             return "assigning or deleting an attribute"
         case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
             return f"the attribute '{attr}' (not a method of the built-in value types)"
-        case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
-                | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
-                | ast.keyword(arg=name) if name and name.startswith("__"):
-            return f"the name '{name}' (double-underscore names belong to the sandbox)"
         # INTERPRETATION I-194 §13.2.3: a class pattern names a type constructor of the
         # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
         case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
@@ -11089,10 +11092,12 @@ def _configuration_refusal(exc, rt, path, section, what):
     return err
 
 
-# The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
-# budget's hooks (double-underscore names, so sandboxed source never spells them).
+# The namespace's built-ins: the §13.2.1 table's and the json facility an import binds; B.1 adds
+# the budget's hooks (double-underscore names, so sandboxed source never spells them).
 _CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
-# Entry points (§13.2) ------------------------------------------------------------------------
+
+
+# The entry points of inline code (§4.5.2, §13.2.1); those of expressions are under §13.2.2.
 class CodeUnit:
     """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
 
@@ -11109,11 +11114,9 @@ CODE_INPUTS = frozenset({"input_data", "message", "context", "result", INLINE_PR
 
 
 def compile_code(source, *, rt=None, path=None):
-    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
-
-    A construct outside the allowlist or a syntax error is a located ConfigurationError naming the
-    line inside the body (also kept as `err.code_line`).
-    """
+    """§13.2, §13.2.1: check and compile an inline-code body once, a CodeUnit. A construct the
+    allowlist refuses, or a syntax error, is a located ConfigurationError naming the body's line
+    (`err.code_line`)."""
     label = f"inline code {path_str(path)}" if path else "inline code"
     try:
         tree, code, ticks = _sandbox_compile(source, "exec",
