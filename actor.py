@@ -66,7 +66,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §16 FORBIDDEN PATTERNS: 16.1 16.2 16.3
     === APPENDICES ===
     APPENDIX A -- speed: A.1 A.2 A.3 A.4
-    APPENDIX B -- containment: B.1 B.2
+    APPENDIX B -- containment: B.1 B.2 B.3
     APPENDIX C -- host: C.0 C.1 C.2 C.3 C.4 C.5
 """
 from __future__ import annotations
@@ -6732,26 +6732,6 @@ def snapshot_history(graph):
     return History() if graph.rt.reference else Snapshots()
 
 
-def checkpoint_timestamp(rt):
-    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
-    if rt.clock.real:
-        return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    return virtual_timestamp(rt.clock.now())
-
-
-# A pure cache: virtual time often stands still between checkpoints
-@functools.lru_cache(maxsize=16)
-def virtual_timestamp(seconds):
-    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
-        datetime.timedelta(seconds=seconds)
-    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def checkpoint_sequence(path):
-    match = re.search(r"-(\d+)\.json$", path.name)
-    return int(match.group(1)) if match else 0
-
-
 # INTERPRETATION I-166 §6.6: "every ten state updates ... MUST be persisted" -- on the reference
 # path the tenth update writes the file itself (CheckpointFiles) and a write that fails fails that
 # update's run at once; on the default path it hands the state to a writer process (appendix A.1),
@@ -6771,22 +6751,6 @@ def write_checkpoint(graph, state, wait=True):
     except (OSError, ValueError) as exc:        # the directory went away or became unwritable
         raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
                              path=path_str(graph.path), section="6.6") from None
-
-
-def checkpoint_name(graph):
-    """The next checkpoint file name: the sequence continues past the newest file (read once),
-    and the timestamp never sorts before the previous one (the clock may go back)."""
-    if graph._checkpoint_last is None:
-        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
-        graph._checkpoint_last = existing[-1].name if existing else ""
-        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
-    graph._checkpoint_seq += 1
-    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
-    if name <= graph._checkpoint_last:
-        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
-        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
-    graph._checkpoint_last = name
-    return name
 
 
 class CheckpointFiles:
@@ -6819,19 +6783,6 @@ class CheckpointFiles:
 
     def close(self):
         return None                     # the failure nothing has reported yet: never one here
-
-
-# INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
-# write deletes the oldest beyond them (files are named in time order, I-107).
-CHECKPOINT_KEEP = 100
-
-
-def prune_checkpoints(folder, keep):
-    """Delete the oldest checkpoint files of `folder` beyond the newest `keep` (>= 1)."""
-    names = sorted(name for name in os.listdir(folder) if fnmatch.fnmatch(name, CHECKPOINT_GLOB))
-    for name in names[:-keep]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, name))
 
 
 def checkpoint_store(graph):
@@ -6893,32 +6844,6 @@ def restore_checkpoint(graph, path=None):
     graph.state = state
     graph.snapshots.changed_whole()
     return path
-
-
-CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
-
-
-def read_checkpoint_file(path):
-    """A checkpoint file's text, read without following a symbolic link in its place and
-    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
-        raise ValueError("it is a symbolic link")
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:    # a link put there after the check above
-            raise ValueError("it is a symbolic link") from None
-        raise
-    with os.fdopen(fd, "rb") as file:
-        facts = os.fstat(file.fileno())
-        if not stat.S_ISREG(facts.st_mode):
-            raise ValueError("it is not a regular file")
-        data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
-            else b""
-    if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
-        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
-    return data.decode("utf-8")
 
 
 def rewind_state(graph, steps):
@@ -12755,6 +12680,88 @@ def _worker_answer(request, units, event):
 
 
 ISOLATION["process"] = ProcessSandbox
+
+
+# B.3 The checkpoint directory ------------------------------------------------------------
+# Adds: what §6.6's files need on a real disk, on every path: names that stay unique and sortable
+# whatever the clock does and whatever files are there (I-107), a bound on the files kept
+# (I-181), and a restore that trusts nothing it reads -- no link, FIFO or oversize file, no key
+# only the host may set (I-180).
+# Stands in for: nothing the body runs without it (the vectors pin it on both paths)
+# Seam: write_checkpoint, CheckpointFiles, restore_checkpoint
+def checkpoint_timestamp(rt):
+    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
+    if rt.clock.real:
+        return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    return virtual_timestamp(rt.clock.now())
+
+
+# A pure cache: virtual time often stands still between checkpoints
+@functools.lru_cache(maxsize=16)
+def virtual_timestamp(seconds):
+    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
+        datetime.timedelta(seconds=seconds)
+    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def checkpoint_sequence(path):
+    match = re.search(r"-(\d+)\.json$", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def checkpoint_name(graph):
+    """The next checkpoint file name: the sequence continues past the newest file (read once),
+    and the timestamp never sorts before the previous one (the clock may go back)."""
+    if graph._checkpoint_last is None:
+        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
+        graph._checkpoint_last = existing[-1].name if existing else ""
+        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
+    graph._checkpoint_seq += 1
+    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
+    if name <= graph._checkpoint_last:
+        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
+        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    graph._checkpoint_last = name
+    return name
+
+
+# INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
+# write deletes the oldest beyond them (files are named in time order, I-107).
+CHECKPOINT_KEEP = 100
+
+
+def prune_checkpoints(folder, keep):
+    """Delete the oldest checkpoint files of `folder` beyond the newest `keep` (>= 1)."""
+    names = sorted(name for name in os.listdir(folder) if fnmatch.fnmatch(name, CHECKPOINT_GLOB))
+    for name in names[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
+
+
+CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
+
+
+def read_checkpoint_file(path):
+    """A checkpoint file's text, read without following a symbolic link in its place and
+    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
+        raise ValueError("it is a symbolic link")
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:    # a link put there after the check above
+            raise ValueError("it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        facts = os.fstat(file.fileno())
+        if not stat.S_ISREG(facts.st_mode):
+            raise ValueError("it is not a regular file")
+        data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
+            else b""
+    if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
+        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
+    return data.decode("utf-8")
 
 
 # =====================================================================================
