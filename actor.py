@@ -6695,9 +6695,9 @@ CHECKPOINT_GLOB = "checkpoint_*.json"
 
 
 def count_update(graph, node=None, result=None):
-    """§6.6 one state update counted (§6.3.1 execution_count): with time travel on, a snapshot is
-    kept (of `node`'s NodeResult `result`; None: any key may have changed); with checkpointing
-    on, every tenth update persists the full state."""
+    """§6.6 one state update counted (§6.3.1 execution_count): a snapshot kept (time travel), and
+    the full state persisted at every tenth (checkpointing)."""
+    # `result`: the NodeResult of `node` that made the update (None: any key may have changed).
     state = graph.state
     state["execution_count"] += 1
     if graph.time_travel:
@@ -6737,10 +6737,8 @@ def snapshot_history(graph):
 # update's run at once; on the default path it hands the state to a writer process (appendix A.1),
 # which reports a failure with a later checkpoint, a wait, or close.
 def write_checkpoint(graph, state, wait=True):
-    """Persist the full state as checkpoint_<ts>-<seq>.json through the graph's store; wait=False
-    lets a store write it later. Returns the path (a Path when waited for)."""
-    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
-    # the sequence continues past the newest file already there, so names stay unique and sortable.
+    """Persist the full state as checkpoint_<timestamp>.json through the graph's store (B.3 names
+    it); wait=False lets a store write it later. Returns the path (a Path when waited for)."""
     try:
         final = os.path.join(graph.checkpoint_dir, checkpoint_name(graph))
         graph.store.put(final, state)
@@ -6774,7 +6772,7 @@ class CheckpointFiles:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
-        prune_checkpoints(folder, CHECKPOINT_KEEP)
+        prune_checkpoints(folder, CHECKPOINT_KEEP)      # B.3 (I-181)
 
     def wait(self):
         """Every checkpoint is on disk once put returns."""
@@ -6792,10 +6790,9 @@ def checkpoint_store(graph):
 
 
 def restore_checkpoint(graph, path=None):
-    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state. The file
-    is not trusted: it is refused whole (ApplicationError, the state unchanged) when it is a
-    symbolic link or no regular file, larger than CHECKPOINT_MAX_BYTES, or no graph state, or
-    when its metadata holds a key only the host may set (refuse_host_keys, §10.3)."""
+    """§6.6 item 4: load a checkpoint file (default: the latest, item 3) into the graph's state,
+    or refuse it whole (ApplicationError, the state unchanged) when it holds no graph state. B.3
+    reads it without trusting the disk and refuses the keys only the host may set (I-180)."""
     where = path_str(graph.path)
     if path is None:
         found = graph.checkpoints()
@@ -6803,17 +6800,7 @@ def restore_checkpoint(graph, path=None):
             raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
                                    path=where, section="6.6")
         path = found[-1]
-    if not isinstance(path, (str, os.PathLike)):
-        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
-                               f"{type(path).__name__}", path=where, section="6.6")
-    path = Path(path)
-    if not path.is_absolute():
-        path = Path(graph.rt.workdir) / path
-    try:
-        data = json.loads(read_checkpoint_file(path))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
-                               path=where, section="6.6") from None
+    path, data = read_checkpoint(graph, path)
     if not isinstance(data, dict):
         raise ApplicationError(f"{path} does not hold a graph state", path=where, section="6.6")
     state = new_graph_state()
@@ -6824,23 +6811,10 @@ def restore_checkpoint(graph, path=None):
                 raise ApplicationError(f"{path} does not hold a graph state: {reason}",
                                        path=where, section="6.6")
             state[key] = data[key]
-    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
-    # state write refuses it; the stored copy of the invocation context is not restored (the
-    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
-    metadata = state["metadata"]
-    metadata.pop("context", None)
-    try:
-        for key in metadata:
-            if isinstance(key, str) and key.startswith("__"):
-                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
-                                     "are reserved)", section="10.3")
-        refuse_host_keys(metadata, "a checkpoint")
-    except ExecutionError as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
-                               f"{error_reason(exc)}", path=where, section="6.6, §10.3") from None
+    refuse_checkpoint_keys(graph, path, state["metadata"])
     context = graph.state["metadata"].get("context")
-    if context is not None:
-        metadata["context"] = context
+    if context is not None:                         # the live context stays attached (Q32)
+        state["metadata"]["context"] = context
     graph.state = state
     graph.snapshots.changed_whole()
     return path
@@ -12071,7 +12045,7 @@ def straight_line_call(tool, rt):
 # =====================================================================================
 # Adds: bounds on what configuration code may cost and reach beyond the allowlist (README
 # Security, T3).
-# Stands in for: the body functions named by B.1-B.2
+# Stands in for: the body functions named by B.1-B.3
 # Seam: Runtime.sandbox
 
 # B.1 The budget ---------------------------------------------------------------------------
@@ -12712,6 +12686,8 @@ def checkpoint_sequence(path):
 def checkpoint_name(graph):
     """The next checkpoint file name: the sequence continues past the newest file (read once),
     and the timestamp never sorts before the previous one (the clock may go back)."""
+    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
+    # the sequence continues past the newest file already there, so names stay unique and sortable.
     if graph._checkpoint_last is None:
         existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
         graph._checkpoint_last = existing[-1].name if existing else ""
@@ -12739,6 +12715,40 @@ def prune_checkpoints(folder, keep):
 
 
 CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
+
+
+def read_checkpoint(graph, path):
+    """restore_checkpoint's reading: (the file's Path, the JSON it holds), or an ApplicationError
+    naming what is wrong with the file (read_checkpoint_file)."""
+    where = path_str(graph.path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
+                               f"{type(path).__name__}", path=where, section="6.6")
+    path = Path(graph.rt.workdir) / path            # (an absolute path stays what it is)
+    try:
+        return path, json.loads(read_checkpoint_file(path))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                               path=where, section="6.6") from None
+
+
+def refuse_checkpoint_keys(graph, path, metadata):
+    """restore_checkpoint's last check: the metadata a checkpoint file holds, refused (an
+    ApplicationError) where it sets a reserved key or one only the host may set (§10.3)."""
+    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
+    # state write refuses it; the stored copy of the invocation context is not restored (the
+    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
+    metadata.pop("context", None)
+    try:
+        for key in metadata:
+            if isinstance(key, str) and key.startswith("__"):
+                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
+                                     "are reserved)", section="10.3")
+        refuse_host_keys(metadata, "a checkpoint")
+    except ExecutionError as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
+                               f"{error_reason(exc)}", path=path_str(graph.path),
+                               section="6.6, §10.3") from None
 
 
 def read_checkpoint_file(path):
