@@ -804,14 +804,6 @@ def _parse_events(loader_class, text, file):
         marks[path] = at(event)
         order.append(path)
 
-    def spend(event, nodes):
-        nonlocal budget, built
-        built += nodes
-        budget -= nodes
-        if budget < 0:
-            raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
-                       f"(alias bomb?)", event)
-
     def core_tag(event, kind, value, implicit, path):
         tag = event.tag
         if tag == "!":      # YAML 1.2 (6.9.1): the non-specific tag: a string, sequence, mapping
@@ -824,7 +816,7 @@ def _parse_events(loader_class, text, file):
 
     def build(event, path):
         """The value that begins with `event`; the marks below `path` are recorded."""
-        nonlocal built
+        nonlocal built, budget
         if len(path) > YAML_MAX_DEPTH:
             raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
         kind = type(event)
@@ -837,7 +829,11 @@ def _parse_events(loader_class, text, file):
                 raise fail(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
                            f"that contains itself)", event, path)
             value, below, nodes, depth = anchored
-            spend(event, nodes)
+            built += nodes
+            budget -= nodes
+            if budget < 0:
+                raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
+                           f"(alias bomb?)", event)
             if len(path) + depth > YAML_MAX_DEPTH:
                 raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
                            True)

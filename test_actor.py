@@ -260,7 +260,7 @@ def body_shape(src):
 # Issue 21's targets, as reached (README "Reading actor.py" reports the figures): the body's size,
 # the sandbox sections, and the banners that stay within 12x the standard's text. The banners
 # above it are named here, each with the ratio it has today, so that none grows unnoticed.
-BODY_CODE_LINES_MAX = 8192             # issue 21's target is 8,300
+BODY_CODE_LINES_MAX = 8189             # issue 21's target is 8,300
 SANDBOX_BODY_LINES_MAX = 260            # §13.2 + §13.2.3
 BANNER_RATIO_MAX = 12.0
 # Above 12x today, with the ratio each may not exceed (a ratchet) and why it is above:
