@@ -10521,6 +10521,7 @@ SANDBOX_MAX_ITEMS = 10_000_000     # items, characters or bits one operator or r
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
+
 class _Rejected(Exception):
     """A construct outside the allowlist: (line inside the code body, what)."""
 
@@ -10836,6 +10837,7 @@ EXPRESSION_BUILTINS = {
 # The namespace's built-ins: the table's and the json facility an import binds (as for code).
 _EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
                         "__sb_str__": builtin_str}
+
 
 class ExprUnit:
     """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
@@ -12659,6 +12661,7 @@ ISOLATION["process"] = ProcessSandbox
 # only the host may set (I-180).
 # Stands in for: nothing the body runs without it (the vectors pin it on both paths)
 # Seam: write_checkpoint, CheckpointFiles, restore_checkpoint
+
 def checkpoint_timestamp(rt):
     """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
     if rt.clock.real:
@@ -12728,25 +12731,6 @@ def read_checkpoint(graph, path):
                                path=where, section="6.6") from None
 
 
-def refuse_checkpoint_keys(graph, path, metadata):
-    """restore_checkpoint's last check: the metadata a checkpoint file holds, refused (an
-    ApplicationError) where it sets a reserved key or one only the host may set (§10.3)."""
-    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
-    # state write refuses it; the stored copy of the invocation context is not restored (the
-    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
-    metadata.pop("context", None)
-    try:
-        for key in metadata:
-            if isinstance(key, str) and key.startswith("__"):
-                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
-                                     "are reserved)", section="10.3")
-        refuse_host_keys(metadata, "a checkpoint")
-    except ExecutionError as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
-                               f"{error_reason(exc)}", path=path_str(graph.path),
-                               section="6.6, §10.3") from None
-
-
 def read_checkpoint_file(path):
     """A checkpoint file's text, read without following a symbolic link in its place and
     without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
@@ -12770,6 +12754,25 @@ def read_checkpoint_file(path):
     return data.decode("utf-8")
 
 
+def refuse_checkpoint_keys(graph, path, metadata):
+    """restore_checkpoint's last check: the metadata a checkpoint file holds, refused (an
+    ApplicationError) where it sets a reserved key or one only the host may set (§10.3)."""
+    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
+    # state write refuses it; the stored copy of the invocation context is not restored (the
+    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
+    metadata.pop("context", None)
+    try:
+        for key in metadata:
+            if isinstance(key, str) and key.startswith("__"):
+                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
+                                     "are reserved)", section="10.3")
+        refuse_host_keys(metadata, "a checkpoint")
+    except ExecutionError as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
+                               f"{error_reason(exc)}", path=path_str(graph.path),
+                               section="6.6, §10.3") from None
+
+
 # =====================================================================================
 # APPENDIX C -- host
 # =====================================================================================
@@ -12786,6 +12789,7 @@ def read_checkpoint_file(path):
 # Stands in for: nothing in the body -- §3.1's walk (_parse_events) builds the values and keeps
 # the rules; this part only hands it the events.
 # Seam: parse_yaml
+
 # INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
 # text when present; where it refuses a text, or the text holds a construct on which the two
 # parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
@@ -12922,6 +12926,7 @@ def yaml12_events(text, file):
         except yaml.YAMLError:
             pass                    # libyaml refuses: the pure parser's answer stands
     return _parse_events(Yaml12PureLoader, text, file)
+
 
 class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
     """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema
