@@ -12067,8 +12067,8 @@ def _call(name, node, *args):
 # One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
 # what it would produce (items, characters or bytes), priced before the call and refused past
 # SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
-# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
-# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
+# kwargs) (join may turn its iterable into a list first); the budget below applies it to every
+# read of these attributes, to operators (+ * ** << %), f-string widths and round and sum.
 def _join_size(sep, args, kwargs):
     args[0] = items = list(args[0])
     return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
