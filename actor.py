@@ -66,7 +66,7 @@ Map (every banner, in file order; test_actor.py keeps this list and the banners 
     §16 FORBIDDEN PATTERNS: 16.1 16.2 16.3
     === APPENDICES ===
     APPENDIX A -- speed: A.1 A.2 A.3 A.4
-    APPENDIX B -- containment: B.1 B.2
+    APPENDIX B -- containment: B.1 B.2 B.3
     APPENDIX C -- host: C.0 C.1 C.2 C.3 C.4 C.5
 """
 from __future__ import annotations
@@ -816,14 +816,6 @@ def _parse_events(loader_class, text, file):
         marks[path] = at(event)
         order.append(path)
 
-    def spend(event, nodes):
-        nonlocal budget, built
-        built += nodes
-        budget -= nodes
-        if budget < 0:
-            raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
-                       f"(alias bomb?)", event)
-
     def core_tag(event, kind, value, implicit, path):
         tag = event.tag
         if tag == "!":      # YAML 1.2 (6.9.1): the non-specific tag: a string, sequence, mapping
@@ -836,7 +828,7 @@ def _parse_events(loader_class, text, file):
 
     def build(event, path):
         """The value that begins with `event`; the marks below `path` are recorded."""
-        nonlocal built
+        nonlocal built, budget
         if len(path) > YAML_MAX_DEPTH:
             raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
         kind = type(event)
@@ -849,7 +841,11 @@ def _parse_events(loader_class, text, file):
                 raise fail(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
                            f"that contains itself)", event, path)
             value, below, nodes, depth = anchored
-            spend(event, nodes)
+            built += nodes
+            budget -= nodes
+            if budget < 0:
+                raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
+                           f"(alias bomb?)", event)
             if len(path) + depth > YAML_MAX_DEPTH:
                 raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
                            True)
@@ -6664,9 +6660,9 @@ CHECKPOINT_GLOB = "checkpoint_*.json"
 
 
 def count_update(graph, node=None, result=None):
-    """§6.6 one state update counted (§6.3.1 execution_count): with time travel on, a snapshot is
-    kept (of `node`'s NodeResult `result`; None: any key may have changed); with checkpointing
-    on, every tenth update persists the full state."""
+    """§6.6 one state update counted (§6.3.1 execution_count): a snapshot kept (time travel), and
+    the full state persisted at every tenth (checkpointing)."""
+    # `result`: the NodeResult of `node` that made the update (None: any key may have changed).
     state = graph.state
     state["execution_count"] += 1
     if graph.time_travel:
@@ -6701,35 +6697,13 @@ def snapshot_history(graph):
     return History() if graph.rt.reference else Snapshots()
 
 
-def checkpoint_timestamp(rt):
-    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
-    if rt.clock.real:
-        return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    return virtual_timestamp(rt.clock.now())
-
-
-# A pure cache: virtual time often stands still between checkpoints
-@functools.lru_cache(maxsize=16)
-def virtual_timestamp(seconds):
-    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
-        datetime.timedelta(seconds=seconds)
-    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
-
-
-def checkpoint_sequence(path):
-    match = re.search(r"-(\d+)\.json$", path.name)
-    return int(match.group(1)) if match else 0
-
-
 # INTERPRETATION I-166 §6.6: "every ten state updates ... MUST be persisted" -- on the reference
 # path the tenth update writes the file itself (CheckpointFiles) and a write that fails fails that
 # update's run at once; on the default path it hands the state to a writer process (appendix A.1),
 # which reports a failure with a later checkpoint, a wait, or close.
 def write_checkpoint(graph, state, wait=True):
-    """Persist the full state as checkpoint_<ts>-<seq>.json through the graph's store; wait=False
-    lets a store write it later. Returns the path (a Path when waited for)."""
-    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
-    # the sequence continues past the newest file already there, so names stay unique and sortable.
+    """Persist the full state as checkpoint_<timestamp>.json through the graph's store (B.3 names
+    it); wait=False lets a store write it later. Returns the path (a Path when waited for)."""
     try:
         final = os.path.join(graph.checkpoint_dir, checkpoint_name(graph))
         graph.store.put(final, state)
@@ -6740,22 +6714,6 @@ def write_checkpoint(graph, state, wait=True):
     except (OSError, ValueError) as exc:        # the directory went away or became unwritable
         raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
                              path=path_str(graph.path), section="6.6") from None
-
-
-def checkpoint_name(graph):
-    """The next checkpoint file name: the sequence continues past the newest file (read once),
-    and the timestamp never sorts before the previous one (the clock may go back)."""
-    if graph._checkpoint_last is None:
-        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
-        graph._checkpoint_last = existing[-1].name if existing else ""
-        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
-    graph._checkpoint_seq += 1
-    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
-    if name <= graph._checkpoint_last:
-        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
-        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
-    graph._checkpoint_last = name
-    return name
 
 
 class CheckpointFiles:
@@ -6779,7 +6737,7 @@ class CheckpointFiles:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
-        prune_checkpoints(folder, CHECKPOINT_KEEP)
+        prune_checkpoints(folder, CHECKPOINT_KEEP)      # B.3 (I-181)
 
     def wait(self):
         """Every checkpoint is on disk once put returns."""
@@ -6790,19 +6748,6 @@ class CheckpointFiles:
         return None                     # the failure nothing has reported yet: never one here
 
 
-# INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
-# write deletes the oldest beyond them (files are named in time order, I-107).
-CHECKPOINT_KEEP = 100
-
-
-def prune_checkpoints(folder, keep):
-    """Delete the oldest checkpoint files of `folder` beyond the newest `keep` (>= 1)."""
-    names = sorted(name for name in os.listdir(folder) if fnmatch.fnmatch(name, CHECKPOINT_GLOB))
-    for name in names[:-keep]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, name))
-
-
 def checkpoint_store(graph):
     """§6.6 where one graph's checkpoints are written, chosen at load: CheckpointFiles on the
     reference path (Runtime.reference), else the writer process of appendix A.1."""
@@ -6810,10 +6755,9 @@ def checkpoint_store(graph):
 
 
 def restore_checkpoint(graph, path=None):
-    """§6.6 item 4: load a checkpoint file (default: the latest) into the graph's state. The file
-    is not trusted: it is refused whole (ApplicationError, the state unchanged) when it is a
-    symbolic link or no regular file, larger than CHECKPOINT_MAX_BYTES, or no graph state, or
-    when its metadata holds a key only the host may set (refuse_host_keys, §10.3)."""
+    """§6.6 item 4: load a checkpoint file (default: the latest, item 3) into the graph's state,
+    or refuse it whole (ApplicationError, the state unchanged) when it holds no graph state. B.3
+    reads it without trusting the disk and refuses the keys only the host may set (I-180)."""
     where = path_str(graph.path)
     if path is None:
         found = graph.checkpoints()
@@ -6821,17 +6765,7 @@ def restore_checkpoint(graph, path=None):
             raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
                                    path=where, section="6.6")
         path = found[-1]
-    if not isinstance(path, (str, os.PathLike)):
-        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
-                               f"{type(path).__name__}", path=where, section="6.6")
-    path = Path(path)
-    if not path.is_absolute():
-        path = Path(graph.rt.workdir) / path
-    try:
-        data = json.loads(read_checkpoint_file(path))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
-                               path=where, section="6.6") from None
+    path, data = read_checkpoint(graph, path)
     if not isinstance(data, dict):
         raise ApplicationError(f"{path} does not hold a graph state", path=where, section="6.6")
     state = new_graph_state()
@@ -6842,52 +6776,13 @@ def restore_checkpoint(graph, path=None):
                 raise ApplicationError(f"{path} does not hold a graph state: {reason}",
                                        path=where, section="6.6")
             state[key] = data[key]
-    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
-    # state write refuses it; the stored copy of the invocation context is not restored (the
-    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
-    metadata = state["metadata"]
-    metadata.pop("context", None)
-    try:
-        for key in metadata:
-            if isinstance(key, str) and key.startswith("__"):
-                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
-                                     "are reserved)", section="10.3")
-        refuse_host_keys(metadata, "a checkpoint")
-    except ExecutionError as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
-                               f"{error_reason(exc)}", path=where, section="6.6, §10.3") from None
+    refuse_checkpoint_keys(graph, path, state["metadata"])
     context = graph.state["metadata"].get("context")
-    if context is not None:
-        metadata["context"] = context
+    if context is not None:                         # the live context stays attached (Q32)
+        state["metadata"]["context"] = context
     graph.state = state
     graph.snapshots.changed_whole()
     return path
-
-
-CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
-
-
-def read_checkpoint_file(path):
-    """A checkpoint file's text, read without following a symbolic link in its place and
-    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
-        raise ValueError("it is a symbolic link")
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:    # a link put there after the check above
-            raise ValueError("it is a symbolic link") from None
-        raise
-    with os.fdopen(fd, "rb") as file:
-        facts = os.fstat(file.fileno())
-        if not stat.S_ISREG(facts.st_mode):
-            raise ValueError("it is not a regular file")
-        data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
-            else b""
-    if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
-        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
-    return data.decode("utf-8")
 
 
 def rewind_state(graph, steps):
@@ -10650,6 +10545,7 @@ SANDBOX_MAX_ITEMS = 10_000_000     # items, characters or bits one operator or r
 CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
+
 class _Rejected(Exception):
     """A construct outside the allowlist: (line inside the code body, what)."""
 
@@ -10887,6 +10783,7 @@ class JsonFacility:
 
 SANDBOX_JSON = JsonFacility()
 
+
 class _Imports(ast.NodeTransformer):
     # INTERPRETATION I-146 §4.5.2 vs §13.2.1 (Q70): `import json [as j]` and `from json import
     # ...` bind the §4.5.2 facility; no import machinery is exposed. `str` is the checked class
@@ -10915,6 +10812,8 @@ class _Imports(ast.NodeTransformer):
 
 
 SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
+
+
 # INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
 def sandbox_codec(args, kwargs):
     """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
@@ -10959,8 +10858,10 @@ EXPRESSION_BUILTINS = {
     "abs": abs, "all": all, "any": any, "len": len, "max": max, "min": min,
     "round": builtin_round, "sum": builtin_sum,
 }
+# The namespace's built-ins: the table's and the json facility an import binds (as for code).
 _EXPRESSION_BUILTINS = {**EXPRESSION_BUILTINS, "__sb_json__": SANDBOX_JSON,
                         "__sb_str__": builtin_str}
+
 
 class ExprUnit:
     """An inline lambda expression checked and compiled once at load (§13.2.2); call it."""
@@ -11025,7 +10926,8 @@ def eval_expression_text(source, names, timeout=1.0):
 
 # §13.2.3 Prohibited capabilities ---------------------------------------------------------
 # No table of prohibitions: I/O, evaluation, introspection, imports and subprocesses are out of
-# reach because nothing in the allowlists above leads to them.
+# reach because nothing in the allowlists below (syntax, attributes) or in the tables of the
+# two sandboxes leads to them; what they do not list is refused at load (_check_tree).
 # INTERPRETATION I-148 §13.2.3 (Q71): what the allowlist does not list is refused at load
 # (ConfigurationError with the body line); the budget and type() refuse at invocation
 # (ExecutionError, which reaches __error__).
@@ -11067,7 +10969,9 @@ JSON_NAMES = ("loads", "dumps", "JSONDecodeError")
 def _shape_refusal(node, names):
     """Why an allowed node is refused for its shape or its name (None when it is fine)."""
     match node:
-        case ast.Name(id=name) if name.startswith("__"):
+        case ast.Name(id=name) | ast.FunctionDef(name=name) | ast.arg(arg=name) \
+                | ast.alias(asname=name) | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) \
+                | ast.MatchStar(name=name) | ast.keyword(arg=name) if name and name.startswith("__"):
             return f"the name '{name}' (double-underscore names belong to the sandbox)"
         # INTERPRETATION I-149 §13.2.1: a built-in outside the table is an unknown name, refused at
         # load.
@@ -11079,10 +10983,6 @@ def _shape_refusal(node, names):
             return "assigning or deleting an attribute"
         case ast.Attribute(attr=attr) if attr not in SANDBOX_ATTRIBUTES:
             return f"the attribute '{attr}' (not a method of the built-in value types)"
-        case ast.FunctionDef(name=name) | ast.arg(arg=name) | ast.alias(asname=name) \
-                | ast.ExceptHandler(name=name) | ast.MatchAs(name=name) | ast.MatchStar(name=name) \
-                | ast.keyword(arg=name) if name and name.startswith("__"):
-            return f"the name '{name}' (double-underscore names belong to the sandbox)"
         # INTERPRETATION I-194 §13.2.3: a class pattern names a type constructor of the
         # table and reads allowlisted, unpriced attributes (`case dict(get=g)`).
         case ast.MatchClass(cls=cls, kwd_attrs=attrs, patterns=patterns) if not (
@@ -11113,10 +11013,12 @@ def _configuration_refusal(exc, rt, path, section, what):
     return err
 
 
-# The namespaces' built-ins: a table's names and the json facility an import binds; B.1 adds the
-# budget's hooks (double-underscore names, so sandboxed source never spells them).
+# The namespace's built-ins: the §13.2.1 table's and the json facility an import binds; B.1 adds
+# the budget's hooks (double-underscore names, so sandboxed source never spells them).
 _CODE_BUILTINS = {**INLINE_CODE_BUILTINS, "__sb_json__": SANDBOX_JSON, "__sb_str__": builtin_str}
-# Entry points (§13.2) ------------------------------------------------------------------------
+
+
+# The entry points of inline code (§4.5.2, §13.2.1); those of expressions are under §13.2.2.
 class CodeUnit:
     """An inline-code body checked and compiled once at load (§4.5.2, §13.2.1)."""
 
@@ -11133,11 +11035,9 @@ CODE_INPUTS = frozenset({"input_data", "message", "context", "result", INLINE_PR
 
 
 def compile_code(source, *, rt=None, path=None):
-    """§13.2, §13.2.1: check and compile an inline-code body once; returns a CodeUnit.
-
-    A construct outside the allowlist or a syntax error is a located ConfigurationError naming the
-    line inside the body (also kept as `err.code_line`).
-    """
+    """§13.2, §13.2.1: check and compile an inline-code body once, a CodeUnit. A construct the
+    allowlist refuses, or a syntax error, is a located ConfigurationError naming the body's line
+    (`err.code_line`)."""
     label = f"inline code {path_str(path)}" if path else "inline code"
     try:
         tree, code, ticks = _sandbox_compile(source, "exec",
@@ -12167,7 +12067,7 @@ def straight_line_call(tool, rt):
 # =====================================================================================
 # Adds: bounds on what configuration code may cost and reach beyond the allowlist (README
 # Security, T3).
-# Stands in for: the body functions named by B.1-B.2
+# Stands in for: the body functions named by B.1-B.3
 # Seam: Runtime.sandbox
 
 # B.1 The budget ---------------------------------------------------------------------------
@@ -12191,8 +12091,8 @@ def _call(name, node, *args):
 # One result-size rule (T3) for every allowlisted callable whose result can outgrow its inputs:
 # what it would produce (items, characters or bytes), priced before the call and refused past
 # SANDBOX_MAX_ITEMS as "resource exhausted". Methods by name, called as price(self, args,
-# kwargs) (join may turn its iterable into a list first); B.1 applies it to every read of these
-# attributes, to operators (+ * ** << %), f-string widths and the built-ins round and sum.
+# kwargs) (join may turn its iterable into a list first); the budget below applies it to every
+# read of these attributes, to operators (+ * ** << %), f-string widths and round and sum.
 def _join_size(sep, args, kwargs):
     args[0] = items = list(args[0])
     return len(sep) * max(len(items) - 1, 0) + sum(len(item) for item in items
@@ -12778,6 +12678,125 @@ def _worker_answer(request, units, event):
 ISOLATION["process"] = ProcessSandbox
 
 
+# B.3 The checkpoint directory ------------------------------------------------------------
+# Adds: what §6.6's files need on a real disk, on every path: names that stay unique and sortable
+# whatever the clock does and whatever files are there (I-107), a bound on the files kept
+# (I-181), and a restore that trusts nothing it reads -- no link, FIFO or oversize file, no key
+# only the host may set (I-180).
+# Stands in for: nothing the body runs without it (the vectors pin it on both paths)
+# Seam: write_checkpoint, CheckpointFiles, restore_checkpoint
+
+def checkpoint_timestamp(rt):
+    """A sortable UTC date-time: the wall clock under a real clock, else 1970 + virtual seconds."""
+    if rt.clock.real:
+        return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    return virtual_timestamp(rt.clock.now())
+
+
+# A pure cache: virtual time often stands still between checkpoints
+@functools.lru_cache(maxsize=16)
+def virtual_timestamp(seconds):
+    moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc) + \
+        datetime.timedelta(seconds=seconds)
+    return moment.strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def checkpoint_sequence(path):
+    match = re.search(r"-(\d+)\.json$", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def checkpoint_name(graph):
+    """The next checkpoint file name: the sequence continues past the newest file (read once),
+    and the timestamp never sorts before the previous one (the clock may go back)."""
+    # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
+    # the sequence continues past the newest file already there, so names stay unique and sortable.
+    if graph._checkpoint_last is None:
+        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
+        graph._checkpoint_last = existing[-1].name if existing else ""
+        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
+    graph._checkpoint_seq += 1
+    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
+    if name <= graph._checkpoint_last:
+        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
+        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
+    graph._checkpoint_last = name
+    return name
+
+
+# INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
+# write deletes the oldest beyond them (files are named in time order, I-107).
+CHECKPOINT_KEEP = 100
+
+
+def prune_checkpoints(folder, keep):
+    """Delete the oldest checkpoint files of `folder` beyond the newest `keep` (>= 1)."""
+    names = sorted(name for name in os.listdir(folder) if fnmatch.fnmatch(name, CHECKPOINT_GLOB))
+    for name in names[:-keep]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
+
+
+CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore reads
+
+
+def read_checkpoint(graph, path):
+    """restore_checkpoint's reading: (the file's Path, the JSON it holds), or an ApplicationError
+    naming what is wrong with the file (read_checkpoint_file)."""
+    where = path_str(graph.path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
+                               f"{type(path).__name__}", path=where, section="6.6")
+    path = Path(graph.rt.workdir) / path            # (an absolute path stays what it is)
+    try:
+        return path, json.loads(read_checkpoint_file(path))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                               path=where, section="6.6") from None
+
+
+def read_checkpoint_file(path):
+    """A checkpoint file's text, read without following a symbolic link in its place and
+    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
+        raise ValueError("it is a symbolic link")
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:    # a link put there after the check above
+            raise ValueError("it is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        facts = os.fstat(file.fileno())
+        if not stat.S_ISREG(facts.st_mode):
+            raise ValueError("it is not a regular file")
+        data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
+            else b""
+    if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
+        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
+    return data.decode("utf-8")
+
+
+def refuse_checkpoint_keys(graph, path, metadata):
+    """restore_checkpoint's last check: the metadata a checkpoint file holds, refused (an
+    ApplicationError) where it sets a reserved key or one only the host may set (§10.3)."""
+    # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
+    # state write refuses it; the stored copy of the invocation context is not restored (the
+    # live context stays attached, as a rewind keeps it, and every run attaches it again, Q32).
+    metadata.pop("context", None)
+    try:
+        for key in metadata:
+            if isinstance(key, str) and key.startswith("__"):
+                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
+                                     "are reserved)", section="10.3")
+        refuse_host_keys(metadata, "a checkpoint")
+    except ExecutionError as exc:
+        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
+                               f"{error_reason(exc)}", path=path_str(graph.path),
+                               section="6.6, §10.3") from None
+
+
 # =====================================================================================
 # APPENDIX C -- host
 # =====================================================================================
@@ -12794,6 +12813,7 @@ ISOLATION["process"] = ProcessSandbox
 # Stands in for: nothing in the body -- §3.1's walk (_parse_events) builds the values and keeps
 # the rules; this part only hands it the events.
 # Seam: parse_yaml
+
 # INTERPRETATION I-223 §3.1: one answer whether or not libyaml is installed. libyaml parses the
 # text when present; where it refuses a text, or the text holds a construct on which the two
 # parsers part (a directive line, a tag, a comment glued to a block scalar indicator), the pure
@@ -12930,6 +12950,7 @@ def yaml12_events(text, file):
         except yaml.YAMLError:
             pass                    # libyaml refuses: the pure parser's answer stands
     return _parse_events(Yaml12PureLoader, text, file)
+
 
 class Yaml12Loader(getattr(yaml, "CSafeLoader", Yaml12PureLoader)):
     """libyaml's parser (the pure one when libyaml is absent) with the YAML 1.2 core-schema

@@ -260,14 +260,11 @@ def body_shape(src):
 # Issue 21's targets, as reached (README "Reading actor.py" reports the figures): the body's size,
 # the sandbox sections, and the banners that stay within 12x the standard's text. The banners
 # above it are named here, each with the ratio it has today, so that none grows unnoticed.
-BODY_CODE_LINES_MAX = 8440             # issue 21's target is 8,300: not met (YAML 1.2, size rule)
+BODY_CODE_LINES_MAX = 8189             # issue 21's target is 8,300
 SANDBOX_BODY_LINES_MAX = 260            # §13.2 + §13.2.3
 BANNER_RATIO_MAX = 12.0
 # Above 12x today, with the ratio each may not exceed (a ratchet) and why it is above:
 BANNERS_ABOVE_RATIO = {
-    "3.1": 19.3,        # a YAML 1.2 core-schema loader and scanner on top of pyyaml (which speaks 1.1)
-    "6.6": 13.0,        # checkpoints, restore that trusts nothing on disk, time travel
-    "13.2": 30.0,       # the allowlist of syntax and attributes, and the size rule's table beside it
 }
 
 
