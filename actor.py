@@ -7952,16 +7952,20 @@ def protect_markers(text):
     return text
 
 
-def protect_tags(text):
-    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
-    JSON mapping's own closing braces stay braces)."""
+def replace_tags(text, replace):
+    """`text` with each of its tags (scan_tags) replaced by replace(tag text, kind)."""
     out, pos = [], 0
     for start, end, kind in scan_tags(text):
-        out.append(text[pos:start])
-        out.append(text[start:end] if kind == "{#" else protect_markers(text[start:end]))
+        out += (text[pos:start], replace(text[start:end], kind))
         pos = end
     out.append(text[pos:])
     return "".join(out)
+
+
+def protect_tags(text):
+    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
+    JSON mapping's own closing braces stay braces)."""
+    return replace_tags(text, lambda tag, kind: tag if kind == "{#" else protect_markers(tag))
 
 
 def restore_markers(text):
@@ -8005,8 +8009,7 @@ def walk_tags(text, scope, defer, need_names=False):
     defers a tag that reads no name at all (under MUSTACHE/SIMPLE such a tag is the engine's).
     """
     out, pos = [], 0
-    tags = scan_tags(text)
-    for start, end, kind in tags:
+    for start, end, kind in scan_tags(text):
         if start < pos:          # inside a raw block already copied
             continue
         out.append(text[pos:start])
@@ -8016,22 +8019,15 @@ def walk_tags(text, scope, defer, need_names=False):
             out.append(tag)
             continue
         inner = tag[2:-2].strip("-+ \t\r\n")
-        word = inner.split(None, 1)[0] if inner else ""
-        protected = False
-        if kind == "{%" and word == "raw":
+        word = inner.split(None, 1)[0] if inner and kind == "{%" else ""    # "" for {{ }}
+        if word == "raw":
             close = text.find("endraw", end)
             close = text.find("%}", close) if close >= 0 else -1
             close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
-        if kind == "{{":
-            free = tag_free_names(kind, inner, "")
-            protected = defer and (free is None or not free <= scope.names
-                                   or (need_names and not free))
-            if protected and free:
-                scope.deferred_reads |= free
-        elif word in ("elif", "else"):
+        if word in ("elif", "else"):
             protected = scope.stack[-1].protected if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
@@ -8039,7 +8035,7 @@ def walk_tags(text, scope, defer, need_names=False):
                 scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
-        else:
+        else:           # an expression, or a statement that may bind names
             free = tag_free_names(kind, inner, word)
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
@@ -8092,14 +8088,7 @@ def mask_tags(text):
     """`text` with every tag blanked to the same length, so YAML can compose a template document:
     a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
     Newlines stay, so character offsets and line numbers are those of `text`."""
-    out, pos = [], 0
-    for start, end, kind in scan_tags(text):
-        out.append(text[pos:start])
-        fill = "x" if kind == "{{" else " "
-        out.append(re.sub(r"[^\n]", fill, text[start:end]))
-        pos = end
-    out.append(text[pos:])
-    return "".join(out)
+    return replace_tags(text, lambda tag, kind: re.sub(r"[^\n]", "x" if kind == "{{" else " ", tag))
 
 
 # A span of a template document that Phase A leaves alone (document_regions' result): 'field' =
@@ -8241,8 +8230,11 @@ def document_regions_by_lines(text, masked=None, file=None):
     masked = mask_tags(text) if masked is None else masked
     regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # the OpenRegion being read
-    lines = text.splitlines(keepends=True)
-    for lineno, line in enumerate(lines, 1):
+
+    def close(end):
+        regions.append(Region(region.start, end, "field" if region.kind == "field" else "section"))
+
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         line_at, offset = offset, offset + len(line)
         if line_at < skip_to:     # inside a multi-line flow collection already read
             continue
@@ -8255,8 +8247,7 @@ def document_regions_by_lines(text, masked=None, file=None):
                     region = region._replace(block_col=templates_line(
                         line, indent, blank, region.block_col, lineno, file))
                 continue
-            regions.append(Region(region.start, line_at,
-                                  "section" if region.kind != "field" else "field"))
+            close(line_at)
             region = None
         shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
         item = FLOW_ITEM.match(shown)
@@ -8290,8 +8281,7 @@ def document_regions_by_lines(text, masked=None, file=None):
             found, skip_to = flow_regions(masked, flow_at, path)
             regions.extend(found)
     if region is not None:
-        regions.append(Region(region.start, offset,
-                              "section" if region.kind != "field" else "field"))
+        close(offset)
     return sorted(regions)
 
 
