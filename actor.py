@@ -2847,13 +2847,6 @@ class CompositeComponents:
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
-        # §4.6.2 item 4: calls whose output stream emits later ([request id, PendingReply,
-        # timeout timer], oldest first), the request in synchronous dispatch, and whether a
-        # stream component holds messages until completion (reduce) rather than a timer.
-        self._pending, self._seq, self._current = [], itertools.count(1), None
-        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
-                          for route in self.routes.values() if route.get("type") == "stream"
-                          for op in as_list(route.get("operators")))
         self._components = {kind: sorted(components.get(kind) or {})
                             for kind in ("agents", "graphs", "streams")}
 
@@ -2985,6 +2978,16 @@ COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's reque
 class CompositeAgent(CompositeComponents):
     """§4.6.2: the processing logic: dispatch to the input component, let the flow run, collect the
     output component's response. One request at a time goes through the wiring."""
+
+    def __init__(self, name, cfg, rt, path):
+        super().__init__(name, cfg, rt, path)
+        # Item 4: calls whose output stream emits later ([request id, PendingReply, timeout
+        # timer], oldest first), the request in synchronous dispatch, and whether a stream
+        # component holds messages until completion (reduce) rather than a timer.
+        self._pending, self._seq, self._current = [], itertools.count(1), None
+        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
+                          for route in self.routes.values() if route.get("type") == "stream"
+                          for op in as_list(route.get("operators")))
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
