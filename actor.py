@@ -7590,7 +7590,8 @@ def scan_tags(text, pos=0):
         yield start, pos, kind
 
 
-# Block statements that take an {% end... %} partner.
+# The §8.1 statement forms as §8.4's protection reads them: which take an {% end... %} partner,
+# which names a tag reads and which it binds for what follows.
 BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
 
 
@@ -7599,7 +7600,7 @@ def tag_free_names(kind, inner, word):
     """Names a tag reads that it does not bind itself (None when it does not parse)."""
     if kind == "{{":
         source = "{{ " + inner + " }}"
-    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+    elif is_block_opener(word, inner):
         source = "{% " + inner + " %}{% end" + word + " %}"
     else:
         source = "{% " + inner + " %}"
