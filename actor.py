@@ -2687,13 +2687,6 @@ class CompositeComponents:
         self._lock = threading.RLock()
         self.network, self._emitted, self._errors = None, {}, []
         self._built = not self.routes
-        # §4.6.2 item 4: calls whose output stream emits later ([request id, PendingReply,
-        # timeout timer], oldest first), the request in synchronous dispatch, and whether a
-        # stream component holds messages until completion (reduce) rather than a timer.
-        self._pending, self._seq, self._current = [], itertools.count(1), None
-        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
-                          for route in self.routes.values() if route.get("type") == "stream"
-                          for op in as_list(route.get("operators")))
         self._components = {kind: sorted(components.get(kind) or {})
                             for kind in ("agents", "graphs", "streams")}
 
@@ -2825,6 +2818,16 @@ COMPOSITE_REQUEST = "composite_request"   # metadata mark of a composite's reque
 class CompositeAgent(CompositeComponents):
     """§4.6.2: the processing logic: dispatch to the input component, let the flow run, collect the
     output component's response. One request at a time goes through the wiring."""
+
+    def __init__(self, name, cfg, rt, path):
+        super().__init__(name, cfg, rt, path)
+        # Item 4: calls whose output stream emits later ([request id, PendingReply, timeout
+        # timer], oldest first), the request in synchronous dispatch, and whether a stream
+        # component holds messages until completion (reduce) rather than a timer.
+        self._pending, self._seq, self._current = [], itertools.count(1), None
+        self._holds = any(isinstance(op, dict) and op.get("type") == "reduce"
+                          for route in self.routes.values() if route.get("type") == "stream"
+                          for op in as_list(route.get("operators")))
 
     def _dispatch(self, spec, content, ctx):
         kind, name = spec["type"], spec["name"]
@@ -7326,7 +7329,8 @@ def scan_tags(text, pos=0):
         yield start, pos, kind
 
 
-# Block statements that take an {% end... %} partner.
+# The §8.1 statement forms as §8.4's protection reads them: which take an {% end... %} partner,
+# which names a tag reads and which it binds for what follows.
 BLOCK_PAIRS = ("for", "if", "with", "macro", "block", "filter", "call", "autoescape", "set")
 
 
@@ -7335,7 +7339,7 @@ def tag_free_names(kind, inner, word):
     """Names a tag reads that it does not bind itself (None when it does not parse)."""
     if kind == "{{":
         source = "{{ " + inner + " }}"
-    elif word in BLOCK_PAIRS and not (word == "set" and "=" in inner):
+    elif is_block_opener(word, inner):
         source = "{% " + inner + " %}{% end" + word + " %}"
     else:
         source = "{% " + inner + " %}"
@@ -7691,16 +7695,20 @@ def protect_markers(text):
     return text
 
 
-def protect_tags(text):
-    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
-    JSON mapping's own closing braces stay braces)."""
+def replace_tags(text, replace):
+    """`text` with each of its tags (scan_tags) replaced by replace(tag text, kind)."""
     out, pos = [], 0
     for start, end, kind in scan_tags(text):
-        out.append(text[pos:start])
-        out.append(text[start:end] if kind == "{#" else protect_markers(text[start:end]))
+        out += (text[pos:start], replace(text[start:end], kind))
         pos = end
     out.append(text[pos:])
     return "".join(out)
+
+
+def protect_tags(text):
+    """protect_markers applied to every {{ }} / {% %} tag of `text` and nothing else (a flow or
+    JSON mapping's own closing braces stay braces)."""
+    return replace_tags(text, lambda tag, kind: tag if kind == "{#" else protect_markers(tag))
 
 
 def restore_markers(text):
@@ -7744,8 +7752,7 @@ def walk_tags(text, scope, defer, need_names=False):
     defers a tag that reads no name at all (under MUSTACHE/SIMPLE such a tag is the engine's).
     """
     out, pos = [], 0
-    tags = scan_tags(text)
-    for start, end, kind in tags:
+    for start, end, kind in scan_tags(text):
         if start < pos:          # inside a raw block already copied
             continue
         out.append(text[pos:start])
@@ -7755,22 +7762,15 @@ def walk_tags(text, scope, defer, need_names=False):
             out.append(tag)
             continue
         inner = tag[2:-2].strip("-+ \t\r\n")
-        word = inner.split(None, 1)[0] if inner else ""
-        protected = False
-        if kind == "{%" and word == "raw":
+        word = inner.split(None, 1)[0] if inner and kind == "{%" else ""    # "" for {{ }}
+        if word == "raw":
             close = text.find("endraw", end)
             close = text.find("%}", close) if close >= 0 else -1
             close = close + 2 if close >= 0 else len(text)
             out.append(text[start:close])
             pos = close
             continue
-        if kind == "{{":
-            free = tag_free_names(kind, inner, "")
-            protected = defer and (free is None or not free <= scope.names
-                                   or (need_names and not free))
-            if protected and free:
-                scope.deferred_reads |= free
-        elif word in ("elif", "else"):
+        if word in ("elif", "else"):
             protected = scope.stack[-1].protected if scope.stack else defer
         elif word.startswith("end"):
             if scope.stack:
@@ -7778,7 +7778,7 @@ def walk_tags(text, scope, defer, need_names=False):
                 scope.names = (scope.names - added) | shadowed
             else:
                 protected = defer
-        else:
+        else:           # an expression, or a statement that may bind names
             free = tag_free_names(kind, inner, word)
             protected = defer and (free is None or not free <= scope.names
                                    or (need_names and not free))
@@ -7831,14 +7831,7 @@ def mask_tags(text):
     """`text` with every tag blanked to the same length, so YAML can compose a template document:
     a {{ }} tag becomes x's (a plain scalar, or part of one), a {% %} or {# #} tag spaces.
     Newlines stay, so character offsets and line numbers are those of `text`."""
-    out, pos = [], 0
-    for start, end, kind in scan_tags(text):
-        out.append(text[pos:start])
-        fill = "x" if kind == "{{" else " "
-        out.append(re.sub(r"[^\n]", fill, text[start:end]))
-        pos = end
-    out.append(text[pos:])
-    return "".join(out)
+    return replace_tags(text, lambda tag, kind: re.sub(r"[^\n]", "x" if kind == "{{" else " ", tag))
 
 
 # A span of a template document that Phase A leaves alone (document_regions' result): 'field' =
@@ -7980,8 +7973,11 @@ def document_regions_by_lines(text, masked=None, file=None):
     masked = mask_tags(text) if masked is None else masked
     regions, keys, offset, skip_to = [], [], 0, 0
     region = None            # the OpenRegion being read
-    lines = text.splitlines(keepends=True)
-    for lineno, line in enumerate(lines, 1):
+
+    def close(end):
+        regions.append(Region(region.start, end, "field" if region.kind == "field" else "section"))
+
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         line_at, offset = offset, offset + len(line)
         if line_at < skip_to:     # inside a multi-line flow collection already read
             continue
@@ -7994,8 +7990,7 @@ def document_regions_by_lines(text, masked=None, file=None):
                     region = region._replace(block_col=templates_line(
                         line, indent, blank, region.block_col, lineno, file))
                 continue
-            regions.append(Region(region.start, line_at,
-                                  "section" if region.kind != "field" else "field"))
+            close(line_at)
             region = None
         shown = masked[line_at:offset].rstrip("\r\n")    # the line with its tags blanked
         item = FLOW_ITEM.match(shown)
@@ -8029,8 +8024,7 @@ def document_regions_by_lines(text, masked=None, file=None):
             found, skip_to = flow_regions(masked, flow_at, path)
             regions.extend(found)
     if region is not None:
-        regions.append(Region(region.start, offset,
-                              "section" if region.kind != "field" else "field"))
+        close(offset)
     return sorted(regions)
 
 
