@@ -208,8 +208,9 @@ ERROR_CATEGORIES = {cls.__name__: cls for cls in (
 def error(cls, message, section=None, *, path=None, file=None, line=None, col=None):
     """The one constructor of errors; callers `raise error(ExecutionError, message, "6.3")`, or
     `raise doc.error(...)` where a document path locates it (Doc.error finds the line, then calls
-    this). `path` may be a config path tuple. A built-in class (TypeError, ...) is what sandboxed
-    code must see from Python itself: it gets the message alone."""
+    this). `path` may be a config path tuple. A class outside §20 -- a built-in one that sandboxed
+    code must see as Python raises it (TypeError, ...), or an internal signal -- gets the message
+    alone."""
     if not issubclass(cls, ActorError):
         return cls(message)
     if isinstance(path, tuple):
@@ -4211,14 +4212,12 @@ AGENT_HARD_TIMEOUT = 120.0                          # §5.3.4(3), seconds per ag
 
 
 class _AgentTimedOut(Exception):
-    """Internal: an agent call outlived its bound (never escapes the map stage).
+    """Internal: an agent call outlived its bound (never escapes the map stage). Its text is the
+    content the map emits: §5.3.4's, or §12.2.4's for the soft timeout of a single-shot run."""
 
-    `soft` is true when the bound was the §12.2.4 soft timeout of a single-shot run.
-    """
-
-    def __init__(self, soft=False):
-        super().__init__()
-        self.soft = soft
+    def __init__(self, text=PROCESSING_TIMED_OUT):
+        super().__init__(text)
+        self.text = text
 
 
 class BoundedCall:
@@ -4316,8 +4315,9 @@ def run_bounded(fn, timeout, name):
     if worker.is_alive():
         call.abandoned = True
         return False, None
-    if "error" in box:
-        raise box["error"]
+    failure = box.get("error")
+    if failure is not None:
+        raise failure
     return True, box["value"]
 
 
@@ -4348,7 +4348,7 @@ def invoke_agent(rt, agent, content, ctx, *, single_shot=False, method=None):
                                   SOFT_TIMEOUT if soft else AGENT_HARD_TIMEOUT,
                                   f"agent-{agent.name}")
     if not finished:
-        raise _AgentTimedOut(soft)
+        raise error(_AgentTimedOut, SOFT_TIMEOUT_TEXT if soft else PROCESSING_TIMED_OUT)
     return reply
 
 
@@ -4395,8 +4395,7 @@ def agent_mapper(site, name, down):
     def failed(msg, exc):
         if isinstance(exc, _AgentTimedOut):
             # §12.2.4: in a single-shot run the soft bound comes first and is an execution error
-            out = msg.copy(content=SOFT_TIMEOUT_TEXT if exc.soft else PROCESSING_TIMED_OUT,
-                           source_stream=route)
+            out = msg.copy(content=exc.text, source_stream=route)
             out.metadata.update(timeout=True, error=True, error_type="ExecutionError",
                                 processed_by=name)
         else:                           # §12.2.3 boundary: agent invocation
@@ -7553,7 +7552,8 @@ def _json_mapping(value):
     """A read-through context view (ChainMap, §8.11) encodes as the mapping it stands for."""
     if isinstance(value, ChainMap):
         return dict(value)
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    raise error(TemplateError, f"tojson: Object of type {type(value).__name__} is not JSON "
+                "serializable", "8.3")
 
 
 # INTERPRETATION I-132 §8.3 (Q57, decided): indent(n) indents every line of the value, the first and
@@ -8088,10 +8088,12 @@ def param_string(value):
     return str(value)
 
 
+# A coercion refuses with an unlocated ConfigurationError (or Python's own ValueError from int() or
+# float()); coerce_parameter locates it at the instance.
 def param_int(value):
     """int: the integer the value represents ("42", 42, 42.0); anything else is an error."""
     if isinstance(value, bool):
-        raise ValueError("a boolean is not an integer")
+        raise error(ConfigurationError, "a boolean is not an integer")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -8104,18 +8106,18 @@ def param_int(value):
             number = float(text)
             if number.is_integer():
                 return int(number)
-    raise ValueError(f"{value!r} is not an integer")
+    raise error(ConfigurationError, f"{value!r} is not an integer")
 
 
 def param_float(value):
     """float: the floating-point number the value represents."""
     if isinstance(value, bool):
-        raise ValueError("a boolean is not a number")
+        raise error(ConfigurationError, "a boolean is not a number")
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):
         return float(value.strip())
-    raise ValueError(f"{value!r} is not a number")
+    raise error(ConfigurationError, f"{value!r} is not a number")
 
 
 # INTERPRETATION I-126 §8.6.2 vs §8.8 (Q51, decided; a deviation from §8.6.2's literal text, which
@@ -8135,7 +8137,7 @@ def param_boolean(value):
 def param_enum(value, decl):
     """enum: MUST be one of `values`."""
     if value not in decl.get("values", ()):
-        raise ValueError(f"{value!r} is not one of {decl.get('values')}")
+        raise error(ConfigurationError, f"{value!r} is not one of {decl.get('values')}")
     return value
 
 
@@ -8223,9 +8225,9 @@ def coerce_parameter(doc, name, decl, value, at):
         if ptype == "enum":
             return param_enum(value, decl)
         return PARAMETER_TYPES[ptype](value)
-    except (ValueError, TypeError) as exc:
-        raise doc.error(ConfigurationError, at, f"parameter {name!r} ({ptype}): {exc}",
-                        "8.6.2") from exc
+    except (ValueError, TypeError, ConfigurationError) as exc:
+        raise doc.error(ConfigurationError, at, f"parameter {name!r} ({ptype}): "
+                        f"{getattr(exc, 'message', exc)}", "8.6.2") from exc
 
 
 def bind_parameters(doc, decls, params, inst_path, rt=None):
@@ -10163,9 +10165,9 @@ def load_document(sources, render_context, engine, env, rt):
             rendered[file] = lines
         if not isinstance(part, dict):
             kind = "empty" if part is None else type(part).__name__
-            raise Doc(part, part_marks, [file], rendered).error(
-                ConfigurationError, (), f"top-level value must be a mapping, not {kind}",
-                "3.1, §11.1")
+            where = Doc(part, part_marks, [file], rendered)
+            raise where.error(ConfigurationError, (), f"top-level value must be a mapping, not "
+                              f"{kind}", "3.1, §11.1")
         if data is None:
             data, marks = part, dict(part_marks)
         else:
