@@ -734,11 +734,7 @@ _CORE_SCHEMA = {
 
 
 def _scalar_value(tag, text):
-    """A scalar's value by its resolved tag; ValueError(type name) when an explicit core tag
-    (`!!int 0x_`) names a type whose core form the text does not have (the caller locates it)."""
-    form = _CORE_SCHEMA.get(tag)
-    if form is not None and not form.fullmatch(text):
-        raise ValueError(tag.rsplit(":", 1)[-1])
+    """A scalar's value by its resolved tag, whose core form (_CORE_SCHEMA) the text has."""
     if tag == "tag:yaml.org,2002:null":
         return None
     if tag == "tag:yaml.org,2002:bool":
@@ -767,9 +763,8 @@ def refuse_lone_surrogate(text, file=None):
     except UnicodeEncodeError as exc:
         line = text.count("\n", 0, exc.start) + 1
         col = exc.start - (text.rfind("\n", 0, exc.start) + 1) + 1
-        raise ConfigurationError("document is not Unicode text: a lone surrogate "
-                                 f"U+{ord(text[exc.start]):04X}", section="3.1", file=file,
-                                 line=line, col=col) from None
+        raise error(ConfigurationError, "document is not Unicode text: a lone surrogate "
+                    f"U+{ord(text[exc.start]):04X}", "3.1", file=file, line=line, col=col) from None
 
 
 def parse_yaml(text, file=None):
@@ -779,7 +774,7 @@ def parse_yaml(text, file=None):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+            raise error(ConfigurationError, f"document is not UTF-8: {exc}", "3.1", file=file)
     refuse_lone_surrogate(text, file)
     try:
         return yaml12_events(text, file)
@@ -787,8 +782,8 @@ def parse_yaml(text, file=None):
         where = getattr(exc, "problem_mark", None)
         line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
-                                 file=file, line=line, col=col) from None
+        raise error(ConfigurationError, f"document does not parse as YAML: {problem}", "3.1",
+                    file=file, line=line, col=col) from None
 
 
 def _parse_events(loader_class, text, file):
@@ -808,9 +803,10 @@ def _parse_events(loader_class, text, file):
     def at(event):
         return (file, event.start_mark.line + 1, event.start_mark.column + 1)
 
-    def fail(message, event, path=None, deep=False):
+    # This parse's front of error() (a name it hides here): the §3.1 error at `event`'s mark.
+    def error(message, event=None, path=None, deep=False):
         where = None if path is None else path_str(path[:3]) + " ..." if deep else path_str(path)
-        _, line, col = at(event)
+        _, line, col = at(event) if event else (file, None, None)
         return ConfigurationError(message, path=where, section="3.1", file=file, line=line, col=col)
 
     def mark(path, event):
@@ -824,32 +820,32 @@ def _parse_events(loader_class, text, file):
         elif tag is None:
             tag = resolve(kind, value, implicit)
         if tag not in _CORE_SCHEMA:
-            raise fail(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
+            raise error(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
         return tag
 
     def build(event, path):
         """The value that begins with `event`; the marks below `path` are recorded."""
         nonlocal built, budget
         if len(path) > YAML_MAX_DEPTH:
-            raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
+            raise error(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
         kind = type(event)
         if kind is yaml.AliasEvent:
             if event.anchor not in anchors:
-                raise fail(f"document does not parse as YAML: found undefined alias "
-                           f"'{event.anchor}'", event)
+                raise error(f"document does not parse as YAML: found undefined alias "
+                            f"'{event.anchor}'", event)
             anchored = anchors[event.anchor]
             if anchored is None:
-                raise fail(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
-                           f"that contains itself)", event, path)
+                raise error(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
+                            f"that contains itself)", event, path)
             value, below, nodes, depth = anchored
             built += nodes
             budget -= nodes
             if budget < 0:
-                raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
-                           f"(alias bomb?)", event)
+                raise error(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
+                            f"(alias bomb?)", event)
             if len(path) + depth > YAML_MAX_DEPTH:
-                raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
-                           True)
+                raise error(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
+                            True)
             for relative, where in below:
                 marks[path + relative] = where
                 order.append(path + relative)
@@ -858,17 +854,17 @@ def _parse_events(loader_class, text, file):
         anchor = event.anchor
         if anchor is not None:
             if anchor in anchors:
-                raise fail(f"document does not parse as YAML: found duplicate anchor "
-                           f"'{anchor}'", event)
+                raise error(f"document does not parse as YAML: found duplicate anchor "
+                            f"'{anchor}'", event)
             anchors[anchor] = None          # being built: an alias to it inside is refused
             first_mark, first_built = len(order), built
         if kind is yaml.ScalarEvent:
             tag = core_tag(event, yaml.ScalarNode, event.value, event.implicit, path)
-            try:
-                value = _scalar_value(tag, event.value)
-            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
-                raise fail(f"'{event.value}' is not a YAML 1.2 core-schema {exc}", event,
-                           path) from None
+            form = _CORE_SCHEMA.get(tag)
+            if form is not None and not form.fullmatch(event.value):    # `!!int 0x_`
+                raise error(f"'{event.value}' is not a YAML 1.2 core-schema "
+                            f"{tag.rsplit(':', 1)[-1]}", event, path)
+            value = _scalar_value(tag, event.value)
         elif kind is yaml.SequenceStartEvent:
             core_tag(event, yaml.SequenceNode, None, event.implicit, path)
             value = []
@@ -885,14 +881,14 @@ def _parse_events(loader_class, text, file):
             while type(item) is not yaml.MappingEndEvent:
                 if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent) or \
                         isinstance(key := build(item, path), (dict, list)):  # or an alias to one
-                    raise fail("mapping keys must be scalars", item, path)
+                    raise error("mapping keys must be scalars", item, path)
                 same = _yaml_key_identity(key)
                 if same in seen:
-                    raise fail(f"duplicate mapping key '{key}'", item, path + (key,))
+                    raise error(f"duplicate mapping key '{key}'", item, path + (key,))
                 if key in value:        # 1, 1.0 and true: distinct in YAML, one key in Python
-                    raise fail(f"mapping keys {next(k for k in value if k == key)!r} and "
-                               f"{key!r} are distinct YAML values that this implementation "
-                               f"cannot hold apart as keys", item, path + (key,))
+                    raise error(f"mapping keys {next(k for k in value if k == key)!r} and "
+                                f"{key!r} are distinct YAML values that this implementation "
+                                f"cannot hold apart as keys", item, path + (key,))
                 seen.add(same)
                 mark(path + (key,), item)
                 value[key] = build(next_event(), path + (key,))
@@ -913,11 +909,11 @@ def _parse_events(loader_class, text, file):
         data = build(root, ())
         next_event()                                    # the document's end
         if not loader.check_event(yaml.StreamEndEvent):
-            raise fail("document does not parse as YAML: but found another document",
-                       loader.peek_event())
+            raise error("document does not parse as YAML: but found another document",
+                        loader.peek_event())
         return data, marks
     except RecursionError:
-        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
+        raise error("document nests too deeply") from None
     finally:
         loader.dispose()
 
@@ -6713,9 +6709,9 @@ def write_checkpoint(graph, state, wait=True):
             return final
         graph.store.flush()
         return Path(final)
-    except (OSError, ValueError) as exc:        # the directory went away or became unwritable
-        raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
-                             path=path_str(graph.path), section="6.6") from None
+    except (OSError, ValueError, ExecutionError) as exc:    # gone, unwritable, not JSON
+        raise error(ExecutionError, f"graph '{graph.name}' cannot write a checkpoint: "
+                    f"{getattr(exc, 'message', exc)}", "6.6", path=graph.path) from None
 
 
 class CheckpointFiles:
@@ -6730,7 +6726,7 @@ class CheckpointFiles:
             data = json.dumps(state, default=str, ensure_ascii=False).encode("utf-8",
                                                                             "surrogatepass")
         except (TypeError, ValueError, RecursionError) as exc:   # a cycle, a key JSON refuses
-            raise ValueError(f"the state cannot be written as JSON: {exc}") from None
+            raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") from None
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         temp = os.path.join(folder, "." + os.path.basename(path) + ".tmp")
@@ -6764,19 +6760,19 @@ def restore_checkpoint(graph, path=None):
     if path is None:
         found = graph.checkpoints()
         if not found:
-            raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
-                                   path=where, section="6.6")
+            raise error(ApplicationError, f"graph '{graph.name}' has no checkpoint to restore",
+                        "6.6", path=where)
         path = found[-1]
     path, data = read_checkpoint(graph, path)
     if not isinstance(data, dict):
-        raise ApplicationError(f"{path} does not hold a graph state", path=where, section="6.6")
+        raise error(ApplicationError, f"{path} does not hold a graph state", "6.6", path=where)
     state = new_graph_state()
     for key in state:
         if key in data:
             reason = state_field_refusal(key, data[key])
             if reason:
-                raise ApplicationError(f"{path} does not hold a graph state: {reason}",
-                                       path=where, section="6.6")
+                raise error(ApplicationError, f"{path} does not hold a graph state: {reason}",
+                            "6.6", path=where)
             state[key] = data[key]
     refuse_checkpoint_keys(graph, path, state["metadata"])
     context = graph.state["metadata"].get("context")
@@ -6790,14 +6786,14 @@ def restore_checkpoint(graph, path=None):
 def rewind_state(graph, steps):
     """§6.6 time travel: restore the state as it was `steps` updates ago."""
     if not graph.time_travel:
-        raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
-                               path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}' has enable_time_travel off", "6.6",
+                    path=graph.path)
     if type(steps) is not int:
-        raise ApplicationError(f"graph '{graph.name}': the number of steps to rewind must be an "
-                               f"integer, not {steps!r}", path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}': the number of steps to rewind must "
+                    f"be an integer, not {steps!r}", "6.6", path=graph.path)
     if steps < 1 or steps >= len(graph.snapshots):
-        raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
-                               f"steps, not {steps}", path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}' can rewind "
+                    f"1..{len(graph.snapshots) - 1} steps, not {steps}", "6.6", path=graph.path)
     context = graph.state["metadata"].get("context")
     state = graph.snapshots.rewind(steps)
     if context is not None:
@@ -8882,7 +8878,7 @@ def warn_unparsable_template(rt, text, path):
                 if is_expression:
                     _compile_expression_text(part)
     except (TemplateError, SyntaxError, _Rejected) as exc:
-        reason = exc.message if isinstance(exc, TemplateError) else getattr(exc, "what", exc)
+        reason = exc.message if isinstance(exc, ActorError) else exc
         rt.warn(f"this {rt.engine} template does not parse ({reason}); it will be used as its "
                 f"literal text", section="8.12", path=path)
     except Exception as exc:    # jinja2's own syntax and assertion errors
@@ -10542,12 +10538,9 @@ CODE_FILENAME = "<inline code>"
 EXPRESSION_FILENAME = "<inline expression>"
 
 
-class _Rejected(Exception):
-    """A construct outside the allowlist: (line inside the code body, what)."""
-
-    def __init__(self, line, what):
-        super().__init__(what)
-        self.line, self.what = line, what
+class _Rejected(ConfigurationError):
+    """A construct outside the allowlist, before it is located: .message what, .line the line
+    inside the code body (None: the first)."""
 
 
 def _bound_names(tree):
@@ -10574,18 +10567,18 @@ def _check_tree(tree, names):
             else f"the construct '{type(node).__name__}'"
         reason = reason or _shape_refusal(node, names)
         if reason:
-            raise _Rejected(getattr(node, "lineno", 1), reason)
+            raise error(_Rejected, reason, line=getattr(node, "lineno", 1))
 
 
 def _sandbox_compile(source, mode, names, filename):
     """Parse, check against the allowlist and add the budget's hooks; SyntaxError or _Rejected.
     `names`: the names code may read (None: any name without a double underscore)."""
     if not isinstance(source, str):
-        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
+        raise error(_Rejected, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
     bound = _bound_names(tree)
     if "str" in bound:
-        raise _Rejected(1, "binding the name 'str' (the sandbox checks what str decodes)")
+        raise error(_Rejected, "binding the name 'str' (the sandbox checks what str decodes)")
     if names is not None:
         names = names | bound
     _check_tree(tree, names)
@@ -10603,10 +10596,10 @@ def instrument(tree):
     return tree, _ticks(tree)
 
 
-def run_limited(fn, args, timeout, label, error=ExecutionError, code=True):
+def run_limited(fn, args, timeout, label, cls=ExecutionError, code=True):
     """§13.2, §4.5: fn(*args) under one budget of `timeout` seconds (None: no deadline); every
     failure is one located error naming `label` (B.1's run_budgeted)."""
-    return run_budgeted(fn, args, timeout, label, error, code)
+    return run_budgeted(fn, args, timeout, label, cls, code)
 
 
 class InProcessSandbox:
@@ -10647,11 +10640,11 @@ def builtin_type(*args):
     # INTERPRETATION I-150 §13.2.1: type() inspects; it never creates (three arguments) and never
     # hands out a class the tables do not already expose.
     if len(args) != 1:
-        raise TypeError("type() takes exactly one argument in the sandbox")
+        raise error(TypeError, "type() takes exactly one argument in the sandbox")
     cls = type(args[0])
     cls = {ContextView: dict, ContextList: list}.get(cls, cls)
     if cls not in SANDBOX_TYPES:
-        raise TypeError(f"type() of a {cls.__name__} is not available in the sandbox")
+        raise error(TypeError, f"type() of a {cls.__name__} is not available in the sandbox")
     return SANDBOX_TYPES[cls]
 
 
@@ -10669,7 +10662,7 @@ def builtin_locals():
     unsandboxed one -- to the template (T2)."""
     frame = sys._getframe(1)
     if frame.f_code.co_filename not in (CODE_FILENAME, EXPRESSION_FILENAME):
-        raise TypeError("locals() answers only the inline code that calls it")
+        raise error(TypeError, "locals() answers only the inline code that calls it")
     return {key: value for key, value in frame.f_locals.items() if not key.startswith("__")}
 
 
@@ -10739,8 +10732,8 @@ def builtin_sum(iterable, /, start=0):
     total = list(start)
     for item in items:
         if type(item) is not type(start):
-            raise TypeError(f'can only concatenate {type(start).__name__} (not '
-                            f'"{type(item).__name__}") to {type(start).__name__}')
+            raise error(TypeError, f'can only concatenate {type(start).__name__} (not '
+                        f'"{type(item).__name__}") to {type(start).__name__}')
         total.extend(item)
     return type(start)(total)
 
@@ -10758,10 +10751,11 @@ class JsonFacility:
     @staticmethod
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
         if not (indent is None or isinstance(indent, int) and indent <= 64):
-            raise ValueError("json.dumps indent must be a number up to 64 in the sandbox")
+            raise error(ValueError, "json.dumps indent must be a number up to 64 in the sandbox")
         if not (separators is None or isinstance(separators, (list, tuple))
                 and all(isinstance(s, str) and len(s) <= 8 for s in separators)):
-            raise ValueError("json.dumps separators must be two short strings in the sandbox")
+            raise error(ValueError, "json.dumps separators must be two short strings in the "
+                        "sandbox")
         encoder = json.JSONEncoder(indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                                    separators=separators)
         if indent is None:                  # the C encoder, one operation (T3)
@@ -10816,8 +10810,8 @@ def sandbox_codec(args, kwargs):
     the call (§13.2.3 lets a capability fail at invocation)."""
     name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
     if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
-        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
-                          f"latin-1)")
+        raise error(LookupError, f"the codec {name!r} is not available in the sandbox (utf-8, "
+                    f"ascii, latin-1)")
     return True
 
 
@@ -10894,7 +10888,7 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
                                          EXPRESSION_FILENAME)
         reason = _lambda_refusal(tree, nparams)
         if reason:
-            raise _Rejected(1, reason)
+            raise error(_Rejected, reason)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
     fn = eval(code, {"__builtins__": _EXPRESSION_BUILTINS})   # makes the lambda only
@@ -10999,12 +10993,12 @@ def _configuration_refusal(exc, rt, path, section, what):
     if isinstance(exc, SyntaxError):
         line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
     else:
-        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
+        line, text = exc.line or 1, f"{exc.message} is not allowed in the sandbox"
     message = f"{what}, line {line}: {text}"
     if rt is not None and path is not None:
         err = rt.doc.error(ConfigurationError, path, message, section)
     else:
-        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
+        err = error(ConfigurationError, message, section, path=path or None)
     err.code_line = line
     return err
 
@@ -11513,7 +11507,8 @@ class CheckpointWriter:
             try:
                 text = json.dumps(state, default=str, ensure_ascii=False)
             except (TypeError, ValueError) as exc:     # a cycle, a key JSON cannot take
-                raise ValueError(f"the state cannot be written as JSON: {exc}") from None
+                raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") \
+                    from None
             kind, data = b"t", text.encode("utf-8", "surrogatepass")
         name = os.fsencode(path)
         try:
@@ -12741,36 +12736,36 @@ def read_checkpoint(graph, path):
     naming what is wrong with the file (read_checkpoint_file)."""
     where = path_str(graph.path)
     if not isinstance(path, (str, os.PathLike)):
-        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
-                               f"{type(path).__name__}", path=where, section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}': a checkpoint is named by a file "
+                    f"path, not {type(path).__name__}", "6.6", path=where)
     path = Path(graph.rt.workdir) / path            # (an absolute path stays what it is)
     try:
         return path, json.loads(read_checkpoint_file(path))
     except (OSError, ValueError, RecursionError) as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
-                               path=where, section="6.6") from None
+        raise error(ApplicationError, f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                    "6.6", path=where) from None
 
 
 def read_checkpoint_file(path):
     """A checkpoint file's text, read without following a symbolic link in its place and
-    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
+    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES (else an OSError: why)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
-        raise ValueError("it is a symbolic link")
+        raise error(OSError, "it is a symbolic link")
     try:
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:    # a link put there after the check above
-            raise ValueError("it is a symbolic link") from None
+            raise error(OSError, "it is a symbolic link") from None
         raise
     with os.fdopen(fd, "rb") as file:
         facts = os.fstat(file.fileno())
         if not stat.S_ISREG(facts.st_mode):
-            raise ValueError("it is not a regular file")
+            raise error(OSError, "it is not a regular file")
         data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
             else b""
     if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
-        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
+        raise error(OSError, f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
     return data.decode("utf-8")
 
 
@@ -12784,13 +12779,12 @@ def refuse_checkpoint_keys(graph, path, metadata):
     try:
         for key in metadata:
             if isinstance(key, str) and key.startswith("__"):
-                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
-                                     "are reserved)", section="10.3")
+                raise error(ExecutionError, f"a checkpoint may not set '{key}' (keys starting "
+                            "with __ are reserved)", "10.3")
         refuse_host_keys(metadata, "a checkpoint")
     except ExecutionError as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
-                               f"{error_reason(exc)}", path=path_str(graph.path),
-                               section="6.6, §10.3") from None
+        raise error(ApplicationError, f"cannot restore graph '{graph.name}' from {path}: "
+                    f"{error_reason(exc)}", "6.6, §10.3", path=graph.path) from None
 
 
 # =====================================================================================
