@@ -9147,7 +9147,7 @@ def warn_unparsable_template(rt, text, path):
                 if is_expression:
                     _compile_expression_text(part)
     except (TemplateError, SyntaxError, _Rejected) as exc:
-        reason = exc.message if isinstance(exc, TemplateError) else getattr(exc, "what", exc)
+        reason = exc.message if isinstance(exc, ActorError) else exc
         rt.warn(f"this {rt.engine} template does not parse ({reason}); it will be used as its "
                 f"literal text", section="8.12", path=path)
     except Exception as exc:    # jinja2's own syntax and assertion errors
@@ -10873,17 +10873,14 @@ def sandbox_codec(args, kwargs):
     the call (§13.2.3 lets a capability fail at invocation)."""
     name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
     if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
-        raise LookupError(f"the codec {name!r} is not available in the sandbox (utf-8, ascii, "
-                          f"latin-1)")
+        raise error(LookupError, f"the codec {name!r} is not available in the sandbox (utf-8, "
+                    f"ascii, latin-1)")
     return True
 
 
-class _Rejected(Exception):
-    """A construct outside the allowlist: (line inside the code body, what)."""
-
-    def __init__(self, line, what):
-        super().__init__(what)
-        self.line, self.what = line, what
+class _Rejected(ConfigurationError):
+    """A construct outside the allowlist, before it is located: .message what, .line the line
+    inside the code body (None: the first)."""
 
 
 def _bound_names(tree):
@@ -10944,18 +10941,18 @@ def _check_tree(tree, names):
             else f"the construct '{type(node).__name__}'"
         reason = reason or _shape_refusal(node, names)
         if reason:
-            raise _Rejected(getattr(node, "lineno", 1), reason)
+            raise error(_Rejected, reason, line=getattr(node, "lineno", 1))
 
 
 def _sandbox_compile(source, mode, names, filename):
     """Parse, check against the allowlist and add the budget's hooks; SyntaxError or _Rejected.
     `names`: the names code may read (None: any name without a double underscore)."""
     if not isinstance(source, str):
-        raise _Rejected(1, f"code of type {type(source).__name__} (a string is required)")
+        raise error(_Rejected, f"code of type {type(source).__name__} (a string is required)")
     tree = ast.parse(source, filename=filename, mode=mode)
     bound = _bound_names(tree)
     if "str" in bound:
-        raise _Rejected(1, "binding the name 'str' (the sandbox checks what str decodes)")
+        raise error(_Rejected, "binding the name 'str' (the sandbox checks what str decodes)")
     if names is not None:
         names = names | bound
     _check_tree(tree, names)
@@ -11000,10 +10997,10 @@ def instrument(tree):
     return tree, _ticks(tree)
 
 
-def run_limited(fn, args, timeout, label, error=ExecutionError, code=True):
+def run_limited(fn, args, timeout, label, cls=ExecutionError, code=True):
     """§13.2, §4.5: fn(*args) under one budget of `timeout` seconds (None: no deadline); every
     failure is one located error naming `label` (B.1's run_budgeted)."""
-    return run_budgeted(fn, args, timeout, label, error, code)
+    return run_budgeted(fn, args, timeout, label, cls, code)
 
 
 def _configuration_refusal(exc, rt, path, section, what):
@@ -11011,12 +11008,12 @@ def _configuration_refusal(exc, rt, path, section, what):
     if isinstance(exc, SyntaxError):
         line, text = exc.lineno or 1, f"syntax error: {exc.msg}"
     else:
-        line, text = exc.line, f"{exc.what} is not allowed in the sandbox"
+        line, text = exc.line or 1, f"{exc.message} is not allowed in the sandbox"
     message = f"{what}, line {line}: {text}"
     if rt is not None and path is not None:
         err = rt.doc.error(ConfigurationError, path, message, section)
     else:
-        err = ConfigurationError(message, path=path_str(path) if path else None, section=section)
+        err = error(ConfigurationError, message, section, path=path or None)
     err.code_line = line
     return err
 
@@ -11034,11 +11031,11 @@ def builtin_type(*args):
     # INTERPRETATION I-150 §13.2.1: type() inspects; it never creates (three arguments) and never
     # hands out a class the tables do not already expose.
     if len(args) != 1:
-        raise TypeError("type() takes exactly one argument in the sandbox")
+        raise error(TypeError, "type() takes exactly one argument in the sandbox")
     cls = type(args[0])
     cls = {ContextView: dict, ContextList: list}.get(cls, cls)
     if cls not in SANDBOX_TYPES:
-        raise TypeError(f"type() of a {cls.__name__} is not available in the sandbox")
+        raise error(TypeError, f"type() of a {cls.__name__} is not available in the sandbox")
     return SANDBOX_TYPES[cls]
 
 
@@ -11056,7 +11053,7 @@ def builtin_locals():
     unsandboxed one -- to the template (T2)."""
     frame = sys._getframe(1)
     if frame.f_code.co_filename not in (CODE_FILENAME, EXPRESSION_FILENAME):
-        raise TypeError("locals() answers only the inline code that calls it")
+        raise error(TypeError, "locals() answers only the inline code that calls it")
     return {key: value for key, value in frame.f_locals.items() if not key.startswith("__")}
 
 
@@ -11126,8 +11123,8 @@ def builtin_sum(iterable, /, start=0):
     total = list(start)
     for item in items:
         if type(item) is not type(start):
-            raise TypeError(f'can only concatenate {type(start).__name__} (not '
-                            f'"{type(item).__name__}") to {type(start).__name__}')
+            raise error(TypeError, f'can only concatenate {type(start).__name__} (not '
+                        f'"{type(item).__name__}") to {type(start).__name__}')
         total.extend(item)
     return type(start)(total)
 
@@ -11145,10 +11142,11 @@ class JsonFacility:
     @staticmethod
     def dumps(value, *, indent=None, sort_keys=False, ensure_ascii=True, separators=None):
         if not (indent is None or isinstance(indent, int) and indent <= 64):
-            raise ValueError("json.dumps indent must be a number up to 64 in the sandbox")
+            raise error(ValueError, "json.dumps indent must be a number up to 64 in the sandbox")
         if not (separators is None or isinstance(separators, (list, tuple))
                 and all(isinstance(s, str) and len(s) <= 8 for s in separators)):
-            raise ValueError("json.dumps separators must be two short strings in the sandbox")
+            raise error(ValueError, "json.dumps separators must be two short strings in the "
+                        "sandbox")
         encoder = json.JSONEncoder(indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
                                    separators=separators)
         if indent is None:                  # the C encoder, one operation (T3)
@@ -11294,7 +11292,7 @@ def compile_expression(source, *, nparams=1, rt=None, path=None):
                                          EXPRESSION_FILENAME)
         reason = _lambda_refusal(tree, nparams)
         if reason:
-            raise _Rejected(1, reason)
+            raise error(_Rejected, reason)
     except (SyntaxError, _Rejected) as exc:
         raise _configuration_refusal(exc, rt, path, "13.2.2", label) from None
     fn = eval(code, {"__builtins__": _EXPRESSION_BUILTINS})   # makes the lambda only
