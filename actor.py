@@ -6945,9 +6945,9 @@ def write_checkpoint(graph, state, wait=True):
             return final
         graph.store.flush()
         return Path(final)
-    except (OSError, ValueError) as exc:        # the directory went away or became unwritable
-        raise ExecutionError(f"graph '{graph.name}' cannot write a checkpoint: {exc}",
-                             path=path_str(graph.path), section="6.6") from None
+    except (OSError, ValueError, ExecutionError) as exc:    # gone, unwritable, not JSON
+        raise error(ExecutionError, f"graph '{graph.name}' cannot write a checkpoint: "
+                    f"{getattr(exc, 'message', exc)}", "6.6", path=graph.path) from None
 
 
 def checkpoint_name(graph):
@@ -6978,7 +6978,7 @@ class CheckpointFiles:
             data = json.dumps(state, default=str, ensure_ascii=False).encode("utf-8",
                                                                             "surrogatepass")
         except (TypeError, ValueError, RecursionError) as exc:   # a cycle, a key JSON refuses
-            raise ValueError(f"the state cannot be written as JSON: {exc}") from None
+            raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") from None
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         temp = os.path.join(folder, "." + os.path.basename(path) + ".tmp")
@@ -7026,29 +7026,29 @@ def restore_checkpoint(graph, path=None):
     if path is None:
         found = graph.checkpoints()
         if not found:
-            raise ApplicationError(f"graph '{graph.name}' has no checkpoint to restore",
-                                   path=where, section="6.6")
+            raise error(ApplicationError, f"graph '{graph.name}' has no checkpoint to restore",
+                        "6.6", path=where)
         path = found[-1]
     if not isinstance(path, (str, os.PathLike)):
-        raise ApplicationError(f"graph '{graph.name}': a checkpoint is named by a file path, not "
-                               f"{type(path).__name__}", path=where, section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}': a checkpoint is named by a file "
+                    f"path, not {type(path).__name__}", "6.6", path=where)
     path = Path(path)
     if not path.is_absolute():
         path = Path(graph.rt.workdir) / path
     try:
         data = json.loads(read_checkpoint_file(path))
     except (OSError, ValueError, RecursionError) as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: {exc}",
-                               path=where, section="6.6") from None
+        raise error(ApplicationError, f"cannot restore graph '{graph.name}' from {path}: {exc}",
+                    "6.6", path=where) from None
     if not isinstance(data, dict):
-        raise ApplicationError(f"{path} does not hold a graph state", path=where, section="6.6")
+        raise error(ApplicationError, f"{path} does not hold a graph state", "6.6", path=where)
     state = new_graph_state()
     for key in state:
         if key in data:
             reason = state_field_refusal(key, data[key])
             if reason:
-                raise ApplicationError(f"{path} does not hold a graph state: {reason}",
-                                       path=where, section="6.6")
+                raise error(ApplicationError, f"{path} does not hold a graph state: {reason}",
+                            "6.6", path=where)
             state[key] = data[key]
     # INTERPRETATION I-180 §6.6, §10.3: what a checkpoint file holds is refused as every other
     # state write refuses it; the stored copy of the invocation context is not restored (the
@@ -7058,12 +7058,12 @@ def restore_checkpoint(graph, path=None):
     try:
         for key in metadata:
             if isinstance(key, str) and key.startswith("__"):
-                raise ExecutionError(f"a checkpoint may not set '{key}' (keys starting with __ "
-                                     "are reserved)", section="10.3")
+                raise error(ExecutionError, f"a checkpoint may not set '{key}' (keys starting "
+                            "with __ are reserved)", "10.3")
         refuse_host_keys(metadata, "a checkpoint")
     except ExecutionError as exc:
-        raise ApplicationError(f"cannot restore graph '{graph.name}' from {path}: "
-                               f"{error_reason(exc)}", path=where, section="6.6, §10.3") from None
+        raise error(ApplicationError, f"cannot restore graph '{graph.name}' from {path}: "
+                    f"{error_reason(exc)}", "6.6, §10.3", path=where) from None
     context = graph.state["metadata"].get("context")
     if context is not None:
         metadata["context"] = context
@@ -7077,38 +7077,38 @@ CHECKPOINT_MAX_BYTES = 64 * 2**20      # the largest checkpoint file restore rea
 
 def read_checkpoint_file(path):
     """A checkpoint file's text, read without following a symbolic link in its place and
-    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES."""
+    without blocking on a FIFO; no more than CHECKPOINT_MAX_BYTES (else an OSError: why)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     if os.path.islink(path):            # (where O_NOFOLLOW is unknown, this check alone)
-        raise ValueError("it is a symbolic link")
+        raise error(OSError, "it is a symbolic link")
     try:
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:    # a link put there after the check above
-            raise ValueError("it is a symbolic link") from None
+            raise error(OSError, "it is a symbolic link") from None
         raise
     with os.fdopen(fd, "rb") as file:
         facts = os.fstat(file.fileno())
         if not stat.S_ISREG(facts.st_mode):
-            raise ValueError("it is not a regular file")
+            raise error(OSError, "it is not a regular file")
         data = file.read(CHECKPOINT_MAX_BYTES + 1) if facts.st_size <= CHECKPOINT_MAX_BYTES \
             else b""
     if facts.st_size > CHECKPOINT_MAX_BYTES or len(data) > CHECKPOINT_MAX_BYTES:
-        raise ValueError(f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
+        raise error(OSError, f"it is larger than {CHECKPOINT_MAX_BYTES} bytes")
     return data.decode("utf-8")
 
 
 def rewind_state(graph, steps):
     """§6.6 time travel: restore the state as it was `steps` updates ago."""
     if not graph.time_travel:
-        raise ApplicationError(f"graph '{graph.name}' has enable_time_travel off",
-                               path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}' has enable_time_travel off", "6.6",
+                    path=graph.path)
     if type(steps) is not int:
-        raise ApplicationError(f"graph '{graph.name}': the number of steps to rewind must be an "
-                               f"integer, not {steps!r}", path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}': the number of steps to rewind must "
+                    f"be an integer, not {steps!r}", "6.6", path=graph.path)
     if steps < 1 or steps >= len(graph.snapshots):
-        raise ApplicationError(f"graph '{graph.name}' can rewind 1..{len(graph.snapshots) - 1} "
-                               f"steps, not {steps}", path=path_str(graph.path), section="6.6")
+        raise error(ApplicationError, f"graph '{graph.name}' can rewind "
+                    f"1..{len(graph.snapshots) - 1} steps, not {steps}", "6.6", path=graph.path)
     context = graph.state["metadata"].get("context")
     state = graph.snapshots.rewind(steps)
     if context is not None:
@@ -11797,7 +11797,8 @@ class CheckpointWriter:
             try:
                 text = json.dumps(state, default=str, ensure_ascii=False)
             except (TypeError, ValueError) as exc:     # a cycle, a key JSON cannot take
-                raise ValueError(f"the state cannot be written as JSON: {exc}") from None
+                raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") \
+                    from None
             kind, data = b"t", text.encode("utf-8", "surrogatepass")
         name = os.fsencode(path)
         try:
