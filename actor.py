@@ -882,12 +882,7 @@ _CORE_SCALAR_FORMS = {
 
 
 def _scalar_value(tag, text):
-    """A scalar's value by its resolved tag. ValueError(type name) when an explicit core tag
-    (`!!int 0x_`) names a type whose YAML 1.2 core form the text does not have; the caller
-    locates it."""
-    form = _CORE_SCALAR_FORMS.get(tag)
-    if form is not None and not form.fullmatch(text):
-        raise ValueError(tag.rsplit(":", 1)[-1])
+    """A scalar's value by its resolved tag, whose core form (_CORE_SCALAR_FORMS) the text has."""
     if tag == "tag:yaml.org,2002:null":
         return None
     if tag == "tag:yaml.org,2002:bool":
@@ -925,9 +920,8 @@ def refuse_lone_surrogate(text, file=None):
     except UnicodeEncodeError as exc:
         line = text.count("\n", 0, exc.start) + 1
         col = exc.start - (text.rfind("\n", 0, exc.start) + 1) + 1
-        raise ConfigurationError("document is not Unicode text: a lone surrogate "
-                                 f"U+{ord(text[exc.start]):04X}", section="3.1", file=file,
-                                 line=line, col=col) from None
+        raise error(ConfigurationError, "document is not Unicode text: a lone surrogate "
+                    f"U+{ord(text[exc.start]):04X}", "3.1", file=file, line=line, col=col) from None
 
 
 def parse_yaml(text, file=None):
@@ -938,7 +932,7 @@ def parse_yaml(text, file=None):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigurationError(f"document is not UTF-8: {exc}", section="3.1", file=file)
+            raise error(ConfigurationError, f"document is not UTF-8: {exc}", "3.1", file=file)
     refuse_lone_surrogate(text, file)
     try:
         if _LIBYAML and not _YAML_PURE_ONLY.search(text):
@@ -951,8 +945,8 @@ def parse_yaml(text, file=None):
         where = getattr(exc, "problem_mark", None)
         line, col = (where.line + 1, where.column + 1) if where is not None else (None, None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigurationError(f"document does not parse as YAML: {problem}", section="3.1",
-                                 file=file, line=line, col=col) from None
+        raise error(ConfigurationError, f"document does not parse as YAML: {problem}", "3.1",
+                    file=file, line=line, col=col) from None
 
 
 def _parse_events(loader_class, text, file):
@@ -973,10 +967,12 @@ def _parse_events(loader_class, text, file):
     def at(event):
         return (file, event.start_mark.line + 1, event.start_mark.column + 1)
 
-    def fail(message, event, path=None, deep=False):
+    # This parse's front of error() (a name it hides here): the §3.1 error at `event`'s mark.
+    def error(message, event=None, path=None, deep=False):
         where = None if path is None else path_str(path[:3]) + " ..." if deep else path_str(path)
-        return ConfigurationError(message, path=where, section="3.1", file=file,
-                                  line=event.start_mark.line + 1, col=event.start_mark.column + 1)
+        _, line, col = at(event) if event else (file, None, None)
+        return ConfigurationError(message, path=where, section="3.1", file=file, line=line,
+                                  col=col)
 
     def mark(path, event):
         marks[path] = at(event)
@@ -987,8 +983,8 @@ def _parse_events(loader_class, text, file):
         built += nodes
         budget -= nodes
         if budget < 0:
-            raise fail(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
-                       f"(alias bomb?)", event)
+            raise error(f"aliases expand the document by more than {YAML_ALIAS_BUDGET} nodes "
+                        f"(alias bomb?)", event)
 
     def core_tag(event, kind, value, implicit, path):
         tag = event.tag
@@ -997,28 +993,28 @@ def _parse_events(loader_class, text, file):
         elif tag is None:
             tag = resolve(kind, value, implicit)
         if tag not in _CORE_TAGS:
-            raise fail(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
+            raise error(f"tag '{tag}' is not part of the YAML 1.2 core schema", event, path)
         return tag
 
     def build(event, path):
         """The value that begins with `event`; the marks below `path` are recorded."""
         nonlocal built
         if len(path) > YAML_MAX_DEPTH:
-            raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
+            raise error(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path, True)
         kind = type(event)
         if kind is yaml.AliasEvent:
             if event.anchor not in anchors:
-                raise fail(f"document does not parse as YAML: found undefined alias "
-                           f"'{event.anchor}'", event)
+                raise error(f"document does not parse as YAML: found undefined alias "
+                            f"'{event.anchor}'", event)
             anchored = anchors[event.anchor]
             if anchored is None:
-                raise fail(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
-                           f"that contains itself)", event, path)
+                raise error(f"alias '*{event.anchor}' stands inside its own anchor (a structure "
+                            f"that contains itself)", event, path)
             value, below, nodes, depth = anchored
             spend(event, nodes)
             if len(path) + depth > YAML_MAX_DEPTH:
-                raise fail(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
-                           True)
+                raise error(f"document nests deeper than {YAML_MAX_DEPTH} levels", event, path,
+                            True)
             for relative, where in below:
                 marks[path + relative] = where
                 order.append(path + relative)
@@ -1027,17 +1023,17 @@ def _parse_events(loader_class, text, file):
         anchor = event.anchor
         if anchor is not None:
             if anchor in anchors:
-                raise fail(f"document does not parse as YAML: found duplicate anchor "
-                           f"'{anchor}'", event)
+                raise error(f"document does not parse as YAML: found duplicate anchor "
+                            f"'{anchor}'", event)
             anchors[anchor] = None          # being built: an alias to it inside is refused
             first_mark, first_built = len(order), built
         if kind is yaml.ScalarEvent:
             tag = core_tag(event, yaml.ScalarNode, event.value, event.implicit, path)
-            try:
-                value = _scalar_value(tag, event.value)
-            except ValueError as exc:       # `!!int 0x_`: the tag's core form is not the text
-                raise fail(f"'{event.value}' is not a YAML 1.2 core-schema {exc}", event,
-                           path) from None
+            form = _CORE_SCALAR_FORMS.get(tag)
+            if form is not None and not form.fullmatch(event.value):    # `!!int 0x_`
+                raise error(f"'{event.value}' is not a YAML 1.2 core-schema "
+                            f"{tag.rsplit(':', 1)[-1]}", event, path)
+            value = _scalar_value(tag, event.value)
         elif kind is yaml.SequenceStartEvent:
             core_tag(event, yaml.SequenceNode, None, event.implicit, path)
             value = []
@@ -1053,17 +1049,17 @@ def _parse_events(loader_class, text, file):
             item = next_event()
             while type(item) is not yaml.MappingEndEvent:
                 if type(item) in (yaml.SequenceStartEvent, yaml.MappingStartEvent):
-                    raise fail("mapping keys must be scalars", item, path)
+                    raise error("mapping keys must be scalars", item, path)
                 key = build(item, path)
                 if isinstance(key, (dict, list)):       # an alias to a collection
-                    raise fail("mapping keys must be scalars", item, path)
+                    raise error("mapping keys must be scalars", item, path)
                 same = _yaml_key_identity(key)
                 if same in seen:
-                    raise fail(f"duplicate mapping key '{key}'", item, path + (key,))
+                    raise error(f"duplicate mapping key '{key}'", item, path + (key,))
                 if key in value:        # 1, 1.0 and true: distinct in YAML, one key in Python
-                    raise fail(f"mapping keys {next(k for k in value if k == key)!r} and "
-                               f"{key!r} are distinct YAML values that this implementation "
-                               f"cannot hold apart as keys", item, path + (key,))
+                    raise error(f"mapping keys {next(k for k in value if k == key)!r} and "
+                                f"{key!r} are distinct YAML values that this implementation "
+                                f"cannot hold apart as keys", item, path + (key,))
                 seen.add(same)
                 mark(path + (key,), item)
                 value[key] = build(next_event(), path + (key,))
@@ -1084,11 +1080,11 @@ def _parse_events(loader_class, text, file):
         data = build(root, ())
         next_event()                                    # the document's end
         if not loader.check_event(yaml.StreamEndEvent):
-            raise fail("document does not parse as YAML: but found another document",
-                       loader.peek_event())
+            raise error("document does not parse as YAML: but found another document",
+                        loader.peek_event())
         return data, marks
     except RecursionError:
-        raise ConfigurationError("document nests too deeply", section="3.1", file=file) from None
+        raise error("document nests too deeply") from None
     finally:
         loader.dispose()
 
