@@ -11802,7 +11802,7 @@ class CheckpointWriter:
                                                       CHECKPOINT_KEEP) + name + data)
             self.proc.stdin.flush()
         except (OSError, ValueError):       # the writer process is gone
-            raise OSError("the checkpoint writer process has stopped") from None
+            raise error(OSError, "the checkpoint writer process has stopped") from None
         self.waiting += 1
 
     def _answers(self, block):
@@ -12466,16 +12466,16 @@ def tick():
     """At every loop step, comprehension step and sandboxed call: stop past the deadline."""
     budget = getattr(_BUDGET, "budget", None)
     if budget is None:   # a sandbox-made function called by the host outside any run
-        raise Exhausted("sandboxed code called outside its run")
+        raise error(Exhausted, "sandboxed code called outside its run")
     if time.monotonic() > budget.deadline:
-        raise Exhausted(f"time limit of {budget.timeout:g} s")
+        raise error(Exhausted, f"time limit of {budget.timeout:g} s")
     return True
 
 
 def spend(size, what):
     """Stop before an operator or range produces more than SANDBOX_MAX_ITEMS."""
     if size > SANDBOX_MAX_ITEMS:
-        raise Exhausted(f"{what} larger than {SANDBOX_MAX_ITEMS} items")
+        raise error(Exhausted, f"{what} larger than {SANDBOX_MAX_ITEMS} items")
 
 
 def _result_size(symbol, left, right):
@@ -12656,7 +12656,8 @@ def wire(value):
         return items if type(value) is list else {"\0" + type(value).__name__[:3]: items}
     if value is None or type(value) in (str, int, float, bool):
         return value
-    raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
+    raise error(TypeError, f"a value of type {type(value).__name__} cannot cross the process "
+                "boundary")
 
 
 WIRE_TAGS = {"\0tup": tuple, "\0set": set, "\0fro": frozenset}
@@ -12672,10 +12673,10 @@ def unwire(data):
     if len(data) == 1 and next(iter(data)).startswith("\0"):
         tag, items = next(iter(data.items()))
         if not isinstance(items, list) or tag != "\0map" and tag not in WIRE_TAGS:
-            raise ValueError(f"a malformed wire tag {tag!r}")
+            raise error(ValueError, f"a malformed wire tag {tag!r}")
         if tag == "\0map":
             if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
-                raise ValueError("a malformed wire mapping")
+                raise error(ValueError, "a malformed wire mapping")
             return {unwire(key): unwire(item) for key, item in items}
         return WIRE_TAGS[tag](map(unwire, items))
     return {key: unwire(item) for key, item in data.items()}
@@ -12699,7 +12700,7 @@ class Worker:
         self.pending = b""
         ready = self.line(time.monotonic() + WORKER_START, "start-up")
         if ready not in (b"ready", b"ready uncontained"):
-            raise OSError("the worker process did not start")
+            raise error(OSError, "the worker process did not start")
         if ready != b"ready" and not Worker.warned:
             Worker.warned = True
             log.warning("isolation='process': the worker could not install its seccomp filter "
@@ -12713,10 +12714,10 @@ class Worker:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 self.kill()
-                raise Exhausted(f"{what} (worker process killed)")
+                raise error(Exhausted, f"{what} (worker process killed)")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise Exhausted(f"the worker process died (status {self.proc.wait()})")
+                raise error(Exhausted, f"the worker process died (status {self.proc.wait()})")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return line
@@ -13133,9 +13134,9 @@ class OpenAIAdapter(ProviderAdapter):
         message = data["choices"][0]["message"]
         content = message.get("content")
         if content is None and message.get("refusal"):
-            raise ValueError(f"the model refused: {message['refusal']}")
+            raise error(ValueError, f"the model refused: {message['refusal']}")
         if not isinstance(content, str):
-            raise ValueError("choices[0].message.content is not text")
+            raise error(ValueError, "choices[0].message.content is not text")
         return content
 
     def vendor_error(self, data):
@@ -13206,7 +13207,7 @@ class AnthropicAdapter(ProviderAdapter):
 
     def reply(self, data):
         if data.get("stop_reason") == "refusal":
-            raise ValueError("the model refused (stop_reason: refusal)")
+            raise error(ValueError, "the model refused (stop_reason: refusal)")
         blocks = [block for block in data["content"] if isinstance(block, dict)]
         parts = [block["text"] for block in blocks if block.get("type") == "text"]
         if parts:
@@ -13214,7 +13215,7 @@ class AnthropicAdapter(ProviderAdapter):
         for block in blocks:        # the forced-tool form of structured output (see fallback)
             if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
                 return json.dumps(block.get("input"), ensure_ascii=False)
-        raise ValueError("the reply has no text content")
+        raise error(ValueError, "the reply has no text content")
 
     def usage(self, data):
         u = data.get("usage")
@@ -13284,14 +13285,15 @@ class GoogleAdapter(ProviderAdapter):
         candidates = data.get("candidates") or []
         if not candidates:
             reason = (data.get("promptFeedback") or {}).get("blockReason", "no candidates")
-            raise ValueError(f"the prompt was blocked ({reason})")
+            raise error(ValueError, f"the prompt was blocked ({reason})")
         first = candidates[0]
         if first.get("finishReason") in self.BLOCKED:
-            raise ValueError(f"the answer was blocked (finishReason: {first['finishReason']})")
+            raise error(ValueError, "the answer was blocked (finishReason: "
+                        f"{first['finishReason']})")
         parts = [part["text"] for part in (first.get("content") or {}).get("parts") or []
                  if isinstance(part, dict) and "text" in part and not part.get("thought")]
         if not parts:
-            raise ValueError("the reply has no text parts")
+            raise error(ValueError, "the reply has no text parts")
         return "".join(parts)
 
     def usage(self, data):
@@ -13877,7 +13879,7 @@ def _positive(kind):
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expects a number above zero, got '{text}'")
+            raise error(argparse.ArgumentTypeError, f"expects a number above zero, got '{text}'")
         return value
     return parse
 
