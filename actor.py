@@ -43,8 +43,9 @@ How actor.py is organised: load() runs six passes, in §12.1's order (start_acto
 Each rule lives under the banner of the section that states it; the threat model the sandbox
 answers is in README "Security". Field tables (agents, operators, nodes, edges, routes, merges,
 splits, pipeline stages, template parameters, top-level sections) are rows of Field(name,
-constraint, default, §) read by one checker, check_fields (PRELUDE); every located error is raised
-as `raise doc.error(category, path, message, section)`.
+constraint, default, §) read by one checker, check_fields (PRELUDE). Every error is made by one
+constructor, error() (PRELUDE §20): `raise doc.error(category, path, message, section)` where a
+document path locates it, else `raise error(category, message, section)`.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
