@@ -5734,8 +5734,8 @@ class GraphRoute:
         name = normalize_node_name(node_name)
         node = self.nodes.get(name)
         if node is None:
-            raise error(ExecutionError, f"graph '{self.name}' has no node '{node_name}'",
-                        path=path_str(self.path), section="5.3.2")
+            raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' has no node "
+                                    f"'{node_name}'", "5.3.2")
         if node.type in (START_NODE, END_NODE):
             return content                          # they pass the message on, updating nothing
         with self._lock:
@@ -5851,8 +5851,8 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise error(ExecutionError, f"graph '{self.name}' has no checkpoint_dir "
-                        "(checkpointing is off)", path=path_str(self.path), section="6.6")
+            raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' has no "
+                                    "checkpoint_dir (checkpointing is off)", "6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
@@ -5874,8 +5874,8 @@ class GraphRoute:
             try:
                 self.store.flush()
             except (OSError, ValueError) as exc:
-                raise error(ExecutionError, f"graph '{self.name}' cannot write a checkpoint: {exc}",
-                            path=path_str(self.path), section="6.6") from None
+                raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' cannot "
+                                        f"write a checkpoint: {exc}", "6.6") from None
 
     def restore(self, path=None):
         """Replace the state by a checkpoint file's (default: the latest); return the path used."""
