@@ -43,8 +43,9 @@ How actor.py is organised: load() runs six passes, in §12.1's order (start_acto
 Each rule lives under the banner of the section that states it; the threat model the sandbox
 answers is in README "Security". Field tables (agents, operators, nodes, edges, routes, merges,
 splits, pipeline stages, template parameters, top-level sections) are rows of Field(name,
-constraint, default, §) read by one checker, check_fields (PRELUDE); every located error is raised
-as `raise doc.error(category, path, message, section)`.
+constraint, default, §) read by one checker, check_fields (PRELUDE). Every error is made by one
+constructor, error() (PRELUDE §20): `raise doc.error(category, path, message, section)` where a
+document path locates it, else `raise error(category, message, section)`.
 
 Map (every banner, in file order; test_actor.py keeps this list and the banners in sync):
     PRELUDE -- shared by several sections, so it comes first: 20 12.2.1
@@ -5523,8 +5524,8 @@ class GraphRoute:
         name = normalize_node_name(node_name)
         node = self.nodes.get(name)
         if node is None:
-            raise error(ExecutionError, f"graph '{self.name}' has no node '{node_name}'",
-                        path=path_str(self.path), section="5.3.2")
+            raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' has no node "
+                                    f"'{node_name}'", "5.3.2")
         if node.type in (START_NODE, END_NODE):
             return content                          # they pass the message on, updating nothing
         with self._lock:
@@ -5640,8 +5641,8 @@ class GraphRoute:
     def checkpoint(self):
         """Write the full state to checkpoint_<timestamp>.json now; return its path (§6.6)."""
         if self.checkpoint_dir is None:
-            raise error(ExecutionError, f"graph '{self.name}' has no checkpoint_dir "
-                        "(checkpointing is off)", path=path_str(self.path), section="6.6")
+            raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' has no "
+                                    "checkpoint_dir (checkpointing is off)", "6.6")
         with self._lock:
             return write_checkpoint(self, self.state)
 
@@ -5663,8 +5664,8 @@ class GraphRoute:
             try:
                 self.store.flush()
             except (OSError, ValueError) as exc:
-                raise error(ExecutionError, f"graph '{self.name}' cannot write a checkpoint: {exc}",
-                            path=path_str(self.path), section="6.6") from None
+                raise self.rt.doc.error(ExecutionError, self.path, f"graph '{self.name}' cannot "
+                                        f"write a checkpoint: {exc}", "6.6") from None
 
     def restore(self, path=None):
         """Replace the state by a checkpoint file's (default: the latest); return the path used."""
@@ -11516,7 +11517,7 @@ class CheckpointWriter:
                                                       CHECKPOINT_KEEP) + name + data)
             self.proc.stdin.flush()
         except (OSError, ValueError):       # the writer process is gone
-            raise OSError("the checkpoint writer process has stopped") from None
+            raise error(OSError, "the checkpoint writer process has stopped") from None
         self.waiting += 1
 
     def _answers(self, block):
@@ -12206,16 +12207,16 @@ def tick():
     """At every loop step, comprehension step and sandboxed call: stop past the deadline."""
     budget = getattr(_BUDGET, "budget", None)
     if budget is None:   # a sandbox-made function called by the host outside any run
-        raise Exhausted("sandboxed code called outside its run")
+        raise error(Exhausted, "sandboxed code called outside its run")
     if time.monotonic() > budget.deadline:
-        raise Exhausted(f"time limit of {budget.timeout:g} s")
+        raise error(Exhausted, f"time limit of {budget.timeout:g} s")
     return True
 
 
 def spend(size, what):
     """Stop before an operator or range produces more than SANDBOX_MAX_ITEMS."""
     if size > SANDBOX_MAX_ITEMS:
-        raise Exhausted(f"{what} larger than {SANDBOX_MAX_ITEMS} items")
+        raise error(Exhausted, f"{what} larger than {SANDBOX_MAX_ITEMS} items")
 
 
 def _result_size(symbol, left, right):
@@ -12396,7 +12397,8 @@ def wire(value):
         return items if type(value) is list else {"\0" + type(value).__name__[:3]: items}
     if value is None or type(value) in (str, int, float, bool):
         return value
-    raise TypeError(f"a value of type {type(value).__name__} cannot cross the process boundary")
+    raise error(TypeError, f"a value of type {type(value).__name__} cannot cross the process "
+                "boundary")
 
 
 WIRE_TAGS = {"\0tup": tuple, "\0set": set, "\0fro": frozenset}
@@ -12412,10 +12414,10 @@ def unwire(data):
     if len(data) == 1 and next(iter(data)).startswith("\0"):
         tag, items = next(iter(data.items()))
         if not isinstance(items, list) or tag != "\0map" and tag not in WIRE_TAGS:
-            raise ValueError(f"a malformed wire tag {tag!r}")
+            raise error(ValueError, f"a malformed wire tag {tag!r}")
         if tag == "\0map":
             if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
-                raise ValueError("a malformed wire mapping")
+                raise error(ValueError, "a malformed wire mapping")
             return {unwire(key): unwire(item) for key, item in items}
         return WIRE_TAGS[tag](map(unwire, items))
     return {key: unwire(item) for key, item in data.items()}
@@ -12439,7 +12441,7 @@ class Worker:
         self.pending = b""
         ready = self.line(time.monotonic() + WORKER_START, "start-up")
         if ready not in (b"ready", b"ready uncontained"):
-            raise OSError("the worker process did not start")
+            raise error(OSError, "the worker process did not start")
         if ready != b"ready" and not Worker.warned:
             Worker.warned = True
             log.warning("isolation='process': the worker could not install its seccomp filter "
@@ -12453,10 +12455,10 @@ class Worker:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 self.kill()
-                raise Exhausted(f"{what} (worker process killed)")
+                raise error(Exhausted, f"{what} (worker process killed)")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise Exhausted(f"the worker process died (status {self.proc.wait()})")
+                raise error(Exhausted, f"the worker process died (status {self.proc.wait()})")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return line
@@ -13154,9 +13156,9 @@ class OpenAIAdapter(ProviderAdapter):
         message = data["choices"][0]["message"]
         content = message.get("content")
         if content is None and message.get("refusal"):
-            raise ValueError(f"the model refused: {message['refusal']}")
+            raise error(ValueError, f"the model refused: {message['refusal']}")
         if not isinstance(content, str):
-            raise ValueError("choices[0].message.content is not text")
+            raise error(ValueError, "choices[0].message.content is not text")
         return content
 
     def vendor_error(self, data):
@@ -13227,7 +13229,7 @@ class AnthropicAdapter(ProviderAdapter):
 
     def reply(self, data):
         if data.get("stop_reason") == "refusal":
-            raise ValueError("the model refused (stop_reason: refusal)")
+            raise error(ValueError, "the model refused (stop_reason: refusal)")
         blocks = [block for block in data["content"] if isinstance(block, dict)]
         parts = [block["text"] for block in blocks if block.get("type") == "text"]
         if parts:
@@ -13235,7 +13237,7 @@ class AnthropicAdapter(ProviderAdapter):
         for block in blocks:        # the forced-tool form of structured output (see fallback)
             if block.get("type") == "tool_use" and block.get("name") == self.STRUCTURED_TOOL:
                 return json.dumps(block.get("input"), ensure_ascii=False)
-        raise ValueError("the reply has no text content")
+        raise error(ValueError, "the reply has no text content")
 
     def usage(self, data):
         u = data.get("usage")
@@ -13305,14 +13307,15 @@ class GoogleAdapter(ProviderAdapter):
         candidates = data.get("candidates") or []
         if not candidates:
             reason = (data.get("promptFeedback") or {}).get("blockReason", "no candidates")
-            raise ValueError(f"the prompt was blocked ({reason})")
+            raise error(ValueError, f"the prompt was blocked ({reason})")
         first = candidates[0]
         if first.get("finishReason") in self.BLOCKED:
-            raise ValueError(f"the answer was blocked (finishReason: {first['finishReason']})")
+            raise error(ValueError, "the answer was blocked (finishReason: "
+                        f"{first['finishReason']})")
         parts = [part["text"] for part in (first.get("content") or {}).get("parts") or []
                  if isinstance(part, dict) and "text" in part and not part.get("thought")]
         if not parts:
-            raise ValueError("the reply has no text parts")
+            raise error(ValueError, "the reply has no text parts")
         return "".join(parts)
 
     def usage(self, data):
@@ -13898,7 +13901,7 @@ def _positive(kind):
         except ValueError:
             value = None
         if value is None or not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expects a number above zero, got '{text}'")
+            raise error(argparse.ArgumentTypeError, f"expects a number above zero, got '{text}'")
         return value
     return parse
 

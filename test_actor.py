@@ -288,6 +288,38 @@ def test_body_shape_meets_the_targets():
                for name, ratio in over.items()), over
 
 
+def raise_forms(text):
+    """Issue 21's count of raise forms: {form: occurrences}, a form being the final name called
+    after `raise` (`raise doc.error(...)` is "error"), or <re-raise> for `raise`, `raise exc`."""
+    forms = collections.Counter()
+    for found in re.finditer(r"^\s*raise\b(.*)$", text, re.M):
+        rest = found.group(1).strip()
+        call = re.match(r"([A-Za-z_][\w.]*)\s*\(", rest)
+        if call:
+            forms[call.group(1).split(".")[-1]] += 1
+        elif not rest or re.match(r"[A-Za-z_]\w*(\s+from\b.*)?$", rest):
+            forms["<re-raise>"] += 1
+        else:
+            forms[rest[:30]] += 1
+    return forms
+
+
+RAISE_FORMS_BODY_MAX = 5                # issue 21's target: error, <re-raise>, ... (4 today)
+RAISE_FORMS_FILE_MAX = 5                # as reached: the body's and the host's CheckFailures
+
+
+def test_raise_forms_are_few():
+    """Issue 21: one way to raise a located error. Every error is made by error() (PRELUDE §20)
+    or a front of it (Doc.error, the tool environment's error, the YAML parse's); the body (§3 to
+    the APPENDICES marker) has at most RAISE_FORMS_BODY_MAX raise forms, the file at most
+    RAISE_FORMS_FILE_MAX."""
+    src = (HERE / "actor.py").read_text(encoding="utf-8")
+    body = raise_forms(src[src.index("\n# §3 "):src.index(APPENDIX_MARKER)])
+    assert len(body) <= RAISE_FORMS_BODY_MAX, dict(body)
+    assert len(raise_forms(src)) <= RAISE_FORMS_FILE_MAX, dict(raise_forms(src))
+    assert body.most_common(1)[0][0] == "error"
+
+
 def test_every_cited_section_exists():
     if not (SHARED / "spec").exists():
         pytest.skip("the standard is not beside the project")
