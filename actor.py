@@ -14060,8 +14060,8 @@ NAME_HINTS = (
     (r"condition type '([^']*)' is not honoured", lambda d, m: CONDITIONS),
     (r"unknown top-level section '([^']*)'",
      lambda d, m: list(TOP_LEVEL_SECTIONS) + list(HOST_PARAMETER_FIELDS)),
-    (r"unknown llm field '([^']*)'", lambda d, m: list(LLM_FIELDS) + list(LLM_EXTRA_FIELDS)),
-    (r"unknown tool field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
+    (r"unknown llm agent field '([^']*)'", lambda d, m: LLM_AGENT_FIELDS),
+    (r"unknown tool agent field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
     (r"(\S+): unknown field '([^']*)'", lambda d, m: _field_names(m.group(1))),
 )
 
@@ -14299,7 +14299,8 @@ def config_schema():
     agent = _closed({"type": "object",      # a §4.8 template instance may name its template alone
                      "anyOf": [{"required": ["type"]}, {"required": ["template"]},
                                {"required": ["agent_template"]}],
-                     "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
+                     "properties": {**{key: {} for key in AGENT_FIELDS},       # §4.1's rows
+                                    "type": {"enum": agent_types}, "config": {"type": "object"},
                                     "template": {"type": "string"},
                                     "agent_template": {"type": "string"},
                                     "params": {"type": "object"}},
