@@ -229,6 +229,18 @@ def walk_document(node, visit, path=()):
     return visit(node, path)
 
 
+def visit_document(node, visit, path=()):
+    """walk_document's read-only companion, for a walk that only looks: the same values in the
+    same order (children before their container), nothing rebuilt, what visit returns unused."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            visit_document(value, visit, path + (key,))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            visit_document(item, visit, path + (i,))
+    visit(node, path)
+
+
 class Doc:
     """A loaded document: the merged data plus a path -> (file, line, col) map of YAML marks."""
 
@@ -6697,15 +6709,9 @@ def begin_run(state, content, ctx):
 
 
 def merge_values(target, update):
-    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced."""
-    for key, value in update.items():
-        old = target.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            merge_values(old, value)
-        elif isinstance(value, list) and isinstance(old, list):
-            target[key] = old + value
-        else:
-            target[key] = value
+    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced -- the rule of
+    §3.1's merge of files, so the same walk (deep_merge)."""
+    deep_merge(target, update)
 
 
 def update_replace(state, field, value):
@@ -8446,8 +8452,7 @@ def check_reserved_template_keys(doc):
             if key in RESERVED_TEMPLATE_KEYS:
                 raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
                                 "the template-loading host and must not be used", "8.5")
-        return value
-    walk_document(doc.data, refuse)
+    visit_document(doc.data, refuse)
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
 def param_string(value):
