@@ -243,6 +243,18 @@ def walk_document(node, visit, path=()):
     return visit(node, path)
 
 
+def visit_document(node, visit, path=()):
+    """walk_document's read-only companion, for a walk that only looks: the same values in the
+    same order (children before their container), nothing rebuilt, what visit returns unused."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            visit_document(value, visit, path + (key,))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            visit_document(item, visit, path + (i,))
+    visit(node, path)
+
+
 class Doc:
     """A loaded document: the merged data plus a path -> (file, line, col) map of YAML marks."""
 
@@ -310,8 +322,7 @@ def known_field_names():
     for table in list(globals().values()):
         if isinstance(table, dict) and table and all(isinstance(v, Field) for v in table.values()):
             names.update(table)
-    return frozenset(names | set(AGENT_FIELDS) | set(CONDITION_KEYS)
-                     | {key for kind in ROUTE_FIELDS.values() for key in kind})
+    return frozenset(names)
 
 
 def warn(rt_or_none, message, *, section=None, path=None):
@@ -414,6 +425,12 @@ def fields_by_name(*rows):
     return {row.name: row for row in rows}
 
 
+def read_elsewhere(section, *names):
+    """Rows for fields whose value another check reads, in its own words: anything is accepted
+    here and nothing is filled in (the rows still name the fields, for check_unknown)."""
+    return [Field(name, ANY, None, section) for name in names]
+
+
 def _whole(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -462,6 +479,24 @@ def check_fields(doc, cfg, table, path, null_is_default=False):
         if not field.constraint.test(cfg[field.name]):
             raise doc.error(ConfigurationError, path + (field.name,),
                             f"{field.name} must be {field.constraint.wording}", field.section)
+
+
+def check_unknown(rt, cfg, known, path, section, note="unknown field '{key}' is ignored",
+                  refuse=False, **names):
+    """The one check for keys no row names: every key of the mapping `cfg` that is in none of the
+    tables `known` (one table, or a tuple of them) is warned about through rt (None: logged only),
+    located at the key, never dropped silently. `note` is the warning, `{key}` standing for the key
+    (and `{name}` for each of `names`). Returns those keys; `refuse`: warns of none (the caller
+    raises for them)."""
+    extra = [key for key in cfg if key not in known] if not isinstance(known, tuple) else [
+        key for key in cfg if not any(key in table for table in known)]
+    for key in extra if not refuse else ():
+        text = note.format(key=key, **names)
+        if rt is None:
+            warn(None, text, section=section, path=path + (key,))
+        else:
+            rt.warn(text, section=section, path=path + (key,))
+    return extra
 
 
 # §12.2.1 Message ------------------------------------------------------------------------
@@ -976,11 +1011,15 @@ TOP_LEVEL_FIELDS = fields_by_name(
     Field("name",             STRING,            None,     "3.2"),
 )
 TOP_LEVEL_SECTIONS = {name: row.default is REQUIRED for name, row in TOP_LEVEL_FIELDS.items()}
-HOST_PARAMETER_SECTIONS = {"cleveragents", "version", "default_router", "template_engine"}
+# The §9 parameters a document may also give at the top level (each read by host_parameter).
+HOST_PARAMETER_FIELDS = fields_by_name(
+    *read_elsewhere("9.1", "cleveragents"), *read_elsewhere("9.6", "version"),
+    *read_elsewhere("9.3", "default_router"), *read_elsewhere("9.2", "template_engine"))
 # What a `cleveragents:` block may carry: the §9 parameters read from it (I-003), and the §9.5
 # advisory fields, accepted and not acted on.
-CLEVERAGENTS_KEYS = {"default_router": "9.3", "template_engine": "9.2", "version": "9.6",
-                     "verbose": "9.5", "logging": "9.5"}
+CLEVERAGENTS_FIELDS = fields_by_name(
+    *read_elsewhere("9.3", "default_router"), *read_elsewhere("9.2", "template_engine"),
+    *read_elsewhere("9.6", "version"), *read_elsewhere("9.5", "verbose", "logging"))
 
 
 def host_parameter(doc, key, host_value):
@@ -1011,9 +1050,9 @@ def check_top_level(doc, rt):
         if key in FORBIDDEN_TOP_LEVEL:
             raise doc.error(ConfigurationError, (key,), f"top-level '{key}:' is forbidden; "
                             f"{FORBIDDEN_TOP_LEVEL[key]}", "16.1")
-        # INTERPRETATION I-020 §3.2, §1.3 (Q87): unknown keys are ignored with a located warning.
-        if key not in TOP_LEVEL_SECTIONS and key not in HOST_PARAMETER_SECTIONS:
-            rt.warn(f"unknown top-level section '{key}' is ignored", section="3.2", path=(key,))
+    # INTERPRETATION I-020 §3.2, §1.3 (Q87): unknown keys are ignored with a located warning.
+    check_unknown(rt, doc.data, (TOP_LEVEL_FIELDS, HOST_PARAMETER_FIELDS), (), "3.2",
+                  "unknown top-level section '{key}' is ignored")
     if isinstance(doc.data.get("routes"), list):
         raise doc.error(ConfigurationError, ("routes",), "list-form routes (from/to shorthand) are "
                         "forbidden; write routes as a mapping of name to route", "16.2, §5.1")
@@ -1030,13 +1069,12 @@ def check_cleveragents_block(doc, rt):
     if not isinstance(block, dict):
         raise doc.error(ConfigurationError, ("cleveragents",), "the cleveragents block must be a "
                         "mapping of §9 parameters", "9.1")
-    for key in block:
-        if key == "unsafe":
-            rt.warn("`unsafe` is not read here: an Actor declares that it needs unsafe mode in "
-                    "context.global (§9.4); ignored", section="9.4", path=("cleveragents", key))
-        elif key not in CLEVERAGENTS_KEYS:
-            rt.warn(f"unknown parameter '{key}' in the cleveragents block is ignored",
-                    section="9.1", path=("cleveragents", key))
+    if "unsafe" in block:
+        rt.warn("`unsafe` is not read here: an Actor declares that it needs unsafe mode in "
+                "context.global (§9.4); ignored", section="9.4", path=("cleveragents", "unsafe"))
+    check_unknown(rt, block, (CLEVERAGENTS_FIELDS, {"unsafe": "warned above"}),
+                  ("cleveragents",), "9.1",
+                  "unknown parameter '{key}' in the cleveragents block is ignored")
 
 
 # §3.3 Minimum valid document ------------------------------------------------------------
@@ -1386,10 +1424,8 @@ def check_config_fields(rt, config, fields, cpath, section, kind):
     """An agent config against its field table (check_fields, a null taking the default); unknown
     fields are ignored with a warning. Returns field -> value, defaults in."""
     check_fields(rt.doc, config, fields, cpath, null_is_default=True)
-    for field in config:
-        if field not in fields:
-            rt.warn(f"unknown {kind} field '{field}' is ignored", section=section,
-                    path=cpath + (field,))
+    check_unknown(rt, config, fields, cpath, section, "unknown {kind} field '{key}' is ignored",
+                  kind=kind)
     return field_values(config, fields)
 
 
@@ -2149,6 +2185,13 @@ def check_tool_agent(rt, name, config, cpath):
         seen.add(tool)
 
 
+# The fields of a §4.5.2 inline tool (their shapes are checked below, with the tool's name).
+INLINE_TOOL_FIELDS = fields_by_name(
+    Field("name", STRING, REQUIRED, "4.5.2"),
+    Field("code", STRING, None,     "4.5.2"),
+)
+
+
 def check_tool_entry(rt, entry, path):
     """One element of `tools`: a built-in name, or a mapping {name, code} (§4.5.1, §4.5.2);
     returns the tool's name."""
@@ -2170,10 +2213,8 @@ def check_tool_entry(rt, entry, path):
     if not isinstance(code, str):
         raise rt.doc.error(ConfigurationError, path + ("code",),
                            f"inline tool '{name}' needs a string `code` body", "4.5.2")
-    for key in entry:
-        if key not in ("name", "code"):
-            rt.warn(f"unknown inline tool field '{key}' is ignored", section="4.5.2",
-                    path=path + (key,))
+    check_unknown(rt, entry, INLINE_TOOL_FIELDS, path, "4.5.2",
+                  "unknown inline tool field '{key}' is ignored")
     if name in BUILTIN_TOOLS or name in EXTENSION_TOOLS:
         # INTERPRETATION I-063 §16.3 (Q5): accepted; the inline tool shadows the built-in,
         # with a warning, because the rule's own parenthesis says the inline tool wins.
@@ -4070,7 +4111,13 @@ OPERATOR_CHECKS = {
     "graph_node": _check_graph_node,
 }
 
-SWITCH_CASE_KEYS = ("condition", "target", "operators")      # one §5.3.2 switch case
+# The fields of one §5.3.2 operator mapping, and of one switch case (what they name or nest is
+# checked by the methods below).
+OPERATOR_FIELDS = fields_by_name(
+    Field("type",   STRING,  REQUIRED, "5.3.2"),
+    Field("params", MAPPING, None,     "5.3.2"),
+)
+SWITCH_CASE_FIELDS = fields_by_name(*read_elsewhere("5.3.2", "condition", "target", "operators"))
 
 
 class _Checker:
@@ -4116,9 +4163,8 @@ class _Checker:
         if kind not in OPERATORS:
             raise self.doc.error(StreamRoutingError, path + ("type",),
                                  f"unknown operator {kind!r}", "5.3.2")
-        for key in op:
-            if key not in ("type", "params"):
-                self.note(path + (key,), f"unknown operator key {key!r} ignored")
+        check_unknown(self.rt, op, OPERATOR_FIELDS, path, "5.3.2",
+                      "unknown operator key {key!r} ignored")
         params = op.get("params") or {}
         if not isinstance(params, dict):
             raise self.doc.error(ConfigurationError, path + ("params",),
@@ -4131,9 +4177,8 @@ class _Checker:
                                      f"operator {kind!r} needs params.{key}", "5.3.2")
         check_fields(self.doc, params, spec, path, null_is_default=True)
         if kind not in OPEN_PARAMS:
-            for key in params:
-                if key not in spec:
-                    self.note(path + (key,), f"unknown param {key!r} of operator {kind!r} ignored")
+            check_unknown(self.rt, params, spec, path, "5.3.2",
+                          "unknown param {key!r} of operator {kind!r} ignored", kind=kind)
         extra = OPERATOR_CHECKS.get(kind)
         if extra:
             extra(self, params, path)
@@ -4165,9 +4210,8 @@ class _Checker:
             if not isinstance(case, dict):
                 raise self.doc.error(ConfigurationError, path + (i,),
                                      "a case is a mapping with `condition`", "5.3.2")
-            for key in case:
-                if key not in SWITCH_CASE_KEYS:
-                    self.note(path + (i, key), f"unknown case field '{key}' is ignored")
+            check_unknown(self.rt, case, SWITCH_CASE_FIELDS, path + (i,), "5.3.2",
+                          "unknown case field '{key}' is ignored")
             if "condition" in case:
                 self.condition(case["condition"], path + (i, "condition"))
             if case.get("target") is not None and not STREAM_NAME.test(case["target"]):
@@ -4665,13 +4709,20 @@ CONDITIONS = {
     "custom":               (cond_custom,               {"node"}),
 }
 
-# The keys a condition mapping may hold (§5.4 table): its type and the parameters beside it.
-CONDITION_KEYS = frozenset({"type", "text", "value", "key", "source", "operator", "pattern",
-                            "function"})
-
-# What each field of a condition mapping must be (§5.4): names are strings, texts scalars.
-CONDITION_FIELD_KINDS = {"type": (str,), "key": (str,), "source": (str,), "operator": (str,),
-                         "text": (str, int, float, bool), "pattern": (str, int, float, bool)}
+# The fields a condition mapping may hold (§5.4 table): its type and the parameters beside it.
+# Names are strings, texts scalars; the rows checked in this order (condition_shape_error).
+SCALAR_TEXT = Constraint(lambda value: isinstance(value, (str, int, float, bool)),
+                         "a string or a number", (str, int, float, bool))
+CONDITION_FIELDS = fields_by_name(
+    Field("type",     STRING,      None, "5.4"),
+    Field("key",      STRING,      None, "5.4"),
+    Field("source",   STRING,      None, "5.4"),
+    Field("operator", STRING,      None, "5.4"),
+    Field("text",     SCALAR_TEXT, None, "5.4"),
+    Field("pattern",  SCALAR_TEXT, None, "5.4"),
+    Field("value",    ANY,         None, "5.4"),
+    Field("function", ANY,         None, "5.4"),
+)
 
 
 # Parameters a §5.4 row cannot do without: the key a metadata or context condition compares.
@@ -4680,11 +4731,11 @@ CONDITION_REQUIRED = {"metadata_has": "key", "metadata_check": "key", "context_v
 
 def condition_shape_error(cond):
     """None, or (field, message) for the first field of `cond` with the wrong shape (§1.3)."""
-    for field, kinds in CONDITION_FIELD_KINDS.items():
+    for field, row in CONDITION_FIELDS.items():
         value = cond.get(field)
-        if value is not None and not isinstance(value, kinds):
-            what = "a string" if kinds == (str,) else "a string or a number"
-            return field, f"condition {field} must be {what}, not {type(value).__name__}"
+        if value is not None and not row.constraint.test(value):
+            return field, (f"condition {field} must be {row.constraint.wording}, not "
+                           f"{type(value).__name__}")
     kind = cond.get("type")
     needed = CONDITION_REQUIRED.get(kind)
     if needed is not None and cond.get(needed) is None:
@@ -4776,10 +4827,9 @@ def warn_conditions_at_load(rt):
         for target, cond in (split.get("targets") or {}).items() if isinstance(split, dict) else ():
             sites.append((cond, "stream", ("splits", i, "targets", target)))
     for cond, subsystem, path in sites:
-        for key in cond if isinstance(cond, dict) else ():
-            if key not in CONDITION_KEYS:      # never dropped silently: `params: {text: x}`
-                rt.warn(f"unknown condition key {key!r} is ignored (a condition's parameters "
-                        "are written beside its type)", section="5.4", path=path + (key,))
+        if isinstance(cond, dict):      # never dropped silently: `params: {text: x}`
+            check_unknown(rt, cond, CONDITION_FIELDS, path, "5.4", "unknown condition key {key!r} "
+                          "is ignored (a condition's parameters are written beside its type)")
         if isinstance(cond, dict) and cond.get("type") is not None:
             row = CONDITIONS.get(str(cond["type"]))
             if (row is None or subsystem not in row[1]) and CONDITION_DEFAULTS[subsystem][2]:
@@ -5276,10 +5326,8 @@ def check_bridge(doc, cfg, path, rt=None):
     for group in ("upgrade_conditions", "downgrade_conditions"):
         conds = cfg.get(group) or {}
         check_fields(doc, conds, BRIDGE_CONDITIONS, path + (group,))
-        for key in conds:
-            if key not in BRIDGE_CONDITIONS:
-                warn(rt, f"unknown bridge condition key {key!r} is ignored", section="5.6",
-                     path=path + (group, key))
+        check_unknown(rt, conds, BRIDGE_CONDITIONS, path + (group,), "5.6",
+                      "unknown bridge condition key {key!r} is ignored")
         for key, nparams in BRIDGE_CONDITION_EXPRESSIONS.items():
             if conds.get(key) is not None:
                 _compile_located(doc, conds[key], nparams, rt, path + (group, key))
@@ -5836,10 +5884,8 @@ def check_nodes(rt, graph_name, nodes, path, agent_names):
         extra = NODE_CHECKS.get(node_type)
         if extra is not None:
             extra(rt, graph_name, node_name, node_cfg, where, agent_names, known)
-        for key in node_cfg:
-            if key not in fields and key not in NODE_COMMON_FIELDS:
-                rt.warn(f"unknown key '{key}' on node '{node_name}' ignored",
-                        section="6.2", path=where + (key,))
+        check_unknown(rt, node_cfg, (fields, NODE_COMMON_FIELDS), where, "6.2",
+                      "unknown key '{key}' on node '{node}' ignored", node=node_name)
     return known
 
 # §6.2.1 start and end nodes -----------------------------------------------------------
@@ -6063,10 +6109,8 @@ def check_agent_node(rt, graph_name, node_name, cfg, where, agent_names, known):
                            f"agent '{cfg['agent']}' is not defined in agents", "6.2.2, 11.3")
     if cfg.get("retry_policy") is not None:
         check_fields(rt.doc, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",))
-        for key in cfg["retry_policy"]:
-            if key not in RETRY_POLICY_FIELDS:
-                rt.warn(f"unknown retry_policy key {key!r} ignored", section="6.2.2",
-                        path=where + ("retry_policy", key))
+        check_unknown(rt, cfg["retry_policy"], RETRY_POLICY_FIELDS, where + ("retry_policy",),
+                      "6.2.2", "unknown retry_policy key {key!r} ignored")
 
 # §6.2.3 Function and tool nodes -------------------------------------------------------
 def function_summarize(state):
@@ -6350,10 +6394,8 @@ def check_message_router_node(rt, graph_name, node_name, cfg, where, agent_names
         if not isinstance(rule, dict):
             raise doc.error(ConfigurationError, at, "a rule must be a mapping", "6.2.6")
         check_fields(doc, rule, ROUTER_RULE_FIELDS, at)
-        for key in rule:
-            if key not in ROUTER_RULE_FIELDS:
-                rt.warn(f"unknown router rule key {key!r} ignored", section="6.2.6",
-                        path=at + (key,))
+        check_unknown(rt, rule, ROUTER_RULE_FIELDS, at, "6.2.6",
+                      "unknown router rule key {key!r} ignored")
         if rule["match_type"].lower() == "regex":
             try:
                 re.compile(rule["pattern"])
@@ -6464,15 +6506,9 @@ def begin_run(state, content, ctx):
 
 
 def merge_values(target, update):
-    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced."""
-    for key, value in update.items():
-        old = target.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            merge_values(old, value)
-        elif isinstance(value, list) and isinstance(old, list):
-            target[key] = old + value
-        else:
-            target[key] = value
+    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced -- the rule of
+    §3.1's merge of files, so the same walk (deep_merge)."""
+    deep_merge(target, update)
 
 
 def update_replace(state, field, value):
@@ -6605,9 +6641,7 @@ def check_edges(rt, graph_name, edges, known, path):
         if wrong is not None:
             raise doc.error(ConfigurationError, where + ("condition", wrong[0]), wrong[1],
                             "6.5, §5.4")
-        for key in edge:
-            if key not in EDGE_FIELDS:
-                rt.warn(f"unknown edge key '{key}' ignored", section="6.4", path=where + (key,))
+        check_unknown(rt, edge, EDGE_FIELDS, where, "6.4", "unknown edge key '{key}' ignored")
 
 
 class GraphEdge:
@@ -8071,8 +8105,7 @@ def check_reserved_template_keys(doc):
             if key in RESERVED_TEMPLATE_KEYS:
                 raise doc.error(ConfigurationError, path + (key,), f"{key!r} is reserved for "
                                 "the template-loading host and must not be used", "8.5")
-        return value
-    walk_document(doc.data, refuse)
+    visit_document(doc.data, refuse)
 
 # §8.6 The templates section (Phase B) ---------------------------------------------------
 def param_string(value):
@@ -8208,10 +8241,8 @@ def parameter_declarations(doc, decls, path, rt=None):
     check_parameter_block(doc, decls, path)
     for name, decl in decls.items():
         at = path + (name,)
-        for key in decl:
-            if key not in PARAMETER_FIELDS:
-                warn(rt, f"unknown key {key!r} in a parameter declaration", section="8.6.1",
-                     path=at + (key,))
+        check_unknown(rt, decl, PARAMETER_FIELDS, at, "8.6.1",
+                      "unknown key {key!r} in a parameter declaration")
     return decls
 
 
@@ -8260,7 +8291,12 @@ def bind_parameters(doc, decls, params, inst_path, rt=None):
 # §8.7 Template instances ------------------------------------------------------------------
 TEMPLATE_KINDS = ("agents", "graphs", "streams")
 ROUTE_KIND = {"graph": "graphs", "stream": "streams"}
-TEMPLATE_ROUTE_KEYS = ("template_config", "type", "description")
+# The fields of a §8.7 agent instance, and of a route instance (which takes the rest of its
+# structure from the template, §16.3).
+AGENT_INSTANCE_FIELDS = fields_by_name(Field("template", STRING, REQUIRED, "8.7"),
+                                       *read_elsewhere("8.7", "params", "type"))
+ROUTE_INSTANCE_FIELDS = fields_by_name(Field("template_config", MAPPING, REQUIRED, "8.7"),
+                                       *read_elsewhere("8.7", "type", "description"))
 
 
 def expand_templates(doc, rt=None, *, engine=None):
@@ -8378,10 +8414,8 @@ class Expansion:
             if "type" in cfg and cfg["type"] != "template_instance":
                 raise self.doc.error(ConfigurationError, path, "`template` and `type` on the "
                                      "same agent (one form excludes the other)", "16.3")
-            for key in cfg:
-                if key not in ("template", "params", "type"):
-                    warn(self.rt, f"key {key!r} beside `template` is ignored", section="8.7",
-                         path=path + (key,))
+            check_unknown(self.rt, cfg, AGENT_INSTANCE_FIELDS, path, "8.7",
+                          "key {key!r} beside `template` is ignored")
             cfg = self.instantiate("agents", cfg["template"], cfg.get("params"), path, scope)
         else:
             raise self.doc.error(ConfigurationError, path, "templates instantiate each other "
@@ -8392,7 +8426,7 @@ class Expansion:
         """§8.7 routes via template_config: {template, params}."""
         if not isinstance(cfg, dict) or "template_config" not in cfg:
             return cfg
-        extra = [key for key in cfg if key not in TEMPLATE_ROUTE_KEYS]
+        extra = check_unknown(self.rt, cfg, ROUTE_INSTANCE_FIELDS, path, "16.3", refuse=True)
         if extra:
             raise self.doc.error(ConfigurationError, path + (extra[0],), "a route with "
                                  "template_config takes its structure from the template; "
@@ -9476,6 +9510,9 @@ def check_unsafe(doc, host_unsafe):
 # =====================================================================================
 
 # §10.1 The context section --------------------------------------------------------------
+CONTEXT_FIELDS = fields_by_name(Field("global", MAPPING, None, "10.1"))
+
+
 def check_context(doc, rt=None):
     """§10.1, §10.3, §4.4.5, §15.3: context.global is a mapping of user keys."""
     section = doc.data.get("context")
@@ -9483,10 +9520,9 @@ def check_context(doc, rt=None):
         return
     if not isinstance(section, dict):
         raise doc.error(ConfigurationError, ("context",), "context must be a mapping", "10.1")
-    for key in section:
-        if key != "global" and rt is not None:      # §10.1 defines context.global only
-            rt.warn(f"unknown context section '{key}' is ignored (context keys go under "
-                    "context.global)", section="10.1", path=("context", key))
+    if rt is not None:      # §10.1 defines context.global only
+        check_unknown(rt, section, CONTEXT_FIELDS, ("context",), "10.1", "unknown context "
+                      "section '{key}' is ignored (context keys go under context.global)")
     glob = section.get("global")
     if glob is None:
         return
@@ -9818,7 +9854,7 @@ def validate_document(doc, rt, host_default_router=None):
     for name, cfg in doc.data["agents"].items():
         check_agent(rt, name, cfg, ("agents", name))
         check_agent_name_style(rt, name, ("agents", name))
-        warn_unknown_fields(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
+        check_unknown(rt, cfg, AGENT_FIELDS, ("agents", name), "4.1")
     check_composite_self_reference(doc)
     collect_prompts(doc)
     check_reserved_template_keys(doc)
@@ -9844,13 +9880,16 @@ def validate_document(doc, rt, host_default_router=None):
 ROUTE_TYPES = ("stream", "graph", "bridge")
 # Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
 # silently.
-ROUTE_FIELDS = {
-    "stream": tuple(STREAM_ROUTE_FIELDS),
-    "graph": (*GRAPH_FIELDS, "publications"),          # §6.1's table, and publications (I-085)
-    "bridge": ("type", "upgrade_conditions", "downgrade_conditions", "state_extractor",
-               "state_flattener", "preserve_subscriptions", "preserve_checkpointing", "metadata"),
-}
-AGENT_FIELDS = ("type", "config", "template", "agent_template", "params")   # §4.1
+# §6.1's table, and publications (I-085); §5.6's, with the type and the two expressions.
+GRAPH_ROUTE_FIELDS = fields_by_name(*GRAPH_FIELDS.values(), *read_elsewhere("5.5", "publications"))
+BRIDGE_ROUTE_FIELDS = fields_by_name(
+    *read_elsewhere("5.6", "type", "state_extractor", "state_flattener"), *BRIDGE_FIELDS.values())
+ROUTE_FIELDS = {"stream": STREAM_ROUTE_FIELDS, "graph": GRAPH_ROUTE_FIELDS,
+                "bridge": BRIDGE_ROUTE_FIELDS}
+ROUTE_SECTIONS = {"stream": "5.3", "graph": "6.1", "bridge": "5.6"}
+# The §4.1 fields of an agent (check_agent reads them; Phase B has replaced the template forms).
+AGENT_FIELDS = fields_by_name(*read_elsewhere("4.1", "type", "config"),
+                              *read_elsewhere("4.8", "template", "agent_template", "params"))
 # The fields of §7.1 and §7.2. A merge or split without them is refused at the merge or split
 # itself (§11.4), before the rows are read; names and conditions are then checked against the
 # document.
@@ -9862,12 +9901,6 @@ SPLIT_FIELDS = fields_by_name(
     Field("source",  ANY,     REQUIRED, "11.4, §7.2"),
     Field("targets", MAPPING, None,     "7.2"),
 )
-
-
-def warn_unknown_fields(rt, mapping, known, path, section):
-    for key in mapping:
-        if key not in known:
-            rt.warn(f"unknown field '{key}' is ignored", section=section, path=path + (key,))
 
 
 def stream_names(doc):
@@ -9916,8 +9949,7 @@ def check_routes(doc, rt, agent_names):
             raise doc.error(ConfigurationError, path + ("type",), f"route type '{route['type']}' "
                             "is not one of stream, graph, bridge", "11.3")
         route["type"] = kind
-        warn_unknown_fields(rt, route, ROUTE_FIELDS[kind], path, {"stream": "5.3", "graph": "6.1",
-                                                                   "bridge": "5.6"}[kind])
+        check_unknown(rt, route, ROUTE_FIELDS[kind], path, ROUTE_SECTIONS[kind])
         # Stream routes name other streams in subscriptions and publications, graph routes in
         # publications (§5.5); stream routes also list agents.
         linked = {"stream": ("subscriptions", "publications"), "graph": ("publications",)}.get(
@@ -9994,7 +10026,7 @@ def check_merges_and_splits(doc, rt, known):
         path = ("merges", i)
         if not isinstance(merge, dict):
             raise doc.error(ConfigurationError, path, "a merge must be a mapping", "7.1")
-        warn_unknown_fields(rt, merge, MERGE_FIELDS, path, "7.1")
+        check_unknown(rt, merge, MERGE_FIELDS, path, "7.1")
         if merge.get("target") is None:
             raise doc.error(ConfigurationError, path, "merge has no target", "11.4, §7.1")
         if merge.get("sources") is None:
@@ -10009,7 +10041,7 @@ def check_merges_and_splits(doc, rt, known):
         path = ("splits", i)
         if not isinstance(split, dict):
             raise doc.error(ConfigurationError, path, "a split must be a mapping", "7.2")
-        warn_unknown_fields(rt, split, SPLIT_FIELDS, path, "7.2")
+        check_unknown(rt, split, SPLIT_FIELDS, path, "7.2")
         if split.get("source") is None:
             raise doc.error(ConfigurationError, path, "split has no source", "11.4, §7.2")
         check_fields(doc, split, SPLIT_FIELDS, path)
@@ -10035,12 +10067,14 @@ PIPELINE_STAGE_FIELDS = fields_by_name(
     Field("name",  STRING, None, "7.3"),
     Field("graph", STRING, None, "7.3"),
 )
-# The keys a §7.3 pipeline and its stages may carry (a stream stage is a stream route, §5.3; a
+# The fields a §7.3 pipeline and its stages may carry (a stream stage is a stream route, §5.3; a
 # graph stage names or holds a graph and its links); any other key is warned, never dropped
 # silently.
-PIPELINE_KEYS = frozenset({"stages", "metadata", "description"})
-PIPELINE_STAGE_KEYS = frozenset({*PIPELINE_STAGE_FIELDS, *STREAM_ROUTE_FIELDS, "config",
-                                 "input_from", "output_to", "description"})
+PIPELINE_FIELDS = fields_by_name(Field("stages", SEQUENCE, REQUIRED, "7.3"),
+                                 *read_elsewhere("7.3", "metadata", "description"))
+PIPELINE_GRAPH_STAGE_FIELDS = fields_by_name(
+    *read_elsewhere("7.3", "config", "input_from", "output_to", "description"))
+PIPELINE_STAGE_KNOWN = (PIPELINE_STAGE_FIELDS, STREAM_ROUTE_FIELDS, PIPELINE_GRAPH_STAGE_FIELDS)
 
 def check_pipelines(doc, rt):
     """§11.5: warnings only -- a graph stage naming no graph, a stream stage named like a route."""
@@ -10055,10 +10089,8 @@ def check_pipelines(doc, rt):
         if not isinstance(stages, list):
             raise doc.error(ConfigurationError, ("pipelines", pname),
                             "a pipeline needs a stages sequence", "7.3")
-        for key in pipeline:
-            if key not in PIPELINE_KEYS:
-                rt.warn(f"unknown pipeline key {key!r} ignored", section="7.3",
-                        path=("pipelines", pname, key))
+        check_unknown(rt, pipeline, PIPELINE_FIELDS, ("pipelines", pname), "7.3",
+                      "unknown pipeline key {key!r} ignored")
         for i, stage in enumerate(stages):
             path = ("pipelines", pname, "stages", i)
             if not isinstance(stage, dict) or str(stage.get("type", "")).lower() not in (
@@ -10067,10 +10099,8 @@ def check_pipelines(doc, rt):
                                 "a stage is a mapping with type stream or graph", "7.3")
             kind, name = str(stage["type"]).lower(), stage.get("name")
             check_fields(doc, stage, PIPELINE_STAGE_FIELDS, path)
-            for key in stage:
-                if key not in PIPELINE_STAGE_KEYS:
-                    rt.warn(f"unknown pipeline stage key {key!r} ignored", section="7.3",
-                            path=path + (key,))
+            check_unknown(rt, stage, PIPELINE_STAGE_KNOWN, path, "7.3",
+                          "unknown pipeline stage key {key!r} ignored")
             if kind == "graph" and "config" not in stage:
                 ref = stage.get("graph", name)
                 if not is_known(ref, routes) or (routes[ref] or {}).get("type") != "graph":
@@ -14067,9 +14097,9 @@ NAME_HINTS = (
     (r"unknown match_type '([^']*)'", lambda d, m: MATCH_TYPES),
     (r"condition type '([^']*)' is not honoured", lambda d, m: CONDITIONS),
     (r"unknown top-level section '([^']*)'",
-     lambda d, m: list(TOP_LEVEL_SECTIONS) + list(HOST_PARAMETER_SECTIONS)),
-    (r"unknown llm field '([^']*)'", lambda d, m: list(LLM_FIELDS) + list(LLM_EXTRA_FIELDS)),
-    (r"unknown tool field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
+     lambda d, m: list(TOP_LEVEL_SECTIONS) + list(HOST_PARAMETER_FIELDS)),
+    (r"unknown llm agent field '([^']*)'", lambda d, m: LLM_AGENT_FIELDS),
+    (r"unknown tool agent field '([^']*)'", lambda d, m: TOOL_AGENT_FIELDS),
     (r"(\S+): unknown field '([^']*)'", lambda d, m: _field_names(m.group(1))),
 )
 
@@ -14229,7 +14259,7 @@ def config_schema():
     names = {"type": "array", "items": {"type": "string"}}
     condition = _closed({"type": "object", "properties": {
         "type": {"anyOf": [{"enum": list(CONDITIONS)}, {"type": "string"}]},
-        **{key: {} for key in sorted(CONDITION_KEYS - {"type"})}}})
+        **{key: {} for key in sorted(set(CONDITION_FIELDS) - {"type"})}}})
     operators = []
     for kind, (_handler, spec) in OPERATORS.items():
         params = {key: _CONSTRAINT_SCHEMAS.get(row.constraint, {}) for key, row in spec.items()}
@@ -14291,7 +14321,7 @@ def config_schema():
                      "anyOf": [{"required": ["type"]}, {"required": ["template_config"]}],
                      "properties": {**{key: {} for kind in ROUTE_FIELDS
                                        for key in ROUTE_FIELDS[kind]},   # as for nodes, above
-                                    **{key: {} for key in TEMPLATE_ROUTE_KEYS},
+                                    **{key: {} for key in ROUTE_INSTANCE_FIELDS},
                                     "type": {"type": "string",
                                              "pattern": _any_case(ROUTE_FIELDS)},
                                     "template_config": {"type": "object"}},
@@ -14307,7 +14337,8 @@ def config_schema():
     agent = _closed({"type": "object",      # a §4.8 template instance may name its template alone
                      "anyOf": [{"required": ["type"]}, {"required": ["template"]},
                                {"required": ["agent_template"]}],
-                     "properties": {"type": {"enum": agent_types}, "config": {"type": "object"},
+                     "properties": {**{key: {} for key in AGENT_FIELDS},       # §4.1's rows
+                                    "type": {"enum": agent_types}, "config": {"type": "object"},
                                     "template": {"type": "string"},
                                     "agent_template": {"type": "string"},
                                     "params": {"type": "object"}},
@@ -14334,7 +14365,7 @@ def config_schema():
         "cleveragents": {"type": "object"}, "version": {"type": ["string", "number"]}}
     for key in FORBIDDEN_TOP_LEVEL:
         sections[key] = False           # §16.1
-    assert set(sections) >= set(TOP_LEVEL_SECTIONS) | HOST_PARAMETER_SECTIONS
+    assert set(sections) >= set(TOP_LEVEL_SECTIONS) | set(HOST_PARAMETER_FIELDS)
     return {"$schema": SCHEMA_DIALECT,
             "title": f"Actor Configuration Standard {SPEC_VERSION} configuration",
             "type": "object", "properties": sections, "unevaluatedProperties": False,

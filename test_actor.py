@@ -814,6 +814,13 @@ def test_cli_did_you_mean_for_unknown_names(tmp_path, replace, expect):
     assert run_cli("--check", str(cfg)).returncode == 0
 
 
+def test_unknown_agent_config_field_warnings_get_a_hint_from_the_field_table():
+    """The hints for check_config_fields' warnings read the §4.4 and §4.5 Field tables."""
+    assert actor.name_hint("agents.a.config.modle: unknown llm agent field 'modle' is ignored "
+                           "(§4.4)") == " (did you mean 'model'?)"
+    assert "did you mean 'tools'?" in actor.name_hint("unknown tool agent field 'tols' is ignored")
+
+
 def test_cli_warnings_did_you_mean_strict_and_merged_check(tmp_path):
     """Unknown top-level sections and merge targets nothing reads, near a known name, are warned
     with a hint; --strict turns warnings into exit 2; several files are checked merged."""
