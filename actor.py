@@ -5641,6 +5641,7 @@ class GraphRoute:
         # §6.6 where checkpoints are written (CheckpointFiles, or A.1's writer process)
         self.store = checkpoint_store(self) if self.checkpoint_dir is not None else None
         self.walk = graph_walker(self)                       # §6.5 stepping, or A.2's
+        self.write_back = context_write_back(self)           # §6.9 item 3, or A.2's
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
         self._lock = threading.RLock()                       # one run or update at a time
@@ -5702,7 +5703,7 @@ class GraphRoute:
                                       "error_type": error_category(exc),
                                       "history": list(trace.history)})
             raise
-        replace_active_context(self.state, target_ctx)
+        self.write_back(self.state, target_ctx)
         if self.observers:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
@@ -7260,6 +7261,13 @@ def replace_active_context(state, ctx):
         if key in host:
             ctx[key] = host[key]
     metadata["context"] = ctx
+
+
+def context_write_back(graph):
+    """§6.9 item 3 how one graph's final metadata replaces the context, chosen at load:
+    replace_active_context on the reference path (Runtime.reference), else appendix A.2's
+    WriteBack (it writes the keys the run changed)."""
+    return replace_active_context if graph.rt.reference else WriteBack()
 
 # §6.10 Graph-internal streams ---------------------------------------------------------
 def internal_stream_names(graph_name, node_names):
@@ -11865,6 +11873,10 @@ class CheckpointWriter:
 # (the curve: test_graph_bench_time_travel_snapshot_cost_against_state_size).
 # Stands in for: History
 # Seam: snapshot_history
+# And a §6.9 write-back of the keys a run changed instead of every metadata key (the curve:
+# test_graph_bench_write_back_cost_against_untouched_keys).
+# Stands in for: replace_active_context
+# Seam: context_write_back
 
 
 # Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
@@ -11968,8 +11980,58 @@ class Snapshots(list):
         return copy_state(self[-1], metadata)
 
 
+class WriteBack:
+    """replace_active_context, faster: when the run ends with the context the previous run's
+    write-back filled (the same dict, as the state's metadata.context, its size unchanged since)
+    and every state update since then was a node's that fast_step_one saw, only the keys those
+    updates set (their result's metadata and set_state, and RUN_KEYS) are written into it: every
+    other metadata key holds there the value the last write-back gave it, the same object. Any
+    other case takes the body's whole write-back. Like Snapshots, it does not see a write made
+    from outside the graph's own API (to graph.state, or over a key of that context the metadata
+    also holds, without changing its size)."""
+
+    LOG_MAX = 1000                      # updates noted between two write-backs, at most
+
+    def __init__(self):
+        self.log = []                   # the NodeResults of the updates since the last one
+        self.ctx = self.metadata = None     # the context written, the metadata it came from
+        self.count = self.size = -1     # execution_count then; len(ctx) without next_node
+
+    def forget(self):
+        """The next write-back is whole (too many updates noted, e.g. run after failed run)."""
+        self.log.clear()
+        self.ctx = None
+
+    def __call__(self, state, ctx):
+        metadata = state["metadata"]
+        log = self.log
+        if (ctx is not self.ctx or metadata is not self.metadata or metadata.get("context") is not ctx
+                or state["execution_count"] - self.count != len(log)
+                or len(ctx) - ("next_node" in ctx) != self.size):
+            replace_active_context(state, ctx)
+        else:
+            for result in log:
+                for keys in (result.metadata, result.set_state):
+                    if keys:
+                        for key in keys:
+                            if key in metadata and key != "context" \
+                                    and key not in HOST_ONLY_CONTEXT_KEYS:
+                                ctx[key] = metadata[key]
+            for key in RUN_KEYS:
+                if key in metadata:
+                    ctx[key] = metadata[key]
+        log.clear()
+        if isinstance(ctx, dict):
+            self.ctx, self.metadata, self.count = ctx, metadata, state["execution_count"]
+            self.size = len(ctx) - ("next_node" in ctx)
+        else:
+            self.ctx = None
+
+
 def fast_walk(graph, results, trace, bounded):
     """GraphRoute._walk, faster: the same nodes run in the same order with the same guards."""
+    if len(graph.write_back.log) > WriteBack.LOG_MAX:
+        graph.write_back.forget()
     while results and trace.stopped is None:
         if len(results) == 1 and results[0][0].plain_next is not None:
             node, output = results[0]
@@ -12011,7 +12073,11 @@ def fast_step_one(graph, node, message, trace):
         result = node.handler(graph, node, message, state)
     except Exception as exc:
         graph._fail(node_failure(graph, node, exc))
-    return graph._finish(node, message, result, trace, relaxed)[0]
+    count = state["execution_count"]
+    output = graph._finish(node, message, result, trace, relaxed)[0]
+    if state["execution_count"] != count:           # an update: WriteBack notes its keys
+        graph.write_back.log.append(result)
+    return output
 
 
 # A.3 Stream fast paths -------------------------------------------------------------------

@@ -4973,6 +4973,62 @@ def test_write_back_in_place_equals_the_merged_copy(case):
 
 
 
+def _write_back_story(reference):
+    """The contexts after each step of one story (runs, host writes between them, a state update,
+    a graph_node call, a fresh context), on one path; copies, in key order."""
+    def a(content, ctx):
+        ctx["stage"] = f"{content}-a"
+        ctx.pop("gone", None)               # a deleted key: the context keeps its value
+        if content == "w":
+            ctx["b_list"] = ["x"]
+        return "a"
+
+    def b(content, ctx):
+        ctx["count"] = ctx.get("count", 0) + 1
+        return "b"
+    rt, g = make_graph(linear("a", "b"), {"a": a, "b": b},
+                       context={"stage": "one", "gone": 1, "_temperature_override": 0.5,
+                                "context": {"inner": 1}, "keep": "k"}, reference=reference)
+    g.update_state({"nested": {"x": 1}, "gone": 2})
+    seen = []
+
+    def run(content, ctx=None):
+        g.run(content, rt.context if ctx is None else ctx, pure=ctx is None)
+        seen.append(copy.deepcopy(list((rt.context if ctx is None else ctx).items())))
+    run("u")
+    run("v")
+    rt.context["added"] = 1                 # the host writes between runs: its size changes
+    run("w")
+    run("w2")
+    del rt.context["keep"]
+    rt.context["stage"] = "host"            # (metadata holds stage: the run's value wins)
+    run("x")
+    run("x2")
+    g.update_state({"nested": {"y": 2}, "later": True})
+    run("y")
+    run("y2")
+    g.run_node("a", "z")
+    run("z")
+    run("z2")
+    run("fresh", {"fresh": True})           # another context: every metadata key lands in it
+    run("again")
+    run("again2")
+    return seen
+
+
+def test_write_back_of_changed_keys_equals_the_whole_write_back():
+    """Issue 24 §6.9: A.2's WriteBack (the keys the run changed) leaves the context as the body's
+    replace_active_context (every metadata key) does after each run of a story: keys deleted
+    from the metadata, a nested context key under a top-level one, host-only keys, a "context"
+    key of the context, the host's writes between runs, a state update, a graph_node call and
+    another context."""
+    fast, plain = _write_back_story(False), _write_back_story(True)
+    assert fast == plain
+    assert dict(plain[-1])["_temperature_override"] == 0.5 and dict(plain[-1])["gone"] == 1
+    assert dict(plain[-1])["context"] == {"inner": 1} and dict(plain[-1])["count"] == 13
+    rt, g = make_graph(linear("a"), {"a": echo("a")})
+    assert isinstance(g.write_back, actor.WriteBack) != rt.reference
+
 def test_pure_graph_mode_runs_pure():
     """§6.9: when every route is a graph, the default router runs it with pure=True."""
     graph = _FakeGraph()
@@ -9615,6 +9671,45 @@ def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
                          (4, "deep copy")):
         print(f"  exponent {name}: {_loglog_exponent(sizes, [r[column] for r in rows]):.2f}"
               + (" (target <= 0.2: flat)" if column == 3 else ""))
+
+
+@pytest.mark.bench
+def test_graph_bench_write_back_cost_against_untouched_keys():
+    """Issue 24 §6.9: a 10-node echo graph run in pure mode, the active context (or the state's
+    metadata) holding 10^2 to 10^5 keys that no node touches: time per run on both paths, with
+    the fitted exponent against the number of keys. Target: flat (exponent <= 0.2). A.2's
+    WriteBack writes the keys the run changed; the reference path's replace_active_context every
+    metadata key; GraphRun.state copies the metadata one level deep on both."""
+    names = [f"n{i}" for i in range(10)]
+
+    def graph(keys, where, reference):
+        cfg = linear(*names)
+        data = {"agents": {n: {"type": "tool", "config": {"tools": ["echo"]}} for n in names},
+                "routes": {"main": cfg}}
+        rt = actor.Runtime(actor.Doc(data), env={}, reference=reference)
+        rt.agents = {n: actor.ToolAgent(n, data["agents"][n], rt, ("agents", n)) for n in names}
+        g = actor.GraphRoute("main", cfg, rt)
+        many = {f"k{i}": i for i in range(keys)}
+        if where == "context":
+            rt.context.update(many)
+        else:
+            g.update_state(many)
+        g.run("echo hi", rt.context, pure=True)
+        return g
+    for where in ("context", "state"):
+        curves = {"default path": [], "reference path": []}
+        for keys in (100, 1000, 10_000, 100_000):
+            graphs = {label: graph(keys, where, label == "reference path") for label in curves}
+            best = {label: float("inf") for label in curves}
+            calls = max(5, min(300, 3_000_000 // keys))
+            for _ in range(5):                   # interleaved: a busy machine slows some rounds
+                for label, g in graphs.items():
+                    best[label] = min(best[label], _per_call(
+                        lambda: g.run("echo hi", g.rt.context, pure=True), calls, 1))
+            for label in curves:
+                curves[label].append((keys, best[label]))
+        _print_curve(f"a 10-node graph run, N {where} keys no node touches", "keys", curves,
+                     "exponent <= 0.2 (flat)")
 
 
 @pytest.mark.bench
