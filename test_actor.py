@@ -2433,6 +2433,35 @@ def test_inline_straight_line_failure_is_the_same_error_on_both_paths(tmp_path):
     assert messages[0] == messages[1] and "line 2: IndexError" in messages[0]
 
 
+
+@pytest.mark.parametrize("code", [
+    'result = str(input_data).upper() + "!"',
+    "result = len(input_data)",                          # a number: §4.5.7 str()
+    "output = input_data + '?'",                         # no result: item 4's fallback
+    "x = 1\nresult = input_data[99]",                    # fails: the §12.2.3 boundary
+    "result = 'ab' * 10 ** 9",                           # the size price: resource exhausted
+])
+def test_inline_straight_line_agent_step_sends_what_the_general_step_sends(code):
+    """A.3/A.4: a map whose agent's sole tool has the straight-line call runs the body in the
+    step itself; outputs, errors and their metadata are those of the reference path, for text,
+    JSON and number content."""
+    text = ("agents:\n  t:\n    type: tool\n    config:\n      tools:\n        - name: shout\n"
+            f"          code: {json.dumps(code)}\n"
+            "routes:\n  main:\n    type: stream\n    operators: [{type: map, params: {agent: t}}]\n"
+            "    publications: [__output__]\nmerges: [{sources: [__input__], target: main}]\n")
+    seen = {}
+    for reference in (False, True):
+        team = actor.load(text=text, unsafe=True, reference=reference)
+        step = getattr(team.network.input.out, "next", None)
+        assert (getattr(step, "__qualname__", "").startswith("straight_line_agent_step")
+                is not reference)
+        seen[reference] = [
+            ([(m.content, m.metadata.get("processed_by"), m.metadata.get("error"),
+               m.source_stream) for m in result.outputs], [m.content for m in result.errors])
+            for result in (team.send(content) for content in ("hey", {"a": 1}, 7))]
+    assert seen[False] == seen[True]
+    assert all(outputs for outputs, _errors in seen[True])
+
 def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
     agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
     assert _call(agent, "rev abc  def") == "fed cba"
