@@ -5645,6 +5645,7 @@ class GraphRoute:
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
         self._lock = threading.RLock()                       # one run or update at a time
+        self.run_result = run_result(self)                   # a run's GraphRun, or A.2's
 
     # -- executing -------------------------------------------------------------------------
     # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
@@ -5708,8 +5709,7 @@ class GraphRoute:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
                                   "history": list(trace.history)})
-        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped,
-                        trace.held)
+        return self.run_result(trace)
 
     def _walk(self, results, trace, bounded):
         """§6.5 step after step: the next-node set is every edge whose condition holds (from
@@ -6779,6 +6779,16 @@ def copy_state(state, metadata):
 def snapshot_state(state):
     """The state at the end of a run, copied one level deep (messages are never edited in place)."""
     return copy_state(state, dict(state["metadata"]))
+
+
+def run_result(graph):
+    """§6.1 what a run of `graph` gives back, chosen at load: a GraphRun holding snapshot_state's
+    copy on the reference path (Runtime.reference), else appendix A.2's DeferredRuns (the same
+    copy of the metadata, made when first read or before the graph's state next changes)."""
+    if graph.rt.reference:
+        return lambda trace: GraphRun(trace.output, snapshot_state(graph.state), trace.history,
+                                      trace.stopped, trace.held)
+    return DeferredRuns(graph)
 
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = fields_by_name(
@@ -11873,10 +11883,11 @@ class CheckpointWriter:
 # (the curve: test_graph_bench_time_travel_snapshot_cost_against_state_size).
 # Stands in for: History
 # Seam: snapshot_history
-# And a §6.9 write-back of the keys a run changed instead of every metadata key (the curve:
-# test_graph_bench_write_back_cost_against_untouched_keys).
-# Stands in for: replace_active_context
-# Seam: context_write_back
+# And a §6.9 write-back of the keys a run changed instead of every metadata key, and a run's
+# GraphRun whose metadata copy is made only when it is read or the run is still held when the
+# state next changes (the curve: test_graph_bench_write_back_cost_against_untouched_keys).
+# Stands in for: replace_active_context, snapshot_state
+# Seam: context_write_back, run_result
 
 
 # Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
@@ -12026,6 +12037,80 @@ class WriteBack:
             self.size = len(ctx) - ("next_node" in ctx)
         else:
             self.ctx = None
+
+
+class DeferredRuns:
+    """run_result's GraphRun, faster: the run's state is copied at its end but for the metadata,
+    whose one-level copy (O(keys)) is made when GraphRun.state is first read or, should the run
+    still be held by then, before the graph's state next changes -- every change of it through the
+    graph's API takes graph._lock, which becomes a RunLock. A run nobody reads costs no copy.
+    Like Snapshots, it does not see a write to graph.state made from outside that API."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        graph._lock = RunLock()
+
+    def __call__(self, trace):
+        graph = self.graph
+        state, lock = graph.state, graph._lock
+        run = DeferredGraphRun(trace.output, copy_state(state, None), trace.history,
+                               trace.stopped, trace.held)
+        if lock.depth == 1:             # the outermost run: nothing changes the state until
+            run._metadata, run._lock = state["metadata"], lock      # the lock is taken again
+            lock.owed = weakref.ref(run)
+        else:                           # a run inside a run: the outer one changes it on
+            run._state["metadata"] = dict(state["metadata"])
+        return run
+
+
+class RunLock:
+    """GraphRoute._lock (re-entrant) that, when taken, first makes the metadata copy the last
+    GraphRun owes (DeferredRuns)."""
+
+    __slots__ = ("lock", "depth", "owed")
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.depth = 0                  # how many times the holder holds it
+        self.owed = None                # weakref to the GraphRun owed its copy, or None
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.depth += 1
+        owed = self.owed
+        if owed is not None:
+            self.owed = None
+            run = owed()
+            if run is not None:
+                run._settle()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        self.lock.release()
+
+
+class DeferredGraphRun(GraphRun):
+    """A GraphRun whose state's metadata is copied on first read, or when its RunLock is taken."""
+
+    __slots__ = ("_state", "_metadata", "_lock", "__weakref__")
+
+    def __init__(self, output, state, history, stopped=None, held=()):
+        self.output, self._state, self.history, self.stopped = output, state, history, stopped
+        self._held, self._replies = held, None
+        self._metadata = self._lock = None
+
+    def _settle(self):
+        if self._metadata is not None:
+            self._state["metadata"] = dict(self._metadata)
+            self._metadata = None
+
+    @property
+    def state(self):
+        if self._metadata is not None:
+            with self._lock:            # settles this run when it is still owed
+                self._settle()
+        return self._state
 
 
 def fast_walk(graph, results, trace, bounded):
