@@ -9674,8 +9674,9 @@ def test_graph_bench_time_travel_snapshot_cost_against_state_size(reference):
     floor (the same graph and state without it), and the snapshot cost between them, each with
     its fitted log-log exponent against the number of keys. One snapshot of A.2's Snapshots
     costs what changed per node, so its target is flat (exponent <= 0.2); the reference path's
-    History copies the whole metadata (the deep-copy line). The floor's own curve comes from the
-    per-run work that reads the whole metadata (the §6.9 write-back, GraphRun.state)."""
+    History copies the whole metadata (the deep-copy line). The floor's own curve on the reference
+    path comes from the per-run work that reads the whole metadata (the §6.9 write-back,
+    GraphRun.state), which A.2's WriteBack and DeferredRuns spare the default path."""
     names = [f"n{i}" for i in range(10)]
     sizes = [1, 10, 100, 1000, 10_000, 100_000]
 
