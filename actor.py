@@ -5486,9 +5486,11 @@ class GraphRoute:
         # §6.6 where checkpoints are written (CheckpointFiles, or A.1's writer process)
         self.store = checkpoint_store(self) if self.checkpoint_dir is not None else None
         self.walk = graph_walker(self)                       # §6.5 stepping, or A.2's
+        self.write_back = context_write_back(self)           # §6.9 item 3, or A.2's
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
         self._lock = threading.RLock()                       # one run or update at a time
+        self.run_result = run_result(self)                   # a run's GraphRun, or A.2's
 
     # -- executing -------------------------------------------------------------------------
     # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
@@ -5547,13 +5549,12 @@ class GraphRoute:
                                       "error_type": error_category(exc),
                                       "history": list(trace.history)})
             raise
-        replace_active_context(self.state, target_ctx)
+        self.write_back(self.state, target_ctx)
         if self.observers:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
                                   "history": list(trace.history)})
-        return GraphRun(trace.output, snapshot_state(self.state), trace.history, trace.stopped,
-                        trace.held)
+        return self.run_result(trace)
 
     def _walk(self, results, trace, bounded):
         """§6.5 step after step: the next-node set is every edge whose condition holds (from
@@ -6612,6 +6613,16 @@ def snapshot_state(state):
     """The state at the end of a run, copied one level deep (messages are never edited in place)."""
     return copy_state(state, dict(state["metadata"]))
 
+
+def run_result(graph):
+    """§6.1 what a run of `graph` gives back, chosen at load: a GraphRun holding snapshot_state's
+    copy on the reference path (Runtime.reference), else appendix A.2's DeferredRuns (the same
+    copy of the metadata, made when first read or before the graph's state next changes)."""
+    if graph.rt.reference:
+        return lambda trace: GraphRun(trace.output, snapshot_state(graph.state), trace.history,
+                                      trace.stopped, trace.held)
+    return DeferredRuns(graph)
+
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = fields_by_name(
     Field("source",      STRING,  REQUIRED, "6.4"),
@@ -6990,6 +7001,13 @@ def replace_active_context(state, ctx):
         if key in host:
             ctx[key] = host[key]
     metadata["context"] = ctx
+
+
+def context_write_back(graph):
+    """§6.9 item 3 how one graph's final metadata replaces the context, chosen at load:
+    replace_active_context on the reference path (Runtime.reference), else appendix A.2's
+    WriteBack (it writes the keys the run changed)."""
+    return replace_active_context if graph.rt.reference else WriteBack()
 
 # §6.10 Graph-internal streams ---------------------------------------------------------
 def internal_stream_names(graph_name, node_names):
@@ -11618,6 +11636,11 @@ class CheckpointWriter:
 # (the curve: test_graph_bench_time_travel_snapshot_cost_against_state_size).
 # Stands in for: History
 # Seam: snapshot_history
+# And a §6.9 write-back of the keys a run changed instead of every metadata key, and a run's
+# GraphRun whose metadata copy is made only when it is read or the run is still held when the
+# state next changes (the curve: test_graph_bench_write_back_cost_against_untouched_keys).
+# Stands in for: replace_active_context, snapshot_state
+# Seam: context_write_back, run_result
 
 
 # Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
@@ -11721,8 +11744,132 @@ class Snapshots(list):
         return copy_state(self[-1], metadata)
 
 
+class WriteBack:
+    """replace_active_context, faster: when the run ends with the context the previous run's
+    write-back filled (the same dict, as the state's metadata.context, its size unchanged since)
+    and every state update since then was a node's that fast_step_one saw, only the keys those
+    updates set (their result's metadata and set_state, and RUN_KEYS) are written into it: every
+    other metadata key holds there the value the last write-back gave it, the same object. Any
+    other case takes the body's whole write-back. Like Snapshots, it does not see a write made
+    from outside the graph's own API (to graph.state, or over a key of that context the metadata
+    also holds, without changing its size)."""
+
+    LOG_MAX = 1000                      # updates noted between two write-backs, at most
+
+    def __init__(self):
+        self.log = []                   # the NodeResults of the updates since the last one
+        self.ctx = self.metadata = None     # the context written, the metadata it came from
+        self.count = self.size = -1     # execution_count then; len(ctx) without next_node
+
+    def forget(self):
+        """The next write-back is whole (too many updates noted, e.g. run after failed run)."""
+        self.log.clear()
+        self.ctx = None
+
+    def __call__(self, state, ctx):
+        metadata = state["metadata"]
+        log = self.log
+        if (ctx is not self.ctx or metadata is not self.metadata or metadata.get("context") is not ctx
+                or state["execution_count"] - self.count != len(log)
+                or len(ctx) - ("next_node" in ctx) != self.size):
+            replace_active_context(state, ctx)
+        else:
+            for result in log:
+                for keys in (result.metadata, result.set_state):
+                    if keys:
+                        for key in keys:
+                            if key in metadata and key != "context" \
+                                    and key not in HOST_ONLY_CONTEXT_KEYS:
+                                ctx[key] = metadata[key]
+            for key in RUN_KEYS:
+                if key in metadata:
+                    ctx[key] = metadata[key]
+        log.clear()
+        if isinstance(ctx, dict):
+            self.ctx, self.metadata, self.count = ctx, metadata, state["execution_count"]
+            self.size = len(ctx) - ("next_node" in ctx)
+        else:
+            self.ctx = None
+
+
+class DeferredRuns:
+    """run_result's GraphRun, faster: the run's state is copied at its end but for the metadata,
+    whose one-level copy (O(keys)) is made when GraphRun.state is first read or, should the run
+    still be held by then, before the graph's state next changes -- every change of it through the
+    graph's API takes graph._lock, which becomes a RunLock. A run nobody reads costs no copy.
+    Like Snapshots, it does not see a write to graph.state made from outside that API."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        graph._lock = RunLock()
+
+    def __call__(self, trace):
+        graph = self.graph
+        state, lock = graph.state, graph._lock
+        run = DeferredGraphRun(trace.output, copy_state(state, None), trace.history,
+                               trace.stopped, trace.held)
+        if lock.depth == 1:             # the outermost run: nothing changes the state until
+            run._metadata, run._lock = state["metadata"], lock      # the lock is taken again
+            lock.owed = weakref.ref(run)
+        else:                           # a run inside a run: the outer one changes it on
+            run._state["metadata"] = dict(state["metadata"])
+        return run
+
+
+class RunLock:
+    """GraphRoute._lock (re-entrant) that, when taken, first makes the metadata copy the last
+    GraphRun owes (DeferredRuns)."""
+
+    __slots__ = ("lock", "depth", "owed")
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.depth = 0                  # how many times the holder holds it
+        self.owed = None                # weakref to the GraphRun owed its copy, or None
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.depth += 1
+        owed = self.owed
+        if owed is not None:
+            self.owed = None
+            run = owed()
+            if run is not None:
+                run._settle()
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        self.lock.release()
+
+
+class DeferredGraphRun(GraphRun):
+    """A GraphRun whose state's metadata is copied on first read, or when its RunLock is taken."""
+
+    __slots__ = ("_state", "_metadata", "_lock", "__weakref__")
+
+    def __init__(self, output, state, history, stopped=None, held=()):
+        self.output, self._state, self.history, self.stopped = output, state, history, stopped
+        self._held, self._replies = held, None
+        self._metadata = self._lock = None
+
+    def _settle(self):
+        if self._metadata is not None:
+            self._state["metadata"] = dict(self._metadata)
+            self._metadata = None
+
+    @property
+    def state(self):
+        if self._metadata is not None:
+            with self._lock:            # settles this run when it is still owed
+                self._settle()
+        return self._state
+
+
 def fast_walk(graph, results, trace, bounded):
     """GraphRoute._walk, faster: the same nodes run in the same order with the same guards."""
+    if len(graph.write_back.log) > WriteBack.LOG_MAX:
+        graph.write_back.forget()
     while results and trace.stopped is None:
         if len(results) == 1 and results[0][0].plain_next is not None:
             node, output = results[0]
@@ -11764,7 +11911,11 @@ def fast_step_one(graph, node, message, trace):
         result = node.handler(graph, node, message, state)
     except Exception as exc:
         graph._fail(node_failure(graph, node, exc))
-    return graph._finish(node, message, result, trace, relaxed)[0]
+    count = state["execution_count"]
+    output = graph._finish(node, message, result, trace, relaxed)[0]
+    if state["execution_count"] != count:           # an update: WriteBack notes its keys
+        graph.write_back.log.append(result)
+    return output
 
 
 # A.3 Stream fast paths -------------------------------------------------------------------
@@ -12005,18 +12156,29 @@ def direct_network_send(self, content, target=None, metadata=None):
 
 def direct_actor_send(self, content, *, at=None, target=None):
     """Actor.send with _begin() and _end() in the same call and the lock taken without `with`
-    (issue 15: 0.14 us of a 3.4 us send() for the two calls, 0.08 us for the `with`)."""
+    (issue 15: 0.14 us of a 3.4 us send() for the two calls, 0.08 us for the `with`); for the
+    default target, direct_network_send in it too."""
     turn = self._turn
     turn.acquire()
     try:
         outputs, errors = self._outputs, self._errors
         outputs.clear()
         errors.clear()
+        net, clock = self.network, self.rt.clock
         if at is not None:
-            self.network.deliver(self.rt.clock.set_time, at)
-        self.network.send(content, target)
-        if self.rt.clock.real and not self.rt.clock.driven:
-            self.network.settle()
+            net.deliver(clock.set_time, at)
+        if target is None:              # direct_network_send(net, content)
+            stream = net.input.out
+            if stream.done:
+                raise StreamRoutingError("__input__ has completed; no more messages",
+                                         section="5.5")
+            stream.next(Message(content, {"context": net.rt.context}, INPUT, clock.now()))
+            if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
+                clock.advance(0)
+        else:
+            net.send(content, target)
+        if clock.real and not clock.driven:
+            net.settle()
         result = Result(outputs.copy(), errors.copy())
         outputs.clear()
         errors.clear()
@@ -12027,7 +12189,11 @@ def direct_actor_send(self, content, *, at=None, target=None):
 
 def direct_agent_step(name, route, agent, attempt, succeed, failed, down, reports_usage, rt):
     """agent_mapper's per-message step with succeed() in it: for the usual metadata, the shared
-    context alone, the reply's metadata is one dict literal (issue 15: 0.25 us of a 3.4 us send)."""
+    context alone, the reply's metadata is one dict literal (issue 15: 0.25 us of a 3.4 us send).
+    A tool agent whose sole tool has A.4's straight-line call runs its body in this step."""
+    if not reports_usage and straight_line_unit(agent, attempt) is not None:
+        return straight_line_agent_step(name, route, agent, failed, down, rt)
+
     def on_next(msg):
         metadata = msg.metadata
         ctx = metadata.get("context")
@@ -12081,7 +12247,58 @@ def straight_line_call(tool, rt):
             raise failure from None
         result = namespace["result"]
         return inline_result(namespace) if result is None else result
+    call.unit = unit
     return call
+
+
+def straight_line_unit(agent, attempt):
+    """The CodeUnit of `agent`'s sole tool where it has the straight-line call and `attempt` (the
+    map's call of the agent) is its bare ToolAgent.invoke; else None."""
+    if getattr(attempt, "__func__", None) is not ToolAgent.invoke \
+            or getattr(attempt, "__self__", None) is not agent or not agent.sole_inline:
+        return None
+    return getattr(agent.tools[agent.sole_tool].call, "unit", None)
+
+
+def straight_line_agent_step(name, route, agent, failed, down, rt):
+    """direct_agent_step's on_next with ToolAgent.invoke and the straight-line call in it (the
+    same namespace, code, error rule and §4.5.7 reply): two calls fewer a message."""
+    unit = straight_line_unit(agent, agent.invoke)
+    code, label = unit.code, unit.label
+
+    def on_next(msg):
+        metadata = msg.metadata
+        ctx = metadata.get("context")
+        if not isinstance(ctx, dict):       # resolve_context, which a context dict needs not
+            ctx = resolve_context(msg, rt)
+        try:
+            content = msg.content
+            text = content if content.__class__ is str else message_text(content)
+            namespace = {"__builtins__": _CODE_BUILTINS, "input_data": text, "message": text,
+                         "result": None, "context": ctx}
+            try:
+                exec(code, namespace)
+            except (Exception, Exhausted) as exc:
+                failure = sandbox_failure(exc, label)
+                if failure is exc:
+                    raise
+                raise failure from None
+            reply = namespace["result"]
+            if reply is None:
+                reply = inline_result(namespace)
+            if reply.__class__ is not str:
+                reply = tool_output(reply)
+        except Exception as exc:        # the §12.2.3 agent boundary
+            failed(msg, exc)
+            return
+        if len(metadata) == 1 and "context" in metadata:
+            meta = {"context": ctx, "processed_by": name}
+        else:
+            meta = copy_metadata(metadata)
+            meta["processed_by"] = name
+            meta["context"] = ctx
+        down.next(Message(reply, meta, route, msg.timestamp))
+    return on_next
 
 
 # =====================================================================================
