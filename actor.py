@@ -12170,8 +12170,8 @@ def direct_actor_send(self, content, *, at=None, target=None):
         if target is None:              # direct_network_send(net, content)
             stream = net.input.out
             if stream.done:
-                raise StreamRoutingError("__input__ has completed; no more messages",
-                                         section="5.5")
+                raise error(StreamRoutingError, "__input__ has completed; no more messages",
+                            "5.5")
             stream.next(Message(content, {"context": net.rt.context}, INPUT, clock.now()))
             if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
                 clock.advance(0)
