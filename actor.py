@@ -2666,10 +2666,12 @@ def check_composite(rt, name, config, path):
     check_component_routes(rt, config, path)
 
 
-def component_runtime(rt, sub_doc, clock):
-    """The Runtime a composite's components are checked and built in: the outer one's settings,
-    logs, context, prompts and sandbox; warnings about routes.<local> name the component's full
-    path, as its errors do (ComponentDoc)."""
+def component_runtime(rt, components, routes, doc, path, clock):
+    """The Runtime a composite's components (at `path`, its config in `doc`) are checked and built
+    in: the outer one's settings, logs, context, prompts and sandbox; errors and warnings about
+    routes.<local> name the component's full path (ComponentDoc)."""
+    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
+                           doc, path)
     inner = Runtime(sub_doc, unsafe=rt.unsafe, env=rt.env, engine=rt.engine, workdir=rt.workdir,
                     clock=clock, provider=rt.provider, llm_transport=rt.llm_transport,
                     reference=rt.reference)
@@ -2708,10 +2710,9 @@ class CompositeComponents:
         config = cfg["config"]
         components = config["components"]
         self.routes = component_routes(components)
-        sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}),
-                                "routes": self.routes}, outer_doc, self.path + ("config",))
         self.clock = ComponentClock(rt.clock)      # notes the timers the components set
-        self.inner = inner = component_runtime(rt, sub_doc, self.clock)
+        self.inner = inner = component_runtime(rt, components, self.routes, outer_doc,
+                                               self.path + ("config",), self.clock)
         local = {}
         inner.agents = ChainMap(local, rt.agents)
         for lname, sub in (components.get("agents") or {}).items():
@@ -2823,9 +2824,8 @@ def check_component_routes(rt, config, path):
     if not routes:
         return
     agent_names = composite_scope(doc, path)
-    sub_doc = ComponentDoc({"agents": dict(components.get("agents") or {}), "routes": routes},
-                           doc, path)
-    inner = component_runtime(rt, sub_doc, rt.clock)
+    inner = component_runtime(rt, components, routes, doc, path, rt.clock)
+    sub_doc = inner.doc
     graphs = [local for local, route in routes.items() if route["type"] == "graph"]
     known = set(routes) | set(RESERVED_STREAM_NAMES)
     for local, route in routes.items():         # §5.5 inside the composite, as check_routes
