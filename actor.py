@@ -400,8 +400,10 @@ def outer_get(data, path):
 # A Constraint is a test on a value and the words that finish "<field> must be ...". A table row
 # is Field(name, constraint, default, section): the default REQUIRED means the field must be
 # given; a null value stands for "absent" only where the default is None (nothing to use instead).
-# check_fields reads rows and raises the located ConfigurationError. The constraints several
-# sections share are defined here once.
+# check_fields reads rows and raises the located ConfigurationError; check_unknown warns about
+# (or hands back, to refuse) the keys no row names. Every section's fields are such a table, also
+# where another check reads the value in its own words (read_elsewhere); --schema, the hints and
+# Doc.misspelling read the same tables. The constraints several sections share are defined here.
 REQUIRED = object()
 
 
@@ -9898,7 +9900,8 @@ def validate_document(doc, rt, host_default_router=None):
 ROUTE_TYPES = ("stream", "graph", "bridge")
 # Fields each route type defines (§5.3, §6.1, §5.6): anything else is warned about, never dropped
 # silently.
-# §6.1's table, and publications (I-085); §5.6's, with the type and the two expressions.
+# The graph route: §6.1's table, and publications (I-085); the bridge route: §5.6's, with the
+# type and the two expressions.
 GRAPH_ROUTE_FIELDS = fields_by_name(*GRAPH_FIELDS.values(), *read_elsewhere("5.5", "publications"))
 BRIDGE_ROUTE_FIELDS = fields_by_name(
     *read_elsewhere("5.6", "type", "state_extractor", "state_flattener"), *BRIDGE_FIELDS.values())
