@@ -5488,11 +5488,10 @@ class GraphRoute:
         # §6.6 where checkpoints are written (CheckpointFiles, or A.1's writer process)
         self.store = checkpoint_store(self) if self.checkpoint_dir is not None else None
         self.walk = graph_walker(self)                       # §6.5 stepping, or A.2's
-        self.write_back = context_write_back(self)           # §6.9 item 3, or A.2's
         self.observers = []                                  # §6.10 node-event listeners
         self._pool = None                                    # §6.7 worker threads, made on demand
         self._lock = threading.RLock()                       # one run or update at a time
-        self.run_result = run_result(self)                   # a run's GraphRun, or A.2's
+        self.write_back, self.run_result = run_ending(self)  # §6.9 item 3, §6.1, or A.2's
 
     # -- executing -------------------------------------------------------------------------
     # A step's results are (GraphNode, output) pairs; the edges out of a node are node.out
@@ -5556,7 +5555,7 @@ class GraphRoute:
             notify_control(self, {"event": "stopped" if trace.stopped else "finished",
                                   "guard": trace.stopped, "output": trace.output,
                                   "history": list(trace.history)})
-        return self.run_result(trace)
+        return self.run_result(self, trace)
 
     def _walk(self, results, trace, bounded):
         """§6.5 step after step: the next-node set is every edge whose condition holds (from
@@ -6615,16 +6614,6 @@ def snapshot_state(state):
     """The state at the end of a run, copied one level deep (messages are never edited in place)."""
     return copy_state(state, dict(state["metadata"]))
 
-
-def run_result(graph):
-    """§6.1 what a run of `graph` gives back, chosen at load: a GraphRun holding snapshot_state's
-    copy on the reference path (Runtime.reference), else appendix A.2's DeferredRuns (the same
-    copy of the metadata, made when first read or before the graph's state next changes)."""
-    if graph.rt.reference:
-        return lambda trace: GraphRun(trace.output, snapshot_state(graph.state), trace.history,
-                                      trace.stopped, trace.held)
-    return DeferredRuns(graph)
-
 # §6.4 Edges -------------------------------------------------------------------------------
 EDGE_FIELDS = fields_by_name(
     Field("source",      STRING,  REQUIRED, "6.4"),
@@ -7005,11 +6994,13 @@ def replace_active_context(state, ctx):
     metadata["context"] = ctx
 
 
-def context_write_back(graph):
-    """§6.9 item 3 how one graph's final metadata replaces the context, chosen at load:
-    replace_active_context on the reference path (Runtime.reference), else appendix A.2's
-    WriteBack (it writes the keys the run changed)."""
-    return replace_active_context if graph.rt.reference else WriteBack()
+def run_ending(graph):
+    """§6.9 item 3's write-back and §6.1's GraphRun for `graph`, chosen at load: the body's on the
+    reference path (Runtime.reference), else appendix A.2's WriteBack and DeferredRuns."""
+    if not graph.rt.reference:
+        return WriteBack(), DeferredRuns(graph)
+    return replace_active_context, lambda graph, trace: GraphRun(
+        trace.output, snapshot_state(graph.state), trace.history, trace.stopped, trace.held)
 
 # §6.10 Graph-internal streams ---------------------------------------------------------
 def internal_stream_names(graph_name, node_names):
@@ -11643,7 +11634,7 @@ class CheckpointWriter:
 # GraphRun whose metadata copy is made only when it is read or the run is still held when the
 # state next changes (the curve: test_graph_bench_write_back_cost_against_untouched_keys).
 # Stands in for: replace_active_context, snapshot_state
-# Seam: context_write_back, run_result
+# Seam: run_ending
 
 
 # Keys every node update may set (GraphRoute._finish) or every run's start changes (begin_run).
@@ -11796,7 +11787,7 @@ class WriteBack:
 
 
 class DeferredRuns:
-    """run_result's GraphRun, faster: the run's state is copied at its end but for the metadata,
+    """run_ending's GraphRun, faster: the run's state is copied at its end but for the metadata,
     whose one-level copy (O(keys)) is made when GraphRun.state is first read or, should the run
     still be held by then, before the graph's state next changes -- every change of it through the
     graph's API takes graph._lock, which becomes a RunLock. A run nobody reads costs no copy.
@@ -11806,8 +11797,7 @@ class DeferredRuns:
         self.graph = graph
         graph._lock = RunLock()
 
-    def __call__(self, trace):
-        graph = self.graph
+    def __call__(self, graph, trace):
         state, lock = graph.state, graph._lock
         run = DeferredGraphRun(trace.output, copy_state(state, None), trace.history,
                                trace.stopped, trace.held)
