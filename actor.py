@@ -6904,7 +6904,7 @@ def node_failure(graph, node, exc):
     agent/node boundary, §12.2.3) as an ExecutionError naming the graph and node."""
     if isinstance(exc, ActorError):
         return exc
-    return ExecutionError(f"graph '{graph.name}' node '{node.name}': {exc}", section="6.2")
+    return error(ExecutionError, f"graph '{graph.name}' node '{node.name}': {exc}", "6.2")
 
 
 # §6.8 Loop and cycle detection ----------------------------------------------------------
@@ -9133,7 +9133,7 @@ def render_jinja2(text, variables, partials=None):
     except TemplateError:
         raise
     except Exception as exc:  # jinja2 syntax, undefined, sandbox and filter errors alike
-        err = TemplateError(f"JINJA2: {type(exc).__name__}: {exc}", section="9.2")
+        err = error(TemplateError, f"JINJA2: {type(exc).__name__}: {exc}", "9.2")
         err.line = jinja_error_line(exc)
         raise err from exc
 

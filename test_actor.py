@@ -288,6 +288,23 @@ def test_body_shape_meets_the_targets():
                for name, ratio in over.items()), over
 
 
+def test_error_is_the_one_constructor():
+    """PRELUDE §20 error(): a §20 class gets its fields (a path tuple written as a config path); a
+    class outside §20 (a built-in one sandboxed code sees, an internal signal) the message alone;
+    Doc.error locates and calls it."""
+    exc = actor.error(actor.ExecutionError, "boom", "6.3", path=("routes", "main", "nodes", 2))
+    assert type(exc) is actor.ExecutionError and exc.path == "routes.main.nodes[2]"
+    assert (exc.message, exc.section, exc.file, exc.line) == ("boom", "6.3", None, None)
+    assert str(exc) == "ExecutionError: routes.main.nodes[2]: boom (§6.3)"
+    builtin = actor.error(TypeError, "no")
+    assert type(builtin) is TypeError and builtin.args == ("no",)
+    doc = actor.Doc({"routes": {"main": {}}}, {("routes", "main"): ("a.yaml", 3, 5)})
+    located = doc.error(actor.RoutingError, ("routes", "main"), "lost", "5.1")
+    assert (located.file, located.line, located.col, located.path) == ("a.yaml", 3, 5,
+                                                                       "routes.main")
+    assert str(located) == "a.yaml:3:5: RoutingError: routes.main: lost (§5.1)"
+
+
 def raise_forms(text):
     """Issue 21's count of raise forms: {form: occurrences}, a form being the final name called
     after `raise` (`raise doc.error(...)` is "error"), or <re-raise> for `raise`, `raise exc`."""
