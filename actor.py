@@ -2188,10 +2188,8 @@ def check_tool_agent(rt, name, config, cpath):
 
 
 # The fields of a §4.5.2 inline tool (their shapes are checked below, with the tool's name).
-INLINE_TOOL_FIELDS = fields_by_name(
-    Field("name", STRING, REQUIRED, "4.5.2"),
-    Field("code", STRING, None,     "4.5.2"),
-)
+INLINE_TOOL_FIELDS = fields_by_name(Field("name", STRING, REQUIRED, "4.5.2"),
+                                    Field("code", STRING, None,     "4.5.2"))
 
 
 def check_tool_entry(rt, entry, path):
@@ -4115,10 +4113,8 @@ OPERATOR_CHECKS = {
 
 # The fields of one §5.3.2 operator mapping, and of one switch case (what they name or nest is
 # checked by the methods below).
-OPERATOR_FIELDS = fields_by_name(
-    Field("type",   STRING,  REQUIRED, "5.3.2"),
-    Field("params", MAPPING, None,     "5.3.2"),
-)
+OPERATOR_FIELDS = fields_by_name(Field("type",   STRING,  REQUIRED, "5.3.2"),
+                                 Field("params", MAPPING, None,     "5.3.2"))
 SWITCH_CASE_FIELDS = fields_by_name(*read_elsewhere("5.3.2", "condition", "target", "operators"))
 
 
@@ -6507,10 +6503,9 @@ def begin_run(state, content, ctx):
         del messages[:len(messages) - MAX_STATE_MESSAGES]
 
 
-def merge_values(target, update):
-    """§6.3.2 merge: mappings merged recursively, lists extended, scalars replaced -- the rule of
-    §3.1's merge of files, so the same walk (deep_merge)."""
-    deep_merge(target, update)
+# The §6.3.2 merge (mappings merged recursively, lists extended, scalars replaced) is the rule
+# of the §3.1 merge of files: the same walk.
+merge_values = deep_merge
 
 
 def update_replace(state, field, value):

@@ -6419,6 +6419,58 @@ def test_field_rows_say_what_is_required_and_what_a_value_must_be():
     assert _field_error({"name": 1}, table).message == "name must be a string"
 
 
+def test_unknown_keys_go_through_check_unknown():
+    """Issue 21: the one check for keys no row names warns through rt, located, in the words the
+    caller gives; with refuse=True it only hands the keys back (the caller raises)."""
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def warn(self, message, *, section=None, path=None):
+            self.seen.append((message, section, path))
+
+    table = actor.fields_by_name(actor.Field("name", actor.STRING, actor.REQUIRED, "6.2.2"))
+    other = actor.fields_by_name(*actor.read_elsewhere("6.2", "description"))
+    rt = Recorder()
+    cfg = {"name": "a", "description": "", "colour": 1, "size": 2}
+    extra = actor.check_unknown(rt, cfg, (table, other), ("n",), "6.2",
+                                "unknown key '{key}' on node '{node}'", node="x")
+    assert extra == ["colour", "size"]
+    assert rt.seen == [("unknown key 'colour' on node 'x'", "6.2", ("n", "colour")),
+                       ("unknown key 'size' on node 'x'", "6.2", ("n", "size"))]
+    rt.seen.clear()
+    assert actor.check_unknown(rt, cfg, table, ("n",), "6.2", refuse=True) == [
+        "description", "colour", "size"] and rt.seen == []
+
+
+def test_one_field_vocabulary():
+    """Issue 21: every table of a section's fields is Field rows (ROUTE_FIELDS holds one per route
+    type); the key sets left are no field tables but the policies of reserved keys."""
+    def is_table(value):
+        return isinstance(value, dict) and value and all(
+            isinstance(row, actor.Field) and row.name == name for name, row in value.items())
+    not_field_tables = {"ROUTE_FIELDS",          # by route type
+                        "GRAPH_STATE_FIELDS",    # §6.3.1: the state's fields and their defaults
+                        "RUNTIME_FIELDS"}        # §8.4: the fields that render at Phase C
+    names = [name for name in vars(actor) if name.endswith("_FIELDS")]
+    assert all(is_table(getattr(actor, name)) for name in names if name not in not_field_tables)
+    assert all(map(is_table, actor.ROUTE_FIELDS.values()))
+    assert actor.known_field_names() >= {key for name in names if name not in not_field_tables
+                                         for key in getattr(actor, name)}
+    assert {name for name in vars(actor) if name.endswith("_KEYS")} <= {
+        "AGENT_NODE_RESERVED_KEYS", "RESERVED_TEMPLATE_KEYS", "HOST_ONLY_CONTEXT_KEYS",
+        "RESERVED_CONTEXT_KEYS", "RUN_KEYS"}
+
+
+def test_visit_document_sees_what_walk_document_sees():
+    """The read-only companion visits the same values at the same paths in the same order."""
+    data = {"a": [1, {"b": "x"}], "c": {}}
+    walked, visited = [], []
+    assert actor.walk_document(data, lambda value, path: walked.append(path) or value) == data
+    assert actor.visit_document(data, lambda value, path: visited.append(path)) is None
+    assert walked == visited == [("a", 0), ("a", 1, "b"), ("a", 1), ("a",), ("c",), ()]
+
+
 @pytest.mark.parametrize("constraint, good, bad", [
     (actor.SECONDS, [0, 2.5], [-1, float("nan"), float("inf"), True, "1"]),
     (actor.POSITIVE_SECONDS, [0.1, 3], [0, -1, False]),
