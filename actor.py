@@ -11789,7 +11789,6 @@ class DeferredRuns:
     Like Snapshots, it does not see a write to graph.state made from outside that API."""
 
     def __init__(self, graph):
-        self.graph = graph
         graph._lock = RunLock()
 
     def __call__(self, graph, trace):
@@ -11844,7 +11843,7 @@ class DeferredGraphRun(GraphRun):
     def _settle(self):
         if self._metadata is not None:
             self._state["metadata"] = dict(self._metadata)
-            self._metadata = None
+            self._metadata = self._lock = None
 
     @property
     def state(self):
