@@ -7266,7 +7266,7 @@ def run_ending(graph):
     """§6.9 item 3's write-back and §6.1's GraphRun for `graph`, chosen at load: the body's on the
     reference path (Runtime.reference), else appendix A.2's WriteBack and DeferredRuns."""
     if not graph.rt.reference:
-        return WriteBack(), DeferredRuns(graph)
+        return WriteBack(graph), DeferredRuns(graph)
     return replace_active_context, lambda graph, trace: GraphRun(
         trace.output, snapshot_state(graph.state), trace.history, trace.stopped, trace.held)
 
@@ -11989,13 +11989,15 @@ class WriteBack:
     updates set (their result's metadata and set_state, and RUN_KEYS) are written into it: every
     other metadata key holds there the value the last write-back gave it, the same object. More
     than one key new to the context (their order there is the metadata's), a "context" key set
-    (a merge into the context itself) and any other case take the body's whole write-back. Like
-    Snapshots, it does not see a write made from outside the graph's own API (to graph.state,
-    or over a key of that context the metadata also holds, without changing its size)."""
+    (a merge into the context itself), a graph with §6.10 listeners (they get that context by
+    reference) and any other case take the body's whole write-back. Like Snapshots, it does not
+    see a write made from outside the graph's own API (to graph.state, or over a key of that
+    context the metadata also holds, without changing its size)."""
 
     LOG_MAX = 1000                      # updates noted between two write-backs, at most
 
-    def __init__(self):
+    def __init__(self, graph):
+        self.graph = graph
         self.log = []                   # the NodeResults of the updates since the last one
         self.ctx = self.metadata = None     # the context written, the metadata it came from
         self.count = self.size = -1     # execution_count then; len(ctx) without next_node
@@ -12009,6 +12011,7 @@ class WriteBack:
         metadata = state["metadata"]
         log, writes = self.log, None
         if ctx is self.ctx and metadata is self.metadata and metadata.get("context") is ctx \
+                and not self.graph.observers \
                 and state["execution_count"] - self.count == len(log) \
                 and len(ctx) - ("next_node" in ctx) == self.size:
             writes = [key for result in log for part in (result.metadata, result.set_state)
