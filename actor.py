@@ -6993,7 +6993,7 @@ def run_ending(graph):
     """§6.9 item 3's write-back and §6.1's GraphRun for `graph`, chosen at load: the body's on the
     reference path (Runtime.reference), else appendix A.2's WriteBack and DeferredRuns."""
     if not graph.rt.reference:
-        return WriteBack(), DeferredRuns(graph)
+        return WriteBack(graph), DeferredRuns(graph)
     return replace_active_context, lambda graph, trace: GraphRun(
         trace.output, snapshot_state(graph.state), trace.history, trace.stopped, trace.held)
 
@@ -11738,14 +11738,17 @@ class WriteBack:
     write-back filled (the same dict, as the state's metadata.context, its size unchanged since)
     and every state update since then was a node's that fast_step_one saw, only the keys those
     updates set (their result's metadata and set_state, and RUN_KEYS) are written into it: every
-    other metadata key holds there the value the last write-back gave it, the same object. Any
-    other case takes the body's whole write-back. Like Snapshots, it does not see a write made
-    from outside the graph's own API (to graph.state, or over a key of that context the metadata
-    also holds, without changing its size)."""
+    other metadata key holds there the value the last write-back gave it, the same object. More
+    than one key new to the context (their order there is the metadata's), a "context" key set
+    (a merge into the context itself), a graph with §6.10 listeners (they get that context by
+    reference) and any other case take the body's whole write-back. Like Snapshots, it does not
+    see a write made from outside the graph's own API (to graph.state, or over a key of that
+    context the metadata also holds, without changing its size)."""
 
     LOG_MAX = 1000                      # updates noted between two write-backs, at most
 
-    def __init__(self):
+    def __init__(self, graph):
+        self.graph = graph
         self.log = []                   # the NodeResults of the updates since the last one
         self.ctx = self.metadata = None     # the context written, the metadata it came from
         self.count = self.size = -1     # execution_count then; len(ctx) without next_node
@@ -11757,22 +11760,23 @@ class WriteBack:
 
     def __call__(self, state, ctx):
         metadata = state["metadata"]
-        log = self.log
-        if (ctx is not self.ctx or metadata is not self.metadata or metadata.get("context") is not ctx
-                or state["execution_count"] - self.count != len(log)
-                or len(ctx) - ("next_node" in ctx) != self.size):
+        log, writes = self.log, None
+        if ctx is self.ctx and metadata is self.metadata and metadata.get("context") is ctx \
+                and not self.graph.observers \
+                and state["execution_count"] - self.count == len(log) \
+                and len(ctx) - ("next_node" in ctx) == self.size:
+            writes = [key for result in log for part in (result.metadata, result.set_state)
+                      if part for key in part]
+            writes += RUN_KEYS
+            writes = [key for key in writes
+                      if key in metadata and key not in HOST_ONLY_CONTEXT_KEYS]
+            if "context" in writes or len({key for key in writes if key not in ctx}) > 1:
+                writes = None
+        if writes is None:
             replace_active_context(state, ctx)
         else:
-            for result in log:
-                for keys in (result.metadata, result.set_state):
-                    if keys:
-                        for key in keys:
-                            if key in metadata and key != "context" \
-                                    and key not in HOST_ONLY_CONTEXT_KEYS:
-                                ctx[key] = metadata[key]
-            for key in RUN_KEYS:
-                if key in metadata:
-                    ctx[key] = metadata[key]
+            for key in writes:
+                ctx[key] = metadata[key]
         log.clear()
         if isinstance(ctx, dict):
             self.ctx, self.metadata, self.count = ctx, metadata, state["execution_count"]

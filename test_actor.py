@@ -5091,6 +5091,18 @@ def _write_back_story(reference):
     run("fresh", {"fresh": True})           # another context: every metadata key lands in it
     run("again")
     run("again2")
+    # A router whose set_state merges into the context itself, and sets a key new to it.
+    rt2, g2 = make_graph({"type": "graph", "nodes": {
+        "r": {"type": "message_router", "rules": [
+            {"match_type": "prefix", "pattern": "S", "target": "a",
+             "set_state": {"context": {"stage": "merged"}, "fresh_key": 1}},
+            {"match_type": "prefix", "pattern": "T", "target": "a"}]},
+        "a": {"type": "agent", "agent": "a"}},
+        "edges": [{"source": "start", "target": "r"}, {"source": "r", "target": "a"},
+                  {"source": "a", "target": "end"}]}, {"a": a}, reference=reference)
+    rt, g = rt2, g2
+    for content in ("T1", "T2", "S3", "T4", "S5", "T6"):
+        run(content)
     return seen
 
 
@@ -5102,8 +5114,9 @@ def test_write_back_of_changed_keys_equals_the_whole_write_back():
     another context."""
     fast, plain = _write_back_story(False), _write_back_story(True)
     assert fast == plain
-    assert dict(plain[-1])["_temperature_override"] == 0.5 and dict(plain[-1])["gone"] == 1
-    assert dict(plain[-1])["context"] == {"inner": 1} and dict(plain[-1])["count"] == 13
+    assert dict(plain[12])["_temperature_override"] == 0.5 and dict(plain[12])["gone"] == 1
+    assert dict(plain[12])["context"] == {"inner": 1} and dict(plain[12])["count"] == 13
+    assert dict(plain[-1])["stage"] == "6-a" and dict(plain[-1])["fresh_key"] == 1
     rt, g = make_graph(linear("a"), {"a": echo("a")})
     assert isinstance(g.write_back, actor.WriteBack) != rt.reference
 
