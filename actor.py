@@ -2619,6 +2619,8 @@ COMPOSITE_FIELDS = fields_by_name(
     Field("expose_params", MAPPING, None,     "4.6"),
     Field("context",       MAPPING, None,     "4.9"),
 )
+# routing's own fields (§4.6.2); `strategy` is named so that its own warning (I-169) stands alone.
+COMPOSITE_ROUTING_FIELDS = fields_by_name(*read_elsewhere("4.6.2", "input", "output", "strategy"))
 
 
 def check_composite(rt, name, config, path):
@@ -2656,13 +2658,11 @@ def check_composite(rt, name, config, path):
         if not isinstance(spec["name"], str) or spec["name"] not in (components.get(kind) or {}):
             raise doc.error(ConfigurationError, path + ("routing", end, "name"),
                             f"'{spec['name']}' is not a component in components.{kind}", "4.6.2")
-    for key in routing:
-        if key == "strategy":       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
-            rt.warn("routing.strategy has no meaning (the routing is input and output); "
-                    "it is ignored", section="4.6.3, §16.1", path=path + ("routing", key))
-        elif key not in ("input", "output"):
-            rt.warn(f"unknown routing field '{key}' is ignored", section="4.6.2",
-                    path=path + ("routing", key))
+    if "strategy" in routing:       # INTERPRETATION I-169 §4.6.3: warned, not refused, here
+        rt.warn("routing.strategy has no meaning (the routing is input and output); it is "
+                "ignored", section="4.6.3, §16.1", path=path + ("routing", "strategy"))
+    check_unknown(rt, routing, COMPOSITE_ROUTING_FIELDS, path + ("routing",), "4.6.2",
+                  "unknown routing field '{key}' is ignored")
     check_component_routes(rt, config, path)
 
 
