@@ -12232,10 +12232,7 @@ def straight_line_call(tool, rt):
         try:
             exec(code, namespace)
         except (Exception, Exhausted) as exc:
-            failure = sandbox_failure(exc, label)
-            if failure is exc:
-                raise
-            raise failure from None
+            raise_sandbox_failure(exc, label)
         result = namespace["result"]
         return inline_result(namespace) if result is None else result
     call.unit = unit
@@ -12270,10 +12267,7 @@ def straight_line_agent_step(name, route, agent, failed, down, rt):
             try:
                 exec(code, namespace)
             except (Exception, Exhausted) as exc:
-                failure = sandbox_failure(exc, label)
-                if failure is exc:
-                    raise
-                raise failure from None
+                raise_sandbox_failure(exc, label)
             reply = namespace["result"]
             if reply is None:
                 reply = inline_result(namespace)
@@ -12551,13 +12545,19 @@ def run_budgeted(fn, args, timeout, label, cls=ExecutionError, code=False):
     try:
         return fn(*args)
     except (Exception, Exhausted) as exc:
-        failure = sandbox_failure(exc, label, cls, code)
-        if failure is exc:
-            raise
-        raise failure from None
+        raise_sandbox_failure(exc, label, cls, code)
     finally:
         if timeout is not None:
             _BUDGET.budget = previous
+
+
+def raise_sandbox_failure(exc, label, cls=ExecutionError, code=True):
+    """Raise what sandbox_failure makes of `exc`, caught by the caller: exc itself where it goes
+    on as it is, else its one located error."""
+    failure = sandbox_failure(exc, label, cls, code)
+    if failure is exc:
+        raise exc
+    raise failure from None
 
 
 def sandbox_failure(exc, label, cls=ExecutionError, code=True):
