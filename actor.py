@@ -6993,7 +6993,8 @@ def run_ending(graph):
     """§6.9 item 3's write-back and §6.1's GraphRun for `graph`, chosen at load: the body's on the
     reference path (Runtime.reference), else appendix A.2's WriteBack and DeferredRuns."""
     if not graph.rt.reference:
-        return WriteBack(graph), DeferredRuns(graph)
+        write_back = WriteBack(graph)
+        return write_back, DeferredRuns(graph, write_back)
     return replace_active_context, lambda graph, trace: GraphRun(
         trace.output, snapshot_state(graph.state), trace.history, trace.stopped, trace.held)
 
@@ -11733,30 +11734,78 @@ class Snapshots(list):
         return copy_state(self[-1], metadata)
 
 
+def dict_version_reader():
+    """A function giving a dict's version tag, or None where this interpreter has no tag a probe
+    can trust. CPython gives every dict one (PEP 509) and sets it anew whenever the dict's
+    contents change -- a key added, removed, or given another value -- however the change is
+    made (d[k] = v from sandboxed code, dict.update from C, a host's write to a dict it holds);
+    reading it never changes it. It lies right after the object header and the size, which the
+    probe checks before trusting it: the size read there is len(d), and a write of each kind
+    changes the tag while a read does not. Only CPython's id() is an address."""
+    if sys.implementation.name != "cpython":
+        return None
+    import ctypes
+    size_at = object.__basicsize__                  # after the header: ma_used, then the tag
+    tag_at = size_at + ctypes.sizeof(ctypes.c_ssize_t)
+    read = ctypes.c_uint64.from_address
+
+    def version(d):
+        return read(id(d) + tag_at).value
+    probe = {"a": 1, "b": [2]}
+    if ctypes.c_ssize_t.from_address(id(probe) + size_at).value != len(probe):
+        return None
+    for change in (lambda d: d.__setitem__("a", 3), lambda d: dict.update(d, a=4),
+                   lambda d: d.pop("b"), lambda d: d.setdefault("c", 5)):
+        before = version(probe)
+        probe.get("a"), len(probe), list(probe.items())
+        if version(probe) != before:
+            return None
+        change(probe)
+        if version(probe) == before:
+            return None
+    return version
+
+
 class WriteBack:
     """replace_active_context, faster: when the run ends with the context the previous run's
-    write-back filled (the same dict, as the state's metadata.context, its size unchanged since)
-    and every state update since then was a node's that fast_step_one saw, only the keys those
-    updates set (their result's metadata and set_state, and RUN_KEYS) are written into it: every
-    other metadata key holds there the value the last write-back gave it, the same object. More
-    than one key new to the context (their order there is the metadata's), a "context" key set
-    (a merge into the context itself), a graph with §6.10 listeners (they get that context by
-    reference) and any other case take the body's whole write-back. Like Snapshots, it does not
-    see a write made from outside the graph's own API (to graph.state, or over a key of that
-    context the metadata also holds, without changing its size)."""
+    write-back filled (the same dict, as the state's metadata.context) and every state update
+    since then was a node's that fast_step_one saw, only the keys those updates set (their
+    result's metadata and set_state, and RUN_KEYS) are written into it: every other metadata key
+    holds there the value the last write-back gave it, the same object. That the context was not
+    changed in between, by anyone (the host, a stream, another graph, code holding it), is read
+    off its version tag (dict_version_reader): compared when the graph's lock is next taken from
+    outside a run (RunLock), and from the walk's start to the run's end; begin_run's removal of
+    next_node between the two is the body's own. More than one key new to the context (their
+    order there is the metadata's), a "context" key set (a merge into the context itself), a
+    graph with §6.10 listeners (they get that context by reference), an interpreter without the
+    tag, and any other case take the body's whole write-back. Like Snapshots, it does not see a
+    write to graph.state made from outside the graph's own API."""
 
     LOG_MAX = 1000                      # updates noted between two write-backs, at most
+    version = staticmethod(dict_version_reader())
 
     def __init__(self, graph):
         self.graph = graph
         self.log = []                   # the NodeResults of the updates since the last one
         self.ctx = self.metadata = None     # the context written, the metadata it came from
-        self.count = self.size = -1     # execution_count then; len(ctx) without next_node
+        self.count = -1                 # execution_count then
+        self.written = self.started = None  # the context's version then; at the walk's start
 
     def forget(self):
         """The next write-back is whole (too many updates noted, e.g. run after failed run)."""
         self.log.clear()
         self.ctx = None
+
+    def between_runs(self):
+        """The graph's lock is taken from outside any run: a context changed since the last
+        write-back makes the next one whole."""
+        if self.ctx is not None and self.version(self.ctx) != self.written:
+            self.ctx = None
+
+    def walk_starts(self, state):
+        """The run's walk begins: note the context's version, against a change during the run."""
+        ctx = state["metadata"].get("context")
+        self.started = self.version(ctx) if self.ctx is not None and ctx is self.ctx else None
 
     def __call__(self, state, ctx):
         metadata = state["metadata"]
@@ -11764,7 +11813,7 @@ class WriteBack:
         if ctx is self.ctx and metadata is self.metadata and metadata.get("context") is ctx \
                 and not self.graph.observers \
                 and state["execution_count"] - self.count == len(log) \
-                and len(ctx) - ("next_node" in ctx) == self.size:
+                and self.started is not None and self.version(ctx) == self.started:
             writes = [key for result in log for part in (result.metadata, result.set_state)
                       if part for key in part]
             writes += RUN_KEYS
@@ -11778,9 +11827,10 @@ class WriteBack:
             for key in writes:
                 ctx[key] = metadata[key]
         log.clear()
-        if isinstance(ctx, dict):
+        self.started = None
+        if isinstance(ctx, dict) and self.version is not None:
             self.ctx, self.metadata, self.count = ctx, metadata, state["execution_count"]
-            self.size = len(ctx) - ("next_node" in ctx)
+            self.written = self.version(ctx)
         else:
             self.ctx = None
 
@@ -11792,8 +11842,8 @@ class DeferredRuns:
     graph's API takes graph._lock, which becomes a RunLock. A run nobody reads costs no copy.
     Like Snapshots, it does not see a write to graph.state made from outside that API."""
 
-    def __init__(self, graph):
-        graph._lock = RunLock()
+    def __init__(self, graph, write_back=None):
+        graph._lock = RunLock(write_back)
 
     def __call__(self, graph, trace):
         state, lock = graph.state, graph._lock
@@ -11811,16 +11861,19 @@ class RunLock:
     """GraphRoute._lock (re-entrant) that, when taken, first makes the metadata copy the last
     GraphRun owes (DeferredRuns)."""
 
-    __slots__ = ("lock", "depth", "owed")
+    __slots__ = ("lock", "depth", "owed", "write_back")
 
-    def __init__(self):
+    def __init__(self, write_back=None):
         self.lock = threading.RLock()
         self.depth = 0                  # how many times the holder holds it
         self.owed = None                # weakref to the GraphRun owed its copy, or None
+        self.write_back = write_back    # the graph's WriteBack, told when a run may begin
 
     def __enter__(self):
         self.lock.acquire()
         self.depth += 1
+        if self.depth == 1 and self.write_back is not None:
+            self.write_back.between_runs()
         owed = self.owed
         if owed is not None:
             self.owed = None
@@ -11859,8 +11912,11 @@ class DeferredGraphRun(GraphRun):
 
 def fast_walk(graph, results, trace, bounded):
     """GraphRoute._walk, faster: the same nodes run in the same order with the same guards."""
-    if len(graph.write_back.log) > WriteBack.LOG_MAX:
-        graph.write_back.forget()
+    write_back = graph.write_back
+    if isinstance(write_back, WriteBack):
+        if len(write_back.log) > WriteBack.LOG_MAX:
+            write_back.forget()
+        write_back.walk_starts(graph.state)
     while results and trace.stopped is None:
         if len(results) == 1 and results[0][0].plain_next is not None:
             node, output = results[0]
@@ -12049,17 +12105,21 @@ class DirectStream(Stream):
     """A Stream whose `next` is an attribute: with no memory and exactly one observer it is that
     observer itself, which spares every message one call per hop; else the loop below."""
 
-    __slots__ = ("next",)
+    __slots__ = ("next", "enter")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._rewire()
 
     def _rewire(self):
+        # `enter`: the sole observer's own, where it takes a message's parts (an agent step's;
+        # Actor.send then builds no message for it), else None
         if self.memory is None and len(self.observers) == 1:
             self.next = self.observers[0]
+            self.enter = getattr(self.next, "enter", None)
         else:
             self.next = self._deliver
+            self.enter = None
 
     def subscribe(self, on_next, on_complete=None):
         super().subscribe(on_next, on_complete)
@@ -12115,7 +12175,8 @@ class DirectOutputSink(_OutputSink):
 
     def push(self, msg):
         content = msg.content
-        if isinstance(content, str) and content.startswith(self.heads):
+        if (content.__class__ is str or isinstance(content, str)) \
+                and content.startswith(self.heads):
             match = self.strip.match(content)
             if match:
                 msg = msg.copy(content=content[match.end():])
@@ -12145,37 +12206,50 @@ def direct_network_send(self, content, target=None, metadata=None):
         clock.advance(0)
 
 
-def direct_actor_send(self, content, *, at=None, target=None):
-    """Actor.send with _begin() and _end() in the same call and the lock taken without `with`
-    (issue 15: 0.14 us of a 3.4 us send() for the two calls, 0.08 us for the `with`); for the
-    default target, direct_network_send in it too."""
-    turn = self._turn
-    turn.acquire()
-    try:
-        outputs, errors = self._outputs, self._errors
-        outputs.clear()
-        errors.clear()
-        net, clock = self.network, self.rt.clock
-        if at is not None:
-            net.deliver(clock.set_time, at)
-        if target is None:              # direct_network_send(net, content)
-            stream = net.input.out
-            if stream.done:
-                raise error(StreamRoutingError, "__input__ has completed; no more messages",
-                            "5.5")
-            stream.next(Message(content, {"context": net.rt.context}, INPUT, clock.now()))
-            if not clock.real and not isinstance(clock, ComponentClock) and clock._queue:
-                clock.advance(0)
-        else:
-            net.send(content, target)
-        if clock.real and not clock.driven:
-            net.settle()
-        result = Result(outputs.copy(), errors.copy())
-        outputs.clear()
-        errors.clear()
-        return result
-    finally:
-        turn.release()
+def actor_sender(actor):
+    """Actor.send for `actor`, with _begin() and _end() in the same call, the lock taken without
+    `with` and, for the default target, direct_network_send in it too (issue 15: 0.14 us of a 3.4
+    us send() for the two calls, 0.08 us for the `with`). What it reads at every call and that
+    load fixed (the network, its clock, the __input__ stream, the lists) are its closure's."""
+    outputs, errors, net, rt = actor._outputs, actor._errors, actor.network, actor.rt
+    acquire, release = actor._turn.acquire, actor._turn.release
+    clock, stream = rt.clock, net.input.out
+    now, real, virtual = clock.now, clock.real, type(clock) is VirtualClock
+    drains = not real and not isinstance(clock, ComponentClock)     # due timers fire at once
+
+    def send(content, *, at=None, target=None):
+        acquire()
+        try:
+            if outputs:                 # emissions between calls belong to no call
+                outputs.clear()
+            if errors:
+                errors.clear()
+            if at is not None:
+                net.deliver(clock.set_time, at)
+            if target is None:          # direct_network_send(net, content)
+                if stream.done:
+                    raise error(StreamRoutingError, "__input__ has completed; no more messages",
+                                "5.5")
+                ctx, enter = rt.context, stream.enter
+                if enter is not None and ctx.__class__ is dict:
+                    enter(content, ctx, None, clock._now if virtual else now())   # now()
+                else:
+                    stream.next(Message(content, {"context": ctx}, INPUT, now()))
+                if drains and clock._queue:
+                    clock.advance(0)
+            else:
+                net.send(content, target)
+            if real and not clock.driven:
+                net.settle()
+            result = Result(outputs[:], [])
+            outputs.clear()
+            if errors:
+                result.errors[:] = errors
+                errors.clear()
+            return result
+        finally:
+            release()
+    return send
 
 
 def direct_agent_step(name, route, agent, attempt, succeed, failed, down, reports_usage, rt):
@@ -12213,9 +12287,12 @@ def direct_agent_step(name, route, agent, attempt, succeed, failed, down, report
 # A.4 Inline code fast path ---------------------------------------------------------------
 # Adds: a tool agent's sole inline tool whose body is straight-line (no loop, comprehension,
 # lambda or function: CodeUnit.ticks) and cannot reach the context or the progress facility
-# (CodeUnit.reaches_context) runs in one frame: same namespace, same compiled code under the
-# same allowlist, same error rule, without the ToolEnv, the merged view, the progress function
-# and the sandbox's call layers (0.5 us a call instead of 1.7). In-process only.
+# (CodeUnit.reaches_context) runs in one frame: the same checked and instrumented tree under the
+# same allowlist and error rule, without the ToolEnv, the merged view, the progress function and
+# the sandbox's call layers (0.5 us a call instead of 1.7). Where the body's names cannot tell a
+# function's local variables from exec's namespace (function_form), that tree is compiled once
+# as the body of a function, so a call makes no namespace dict and no exec (0.2 us instead of
+# 0.5). In-process only.
 # Stands in for: InlineTool.call (via InlineTool.run, InProcessSandbox.run_code, run_code)
 # Seam: InlineTool.call
 def straight_line_call(tool, rt):
@@ -12223,20 +12300,78 @@ def straight_line_call(tool, rt):
     unit = tool.unit
     if tool.reads_context or unit.ticks or not rt.sandbox.in_process:
         return None
-    code, label = unit.code, unit.label
+    run, label = straight_line_runner(unit), unit.label
 
     def call(input_data, rt, ctx, limits):
-        namespace = {"__builtins__": _CODE_BUILTINS, "input_data": input_data,
-                     "message": input_data, "result": None,
-                     "context": ctx if isinstance(ctx, dict) else {}}
         try:
-            exec(code, namespace)
+            return run(input_data, ctx if isinstance(ctx, dict) else {})
         except (Exception, Exhausted) as exc:
             raise_sandbox_failure(exc, label)
-        result = namespace["result"]
-        return inline_result(namespace) if result is None else result
     call.unit = unit
     return call
+
+
+def straight_line_runner(unit):
+    """run(input_data, context) -> the §4.5.2 item 4 result of `unit`'s body: its function form
+    where there is one, else exec of its code in a new namespace (either raises what the code
+    raises)."""
+    fn, code = function_form(unit), unit.code
+    if fn is not None:
+        return fn
+
+    def run(input_data, context):
+        namespace = {"__builtins__": _CODE_BUILTINS, "input_data": input_data,
+                     "message": input_data, "result": None, "context": context}
+        exec(code, namespace)
+        result = namespace["result"]
+        return inline_result(namespace) if result is None else result
+    return run
+
+
+# Nodes whose names a function scope would treat otherwise than exec's namespace: a binding that
+# is not a plain assignment (del, global, except ... as, match captures, :=, annotations, class
+# bodies, whose names a function would close over).
+_FUNCTION_FORM_BARRED = (ast.Delete, ast.Global, ast.Nonlocal, ast.ExceptHandler, ast.Match,
+                         ast.NamedExpr, ast.AnnAssign, ast.ClassDef)
+
+
+def function_form(unit):
+    """`unit`'s straight-line body as a function f(input_data, context) returning its §4.5.2 item
+    4 result (message is input_data; result starts as None), or None where it could behave otherwise than exec: in a
+    function a name the body binds is local, so reading it before a binding raises
+    UnboundLocalError where exec would read the built-in or raise NameError. Hence every name the
+    body both binds and reads must be bound by a top-level assignment before the first statement
+    that reads it (the four §4.5.2 inputs are bound from the start)."""
+    tree, _code, ticks = _sandbox_compile(unit.source, "exec",
+                                          INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
+                                          CODE_FILENAME)
+    nodes = list(ast.walk(tree))
+    if ticks or any(isinstance(node, _FUNCTION_FORM_BARRED) for node in nodes):
+        return None
+    bound = {node.id for node in nodes
+             if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
+    ready = {"input_data", "message", "context", "result"}
+    for statement in tree.body:
+        reads = {node.id for node in ast.walk(statement)
+                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+        if isinstance(statement, ast.AugAssign) and isinstance(statement.target, ast.Name):
+            reads.add(statement.target.id)
+        if (reads & bound) - ready:
+            return None
+        if isinstance(statement, (ast.Assign, ast.AugAssign)):
+            ready |= {node.id for node in ast.walk(statement)
+                      if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    fallback = "".join(f"{name} if {name} is not None else "      # inline_result's rule
+                       for name in INLINE_RESULT_FALLBACKS) + '""'
+    shell = ast.parse("def inline_code(input_data, context):\n"
+                      "    message, result = input_data, None\n"
+                      f"    {' = '.join(INLINE_RESULT_FALLBACKS)} = None\n"
+                      f"    return ({fallback}) if result is None else result\n", CODE_FILENAME)
+    function = shell.body[0]
+    function.body[2:2] = tree.body      # the body's statements keep their own line numbers
+    namespace = {"__builtins__": _CODE_BUILTINS}
+    exec(compile(shell, CODE_FILENAME, "exec", dont_inherit=True), namespace)
+    return namespace["inline_code"]
 
 
 def straight_line_unit(agent, attempt):
@@ -12250,39 +12385,39 @@ def straight_line_unit(agent, attempt):
 
 def straight_line_agent_step(name, route, agent, failed, down, rt):
     """direct_agent_step's on_next with ToolAgent.invoke and the straight-line call in it (the
-    same namespace, code, error rule and §4.5.7 reply): two calls fewer a message."""
+    same body, error rule and §4.5.7 reply): two calls fewer a message. Its `enter` takes a
+    message's parts instead (DirectStream.enter): Actor.send hands a new message to it without
+    building it, since this step alone would read it; it is built where the step fails."""
     unit = straight_line_unit(agent, agent.invoke)
-    code, label = unit.code, unit.label
+    run, label = straight_line_runner(unit), unit.label
 
-    def on_next(msg):
-        metadata = msg.metadata
-        ctx = metadata.get("context")
-        if not isinstance(ctx, dict):       # resolve_context, which a context dict needs not
-            ctx = resolve_context(msg, rt)
+    def step(content, ctx, msg, timestamp):
         try:
-            content = msg.content
-            text = content if content.__class__ is str else message_text(content)
-            namespace = {"__builtins__": _CODE_BUILTINS, "input_data": text, "message": text,
-                         "result": None, "context": ctx}
             try:
-                exec(code, namespace)
+                reply = run(content if content.__class__ is str else message_text(content), ctx)
             except (Exception, Exhausted) as exc:
                 raise_sandbox_failure(exc, label)
-            reply = namespace["result"]
-            if reply is None:
-                reply = inline_result(namespace)
             if reply.__class__ is not str:
                 reply = tool_output(reply)
         except Exception as exc:        # the §12.2.3 agent boundary
-            failed(msg, exc)
+            failed(Message(content, {"context": ctx}, INPUT, timestamp) if msg is None else msg,
+                   exc)
             return
-        if len(metadata) == 1 and "context" in metadata:
+        if msg is None or (len(msg.metadata) == 1 and "context" in msg.metadata):   # the usual
             meta = {"context": ctx, "processed_by": name}
         else:
-            meta = copy_metadata(metadata)
+            meta = copy_metadata(msg.metadata)
             meta["processed_by"] = name
             meta["context"] = ctx
-        down.next(Message(reply, meta, route, msg.timestamp))
+        down.next(Message(reply, meta, route, timestamp))
+
+    def on_next(msg):
+        ctx = msg.metadata.get("context")
+        if not isinstance(ctx, dict):       # resolve_context, which a context dict needs not
+            ctx = resolve_context(msg, rt)
+        step(msg.content, ctx, msg, msg.timestamp)
+
+    on_next.enter = step    # step(content, ctx, None, timestamp): a message from __input__
     return on_next
 
 
@@ -13682,7 +13817,7 @@ class Actor:
         # Concurrency). Re-entrant, so a hook may call back in.
         self._turn = threading.RLock()
         if isinstance(network.flow, DirectFlow):        # APPENDIX A.3: send() in one piece
-            self.send = direct_actor_send.__get__(self)
+            self.send = actor_sender(self)
 
     # -- one call: _begin(), act, then _end() returns what it emitted
     def _begin(self):

@@ -2511,6 +2511,51 @@ def test_inline_straight_line_agent_step_sends_what_the_general_step_sends(code)
     assert seen[False] == seen[True]
     assert all(outputs for outputs, _errors in seen[True])
 
+
+# Bodies where a function's local names could differ from exec's namespace, and plain ones.
+FUNCTION_FORM_CASES = [
+    ('result = str(input_data).upper() + "!"', True),
+    ("y = len(input_data)\nresult = y * 2", True),
+    ("x = 1\nx += 2\nresult = x", True),
+    ("output = input_data + '?'", True),                 # item 4's fallback
+    ("answer = 0\nresponse = None", True),              # the first one set, 0 included
+    ("x = 1", True),                                     # nothing set: ""
+    ("if input_data:\n    result = 'yes'\nelse:\n    output = 'no'", True),
+    ("message = 'm'\nresult = message + input_data", True),
+    ("result = len\nlen = 3", False),                   # a built-in read before it is bound
+    ("result = x\nx = 1", False),                       # NameError, not UnboundLocalError
+    ("x += 1\nresult = x", False),
+    ("if input_data:\n    x = 1\nresult = x", False),  # bound in a branch only
+    ("x = 1\ndel x\nresult = x", False),
+    ("try:\n    result = input_data[9]\nexcept IndexError as e:\n    result = 'e'", False),
+    ("result = (n := len(input_data))", False),
+    ("x = 1\nresult = input_data[99]", True),           # fails on line 2 either way
+    ("result = 'ab' * 10 ** 9", True),                   # the size price either way
+    ("result = int(input_data) + 1", True),             # ValueError for text
+]
+
+
+@pytest.mark.parametrize("code, has_form", FUNCTION_FORM_CASES)
+def test_inline_function_form_answers_what_exec_answers(code, has_form):
+    """A.4: a straight-line body runs as a function only where its names cannot tell a
+    function's locals from exec's namespace; there it gives the same result and the same error
+    (class, text, line) as run_code over the same tree, for text and JSON-ish input."""
+    unit = actor.compile_code(code)
+    assert (actor.function_form(unit) is not None) is has_form
+    run = actor.straight_line_runner(unit)
+
+    def outcome(fn):
+        try:
+            return "ok", fn()
+        except (Exception, actor.Exhausted) as exc:
+            failure = actor.sandbox_failure(exc, "inline code")
+            return "error", type(failure).__name__, str(failure)
+    for text in ("hello", "", '{"a": 1}'):
+        general = outcome(lambda: actor.inline_result(actor.run_code(
+            unit, {"input_data": text, "message": text, "result": None, "context": {}})))
+        assert outcome(lambda: run(text, {})) == general
+
+
 def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
     agent = _inline(tmp_path, "echo", {"name": "rev", "code": "result = input_data[::-1]"})
     assert _call(agent, "rev abc  def") == "fed cba"
@@ -5119,6 +5164,60 @@ def test_write_back_of_changed_keys_equals_the_whole_write_back():
     assert dict(plain[-1])["stage"] == "6-a" and dict(plain[-1])["fresh_key"] == 1
     rt, g = make_graph(linear("a"), {"a": echo("a")})
     assert isinstance(g.write_back, actor.WriteBack) != rt.reference
+
+
+@pytest.mark.parametrize("write", [
+    lambda ctx: ctx.__setitem__("mode", "host"),               # the host, through Actor.context
+    lambda ctx: dict.update(ctx, mode="host"),                 # from C, bypassing any method
+    lambda ctx: (ctx.pop("mode"), ctx.__setitem__("mode", "host")),
+], ids=["setitem", "dict.update", "pop-then-set"])
+def test_write_back_sees_every_outside_write_to_the_context(write, monkeypatch):
+    """Issue 24 §6.9, I-098: a key the graph's metadata holds, changed in the context between two
+    runs from outside the graph (the size unchanged), is replaced by the metadata's value after
+    the next run on both paths (WriteBack reads the context's version tag); with nothing written
+    in between, the default path writes only the changed keys."""
+    text = ("agents:\n  s:\n    type: tool\n    config:\n      tools:\n        - name: run\n"
+            "          code: \"if input_data == 'set':\\n    context['mode'] = 'graph'\\n"
+            "result = 'ran'\"\n"
+            "routes:\n  g:\n    type: graph\n    nodes: {a: {type: agent, agent: s}}\n"
+            "    edges: [{source: start, target: a}, {source: a, target: end}]\n"
+            "default_router: g\n")
+    wholes = []
+    whole = actor.replace_active_context
+    monkeypatch.setattr(actor, "replace_active_context",
+                        lambda state, ctx: (wholes.append(1), whole(state, ctx)))
+    seen = {}
+    for reference in (False, True):
+        team = actor.load(text=text, unsafe=True, reference=reference)
+        team.send("set")
+        team.send("quiet")
+        del wholes[:]
+        team.send("quiet")
+        untouched = len(wholes)
+        write(team.context)
+        team.send("again")
+        seen[reference] = dict(team.context)
+        assert team.context["mode"] == "graph"
+        assert untouched == (1 if reference else 0)
+    assert seen[False] == seen[True]
+    if actor.WriteBack.version is None:
+        pytest.skip("this interpreter has no dict version tag: every write-back is whole")
+
+
+def test_dict_version_reader_changes_with_every_write_and_no_read():
+    """A.2: the version tag WriteBack trusts moves with each kind of write, never with a read."""
+    version = actor.WriteBack.version
+    if version is None:
+        pytest.skip("no dict version tag on this interpreter")
+    d = {"a": 1, "b": 2}
+    seen = [version(d)]
+    for change in (lambda: d.__setitem__("a", 2), lambda: d.update(b=3), lambda: d.pop("a"),
+                   lambda: d.setdefault("c", 1), lambda: d.clear()):
+        d.get("b"), list(d), d.copy()
+        assert version(d) == seen[-1]
+        change()
+        seen.append(version(d))
+        assert seen[-1] != seen[-2]
 
 
 def test_graph_run_state_is_the_state_at_its_end_when_read_later():
@@ -9982,13 +10081,13 @@ def test_graph_bench_against_langgraph_state_graph():
         assert compiled.invoke({"text": "echo hi"})["text"] == graph.run("echo hi", {}).output \
             == reference.run("echo hi", {}).output
         figures = {"langgraph": float("inf"), "actor": float("inf"), "reference": float("inf")}
-        for _ in range(3):                       # interleaved: a busy machine slows some rounds
-            figures["langgraph"] = min(figures["langgraph"], per_node(
-                lambda: compiled.invoke({"text": "echo hi"}), 30, 3))
+        for _ in range(20):                      # interleaved in short rounds: the VM's speed
+            figures["langgraph"] = min(figures["langgraph"], per_node(      # drifts between them
+                lambda: compiled.invoke({"text": "echo hi"}), 5, 1))
             figures["actor"] = min(figures["actor"], per_node(
-                lambda: graph.run("echo hi", {}), 300, 3))
+                lambda: graph.run("echo hi", {}), 100, 1))
             figures["reference"] = min(figures["reference"], per_node(
-                lambda: reference.run("echo hi", {}), 300, 3))
+                lambda: reference.run("echo hi", {}), 100, 1))
         print(f"\n[graphs bench] 10 {label} nodes: LangGraph compiled StateGraph "
               f"{figures['langgraph']:.1f} us/node, actor.py graph route {figures['actor']:.2f} "
               f"us/node, ratio {figures['langgraph'] / figures['actor']:.1f}x (issues 15/24 ask for "
