@@ -9758,6 +9758,58 @@ def test_bench_load_thousand_agents_against_libyaml():
           f"<= 1.5x)")
 
 
+
+def _routes_document(routes):
+    """A document of `routes` stream routes chained by merges, no aliases."""
+    return ("agents:\n  e: {type: tool, config: {tools: [echo]}}\nroutes:\n"
+            + "".join(f"  r{i}: {{type: stream, operators: [{{type: map, params: {{agent: e}}}}]}}\n"
+                      for i in range(routes))
+            + "merges:\n  - {sources: [__input__], target: r0}\n"
+            + "".join(f"  - {{sources: [r{i}], target: r{i + 1}}}\n" for i in range(routes - 1))
+            + f"  - {{sources: [r{routes - 1}], target: __output__}}\n")
+
+
+def _keys_document(keys):
+    """A document whose context.global holds `keys` plain keys, no aliases."""
+    return ("context:\n  global:\n" + "".join(f"    k{i}: {i}\n" for i in range(keys))
+            + "agents:\n  e: {type: tool, config: {tools: [echo]}}\n"
+              "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: e}}],"
+              " publications: [__output__]}\nmerges: [{sources: [__input__], target: main}]\n")
+
+
+@pytest.mark.bench
+def test_bench_load_large_documents_against_csafeloader():
+    """Issue 24: documents of 100 to 10,000 routes and of 1,000 to 100,000 context keys, none with
+    an alias, through actor.load() beside yaml.load with CSafeLoader of the same text (the issue
+    asks <= 1.5x at the largest size), best of three interleaved rounds, as curves."""
+    loader = getattr(yaml, "CSafeLoader", None)
+    if loader is None:
+        pytest.skip("PyYAML was built without libyaml")
+    for title, unit, build, sizes in (("a document of N routes", "routes", _routes_document,
+                                       (100, 1000, 10_000)),
+                                      ("a document of N context.global keys", "keys",
+                                       _keys_document, (1000, 10_000, 100_000))):
+        curves = {"actor.load()": [], "yaml.load, CSafeLoader": []}
+        for size in sizes:
+            text = build(size)
+            runs = {"actor.load()": lambda: actor.load(text=text),
+                    "yaml.load, CSafeLoader": lambda: yaml.load(text, Loader=loader)}
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(3):
+                for label, fn in runs.items():
+                    gc.collect()                    # each run starts from the same heap
+                    started = time.perf_counter()
+                    fn()
+                    best[label] = min(best[label], time.perf_counter() - started)
+            for label in runs:
+                curves[label].append((size, best[label]))
+        loaded = actor.load(text=text)
+        assert len(loaded.rt.context) >= sizes[-1] if unit == "keys" else True
+        assert [m.content for m in loaded.send("hi").outputs] == ["hi"]   # through every route
+        _print_curve(title, unit, curves, "exponent <= 1.05; <= 1.5x CSafeLoader at the largest")
+        ours, theirs = curves["actor.load()"][-1][1], curves["yaml.load, CSafeLoader"][-1][1]
+        print(f"  at {sizes[-1]:,} {unit}: {ours / theirs:.2f}x CSafeLoader (issue 24 asks <= 1.5x)")
+
 # §6.2.2 Agent nodes -------------------------------------------------------------------------------
 
 
