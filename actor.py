@@ -12173,10 +12173,14 @@ class DirectOutputSink(_OutputSink):
 
     feed = DirectSink.feed
 
+    def __init__(self, net):
+        super().__init__(net)
+        self.firsts = frozenset(head[:1] for head in self.heads)   # a cheaper first test
+
     def push(self, msg):
         content = msg.content
         if (content.__class__ is str or isinstance(content, str)) \
-                and content.startswith(self.heads):
+                and content[:1] in self.firsts and content.startswith(self.heads):
             match = self.strip.match(content)
             if match:
                 msg = msg.copy(content=content[match.end():])
@@ -12216,6 +12220,7 @@ def actor_sender(actor):
     clock, stream = rt.clock, net.input.out
     now, real, virtual = clock.now, clock.real, type(clock) is VirtualClock
     drains = not real and not isinstance(clock, ComponentClock)     # due timers fire at once
+    new_result = Result.__new__
 
     def send(content, *, at=None, target=None):
         acquire()
@@ -12241,11 +12246,14 @@ def actor_sender(actor):
                 net.send(content, target)
             if real and not clock.driven:
                 net.settle()
-            result = Result(outputs[:], [])
+            result = new_result(Result)     # Result(outputs[:], []) without its __init__
+            result.outputs = outputs[:]
             outputs.clear()
             if errors:
-                result.errors[:] = errors
+                result.errors = errors[:]
                 errors.clear()
+            else:
+                result.errors = []
             return result
         finally:
             release()
