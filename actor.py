@@ -12168,6 +12168,16 @@ class DirectSink(_Sink):
             self.delivering = False
 
 
+class EveryText:
+    """A set that holds every string."""
+
+    def __contains__(self, item):
+        return True
+
+
+EVERY_TEXT = EveryText()
+
+
 class DirectOutputSink(_OutputSink):
     """_OutputSink.push with the hand-on in the same call."""
 
@@ -12175,7 +12185,8 @@ class DirectOutputSink(_OutputSink):
 
     def __init__(self, net):
         super().__init__(net)
-        self.firsts = frozenset(head[:1] for head in self.heads)   # a cheaper first test
+        # A cheaper first test: the heads' first characters (an empty head admits every text)
+        self.firsts = EVERY_TEXT if "" in self.heads else frozenset(h[:1] for h in self.heads)
 
     def push(self, msg):
         content = msg.content

@@ -7513,6 +7513,20 @@ def test_host_extends_routing_prefixes():
     assert [m.content for m in extended.send("NOTE: hi").outputs] == ["hi"]
 
 
+@pytest.mark.parametrize("prefixes", [(), ("NOTE:",), ("",), ("x_",)], ids=repr)
+def test_output_strips_the_same_prefixes_on_both_paths(prefixes):
+    """§12.5: A.3's __output__ (a first-character test before the heads) strips what the body's
+    strips, with host prefixes too, an empty one among them (it strips leading blanks)."""
+    text = ("agents: {a: {type: chain}}\nroutes: {m: {type: stream, publications: [__output__]}}\n"
+            "merges: [{sources: [__input__], target: m}]\n")
+    contents = ["hi", "  hi", "GOTO_X: hi", "NOTE: hi", "x_y: hi", "", "G", "COMMAND_OUTPUT: ok"]
+    answers = [[[m.content for m in actor.load(text=text, routing_prefixes=list(prefixes),
+                                               reference=reference).send(c).outputs]
+                for c in contents] for reference in (False, True)]
+    assert answers[0] == answers[1]
+    assert answers[0][2] == ["hi"] and answers[0][0] == ["hi"]
+
+
 def test_routing_prefixes_can_be_extended_by_the_host():
     """§12.5 (Q96): rt.routing_prefixes adds tokens to the stripped list."""
     assert actor.strip_routing_prefix("ROUTE_A: go") == "go"
