@@ -11766,6 +11766,17 @@ def dict_version_reader():
     return version
 
 
+_DICT_VERSION = []      # dict_version()'s answer, probed once, at the first graph's load
+
+
+def dict_version():
+    """dict_version_reader()'s function; where there is none, one whose answers never compare
+    equal, so that WriteBack never trusts the context and every write-back is whole."""
+    if not _DICT_VERSION:
+        _DICT_VERSION.append(dict_version_reader() or (lambda d: object()))
+    return _DICT_VERSION[0]
+
+
 class WriteBack:
     """replace_active_context, faster: when the run ends with the context the previous run's
     write-back filled (the same dict, as the state's metadata.context) and every state update
@@ -11778,14 +11789,14 @@ class WriteBack:
     next_node between the two is the body's own. More than one key new to the context (their
     order there is the metadata's), a "context" key set (a merge into the context itself), a
     graph with §6.10 listeners (they get that context by reference), an interpreter without the
-    tag, and any other case take the body's whole write-back. Like Snapshots, it does not see a
+    tag (dict_version), and any other case take the body's whole write-back. Like Snapshots, it does not see a
     write to graph.state made from outside the graph's own API."""
 
     LOG_MAX = 1000                      # updates noted between two write-backs, at most
-    version = staticmethod(dict_version_reader())
 
     def __init__(self, graph):
         self.graph = graph
+        self.version = dict_version()
         self.log = []                   # the NodeResults of the updates since the last one
         self.ctx = self.metadata = None     # the context written, the metadata it came from
         self.count = -1                 # execution_count then

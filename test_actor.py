@@ -5200,13 +5200,29 @@ def test_write_back_sees_every_outside_write_to_the_context(write, monkeypatch):
         assert team.context["mode"] == "graph"
         assert untouched == (1 if reference else 0)
     assert seen[False] == seen[True]
-    if actor.WriteBack.version is None:
+    if actor.dict_version_reader() is None:
         pytest.skip("this interpreter has no dict version tag: every write-back is whole")
+
+
+def test_write_back_is_whole_where_the_interpreter_has_no_version_tag(monkeypatch):
+    """A.2 without PEP 509's tag (an interpreter other than CPython): dict_version's stand-in
+    never lets WriteBack trust the context, so every run's write-back is the body's whole one
+    and the context ends as the reference path leaves it."""
+    monkeypatch.setattr(actor, "dict_version_reader", lambda: None)
+    monkeypatch.setattr(actor, "_DICT_VERSION", [])
+    wholes, whole = [], actor.replace_active_context
+    monkeypatch.setattr(actor, "replace_active_context",
+                        lambda state, ctx: (wholes.append(1), whole(state, ctx)))
+    rt, g = make_graph(linear("a", "b"), {"a": echo("a"), "b": echo("b")})
+    assert isinstance(g.write_back, actor.WriteBack) != rt.reference
+    for content in ("one", "two", "three"):
+        g.run(content)
+    assert len(wholes) == 3
 
 
 def test_dict_version_reader_changes_with_every_write_and_no_read():
     """A.2: the version tag WriteBack trusts moves with each kind of write, never with a read."""
-    version = actor.WriteBack.version
+    version = actor.dict_version_reader()
     if version is None:
         pytest.skip("no dict version tag on this interpreter")
     d = {"a": 1, "b": 2}
