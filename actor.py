@@ -14998,12 +14998,6 @@ def check_runtime_template_names(actor):
     rt = actor.rt
     if rt.engine != "JINJA2":
         return 0
-    try:
-        meta = __import__("jinja2.meta").meta
-        env = jinja_environment()
-    except (ImportError, TemplateError):
-        return 0
-    known = set(runtime_variables(rt.context, "")) | set(env.globals)
     texts = [(("prompts", name, "content"), text, ()) for name, text in rt.prompts.items()]
     for name, agent in rt.agents.items():
         for field in ("system_prompt", "prompt"):
@@ -15011,6 +15005,14 @@ def check_runtime_template_names(actor):
             if isinstance(text, str) and rt.doc.locate(("agents", name, "config", field))[1]:
                 texts.append((("agents", name, "config", field), text,
                               getattr(agent, "template_vars", None) or ()))
+    if not texts:           # nothing to read: jinja2 stays unimported (a --check's start-up)
+        return 0
+    try:
+        meta = __import__("jinja2.meta").meta
+        env = jinja_environment()
+    except (ImportError, TemplateError):
+        return 0
+    known = set(runtime_variables(rt.context, "")) | set(env.globals)
     warned = 0
     for path, text, extra in texts:
         try:
