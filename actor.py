@@ -12371,21 +12371,25 @@ def function_form(unit):
     function a name the body binds is local, so reading it before a binding raises
     UnboundLocalError where exec would read the built-in or raise NameError. Hence every name the
     body both binds and reads must be bound by a top-level assignment before the first statement
-    that reads it (the four §4.5.2 inputs are bound from the start)."""
+    that reads it (the four §4.5.2 inputs are bound from the start; item 4's fallbacks, which the
+    function sets to None and exec leaves unset, count as names the body binds)."""
     tree, _code, ticks = _sandbox_compile(unit.source, "exec",
                                           INLINE_CODE_BUILTINS.keys() | CODE_INPUTS,
                                           CODE_FILENAME)
     nodes = list(ast.walk(tree))
     if ticks or any(isinstance(node, _FUNCTION_FORM_BARRED) for node in nodes):
         return None
-    bound = {node.id for node in nodes
+    bound = {node.id for node in nodes      # the shell binds item 4's fallbacks (to None)
              if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
+    bound.update(INLINE_RESULT_FALLBACKS)
     ready = {"input_data", "message", "context", "result"}
     for statement in tree.body:
-        reads = {node.id for node in ast.walk(statement)
-                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
-        if isinstance(statement, ast.AugAssign) and isinstance(statement.target, ast.Name):
-            reads.add(statement.target.id)
+        reads = set()
+        for node in ast.walk(statement):    # x += 1 reads x, in a branch too
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                reads.add(node.id)
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                reads.add(node.target.id)
         if (reads & bound) - ready:
             return None
         if isinstance(statement, (ast.Assign, ast.AugAssign)):

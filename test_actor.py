@@ -2526,6 +2526,8 @@ FUNCTION_FORM_CASES = [
     ("result = x\nx = 1", False),                       # NameError, not UnboundLocalError
     ("x += 1\nresult = x", False),
     ("if input_data:\n    x = 1\nresult = x", False),  # bound in a branch only
+    ("message = output", False),                        # item 4's names are not inputs
+    ("if input_data:\n    answer = 'a'\nelse:\n    answer += 'b'", False),   # a read, in a branch
     ("x = 1\ndel x\nresult = x", False),
     ("try:\n    result = input_data[9]\nexcept IndexError as e:\n    result = 'e'", False),
     ("result = (n := len(input_data))", False),
@@ -2554,6 +2556,80 @@ def test_inline_function_form_answers_what_exec_answers(code, has_form):
         general = outcome(lambda: actor.inline_result(actor.run_code(
             unit, {"input_data": text, "message": text, "result": None, "context": {}})))
         assert outcome(lambda: run(text, {})) == general
+
+
+def _random_straight_line_body(rng):
+    """A random body of assignments, augmented assignments, branches, deletions and expression
+    statements over names that are inputs, item-4 results, built-ins or plain variables."""
+    names = ["a", "b", "x", "len", "str", "result", "output", "answer", "message", "input_data"]
+
+    def expr(depth=0):
+        pick = rng.randrange(9 if depth < 2 else 2)
+        if pick == 0:
+            return rng.choice(names)
+        if pick == 1:
+            return rng.choice(["'s'", "1", "0", "None", "''", "[1]"])
+        if pick == 2:
+            return f"{expr(depth + 1)} + {expr(depth + 1)}"
+        if pick == 3:
+            return f"str({expr(depth + 1)})"
+        if pick == 4:
+            return f"len({expr(depth + 1)})"
+        if pick == 5:
+            return f"{expr(depth + 1)}[0]"
+        if pick == 6:
+            return f"({expr(depth + 1)} if {expr(depth + 1)} else {expr(depth + 1)})"
+        if pick == 7:
+            return f"{expr(depth + 1)} * 2"
+        return f"[{expr(depth + 1)}]"
+
+    def statement(indent=""):
+        pick = rng.randrange(10)
+        target = rng.choice(names)
+        if pick < 5:
+            return [f"{indent}{target} = {expr()}"]
+        if pick < 7:
+            return [f"{indent}{target} += {expr()}"]
+        if pick == 7 and not indent:
+            return [f"if {expr()}:", *statement("    "), "else:", *statement("    ")]
+        if pick == 8:
+            return [f"{indent}del {target}"] if rng.random() < 0.3 else [f"{indent}{expr()}"]
+        return [f"{indent}{target} = {expr()}"]
+    return "\n".join(line for _ in range(rng.randint(1, 5)) for line in statement())
+
+
+@pytest.mark.filterwarnings("ignore::SyntaxWarning")       # 1[0] and the like, on purpose
+def test_inline_function_form_answers_what_exec_answers_for_random_bodies():
+    """A.4, differentially: 3,000 seeded random straight-line bodies; wherever one loads and has
+    a function form, that form gives the same result or the same error (class and text) as
+    run_code's exec of the same tree, and leaves the context as exec does."""
+    rng, formed, refused = random.Random(24), 0, 0
+    for _ in range(3000):
+        code = _random_straight_line_body(rng)
+        try:
+            unit = actor.compile_code(code)
+        except actor.ActorError:
+            refused += 1
+            continue
+        if actor.function_form(unit) is None:
+            continue
+        formed += 1
+        run = actor.straight_line_runner(unit)
+
+        def outcome(fn, ctx):
+            try:
+                return "ok", repr(fn()), ctx
+            except (Exception, actor.Exhausted) as exc:
+                failure = actor.sandbox_failure(exc, "inline code")
+                return "error", type(failure).__name__, str(failure), ctx
+        for text in ("hello", "", "[1]"):
+            ctx = {}
+            general = outcome(lambda: actor.inline_result(actor.run_code(
+                unit, {"input_data": text, "message": text, "result": None, "context": ctx})),
+                ctx)
+            ctx = {}
+            assert outcome(lambda: run(text, ctx), ctx) == general, code
+    assert formed >= 400 and refused >= 100, (formed, refused)
 
 
 def test_inline_tool_among_builtins_is_called_by_name(tmp_path, plain_exec):
