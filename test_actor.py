@@ -14,6 +14,7 @@ import http.server
 import importlib.util
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -7446,6 +7447,143 @@ merges: [{{sources: [__input__], target: s}}]
     with actor.load(text=short, reference=reference) as team:
         assert isinstance(team.network.flow, actor.DirectFlow) is not reference
         assert [m.content for m in team.send("x").outputs] == ["long x", "tail long x", "short x"]
+
+
+_FUZZ_CONDITIONS = [{"type": "content_contains", "text": "a"},
+                    {"type": "content_contains", "text": "?"},
+                    {"type": "content_not_contains", "text": "b"},
+                    {"type": "source_is", "source": "r0"},
+                    {"type": "metadata_has", "key": "processed_by"},
+                    {"type": "always"}, {"type": "never"}]
+
+
+def _random_operator(rng, nested=False):
+    """One random §5.3 operator of the stream vocabulary (a switch holds one more)."""
+    pick = rng.randrange(17)
+    choice = rng.choice
+    ops = [
+        lambda: {"type": "map", "params": {"agent": choice(["echo", "shout", "count", "fail"])}},
+        lambda: {"type": "map", "params": {"transform": {
+            "type": "format", "template": choice(["<{content}>", "{content}!"])}}},
+        lambda: {"type": "filter", "params": {"condition": choice(_FUZZ_CONDITIONS)}},
+        lambda: {"type": "take", "params": {"count": rng.randint(1, 4)}},
+        lambda: {"type": "skip", "params": {"count": rng.randint(1, 2)}},
+        lambda: {"type": "distinct"},
+        lambda: {"type": "buffer", "params": {"count": rng.randint(1, 3)}},
+        lambda: {"type": "scan", "params": {"accumulator": {"type": choice(["concat", "sum"])}}},
+        lambda: {"type": "reduce", "params": {"accumulator": {"type": choice(["collect", "sum"])}}},
+        lambda: {"type": "delay", "params": {"duration": choice([0, 0.1, 0.5])}},
+        lambda: {"type": "debounce", "params": {"duration": choice([0, 0.2])}},
+        lambda: {"type": "throttle", "params": {"duration": choice([0.1, 1])}},
+        lambda: {"type": "transform", "params": {"fn": choice(["lambda x: x.upper()",
+                                                               "lambda x: x[::-1]"])}},
+        lambda: {"type": "catch"},
+        lambda: {"type": "map", "params": {"transform": {"type": "identity"}}},
+        lambda: {"type": "map", "params": {"agent": "fail"}},
+        lambda: ({"type": "distinct"} if nested else {"type": "switch", "params": {
+            "cases": [{"condition": choice(_FUZZ_CONDITIONS),
+                       "operators": [_random_operator(rng, True)]}],
+            **({"default_operators": [_random_operator(rng, True)]} if rng.random() < .5
+               else {})}}),
+    ]
+    return ops[pick]()
+
+
+def _random_stream_document(rng):
+    """A random acyclic network of 1-5 stream routes: publications forward only, merges, a
+    split, sometimes a route fed from __error__ or one longer than FAST_FLOW_HOPS."""
+    names = [f"r{i}" for i in range(rng.randint(1, 5))]
+    routes = {}
+    for i, name in enumerate(names):
+        ops = [_random_operator(rng) for _ in range(rng.randint(0, 4))]
+        if rng.random() < 0.05:
+            ops += [{"type": "map", "params": {"transform": {"type": "identity"}}}] * 40
+        later = names[i + 1:]
+        pubs = rng.sample(later, rng.randint(1, min(2, len(later)))) \
+            if later and rng.random() < 0.6 else []
+        if rng.random() < 0.7 or not later:
+            pubs.append("__output__")
+        routes[name] = {"type": "stream", "operators": ops, "publications": pubs}
+    doc = {"agents": {
+        "echo": {"type": "tool", "config": {"tools": ["echo"]}},
+        "shout": {"type": "tool", "config": {"tools": [
+            {"name": "s", "code": "result = str(input_data).upper()"}]}},
+        "count": {"type": "tool", "config": {"tools": [{"name": "c", "code": (
+            "context['n'] = context.get('n', 0) + 1\nresult = input_data + str(context['n'])")}]}},
+        "fail": {"type": "tool", "config": {"tools": [
+            {"name": "f", "code": "result = input_data if 'a' in input_data else input_data[99]"}]}},
+    }, "routes": routes, "merges": [{"sources": ["__input__"], "target": "r0"}]}
+    if len(names) > 2 and rng.random() < 0.3:
+        doc["merges"].append({"sources": ["r0", names[1]], "target": names[-1]})
+    if len(names) > 1 and rng.random() < 0.4:
+        doc["splits"] = [{"source": "r0",
+                          "targets": {rng.choice(names[1:]): rng.choice(_FUZZ_CONDITIONS)}}]
+    if rng.random() < 0.2:
+        routes["errs"] = {"type": "stream", "operators": [{"type": "map", "params": {
+            "transform": {"type": "format", "template": "E:{content}"}}}],
+            "publications": ["__output__"]}
+        doc["merges"].append({"sources": ["__error__"], "target": "errs"})
+    if rng.random() < 0.3:
+        doc["context"] = {"global": {"n": 0, "mode": "x"}}
+    return doc
+
+
+def _observe_stream_plan(text, plan, reference):
+    """What a run of `plan` shows: each call's outputs and errors, then the context."""
+    seen = []
+    with actor.load(text=text, unsafe=True, reference=reference) as team:
+        flow = type(team.network.flow).__name__
+        for kind, arg in plan:
+            try:
+                if kind == "send":
+                    result = team.send(arg)
+                elif kind == "send_to":
+                    result = team.send(arg, target=sorted(team.rt.doc.data["routes"])[-1])
+                elif kind == "advance":
+                    result = team.advance(arg)
+                elif kind == "host":
+                    team.context[arg] = 7
+                    result = None
+                else:
+                    result = team.complete()
+            except actor.ActorError as exc:
+                seen.append(("raised", type(exc).__name__, str(exc)))
+                continue
+            if result is not None:
+                seen.append(([(repr(m.content), m.source_stream) for m in result.outputs],
+                             [(repr(m.content), m.metadata.get("error_type"))
+                              for m in result.errors]))
+            seen.append(json.dumps(team.context, sort_keys=True, default=repr))
+    return flow, seen
+
+
+def test_random_stream_networks_answer_the_same_on_both_paths(caplog):
+    """A.3 against the body, differentially: 400 seeded random stream networks (operators,
+    switches, publications, merges, splits, __error__ feeds, long routes) and message plans
+    (sends, sends to a route, clock advances, host writes to the context, completion) give the
+    same outputs, errors and context on the default path (DirectFlow, ChunkedFlow) as on the
+    reference path (the body's Flow)."""
+    caplog.set_level(logging.CRITICAL, logger="actor")
+    rng, flows, observed = random.Random(2024), collections.Counter(), 0
+    for _ in range(400):
+        text = yaml.safe_dump(_random_stream_document(rng), sort_keys=False)
+        plan = []
+        for _step in range(rng.randint(1, 8)):
+            pick = rng.random()
+            plan.append(("send", rng.choice(["a", "b", "abc", "?", "aa", "hello", ""]))
+                        if pick < 0.6 else ("send_to", rng.choice(["a", "bb"])) if pick < 0.7
+                        else ("advance", rng.choice([0.05, 0.1, 0.3, 1.0])) if pick < 0.85
+                        else ("host", rng.choice(["n", "mode"])) if pick < 0.92
+                        else ("complete", None))
+        (flow, fast), (body, reference) = (_observe_stream_plan(text, plan, False),
+                                           _observe_stream_plan(text, plan, True))
+        assert body == "Flow"
+        flows[flow] += 1
+        observed += any(isinstance(s, tuple) and s and isinstance(s[0], list) and s[0]
+                        for s in fast)
+        assert fast == reference, (plan, text)
+    assert flows["DirectFlow"] > 200 and flows["ChunkedFlow"] > 10, flows
+    assert observed > 150
 
 
 def test_stream_hops_bounds_direct_calls():
