@@ -12930,7 +12930,7 @@ class ProcessSandbox:
         """The worker runs the body; context changes come back and land in the parent's view."""
         view = variables["context"]
         view = ContextView(view) if type(view) is dict else view
-        request = {"op": "code", "source": unit.source, "timeout": timeout,
+        request = {"op": "code", "source": unit.source, "label": unit.label, "timeout": timeout,
                    "input": variables["input_data"], "context": wire(view)}
 
         def on_event(event):
@@ -12950,7 +12950,8 @@ class ProcessSandbox:
 
     def call(self, unit, args, timeout=1.0):
         return self.ask({"op": "expr", "source": unit.source, "nparams": unit.nparams,
-                         "args": wire(list(args)), "timeout": timeout}, timeout, unit.label)
+                         "label": unit.label, "args": wire(list(args)), "timeout": timeout},
+                        timeout, unit.label)
 
     def render(self, text, variables, engine, partials=None, phase="C"):
         data = {key: value for key, value in variables.items()
@@ -13061,10 +13062,12 @@ def _worker_answer(request, units, event):
     if op == "render":
         return local.render(request["text"], {**BUILTINS, **unwire(request["variables"])},
                             request["engine"], request["partials"], request["phase"])
-    key = (op, source, request.get("nparams"))
+    key = (op, source, request.get("nparams"), request.get("label"))
     if key not in units:
         units[key] = compile_code(source) if op == "code" \
             else compile_expression(source, nparams=request["nparams"])
+        if request.get("label"):        # its errors name the body's place, as in-process
+            units[key].label = request["label"]
     if op == "expr":
         return local.call(units[key], unwire(request["args"]), request["timeout"])
     context = unwire(request["context"])

@@ -8290,6 +8290,41 @@ def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkey
     worker_still_serves(workers)
 
 
+@pytest.mark.filterwarnings("ignore::SyntaxWarning")
+def test_random_inline_bodies_answer_the_same_in_a_worker(caplog):
+    """B.2 against the in-process sandbox, differentially: 45 seeded random inline bodies (some
+    with a loop, some writing the context) give the same outputs, errors -- their text names the
+    body's place in the document in both -- and context with isolation="process"."""
+    caplog.set_level(logging.CRITICAL, logger="actor")
+    rng, compared, failed = random.Random(5), 0, 0
+    for _ in range(45):
+        code = _random_straight_line_body(rng)
+        if rng.random() < 0.3:
+            code = "for i in range(3):\n    x = i\n" + code
+        if rng.random() < 0.3:
+            code += "\ncontext['k'] = str(input_data)"
+        text = yaml.safe_dump({
+            "agents": {"t": {"type": "tool", "config": {"tools": [{"name": "t", "code": code}]}}},
+            "routes": {"main": {"type": "stream", "publications": ["__output__"],
+                                "operators": [{"type": "map", "params": {"agent": "t"}}]}},
+            "merges": [{"sources": ["__input__"], "target": "main"}]})
+        answers = []
+        for isolation in ("none", "process"):
+            try:
+                with actor.load(text=text, unsafe=True, isolation=isolation) as team:
+                    answers.append([([m.content for m in r.outputs], [m.content for m in r.errors],
+                                     dict(team.context))
+                                    for r in map(team.send, ("hello", "", "[1]"))])
+            except actor.ConfigurationError as exc:
+                answers.append(str(exc))
+        compared += not isinstance(answers[0], str)
+        assert answers[0] == answers[1], code
+        errors = [] if isinstance(answers[1], str) else [e for r in answers[1] for e in r[1]]
+        assert all("inline code agents.t.config.tools[0].code: line " in e for e in errors), errors
+        failed += bool(errors)
+    assert compared >= 18 and failed >= 8, (compared, failed)
+
+
 def test_isolation_end_to_end(capsys):
     """load(isolation="process"): inline code, its context writes, print and progress_bar, a
     transform fn and a Phase C prompt all run in workers; a crash is an error on __error__ and
