@@ -76,6 +76,8 @@ import argparse
 import ast
 import bisect
 import codecs
+import encodings
+import encodings.aliases
 import collections.abc
 import contextlib
 import contextvars
@@ -9236,7 +9238,13 @@ def mustache_parse(text, open_delim="{{", close_delim="}}"):
 def mustache_lookup(stack, name):
     """Mustache name resolution: '.' is the top; 'a.b.c' finds 'a' up the stack, then digs."""
     if name == ".":
-        return stack[-1]
+        top = stack[-1]
+        # INTERPRETATION I-226 §9.2, §8.3: '.' at the root is the render's data, without the
+        # §8.3 built-in functions (whose text is an address: it would differ from run to run)
+        if len(stack) == 1 and isinstance(top, dict):
+            return {key: value for key, value in top.items()
+                    if not (key in BUILTINS and value is BUILTINS[key])}
+        return top
     first, *rest = name.split(".")
     for frame in reversed(stack):
         if isinstance(frame, dict) and first in frame:
@@ -10840,7 +10848,16 @@ class _Imports(ast.NodeTransformer):
             for a in node.names]
 
 
-SANDBOX_CODECS = ("utf-8", "ascii", "iso8859-1")      # utf-8, ascii, latin-1 under any alias
+SANDBOX_CODECS = ("utf_8", "ascii", "latin_1")      # utf-8, ascii, latin-1 under any alias
+
+
+def codec_module(name):
+    """The name of the `encodings` module that serves codec `name`, found as codecs.lookup's
+    search finds it (normalised, then through the alias table), without importing anything: a
+    name outside SANDBOX_CODECS loads no codec (in a worker, no file can be opened)."""
+    key = encodings.normalize_encoding(name.lower())
+    aliases = encodings.aliases.aliases
+    return aliases.get(key) or aliases.get(key.replace(".", "_")) or key
 
 
 # INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
@@ -10848,7 +10865,7 @@ def sandbox_codec(args, kwargs):
     """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
     the call (§13.2.3 lets a capability fail at invocation)."""
     name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
-    if not isinstance(name, str) or codecs.lookup(name).name not in SANDBOX_CODECS:
+    if not isinstance(name, str) or codec_module(name) not in SANDBOX_CODECS:
         raise error(LookupError, f"the codec {name!r} is not available in the sandbox (utf-8, "
                     f"ascii, latin-1)")
     return True
@@ -12980,6 +12997,9 @@ def worker_main():
     units, stdin, stdout = {}, sys.stdin.buffer, sys.stdout.buffer
     with contextlib.suppress(ActorError):       # imports first: no file can be opened after
         render("{{ x|upper }}{% for i in [1] %}{{ i }}{% endfor %}", {"x": "a"}, "JINJA2")
+    for module in WORKER_PRELOADS:
+        with contextlib.suppress(ImportError):
+            __import__(module)
     contained = contain_worker()
     stdout.write(b"ready\n" if contained else b"ready uncontained\n")
     stdout.flush()
@@ -13010,6 +13030,12 @@ def worker_main():
             send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
                   "section": "13.2"})
 
+
+# What a worker's code or template may import on first use, loaded before the filter: the
+# sandbox's codecs (SANDBOX_CODECS) and what jinja2 loads lazily -- string literals
+# (unicode_escape), a failing render (its traceback rewriter), striptags and pprint.
+WORKER_PRELOADS = ("encodings.utf_8", "encodings.ascii", "encodings.latin_1",
+                   "encodings.unicode_escape", "jinja2.debug", "html.entities", "pprint")
 
 # The system calls a computing worker makes (Linux x86-64): memory, futex, clocks, signals'
 # return, its limits and exit; read and write only on its two pipes (fds 0 and 1). Any other

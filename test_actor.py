@@ -6314,6 +6314,24 @@ def test_mustache_conformance(case):
     assert got == case["expected"], case["desc"]
 
 
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_mustache_root_dot_renders_the_data_not_the_builtins(isolation):
+    """I-226: `{{.}}` outside every section renders the variables without the §8.3 built-in
+    functions, the same text in-process and in a worker; inside a section it is the item."""
+    text = ("agents:\n  a:\n    type: llm\n    config: {provider: openai, model: m, system_prompt: "
+            "'[{{^context.none}}{{.}}{{/context.none}}] {{#context.list}}<{{.}}>{{/context.list}}'}\n"
+            "routes:\n  main: {type: stream, operators: [{type: map, params: {agent: a}}], "
+            "publications: [__output__]}\nmerges: [{sources: [__input__], target: main}]\n"
+            "context: {global: {list: [1, 2]}}\n")
+    with actor.load(text=text, template_engine="MUSTACHE", env={"OPENAI_API_KEY": "k"},
+                    llm={"a": ["r"]}, isolation=isolation) as team:
+        team.send("hi")
+        system = team.rt.llm_log[-1]["system"]
+    assert "function" not in system and "range" not in system and "0x" not in system, system
+    assert "'message': 'hi'" in system and system.endswith("] <1><2>"), system
+    assert actor.render("{{.}}", {"a": 1, **actor.BUILTINS}, "MUSTACHE") == "{'a': 1}"
+
+
 def test_jinja2_keeps_trailing_newline_q59():
     assert actor.render("Hi {{ n }}\n", {"n": "A"}) == "Hi A\n"
     assert actor.render("plain\n\n", {}) == "plain\n\n"
@@ -8323,6 +8341,48 @@ def test_random_inline_bodies_answer_the_same_in_a_worker(caplog):
         assert all("inline code agents.t.config.tools[0].code: line " in e for e in errors), errors
         failed += bool(errors)
     assert compared >= 18 and failed >= 8, (compared, failed)
+
+
+def test_worker_answers_what_needs_a_lazy_import_as_in_process(caplog):
+    """B.2: what a body or template loads on first use (the sandbox's codecs, jinja2's string
+    literals, its error path, striptags, pprint) is loaded before the worker's filter: these
+    answer in a worker as in-process, where they had failed with "Operation not permitted"; a
+    codec outside the three is the sandbox's LookupError in both, and imports nothing."""
+    caplog.set_level(logging.CRITICAL, logger="actor")
+    codes = ["result = str('x'.encode('latin-1')) + str(b'y'.decode('US-ASCII'))",
+             "result = str('x'.encode('utf-16'))", "result = str('x'.encode('cp1252'))"]
+    prompts = ["{{ message ~ '!' }}", "{{ message | join(',') }}", "{{ '<b>x</b>' | striptags }}",
+               "{{ context.obj | pprint }}", "{{ message | length | join(',') }}"]
+    doc = {"agents": {**{f"t{i}": {"type": "tool", "config": {"tools": [{"name": "t", "code": c}]}}
+                         for i, c in enumerate(codes)},
+                      **{f"p{i}": {"type": "llm", "config": {"provider": "openai", "model": "m",
+                                                              "system_prompt": p}}
+                         for i, p in enumerate(prompts)}},
+           "routes": {"main": {"type": "stream", "publications": ["__output__"], "operators": [
+               {"type": "map", "params": {"agent": name}}
+               for name in [f"p{i}" for i in range(len(prompts))]]}},
+           "merges": [{"sources": ["__input__"], "target": "main"}],
+           "context": {"global": {"obj": {"a": [1, 2]}}}}
+    seen = {}
+    for isolation in ("none", "process"):
+        with actor.load(text=yaml.safe_dump(doc), unsafe=True, isolation=isolation,
+                        env={"OPENAI_API_KEY": "k"},
+                        llm={f"p{i}": ["ok"] * 9 for i in range(len(prompts))}) as team:
+            errors = []
+            for i, code in enumerate(codes):
+                agent = team.rt.agents[f"t{i}"]
+                try:
+                    errors.append(agent.invoke("in", team.context))
+                except actor.ActorError as exc:
+                    errors.append(str(exc))
+            team.send("hi")
+            systems = [entry["system"] for entry in team.rt.llm_log]
+            seen[isolation] = (errors, systems, [w for w in team.rt.warnings if "§8.12" in w])
+    assert seen["none"] == seen["process"], seen
+    errors, systems, _warned = seen["none"]
+    assert errors[0] == "b'x'y" and "is not available in the sandbox" in errors[1] + errors[2]
+    assert systems[:3] == ["hi!", "o,k", "x"] and "'a': [1, 2]" in systems[3]
+    assert "Operation not permitted" not in repr(seen["process"])
 
 
 def test_isolation_end_to_end(capsys):
