@@ -12940,7 +12940,13 @@ class ProcessSandbox:
             self.idle.append(worker)
         if "error" in reply:
             kind = TemplateError if reply.get("kind") == "TemplateError" else ExecutionError
-            raise error(kind, str(reply["error"]), reply.get("section"))
+            where = reply.get("where")
+            if not (isinstance(where, list) and len(where) == 4
+                    and all(part is None or type(part) in (str, int) for part in where)):
+                where = (None,) * 4             # a reply is data: its shape is checked
+            path, file, line, col = where
+            raise error(kind, str(reply["error"]), reply.get("section"), path=path, file=file,
+                        line=line, col=col)
         return value
 
     def run_code(self, unit, variables, timeout, on_progress):
@@ -13024,8 +13030,9 @@ def worker_main():
                                                  resource.getrlimit(resource.RLIMIT_CPU)[1]))
         try:
             send({"value": wire(_worker_answer(request, units, event))})
-        except ActorError as exc:
-            send({"error": exc.message, "kind": type(exc).__name__, "section": exc.section})
+        except ActorError as exc:       # its place too (a template's line), as in-process
+            send({"error": exc.message, "kind": type(exc).__name__, "section": exc.section,
+                  "where": [exc.path, exc.file, exc.line, exc.col]})
         except Exception as exc:   # a value that cannot cross, for one
             send({"error": f"{type(exc).__name__}: {exc}", "kind": "ExecutionError",
                   "section": "13.2"})

@@ -8343,6 +8343,65 @@ def test_random_inline_bodies_answer_the_same_in_a_worker(caplog):
     assert compared >= 18 and failed >= 8, (compared, failed)
 
 
+def _random_template(rng, engine, depth=0):
+    """A random MUSTACHE or JINJA2 template over message and a few context values."""
+    pick = rng.randrange
+    parts = []
+    for _ in range(rng.randint(1, 4)):
+        if engine == "MUSTACHE":
+            kind = pick(7 if depth < 2 else 3)
+            key = rng.choice(["context.list", "context.flag", "context.missing", "context.obj"])
+            parts.append([
+                lambda: rng.choice(["hi ", "<b>", "&", "'q'"]),
+                lambda: "{{" + rng.choice(["message", "context.topic", "context.n", "x",
+                                           "context.obj.a", "."]) + "}}",
+                lambda: "{{{" + rng.choice(["message", "context.topic"]) + "}}}",
+                lambda: "{{#" + key + "}}" + _random_template(rng, engine, depth + 1)
+                + "{{/" + key + "}}",
+                lambda: "{{^" + key + "}}" + _random_template(rng, engine, depth + 1)
+                + "{{/" + key + "}}",
+                lambda: "{{! c }}",
+                lambda: "{{& context.html}}"][kind]())
+        else:
+            kind = pick(6 if depth < 2 else 3)
+            parts.append([
+                lambda: rng.choice(["hi ", "<b>", "&"]),
+                lambda: "{{ " + rng.choice(["message", "context.topic", "context.list",
+                                            "context.obj.a", "context.missing"])
+                + rng.choice(["", " | upper", " | length", " | default('d')", " | join(',')",
+                              " | striptags", " | pprint", " | int"]) + " }}",
+                lambda: "{{ " + rng.choice(["context.n + 1", "message ~ '!'",
+                                            "context.list[0]", "context.n * 2"]) + " }}",
+                lambda: "{% if " + rng.choice(["context.flag", "message", "context.n > 1"])
+                + " %}" + _random_template(rng, engine, depth + 1) + "{% else %}"
+                + _random_template(rng, engine, depth + 1) + "{% endif %}",
+                lambda: "{% for i in context.list %}{{ i }}"
+                + _random_template(rng, engine, depth + 1) + "{% endfor %}",
+                lambda: "{# c #}"][kind]())
+    return "".join(parts)
+
+
+def test_random_templates_render_the_same_in_a_worker(workers):
+    """B.2 against the in-process renderer, differentially: 300 seeded random MUSTACHE and
+    JINJA2 templates render to the same text, or fail with the same error, in a worker."""
+    rng, local, rendered = random.Random(8), actor.InProcessSandbox(), 0
+    for _ in range(300):
+        engine = rng.choice(["MUSTACHE", "JINJA2"])
+        text = _random_template(rng, engine)
+        variables = {**actor.BUILTINS, "message": rng.choice(["<x>", "", "yo"]),
+                     "context": {"topic": "<bees>", "n": 2, "list": [1, "two", 3],
+                                 "flag": rng.random() < 0.5, "obj": {"a": "A"}, "html": "<i>"}}
+        answers = []
+        for sandbox in (local, workers):
+            try:
+                answers.append(("ok", sandbox.render(text, variables, engine)))
+            except actor.ActorError as exc:
+                answers.append(("error", type(exc).__name__, str(exc)))
+        rendered += answers[0][0] == "ok"
+        assert answers[0] == answers[1], (engine, text)
+    assert rendered > 150
+
+
 def test_worker_answers_what_needs_a_lazy_import_as_in_process(caplog):
     """B.2: what a body or template loads on first use (the sandbox's codecs, jinja2's string
     literals, its error path, striptags, pprint) is loaded before the worker's filter: these
