@@ -10701,12 +10701,9 @@ def builtin_isinstance(obj, classinfo):
 
 
 def builtin_locals():
-    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names.
-
-    Only a caller that is configuration code is answered: stored in the context and called
-    from a host frame (a JINJA2 prompt's `{{ l() }}` runs it from jinja2's Context.call), it
-    would hand that frame's objects -- the template environment, and through it an
-    unsandboxed one -- to the template (T2)."""
+    """§13.2.1 locals: a copy of the caller's variables, without the sandbox's own names. Only
+    configuration code is answered: called from a host frame (a JINJA2 prompt's `{{ l() }}`),
+    it would hand that frame's objects, an unsandboxed environment among them, out (T2)."""
     frame = sys._getframe(1)
     if frame.f_code.co_filename not in (CODE_FILENAME, EXPRESSION_FILENAME):
         raise error(TypeError, "locals() answers only the inline code that calls it")
@@ -10722,7 +10719,7 @@ def builtin_print(*values, sep=" ", end="\n", **_ignored):
     (getattr(_BUDGET, "printed", None) or sys.stderr).write(sep.join(map(str, values)) + end)
 
 
-def builtin_range(*args):       # (SANDBOX_TYPES gets its row below)
+def builtin_range(*args):
     """§13.2.1 range, at most SANDBOX_MAX_ITEMS steps: C-level consumers (sum, list) of a long
     range would never reach a tick (T3)."""
     span = range(*args)
@@ -10770,8 +10767,8 @@ def builtin_round(number, ndigits=None):
 
 
 def builtin_sum(iterable, /, start=0):
-    """§13.2.1, §13.2.2 sum, priced (T3): a list or tuple start sums sequences, in linear time
-    and at most SANDBOX_MAX_ITEMS items (sum(rows, []) copies the total so far at every row)."""
+    """§13.2.1, §13.2.2 sum, priced (T3): a list or tuple start sums sequences in linear time,
+    at most SANDBOX_MAX_ITEMS items (sum(rows, []) would copy the total at every row)."""
     if type(start) not in (list, tuple):
         return sum(iterable, start)
     items = [item.data if type(item) is ContextList else item for item in iterable]
@@ -10851,21 +10848,15 @@ class _Imports(ast.NodeTransformer):
 SANDBOX_CODECS = ("utf_8", "ascii", "latin_1")      # utf-8, ascii, latin-1 under any alias
 
 
-def codec_module(name):
-    """The name of the `encodings` module that serves codec `name`, found as codecs.lookup's
-    search finds it (normalised, then through the alias table), without importing anything: a
-    name outside SANDBOX_CODECS loads no codec (in a worker, no file can be opened)."""
-    key = encodings.normalize_encoding(name.lower())
-    aliases = encodings.aliases.aliases
-    return aliases.get(key) or aliases.get(key.replace(".", "_")) or key
-
-
 # INTERPRETATION I-195 §13.2.3: three codecs, any other fails at the call.
 def sandbox_codec(args, kwargs):
     """The codec of encode/decode/str(bytes, enc): one of SANDBOX_CODECS, or a LookupError at
     the call (§13.2.3 lets a capability fail at invocation)."""
     name = (list(args) or [kwargs.get("encoding", "utf-8")])[0]
-    if not isinstance(name, str) or codec_module(name) not in SANDBOX_CODECS:
+    if isinstance(name, str):       # as codecs.lookup finds it, importing nothing
+        key, aliases = encodings.normalize_encoding(name.lower()), encodings.aliases.aliases
+        name = aliases.get(key) or aliases.get(key.replace(".", "_")) or key
+    if name not in SANDBOX_CODECS:
         raise error(LookupError, f"the codec {name!r} is not available in the sandbox (utf-8, "
                     f"ascii, latin-1)")
     return True
