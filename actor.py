@@ -11661,8 +11661,10 @@ class Snapshots(list):
     snapshot costs what changed: the oldest holds its whole metadata, each later one only the
     keys that changed since the one before (frozen copies; the live context is left out). The
     keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
-    the metadata's values by reference (EXPOSING_NODE_TYPES) -- every key whose value is a
-    container. Writes to graph.state from outside the graph's own API are not seen."""
+    the metadata's values by reference (EXPOSING_NODE_TYPES), and at the first update after the
+    graph's lock is taken from outside (a stream or the host may have changed a container in
+    place) -- every key whose value is a container. Writes to graph.state from outside the
+    graph's own API are not seen."""
 
     # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
     # {metadata}.
@@ -11676,6 +11678,12 @@ class Snapshots(list):
         self.keys = set()       # the metadata keys of the newest snapshot
         self.containers = set()     # those of them whose value is no text, number or None
         self.everything = True  # the next snapshot compares every key (first one, a restore)
+        self.outside = False    # the next snapshot compares the containers too
+
+    def between_calls(self):
+        """The graph's lock was taken from outside (RunLock): since the last update, a stream or
+        the host may have changed a container the metadata shares in place."""
+        self.outside = True
 
     def changed_whole(self):
         """The state was replaced whole (a restore): the next snapshot compares every key."""
@@ -11691,7 +11699,7 @@ class Snapshots(list):
             keys.update(result.metadata or ())
             keys.update(result.removed or ())
             keys.update(result.set_state or ())
-            if node is not None and node.type in EXPOSING_NODE_TYPES:
+            if self.outside or node is not None and node.type in EXPOSING_NODE_TYPES:
                 keys |= self.containers
         keys.discard("context")
         changes = {}
@@ -11713,7 +11721,7 @@ class Snapshots(list):
         if not self:
             record["metadata"] = {k: v for k, v in changes.items() if v is not _GONE}
         self.append(record)
-        self.everything = False
+        self.everything = self.outside = False
         if len(self) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
             oldest = self.pop(0)            # §6.6: first in, first out
             base, after = oldest["metadata"], self[0]
@@ -11862,7 +11870,8 @@ class DeferredRuns:
     Like Snapshots, it does not see a write to graph.state made from outside that API."""
 
     def __init__(self, graph, write_back=None):
-        graph._lock = RunLock(write_back)
+        snapshots = graph.snapshots if isinstance(graph.snapshots, Snapshots) else None
+        graph._lock = RunLock(write_back, snapshots)
 
     def __call__(self, graph, trace):
         state, lock = graph.state, graph._lock
@@ -11880,19 +11889,23 @@ class RunLock:
     """GraphRoute._lock (re-entrant) that, when taken, first makes the metadata copy the last
     GraphRun owes (DeferredRuns)."""
 
-    __slots__ = ("lock", "depth", "owed", "write_back")
+    __slots__ = ("lock", "depth", "owed", "write_back", "snapshots")
 
-    def __init__(self, write_back=None):
+    def __init__(self, write_back=None, snapshots=None):
         self.lock = threading.RLock()
         self.depth = 0                  # how many times the holder holds it
         self.owed = None                # weakref to the GraphRun owed its copy, or None
         self.write_back = write_back    # the graph's WriteBack, told when a run may begin
+        self.snapshots = snapshots      # and its Snapshots
 
     def __enter__(self):
         self.lock.acquire()
         self.depth += 1
-        if self.depth == 1 and self.write_back is not None:
-            self.write_back.between_runs()
+        if self.depth == 1:
+            if self.write_back is not None:
+                self.write_back.between_runs()
+            if self.snapshots is not None:
+                self.snapshots.between_calls()
         owed = self.owed
         if owed is not None:
             self.owed = None
