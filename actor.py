@@ -11702,6 +11702,18 @@ class Snapshots(list):
             if self.outside or node is not None and node.type in EXPOSING_NODE_TYPES:
                 keys |= self.containers
         keys.discard("context")
+        if self.everything or result is None:
+            tail = [key for key in metadata if key != "context"]    # every key, in its place
+        else:
+            # the keys this update (re)inserted sit at the metadata's end, in order: read back
+            # from there while they are keys it may have changed (the live context aside)
+            tail = []
+            for key in reversed(metadata):
+                if key in keys:
+                    tail.append(key)
+                elif key != "context":
+                    break
+            tail.reverse()
         changes = {}
         for key in keys:
             if key in metadata:
@@ -11717,20 +11729,14 @@ class Snapshots(list):
                 self.containers.discard(key)
         record = {"messages": list(state["messages"]), "current_node": state["current_node"],
                   "execution_count": state["execution_count"], "error": state["error"],
-                  "changes": changes}
+                  "changes": changes, "tail": tail}
         if not self:
-            record["metadata"] = {k: v for k, v in changes.items() if v is not _GONE}
+            record["metadata"] = apply_changes({}, record)
         self.append(record)
         self.everything = self.outside = False
         if len(self) > MAX_SNAPSHOTS + 1:   # the current state and 100 before it
             oldest = self.pop(0)            # §6.6: first in, first out
-            base, after = oldest["metadata"], self[0]
-            for key, value in after["changes"].items():
-                if value is _GONE:
-                    base.pop(key, None)
-                else:
-                    base[key] = value
-            after["metadata"] = base
+            self[0]["metadata"] = apply_changes(oldest["metadata"], self[0])
 
     def rewind(self, steps):
         """Drop the newest `steps` snapshots; return the state the newest left holds, its own
@@ -11738,16 +11744,29 @@ class Snapshots(list):
         del self[len(self) - steps:]
         metadata = dict(self[0]["metadata"])
         for record in self[1:]:
-            for key, value in record["changes"].items():
-                if value is _GONE:
-                    metadata.pop(key, None)
-                else:
-                    metadata[key] = value
+            apply_changes(metadata, record)
         metadata = {key: frozen(value) for key, value in metadata.items()}
         self.keys = set(metadata)
         self.containers = {key for key, value in metadata.items()
                            if value is not None and type(value) not in (str, int, float, bool)}
         return copy_state(self[-1], metadata)
+
+
+def apply_changes(metadata, record):
+    """`metadata` (a snapshot's) made the next one's by its record: changed keys set, removed ones
+    dropped, and the keys its update (re)inserted moved to the end in their order, as the live
+    metadata holds them. Returns `metadata`."""
+    tail = record["tail"]
+    moved = set(tail)
+    for key, value in record["changes"].items():
+        if value is _GONE:
+            metadata.pop(key, None)
+        elif key not in moved:
+            metadata[key] = value
+    for key in tail:
+        metadata.pop(key, None)
+        metadata[key] = record["changes"][key]
+    return metadata
 
 
 def dict_version_reader():
