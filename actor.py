@@ -3876,6 +3876,11 @@ def op_graph_execute(site, params, down):
             net.fail(route, msg, exc)
             return
         state = run.state if isinstance(run.state, dict) else {}
+        metadata = state.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("context"), dict):
+            # the state leaves as data, its context a copy: the live one, reached through a
+            # later run's current_message, would come to hold itself
+            state = {**state, "metadata": {**metadata, "context": dict(metadata["context"])}}
         # §6.1 (Q34): this run's last assistant reply; a run that added none (only function
         # nodes, a router) forwards its final state, never an earlier run's reply.
         replies = run.replies
@@ -12467,8 +12472,9 @@ def straight_line_agent_step(name, route, agent, failed, down, rt):
 
     def step(content, ctx, msg, timestamp):
         try:
+            text = content if content.__class__ is str else message_text(content)
             try:
-                reply = run(content if content.__class__ is str else message_text(content), ctx)
+                reply = run(text, ctx)
             except (Exception, Exhausted) as exc:
                 raise_sandbox_failure(exc, label)
             if reply.__class__ is not str:
