@@ -11875,8 +11875,14 @@ class WriteBack:
         if writes is None:
             replace_active_context(state, ctx)
         else:
+            grows = False
             for key in writes:
+                grows = grows or key not in ctx
                 ctx[key] = metadata[key]
+            if grows:                   # a key new to the context: the host-only ones stay last
+                for key in HOST_ONLY_CONTEXT_KEYS:
+                    if key in ctx:
+                        ctx[key] = ctx.pop(key)
         log.clear()
         self.started = None
         if isinstance(ctx, dict) and self.version is not None:
