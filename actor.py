@@ -6753,6 +6753,19 @@ def write_checkpoint(graph, state, wait=True):
                     f"{getattr(exc, 'message', exc)}", "6.6", path=graph.path) from None
 
 
+# INTERPRETATION I-227 §6.6: a value JSON has no form for is written as its text; a set's items
+# in sorted order, so that its file reads the same from run to run (a set's own order follows
+# the process's string hashes). The writer process (A.1) runs the same source.
+CHECKPOINT_TEXT_SOURCE = """
+def checkpoint_text(value):
+    if isinstance(value, (set, frozenset)):
+        items = ", ".join(sorted(map(repr, value)))
+        return "{" + items + "}" if items else type(value).__name__ + "()"
+    return str(value)
+"""
+exec(CHECKPOINT_TEXT_SOURCE)
+
+
 class CheckpointFiles:
     """§6.6 the checkpoint files, written on the calling thread: the state's JSON goes to a
     temporary file beside its name, is fsynced, and is renamed into place, so that a file is
@@ -6762,8 +6775,8 @@ class CheckpointFiles:
 
     def put(self, path, state):
         try:
-            data = json.dumps(state, default=str, ensure_ascii=False).encode("utf-8",
-                                                                            "surrogatepass")
+            data = json.dumps(state, default=checkpoint_text, ensure_ascii=False).encode(
+                "utf-8", "surrogatepass")
         except (TypeError, ValueError, RecursionError) as exc:   # a cycle, a key JSON refuses
             raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") from None
         folder = os.path.dirname(path)
@@ -11461,8 +11474,9 @@ CHECKPOINT_FSYNC_EVERY = 1.0    # seconds between two fsyncs of checkpoint files
 CHECKPOINT_IN_FLIGHT = 8        # checkpoints handed over and not yet answered, at most
 
 
-# The writer process's whole program (it imports nothing of ours). In: frames "<kind> <path bytes>
-# <data bytes> <keep>\n" + path + data, kind "m" for a marshalled state, "t" for JSON text. Out:
+# The writer process's whole program (it imports nothing of ours; CHECKPOINT_TEXT_SOURCE goes
+# before it). In: frames "<kind> <path bytes> <data bytes> <keep>\n" + path + data, kind "m" for
+# a marshalled state, "t" for JSON text. Out:
 # one line per frame, "ok" or "error <reason>". It writes the JSON to a temporary file beside the
 # path, renames it into place, and deletes the oldest checkpoint files beyond the newest <keep>
 # (CHECKPOINT_KEEP, I-181); at end of input it stops.
@@ -11480,7 +11494,7 @@ while True:
                                                        "." + os.path.basename(path) + ".tmp")
     try:
         if kind == b"m":
-            data = json.dumps(marshal.loads(data), default=str, ensure_ascii=False)
+            data = json.dumps(marshal.loads(data), default=checkpoint_text, ensure_ascii=False)
             data = data.encode("utf-8", "surrogatepass")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -11537,7 +11551,7 @@ class CheckpointWriter:
             # when one must be (CHECKPOINT_IN_FLIGHT reached, or a wait)
             self._select = select.select if os.name == "posix" else None
             self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c",
-                                          CHECKPOINT_WRITER_PROGRAM],
+                                          CHECKPOINT_TEXT_SOURCE + CHECKPOINT_WRITER_PROGRAM],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             # A writer never closed (its graph dropped without close()) stops at end of input.
             weakref.finalize(self, CheckpointWriter.stop, self.proc)
@@ -11557,7 +11571,7 @@ class CheckpointWriter:
             kind, data = b"m", marshal.dumps(state)
         except ValueError:      # a type marshal does not know (or a cycle): encode here
             try:
-                text = json.dumps(state, default=str, ensure_ascii=False)
+                text = json.dumps(state, default=checkpoint_text, ensure_ascii=False)
             except (TypeError, ValueError) as exc:     # a cycle, a key JSON cannot take
                 raise error(ExecutionError, f"the state cannot be written as JSON: {exc}") \
                     from None
