@@ -5313,6 +5313,139 @@ def test_dict_version_reader_changes_with_every_write_and_no_read():
         assert seen[-1] != seen[-2]
 
 
+_FUZZ_GRAPH_CODE = {
+    "tag": "result = 'a(' + str(input_data) + ')'",
+    "count": "context['c'] = context.get('c', 0) + 1\nresult = str(input_data) + '#' + str(context['c'])",
+    "push": ("lst = context.get('lst')\nif lst is None:\n    context['lst'] = [str(input_data)]\n"
+             "else:\n    lst.append(str(input_data))\nresult = str(input_data)"),
+    "deep": ("d = context.get('d')\nif d is None:\n    context['d'] = {'n': 1}\nelse:\n"
+             "    d['n'] = d.get('n', 0) + 1\nresult = input_data"),
+    "pop": "context.pop('mode', None)\nresult = input_data",
+    "mode": "context['mode'] = 'bang' if '!' in str(input_data) else 'calm'\nresult = input_data",
+    "newkey": "context['k_' + str(input_data)[:4]] = 1\nresult = input_data",
+    "okeys": "result = ','.join(k for k in context if k not in ('graph_state', 'conversation_history', 'full_context'))",
+    "setv": "context['s'] = {'pear', 'apple', 'fig'}\nresult = input_data",
+}
+
+
+def _random_graph_document(rng, tmp):
+    """A random valid document of one or two graph routes (agent nodes running inline tools that
+    read and write the context, function nodes, conditional edges, parallel nodes, time travel,
+    checkpointing) and sometimes a stream route beside them."""
+    routes = {}
+    for g in range(rng.randint(1, 2)):
+        names = [f"n{i}" for i in range(rng.randint(1, 5))]
+        nodes = {}
+        for name in names:
+            if rng.random() < 0.75:
+                nodes[name] = {"type": "agent", "agent": rng.choice(list(_FUZZ_GRAPH_CODE))}
+            else:
+                nodes[name] = {"type": "function",
+                               "function": rng.choice(["validate", "summarize", "route"])}
+            if rng.random() < 0.2:
+                nodes[name]["parallel"] = True
+        chain = ["start", *names, "end"]
+        edges = [{"source": a, "target": b} for a, b in zip(chain, chain[1:])]
+        for _ in range(rng.randint(0, 2)):
+            edge = {"source": rng.choice(names), "target": rng.choice(names + ["end"])}
+            if rng.random() < 0.8:
+                edge["condition"] = rng.choice([
+                    {"type": "content_contains", "text": rng.choice(["!", "a(", "#"])},
+                    {"type": "context_value", "key": "mode", "value": "bang"},
+                    {"type": "context_value", "key": "c", "value": 2}])
+            edges.append(edge)
+        route = {"type": "graph", "nodes": nodes, "edges": edges}
+        if rng.random() < 0.6:
+            route["enable_time_travel"] = True
+        if rng.random() < 0.3:
+            route.update(checkpointing=True, checkpoint_dir=f"ck/g{g}")
+        if rng.random() < 0.5:
+            route["publications"] = ["__output__"]
+        routes[f"g{g}"] = route
+    mixed = rng.random() < 0.5
+    if mixed:
+        routes["s"] = {"type": "stream", "publications": ["__output__"], "operators": [
+            {"type": "map", "params": {"agent": rng.choice(["push", "count", "mode", "newkey"])}}]}
+    doc = {"agents": {name: {"type": "tool", "config": {"tools": [{"name": "t", "code": code}]}}
+                      for name, code in _FUZZ_GRAPH_CODE.items()},
+           "routes": routes, "default_router": "g0"}
+    if rng.random() < 0.4:
+        doc["context"] = {"global": {"c": 1, "mode": "calm"}}
+    return doc
+
+
+def _observe_graph_plan(text, plan, reference, workdir):
+    """Each step's outputs, errors or refusal, then the context with its key order and every
+    graph's state (its metadata in order)."""
+    seen = []
+    with actor.load(text=text, unsafe=True, reference=reference, workdir=workdir) as team:
+        for kind, arg in plan:
+            try:
+                if kind == "send":
+                    result = team.send(arg)
+                elif kind == "stream":
+                    result = team.send(arg, target="s") if "s" in team.rt.doc.data["routes"] \
+                        else team.send(arg)
+                elif kind == "host":
+                    team.context[arg] = 7
+                    result = None
+                elif kind == "mutate":
+                    value = team.context.get(arg)
+                    if isinstance(value, list):
+                        value.append("h")
+                    elif isinstance(value, dict):
+                        value["h"] = 1
+                    result = None
+                else:
+                    result = getattr(team, kind)("g0", arg) if kind == "rewind" else \
+                        team.restore("g0")
+                    result = None
+            except actor.ActorError as exc:
+                seen.append(("raised", type(exc).__name__, str(exc)))
+                continue
+            if result is not None:
+                seen.append(([repr(m.content) for m in result.outputs],
+                             [(repr(m.content), m.metadata.get("error_type"))
+                              for m in result.errors]))
+            seen.append(json.dumps(list(team.context.items()), default=repr))
+            seen.append(json.dumps([(name, list(graph.state["metadata"].items()),
+                                     graph.state["messages"], graph.state["execution_count"])
+                                    for name, graph in sorted(team.rt.graphs.items())],
+                                   default=repr))
+    return seen
+
+
+def test_random_graph_documents_answer_the_same_on_both_paths(tmp_path, caplog):
+    """A.1/A.2 against the body, differentially: 150 seeded random graph documents and host plans
+    (sends, sends to a stream beside, host writes and in-place changes to the context, rewinds,
+    restores) give the same outputs, errors, context (keys in order) and graph states on the
+    default path (writer process, fast walk, changed-keys write-back, Snapshots) as on the
+    reference path. Each difference it found once (a list changed in place between runs, the
+    metadata's key order after a rewind, the host-only keys' place, a set in a checkpoint) is
+    also a vector."""
+    caplog.set_level(logging.CRITICAL, logger="actor")
+    rng, compared = random.Random(77), 0
+    for case in range(150):
+        text = yaml.safe_dump(_random_graph_document(rng, tmp_path), sort_keys=False)
+        plan = []
+        for _ in range(rng.randint(2, 9)):
+            pick = rng.random()
+            plan.append(("send", rng.choice(["go", "hi!", "x", "a(", "q?"])) if pick < 0.55
+                        else ("stream", rng.choice(["y", "z!"])) if pick < 0.7
+                        else ("host", rng.choice(["mode", "c", "hostkey"])) if pick < 0.78
+                        else ("mutate", rng.choice(["lst", "d"])) if pick < 0.86
+                        else ("rewind", rng.randint(1, 3)) if pick < 0.95
+                        else ("restore", None))
+        answers = []
+        for reference in (False, True):
+            workdir = tmp_path / f"{case}-{reference}"
+            workdir.mkdir()
+            answers.append(_observe_graph_plan(text, plan, reference, workdir))
+        compared += 1
+        assert answers[0] == answers[1], (plan, text)
+    assert compared == 150
+
+
 def test_graph_run_state_is_the_state_at_its_end_when_read_later():
     """Issue 24: A.2's DeferredRuns copies a run's metadata when GraphRun.state is first read or
     before the graph's state next changes through its API (another run, a state update, a
