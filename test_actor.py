@@ -5374,6 +5374,12 @@ def _random_graph_document(rng, tmp):
     return doc
 
 
+def _canonical(value):
+    """A value JSON cannot write, as text; a set's items sorted (equal sets, one text: a copy
+    of a set may iterate in another order than the set it copies)."""
+    return sorted(map(repr, value)) if isinstance(value, (set, frozenset)) else repr(value)
+
+
 def _observe_graph_plan(text, plan, reference, workdir):
     """Each step's outputs, errors or refusal, then the context with its key order and every
     graph's state (its metadata in order)."""
@@ -5407,11 +5413,11 @@ def _observe_graph_plan(text, plan, reference, workdir):
                 seen.append(([repr(m.content) for m in result.outputs],
                              [(repr(m.content), m.metadata.get("error_type"))
                               for m in result.errors]))
-            seen.append(json.dumps(list(team.context.items()), default=repr))
+            seen.append(json.dumps(list(team.context.items()), default=_canonical))
             seen.append(json.dumps([(name, list(graph.state["metadata"].items()),
                                      graph.state["messages"], graph.state["execution_count"])
                                     for name, graph in sorted(team.rt.graphs.items())],
-                                   default=repr))
+                                   default=_canonical))
     return seen
 
 
