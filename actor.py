@@ -11680,9 +11680,9 @@ class Snapshots(list):
     snapshot costs what changed: the oldest holds its whole metadata, each later one only the
     keys that changed since the one before (frozen copies; the live context is left out). The
     keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
-    the metadata's values by reference (EXPOSING_NODE_TYPES), and at the first update after the
-    graph's lock is taken from outside (a stream or the host may have changed a container in
-    place) -- every key whose value is a container. Writes to graph.state from outside the
+    the metadata's values by reference (EXPOSING_NODE_TYPES) or ran beside one (parallel), and
+    at the first update after the graph's lock is taken from outside (a stream or the host may
+    have changed a container in place) -- every key whose value is a container. Writes to graph.state from outside the
     graph's own API are not seen."""
 
     # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
@@ -11718,8 +11718,9 @@ class Snapshots(list):
             keys.update(result.metadata or ())
             keys.update(result.removed or ())
             keys.update(result.set_state or ())
-            if self.outside or node is not None and node.type in EXPOSING_NODE_TYPES:
-                keys |= self.containers
+            if self.outside or node is not None and (node.parallel
+                                                     or node.type in EXPOSING_NODE_TYPES):
+                keys |= self.containers     # a parallel sibling may have changed one in place
         keys.discard("context")
         if self.everything or result is None:
             tail = [key for key in metadata if key != "context"]    # every key, in its place
