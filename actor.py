@@ -5486,8 +5486,7 @@ class GraphRoute:
                 # check_checkpoint_dir found it creatable; only a change on disk since lands here.
                 raise rt.doc.error(ConfigurationError, self.path + ("checkpoint_dir",),
                                    f"cannot create checkpoint_dir: {exc}", "6.6") from None
-        self._checkpoint_seq = 0
-        self._checkpoint_last = None                         # newest checkpoint name (§6.6)
+        self._checkpoint_last = None            # its directory's series (checkpoint_name)
         # §6.6 where checkpoints are written (CheckpointFiles, or A.1's writer process)
         self.store = checkpoint_store(self) if self.checkpoint_dir is not None else None
         self.walk = graph_walker(self)                       # §6.5 stepping, or A.2's
@@ -13197,17 +13196,31 @@ def checkpoint_name(graph):
     and the timestamp never sorts before the previous one (the clock may go back)."""
     # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
     # the sequence continues past the newest file already there, so names stay unique and sortable.
-    if graph._checkpoint_last is None:
-        existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
-        graph._checkpoint_last = existing[-1].name if existing else ""
-        graph._checkpoint_seq = checkpoint_sequence(existing[-1]) if existing else 0
-    graph._checkpoint_seq += 1
-    name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{graph._checkpoint_seq:06d}.json"
-    if name <= graph._checkpoint_last:
-        stamp = graph._checkpoint_last[len("checkpoint_"):-len("-000000.json")]
-        name = f"checkpoint_{stamp}-{graph._checkpoint_seq:06d}.json"
-    graph._checkpoint_last = name
-    return name
+    # Graphs writing to one directory continue one series (CHECKPOINT_SERIES): each reading the
+    # files alone would reuse a name another graph gave a file not written yet (A.1's writer)
+    # or given in the same virtual second.
+    with CHECKPOINT_SERIES_LOCK:
+        if graph._checkpoint_last is None:
+            folder = os.path.realpath(graph.checkpoint_dir)
+            series = CHECKPOINT_SERIES.get(folder)
+            if series is None:
+                existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
+                series = CHECKPOINT_SERIES[folder] = [
+                    existing[-1].name if existing else "",
+                    checkpoint_sequence(existing[-1]) if existing else 0]
+            graph._checkpoint_last = series
+        series = graph._checkpoint_last         # [newest name, its sequence]
+        series[1] += 1
+        name = f"checkpoint_{checkpoint_timestamp(graph.rt)}-{series[1]:06d}.json"
+        if name <= series[0]:
+            stamp = series[0][len("checkpoint_"):-len("-000000.json")]
+            name = f"checkpoint_{stamp}-{series[1]:06d}.json"
+        series[0] = name
+        return name
+
+
+CHECKPOINT_SERIES = {}      # a checkpoint directory (real path) -> [newest name, its sequence]
+CHECKPOINT_SERIES_LOCK = threading.Lock()
 
 
 # INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each
