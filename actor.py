@@ -6843,8 +6843,11 @@ def rewind_state(graph, steps):
         raise error(ApplicationError, f"graph '{graph.name}': the number of steps to rewind must "
                     f"be an integer, not {steps!r}", "6.6", path=graph.path)
     if steps < 1 or steps >= len(graph.snapshots):
-        raise error(ApplicationError, f"graph '{graph.name}' can rewind "
-                    f"1..{len(graph.snapshots) - 1} steps, not {steps}", "6.6", path=graph.path)
+        held = len(graph.snapshots) - 1
+        reach = f"1..{held} steps" if held > 1 else "1 step" if held == 1 else \
+            "no step yet (no update is older than the current state)"
+        raise error(ApplicationError, f"graph '{graph.name}' can rewind {reach}, not {steps}",
+                    "6.6", path=graph.path)
     context = graph.state["metadata"].get("context")
     state = graph.snapshots.rewind(steps)
     if context is not None:

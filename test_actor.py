@@ -4614,6 +4614,25 @@ def test_graph_rewind_steps_must_be_an_integer():
     assert g.state["execution_count"] == 5
 
 
+
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_graph_rewind_past_what_is_held_says_how_far_it_can_go(reference):
+    """§6.6: a rewind past the snapshots held names the reach in words, before any update too."""
+    cfg = linear("a")
+    cfg["enable_time_travel"] = True
+    rt, g = make_graph(cfg, {"a": echo("a")}, reference=reference)
+    with pytest.raises(actor.ApplicationError, match=r"can rewind no step yet .*not 1"):
+        g.rewind(1)
+    g.run("x")                  # one update: the current state is the only snapshot
+    with pytest.raises(actor.ApplicationError, match=r"can rewind no step yet .*not 1"):
+        g.rewind(1)
+    g.run("y")
+    with pytest.raises(actor.ApplicationError, match=r"can rewind 1 step, not 2"):
+        g.rewind(2)
+    g.run("z")
+    with pytest.raises(actor.ApplicationError, match=r"can rewind 1\.\.2 steps, not 0"):
+        g.rewind(0)
+
 KILL_SCRIPT = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
