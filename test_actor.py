@@ -5441,7 +5441,7 @@ def _observe_graph_plan(text, plan, reference, workdir):
 
 
 def test_random_graph_documents_answer_the_same_on_both_paths(tmp_path, caplog):
-    """A.1/A.2 against the body, differentially: 150 seeded random graph documents and host plans
+    """A.1/A.2 against the body, differentially: 100 seeded random graph documents and host plans
     (sends, sends to a stream beside, host writes and in-place changes to the context, rewinds,
     restores) give the same outputs, errors, context (keys in order) and graph states on the
     default path (writer process, fast walk, changed-keys write-back, Snapshots) as on the
@@ -5450,7 +5450,7 @@ def test_random_graph_documents_answer_the_same_on_both_paths(tmp_path, caplog):
     also a vector."""
     caplog.set_level(logging.CRITICAL, logger="actor")
     rng, compared = random.Random(77), 0
-    for case in range(150):
+    for case in range(100):
         text = yaml.safe_dump(_random_graph_document(rng, tmp_path), sort_keys=False)
         plan = []
         for _ in range(rng.randint(2, 9)):
@@ -5468,7 +5468,7 @@ def test_random_graph_documents_answer_the_same_on_both_paths(tmp_path, caplog):
             answers.append(_observe_graph_plan(text, plan, reference, workdir))
         compared += 1
         assert answers[0] == answers[1], (plan, text)
-    assert compared == 150
+    assert compared == 100
 
 
 def test_graph_run_state_is_the_state_at_its_end_when_read_later():
@@ -7734,14 +7734,14 @@ def _observe_stream_plan(text, plan, reference):
 
 
 def test_random_stream_networks_answer_the_same_on_both_paths(caplog):
-    """A.3 against the body, differentially: 400 seeded random stream networks (operators,
+    """A.3 against the body, differentially: 250 seeded random stream networks (operators,
     switches, publications, merges, splits, __error__ feeds, long routes) and message plans
     (sends, sends to a route, clock advances, host writes to the context, completion) give the
     same outputs, errors and context on the default path (DirectFlow, ChunkedFlow) as on the
     reference path (the body's Flow)."""
     caplog.set_level(logging.CRITICAL, logger="actor")
     rng, flows, observed = random.Random(2024), collections.Counter(), 0
-    for _ in range(400):
+    for _ in range(250):
         text = yaml.safe_dump(_random_stream_document(rng), sort_keys=False)
         plan = []
         for _step in range(rng.randint(1, 8)):
@@ -7758,8 +7758,8 @@ def test_random_stream_networks_answer_the_same_on_both_paths(caplog):
         observed += any(isinstance(s, tuple) and s and isinstance(s[0], list) and s[0]
                         for s in fast)
         assert fast == reference, (plan, text)
-    assert flows["DirectFlow"] > 200 and flows["ChunkedFlow"] > 10, flows
-    assert observed > 150
+    assert flows["DirectFlow"] > 120 and flows["ChunkedFlow"] > 6, flows
+    assert observed > 90
 
 
 def test_stream_hops_bounds_direct_calls():
@@ -8468,12 +8468,12 @@ def test_isolated_runaway_is_stopped_and_the_actor_keeps_serving(workers, monkey
 
 @pytest.mark.filterwarnings("ignore::SyntaxWarning")
 def test_random_inline_bodies_answer_the_same_in_a_worker(caplog):
-    """B.2 against the in-process sandbox, differentially: 45 seeded random inline bodies (some
+    """B.2 against the in-process sandbox, differentially: 25 seeded random inline bodies (some
     with a loop, some writing the context) give the same outputs, errors -- their text names the
     body's place in the document in both -- and context with isolation="process"."""
     caplog.set_level(logging.CRITICAL, logger="actor")
     rng, compared, failed = random.Random(5), 0, 0
-    for _ in range(45):
+    for _ in range(25):
         code = _random_straight_line_body(rng)
         if rng.random() < 0.3:
             code = "for i in range(3):\n    x = i\n" + code
@@ -8498,7 +8498,7 @@ def test_random_inline_bodies_answer_the_same_in_a_worker(caplog):
         errors = [] if isinstance(answers[1], str) else [e for r in answers[1] for e in r[1]]
         assert all("inline code agents.t.config.tools[0].code: line " in e for e in errors), errors
         failed += bool(errors)
-    assert compared >= 18 and failed >= 8, (compared, failed)
+    assert compared >= 10 and failed >= 4, (compared, failed)
 
 
 def _random_template(rng, engine, depth=0):
