@@ -723,6 +723,7 @@ class Runtime:
         self.functions = {}                 # §5.3.3: transformers the host registers by name
         self.progress = None                # §4.5.6: the facility, made on first use
         self.file_write_lock = threading.Lock()   # §4.5.5: file writes take turns (§6.7)
+        self.checkpoint_series = {}         # §6.6 a checkpoint directory -> its series (I-107)
         self.outer = None                   # a composite's runtime: the enclosing one, which
                                             # holds the progress bar and takes its warnings (§4.6)
         self.llm_observer = None            # HOST: called after each LLM call (--trace, -v)
@@ -2679,7 +2680,7 @@ def component_runtime(rt, components, routes, doc, path, clock):
                     reference=rt.reference)
     inner.llm_log, inner.warnings, inner.context, inner.prompts = (
         rt.llm_log, rt.warnings, rt.context, rt.prompts)
-    inner.sandbox = rt.sandbox
+    inner.sandbox, inner.checkpoint_series = rt.sandbox, rt.checkpoint_series
     inner.outer = rt        # Actor-wide facilities (the §4.5.6 progress bar) live out there
     inner.default_router = None
     inner.routing_prefixes = rt.routing_prefixes
@@ -13199,16 +13200,17 @@ def checkpoint_name(graph):
     and the timestamp never sorts before the previous one (the clock may go back)."""
     # INTERPRETATION I-107 §6.6 (Q42): names are checkpoint_<UTC timestamp>-<6-digit sequence>.json;
     # the sequence continues past the newest file already there, so names stay unique and sortable.
-    # Graphs writing to one directory continue one series (CHECKPOINT_SERIES): each reading the
-    # files alone would reuse a name another graph gave a file not written yet (A.1's writer)
-    # or given in the same virtual second.
+    # An Actor's graphs writing to one directory continue one series (rt.checkpoint_series):
+    # each reading the files alone would reuse a name another graph gave a file not written yet
+    # (A.1's writer) or given in the same virtual second.
     with CHECKPOINT_SERIES_LOCK:
         if graph._checkpoint_last is None:
             folder = os.path.realpath(graph.checkpoint_dir)
-            series = CHECKPOINT_SERIES.get(folder)
+            all_series = graph.rt.checkpoint_series
+            series = all_series.get(folder)
             if series is None:
                 existing = sorted(graph.checkpoint_dir.glob(CHECKPOINT_GLOB))
-                series = CHECKPOINT_SERIES[folder] = [
+                series = all_series[folder] = [
                     existing[-1].name if existing else "",
                     checkpoint_sequence(existing[-1]) if existing else 0]
             graph._checkpoint_last = series
@@ -13222,8 +13224,7 @@ def checkpoint_name(graph):
         return name
 
 
-CHECKPOINT_SERIES = {}      # a checkpoint directory (real path) -> [newest name, its sequence]
-CHECKPOINT_SERIES_LOCK = threading.Lock()
+CHECKPOINT_SERIES_LOCK = threading.Lock()      # rt.checkpoint_series: [newest name, sequence]
 
 
 # INTERPRETATION I-181 §6.6: a checkpoint directory keeps the newest CHECKPOINT_KEEP files; each

@@ -4633,6 +4633,25 @@ def test_graph_rewind_past_what_is_held_says_how_far_it_can_go(reference):
     with pytest.raises(actor.ApplicationError, match=r"can rewind 1\.\.2 steps, not 0"):
         g.rewind(0)
 
+
+@pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
+def test_checkpoint_series_belongs_to_its_actor(tmp_path, reference):
+    """I-107: an Actor's graphs share a directory's sequence; another Actor later, in the same
+    process, reads the directory afresh: emptied, its first file is 000001 again."""
+    text = ("agents: {e: {type: tool, config: {tools: [echo]}}}\nroutes:\n" + "".join(
+        f"  g{i}: {{type: graph, checkpointing: true, checkpoint_dir: ck, nodes: {{a: {{type: agent,"
+        f" agent: e}}}}, edges: [{{source: start, target: a}}, {{source: a, target: end}}]}}\n"
+        for i in (1, 2)) + "default_router: g1\n")
+    for _round in range(2):
+        with actor.load(text=text, workdir=tmp_path, reference=reference) as team:
+            for target in ("g1", "g2"):
+                for i in range(10):
+                    team.send(str(i), target=target)
+                team.checkpoints(target)
+        names = sorted(path.name for path in (tmp_path / "ck").iterdir())
+        assert [name[-11:] for name in names] == ["000001.json", "000002.json"], names
+        shutil.rmtree(tmp_path / "ck")
+
 KILL_SCRIPT = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
