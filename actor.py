@@ -11685,8 +11685,8 @@ class Snapshots(list):
     keys a node update may have changed are its result's, RUN_KEYS, and -- after a node that saw
     the metadata's values by reference (EXPOSING_NODE_TYPES) or ran beside one (parallel), and
     at the first update after the graph's lock is taken from outside (a stream or the host may
-    have changed a container in place) -- every key whose value is a container. Writes to graph.state from outside the
-    graph's own API are not seen."""
+    have changed a container in place) -- every key whose value is a container. Writes to
+    graph.state from outside the graph's own API are not seen."""
 
     # Each entry: {messages, current_node, execution_count, error, changes}, the oldest also
     # {metadata}.
@@ -11847,8 +11847,8 @@ class WriteBack:
     next_node between the two is the body's own. More than one key new to the context (their
     order there is the metadata's), a "context" key set (a merge into the context itself), a
     graph with §6.10 listeners (they get that context by reference), an interpreter without the
-    tag (dict_version), and any other case take the body's whole write-back. Like Snapshots, it does not see a
-    write to graph.state made from outside the graph's own API."""
+    tag (dict_version), and any other case take the body's whole write-back. Like Snapshots, it
+    does not see a write to graph.state made from outside the graph's own API."""
 
     LOG_MAX = 1000                      # updates noted between two write-backs, at most
 
@@ -11903,7 +11903,7 @@ class WriteBack:
                         ctx[key] = ctx.pop(key)
         log.clear()
         self.started = None
-        if isinstance(ctx, dict) and self.version is not None:
+        if isinstance(ctx, dict):
             self.ctx, self.metadata, self.count = ctx, metadata, state["execution_count"]
             self.written = self.version(ctx)
         else:
@@ -12436,8 +12436,8 @@ _FUNCTION_FORM_BARRED = (ast.Delete, ast.Global, ast.Nonlocal, ast.ExceptHandler
 
 def function_form(unit):
     """`unit`'s straight-line body as a function f(input_data, context) returning its §4.5.2 item
-    4 result (message is input_data; result starts as None), or None where it could behave otherwise than exec: in a
-    function a name the body binds is local, so reading it before a binding raises
+    4 result (message is input_data; result starts as None), or None where it could behave
+    otherwise than exec: in a function a name the body binds is local, so reading it before a binding raises
     UnboundLocalError where exec would read the built-in or raise NameError. Hence every name the
     body both binds and reads must be bound by a top-level assignment before the first statement
     that reads it (the four §4.5.2 inputs are bound from the start; item 4's fallbacks, which the

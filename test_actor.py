@@ -2564,25 +2564,16 @@ def _random_straight_line_body(rng):
     statements over names that are inputs, item-4 results, built-ins or plain variables."""
     names = ["a", "b", "x", "len", "str", "result", "output", "answer", "message", "input_data"]
 
+    shapes = ["{} + {}", "str({})", "len({})", "{}[0]", "({} if {} else {})", "{} * 2", "[{}]"]
+
     def expr(depth=0):
         pick = rng.randrange(9 if depth < 2 else 2)
         if pick == 0:
             return rng.choice(names)
         if pick == 1:
             return rng.choice(["'s'", "1", "0", "None", "''", "[1]"])
-        if pick == 2:
-            return f"{expr(depth + 1)} + {expr(depth + 1)}"
-        if pick == 3:
-            return f"str({expr(depth + 1)})"
-        if pick == 4:
-            return f"len({expr(depth + 1)})"
-        if pick == 5:
-            return f"{expr(depth + 1)}[0]"
-        if pick == 6:
-            return f"({expr(depth + 1)} if {expr(depth + 1)} else {expr(depth + 1)})"
-        if pick == 7:
-            return f"{expr(depth + 1)} * 2"
-        return f"[{expr(depth + 1)}]"
+        shape = shapes[pick - 2]        # its operands drawn left to right
+        return shape.format(*[expr(depth + 1) for _ in range(shape.count("{}"))])
 
     def statement(indent=""):
         pick = rng.randrange(10)
@@ -5366,7 +5357,7 @@ _FUZZ_GRAPH_CODE = {
 }
 
 
-def _random_graph_document(rng, tmp):
+def _random_graph_document(rng):
     """A random valid document of one or two graph routes (agent nodes running inline tools that
     read and write the context, function nodes, conditional edges, parallel nodes, time travel,
     checkpointing) and sometimes a stream route beside them."""
@@ -5470,7 +5461,7 @@ def test_random_graph_documents_answer_the_same_on_both_paths(tmp_path, caplog):
     caplog.set_level(logging.CRITICAL, logger="actor")
     rng, compared = random.Random(77), 0
     for case in range(100):
-        text = yaml.safe_dump(_random_graph_document(rng, tmp_path), sort_keys=False)
+        text = yaml.safe_dump(_random_graph_document(rng), sort_keys=False)
         plan = []
         for _ in range(rng.randint(2, 9)):
             pick = rng.random()
